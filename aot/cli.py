@@ -1,0 +1,200 @@
+"""The `aot` command: train, predict, inspect, export, serve, infer, bench.
+
+Each subcommand is a thin layer over the library; bad input ends with one line `aot: error: ...` and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+
+COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {}
+
+
+def command(fn: Callable[[argparse._SubParsersAction], None]):
+    COMMANDS[fn.__name__.removeprefix("add_")] = fn
+    return fn
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    return value
+
+
+# --- train --------------------------------------------------------------------------------------------------------
+
+@command
+def add_train(sub) -> None:
+    from training.methods.base import METHODS, method_spec
+
+    method_spec("fc")  # fills the registry
+    p = sub.add_parser("train", help="train a task on a frozen encoder and write a task artifact",
+                       description="Train one task with AoT P-Tuning (fc, kron) or a baseline and write the task "
+                                   "artifact (config.json, weights.safetensors, metrics.json) atomically to --out.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", required=True,
+                   help="local Hugging Face model folder, 'minilm' (the packaged all-MiniLM-L6-v2), or a hub id")
+    p.add_argument("--data", required=True,
+                   help="built-in dataset (rotten_tomatoes, bbc_news) or a folder: train/dev[/test] .jsonl/.csv/.tsv "
+                        "with columns text[, text_pair], label; or a GLUE (TSV) / SuperGLUE (JSONL) task folder")
+    p.add_argument("--method", required=True, choices=list(METHODS),
+                   help="; ".join(f"{n}: {s.description}" for n, s in METHODS.items()))
+    p.add_argument("--out", required=True, help="artifact folder to write (replaced atomically if it exists)")
+    p.add_argument("--rank", type=_positive_int, default=None,
+                   help="fc/kron/lora rank, adapter bottleneck, or prefix/prompt length p (default: the method's)")
+    p.add_argument("--lr", type=_positive_float, default=None, help="learning rate (default: the method's)")
+    p.add_argument("--batch-size", type=_positive_int, default=16)
+    p.add_argument("--epochs", type=_positive_int, default=10)
+    p.add_argument("--patience", type=_positive_int, default=3,
+                   help="stop after this many evaluations without a better dev score")
+    p.add_argument("--eval-every", type=int, default=0, help="steps between dev evaluations (0: once per epoch)")
+    p.add_argument("--max-length", type=_positive_int, default=128, help="tokens per input (longer ones are truncated)")
+    p.add_argument("--max-train-samples", type=_positive_int, default=None, help="train on a seeded random subset")
+    p.add_argument("--time-budget", type=_positive_float, default=None,
+                   help="seconds; stop at the first evaluation after this much training")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--labels", default=None, help="comma-separated label set (plain folders without task.json)")
+    p.add_argument("--metric", default=None, help="accuracy, f1, acc_f1, mcc or pearson_spearman")
+    p.add_argument("--device", default="auto", help="cpu, cuda, or auto")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.set_defaults(run=run_train)
+
+
+def run_train(args) -> int:
+    from training.api import train_task
+
+    result = train_task(model=args.model, data=args.data, method=args.method, out=args.out, rank=args.rank,
+                        lr=args.lr, batch_size=args.batch_size, epochs=args.epochs, patience=args.patience,
+                        eval_every=args.eval_every, max_length=args.max_length,
+                        max_train_samples=args.max_train_samples, time_budget=args.time_budget, seed=args.seed,
+                        labels=args.labels.split(",") if args.labels else None, metric=args.metric,
+                        device=args.device, progress=not args.no_progress)
+    print(json.dumps(result))
+    return 0
+
+
+# --- predict / inspect ----------------------------------------------------------------------------------------------
+
+@command
+def add_predict(sub) -> None:
+    p = sub.add_parser("predict", help="run a trained task in PyTorch; one JSON line per input",
+                       description='Prints {"label": ..., "logits": [...]} for each TEXT, in order.')
+    p.add_argument("--task", required=True, help="task artifact folder")
+    p.add_argument("--pair", default=None, help="second text, paired with every TEXT (pair tasks)")
+    p.add_argument("--model", default=None, help="backbone location, if it moved since training")
+    p.add_argument("texts", nargs="+", metavar="TEXT")
+    p.set_defaults(run=run_predict)
+
+
+def run_predict(args) -> int:
+    from training.backbone import load_backbone
+    from training.predict import Predictor
+
+    backbone = load_backbone(args.model) if args.model else None
+    predictor = Predictor(args.task, backbone)
+    pairs = [args.pair] * len(args.texts) if args.pair is not None else None
+    for row in predictor.predict(args.texts, pairs):
+        print(json.dumps(row))
+    return 0
+
+
+@command
+def add_inspect(sub) -> None:
+    p = sub.add_parser("inspect", help="tokens with the largest ||P_x|| per layer (AoT tasks)",
+                       description="Paper section 4.3: per layer, the tokens whose AoT bias rows have the largest "
+                                   "L2 norm.")
+    p.add_argument("--task", required=True, help="task artifact folder (method fc or kron)")
+    p.add_argument("--top", type=_positive_int, default=20, help="tokens per layer")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--model", default=None, help="backbone location, if it moved since training")
+    p.set_defaults(run=run_inspect)
+
+
+def run_inspect(args) -> int:
+    from training.artifact import load_task
+    from training.backbone import load_backbone
+    from training.inspect import top_tokens
+
+    backbone = load_backbone(args.model) if args.model else None
+    _, model, backbone = load_task(args.task, backbone)
+    table = top_tokens(model, backbone.tokenizer, args.top)
+    if args.json:
+        print(json.dumps([{"layer": i, "tokens": [{"token": t, "norm": n} for t, n in rows]}
+                          for i, rows in enumerate(table)]))
+        return 0
+    for i, rows in enumerate(table):
+        print(f"layer {i}: " + "  ".join(f"{t} ({n:.3f})" for t, n in rows))
+    return 0
+
+
+# --- entry point ---------------------------------------------------------------------------------------------------
+
+def _load_plugins() -> None:
+    """Subcommands that live with their package register themselves here."""
+    for module in ("exporter.cli", "aot.serve_cli", "benchmarks.cli"):
+        try:
+            __import__(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+
+
+def build_parser() -> argparse.ArgumentParser:
+    _load_plugins()
+    parser = argparse.ArgumentParser(
+        prog="aot", description="Ahead-of-Time P-Tuning: train tasks, export them to a Triton model repository, "
+                                "serve many tasks on one backbone, and call them with a task id.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in COMMANDS.values():
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _quiet_libraries()
+    try:
+        return args.run(args) or 0
+    except KeyboardInterrupt:
+        print("aot: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, OSError, RuntimeError) as exc:
+        if os.environ.get("AOT_DEBUG"):
+            raise
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"aot: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.tiny import ARCHS, save_tiny_model, tiny_backbone, write_sentiment_folder  # noqa: E402
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict:
+    """Saved tiny model folders, one per architecture."""
+    root = tmp_path_factory.mktemp("models")
+    return {arch: save_tiny_model(arch, root / arch) for arch in ARCHS}
+
+
+@pytest.fixture(params=ARCHS)
+def arch(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def backbone(arch):
+    return tiny_backbone(arch)
+
+
+@pytest.fixture(scope="session")
+def sentiment_dir(tmp_path_factory):
+    return write_sentiment_folder(tmp_path_factory.mktemp("data") / "sentiment")

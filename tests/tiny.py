@@ -1,0 +1,99 @@
+"""Tiny random encoders with matching tokenizers, built from configs in code (no hub, a few seconds)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import BertConfig, DebertaV2Config, PreTrainedTokenizerFast, RobertaConfig
+
+from training.backbone import Backbone, backbone_fingerprint, encoder_from_config
+
+POSITIVE = ["good", "great", "superb", "lovely", "fine"]
+NEGATIVE = ["bad", "awful", "poor", "dull", "boring"]
+FILLER = [f"w{i}" for i in range(80)] + ["the", "a", "movie", "film", "plot", "actor"]
+
+ARCHS = ("bert", "roberta", "deberta-v2")
+
+_SPECIALS = {
+    "bert": ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"],
+    "roberta": ["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
+    "deberta-v2": ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"],
+}
+
+
+def tiny_tokenizer(arch: str) -> PreTrainedTokenizerFast:
+    specials = _SPECIALS[arch]
+    vocab = {tok: i for i, tok in enumerate(specials + POSITIVE + NEGATIVE + FILLER)}
+    if arch == "roberta":
+        pad, unk, cls, sep, mask = "<pad>", "<unk>", "<s>", "</s>", "<mask>"
+    else:
+        pad, unk, cls, sep, mask = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=unk))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    pair_type = 1 if arch == "bert" else 0
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{cls}:0 $A:0 {sep}:0", pair=f"{cls}:0 $A:0 {sep}:0 $B:{pair_type} {sep}:{pair_type}",
+        special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=pad, unk_token=unk, cls_token=cls,
+                                   sep_token=sep, mask_token=mask, model_max_length=64)
+
+
+def tiny_config(arch: str, vocab_size: int, layers: int = 2, hidden: int = 32):
+    common = dict(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                  intermediate_size=2 * hidden, max_position_embeddings=72, hidden_dropout_prob=0.0,
+                  attention_probs_dropout_prob=0.0)
+    if arch == "bert":
+        return BertConfig(**common, type_vocab_size=2, pad_token_id=0)
+    if arch == "roberta":
+        return RobertaConfig(**common, type_vocab_size=1, pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    return DebertaV2Config(**common, type_vocab_size=0, pad_token_id=0, relative_attention=True,
+                           position_buckets=16, pos_att_type=["p2c", "c2p"], position_biased_input=False,
+                           max_relative_positions=-1, norm_rel_ebd="layer_norm", share_att_key=True)
+
+
+def tiny_backbone(arch: str, seed: int = 0, layers: int = 2, hidden: int = 32) -> Backbone:
+    import torch
+
+    torch.manual_seed(seed)
+    tokenizer = tiny_tokenizer(arch)
+    encoder = encoder_from_config(tiny_config(arch, len(tokenizer), layers, hidden))
+    return Backbone(f"tiny-{arch}", encoder, tokenizer, backbone_fingerprint(encoder, tokenizer))
+
+
+def save_tiny_model(arch: str, folder: Path, seed: int = 0) -> Path:
+    backbone = tiny_backbone(arch, seed)
+    backbone.encoder.save_pretrained(folder)
+    backbone.tokenizer.save_pretrained(folder)
+    return folder
+
+
+def sentiment_examples(n: int, seed: int, pair: bool = False) -> list[dict]:
+    """Label is positive iff the text holds a positive word: learnable by a tiny model in seconds."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        label = "positive" if i % 2 == 0 else "negative"
+        key = rng.choice(POSITIVE if label == "positive" else NEGATIVE)
+        words = rng.sample(FILLER, rng.randint(3, 8))
+        words.insert(rng.randint(0, len(words)), key)
+        row = {"text": " ".join(words), "label": label}
+        if pair:
+            row["text_pair"] = " ".join(rng.sample(FILLER, 3))
+        rows.append(row)
+    return rows
+
+
+def write_sentiment_folder(folder: Path, n_train: int = 400, n_dev: int = 100, fmt: str = "jsonl") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, n, seed in (("train", n_train, 1), ("dev", n_dev, 2)):
+        rows = sentiment_examples(n, seed)
+        path = folder / f"{split}.{fmt}"
+        if fmt == "jsonl":
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        else:
+            sep = "\t" if fmt == "tsv" else ","
+            path.write_text("text" + sep + "label\n" + "".join(f"{r['text']}{sep}{r['label']}\n" for r in rows))
+    return folder

@@ -1,0 +1,43 @@
+"""One call from data to a saved task artifact (used by `aot train` and the accuracy sweep)."""
+
+from __future__ import annotations
+
+import time
+
+from training.artifact import save_task
+from training.backbone import Backbone, load_backbone
+from training.data import load_task_data
+from training.data.task import TaskData
+from training.methods.base import make_config, method_spec
+from training.model import build_task_model, trainable_parameter_count
+from training.trainer import TrainConfig, encode, predict_logits, resolve_device, score, train
+
+
+def train_task(model: str, data: str, method: str, out: str, rank: int | None = None, lr: float | None = None,
+               batch_size: int = 16, epochs: int = 10, patience: int = 3, eval_every: int = 0,
+               max_length: int = 128, max_train_samples: int | None = None, time_budget: float | None = None,
+               seed: int = 0, labels: list[str] | None = None, metric: str | None = None, device: str = "auto",
+               progress: bool = True, backbone: Backbone | None = None, task_data: TaskData | None = None) -> dict:
+    """Train and save; returns the summary that metrics.json holds."""
+    spec_method = method_spec(method)
+    config = make_config(method, rank=rank)
+    task_data = task_data or load_task_data(data, labels=labels, metric=metric)
+    backbone = backbone or load_backbone(model)
+    train_config = TrainConfig(lr=lr or spec_method.default_lr, batch_size=batch_size, epochs=epochs,
+                               patience=patience, max_length=max_length, seed=seed, eval_every=eval_every,
+                               max_train_samples=max_train_samples, time_budget=time_budget, device=device)
+    task_model = build_task_model(backbone, config, task_data.spec)
+    result = train(task_model, task_data, backbone.tokenizer, train_config, progress=progress)
+    spec = task_data.spec
+    metrics = {"task": spec.name, "method": method, "metric": spec.metric, "dev": result.dev_score,
+               "best_step": result.best_step, "steps": result.steps, "stopped": result.stopped,
+               "train_seconds": round(result.train_seconds, 2),
+               "trainable_parameters": trainable_parameter_count(task_model), "history": result.history}
+    if task_data.test:
+        encoded = encode(backbone.tokenizer, task_data.test, spec, max_length)
+        pad = backbone.tokenizer.pad_token_id or 0
+        metrics["test"] = score(predict_logits(task_model, encoded, pad, resolve_device(device)), encoded, spec)
+    task_model.to("cpu")
+    save_task(out, task_model, backbone, config, spec, max_length,
+              {**train_config.to_json(), "data": task_data.source or data, "started": time.time()}, metrics)
+    return {k: v for k, v in metrics.items() if k != "history"} | {"out": str(out)}

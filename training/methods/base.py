@@ -1,0 +1,86 @@
+"""The method registry: a method name maps to its config class and a builder.
+
+A builder takes the frozen backbone and the method's config and returns a *body*: a module that maps
+(input_ids, attention_mask, token_type_ids) to the hidden state of the first token, [B, d]. The task head sits on
+top of any body (training.model.TaskModel). Only the parameters a method makes trainable have requires_grad.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from typing import ClassVar
+
+from torch import nn
+
+
+class MethodError(ValueError):
+    """A bad method name or hyperparameter."""
+
+
+@dataclass
+class MethodConfig:
+    """Base of every method's hyperparameters. Subclasses document their fields."""
+
+    method: ClassVar[str]
+    # The hyperparameter that `aot train --rank` sets (rank, bottleneck size or prompt length), or None.
+    rank_field: ClassVar[str | None] = None
+
+    def to_json(self) -> dict:
+        return {"method": self.method, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "MethodConfig":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def validate(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, int) and not isinstance(value, bool) and f.name in ("rank", "length") and value < 1:
+                raise MethodError(f"{self.method}: {f.name} must be a positive integer, got {value}")
+            if f.name == "dropout" and not 0.0 <= float(value) < 1.0:
+                raise MethodError(f"{self.method}: dropout must be in [0, 1), got {value}")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    config_cls: type[MethodConfig]
+    build: Callable  # (Backbone, MethodConfig) -> nn.Module body
+    description: str
+    default_lr: float = 1e-3
+    # True when tasks of this method run on the shared, unmodified backbone graph with per-token biases (AoT).
+    shared_backbone: bool = False
+
+
+METHODS: dict[str, MethodSpec] = {}
+
+
+def register(spec: MethodSpec) -> MethodSpec:
+    METHODS[spec.name] = spec
+    return spec
+
+
+def method_spec(name: str) -> MethodSpec:
+    import training.methods  # noqa: F401  (fills the registry)
+
+    if name not in METHODS:
+        raise MethodError(f"unknown method {name!r}: expected one of {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def make_config(name: str, rank: int | None = None, **overrides) -> MethodConfig:
+    """A method's default config, with `rank` mapped to the method's rank-like field."""
+    spec = method_spec(name)
+    config = spec.config_cls(**overrides)
+    if rank is not None:
+        if spec.config_cls.rank_field is None:
+            raise MethodError(f"method {name!r} has no rank; drop --rank")
+        setattr(config, spec.config_cls.rank_field, rank)
+    config.validate()
+    return config
+
+
+def first_token(hidden) -> "nn.Module":
+    return hidden[:, 0]

@@ -1,0 +1,201 @@
+"""The training loop (paper section 4.1): Adam with a constant learning rate, early stopping on the dev metric.
+
+Evaluation happens every `eval_every` steps (or once per epoch); training stops after `patience` evaluations
+without a better dev score, and the best trainable weights are restored at the end.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from training.data.task import Example, TaskData, TaskSpec
+from training.metrics import compute_metric
+from training.model import TaskModel
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 1e-3
+    batch_size: int = 16
+    epochs: int = 10
+    patience: int = 3
+    max_length: int = 128
+    seed: int = 0
+    eval_every: int = 0  # steps between dev evaluations; 0 = once per epoch
+    max_train_samples: int | None = None
+    time_budget: float | None = None  # seconds; training stops at the first evaluation past it
+    device: str = "auto"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class TrainResult:
+    dev_score: float
+    best_step: int
+    steps: int
+    train_seconds: float
+    history: list[dict] = field(default_factory=list)
+    stopped: str = "epochs"
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@dataclass
+class Encoded:
+    """Token ids of a split (unpadded) and its label tensor."""
+
+    input_ids: list[list[int]]
+    token_type_ids: list[list[int]] | None
+    labels: torch.Tensor
+
+
+def encode(tokenizer, examples: list[Example], spec: TaskSpec, max_length: int) -> Encoded:
+    texts = [ex.text for ex in examples]
+    with_pairs = any(ex.text_pair is not None for ex in examples)
+    pairs = [ex.text_pair or "" for ex in examples] if with_pairs else None
+    enc = tokenizer(texts, pairs, truncation=True, max_length=max_length)
+    if spec.is_regression:
+        labels = torch.tensor([float(ex.label) for ex in examples], dtype=torch.float32)
+    else:
+        index = {name: i for i, name in enumerate(spec.labels)}
+        labels = torch.tensor([index[ex.label] for ex in examples], dtype=torch.long)
+    return Encoded(enc["input_ids"], enc.get("token_type_ids"), labels)
+
+
+def collate(encoded: Encoded, rows, pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
+    length = max(len(encoded.input_ids[i]) for i in rows)
+    ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), length), dtype=torch.long)
+    types = torch.zeros((len(rows), length), dtype=torch.long)
+    for k, i in enumerate(rows):
+        seq = encoded.input_ids[i]
+        ids[k, : len(seq)] = torch.tensor(seq)
+        mask[k, : len(seq)] = 1
+        if encoded.token_type_ids is not None:
+            types[k, : len(seq)] = torch.tensor(encoded.token_type_ids[i])
+    batch = {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor, spec: TaskSpec) -> torch.Tensor:
+    if spec.is_regression:
+        return F.mse_loss(logits.squeeze(-1).float(), labels)
+    return F.cross_entropy(logits.float(), labels)
+
+
+def _autocast(device: torch.device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+@torch.no_grad()
+def predict_logits(model: TaskModel, encoded: Encoded, pad_id: int, device: torch.device,
+                   batch_size: int = 64) -> torch.Tensor:
+    model.eval()
+    order = sorted(range(len(encoded.input_ids)), key=lambda i: len(encoded.input_ids[i]))
+    out = torch.empty(len(order), model.head.out.out_features)
+    for start in range(0, len(order), batch_size):
+        rows = order[start:start + batch_size]
+        with _autocast(device):
+            logits = model(**collate(encoded, rows, pad_id, device))
+        out[rows] = logits.float().cpu()
+    return out
+
+
+def score(logits: torch.Tensor, encoded: Encoded, spec: TaskSpec) -> float:
+    if spec.is_regression:
+        return compute_metric(spec.metric, logits.squeeze(-1).numpy(), encoded.labels.numpy(), 1)
+    return compute_metric(spec.metric, logits.argmax(-1).numpy(), encoded.labels.numpy(), spec.num_outputs)
+
+
+def train(model: TaskModel, data: TaskData, tokenizer, config: TrainConfig, progress: bool = True) -> TrainResult:
+    """Train `model` in place; on return it holds the best dev weights and is in eval mode."""
+    seed_everything(config.seed)
+    device = resolve_device(config.device)
+    model.to(device)
+    spec = data.spec
+    train_examples = data.train
+    if config.max_train_samples is not None and config.max_train_samples < len(train_examples):
+        picker = random.Random(config.seed)
+        train_examples = picker.sample(train_examples, config.max_train_samples)
+    train_enc = encode(tokenizer, train_examples, spec, config.max_length)
+    dev_enc = encode(tokenizer, data.dev, spec, config.max_length)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=config.lr)
+    generator = torch.Generator().manual_seed(config.seed)
+    n = len(train_enc.input_ids)
+    steps_per_epoch = -(-n // config.batch_size)
+    eval_every = config.eval_every or steps_per_epoch
+
+    best = (-float("inf"), model.trainable_state(), 0)
+    history: list[dict] = []
+    bad_evals, step, stopped = 0, 0, "epochs"
+    start = time.perf_counter()
+    bar = tqdm(total=steps_per_epoch * config.epochs, disable=not progress, desc=f"train {spec.name}", unit="step",
+               dynamic_ncols=True)
+    try:
+        for epoch in range(config.epochs):
+            model.train()
+            order = torch.randperm(n, generator=generator).tolist()
+            for b in range(steps_per_epoch):
+                rows = order[b * config.batch_size:(b + 1) * config.batch_size]
+                batch = collate(train_enc, rows, pad_id, device)
+                with _autocast(device):
+                    logits = model(**batch)
+                loss = loss_fn(logits, train_enc.labels[rows].to(device), spec)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                step += 1
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss.item():.4f}", dev=f"{best[0]:.4f}" if history else "-", refresh=False)
+                if step % eval_every == 0:
+                    dev = score(predict_logits(model, dev_enc, pad_id, device), dev_enc, spec)
+                    model.train()
+                    elapsed = time.perf_counter() - start
+                    history.append({"step": step, "epoch": epoch + (b + 1) / steps_per_epoch,
+                                    "loss": round(loss.item(), 6), "dev": dev, "seconds": round(elapsed, 2)})
+                    if dev > best[0]:
+                        best, bad_evals = (dev, model.trainable_state(), step), 0
+                    else:
+                        bad_evals += 1
+                    bar.set_postfix(loss=f"{loss.item():.4f}", dev=f"{best[0]:.4f}")
+                    if bad_evals >= config.patience:
+                        stopped = "patience"
+                        raise StopIteration
+                    if config.time_budget is not None and elapsed > config.time_budget:
+                        stopped = "time_budget"
+                        raise StopIteration
+    except StopIteration:
+        pass
+    finally:
+        bar.close()
+    seconds = time.perf_counter() - start
+    if not history:  # fewer steps than one evaluation period: evaluate what we have
+        dev = score(predict_logits(model, dev_enc, pad_id, device), dev_enc, spec)
+        best = (dev, model.trainable_state(), step)
+        history.append({"step": step, "epoch": config.epochs, "dev": dev, "seconds": round(seconds, 2)})
+    model.load_trainable_state(best[1])
+    model.eval()
+    return TrainResult(best[0], best[2], step, seconds, history, stopped)
