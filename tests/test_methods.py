@@ -143,3 +143,15 @@ def test_bad_hyperparameters(bad):
 def test_unknown_method():
     with pytest.raises(MethodError, match="unknown method 'nope'"):
         make_config("nope")
+
+
+@pytest.mark.parametrize("embedding_std", [0.02, 0.056, 0.5])
+def test_fc_first_projection_is_of_order_one(embedding_std):
+    """W1's init adapts to the scale of E, so that f sees inputs of order one for fresh and pretrained models."""
+    from training.methods.aot.layer import FCPrompt
+
+    torch.manual_seed(0)
+    E = torch.randn(2000, 64) * embedding_std
+    prompt = FCPrompt(make_config("fc", rank=32), num_layers=2, hidden_size=64, embedding_std=float(E.std()))
+    pre = torch.einsum("ud,ldr->lur", E, prompt.w1)
+    assert 0.7 < float(pre.std()) < 1.4
