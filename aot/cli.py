@@ -120,7 +120,7 @@ def run_predict(args) -> int:
     from training.predict import Predictor
 
     backbone = load_backbone(args.model) if args.model else None
-    predictor = Predictor(args.task, backbone)
+    predictor = Predictor.load(args.task, backbone)
     pairs = [args.pair] * len(args.texts) if args.pair is not None else None
     for row in predictor.predict(args.texts, pairs):
         print(json.dumps(row))

@@ -37,8 +37,8 @@ def test_artifact_round_trip_gives_identical_logits(tmp_path, sentiment_dir, tin
     metrics = json.loads((out / "metrics.json").read_text())
     assert 0 <= metrics["dev"] <= 1 and metrics["train_seconds"] > 0
     texts = ["good w1 w2", "awful film"]
-    a = Predictor(out).logits(texts)
-    b = Predictor(out).logits(texts)
+    a = Predictor.load(out).logits(texts)
+    b = Predictor.load(out).logits(texts)
     assert torch.equal(a, b)
     # the artifact reproduces what the in-memory model computed at the end of training
     assert abs(metrics["dev"] - _dev_accuracy(out, sentiment_dir)) < 1e-9
@@ -48,7 +48,7 @@ def _dev_accuracy(task, data_dir):
     from training.data import load_task_data
 
     data = load_task_data(str(data_dir))
-    pred = Predictor(task).predict([e.text for e in data.dev])
+    pred = Predictor.load(task).predict([e.text for e in data.dev])
     return sum(p["label"] == e.label for p, e in zip(pred, data.dev)) / len(data.dev)
 
 

@@ -6,17 +6,22 @@ from pathlib import Path
 
 import torch
 
-from training.artifact import load_task
+from training.artifact import TaskArtifact, load_task
 from training.backbone import Backbone
 from training.data.task import Example
+from training.model import TaskModel
 from training.trainer import encode, predict_logits
 
 
 class Predictor:
-    def __init__(self, task_dir: str | Path, backbone: Backbone | None = None, device: str = "cpu"):
-        self.artifact, self.model, self.backbone = load_task(task_dir, backbone)
+    def __init__(self, artifact: TaskArtifact, model: TaskModel, backbone: Backbone, device: str = "cpu"):
+        self.artifact, self.model, self.backbone = artifact, model, backbone
         self.device = torch.device(device)
         self.model.to(self.device)
+
+    @classmethod
+    def load(cls, task_dir: str | Path, backbone: Backbone | None = None, device: str = "cpu") -> "Predictor":
+        return cls(*load_task(task_dir, backbone), device=device)
 
     def logits(self, texts: list[str], pairs: list[str | None] | None = None) -> torch.Tensor:
         spec = self.artifact.spec

@@ -1,0 +1,206 @@
+"""Export the frozen encoder to ONNX, with AoT bias inputs ("aot") or without them ("vanilla").
+
+The AoT graph adds the looked-up rows before every layer through the very module training used
+(training.methods.aot.model.BiasedEncoder), is optimized by ONNX Runtime's transformer optimizer, and is
+checked against PyTorch on random inputs and random non-zero biases before anything is written.
+"""
+
+from __future__ import annotations
+
+import collections
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from exporter import interface as io
+from training.backbone import Backbone
+from training.methods.aot.model import BiasedEncoder
+
+OPSET = 17
+# Fused operators of ONNX Runtime's transformer optimizer that the AoT graph must keep (compared with vanilla).
+FUSED_OPS = ("Attention", "MultiHeadAttention", "EmbedLayerNormalization", "SkipLayerNormalization",
+             "LayerNormalization", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization",
+             "Gelu", "BiasGelu", "FastGelu")
+
+
+class ExportError(RuntimeError):
+    """An export that failed validation; nothing was written."""
+
+
+class ExportableBackbone(nn.Module):
+    """The graph a server runs: token inputs (+ AoT rows, index and offsets) -> first-token state [B, d]."""
+
+    def __init__(self, backbone: Backbone, aot: bool):
+        super().__init__()
+        self.aot = aot
+        self.uses_token_type_ids = backbone.uses_token_type_ids
+        self.biased = BiasedEncoder(backbone.encoder, backbone.architecture)
+        self.row_elements = backbone.num_layers * backbone.hidden_size
+
+    def input_names(self) -> list[str]:
+        names = io.token_inputs(self.uses_token_type_ids)
+        return names + ([io.AOT_ROWS, io.AOT_INDEX, io.AOT_ROW_OFFSETS] if self.aot else [])
+
+    def forward(self, input_ids, attention_mask, token_type_ids=None, aot_rows=None, aot_index=None,
+                aot_row_offsets=None):
+        if not self.aot:
+            extra = {"token_type_ids": token_type_ids} if token_type_ids is not None else {}
+            return self.biased.encoder(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state[:, 0]
+        first_row = aot_row_offsets[:-1].long() // self.row_elements  # [B]: where each sequence's rows start
+        index = aot_index.long() + first_row[:, None]
+        rows = aot_rows.reshape(-1, self.biased.num_layers, self.biased.hidden_size)
+        return self.biased(input_ids, attention_mask, token_type_ids, rows, index)
+
+
+def example_inputs(backbone: Backbone, aot: bool, batch: int, seq: int, seed: int,
+                   rows_dtype=torch.float16) -> dict[str, torch.Tensor]:
+    """Random token inputs with padding, and random non-zero rows laid out exactly as the lookup step sends them."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = backbone.embeddings.shape[0]
+    lengths = torch.randint(max(2, seq // 2), seq + 1, (batch,), generator=g)
+    lengths[0] = seq
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()
+    feeds = {io.INPUT_IDS: ids, io.ATTENTION_MASK: mask}
+    if backbone.uses_token_type_ids:
+        feeds[io.TOKEN_TYPE_IDS] = (torch.arange(seq)[None, :] >= lengths[:, None] // 2).long() * mask
+    if aot:
+        L, d = backbone.num_layers, backbone.hidden_size
+        rows, index, offsets = [], [], [0]
+        for b in range(batch):
+            unique, inverse = torch.unique(ids[b, : lengths[b]], return_inverse=True)
+            rows.append((0.5 * torch.randn(len(unique), L, d, generator=g)).to(rows_dtype).reshape(-1))
+            local = torch.zeros(seq, dtype=torch.int32)
+            local[: lengths[b]] = inverse.int()
+            index.append(local)
+            offsets.append(offsets[-1] + rows[-1].numel())
+        feeds[io.AOT_ROWS] = torch.cat(rows)
+        feeds[io.AOT_INDEX] = torch.stack(index)
+        feeds[io.AOT_ROW_OFFSETS] = torch.tensor(offsets, dtype=torch.int32)
+    return feeds
+
+
+def export_onnx(backbone: Backbone, path: Path, aot: bool) -> None:
+    """TorchScript-based export (the graphs ONNX Runtime's optimizer fuses best), dynamic batch and sequence."""
+    module = ExportableBackbone(backbone, aot).eval()
+    feeds = example_inputs(backbone, aot, batch=2, seq=8, seed=0)
+    names = module.input_names()
+    axes = {n: {0: "batch", 1: "sequence"} for n in io.token_inputs(module.uses_token_type_ids)}
+    if aot:
+        axes.update({io.AOT_ROWS: {0: "row_elements"}, io.AOT_INDEX: {0: "batch", 1: "sequence"},
+                     io.AOT_ROW_OFFSETS: {0: "batch_plus_one"}})
+    axes[io.CLS_HIDDEN] = {0: "batch"}
+    big = sum(p.numel() * p.element_size() for p in backbone.encoder.parameters()) > 1.8e9
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (), str(path), kwargs={n: feeds[n] for n in names}, input_names=names,
+                          output_names=[io.CLS_HIDDEN], dynamic_axes=axes, opset_version=OPSET,
+                          do_constant_folding=True, dynamo=False)
+    if big:  # over the 2 GB protobuf limit: move weights to external data beside the graph
+        import onnx
+
+        model = onnx.load(str(path))
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=path.name + ".data")
+
+
+def optimize(src: Path, dst: Path, backbone: Backbone, aot: bool) -> None:
+    """ONNX Runtime's transformer fusions (attention, layer norm, GELU) for CPU and CUDA execution."""
+    from onnxruntime.transformers.fusion_options import AttentionMaskFormat, FusionOptions
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    options = FusionOptions("bert")
+    # A raw 0/1 mask is right for any padding side (the default mask-index format assumes right padding).
+    options.attention_mask_format = AttentionMaskFormat.AttentionMask
+    config = backbone.encoder.config
+    model = optimize_model(str(src), model_type="bert", num_heads=config.num_attention_heads,
+                           hidden_size=config.hidden_size, opt_level=1, use_gpu=False, optimization_options=options)
+    if aot:
+        _fuse_embed_layer_norm(model, options)
+    model.save_model_to_file(str(dst), use_external_data_format=(src.with_name(src.name + ".data")).exists())
+
+
+def _fuse_embed_layer_norm(model, options) -> None:
+    """Give the AoT graph the EmbedLayerNormalization fusion the vanilla graph gets.
+
+    ORT fuses the embedding LayerNorm only when it feeds Attention directly; with AoT the path is
+    LayerNorm -> Add(bias of layer 0) -> Attention. The fused node's first output equals the LayerNorm output,
+    so the Add stays in place and the graph is unchanged in meaning (the parity check below confirms it).
+    """
+    from onnxruntime.transformers.fusion_embedlayer import FusionEmbedLayerNormalization
+    from onnxruntime.transformers.fusion_options import AttentionMaskFormat
+
+    if any(n.op_type == "EmbedLayerNormalization" for n in model.model.graph.node):
+        return
+
+    class AoTEmbedLayerNormFusion(FusionEmbedLayerNormalization):
+        def check_attention_subgraph(self, layernorm, input_name_to_nodes, is_distil_bert):
+            children = input_name_to_nodes.get(layernorm.output[0], [])
+            if len(children) == 1 and children[0].op_type == "Add":
+                for node in input_name_to_nodes.get(children[0].output[0], []):
+                    if node.op_type == "Attention":
+                        self.attention = node
+                        return True
+            return super().check_attention_subgraph(layernorm, input_name_to_nodes, is_distil_bert)
+
+    AoTEmbedLayerNormFusion(model, options.attention_mask_format == AttentionMaskFormat.MaskIndexEnd).apply()
+    model.prune_graph()
+    model.remove_unused_constant()
+
+
+def fused_op_counts(path: Path) -> dict[str, int]:
+    import onnx
+
+    counts = collections.Counter(n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node)
+    return {op: counts[op] for op in FUSED_OPS if counts[op]}
+
+
+def session(path: Path, threads: int = 0):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def max_abs_difference(path: Path, backbone: Backbone, aot: bool, trials: tuple[tuple[int, int], ...] = ((3, 13), (1, 5))) -> float:
+    """ONNX Runtime against PyTorch at shapes other than the export's, with random non-zero biases."""
+    module = ExportableBackbone(backbone, aot).eval()
+    sess = session(path)
+    names = {i.name for i in sess.get_inputs()}
+    worst = 0.0
+    for k, (batch, seq) in enumerate(trials):
+        feeds = example_inputs(backbone, aot, batch, seq, seed=100 + k)
+        with torch.no_grad():
+            expected = module(**feeds).numpy()
+        got = sess.run([io.CLS_HIDDEN], {n: v.numpy() for n, v in feeds.items() if n in names})[0]
+        worst = max(worst, float(np.abs(got - expected).max()))
+    return worst
+
+
+@dataclass
+class ExportedGraph:
+    raw: Path
+    optimized: Path
+    max_abs_diff: float
+    fused_ops: dict[str, int]
+
+
+def export_backbone_graph(backbone: Backbone, folder: Path, aot: bool, tolerance: float = 1e-4) -> ExportedGraph:
+    """Export, optimize and validate one graph into `folder` (model.raw.onnx, model.onnx)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    raw, optimized = folder / "model.raw.onnx", folder / "model.onnx"
+    export_onnx(backbone, raw, aot)
+    optimize(raw, optimized, backbone, aot)
+    diff = max_abs_difference(optimized, backbone, aot)
+    kind = "AoT" if aot else "vanilla"
+    if not diff <= tolerance:
+        raise ExportError(f"{kind} graph: ONNX Runtime differs from PyTorch by {diff:.3g} (> {tolerance:g}); "
+                          "nothing was written")
+    return ExportedGraph(raw, optimized, diff, fused_op_counts(optimized))

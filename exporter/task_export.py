@@ -1,0 +1,124 @@
+"""`aot export task`: fuse P (or keep its factors), write the head, validate, and publish atomically."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.numpy import save_file
+from tqdm.auto import tqdm
+
+from exporter import interface as io
+from exporter.repository import RepositoryInfo, read_repository
+from exporter.runtime import BackboneRunner, Tokenization, load_served_task, lookup
+from exporter.task_store import EMBEDDINGS, STORAGES, StoreError, TaskStore, check_task_name
+from training.artifact import check_fingerprint, read_task
+from training.backbone import load_backbone
+from training.methods.aot.model import AoTBody
+from training.methods.base import method_spec
+from training.model import TaskModel
+from training.predict import Predictor
+
+VALIDATION_TEXTS = (
+    "A gripping, beautifully acted film.",
+    "Dull, overlong and badly written; I left early.",
+    "It is what it is.",
+    "an utterly forgettable sequel that nonetheless has its moments of wit and charm " * 4,
+)
+LOGITS_TOLERANCE = 1e-3  # fp16 tables
+
+
+@dataclass
+class TaskExportReport:
+    name: str
+    storage: str
+    folder: str
+    bytes_on_disk: int
+    fused_bytes: int
+    max_abs_logit_diff: float
+    seconds: float
+
+
+def _head_arrays(model: TaskModel) -> dict[str, np.ndarray]:
+    """The head in the served format: names as in ClassificationHead, fp32."""
+    return {k: v.detach().float().numpy().copy() for k, v in model.head.state_dict().items()}
+
+
+def _write_fused(body: AoTBody, path: Path, vocab: int, chunk: int = 2048, progress: bool = True) -> None:
+    """P for the whole vocabulary, token-major [V, L, d] fp16, written chunk by chunk into a .npy memory map."""
+    L, d = body.biased.num_layers, body.biased.hidden_size
+    table = np.lib.format.open_memmap(path, mode="w+", dtype=np.float16, shape=(vocab, L, d))
+    with torch.no_grad():
+        for start in tqdm(range(0, vocab, chunk), desc="fuse P", unit="chunk", disable=not progress):
+            ids = torch.arange(start, min(start + chunk, vocab))
+            table[start:start + len(ids)] = body.rows(ids).to(torch.float16).numpy()
+    table.flush()
+    del table
+
+
+def validate_task(repo: RepositoryInfo, folder: Path, name: str, storage: str, predictor: Predictor,
+                  texts=VALIDATION_TEXTS) -> float:
+    """Served path (tokenizer, lookup, ONNX backbone, head) against the PyTorch task: max |logit difference|."""
+    served = load_served_task(folder, name, storage, repo.store_root / EMBEDDINGS)
+    tokens = Tokenization(repo.tokenizer_dir, repo.uses_token_type_ids)
+    runner = BackboneRunner(repo.backbone_onnx)
+    requests = []
+    for text in texts:
+        enc = tokens.encode(text, None, served.max_length)
+        rows, index = lookup(served, enc[io.INPUT_IDS], enc[io.ATTENTION_MASK])
+        requests.append({**enc, io.AOT_ROWS: rows, io.AOT_INDEX: index})
+    got = served.logits(runner.run(requests))
+    expected = predictor.logits(list(texts)).numpy()
+    return float(np.abs(got - expected).max())
+
+
+def export_task(task_dir: str | Path, repo_dir: str | Path, name: str, storage: str = "fused",
+                progress: bool = True) -> TaskExportReport:
+    start = time.perf_counter()
+    check_task_name(name)
+    if storage not in STORAGES:
+        raise StoreError(f"unknown storage {storage!r}: expected one of {', '.join(STORAGES)}")
+    repo = read_repository(repo_dir)
+    artifact = read_task(task_dir)
+    method = artifact.config["method"]["method"]
+    if not method_spec(method).shared_backbone:
+        raise StoreError(f"task {task_dir} was trained with method {method!r}; only AoT tasks (fc, kron) run on the "
+                         "shared backbone")
+    check_fingerprint(artifact, repo.fingerprint, f"{repo.model} (repository {repo.path})")
+    backbone = load_backbone(repo.backbone_model_dir())
+    check_fingerprint(artifact, backbone.fingerprint, str(repo.backbone_model_dir()))
+    predictor = Predictor.load(task_dir, backbone)
+    artifact, model = predictor.artifact, predictor.model
+    store = TaskStore(repo.store_root)
+    folder = store.new_version_folder(name)
+    try:
+        L, d, V = backbone.num_layers, backbone.hidden_size, int(backbone.embeddings.shape[0])
+        meta = {"name": name, "labels": None if artifact.spec.labels is None else list(artifact.spec.labels),
+                "metric": artifact.spec.metric, "max_length": artifact.max_length, "storage": storage,
+                "method": artifact.config["method"], "num_layers": L, "hidden_size": d, "vocab_size": V,
+                "source": str(Path(task_dir).resolve()), "backbone_fingerprint": repo.fingerprint,
+                "dev": artifact.metrics().get("dev")}
+        (folder / "task.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        save_file(_head_arrays(model), folder / "head.safetensors")
+        body: AoTBody = model.body
+        if storage == "fused":
+            _write_fused(body, folder / "table.npy", V, progress=progress)
+        else:
+            save_file({k: v.detach().float().numpy().copy() for k, v in body.aot.state_dict().items()},
+                      folder / "factors.safetensors")
+        diff = validate_task(repo, folder, name, storage, predictor)
+        if not diff <= LOGITS_TOLERANCE:
+            raise StoreError(f"task {name!r}: served logits differ from PyTorch by {diff:.3g} "
+                             f"(> {LOGITS_TOLERANCE}); nothing was published")
+        entry = store.publish(name, folder, storage)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    size = sum(p.stat().st_size for p in (store.root / entry.folder).rglob("*") if p.is_file())
+    return TaskExportReport(name, storage, entry.folder, size, V * L * d * 2, diff,
+                            round(time.perf_counter() - start, 2))
