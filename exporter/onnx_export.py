@@ -113,6 +113,9 @@ def optimize(src: Path, dst: Path, backbone: Backbone, aot: bool) -> None:
     from onnxruntime.transformers.fusion_options import AttentionMaskFormat, FusionOptions
     from onnxruntime.transformers.optimizer import optimize_model
 
+    import logging
+
+    logging.getLogger("onnxruntime.transformers").setLevel(logging.ERROR)  # chatty about expected fp16 casts
     options = FusionOptions("bert")
     # A raw 0/1 mask is right for any padding side (the default mask-index format assumes right padding).
     options.attention_mask_format = AttentionMaskFormat.AttentionMask

@@ -1,13 +1,14 @@
-"""The Triton model repository: layout, configs (generated from one source), and its record.
+"""The deployment folder: a Triton model repository, the task store, and a record; configs from one source.
 
     REPO/aot_repository.json    format `aot-repository` v1: backbone identity, protocol version, buckets, engine
-    REPO/tokenizer/             python: TEXT (+ TEXT_PAIR), TASK -> token ids (the backbone's tokenizer in 1/tokenizer)
-    REPO/aot_lookup/            python: TASK, token ids -> aot_rows, aot_index (reads REPO/tasks)
-    REPO/backbone/              the AoT graph: onnxruntime_onnx or tensorrt_plan (GPU), python + ONNX Runtime (CPU)
-    REPO/backbone_vanilla/      the same encoder without bias inputs (comparisons, plain models)
-    REPO/head/                  python: TASK, cls_hidden -> LOGITS, LABEL (each request its own task's head)
-    REPO/aot/, REPO/vanilla/    the ensembles clients call
-    REPO/tasks/                 the task store (exporter.task_store)
+    REPO/tasks/                 the task store (exporter.task_store), outside Triton's view
+    REPO/models/                the Triton model repository (--model-repository=REPO/models):
+    REPO/models/tokenizer/             python: TEXT (+ TEXT_PAIR), TASK -> token ids (the backbone's tokenizer in 1/tokenizer)
+    REPO/models/aot_lookup/     python: TASK, token ids -> aot_rows, aot_index (reads REPO/tasks)
+    REPO/models/backbone/       the AoT graph: onnxruntime_onnx or tensorrt_plan (GPU), python + ONNX Runtime (CPU)
+    REPO/models/backbone_vanilla/ the same encoder without bias inputs (comparisons, plain models)
+    REPO/models/head/           python: TASK, cls_hidden -> LOGITS, LABEL (each request its own task's head)
+    REPO/models/aot/, vanilla/  the ensembles clients call
 
 Each model folder has `config.pbtxt` (GPU, NGC image) and `configs/cpu.pbtxt` (local CPU server, selected with
 --model-config-name=cpu). Both come from `model_configs()`, so they cannot drift apart.
@@ -27,6 +28,8 @@ REPO_FORMAT = "aot-repository"
 REPO_VERSION = 1
 RECORD = "aot_repository.json"
 STORE_DIR = "tasks"
+MODELS_DIR = "models"
+STORE_FROM_MODEL = f"../../{STORE_DIR}"  # the store, relative to a model folder
 TEMPLATES = Path(__file__).resolve().parent.parent / "model_repository"
 PYTHON_MODELS = {"tokenizer": "tokenizer", "aot_lookup": "aot_lookup", "backbone": "backbone",
                  "backbone_vanilla": "backbone", "head": "head"}  # model -> template folder holding 1/model.py
@@ -74,11 +77,15 @@ class RepositoryInfo:
 
     @property
     def tokenizer_dir(self) -> Path:
-        return self.path / "tokenizer" / "1" / "tokenizer"
+        return self.models / "tokenizer" / "1" / "tokenizer"
 
     @property
     def backbone_onnx(self) -> Path:
-        return self.path / "backbone" / "1" / "model.onnx"
+        return self.models / "backbone" / "1" / "model.onnx"
+
+    @property
+    def models(self) -> Path:
+        return self.path / MODELS_DIR
 
     @property
     def store_root(self) -> Path:
@@ -201,20 +208,20 @@ def model_configs(info: dict, options: ServingOptions, target: str) -> dict:
     pb = _pb()
     tokens = io.token_inputs(info["uses_token_type_ids"])
     buckets = "" if target == "cpu" else ",".join(str(b) for b in options.buckets)
-    tok = _python_model("tokenizer", options, {"buckets": buckets, "store": f"../{STORE_DIR}"})
+    tok = _python_model("tokenizer", options, {"buckets": buckets, "store": STORE_FROM_MODEL})
     tok.input.extend([_tensor(pb.ModelInput, io.TEXT, "STRING", [1]),
                       _tensor(pb.ModelInput, io.TEXT_PAIR, "STRING", [1], optional=True),
                       _tensor(pb.ModelInput, io.TASK, "STRING", [1])])
     tok.output.extend([_tensor(pb.ModelOutput, n, "INT64", [-1]) for n in tokens])
 
-    look = _python_model("aot_lookup", options, {"store": f"../{STORE_DIR}"})
+    look = _python_model("aot_lookup", options, {"store": STORE_FROM_MODEL})
     look.input.extend([_tensor(pb.ModelInput, io.TASK, "STRING", [1]),
                        _tensor(pb.ModelInput, io.INPUT_IDS, "INT64", [-1], ragged=True),
                        _tensor(pb.ModelInput, io.ATTENTION_MASK, "INT64", [-1], ragged=True)])
     look.output.extend([_tensor(pb.ModelOutput, io.AOT_ROWS, "FP16", [-1]),
                         _tensor(pb.ModelOutput, io.AOT_INDEX, "INT32", [-1])])
 
-    head = _python_model("head", options, {"store": f"../{STORE_DIR}"})
+    head = _python_model("head", options, {"store": STORE_FROM_MODEL})
     head.input.extend([_tensor(pb.ModelInput, io.TASK, "STRING", [1]),
                        _tensor(pb.ModelInput, io.CLS_HIDDEN, "FP32", [info["hidden_size"]])])
     head.output.extend([_tensor(pb.ModelOutput, io.LOGITS, "FP32", [-1]),
@@ -234,11 +241,11 @@ def parse_pbtxt(text: str):
     return text_format.Parse(text, _pb().ModelConfig())
 
 
-def write_configs(repo: Path, info: dict, options: ServingOptions) -> None:
-    """config.pbtxt (GPU) and configs/cpu.pbtxt (CPU) for every model."""
+def write_configs(models: Path, info: dict, options: ServingOptions) -> None:
+    """config.pbtxt (GPU) and configs/cpu.pbtxt (CPU) for every model, under REPO/models."""
     gpu, cpu = model_configs(info, options, "gpu"), model_configs(info, options, "cpu")
     for name in gpu:
-        folder = repo / name
+        folder = models / name
         (folder / "configs").mkdir(parents=True, exist_ok=True)
         (folder / "config.pbtxt").write_text(to_pbtxt(gpu[name]))
         (folder / "configs" / "cpu.pbtxt").write_text(to_pbtxt(cpu[name]))

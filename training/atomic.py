@@ -109,8 +109,12 @@ def atomic_directory(target: str | Path) -> Iterator[Path]:
         raise
 
 
-def write_json(path: Path, data) -> None:
-    """Write JSON through a temporary file and a rename."""
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write a file through a temporary sibling and a rename: readers see the old or the new file."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
+
+
+def write_json(path: Path, data) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n")

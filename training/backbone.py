@@ -177,9 +177,11 @@ class Backbone:
 
 
 def load_backbone(model: str) -> Backbone:
+    """`model`: a folder (recorded by its absolute path), the `minilm` alias, or a hub id."""
     encoder = load_encoder(model)
     tokenizer = load_tokenizer(model)
-    return Backbone(model, encoder, tokenizer, backbone_fingerprint(encoder, tokenizer))
+    name = str(Path(model).resolve()) if os.path.isdir(model) else model
+    return Backbone(name, encoder, tokenizer, backbone_fingerprint(encoder, tokenizer))
 
 
 def save_backbone(backbone: Backbone, folder: str | Path) -> None:

@@ -1,0 +1,115 @@
+"""Calling a served repository over gRPC with a task id.
+
+    from aot import Client
+    with Client("127.0.0.1:8001") as client:
+        client.infer("sentiment", "A fine film.")           # {"label": "positive", "logits": [...]}
+        client.infer_many([{"task": "sentiment", "text": "..."}, ...])   # concurrent, in input order
+
+One request per text, sent concurrently (Triton batches them, across tasks, on the server).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+from exporter import interface as io
+
+
+class InferenceError(RuntimeError):
+    """A request the server refused or failed; the message is the server's, on one line."""
+
+
+def _message(exc) -> str:
+    text = exc.message() if hasattr(exc, "message") and callable(exc.message) else str(exc)
+    return " ".join(str(text).split())
+
+
+class Client:
+    def __init__(self, url: str = "127.0.0.1:8001", model: str = "aot", timeout: float = 60.0):
+        import tritonclient.grpc as grpcclient
+
+        self._grpc = grpcclient
+        self.url, self.model, self.timeout = url, model, timeout
+        self._client = grpcclient.InferenceServerClient(url)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _inputs(self, task: str, text: str, pair: str | None):
+        tensors = []
+        for name, value in ((io.TEXT, text), (io.TASK, task), (io.TEXT_PAIR, pair)):
+            if value is None:
+                continue
+            t = self._grpc.InferInput(name, [1, 1], "BYTES")
+            t.set_data_from_numpy(np.array([[value.encode("utf-8")]], dtype=np.object_))
+            tensors.append(t)
+        return tensors
+
+    def _outputs(self):
+        return [self._grpc.InferRequestedOutput(io.LOGITS), self._grpc.InferRequestedOutput(io.LABEL)]
+
+    @staticmethod
+    def _decode(result) -> dict:
+        logits = result.as_numpy(io.LOGITS).reshape(-1)
+        label = result.as_numpy(io.LABEL).reshape(-1)[0]
+        label = label.decode("utf-8") if isinstance(label, bytes) else str(label)
+        return {"label": label, "logits": [float(v) for v in logits]}
+
+    def check_ready(self) -> None:
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            ready = self._client.is_model_ready(self.model)
+        except InferenceServerException as exc:
+            raise InferenceError(f"cannot reach the server at {self.url}: {_message(exc)}") from None
+        if not ready:
+            raise InferenceError(f"model {self.model!r} is not ready on {self.url}")
+
+    def infer(self, task: str, text: str, pair: str | None = None) -> dict:
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            result = self._client.infer(self.model, self._inputs(task, text, pair), outputs=self._outputs(),
+                                        client_timeout=self.timeout)
+        except InferenceServerException as exc:
+            raise InferenceError(_message(exc)) from None
+        return self._decode(result)
+
+    def infer_many(self, items: Iterable[dict], concurrency: int = 16,
+                   on_done: Callable[[int, dict], None] | None = None) -> list[dict]:
+        """Items `{"task", "text", "text_pair"?}`; answers in input order. A failed item's answer is
+        `{"error": message}`; the others still complete."""
+        items = list(items)
+        results: list[dict | None] = [None] * len(items)
+        slots = threading.Semaphore(concurrency)
+        done = queue.Queue()
+
+        def callback(index, result=None, error=None):
+            results[index] = {"error": _message(error)} if error is not None else self._decode(result)
+            slots.release()
+            done.put(index)
+
+        for i, item in enumerate(items):
+            slots.acquire()
+            try:
+                inputs = self._inputs(item["task"], item["text"], item.get("text_pair"))
+            except (KeyError, AttributeError) as exc:
+                callback(i, error=f"line {i + 1}: expected {{\"task\": ..., \"text\": ...}}, missing {exc}")
+                continue
+            self._client.async_infer(self.model, inputs, outputs=self._outputs(), client_timeout=self.timeout,
+                                     callback=lambda result, error, i=i: callback(i, result, error))
+        for _ in range(len(items)):
+            index = done.get()
+            if on_done is not None:
+                on_done(index, results[index])
+        return results  # type: ignore[return-value]

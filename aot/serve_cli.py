@@ -1,0 +1,131 @@
+"""`aot serve` (a local Triton server, no Docker) and `aot infer` (the gRPC client)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+
+from aot.cli import _positive_int, command
+
+
+@command
+def add_serve(sub) -> None:
+    p = sub.add_parser("serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       help="serve a model repository with a local tritonserver on CPU (no Docker)",
+                       description="Start tritonserver (from the nvidia-pytriton wheel) on the repository's CPU "
+                                   "configs, wait until it is ready, print the endpoints, and stop it cleanly on "
+                                   "Ctrl-C or SIGTERM.")
+    p.add_argument("--repo", required=True, help="model repository (from `aot export backbone`)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--grpc-port", type=_positive_int, default=8001)
+    p.add_argument("--http-port", type=_positive_int, default=8000)
+    p.add_argument("--metrics-port", type=_positive_int, default=8002)
+    p.add_argument("--log", default=None, help="server log file (default: a temporary file)")
+    p.set_defaults(run=run_serve)
+
+
+def run_serve(args) -> int:
+    from aot.server import LocalServer
+    from exporter.repository import read_repository
+    from exporter.runtime import TaskRegistry
+
+    repo = read_repository(args.repo)
+    registry = TaskRegistry(repo.store_root, with_rows=True)
+    for name, error in registry.errors().items():
+        print(f"aot: warning: {error} (its requests will fail; the other tasks serve)", file=sys.stderr)
+    server = LocalServer(repo.path, args.host, args.http_port, args.grpc_port, args.metrics_port, args.log)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start()
+    try:
+        tasks = [n for n in registry.names() if n not in registry.errors()]
+        print(json.dumps({"grpc": server.grpc_url, "http": server.http_url,
+                          "metrics": f"{args.host}:{server.metrics_port}", "ready_seconds": round(server.ready_seconds, 2),
+                          "tasks": tasks, "log": str(server.log_path)}), flush=True)
+        print(f"serving {repo.path} on grpc {server.grpc_url} (Ctrl-C stops)", file=sys.stderr, flush=True)
+        while not stop.wait(0.5):
+            if server.process.poll() is not None:
+                print(f"aot: error: tritonserver exited with code {server.process.returncode}:\n{server.log_tail()}",
+                      file=sys.stderr)
+                return 1
+    finally:
+        server.stop()
+    return 0
+
+
+@command
+def add_infer(sub) -> None:
+    p = sub.add_parser("infer", help="call a served task over gRPC; one JSON line per input",
+                       description='Prints {"label": ..., "logits": [...]} per TEXT (like `aot predict`), or, with '
+                                   '--input, answers a JSONL file of {"task", "text", "text_pair"} lines '
+                                   "concurrently, in input order.")
+    p.add_argument("--url", default="127.0.0.1:8001", help="gRPC address of the server")
+    p.add_argument("--task", default=None, help="task id (for TEXT arguments)")
+    p.add_argument("--pair", default=None, help="second text for every TEXT")
+    p.add_argument("--input", default=None, help="JSONL file of requests (mixed tasks allowed)")
+    p.add_argument("--output", default=None, help="write answers here instead of stdout")
+    p.add_argument("--concurrency", type=_positive_int, default=16, help="requests in flight")
+    p.add_argument("--model", default="aot", help="ensemble to call (aot, or vanilla for comparisons)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("texts", nargs="*", metavar="TEXT")
+    p.set_defaults(run=run_infer)
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    items = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n}: invalid JSON ({exc.msg})") from None
+            if not isinstance(item, dict) or not isinstance(item.get("task"), str) or not isinstance(item.get("text"), str):
+                raise ValueError(f'{path}:{n}: expected {{"task": "...", "text": "..."}}')
+            items.append(item)
+    return items
+
+
+def run_infer(args) -> int:
+    from tqdm.auto import tqdm
+
+    from aot.client import Client, InferenceError
+
+    if args.input and args.texts:
+        raise ValueError("give either TEXT arguments or --input, not both")
+    if args.input:
+        items = _read_jsonl(args.input)
+    else:
+        if not args.texts or not args.task:
+            raise ValueError("give --task and at least one TEXT (or --input FILE.jsonl)")
+        items = [{"task": args.task, "text": t, "text_pair": args.pair} for t in args.texts]
+    with Client(args.url, model=args.model) as client:
+        client.check_ready()
+        if len(items) == 1:
+            try:
+                answers = [client.infer(items[0]["task"], items[0]["text"], items[0].get("text_pair"))]
+            except InferenceError as exc:
+                raise ValueError(str(exc)) from None
+        else:
+            bar = tqdm(total=len(items), disable=args.no_progress or not args.input, unit="req", desc="infer")
+            answers = client.infer_many(items, args.concurrency, on_done=lambda i, r: bar.update(1))
+            bar.close()
+    lines = "".join(json.dumps(a) + "\n" for a in answers)
+    if args.output:
+        from pathlib import Path
+
+        from training.atomic import write_text_atomic
+
+        write_text_atomic(Path(args.output), lines)
+    else:
+        sys.stdout.write(lines)
+    failed = [a for a in answers if "error" in a]
+    if failed and not args.input:
+        print(f"aot: error: {failed[0]['error']}", file=sys.stderr)
+        return 2
+    return 1 if failed else 0

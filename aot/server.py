@@ -1,0 +1,184 @@
+"""A real local Triton server (the `tritonserver` binary of the nvidia-pytriton wheel), no Docker.
+
+Set-up that the binary needs (see docs/serving.md): a backends folder whose python/ links the wheel's python
+backend and the stub for this Python; this interpreter's bin/ first on PATH (the stub runs `python3`, which must
+have numpy<2 and this project); LD_LIBRARY_PATH with this interpreter's libpython. The server runs in its own
+process group; stopping it sends SIGTERM to the group, then SIGKILL to the server alone (its stubs then remove their
+shared memory), then SIGKILL to the group.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+def triton_home() -> Path:
+    """The folder of the wheel's tritonserver, found without importing pytriton (its imports need more)."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise ServerError("tritonserver not found: pip install --no-deps nvidia-pytriton==0.7.0")
+    home = Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
+    if not (home / "bin" / "tritonserver").is_file():
+        raise ServerError(f"{home}/bin/tritonserver is missing; reinstall nvidia-pytriton==0.7.0")
+    return home
+
+
+def backends_folder(root: Path) -> Path:
+    """`root/backends/python/` with links to the wheel's python backend and the stub for this Python."""
+    home = triton_home()
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = home / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise ServerError(f"the tritonserver wheel has no python backend stub for Python {version}")
+    python = root / "backends" / "python"
+    python.mkdir(parents=True, exist_ok=True)
+    for target in (home / "backends" / "python" / "libtriton_python.so",
+                   home / "backends" / "python" / "triton_python_backend_utils.py", stub):
+        link = python / target.name
+        if link.is_symlink() or link.exists():
+            if link.resolve() == target.resolve():
+                continue
+            link.unlink()
+        link.symlink_to(target)
+    return root / "backends"
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LocalServer:
+    """tritonserver on REPO/models with the CPU configs. Use as a context manager or call start()/stop()."""
+
+    repo: Path
+    host: str = "127.0.0.1"
+    http_port: int = 0
+    grpc_port: int = 0
+    metrics_port: int = 0
+    log_path: Path | None = None
+    extra_args: list[str] = field(default_factory=list)
+    process: subprocess.Popen | None = None
+    ready_seconds: float | None = None
+
+    def __post_init__(self):
+        self.repo = Path(self.repo).resolve()
+        self.http_port = self.http_port or free_port(self.host)
+        self.grpc_port = self.grpc_port or free_port(self.host)
+        self.metrics_port = self.metrics_port or free_port(self.host)
+        self._workdir = Path(tempfile.mkdtemp(prefix="aot-triton-"))
+        self.log_path = Path(self.log_path or self._workdir / "tritonserver.log")
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    def command(self) -> list[str]:
+        return [str(triton_home() / "bin" / "tritonserver"), f"--model-repository={self.repo / 'models'}",
+                f"--backend-directory={backends_folder(self._workdir)}", "--model-config-name=cpu",
+                f"--http-address={self.host}", f"--http-port={self.http_port}",
+                f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
+                f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
+                "--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0", "--exit-timeout-secs=5",
+                "--disable-auto-complete-config", "--log-info=true", *self.extra_args]
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        libdir = sysconfig.get_config_var("LIBDIR") or ""
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        return env
+
+    def check_ports(self) -> None:
+        for flag, port in (("--http-port", self.http_port), ("--grpc-port", self.grpc_port),
+                           ("--metrics-port", self.metrics_port)):
+            if not port_is_free(self.host, port):
+                raise ServerError(f"port {self.host}:{port} ({flag}) is already in use; choose another {flag}")
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def start(self, timeout: float = 120) -> "LocalServer":
+        self.check_ports()
+        start = time.monotonic()
+        log = open(self.log_path, "w")
+        self.process = subprocess.Popen(self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        while time.monotonic() - start < timeout:
+            if self.process.poll() is not None:
+                raise ServerError(f"tritonserver exited with code {self.process.returncode} before it was ready:\n"
+                                  f"{self.log_tail()}")
+            if self.is_ready():
+                self.ready_seconds = time.monotonic() - start
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise ServerError(f"tritonserver was not ready after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(text[-lines:])
+
+    def stop(self, timeout: float = 15) -> int | None:
+        if self.process is None or self.process.poll() is not None:
+            return None if self.process is None else self.process.returncode
+        group = os.getpgid(self.process.pid)
+        os.killpg(group, signal.SIGTERM)
+        try:
+            code = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.kill(self.process.pid, signal.SIGKILL)  # alone first: the stubs then clean their shared memory
+            code = self.process.wait()
+            time.sleep(2)
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return code
+
+    def __enter__(self) -> "LocalServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,104 @@
+"""`aot export backbone`: the shared encoder, once per backbone, into a new model repository."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from exporter import interface as io
+from exporter.onnx_export import export_backbone_graph
+from exporter.repository import (MODELS_DIR, PYTHON_MODELS, RECORD, REPO_FORMAT, REPO_VERSION, STORE_DIR, TEMPLATES,
+                                 RepositoryError, ServingOptions, read_repository, write_configs)
+from exporter.task_store import TaskStore
+from exporter.tensorrt import Profile, build_plan, build_script
+from training.artifact import backbone_identity
+from training.atomic import atomic_directory
+from training.backbone import load_backbone
+
+
+@dataclass
+class BackboneExportReport:
+    repo: str
+    max_abs_diff: dict[str, float]
+    fused_ops: dict[str, dict[str, int]]
+    sizes: dict[str, int]
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+
+def _copy_python_models(models: Path) -> None:
+    for model, template in PYTHON_MODELS.items():
+        (models / model / "1").mkdir(parents=True, exist_ok=True)
+        shutil.copy2(TEMPLATES / template / "1" / "model.py", models / model / "1" / "model.py")
+
+
+def export_backbone(model: str, repo: str | Path, options: ServingOptions | None = None, precision: str = "fp32",
+                    profile: Profile | None = None, overwrite: bool = False) -> BackboneExportReport:
+    start = time.perf_counter()
+    options = options or ServingOptions()
+    profile = profile or Profile(max_batch=options.max_batch_size, max_seq=max(options.buckets))
+    if precision not in ("fp32", "fp16"):
+        raise RepositoryError(f"unknown precision {precision!r}: expected fp32 or fp16")
+    if precision == "fp16" and options.engine != "tensorrt":
+        raise RepositoryError("--precision fp16 applies to --format tensorrt (ONNX Runtime graphs stay fp32)")
+    repo = Path(repo)
+    keep_tasks = None
+    if repo.exists() and any(repo.iterdir()):
+        if not overwrite:
+            raise RepositoryError(f"{repo} already exists; pass --overwrite to replace its backbone")
+        if not (repo / RECORD).is_file():
+            raise RepositoryError(f"{repo} exists and is not an AoT model repository; refusing to replace it")
+        keep_tasks = read_repository(repo)
+    backbone = load_backbone(model)
+    identity = backbone_identity(backbone)
+    if keep_tasks is not None and keep_tasks.fingerprint != backbone.fingerprint:
+        raise RepositoryError(f"{repo} holds tasks for backbone {keep_tasks.model!r} ({keep_tasks.fingerprint}); "
+                              f"{model!r} is {backbone.fingerprint}: export into a new repository")
+    info = {"uses_token_type_ids": backbone.uses_token_type_ids, "hidden_size": backbone.hidden_size}
+    report = BackboneExportReport(str(repo), {}, {}, {}, 0.0)
+    with atomic_directory(repo) as tmp:
+        models = tmp / MODELS_DIR
+        trt_models = {}
+        for name, aot in (("backbone", True), ("backbone_vanilla", False)):
+            graph = export_backbone_graph(backbone, models / name / "1", aot)
+            report.max_abs_diff[name] = graph.max_abs_diff
+            report.fused_ops[name] = graph.fused_ops
+            inputs = io.token_inputs(backbone.uses_token_type_ids)
+            if aot:
+                inputs += [io.AOT_ROWS, io.AOT_INDEX, io.AOT_ROW_OFFSETS]
+            trt_models[name] = {"shapes": profile.shapes(inputs, backbone.num_layers, backbone.hidden_size)}
+            if options.engine == "tensorrt":
+                try:
+                    build_plan(graph.raw, graph.raw.with_name("model.plan"), trt_models[name]["shapes"],
+                               precision == "fp16")
+                except RuntimeError as exc:
+                    report.notes.append(f"{name}: {exc}")
+            else:
+                graph.raw.unlink()
+        if options.engine == "tensorrt":
+            script = tmp / "build_engines.sh"
+            script.write_text(build_script(trt_models, precision == "fp16"))
+            script.chmod(0o755)
+        backbone.tokenizer.save_pretrained(models / "tokenizer" / "1" / "tokenizer")
+        _copy_python_models(models)
+        write_configs(models, info, options)
+        if keep_tasks is not None:
+            # Hard links: no data is copied, and the old store stays whole until the swap succeeds.
+            shutil.copytree(keep_tasks.store_root, tmp / STORE_DIR, copy_function=os.link)
+        else:
+            TaskStore(tmp / STORE_DIR).create(identity, backbone.embeddings.detach().float().numpy())
+        record = {"format": REPO_FORMAT, "format_version": REPO_VERSION, "protocol_version": io.PROTOCOL_VERSION,
+                  "backbone": identity, "uses_token_type_ids": backbone.uses_token_type_ids,
+                  "num_layers": backbone.num_layers, "hidden_size": backbone.hidden_size,
+                  "serving": options.to_json(), "precision": precision,
+                  "tensorrt_profile": profile.__dict__ if options.engine == "tensorrt" else None,
+                  "parity_max_abs_diff": report.max_abs_diff}
+        (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+        report.sizes = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in tmp.rglob("*.onnx")}
+        report.sizes["tasks/embeddings.npy"] = (tmp / STORE_DIR / "embeddings.npy").stat().st_size
+    report.seconds = round(time.perf_counter() - start, 2)
+    return report

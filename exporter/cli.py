@@ -1,0 +1,103 @@
+"""`aot export backbone | task | remove | list`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+from aot.cli import _positive_int, command
+
+
+@command
+def add_export(sub) -> None:
+    p = sub.add_parser("export", help="export a backbone or a task into a Triton model repository",
+                       description="Write the shared backbone (once) and tasks (any number) into a model repository.")
+    kinds = p.add_subparsers(dest="export_command", required=True, metavar="WHAT")
+
+    b = kinds.add_parser("backbone", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                         help="export the frozen encoder (AoT and vanilla graphs), tokenizer and serving steps",
+                         description="Create a model repository: ONNX graphs of the encoder with and without AoT "
+                                     "bias inputs (validated against PyTorch), the tokenizer, lookup and head steps, "
+                                     "the ensembles, GPU configs (config.pbtxt) and CPU configs (configs/cpu.pbtxt), "
+                                     "and an empty task store.")
+    b.add_argument("--model", required=True, help="local Hugging Face model folder or 'minilm'")
+    b.add_argument("--repo", required=True, help="model repository folder to create")
+    b.add_argument("--format", choices=["onnx", "tensorrt"], default="onnx",
+                   help="GPU engine of the backbone: onnxruntime_onnx, or a TensorRT plan (built here if tensorrt "
+                        "is importable, else by the engine-builder service of docker-compose.yml)")
+    b.add_argument("--precision", choices=["fp32", "fp16"], default="fp32", help="TensorRT precision")
+    b.add_argument("--max-batch-size", type=_positive_int, default=32, help="Triton max_batch_size of every step")
+    b.add_argument("--queue-delay-us", type=int, default=500, help="backbone dynamic-batching queue delay (µs)")
+    b.add_argument("--cpu-threads", type=int, default=0, help="ONNX Runtime threads of the CPU backbone (0: all)")
+    b.add_argument("--buckets", default="16,32,64,128,256,512",
+                   help="GPU: sequence lengths token tensors are padded to, so that requests batch together")
+    b.add_argument("--opt-batch", type=_positive_int, default=8, help="TensorRT profile: optimal batch")
+    b.add_argument("--opt-seq", type=_positive_int, default=128, help="TensorRT profile: optimal sequence length")
+    b.add_argument("--overwrite", action="store_true", help="replace an existing repository's backbone (tasks kept)")
+    b.set_defaults(run=run_export_backbone)
+
+    t = kinds.add_parser("task", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                         help="fuse a trained AoT task into the repository's task store",
+                         description="Fuse P (or keep its factors), write the head, check the served logits against "
+                                     "PyTorch, and publish the task atomically (a running server picks it up).")
+    t.add_argument("--task", required=True, help="task artifact folder (from `aot train`, method fc or kron)")
+    t.add_argument("--repo", required=True, help="model repository (from `aot export backbone`)")
+    t.add_argument("--name", required=True, help="task id clients use")
+    t.add_argument("--storage", choices=["fused", "factored"], default="fused",
+                   help="fused: P as a [V, L, d] fp16 table read by memory map (the paper); factored: the factors, "
+                        "rows computed per request")
+    t.add_argument("--no-progress", action="store_true")
+    t.set_defaults(run=run_export_task)
+
+    r = kinds.add_parser("remove", help="remove a task from the repository's task store")
+    r.add_argument("--repo", required=True)
+    r.add_argument("--name", required=True)
+    r.set_defaults(run=run_export_remove)
+
+    ls = kinds.add_parser("list", help="list the tasks of a repository")
+    ls.add_argument("--repo", required=True)
+    ls.set_defaults(run=run_export_list)
+
+
+def run_export_backbone(args) -> int:
+    from exporter.backbone_export import export_backbone
+    from exporter.repository import ServingOptions
+    from exporter.tensorrt import Profile
+
+    try:
+        buckets = tuple(sorted(int(b) for b in args.buckets.split(",") if b))
+    except ValueError:
+        raise ValueError(f"--buckets must be comma-separated integers, got {args.buckets!r}") from None
+    options = ServingOptions(args.max_batch_size, args.queue_delay_us, args.cpu_threads, buckets, args.format)
+    profile = Profile(opt_batch=min(args.opt_batch, args.max_batch_size), max_batch=args.max_batch_size,
+                      opt_seq=min(args.opt_seq, max(buckets)), max_seq=max(buckets))
+    report = export_backbone(args.model, args.repo, options, args.precision, profile, args.overwrite)
+    print(json.dumps(asdict(report)))
+    return 0
+
+
+def run_export_task(args) -> int:
+    from exporter.task_export import export_task
+
+    report = export_task(args.task, args.repo, args.name, args.storage, progress=not args.no_progress)
+    print(json.dumps(asdict(report)))
+    return 0
+
+
+def run_export_remove(args) -> int:
+    from exporter.repository import read_repository
+    from exporter.task_store import TaskStore
+
+    TaskStore(read_repository(args.repo).store_root).remove(args.name)
+    print(json.dumps({"removed": args.name}))
+    return 0
+
+
+def run_export_list(args) -> int:
+    from exporter.repository import read_repository
+    from exporter.task_store import TaskStore
+
+    for entry in TaskStore(read_repository(args.repo).store_root).entries().values():
+        print(json.dumps(asdict(entry)))
+    return 0
