@@ -1,0 +1,27 @@
+"""Shared set-up for export and serving tests: tiny tasks and repositories."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from exporter.backbone_export import export_backbone
+from exporter.task_export import export_task
+from training.api import train_task
+
+QUICK = dict(batch_size=16, epochs=3, patience=3, max_length=32, progress=False)
+
+
+def train_tiny_task(model_dir: Path, data_dir: Path, out: Path, method: str = "fc", seed: int = 0, **kw) -> Path:
+    train_task(model=str(model_dir), data=str(data_dir), method=method, out=str(out), lr=1e-2, seed=seed,
+               **{**QUICK, **kw})
+    return out
+
+
+def make_repository(model_dir: Path, repo: Path, tasks: dict[str, tuple[Path, str]], **options) -> Path:
+    """A repository with `tasks`: name -> (artifact, storage)."""
+    from exporter.repository import ServingOptions
+
+    export_backbone(str(model_dir), repo, ServingOptions(**options) if options else None)
+    for name, (artifact, storage) in tasks.items():
+        export_task(artifact, repo, name, storage, progress=False)
+    return repo

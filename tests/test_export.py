@@ -1,0 +1,267 @@
+"""Exporter on tiny BERT / RoBERTa / DeBERTa-v2: parity, fusions, storage, atomicity, configs."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from exporter import interface as io
+from exporter.onnx_export import export_backbone_graph
+from exporter.repository import (RepositoryError, ServingOptions, model_configs, parse_pbtxt, read_repository,
+                                 to_pbtxt)
+from exporter.runtime import TaskRegistry
+from exporter.task_export import export_task
+from exporter.task_store import StoreError, TaskStore
+from exporter.tensorrt import Profile, build_plan, build_script, trtexec_command
+from tests.helpers import make_repository, train_tiny_task
+from tests.tiny import ARCHS, save_tiny_model, tiny_backbone
+from training.artifact import FingerprintMismatch
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_backbone_parity_and_fusions(tmp_path, arch):
+    backbone = tiny_backbone(arch)
+    aot = export_backbone_graph(backbone, tmp_path / "aot", aot=True)
+    vanilla = export_backbone_graph(backbone, tmp_path / "vanilla", aot=False)
+    assert aot.max_abs_diff < 1e-4 and vanilla.max_abs_diff < 1e-4
+    # the bias inputs cost no fusion: same fused operators, same counts
+    assert aot.fused_ops == vanilla.fused_ops
+    layers = backbone.num_layers
+    assert aot.fused_ops["SkipLayerNormalization"] == 2 * layers
+    assert aot.fused_ops.get("BiasGelu", 0) + aot.fused_ops.get("Gelu", 0) + aot.fused_ops.get("FastGelu", 0) == layers
+    if arch == "bert":
+        assert aot.fused_ops["Attention"] == layers and aot.fused_ops["EmbedLayerNormalization"] == 1
+
+
+def test_aot_graph_uses_the_biases(tmp_path):
+    """Random non-zero rows move the output: the parity check is not comparing two unbiased graphs."""
+    import torch
+
+    from exporter.onnx_export import ExportableBackbone, example_inputs, session
+
+    backbone = tiny_backbone("bert")
+    graph = export_backbone_graph(backbone, tmp_path, aot=True)
+    feeds = example_inputs(backbone, True, 2, 9, seed=5)
+    sess = session(graph.optimized)
+    with_bias = sess.run(None, {k: v.numpy() for k, v in feeds.items()})[0]
+    feeds[io.AOT_ROWS] = torch.zeros_like(feeds[io.AOT_ROWS])
+    without = sess.run(None, {k: v.numpy() for k, v in feeds.items()})[0]
+    assert np.abs(with_bias - without).max() > 0.1
+    plain = ExportableBackbone(backbone, aot=False)
+    with torch.no_grad():
+        expected = plain(feeds[io.INPUT_IDS], feeds[io.ATTENTION_MASK], feeds.get(io.TOKEN_TYPE_IDS)).numpy()
+    assert np.abs(without - expected).max() < 1e-4
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory, tiny_models, sentiment_dir):
+    root = tmp_path_factory.mktemp("tasks")
+    return {(arch, method): train_tiny_task(tiny_models[arch], sentiment_dir, root / f"{arch}-{method}", method)
+            for arch in ARCHS for method in ("fc", "kron")}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_task_parity_fused_and_factored(tmp_path, tiny_models, tasks, arch):
+    repo = make_repository(tiny_models[arch], tmp_path / "repo", {})
+    for method in ("fc", "kron"):
+        for storage in ("fused", "factored"):
+            report = export_task(tasks[(arch, method)], repo, f"{method}-{storage}", storage, progress=False)
+            assert report.max_abs_logit_diff <= 1e-3, report
+    registry = TaskRegistry(read_repository(repo).store_root)
+    vocab = tiny_backbone(arch).embeddings.shape[0]
+    ids = np.arange(vocab)
+    for method in ("fc", "kron"):
+        fused = registry.get(f"{method}-fused").rows(ids).astype(np.float32)
+        factored = registry.get(f"{method}-factored").rows(ids).astype(np.float32)
+        assert fused.shape == (vocab, 2, 32)
+        np.testing.assert_allclose(factored, fused, rtol=1e-3, atol=1e-3)
+        assert np.abs(fused).max() > 0  # trained rows, not zeros
+
+
+def test_factored_storage_is_small(tmp_path, sentiment_dir):
+    """With a realistic vocabulary the factors are a sliver of the fused table (< 2 %)."""
+    import torch
+
+    from tests.tiny import tiny_config, tiny_tokenizer
+    from training.backbone import encoder_from_config
+
+    torch.manual_seed(0)
+    tokenizer = tiny_tokenizer("bert")
+    encoder = encoder_from_config(tiny_config("bert", vocab_size=30522, hidden=64))
+    encoder.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    task = train_tiny_task(tmp_path / "model", sentiment_dir, tmp_path / "task", "fc", epochs=1, rank=8)
+    repo = make_repository(tmp_path / "model", tmp_path / "repo", {})
+    fused = export_task(task, repo, "f", "fused", progress=False)
+    factored = export_task(task, repo, "g", "factored", progress=False)
+    assert fused.fused_bytes == 30522 * 2 * 64 * 2
+    factors = (read_repository(repo).store_root / factored.folder / "factors.safetensors").stat().st_size
+    assert factors < 0.02 * fused.fused_bytes
+    assert factored.max_abs_logit_diff <= 1e-3
+
+
+def test_fingerprint_mismatch_refused(tmp_path, tiny_models, sentiment_dir, tasks):
+    other = save_tiny_model("bert", tmp_path / "other", seed=7)
+    repo = make_repository(other, tmp_path / "repo", {})
+    with pytest.raises(FingerprintMismatch) as err:
+        export_task(tasks[("bert", "fc")], repo, "x", progress=False)
+    message = str(err.value)
+    assert read_repository(repo).fingerprint in message
+    assert json.loads((tasks[("bert", "fc")] / "config.json").read_text())["backbone"]["fingerprint"] in message
+    assert TaskStore(read_repository(repo).store_root).entries() == {}
+
+
+def test_only_aot_tasks_are_exported(tmp_path, tiny_models, sentiment_dir):
+    lora = train_tiny_task(tiny_models["bert"], sentiment_dir, tmp_path / "lora", "lora", epochs=1)
+    repo = make_repository(tiny_models["bert"], tmp_path / "repo", {})
+    with pytest.raises(StoreError, match="method 'lora'"):
+        export_task(lora, repo, "x", progress=False)
+
+
+@pytest.mark.parametrize("name", ["", "../evil", ".hidden", "a b", "x" * 200])
+def test_bad_task_names(tmp_path, tiny_models, tasks, name):
+    repo = make_repository(tiny_models["bert"], tmp_path / "repo", {})
+    with pytest.raises(StoreError, match="invalid task name"):
+        export_task(tasks[("bert", "fc")], repo, name, progress=False)
+
+
+def test_reexport_swaps_and_remove(tmp_path, tiny_models, tasks):
+    repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"t": (tasks[("bert", "fc")], "fused")})
+    store = TaskStore(read_repository(repo).store_root)
+    first = store.entries()["t"].folder
+    export_task(tasks[("bert", "kron")], repo, "t", "factored", progress=False)
+    second = store.entries()["t"]
+    assert second.folder != first and second.storage == "factored"
+    assert not (store.root / first).exists()  # the superseded version is gone
+    store.remove("t")
+    assert store.entries() == {} and not (store.root / second.folder).exists()
+    with pytest.raises(StoreError, match="unknown task 't'"):
+        store.remove("t")
+
+
+def test_killed_export_leaves_store_loadable(tmp_path, tiny_models, tasks):
+    """SIGKILL an export while it writes the fused table: the store still loads, with the old tasks only."""
+    repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"keep": (tasks[("bert", "fc")], "fused")})
+    script = textwrap.dedent(f"""
+        import time, numpy as np
+        import exporter.task_export as te
+        real = te._write_fused
+        def slow(*a, **k):
+            real(*a, **k)
+            print("WRITTEN", flush=True)
+            time.sleep(60)
+        te._write_fused = slow
+        te.export_task({str(tasks[("bert", "kron")])!r}, {str(repo)!r}, "new", progress=False)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    assert proc.stdout.readline().strip() == "WRITTEN"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    store_root = read_repository(repo).store_root
+    registry = TaskRegistry(store_root)
+    assert registry.names() == ["keep"] and not registry.errors()
+    assert any(p.name.startswith(".tmp-new@") for p in store_root.iterdir())  # debris, invisible to readers
+    export_task(tasks[("bert", "kron")], repo, "new", progress=False)
+    registry.refresh()
+    assert registry.names() == ["keep", "new"]
+
+
+def test_corrupt_task_does_not_hide_the_others(tmp_path, tiny_models, tasks):
+    repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"good": (tasks[("bert", "fc")], "fused"),
+                                                                     "bad": (tasks[("bert", "kron")], "fused")})
+    store = TaskStore(read_repository(repo).store_root)
+    (store.root / store.entries()["bad"].folder / "table.npy").write_bytes(b"garbage")
+    registry = TaskRegistry(store.root)
+    assert registry.get("good").rows(np.array([1, 2])).shape == (2, 2, 32)
+    assert "bad" in registry.errors()
+    from exporter.runtime import RequestError
+
+    with pytest.raises(RequestError, match="task 'bad' is corrupt"):
+        registry.get("bad")
+    with pytest.raises(RequestError, match=r"unknown task 'zzz'; known tasks: good"):
+        registry.get("zzz")
+
+
+def test_existing_repository_needs_overwrite(tmp_path, tiny_models, tasks):
+    repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"t": (tasks[("bert", "fc")], "fused")})
+    from exporter.backbone_export import export_backbone
+
+    with pytest.raises(RepositoryError, match="already exists"):
+        export_backbone(str(tiny_models["bert"]), repo)
+    export_backbone(str(tiny_models["bert"]), repo, overwrite=True)  # same backbone: tasks are kept
+    assert list(TaskStore(read_repository(repo).store_root).entries()) == ["t"]
+    with pytest.raises(RepositoryError, match="holds tasks for backbone"):
+        export_backbone(str(tiny_models["roberta"]), repo, overwrite=True)
+
+
+@pytest.mark.parametrize("uses_tt", [True, False])
+@pytest.mark.parametrize("engine", ["onnx", "tensorrt"])
+def test_every_config_parses_and_is_consistent(uses_tt, engine):
+    info = {"uses_token_type_ids": uses_tt, "hidden_size": 48}
+    options = ServingOptions(engine=engine)
+    for target in ("cpu", "gpu"):
+        configs = model_configs(info, options, target)
+        assert set(configs) == {"tokenizer", "aot_lookup", "backbone", "backbone_vanilla", "head", "aot", "vanilla"}
+        for name, config in configs.items():
+            parsed = parse_pbtxt(to_pbtxt(config))  # round trip through Triton's own ModelConfig protobuf
+            assert parsed == config and parsed.name == name
+        backbone = configs["backbone"]
+        inputs = {i.name: i for i in backbone.input}
+        assert set(inputs) == set(io.token_inputs(uses_tt)) | {io.AOT_ROWS, io.AOT_INDEX}
+        assert inputs[io.AOT_ROWS].allow_ragged_batch
+        if target == "gpu":
+            assert backbone.platform == ("tensorrt_plan" if engine == "tensorrt" else "onnxruntime_onnx")
+            assert [b.target_name[0] for b in backbone.batch_input] == [io.AOT_ROW_OFFSETS]
+            assert backbone.instance_group[0].kind == backbone.instance_group[0].KIND_GPU
+        else:
+            assert backbone.backend == "python" and not backbone.batch_input
+        steps = [s.model_name for s in configs["aot"].ensemble_scheduling.step]
+        assert steps == ["tokenizer", "aot_lookup", "backbone", "head"]
+        assert [s.model_name for s in configs["vanilla"].ensemble_scheduling.step] == ["tokenizer", "backbone_vanilla", "head"]
+
+
+def test_written_repository_configs_parse(tmp_path, tiny_models):
+    repo = make_repository(tiny_models["roberta"], tmp_path / "repo", {})
+    files = sorted((repo / "models").glob("*/config.pbtxt")) + sorted((repo / "models").glob("*/configs/cpu.pbtxt"))
+    assert len(files) == 14
+    for path in files:
+        parse_pbtxt(path.read_text())
+    for model in ("tokenizer", "aot_lookup", "backbone", "backbone_vanilla", "head"):
+        assert (repo / "models" / model / "1" / "model.py").is_file()
+    assert (repo / "models" / "backbone" / "1" / "model.onnx").is_file()
+
+
+def test_tensorrt_profiles_and_commands(tmp_path):
+    profile = Profile(opt_batch=4, max_batch=16, opt_seq=64, max_seq=256)
+    names = io.token_inputs(True) + [io.AOT_ROWS, io.AOT_INDEX, io.AOT_ROW_OFFSETS]
+    shapes = profile.shapes(names, num_layers=6, hidden=384)
+    assert shapes[io.INPUT_IDS] == ((1, 1), (4, 64), (16, 256))
+    assert shapes[io.AOT_ROWS] == ((6 * 384,), (4 * 64 * 6 * 384,), (16 * 256 * 6 * 384,))
+    assert shapes[io.AOT_ROW_OFFSETS] == ((2,), (5,), (17,))
+    cmd = trtexec_command("a.onnx", "a.plan", shapes, fp16=True)
+    assert "--minShapes=input_ids:1x1,attention_mask:1x1" in cmd and "aot_row_offsets:17" in cmd and "--fp16" in cmd
+    script = build_script({"backbone": {"shapes": shapes}}, fp16=False)
+    assert "if [ ! -s models/backbone/1/model.plan ]" in script and "--fp16" not in script
+    script_path = tmp_path / "b.sh"
+    script_path.write_text(script)
+    assert subprocess.run(["sh", "-n", str(script_path)]).returncode == 0  # valid shell
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        with pytest.raises(RuntimeError, match="tensorrt is not installed"):
+            build_plan(tmp_path / "m.onnx", tmp_path / "m.plan", shapes, fp16=False)
+
+
+def test_lookup_bytes_against_dense():
+    # MiniLM: L=6, d=384; a 128-token sequence with 70 distinct tokens
+    assert io.lookup_bytes(70, 128, 6, 384) == 70 * 6 * 384 * 2 + 128 * 4
+    assert io.dense_bias_bytes(128, 6, 384) == 128 * 6 * 384 * 4
+    assert io.lookup_bytes(70, 128, 6, 384) < io.dense_bias_bytes(128, 6, 384) / 3
