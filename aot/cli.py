@@ -195,6 +195,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"aot: error: {message}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,292 @@
+"""Serving through a real local tritonserver (started here, stopped by process group): no mocks."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from aot.client import Client, InferenceError
+from aot.server import LocalServer
+from exporter.repository import read_repository
+from exporter.task_export import export_task
+from exporter.task_store import TaskStore
+from tests.helpers import make_repository, train_tiny_task
+from training.predict import Predictor
+
+pytestmark = pytest.mark.server
+
+TEXTS = ["good w1 w2", "w3 awful w4 w5", "the movie was superb", "dull plot", "w7",
+         " ".join(["w9 great"] * 40)]  # longer than max_length 32: truncated exactly as in training
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory, tiny_models, sentiment_dir):
+    root = tmp_path_factory.mktemp("artifacts")
+    return {name: train_tiny_task(tiny_models["bert"], sentiment_dir, root / name, method, seed=seed)
+            for name, method, seed in (("alpha", "fc", 0), ("beta", "kron", 1), ("gamma", "fc", 2),
+                                       ("delta", "fc", 3), ("epsilon", "kron", 4))}
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory, tiny_models, artifacts):
+    return make_repository(tiny_models["bert"], tmp_path_factory.mktemp("served") / "repo",
+                           {"alpha": (artifacts["alpha"], "fused"), "beta": (artifacts["beta"], "fused"),
+                            "gamma": (artifacts["gamma"], "factored")}, max_batch_size=64, backbone_queue_delay_us=2000)
+
+
+@pytest.fixture(scope="module")
+def server(request, repo):
+    failed_before = request.session.testsfailed
+    srv = LocalServer(repo).start()
+    yield srv
+    srv.stop()
+    if request.session.testsfailed > failed_before:
+        print(f"\n--- tritonserver log ({srv.log_path}) ---\n{srv.log_tail(80)}")
+
+
+@pytest.fixture(scope="module")
+def expected(artifacts):
+    """PyTorch logits (aot predict) for every task and text."""
+    out = {}
+    for name in ("alpha", "beta", "gamma", "delta", "epsilon"):
+        predictor = Predictor.load(artifacts[name])
+        out[name] = predictor.logits(TEXTS).numpy()
+        out[(name, "pair")] = predictor.logits(TEXTS[:2], ["w5 w6", "w7"]).numpy()
+    return out
+
+
+@pytest.fixture
+def client(server):
+    with Client(server.grpc_url) as c:
+        yield c
+
+
+def _stats(client, model):
+    stats = client._client.get_inference_statistics(model).model_stats[0]
+    return stats.inference_count, stats.execution_count
+
+
+def test_served_logits_equal_predict(client, expected):
+    for name in ("alpha", "beta", "gamma"):
+        for i, text in enumerate(TEXTS):
+            got = client.infer(name, text)
+            np.testing.assert_allclose(got["logits"], expected[name][i], atol=1e-3)
+            assert got["label"] == ["negative", "positive"][int(np.argmax(expected[name][i]))]
+        for i, (text, pair) in enumerate(zip(TEXTS[:2], ["w5 w6", "w7"])):
+            np.testing.assert_allclose(client.infer(name, text, pair)["logits"], expected[(name, "pair")][i], atol=1e-3)
+
+
+def test_mixed_tasks_batch_into_one_backbone_execution(client):
+    before = _stats(client, "backbone")
+    items = [{"task": ("alpha", "beta", "gamma")[i % 3], "text": TEXTS[i % len(TEXTS)]} for i in range(60)]
+    answers = client.infer_many(items, concurrency=60)
+    assert all("error" not in a for a in answers)
+    after = _stats(client, "backbone")
+    requests, executions = after[0] - before[0], after[1] - before[1]
+    assert requests == 60
+    assert executions < requests, f"{executions} backbone executions for {requests} requests of 3 tasks"
+
+
+def test_unknown_task_fails_alone(client, expected):
+    items = [{"task": "alpha", "text": TEXTS[0]}, {"task": "nope", "text": TEXTS[0]}] * 8
+    answers = client.infer_many(items, concurrency=16)
+    for item, answer in zip(items, answers):
+        if item["task"] == "nope":
+            assert "unknown task 'nope'" in answer["error"] and "alpha, beta, gamma" in answer["error"]
+        else:
+            np.testing.assert_allclose(answer["logits"], expected["alpha"][0], atol=1e-3)
+
+
+def _raw(server, inputs):
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    tensors = []
+    for name, array, dtype in inputs:
+        t = grpcclient.InferInput(name, list(array.shape), dtype)
+        t.set_data_from_numpy(array)
+        tensors.append(t)
+    return client.infer("aot", tensors)
+
+
+def _bytes(value):
+    return np.array([[value]], dtype=np.object_)
+
+
+@pytest.mark.parametrize("case,inputs,message", [
+    ("empty text", [("TEXT", _bytes(b"   "), "BYTES"), ("TASK", _bytes(b"alpha"), "BYTES")], "TEXT is empty"),
+    ("invalid utf-8", [("TEXT", _bytes(b"\xff\xfegood"), "BYTES"), ("TASK", _bytes(b"alpha"), "BYTES")],
+     "TEXT is not valid UTF-8"),
+    ("wrong dtype", [("TEXT", np.array([[1]], dtype=np.int32), "INT32"), ("TASK", _bytes(b"alpha"), "BYTES")],
+     "data-type is 'INT32', but model 'aot' expects 'BYTES'"),
+    ("wrong shape", [("TEXT", np.array([[b"a", b"b"]], dtype=np.object_), "BYTES"), ("TASK", _bytes(b"alpha"), "BYTES")],
+     "unexpected shape for input 'TEXT'"),
+    ("missing task", [("TEXT", _bytes(b"good"), "BYTES")], "missing required input"),
+])
+def test_bad_input_is_refused_and_server_keeps_serving(server, client, expected, case, inputs, message):
+    from tritonclient.utils import InferenceServerException
+
+    with pytest.raises(InferenceServerException) as err:
+        _raw(server, inputs)
+    assert message in err.value.message()
+    np.testing.assert_allclose(client.infer("alpha", TEXTS[0])["logits"], expected["alpha"][0], atol=1e-3)
+
+
+def test_client_error_is_one_line(client):
+    with pytest.raises(InferenceError) as err:
+        client.infer("nope", "good")
+    assert "\n" not in str(err.value) and "unknown task 'nope'" in str(err.value)
+
+
+def test_load_eight_clients(server, expected):
+    errors, mismatches = [], []
+    names = ("alpha", "beta", "gamma")
+
+    def worker(k):
+        with Client(server.grpc_url) as c:
+            for j in range(100):
+                name, i = names[(k + j) % 3], (k * 7 + j) % len(TEXTS)
+                try:
+                    got = c.infer(name, TEXTS[i])
+                except InferenceError as exc:
+                    errors.append(str(exc))
+                    continue
+                if np.abs(np.array(got["logits"]) - expected[name][i]).max() > 1e-3:
+                    mismatches.append((name, i, got["logits"]))
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and mismatches == []
+
+
+def test_add_swap_and_remove_tasks_while_serving(server, repo, artifacts, expected):
+    """Other tasks' requests in flight all succeed; a new task serves within 5 s without a restart."""
+    stop, failures, served = threading.Event(), [], [0]
+
+    def traffic():
+        with Client(server.grpc_url) as c:
+            while not stop.is_set():
+                try:
+                    got = c.infer("alpha", TEXTS[1])
+                    assert np.abs(np.array(got["logits"]) - expected["alpha"][1]).max() <= 1e-3
+                    served[0] += 1
+                except Exception as exc:  # noqa: BLE001
+                    failures.append(repr(exc))
+
+    thread = threading.Thread(target=traffic)
+    thread.start()
+    try:
+        with Client(server.grpc_url) as c:
+            export_task(artifacts["delta"], repo, "delta", progress=False)
+            published = time.monotonic()
+            while True:
+                try:
+                    got = c.infer("delta", TEXTS[0])
+                    break
+                except InferenceError:
+                    assert time.monotonic() - published < 5, "new task not served within 5 s"
+                    time.sleep(0.05)
+            np.testing.assert_allclose(got["logits"], expected["delta"][0], atol=1e-3)
+            # re-export under the same name: the new weights replace the old ones
+            export_task(artifacts["epsilon"], repo, "delta", "factored", progress=False)
+            np.testing.assert_allclose(c.infer("delta", TEXTS[0])["logits"], expected["epsilon"][0], atol=1e-3)
+            TaskStore(read_repository(repo).store_root).remove("delta")
+            with pytest.raises(InferenceError, match="unknown task 'delta'"):
+                c.infer("delta", TEXTS[0])
+            np.testing.assert_allclose(c.infer("beta", TEXTS[0])["logits"], expected["beta"][0], atol=1e-3)
+    finally:
+        stop.set()
+        thread.join()
+    assert failures == [] and served[0] > 0
+
+
+# --- the `aot serve` command -----------------------------------------------------------------------------------
+
+def _aot(*args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "aot", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, **kw)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_serve_command_corrupt_task_and_clean_stop(tmp_path, repo):
+    copy = tmp_path / "repo"
+    shutil.copytree(repo, copy)
+    store = TaskStore(read_repository(copy).store_root)
+    (store.root / store.entries()["beta"].folder / "table.npy").write_bytes(b"broken")
+    ports = [str(_free_port()) for _ in range(3)]
+    proc = _aot("serve", "--repo", str(copy), "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2])
+    try:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        info = json.loads(line)
+        assert info["tasks"] == ["alpha", "gamma"]
+        with Client(info["grpc"]) as c:
+            assert c.infer("alpha", "good w1")["label"] in ("positive", "negative")
+            with pytest.raises(InferenceError, match="task 'beta' is corrupt"):
+                c.infer("beta", "good w1")
+        server_pids = subprocess.run(["pgrep", "-f", f"grpc-port={ports[1]}"], capture_output=True, text=True).stdout.split()
+        assert server_pids
+        stub_group = os.getpgid(int(server_pids[0]))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        err = proc.stderr.read()
+        assert "task 'beta' is corrupt" in err
+        deadline = time.monotonic() + 10
+        while _group_alive(stub_group) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _group_alive(stub_group), "tritonserver or its stubs outlived `aot serve`"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_serve_command_port_taken_and_missing_repo(tmp_path, repo):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        proc = _aot("serve", "--repo", str(repo), "--grpc-port", port, "--http-port", str(_free_port()),
+                    "--metrics-port", str(_free_port()))
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and f"127.0.0.1:{port} (--grpc-port) is already in use" in err
+    proc = _aot("serve", "--repo", str(tmp_path / "nowhere"))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "not an AoT model repository" in err and len(err.strip().splitlines()) == 1
+
+
+def test_infer_command_file_mixed_tasks(server, tmp_path, expected):
+    requests = tmp_path / "requests.jsonl"
+    items = [{"task": ("alpha", "beta", "gamma")[i % 3], "text": TEXTS[i % len(TEXTS)]} for i in range(12)]
+    requests.write_text("".join(json.dumps(i) + "\n" for i in items))
+    out = tmp_path / "answers.jsonl"
+    proc = _aot("infer", "--url", server.grpc_url, "--input", str(requests), "--output", str(out), "--no-progress")
+    assert proc.wait(120) == 0, proc.stderr.read()
+    answers = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(answers) == 12
+    for item, answer, i in zip(items, answers, range(12)):
+        np.testing.assert_allclose(answer["logits"], expected[item["task"]][i % len(TEXTS)], atol=1e-3)
