@@ -7,6 +7,12 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 VPY=.venv/bin/python
+# docker-compose (Debian's 1.29) validates docker-compose.yml offline in the tests; best effort, needs root + apt.
+if ! command -v docker-compose >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  apt-get install -y -q docker-compose >/dev/null 2>&1 \
+    || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q docker-compose >/dev/null 2>&1; } \
+    || echo "setup: could not install docker-compose; the compose-file test will fail" >&2
+fi
 stamp=.venv/.aot-setup-$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 if [ -f "$stamp" ]; then
   exit 0
