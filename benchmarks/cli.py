@@ -27,6 +27,30 @@ def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: inference overhead, serving, accuracy sweep")
     kinds = p.add_subparsers(dest="bench_command", required=True, metavar="WHAT")
 
+    o = kinds.add_parser("overhead", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                         help="inference time of each multi-task method relative to the plain model (paper Fig. 3)",
+                         description="Times vanilla, AoT (fused, factored), unfused LoRA, adapters, P-Tuning v1/v2 "
+                                     "side by side in one process (rotating order) and writes overhead.json, "
+                                     "overhead.md and overhead.png.")
+    o.add_argument("--models", type=_names, default=["minilm"],
+                   help="minilm (real weights) and/or random models of shape bert-base, roberta-base, "
+                        "roberta-large, deberta-v2-xlarge")
+    o.add_argument("--batch", type=_ints, default=[1, 16, 64], help="batch sizes")
+    o.add_argument("--seq", type=_ints, default=[64, 128, 384], help="sequence lengths")
+    o.add_argument("--methods", type=_names, default=None, help="subset of methods (vanilla is always run)")
+    o.add_argument("--engine", choices=["torch", "onnxruntime"], default="torch")
+    o.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    o.add_argument("--cuda-graphs", action="store_true", help="torch on cuda: replay each method as a CUDA graph")
+    o.add_argument("--dtype", choices=["auto", "fp32", "fp16", "bf16"], default="auto", help="auto: fp16 on cuda")
+    o.add_argument("--rank", type=_positive_int, default=8, help="LoRA rank (and FC rank of aot-factored)")
+    o.add_argument("--adapter-rank", type=_positive_int, default=64)
+    o.add_argument("--prompt-length", type=_positive_int, default=20, help="p of P-Tuning v1/v2")
+    o.add_argument("--warmup", type=_positive_int, default=3)
+    o.add_argument("--repeats", type=_positive_int, default=20)
+    o.add_argument("--out", required=True)
+    o.add_argument("--no-progress", action="store_true")
+    o.set_defaults(run=run_overhead)
+
     a = kinds.add_parser("accuracy", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                          help="sweep methods over a small grid from the paper's Table 2, then retrain over seeds",
                          description="For each dataset and method: train every grid point (seed 0), pick the best on "
@@ -46,6 +70,18 @@ def add_bench(sub) -> None:
     a.add_argument("--workers", type=_positive_int, default=1, help="parallel training processes")
     a.add_argument("--no-progress", action="store_true")
     a.set_defaults(run=run_accuracy)
+
+
+def run_overhead(args) -> int:
+    from benchmarks.overhead import METHODS, OverheadConfig, run_overhead as run
+
+    config = OverheadConfig(models=args.models, batches=args.batch, seqs=args.seq,
+                            methods=args.methods or list(METHODS), engine=args.engine, device=args.device,
+                            cuda_graphs=args.cuda_graphs, rank=args.rank, adapter_rank=args.adapter_rank,
+                            prompt_length=args.prompt_length, warmup=args.warmup, repeats=args.repeats,
+                            out=args.out, dtype=args.dtype)
+    print(json.dumps(run(config, progress=not args.no_progress)))
+    return 0
 
 
 def run_accuracy(args) -> int:

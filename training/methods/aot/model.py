@@ -29,8 +29,14 @@ class BiasedEncoder(nn.Module):
         self.num_layers = len(architecture.layers(encoder))
         self.hidden_size = int(encoder.config.hidden_size)
         self._bias: tuple[torch.Tensor, torch.Tensor] | None = None
-        for i, layer in enumerate(architecture.layers(encoder)):
-            layer.register_forward_pre_hook(partial(self._add_bias, i), with_kwargs=True)
+        self._hooks = [layer.register_forward_pre_hook(partial(self._add_bias, i), with_kwargs=True)
+                       for i, layer in enumerate(architecture.layers(encoder))]
+
+    def remove_hooks(self) -> None:
+        """Detach from the encoder (benchmarks share one encoder between methods)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def _add_bias(self, i: int, module: nn.Module, args: tuple, kwargs: dict):
         if self._bias is None:

@@ -1,0 +1,581 @@
+"""`aot bench overhead`: the paper's inference-overhead comparison (section 4.4, Figure 3), side by side in one run.
+
+Every method is timed as the multi-task-capable computation a server would run, on one shared encoder:
+
+    vanilla       the plain encoder (also the cost of BitFit and of fused LoRA)
+    aot-fused     AoT with a fused table: host lookup of the batch's distinct tokens (memory-mapped table), rows
+                  and index to the device, one gather + add per layer. The lookup is inside the timed region.
+    aot-factored  AoT computing its rows on the fly from the FC factors (rank --rank)
+    lora          unfused LoRA on query/value with per-row adapters (batched low-rank matmuls, rank --rank)
+    adapter       Houlsby adapters with per-row weights (bottleneck --adapter-rank)
+    prompt        P-Tuning v1: p prompt vectors per row before the input (sequence S + p)
+    prefix        P-Tuning v2: p key/value prefixes per row in every layer
+
+Timing: warm-up, then rounds in which every method runs once, in a rotating order (A B C, B C A, ...); the ratio to
+vanilla is taken round by round and its median reported, so that drift of the machine cancels out.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from benchmarks.report import markdown_table, new_figure, save_figure, write_json, write_text
+from exporter import interface as io
+from training.backbone import Architecture, architecture_for, encoder_from_config, load_encoder
+from training.methods.aot.config import FCConfig
+from training.methods.aot.layer import FCPrompt
+from training.methods.aot.model import BiasedEncoder
+
+METHODS = ("vanilla", "aot-fused", "aot-factored", "lora", "adapter", "prompt", "prefix")
+
+
+def _model_configs() -> dict[str, Callable]:
+    from transformers import BertConfig, DebertaV2Config, RobertaConfig
+
+    return {
+        "bert-base": lambda: BertConfig(),
+        "roberta-base": lambda: RobertaConfig(vocab_size=50265, max_position_embeddings=514, type_vocab_size=1,
+                                              pad_token_id=1),
+        "roberta-large": lambda: RobertaConfig(vocab_size=50265, hidden_size=1024, num_hidden_layers=24,
+                                               num_attention_heads=16, intermediate_size=4096,
+                                               max_position_embeddings=514, type_vocab_size=1, pad_token_id=1),
+        "deberta-v2-xlarge": lambda: DebertaV2Config(vocab_size=128100, hidden_size=1536, num_hidden_layers=24,
+                                                     num_attention_heads=24, intermediate_size=6144,
+                                                     max_position_embeddings=512, type_vocab_size=0,
+                                                     relative_attention=True, position_buckets=256,
+                                                     pos_att_type=["p2c", "c2p"], position_biased_input=False,
+                                                     norm_rel_ebd="layer_norm", share_att_key=True),
+    }
+
+
+def load_model(name: str) -> torch.nn.Module:
+    """`minilm` (the real weights) or a random model of a named shape (speed needs no trained weights)."""
+    if name == "minilm":
+        return load_encoder("minilm")
+    configs = _model_configs()
+    if name not in configs:
+        raise ValueError(f"unknown model {name!r}: expected minilm or one of {', '.join(configs)}")
+    return encoder_from_config(configs[name]())
+
+
+@dataclass
+class OverheadConfig:
+    models: list[str]
+    batches: list[int]
+    seqs: list[int]
+    methods: list[str]
+    engine: str = "torch"  # torch | onnxruntime
+    device: str = "cpu"
+    cuda_graphs: bool = False
+    rank: int = 8  # LoRA rank and FC rank of aot-factored
+    adapter_rank: int = 64
+    prompt_length: int = 20
+    warmup: int = 3
+    repeats: int = 20
+    out: str = "runs/bench"
+    dtype: str = "auto"  # fp16 on cuda, fp32 on cpu
+
+
+@dataclass
+class Case:
+    """One (model, batch, seq) and its inputs on the device."""
+
+    encoder: torch.nn.Module
+    arch: Architecture
+    batch: int
+    seq: int
+    device: torch.device
+    dtype: torch.dtype
+    ids: torch.Tensor
+    mask: torch.Tensor
+    token_types: torch.Tensor | None
+    ids_host: np.ndarray = field(repr=False, default=None)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _encode(case: Case, inputs_embeds=None, attention_mask=None, **kw) -> torch.Tensor:
+    mask = case.mask if attention_mask is None else attention_mask
+    inputs = {"input_ids": case.ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
+    if case.token_types is not None:
+        inputs["token_type_ids"] = case.token_types if inputs_embeds is None else torch.zeros_like(mask)
+    return case.encoder(**inputs, attention_mask=mask, **kw).last_hidden_state[:, 0]
+
+
+class Method:
+    """A runnable method: `setup` (hooks, weights; untimed), `__call__` (timed), `teardown` (untimed)."""
+
+    name = ""
+
+    def __init__(self, case: Case, config: OverheadConfig):
+        self.case, self.config = case, config
+
+    def setup(self) -> None:
+        pass
+
+    def teardown(self) -> None:
+        pass
+
+    def __call__(self) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Vanilla(Method):
+    name = "vanilla"
+
+    def __call__(self):
+        return _encode(self.case)
+
+
+class AoTFused(Method):
+    """Host lookup from a memory-mapped fused table, then the biased encoder."""
+
+    name = "aot-fused"
+
+    def __init__(self, case, config, table: np.ndarray):
+        super().__init__(case, config)
+        self.table = table
+        self.pinned = case.device.type == "cuda"
+
+    def setup(self):
+        self.biased = BiasedEncoder(self.case.encoder, self.case.arch)
+
+    def teardown(self):
+        self.biased.remove_hooks()
+
+    def lookup(self) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = self.case.ids_host
+        unique, inverse = np.unique(ids, return_inverse=True)
+        rows = torch.from_numpy(np.ascontiguousarray(self.table[unique]))
+        index = torch.from_numpy(inverse.reshape(ids.shape).astype(np.int32))
+        if self.pinned:
+            rows, index = rows.pin_memory(), index.pin_memory()
+        return rows.to(self.case.device, non_blocking=True), index.to(self.case.device, non_blocking=True)
+
+    def __call__(self):
+        rows, index = self.lookup()
+        c = self.case
+        return self.biased(c.ids, c.mask, c.token_types, rows, index)
+
+
+class AoTFactored(Method):
+    name = "aot-factored"
+
+    def setup(self):
+        c = self.case
+        L, d = len(c.arch.layers(c.encoder)), c.encoder.config.hidden_size
+        self.prompt = FCPrompt(FCConfig(rank=self.config.rank), L, d, embedding_std=0.05).to(c.device, c.dtype).eval()
+        with torch.no_grad():
+            self.prompt.w2.normal_(0, 0.02)
+        self.biased = BiasedEncoder(c.encoder, c.arch)
+        self.embeddings = c.encoder.get_input_embeddings().weight
+
+    def teardown(self):
+        self.biased.remove_hooks()
+
+    def __call__(self):
+        c = self.case
+        unique, inverse = torch.unique(c.ids, return_inverse=True)
+        return self.biased(c.ids, c.mask, c.token_types, self.prompt.rows(unique, self.embeddings), inverse)
+
+
+class _PerRowHooks(Method):
+    """Per-row (per-request) low-rank weights attached by forward hooks for the timed call only."""
+
+    sites: tuple[str, ...] = ()
+    rank = 8
+
+    def _weights(self, d: int, r: int):
+        c = self.case
+        g = torch.Generator(device="cpu").manual_seed(0)
+        down = (torch.randn(c.batch, d, r, generator=g) * 0.02).to(c.device, c.dtype)
+        up = (torch.randn(c.batch, r, d, generator=g) * 0.02).to(c.device, c.dtype)
+        return down, up
+
+    def setup(self):
+        c = self.case
+        self.handles = []
+        for layer in c.arch.layers(c.encoder):
+            for site in self.sites:
+                module = layer.get_submodule(site)
+                down, up = self._weights(module.in_features if self.name == "lora" else module.out_features, self.rank)
+                self.handles.append(module.register_forward_hook(self._hook(down, up)))
+
+    def teardown(self):
+        for h in self.handles:
+            h.remove()
+
+    def __call__(self):
+        return _encode(self.case)
+
+
+class LoraUnfused(_PerRowHooks):
+    name = "lora"
+
+    def setup(self):
+        c = self.case
+        self.sites = tuple(n for n, m in c.arch.layers(c.encoder)[0].named_modules()
+                           if n.split(".")[-1] in c.arch.lora_targets)
+        self.rank = self.config.rank
+        super().setup()
+
+    @staticmethod
+    def _hook(down, up):
+        def hook(module, args, out):
+            return out + torch.bmm(torch.bmm(args[0], down), up)
+        return hook
+
+
+class AdapterPerRow(_PerRowHooks):
+    name = "adapter"
+
+    def setup(self):
+        self.sites = self.case.arch.adapter_sites
+        self.rank = self.config.adapter_rank
+        super().setup()
+
+    @staticmethod
+    def _hook(down, up):
+        def hook(module, args, out):
+            return out + torch.bmm(F.gelu(torch.bmm(out, down)), up)
+        return hook
+
+
+class PromptV1(Method):
+    name = "prompt"
+
+    def setup(self):
+        c, p = self.case, self.config.prompt_length
+        d = c.encoder.config.hidden_size
+        self.prompts = torch.randn(c.batch, p, d, device=c.device, dtype=c.dtype) * 0.02
+        self.embed = c.encoder.get_input_embeddings()
+        self.ones = torch.ones(c.batch, p, dtype=c.mask.dtype, device=c.device)
+
+    def __call__(self):
+        c = self.case
+        embeds = torch.cat([self.prompts, self.embed(c.ids)], dim=1)
+        return _encode(c, inputs_embeds=embeds, attention_mask=torch.cat([self.ones, c.mask], dim=1))
+
+
+class PrefixV2(Method):
+    name = "prefix"
+
+    def setup(self):
+        c, p = self.case, self.config.prompt_length
+        if c.arch.model_type == "deberta-v2":
+            raise NotImplementedError("prefix tuning is not supported for deberta-v2 (no key/value cache)")
+        cfg = c.encoder.config
+        heads, d = cfg.num_attention_heads, cfg.hidden_size
+        shape = (c.batch, heads, p, d // heads)
+        self.kv = [(torch.randn(shape, device=c.device, dtype=c.dtype), torch.randn(shape, device=c.device, dtype=c.dtype))
+                   for _ in range(cfg.num_hidden_layers)]
+        self.ones = torch.ones(c.batch, p, dtype=c.mask.dtype, device=c.device)
+
+    def __call__(self):
+        from transformers import DynamicCache
+
+        c = self.case
+        cache = DynamicCache()
+        for i, (k, v) in enumerate(self.kv):
+            cache.update(k, v, i)
+        return _encode(c, attention_mask=torch.cat([self.ones, c.mask], dim=1), past_key_values=cache, use_cache=False)
+
+
+class CudaGraph(Method):
+    """A method captured in a CUDA graph; host-side work (the AoT lookup) stays outside and fills static buffers."""
+
+    def __init__(self, inner: Method):
+        super().__init__(inner.case, inner.config)
+        self.inner, self.name = inner, inner.name
+
+    def setup(self):
+        self.inner.setup()
+        c = self.case
+        if isinstance(self.inner, AoTFused):
+            rows, index = self.inner.lookup()
+            n = c.batch * c.seq  # static capacity: every token distinct
+            self.rows = torch.zeros((n, *rows.shape[1:]), dtype=rows.dtype, device=c.device)
+            self.index = torch.zeros_like(index)
+            body = lambda: self.inner.biased(c.ids, c.mask, c.token_types, self.rows, self.index)  # noqa: E731
+        elif isinstance(self.inner, AoTFactored):
+            inner = self.inner
+            flat = c.ids.reshape(-1)
+            positions = torch.arange(flat.numel(), device=c.device).reshape(c.ids.shape)
+            body = lambda: inner.biased(c.ids, c.mask, c.token_types, inner.prompt.rows(flat, inner.embeddings),  # noqa: E731
+                                        positions)
+        else:
+            body = self.inner
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                body()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.output = body()
+
+    def teardown(self):
+        self.inner.teardown()
+
+    def __call__(self):
+        if isinstance(self.inner, AoTFused):
+            rows, index = self.inner.lookup()
+            self.rows[: rows.shape[0]].copy_(rows, non_blocking=True)
+            self.index.copy_(index, non_blocking=True)
+        self.graph.replay()
+        return self.output
+
+
+METHOD_CLASSES = {"vanilla": Vanilla, "aot-fused": AoTFused, "aot-factored": AoTFactored, "lora": LoraUnfused,
+                  "adapter": AdapterPerRow, "prompt": PromptV1, "prefix": PrefixV2}
+
+
+def fused_table(vocab: int, layers: int, hidden: int, folder: Path) -> np.ndarray:
+    """A [V, L, d] fp16 table as served: memory-mapped from disk (a sparse file: its content does not matter)."""
+    path = folder / f"table-{vocab}-{layers}-{hidden}.npy"
+    if not path.exists():
+        table = np.lib.format.open_memmap(path, mode="w+", dtype=np.float16, shape=(vocab, layers, hidden))
+        table[:: max(1, vocab // 64)] = 0.01  # touch a few pages so that the file is a real table
+        table.flush()
+        del table
+    return np.load(path, mmap_mode="r")
+
+
+def make_case(encoder, batch: int, seq: int, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Case:
+    arch = architecture_for(encoder.config)
+    g = torch.Generator().manual_seed(seed)
+    vocab = encoder.config.vocab_size
+    ids = torch.randint(5, vocab, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    types = torch.zeros(batch, seq, dtype=torch.long) if arch.uses_token_type_ids(encoder.config) else None
+    return Case(encoder, arch, batch, seq, device, dtype, ids.to(device), mask.to(device),
+                None if types is None else types.to(device), ids.numpy())
+
+
+def time_methods(methods: dict[str, Method], warmup: int, repeats: int, device: torch.device) -> dict[str, list[float]]:
+    """Rounds of every method once, in rotating order; returns per-method times (ms), aligned by round."""
+    names = list(methods)
+    times = {n: [] for n in names}
+    with torch.inference_mode():
+        for r in range(warmup + repeats):
+            order = names[r % len(names):] + names[: r % len(names)]
+            for n in order:
+                m = methods[n]
+                m.setup()
+                _sync(device)
+                start = time.perf_counter()
+                m()
+                _sync(device)
+                elapsed = (time.perf_counter() - start) * 1e3
+                m.teardown()
+                if r >= warmup:
+                    times[n].append(elapsed)
+    return times
+
+
+def run_torch(config: OverheadConfig, progress: bool = True) -> list[dict]:
+    from tqdm.auto import tqdm
+
+    device = torch.device(config.device)
+    dtype = {"auto": torch.float16 if device.type == "cuda" else torch.float32, "fp16": torch.float16,
+             "fp32": torch.float32, "bf16": torch.bfloat16}[config.dtype]
+    records = []
+    scratch = Path(tempfile.mkdtemp(prefix="aot-bench-"))
+    sizes = [(b, s) for b in config.batches for s in config.seqs]
+    bar = tqdm(total=len(config.models) * len(sizes), desc="overhead", disable=not progress)
+    for model_name in config.models:
+        encoder = load_model(model_name).to(device, dtype).eval()
+        L = len(architecture_for(encoder.config).layers(encoder))
+        d, V = encoder.config.hidden_size, encoder.config.vocab_size
+        table = fused_table(V, L, d, scratch)
+        for batch, seq in sizes:
+            case = make_case(encoder, batch, seq, device, dtype)
+            methods, skipped = {}, {}
+            for name in config.methods:
+                cls = METHOD_CLASSES[name]
+                method = cls(case, config, table) if cls is AoTFused else cls(case, config)
+                try:
+                    if config.cuda_graphs:
+                        method = CudaGraph(method)
+                    method.setup()
+                    with torch.inference_mode():
+                        method()
+                    method.teardown()
+                    methods[name] = method
+                except (NotImplementedError, RuntimeError, ValueError) as exc:
+                    skipped[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            if config.cuda_graphs:  # graphs were captured in the trial run above; keep them (setup is capture)
+                for m in methods.values():
+                    m.setup = lambda: None  # noqa: E731
+                    m.teardown = lambda: None  # noqa: E731
+            times = time_methods(methods, config.warmup, config.repeats, device)
+            base = times.get("vanilla")
+            for name in config.methods:
+                record = {"model": model_name, "method": name, "batch": batch, "seq": seq, "engine": "torch",
+                          "device": device.type, "dtype": str(dtype).removeprefix("torch."),
+                          "cuda_graphs": config.cuda_graphs, "repeats": config.repeats}
+                if name in skipped:
+                    records.append({**record, "median_ms": None, "ratio_to_vanilla": None, "skipped": skipped[name]})
+                    continue
+                t = times[name]
+                ratios = [a / b for a, b in zip(t, base)] if base else []
+                records.append({**record, "median_ms": round(statistics.median(t), 4),
+                                "p10_ms": round(float(np.percentile(t, 10)), 4),
+                                "p90_ms": round(float(np.percentile(t, 90)), 4),
+                                "ratio_to_vanilla": round(statistics.median(ratios), 4) if ratios else None,
+                                "ratio_p10": round(float(np.percentile(ratios, 10)), 4) if ratios else None,
+                                "ratio_p90": round(float(np.percentile(ratios, 90)), 4) if ratios else None})
+            bar.update(1)
+        del encoder
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    bar.close()
+    return records
+
+
+# --- ONNX Runtime: the exported graphs a CPU server runs --------------------------------------------------------
+
+def run_onnxruntime(config: OverheadConfig, progress: bool = True) -> list[dict]:
+    """vanilla and AoT through the exporter's optimized graphs (aot-fused with the host lookup timed); other methods
+    are exported from the same torch modules (TorchScript exporter, ORT transformer optimizer) at each size."""
+    from tqdm.auto import tqdm
+
+    from exporter.onnx_export import export_backbone_graph, session
+    from training.backbone import Backbone
+
+    records = []
+    scratch = Path(tempfile.mkdtemp(prefix="aot-bench-ort-"))
+    sizes = [(b, s) for b in config.batches for s in config.seqs]
+    bar = tqdm(total=len(config.models) * len(sizes), desc="overhead (onnxruntime)", disable=not progress)
+    for model_name in config.models:
+        encoder = load_model(model_name).eval()
+        arch = architecture_for(encoder.config)
+        backbone = Backbone(model_name, encoder, None, "bench")
+        L, d, V = backbone.num_layers, backbone.hidden_size, encoder.config.vocab_size
+        table = fused_table(V, L, d, scratch)
+        graphs = {"vanilla": export_backbone_graph(backbone, scratch / model_name / "vanilla", aot=False),
+                  "aot": export_backbone_graph(backbone, scratch / model_name / "aot", aot=True)}
+        sessions = {k: session(g.optimized) for k, g in graphs.items()}
+        prompt = FCPrompt(FCConfig(rank=config.rank), L, d, embedding_std=0.05).eval()
+        embeddings = encoder.get_input_embeddings().weight
+        for batch, seq in sizes:
+            case = make_case(encoder, batch, seq, torch.device("cpu"), torch.float32)
+            feeds = {io.INPUT_IDS: case.ids.numpy(), io.ATTENTION_MASK: case.mask.numpy()}
+            if case.token_types is not None:
+                feeds[io.TOKEN_TYPE_IDS] = case.token_types.numpy()
+
+            def aot_feeds(rows_of):
+                per_seq = [np.unique(row, return_inverse=True) for row in case.ids_host]
+                rows = [rows_of(u) for u, _ in per_seq]
+                lengths = [r.size for r in rows]
+                return {**feeds, io.AOT_ROWS: np.concatenate([r.reshape(-1) for r in rows]).astype(np.float16),
+                        io.AOT_INDEX: np.stack([inv.astype(np.int32) for _, inv in per_seq]),
+                        io.AOT_ROW_OFFSETS: np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)}
+
+            def factored_rows(unique):
+                with torch.no_grad():
+                    return prompt.rows(torch.from_numpy(unique), embeddings).numpy()
+
+            runners = {"vanilla": lambda: sessions["vanilla"].run(None, feeds),
+                       "aot-fused": lambda: sessions["aot"].run(None, aot_feeds(lambda u: table[u])),
+                       "aot-factored": lambda: sessions["aot"].run(None, aot_feeds(factored_rows))}
+            methods = {n: _Callable(n, r) for n, r in runners.items() if n in config.methods}
+            skipped = {n: "onnxruntime engine times vanilla and AoT graphs only; use --engine torch for the others"
+                       for n in config.methods if n not in runners}
+            times = time_methods(methods, config.warmup, config.repeats, torch.device("cpu"))
+            base = times.get("vanilla")
+            for name in config.methods:
+                record = {"model": model_name, "method": name, "batch": batch, "seq": seq, "engine": "onnxruntime",
+                          "device": "cpu", "dtype": "float32", "cuda_graphs": False, "repeats": config.repeats}
+                if name in skipped:
+                    records.append({**record, "median_ms": None, "ratio_to_vanilla": None, "skipped": skipped[name]})
+                    continue
+                t = times[name]
+                ratios = [a / b for a, b in zip(t, base)] if base else []
+                records.append({**record, "median_ms": round(statistics.median(t), 4),
+                                "p10_ms": round(float(np.percentile(t, 10)), 4),
+                                "p90_ms": round(float(np.percentile(t, 90)), 4),
+                                "ratio_to_vanilla": round(statistics.median(ratios), 4) if ratios else None,
+                                "ratio_p10": round(float(np.percentile(ratios, 10)), 4) if ratios else None,
+                                "ratio_p90": round(float(np.percentile(ratios, 90)), 4) if ratios else None})
+            bar.update(1)
+    bar.close()
+    return records
+
+
+class _Callable(Method):
+    def __init__(self, name: str, fn: Callable):
+        self.name, self.fn = name, fn
+
+    def __call__(self):
+        return self.fn()
+
+
+# --- reports ----------------------------------------------------------------------------------------------------
+
+def write_reports(records: list[dict], out: Path, title: str) -> None:
+    write_json(out / "overhead.json", records)
+    rows = []
+    for r in records:
+        rows.append({**r, "ratio": "-" if r["ratio_to_vanilla"] is None else f"{r['ratio_to_vanilla']:.3f}",
+                     "spread": "" if r.get("ratio_p10") is None else f"{r['ratio_p10']:.3f}-{r['ratio_p90']:.3f}",
+                     "ms": "-" if r["median_ms"] is None else f"{r['median_ms']:.3f}"})
+    text = f"# {title}\n\n" + markdown_table(
+        rows, ["model", "engine", "device", "batch", "seq", "method", "ms", "ratio", "spread"],
+        ["model", "engine", "device", "batch", "seq", "method", "median ms", "× vanilla", "ratio p10-p90"])
+    skipped = sorted({(r["method"], r["skipped"]) for r in records if r.get("skipped")})
+    if skipped:
+        text += "\nNot run: " + "; ".join(f"{m} ({why})" for m, why in skipped) + "\n"
+    write_text(out / "overhead.md", text)
+    _plot(records, out / "overhead.png", title)
+
+
+def _plot(records: list[dict], path: Path, title: str) -> None:
+    sizes = sorted({(r["model"], r["batch"], r["seq"]) for r in records})
+    methods = [m for m in METHODS if any(r["method"] == m for r in records)]
+    fig, ax = new_figure(max(8, 0.6 * len(sizes) + 3), 4.5)
+    width = 0.8 / max(1, len(methods))
+    for k, method in enumerate(methods):
+        values = []
+        for size in sizes:
+            match = [r for r in records if (r["model"], r["batch"], r["seq"]) == size and r["method"] == method]
+            values.append(match[0]["ratio_to_vanilla"] if match and match[0]["ratio_to_vanilla"] else np.nan)
+        ax.bar(np.arange(len(sizes)) + k * width, values, width, label=method)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(np.arange(len(sizes)) + width * (len(methods) - 1) / 2)
+    ax.set_xticklabels([f"{m}\nb{b} s{s}" for m, b, s in sizes], fontsize=7)
+    ax.set_ylabel("time / vanilla")
+    ax.set_title(title)
+    ax.legend(fontsize=7, ncol=min(4, len(methods)))
+    save_figure(fig, path)
+
+
+def run_overhead(config: OverheadConfig, progress: bool = True) -> dict:
+    unknown = [m for m in config.methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}: expected some of {', '.join(METHODS)}")
+    if "vanilla" not in config.methods:
+        config.methods = ["vanilla", *config.methods]
+    if config.cuda_graphs and config.device != "cuda":
+        raise ValueError("--cuda-graphs needs --device cuda")
+    if config.engine == "onnxruntime" and config.device != "cpu":
+        raise ValueError("--engine onnxruntime runs on --device cpu here (the CUDA provider is not installed)")
+    runner = run_torch if config.engine == "torch" else run_onnxruntime
+    records = runner(config, progress)
+    out = Path(config.out)
+    graphs = " + CUDA graphs" if config.cuda_graphs else ""
+    write_reports(records, out, f"Inference overhead, {config.engine}{graphs} on {config.device}")
+    return {"out": str(out), "records": len(records), "config": asdict(config)}
