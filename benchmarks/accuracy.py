@@ -170,7 +170,6 @@ def _task_data(dataset: str) -> TaskData:
 def _execute(config: SweepConfig, run: Run, runs_dir: Path) -> dict:
     """Train one run in a scratch folder and write its record; unsupported methods are recorded as skipped."""
     from training.api import train_task
-    from training.trainer import seed_everything
 
     data = _task_data(run.dataset)
     record = dict.fromkeys(RECORD_FIELDS)
@@ -179,9 +178,6 @@ def _execute(config: SweepConfig, run: Run, runs_dir: Path) -> dict:
                   rank_field=method_spec(run.method).config_cls.rank_field, rank=run.point.rank, seed=run.seed,
                   phase=run.phase, metric=data.spec.metric, settings=config.train_settings())
     with tempfile.TemporaryDirectory(prefix="aot-accuracy-") as scratch:
-        # train_task builds the model before the trainer seeds, so its initial weights would otherwise depend on
-        # what this process ran before (in-process vs a fresh worker, or a resumed sweep).
-        seed_everything(run.seed)
         try:
             result = train_task(model=config.model, data=run.dataset, method=run.method,
                                 out=str(Path(scratch) / "task"), rank=run.point.rank, lr=run.point.lr,

@@ -153,3 +153,15 @@ def test_unsupported_architecture_is_named(tmp_path):
 
     with pytest.raises(BackboneError, match="unsupported model_type 'gpt2'"):
         encoder_from_config(GPT2Config(n_layer=1, n_embd=8, n_head=2))
+
+
+def test_same_seed_same_model_whatever_ran_before(tmp_path, sentiment_dir, tiny_models):
+    """The method's random init is seeded: the same run gives the same weights after unrelated random draws."""
+    kw = dict(model=str(tiny_models["bert"]), data=str(sentiment_dir), method="kron", **{**FAST, "epochs": 1})
+    train_task(out=str(tmp_path / "a"), **kw)
+    torch.randn(1000)  # unrelated use of the global generator
+    train_task(out=str(tmp_path / "b"), **kw)
+    from training.artifact import read_task
+
+    a, b = read_task(tmp_path / "a").weights(), read_task(tmp_path / "b").weights()
+    assert all(torch.equal(a[k], b[k]) for k in a)

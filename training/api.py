@@ -10,7 +10,7 @@ from training.data import load_task_data
 from training.data.task import TaskData
 from training.methods.base import make_config, method_spec
 from training.model import build_task_model, trainable_parameter_count
-from training.trainer import TrainConfig, encode, predict_logits, resolve_device, score, train
+from training.trainer import TrainConfig, encode, predict_logits, resolve_device, score, seed_everything, train
 
 
 def train_task(model: str, data: str, method: str, out: str, rank: int | None = None, lr: float | None = None,
@@ -26,6 +26,7 @@ def train_task(model: str, data: str, method: str, out: str, rank: int | None = 
     train_config = TrainConfig(lr=lr or spec_method.default_lr, batch_size=batch_size, epochs=epochs,
                                patience=patience, max_length=max_length, seed=seed, eval_every=eval_every,
                                max_train_samples=max_train_samples, time_budget=time_budget, device=device)
+    seed_everything(seed)  # the method's random init must depend on the seed alone, not on what ran before
     task_model = build_task_model(backbone, config, task_data.spec)
     result = train(task_model, task_data, backbone.tokenizer, train_config, progress=progress)
     spec = task_data.spec
