@@ -388,7 +388,8 @@ def time_methods(methods: dict[str, Method], warmup: int, repeats: int, device: 
     return times
 
 
-def run_torch(config: OverheadConfig, progress: bool = True) -> list[dict]:
+def run_torch(config: OverheadConfig, progress: bool = True, on_size: Callable[[list[dict]], None] = lambda r: None,
+              ) -> list[dict]:
     from tqdm.auto import tqdm
 
     device = torch.device(config.device)
@@ -440,6 +441,7 @@ def run_torch(config: OverheadConfig, progress: bool = True) -> list[dict]:
                                 "ratio_to_vanilla": round(statistics.median(ratios), 4) if ratios else None,
                                 "ratio_p10": round(float(np.percentile(ratios, 10)), 4) if ratios else None,
                                 "ratio_p90": round(float(np.percentile(ratios, 90)), 4) if ratios else None})
+            on_size(records)
             bar.update(1)
         del encoder
         if device.type == "cuda":
@@ -450,7 +452,8 @@ def run_torch(config: OverheadConfig, progress: bool = True) -> list[dict]:
 
 # --- ONNX Runtime: the exported graphs a CPU server runs --------------------------------------------------------
 
-def run_onnxruntime(config: OverheadConfig, progress: bool = True) -> list[dict]:
+def run_onnxruntime(config: OverheadConfig, progress: bool = True,
+                    on_size: Callable[[list[dict]], None] = lambda r: None) -> list[dict]:
     """vanilla and AoT through the exporter's optimized graphs (aot-fused with the host lookup timed); other methods
     are exported from the same torch modules (TorchScript exporter, ORT transformer optimizer) at each size."""
     from tqdm.auto import tqdm
@@ -513,6 +516,7 @@ def run_onnxruntime(config: OverheadConfig, progress: bool = True) -> list[dict]
                                 "ratio_to_vanilla": round(statistics.median(ratios), 4) if ratios else None,
                                 "ratio_p10": round(float(np.percentile(ratios, 10)), 4) if ratios else None,
                                 "ratio_p90": round(float(np.percentile(ratios, 90)), 4) if ratios else None})
+            on_size(records)
             bar.update(1)
     bar.close()
     return records
@@ -576,8 +580,9 @@ def run_overhead(config: OverheadConfig, progress: bool = True) -> dict:
     if config.engine == "onnxruntime" and config.device != "cpu":
         raise ValueError("--engine onnxruntime runs on --device cpu here (the CUDA provider is not installed)")
     runner = run_torch if config.engine == "torch" else run_onnxruntime
-    records = runner(config, progress)
     out = Path(config.out)
     graphs = " + CUDA graphs" if config.cuda_graphs else ""
-    write_reports(records, out, f"Inference overhead, {config.engine}{graphs} on {config.device}")
+    title = f"Inference overhead, {config.engine}{graphs} on {config.device}"
+    # reports are rewritten after every size: an interrupted run keeps what it measured
+    records = runner(config, progress, on_size=lambda recs: write_reports(recs, out, title))
     return {"out": str(out), "records": len(records), "config": asdict(config)}
