@@ -33,8 +33,8 @@ def add_bench(sub) -> None:
                                      "side by side in one process (rotating order) and writes overhead.json, "
                                      "overhead.md and overhead.png.")
     o.add_argument("--models", type=_names, default=["minilm"],
-                   help="minilm (real weights) and/or random models of shape bert-base, roberta-base, "
-                        "roberta-large, deberta-v2-xlarge")
+                   help="minilm (real weights), local model folders, and/or random models of shape bert-base, "
+                        "roberta-base, roberta-large, deberta-v2-xlarge")
     o.add_argument("--batch", type=_ints, default=[1, 16, 64], help="batch sizes")
     o.add_argument("--seq", type=_ints, default=[64, 128, 384], help="sequence lengths")
     o.add_argument("--methods", type=_names, default=None, help="subset of methods (vanilla is always run)")
@@ -50,6 +50,23 @@ def add_bench(sub) -> None:
     o.add_argument("--out", required=True)
     o.add_argument("--no-progress", action="store_true")
     o.set_defaults(run=run_overhead)
+
+    s = kinds.add_parser("serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                         help="end to end through the local tritonserver: AoT vs vanilla ensembles, memory, latency",
+                         description="Builds a repository from one task artifact (or uses a scratch --repo), "
+                                     "publishes N copies of the task, and measures start-up, RSS, throughput and "
+                                     "p50/p99 latency of the AoT ensemble (1 and 8 mixed tasks) against the vanilla "
+                                     "ensemble; writes serve.json, serve.md and serve.png.")
+    s.add_argument("--task", required=True, help="an AoT task artifact (fc or kron)")
+    s.add_argument("--out", required=True)
+    s.add_argument("--repo", default=None, help="scratch repository to use (its tasks are replaced); default: a "
+                                                "temporary one")
+    s.add_argument("--tasks", type=_ints, default=[1, 8, 32], help="task counts for the memory measurement")
+    s.add_argument("--concurrency", type=_ints, default=[1, 8, 32])
+    s.add_argument("--storage", type=_names, default=["fused", "factored"])
+    s.add_argument("--requests", type=_positive_int, default=200, help="requests per measurement")
+    s.add_argument("--no-progress", action="store_true")
+    s.set_defaults(run=run_serve)
 
     a = kinds.add_parser("accuracy", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                          help="sweep methods over a small grid from the paper's Table 2, then retrain over seeds",
@@ -81,6 +98,19 @@ def run_overhead(args) -> int:
                             prompt_length=args.prompt_length, warmup=args.warmup, repeats=args.repeats,
                             out=args.out, dtype=args.dtype)
     print(json.dumps(run(config, progress=not args.no_progress)))
+    return 0
+
+
+def run_serve(args) -> int:
+    from benchmarks.serve import ServeBenchConfig, run_serve_bench
+
+    bad = [s for s in args.storage if s not in ("fused", "factored")]
+    if bad:
+        raise ValueError(f"unknown storage {bad}: expected fused and/or factored")
+    config = ServeBenchConfig(task=args.task, out=args.out, repo=args.repo, task_counts=tuple(args.tasks),
+                              concurrency=tuple(args.concurrency), storages=tuple(args.storage),
+                              requests=args.requests)
+    print(json.dumps(run_serve_bench(config, progress=not args.no_progress)))
     return 0
 
 

@@ -62,8 +62,8 @@ def load_model(name: str, attn_implementation: str = "eager") -> torch.nn.Module
 
     On CUDA, BERT/RoBERTa use SDPA attention (the fast GPU kernel; with no mask it builds none, so the forward can be
     captured in a CUDA graph); DeBERTa-v2 has only its own attention."""
-    if name == "minilm":
-        return load_encoder("minilm", attn_implementation)
+    if name == "minilm" or Path(name).is_dir():
+        return load_encoder(name, attn_implementation)
     configs = _model_configs()
     if name not in configs:
         raise ValueError(f"unknown model {name!r}: expected minilm or one of {', '.join(configs)}")

@@ -1,0 +1,243 @@
+"""`aot bench serve`: end to end through the real local tritonserver.
+
+From one task artifact it builds a repository (or reuses --repo), publishes N copies of the task (fused and/or
+factored storage) and measures, each on a fresh server:
+
+    memory      start-to-ready seconds and RSS of tritonserver and its python stubs with N tasks in the store,
+                after one request to every task (fused tables are memory-mapped: only touched rows count)
+    latency     the AoT ensemble (1 task, or 8 tasks mixed request by request) against the vanilla ensemble (same
+                tokenizer and head steps, backbone without bias inputs, 1 task) at each concurrency: throughput,
+                p50/p99 latency, errors, and the bytes the lookup moves to the backbone per request (and the dense
+                per-token bias it replaces)
+
+Clients are closed-loop threads on the same machine as the server (they share its cores).
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.report import markdown_table, new_figure, save_figure, write_json, write_text
+from exporter import interface as io
+from exporter.repository import read_repository
+from exporter.task_store import TaskStore
+
+
+@dataclass
+class ServeBenchConfig:
+    task: str
+    out: str
+    repo: str | None = None
+    task_counts: tuple[int, ...] = (1, 8, 32)
+    concurrency: tuple[int, ...] = (1, 8, 32)
+    storages: tuple[str, ...] = ("fused", "factored")
+    requests: int = 200
+    mixed_tasks: int = 8
+
+
+def _texts(n: int) -> list[str]:
+    """Real review texts (Rotten Tomatoes dev split), cycled."""
+    from training.data import load_task_data
+
+    dev = [e.text for e in load_task_data("rotten_tomatoes").dev]
+    return [dev[i % len(dev)] for i in range(n)]
+
+
+def _server_rss_mb(process) -> float:
+    import psutil
+
+    root = psutil.Process(process.pid)
+    procs = [root, *root.children(recursive=True)]
+    return sum(p.memory_info().rss for p in procs if p.is_running()) / 2**20
+
+
+class Store:
+    """Publishes exactly N copies of a master task version into the repository's store."""
+
+    def __init__(self, repo: Path, masters: dict[str, Path]):
+        self.store = TaskStore(read_repository(repo).store_root)
+        self.masters = masters
+
+    def set(self, storage: str, n: int) -> list[str]:
+        for name in list(self.store.entries()):
+            self.store.remove(name)
+        names = [f"bench-{storage}-{i}" for i in range(n)]
+        for name in names:
+            folder = self.store.new_version_folder(name)
+            folder.rmdir()
+            shutil.copytree(self.masters[storage], folder)
+            self.store.publish(name, folder, storage)
+        return names
+
+
+def _build(config: ServeBenchConfig, scratch: Path) -> tuple[Path, dict[str, Path]]:
+    from exporter.backbone_export import export_backbone
+    from exporter.task_export import export_task
+    from training.artifact import read_task
+
+    repo = Path(config.repo) if config.repo else scratch / "repo"
+    if not (repo / "aot_repository.json").is_file():
+        export_backbone(read_task(config.task).backbone["model"], repo)
+    store = TaskStore(read_repository(repo).store_root)
+    foreign = [n for n in store.entries() if not n.startswith("bench-")]
+    if foreign:
+        raise ValueError(f"{repo} holds tasks of its own ({', '.join(foreign)}); the serving benchmark replaces the "
+                         "store's tasks: give it a scratch --repo, or none")
+    masters = {}
+    for storage in config.storages:
+        report = export_task(config.task, repo, f"master-{storage}", storage, progress=False)
+        masters[storage] = scratch / f"master-{storage}"
+        shutil.copytree(store.root / report.folder, masters[storage])
+        store.remove(f"master-{storage}")
+    return repo, masters
+
+
+def _closed_loop(url: str, model: str, items: list[tuple[str, str]], concurrency: int) -> dict:
+    """`concurrency` threads, each sending its share of requests one after another; per-request latency."""
+    from aot.client import Client, InferenceError
+
+    latencies, errors, lock = [], [], threading.Lock()
+    queue = list(enumerate(items))
+    position = [0]
+
+    def worker():
+        with Client(url, model=model) as client:
+            while True:
+                with lock:
+                    if position[0] >= len(queue):
+                        return
+                    _, (task, text) = queue[position[0]]
+                    position[0] += 1
+                start = time.perf_counter()
+                try:
+                    client.infer(task, text)
+                except InferenceError as exc:
+                    errors.append(str(exc))
+                    continue
+                latencies.append((time.perf_counter() - start) * 1e3)
+
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    return {"throughput_rps": round(len(latencies) / wall, 2), "p50_ms": round(float(np.percentile(latencies, 50)), 2),
+            "p99_ms": round(float(np.percentile(latencies, 99)), 2), "errors": len(errors),
+            "mean_ms": round(statistics.fmean(latencies), 2)}
+
+
+def _lookup_bytes(repo: Path, texts: list[str], max_length: int) -> tuple[float, float]:
+    """Mean bytes per request from lookup to backbone, and the dense per-token bias it replaces."""
+    from transformers import AutoTokenizer
+
+    info = read_repository(repo)
+    tokenizer = AutoTokenizer.from_pretrained(str(info.tokenizer_dir))
+    L, d = info.record["num_layers"], info.record["hidden_size"]
+    ours, dense = [], []
+    for text in texts:
+        ids = tokenizer(text, truncation=True, max_length=max_length)["input_ids"]
+        ours.append(io.lookup_bytes(len(set(ids)), len(ids), L, d))
+        dense.append(io.dense_bias_bytes(len(ids), L, d))
+    return statistics.fmean(ours), statistics.fmean(dense)
+
+
+def run_serve_bench(config: ServeBenchConfig, progress: bool = True) -> dict:
+    from tqdm.auto import tqdm
+
+    from aot.client import Client
+    from aot.server import LocalServer
+    from training.artifact import read_task
+
+    out = Path(config.out)
+    scratch = Path(tempfile.mkdtemp(prefix="aot-bench-serve-"))
+    repo, masters = _build(config, scratch)
+    store = Store(repo, masters)
+    max_length = read_task(config.task).max_length
+    texts = _texts(config.requests)
+    records: list[dict] = []
+    steps = len(config.storages) * (len(config.task_counts) + 1)
+    bar = tqdm(total=steps, desc="serve bench", disable=not progress)
+
+    def save():
+        write_reports(records, out)
+
+    for storage in config.storages:
+        for n in config.task_counts:
+            names = store.set(storage, n)
+            with LocalServer(repo) as server:
+                with Client(server.grpc_url) as client:
+                    for name in names:
+                        client.infer(name, texts[0])
+                records.append({"kind": "memory", "storage": storage, "tasks": n,
+                                "ready_seconds": round(server.ready_seconds, 2),
+                                "rss_mb": round(_server_rss_mb(server.process), 1)})
+            save()
+            bar.update(1)
+        names = store.set(storage, max(config.mixed_tasks, 1))
+        ours, dense = _lookup_bytes(repo, texts, max_length)
+        with LocalServer(repo) as server:
+            with Client(server.grpc_url) as client:  # warm every step once
+                for name in names:
+                    client.infer(name, texts[0])
+                client.model = "vanilla"
+                client.infer(names[0], texts[0])
+            for concurrency in config.concurrency:
+                for model, mix in (("vanilla", 1), ("aot", 1), ("aot", config.mixed_tasks)):
+                    items = [(names[i % mix], text) for i, text in enumerate(texts)]
+                    result = _closed_loop(server.grpc_url, model, items, concurrency)
+                    records.append({"kind": "latency", "model": model, "storage": storage, "tasks_in_flight": mix,
+                                    "concurrency": concurrency, "requests": len(items), **result,
+                                    "lookup_bytes_per_request": None if model == "vanilla" else round(ours),
+                                    "dense_bias_bytes_per_request": None if model == "vanilla" else round(dense)})
+                    save()
+        bar.update(1)
+    bar.close()
+    shutil.rmtree(scratch, ignore_errors=True)
+    return {"out": str(out), "records": len(records), "config": asdict(config)}
+
+
+def write_reports(records: list[dict], out: Path) -> None:
+    write_json(out / "serve.json", records)
+    memory = [r for r in records if r["kind"] == "memory"]
+    latency = [r for r in records if r["kind"] == "latency"]
+    text = "# Serving through the local tritonserver (CPU)\n\n## Start-up and memory\n\n"
+    text += markdown_table(memory, ["storage", "tasks", "ready_seconds", "rss_mb"],
+                           ["storage", "tasks in store", "start to ready (s)", "RSS server + stubs (MB)"])
+    text += "\n## Latency and throughput\n\n"
+    for r in latency:
+        r["ratio"] = ""
+        base = [v for v in latency if v["model"] == "vanilla" and v["storage"] == r["storage"]
+                and v["concurrency"] == r["concurrency"]]
+        if base and r["model"] == "aot":
+            r["ratio"] = f"{r['throughput_rps'] / base[0]['throughput_rps']:.3f}"
+    text += markdown_table(latency, ["storage", "model", "tasks_in_flight", "concurrency", "throughput_rps", "ratio",
+                                     "p50_ms", "p99_ms", "errors", "lookup_bytes_per_request",
+                                     "dense_bias_bytes_per_request"],
+                           ["storage", "ensemble", "tasks", "concurrency", "req/s", "× vanilla (1 task)", "p50 ms",
+                            "p99 ms", "errors", "lookup→backbone bytes/req", "dense bias bytes/req"])
+    write_text(out / "serve.md", text)
+    if latency:
+        fig, ax = new_figure()
+        for storage in sorted({r["storage"] for r in latency}):
+            for model, mix in (("vanilla", 1), ("aot", 1), ("aot", 8)):
+                rows = [r for r in latency if r["storage"] == storage and r["model"] == model
+                        and r["tasks_in_flight"] == mix]
+                if rows:
+                    ax.plot([r["concurrency"] for r in rows], [r["throughput_rps"] for r in rows], marker="o",
+                            label=f"{model}, {mix} task{'s' if mix > 1 else ''}, {storage}")
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel("requests / s")
+        ax.set_xscale("log", base=2)
+        ax.set_title("Throughput through Triton (CPU)")
+        ax.legend(fontsize=7)
+        save_figure(fig, out / "serve.png")

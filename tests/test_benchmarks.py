@@ -1,0 +1,54 @@
+"""The benchmark commands in a tiny configuration: they run and their JSON has the documented fields.
+(Speed numbers are never asserted in tests; they are measured side by side in one run by the benchmarks.)"""
+
+import json
+
+import pytest
+
+from aot.cli import main
+from tests.helpers import train_tiny_task
+
+OVERHEAD_FIELDS = {"model", "method", "batch", "seq", "median_ms", "ratio_to_vanilla", "engine", "device"}
+
+
+@pytest.mark.parametrize("engine", ["torch", "onnxruntime"])
+def test_overhead_tiny(tmp_path, tiny_models, engine, capsys):
+    out = tmp_path / "bench"
+    code = main(["bench", "overhead", "--models", str(tiny_models["bert"]), "--batch", "2", "--seq", "16",
+                 "--repeats", "2", "--warmup", "1", "--engine", engine, "--out", str(out), "--no-progress"])
+    assert code == 0
+    records = json.loads((out / "overhead.json").read_text())
+    assert {r["method"] for r in records} == {"vanilla", "aot-fused", "aot-factored", "lora", "adapter", "prompt",
+                                              "prefix"}
+    for r in records:
+        assert OVERHEAD_FIELDS <= set(r)
+    ran = [r for r in records if r["median_ms"] is not None]
+    assert {r["method"] for r in ran} >= {"vanilla", "aot-fused", "aot-factored"}
+    assert all(r["median_ms"] > 0 and r["ratio_to_vanilla"] > 0 for r in ran)
+    assert next(r for r in records if r["method"] == "vanilla")["ratio_to_vanilla"] == 1.0
+    assert (out / "overhead.md").read_text().startswith("# Inference overhead")
+    assert (out / "overhead.png").stat().st_size > 1000
+
+
+def test_overhead_rejects_unknown_method(tmp_path, capsys):
+    assert main(["bench", "overhead", "--methods", "vanilla,magic", "--out", str(tmp_path)]) == 2
+    assert "unknown method(s) ['magic']" in capsys.readouterr().err
+
+
+@pytest.mark.server
+def test_serve_bench_tiny(tmp_path, tiny_models, sentiment_dir):
+    task = train_tiny_task(tiny_models["bert"], sentiment_dir, tmp_path / "task", "fc", epochs=1)
+    out = tmp_path / "bench"
+    assert main(["bench", "serve", "--task", str(task), "--out", str(out), "--tasks", "1,2", "--concurrency", "2",
+                 "--storage", "fused", "--requests", "12", "--no-progress"]) == 0
+    records = json.loads((out / "serve.json").read_text())
+    memory = [r for r in records if r["kind"] == "memory"]
+    latency = [r for r in records if r["kind"] == "latency"]
+    assert [r["tasks"] for r in memory] == [1, 2]
+    assert all(r["rss_mb"] > 50 and r["ready_seconds"] > 0 for r in memory)
+    assert {(r["model"], r["tasks_in_flight"]) for r in latency} == {("vanilla", 1), ("aot", 1), ("aot", 8)}
+    for r in latency:
+        assert r["errors"] == 0 and r["throughput_rps"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0
+        if r["model"] == "aot":
+            assert 0 < r["lookup_bytes_per_request"] < r["dense_bias_bytes_per_request"]
+    assert (out / "serve.md").is_file() and (out / "serve.png").is_file()
