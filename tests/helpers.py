@@ -12,7 +12,9 @@ QUICK = dict(batch_size=16, epochs=3, patience=3, max_length=32, progress=False)
 
 
 def train_tiny_task(model_dir: Path, data_dir: Path, out: Path, method: str = "fc", seed: int = 0, **kw) -> Path:
-    train_task(model=str(model_dir), data=str(data_dir), method=method, out=str(out), lr=1e-2, seed=seed,
+    # lr 3e-3, inside the paper's range: at 1e-2 (or 5e-3) tiny Kron tasks grow rows so large that their fp16 table misses
+    # the exporter's 1e-3 logit tolerance (it then refuses them, as it should).
+    train_task(model=str(model_dir), data=str(data_dir), method=method, out=str(out), lr=3e-3, seed=seed,
                **{**QUICK, **kw})
     return out
 
