@@ -394,6 +394,29 @@ def time_methods(methods: dict[str, Method], warmup: int, repeats: int, device: 
     return times
 
 
+def size_records(methods: list[str], times: dict[str, list[float]], skipped: dict[str, str], common: dict,
+                 ) -> list[dict]:
+    """One record per method of one (model, batch, seq): median time, spread, and the ratio to vanilla taken round
+    by round (both ran in the same round) and summarized by its median."""
+    base = times.get("vanilla")
+    records = []
+    for name in methods:
+        record = {**common, "method": name}
+        if name in skipped or name not in times:
+            records.append({**record, "median_ms": None, "ratio_to_vanilla": None,
+                            "skipped": skipped.get(name, "not run")})
+            continue
+        t = times[name]
+        ratios = [a / b for a, b in zip(t, base)] if base else []
+        records.append({**record, "median_ms": round(statistics.median(t), 4),
+                        "p10_ms": round(float(np.percentile(t, 10)), 4),
+                        "p90_ms": round(float(np.percentile(t, 90)), 4),
+                        "ratio_to_vanilla": round(statistics.median(ratios), 4) if ratios else None,
+                        "ratio_p10": round(float(np.percentile(ratios, 10)), 4) if ratios else None,
+                        "ratio_p90": round(float(np.percentile(ratios, 90)), 4) if ratios else None})
+    return records
+
+
 def run_torch(config: OverheadConfig, progress: bool = True, on_size: Callable[[list[dict]], None] = lambda r: None,
               ) -> list[dict]:
     from tqdm.auto import tqdm
@@ -434,22 +457,10 @@ def run_torch(config: OverheadConfig, progress: bool = True, on_size: Callable[[
                     m.setup = lambda: None  # noqa: E731
                     m.teardown = lambda: None  # noqa: E731
             times = time_methods(methods, config.warmup, config.repeats, device)
-            base = times.get("vanilla")
-            for name in config.methods:
-                record = {"model": model_name, "method": name, "batch": batch, "seq": seq, "engine": "torch",
-                          "device": device.type, "dtype": str(dtype).removeprefix("torch."),
-                          "cuda_graphs": config.cuda_graphs, "repeats": config.repeats}
-                if name in skipped:
-                    records.append({**record, "median_ms": None, "ratio_to_vanilla": None, "skipped": skipped[name]})
-                    continue
-                t = times[name]
-                ratios = [a / b for a, b in zip(t, base)] if base else []
-                records.append({**record, "median_ms": round(statistics.median(t), 4),
-                                "p10_ms": round(float(np.percentile(t, 10)), 4),
-                                "p90_ms": round(float(np.percentile(t, 90)), 4),
-                                "ratio_to_vanilla": round(statistics.median(ratios), 4) if ratios else None,
-                                "ratio_p10": round(float(np.percentile(ratios, 10)), 4) if ratios else None,
-                                "ratio_p90": round(float(np.percentile(ratios, 90)), 4) if ratios else None})
+            common = {"model": model_name, "batch": batch, "seq": seq, "engine": "torch", "device": device.type,
+                      "dtype": str(dtype).removeprefix("torch."), "cuda_graphs": config.cuda_graphs,
+                      "repeats": config.repeats}
+            records += size_records(config.methods, times, skipped, common)
             on_size(records)
             bar.update(1)
         del encoder, resident
@@ -463,11 +474,12 @@ def run_torch(config: OverheadConfig, progress: bool = True, on_size: Callable[[
 
 def run_onnxruntime(config: OverheadConfig, progress: bool = True,
                     on_size: Callable[[list[dict]], None] = lambda r: None) -> list[dict]:
-    """vanilla and AoT through the exporter's optimized graphs (aot-fused with the host lookup timed); other methods
-    are exported from the same torch modules (TorchScript exporter, ORT transformer optimizer) at each size."""
+    """vanilla and AoT through the exporter's optimized graphs and the server's own lookup and batching code
+    (exporter.runtime), the lookup inside the timed region. Other methods run with --engine torch."""
     from tqdm.auto import tqdm
 
-    from exporter.onnx_export import export_backbone_graph, session
+    from exporter.onnx_export import export_backbone_graph
+    from exporter.runtime import BackboneRunner, ServedTask, lookup
     from training.backbone import Backbone
 
     records = []
@@ -476,55 +488,40 @@ def run_onnxruntime(config: OverheadConfig, progress: bool = True,
     bar = tqdm(total=len(config.models) * len(sizes), desc="overhead (onnxruntime)", disable=not progress)
     for model_name in config.models:
         encoder = load_model(model_name).eval()
-        arch = architecture_for(encoder.config)
         backbone = Backbone(model_name, encoder, None, "bench")
         L, d, V = backbone.num_layers, backbone.hidden_size, encoder.config.vocab_size
         table = fused_table(V, L, d, scratch)
         graphs = {"vanilla": export_backbone_graph(backbone, scratch / model_name / "vanilla", aot=False),
                   "aot": export_backbone_graph(backbone, scratch / model_name / "aot", aot=True)}
-        sessions = {k: session(g.optimized) for k, g in graphs.items()}
+        runners_by_graph = {k: BackboneRunner(g.optimized) for k, g in graphs.items()}
         prompt = FCPrompt(FCConfig(rank=config.rank), L, d, embedding_std=0.05).eval()
-        embeddings = encoder.get_input_embeddings().weight
+        served = {"aot-fused": ServedTask("fused", None, 512, "fused", {}, table=table),
+                  "aot-factored": ServedTask("factored", None, 512, "factored", {}, prompt=prompt,
+                                             embeddings=encoder.get_input_embeddings().weight.detach())}
         for batch, seq in sizes:
             case = make_case(encoder, batch, seq, torch.device("cpu"), torch.float32)
-            feeds = {io.INPUT_IDS: case.ids.numpy(), io.ATTENTION_MASK: case.mask.numpy()}
-            if case.token_types is not None:
-                feeds[io.TOKEN_TYPE_IDS] = case.token_types.numpy()
+            tokens = [{io.INPUT_IDS: case.ids[b].numpy(), io.ATTENTION_MASK: case.mask[b].numpy()}
+                      | ({io.TOKEN_TYPE_IDS: case.token_types[b].numpy()} if case.token_types is not None else {})
+                      for b in range(batch)]
 
-            def aot_feeds(rows_of):
-                per_seq = [np.unique(row, return_inverse=True) for row in case.ids_host]
-                rows = [rows_of(u) for u, _ in per_seq]
-                lengths = [r.size for r in rows]
-                return {**feeds, io.AOT_ROWS: np.concatenate([r.reshape(-1) for r in rows]).astype(np.float16),
-                        io.AOT_INDEX: np.stack([inv.astype(np.int32) for _, inv in per_seq]),
-                        io.AOT_ROW_OFFSETS: np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)}
+            def served_path(task: ServedTask):
+                """What the lookup and backbone steps of the server do for this batch (exporter.runtime)."""
+                requests = []
+                for t in tokens:
+                    rows, index = lookup(task, t[io.INPUT_IDS], t[io.ATTENTION_MASK])
+                    requests.append({**t, io.AOT_ROWS: rows, io.AOT_INDEX: index})
+                return runners_by_graph["aot"].run(requests)
 
-            def factored_rows(unique):
-                with torch.no_grad():
-                    return prompt.rows(torch.from_numpy(unique), embeddings).numpy()
-
-            runners = {"vanilla": lambda: sessions["vanilla"].run(None, feeds),
-                       "aot-fused": lambda: sessions["aot"].run(None, aot_feeds(lambda u: table[u])),
-                       "aot-factored": lambda: sessions["aot"].run(None, aot_feeds(factored_rows))}
+            runners = {"vanilla": lambda: runners_by_graph["vanilla"].run(tokens),
+                       "aot-fused": lambda: served_path(served["aot-fused"]),
+                       "aot-factored": lambda: served_path(served["aot-factored"])}
             methods = {n: _Callable(n, r) for n, r in runners.items() if n in config.methods}
             skipped = {n: "onnxruntime engine times vanilla and AoT graphs only; use --engine torch for the others"
                        for n in config.methods if n not in runners}
             times = time_methods(methods, config.warmup, config.repeats, torch.device("cpu"))
-            base = times.get("vanilla")
-            for name in config.methods:
-                record = {"model": model_name, "method": name, "batch": batch, "seq": seq, "engine": "onnxruntime",
-                          "device": "cpu", "dtype": "float32", "cuda_graphs": False, "repeats": config.repeats}
-                if name in skipped:
-                    records.append({**record, "median_ms": None, "ratio_to_vanilla": None, "skipped": skipped[name]})
-                    continue
-                t = times[name]
-                ratios = [a / b for a, b in zip(t, base)] if base else []
-                records.append({**record, "median_ms": round(statistics.median(t), 4),
-                                "p10_ms": round(float(np.percentile(t, 10)), 4),
-                                "p90_ms": round(float(np.percentile(t, 90)), 4),
-                                "ratio_to_vanilla": round(statistics.median(ratios), 4) if ratios else None,
-                                "ratio_p10": round(float(np.percentile(ratios, 10)), 4) if ratios else None,
-                                "ratio_p90": round(float(np.percentile(ratios, 90)), 4) if ratios else None})
+            common = {"model": model_name, "batch": batch, "seq": seq, "engine": "onnxruntime", "device": "cpu",
+                      "dtype": "float32", "cuda_graphs": False, "repeats": config.repeats}
+            records += size_records(config.methods, times, skipped, common)
             on_size(records)
             bar.update(1)
     bar.close()

@@ -22,6 +22,23 @@ class RequestError(ValueError):
     """Bad input in one request; the message goes back to that request's client."""
 
 
+def model_parameters(args: dict) -> dict[str, str]:
+    """The `parameters` of a Triton python model's config, as strings."""
+    config = json.loads(args["model_config"])
+    return {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+
+
+def respond_each(requests, handle, pb_utils) -> list:
+    """One response per request: `handle(request)`, or that request's error; the others are unaffected."""
+    responses = []
+    for request in requests:
+        try:
+            responses.append(handle(request))
+        except RequestError as exc:
+            responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))))
+    return responses
+
+
 # --- tokenizer step -----------------------------------------------------------------------------------------------
 
 def decode_text(raw, field: str) -> str:

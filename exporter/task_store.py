@@ -137,7 +137,6 @@ class TaskStore:
         os.rename(folder, final)
         with self._locked():
             data = self.manifest()
-            previous = data["tasks"].get(name)
             data["tasks"][name] = {"folder": final.name, "storage": storage}
             self._write_manifest(data)
         self._collect_garbage(keep={e["folder"] for e in data["tasks"].values()})

@@ -1,7 +1,6 @@
 """Training end to end on tiny models: learning, artifacts, fingerprints, the CLI contract."""
 
 import json
-import os
 
 import pytest
 import torch
@@ -11,7 +10,6 @@ from tests.tiny import tiny_backbone
 from training.api import train_task
 from training.artifact import ArtifactError, FingerprintMismatch, load_task, read_task
 from training.backbone import load_backbone
-from training.inspect import top_tokens
 from training.predict import Predictor
 
 FAST = dict(batch_size=16, epochs=8, patience=8, max_length=32, progress=False)

@@ -11,7 +11,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import ClassVar
 
-from torch import nn
 
 
 class MethodError(ValueError):
@@ -82,5 +81,6 @@ def make_config(name: str, rank: int | None = None, **overrides) -> MethodConfig
     return config
 
 
-def first_token(hidden) -> "nn.Module":
+def first_token(hidden):
+    """The first position's state, [B, d]: what the task head reads."""
     return hidden[:, 0]

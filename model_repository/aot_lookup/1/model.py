@@ -4,20 +4,17 @@ Runs on the host: fused tables are memory-mapped, so only the rows a request nee
 re-read when its manifest changes, so tasks exported while the server runs are served at once.
 """
 
-import json
 from pathlib import Path
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from exporter import interface as io
-from exporter.runtime import RequestError, TaskRegistry, decode_text, lookup
+from exporter.runtime import RequestError, TaskRegistry, decode_text, lookup, model_parameters, respond_each
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        params = model_parameters(args)
         self.tasks = TaskRegistry((Path(args["model_repository"]) / params["store"]).resolve())
         for name, error in self.tasks.errors().items():
             pb_utils.Logger.log_warn(f"aot_lookup: {error}")
@@ -35,10 +32,4 @@ class TritonPythonModel:
 
     def execute(self, requests):
         self.tasks.refresh()
-        responses = []
-        for request in requests:
-            try:
-                responses.append(self._one(request))
-            except RequestError as exc:
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))))
-        return responses
+        return respond_each(requests, self._one, pb_utils)

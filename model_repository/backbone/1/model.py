@@ -5,17 +5,16 @@ the same ONNX file serves the GPU config and this one."""
 import json
 from pathlib import Path
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from exporter import interface as io
-from exporter.runtime import BackboneRunner
+from exporter.runtime import BackboneRunner, model_parameters
 
 
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
-        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        params = model_parameters(args)
         version_dir = Path(args["model_repository"]) / args["model_version"]
         self.runner = BackboneRunner(version_dir / params["onnx_file"], threads=int(params.get("threads", "0")))
         self.inputs = [i["name"] for i in config["input"]]

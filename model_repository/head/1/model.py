@@ -1,19 +1,17 @@
 """Triton python model: each request's own task head, so one batch may mix tasks."""
 
-import json
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from exporter import interface as io
-from exporter.runtime import RequestError, TaskRegistry, decode_text
+from exporter.runtime import RequestError, TaskRegistry, decode_text, model_parameters
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        params = model_parameters(args)
         self.tasks = TaskRegistry((Path(args["model_repository"]) / params["store"]).resolve(), with_rows=False)
 
     def execute(self, requests):

@@ -1,20 +1,17 @@
 """Triton python model: TEXT (+ TEXT_PAIR), TASK -> token ids, truncated to the task's max length."""
 
-import json
 from pathlib import Path
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from exporter import interface as io
 from exporter.repository import read_repository
-from exporter.runtime import RequestError, TaskRegistry, Tokenization, decode_text
+from exporter.runtime import TaskRegistry, Tokenization, decode_text, model_parameters, respond_each
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        params = model_parameters(args)
         model_dir = Path(args["model_repository"])
         repo = read_repository(model_dir.parent.parent)  # REPO/models/tokenizer
         buckets = tuple(int(b) for b in params.get("buckets", "").split(",") if b)
@@ -35,10 +32,4 @@ class TritonPythonModel:
 
     def execute(self, requests):
         self.tasks.refresh()
-        responses = []
-        for request in requests:
-            try:
-                responses.append(self._one(request))
-            except RequestError as exc:
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))))
-        return responses
+        return respond_each(requests, self._one, pb_utils)
