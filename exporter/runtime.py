@@ -94,6 +94,7 @@ class ServedTask:
     max_length: int
     storage: str
     head: dict[str, np.ndarray]
+    folder: str = ""  # the store's version folder this was loaded from (a re-export gives a new one)
     table: np.ndarray | None = None  # fused: memory-mapped [V, L, d]
     prompt: object = None  # factored: the training module that computes rows (training.methods.aot.layer)
     embeddings: object = None
@@ -124,7 +125,7 @@ def load_served_task(folder: Path, name: str, storage: str, embeddings_path: Pat
     """`with_rows=False` loads what the tokenizer and head steps need (metadata, head), not P."""
     meta = json.loads((folder / "task.json").read_text(encoding="utf-8"))
     head = load_file(folder / "head.safetensors")
-    task = ServedTask(name, meta["labels"], int(meta["max_length"]), storage, head)
+    task = ServedTask(name, meta["labels"], int(meta["max_length"]), storage, head, folder.name)
     if not with_rows:
         return task
     if storage == "fused":
@@ -182,14 +183,12 @@ class TaskRegistry:
             tasks: dict[str, ServedTask | Exception] = {}
             for name, entry in entries.items():
                 current = self._tasks.get(name)
-                if isinstance(current, ServedTask) and getattr(current, "_folder", None) == entry.folder:
+                if isinstance(current, ServedTask) and current.folder == entry.folder:
                     tasks[name] = current
                     continue
                 try:
-                    task = load_served_task(self.store.root / entry.folder, name, entry.storage,
-                                            self.store.root / EMBEDDINGS, self.with_rows)
-                    task._folder = entry.folder
-                    tasks[name] = task
+                    tasks[name] = load_served_task(self.store.root / entry.folder, name, entry.storage,
+                                                   self.store.root / EMBEDDINGS, self.with_rows)
                 except Exception as exc:  # noqa: BLE001 - a corrupt task must not take the others down
                     tasks[name] = StoreError(f"task {name!r} is corrupt: {type(exc).__name__}: {exc}")
             self._tasks, self._stamp = tasks, stamp
