@@ -377,7 +377,7 @@ def _hparams(entry: dict) -> str:
 def _plot(datasets: list[str], methods: list[str], summary: list[dict], path: Path) -> None:
     """Final score against trainable parameters: marker = method, colour = dataset, bars = std over seeds."""
     from matplotlib.lines import Line2D
-    from matplotlib.ticker import NullFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator
 
     columns = _columns(datasets)
     markers = "osD^vP*Xh<>p"
@@ -389,7 +389,11 @@ def _plot(datasets: list[str], methods: list[str], summary: list[dict], path: Pa
                     color=f"C{datasets.index(e['dataset']) % 10}", markersize=7, capsize=3)
     if ok:
         ax.set_xscale("log")
-        ax.xaxis.set_minor_formatter(NullFormatter())  # minor labels of a short log range overlap
+        # the methods often sit within one decade, where a log axis has no major tick: label 2x and 5x as well
+        count = FuncFormatter(lambda v, _: f"{v / 1e6:g}M" if v >= 1e6 else f"{v / 1e3:g}k")
+        ax.xaxis.set_major_formatter(count)
+        ax.xaxis.set_minor_locator(LogLocator(subs=(2.0, 5.0)))
+        ax.xaxis.set_minor_formatter(count)
     else:
         ax.text(0.5, 0.5, "no finished runs", ha="center", va="center", transform=ax.transAxes)
     handles = [Line2D([], [], linestyle="none", marker=markers[i % len(markers)], color="0.3", label=m)

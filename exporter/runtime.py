@@ -6,6 +6,7 @@ the very same code in-process, so what is validated is what is served.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from dataclasses import dataclass
@@ -120,6 +121,14 @@ class ServedTask:
         return self.labels[int(np.argmax(logits))]
 
 
+@functools.lru_cache(maxsize=4)
+def shared_embeddings(path: Path, stamp: tuple[int, int]):
+    """The store's E as one fp32 tensor shared by every factored FC task (one copy per process, not per task)."""
+    import torch
+
+    return torch.from_numpy(np.load(path).astype(np.float32, copy=False))
+
+
 def load_served_task(folder: Path, name: str, storage: str, embeddings_path: Path,
                      with_rows: bool = True) -> ServedTask:
     """`with_rows=False` loads what the tokenizer and head steps need (metadata, head), not P."""
@@ -142,7 +151,8 @@ def load_served_task(folder: Path, name: str, storage: str, embeddings_path: Pat
         task.prompt.load_state_dict({k: torch.from_numpy(v) for k, v in factors.items()})
         task.prompt.eval()
         if method["method"] == "fc":
-            task.embeddings = torch.from_numpy(np.load(embeddings_path, mmap_mode="r")[:].astype(np.float32))
+            st = embeddings_path.stat()
+            task.embeddings = shared_embeddings(embeddings_path, (st.st_ino, st.st_mtime_ns))
     else:
         raise StoreError(f"unknown storage {storage!r}")
     return task

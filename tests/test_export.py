@@ -73,7 +73,10 @@ def test_task_parity_fused_and_factored(tmp_path, tiny_models, tasks, arch):
         for storage in ("fused", "factored"):
             report = export_task(tasks[(arch, method)], repo, f"{method}-{storage}", storage, progress=False)
             assert report.max_abs_logit_diff <= 1e-3, report
+    export_task(tasks[(arch, "fc")], repo, "fc-factored-2", "factored", progress=False)
     registry = TaskRegistry(read_repository(repo).store_root)
+    # factored FC tasks share one copy of the embedding matrix, whatever their number
+    assert registry.get("fc-factored").embeddings is registry.get("fc-factored-2").embeddings
     vocab = tiny_backbone(arch).embeddings.shape[0]
     ids = np.arange(vocab)
     for method in ("fc", "kron"):
