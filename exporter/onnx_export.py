@@ -38,8 +38,14 @@ class ExportableBackbone(nn.Module):
         super().__init__()
         self.aot = aot
         self.uses_token_type_ids = backbone.uses_token_type_ids
-        self.biased = BiasedEncoder(backbone.encoder, backbone.architecture)
+        self.encoder = backbone.encoder
+        # Only the AoT graph hooks into the (shared) encoder; close() detaches it again.
+        self.biased = BiasedEncoder(backbone.encoder, backbone.architecture) if aot else None
         self.row_elements = backbone.num_layers * backbone.hidden_size
+
+    def close(self) -> None:
+        if self.biased is not None:
+            self.biased.remove_hooks()
 
     def input_names(self) -> list[str]:
         names = io.token_inputs(self.uses_token_type_ids)
@@ -49,7 +55,7 @@ class ExportableBackbone(nn.Module):
                 aot_row_offsets=None):
         if not self.aot:
             extra = {"token_type_ids": token_type_ids} if token_type_ids is not None else {}
-            return self.biased.encoder(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state[:, 0]
+            return self.encoder(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state[:, 0]
         first_row = aot_row_offsets[:-1].long() // self.row_elements  # [B]: where each sequence's rows start
         index = aot_index.long() + first_row[:, None]
         rows = aot_rows.reshape(-1, self.biased.num_layers, self.biased.hidden_size)
@@ -95,11 +101,14 @@ def export_onnx(backbone: Backbone, path: Path, aot: bool) -> None:
                      io.AOT_ROW_OFFSETS: {0: "batch_plus_one"}})
     axes[io.CLS_HIDDEN] = {0: "batch"}
     big = sum(p.numel() * p.element_size() for p in backbone.encoder.parameters()) > 1.8e9
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(module, (), str(path), kwargs={n: feeds[n] for n in names}, input_names=names,
-                          output_names=[io.CLS_HIDDEN], dynamic_axes=axes, opset_version=OPSET,
-                          do_constant_folding=True, dynamo=False)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(module, (), str(path), kwargs={n: feeds[n] for n in names}, input_names=names,
+                              output_names=[io.CLS_HIDDEN], dynamic_axes=axes, opset_version=OPSET,
+                              do_constant_folding=True, dynamo=False)
+    finally:
+        module.close()
     if big:  # over the 2 GB protobuf limit: move weights to external data beside the graph
         import onnx
 
@@ -178,12 +187,15 @@ def max_abs_difference(path: Path, backbone: Backbone, aot: bool, trials: tuple[
     sess = session(path)
     names = {i.name for i in sess.get_inputs()}
     worst = 0.0
-    for k, (batch, seq) in enumerate(trials):
-        feeds = example_inputs(backbone, aot, batch, seq, seed=100 + k)
-        with torch.no_grad():
-            expected = module(**feeds).numpy()
-        got = sess.run([io.CLS_HIDDEN], {n: v.numpy() for n, v in feeds.items() if n in names})[0]
-        worst = max(worst, float(np.abs(got - expected).max()))
+    try:
+        for k, (batch, seq) in enumerate(trials):
+            feeds = example_inputs(backbone, aot, batch, seq, seed=100 + k)
+            with torch.no_grad():
+                expected = module(**feeds).numpy()
+            got = sess.run([io.CLS_HIDDEN], {n: v.numpy() for n, v in feeds.items() if n in names})[0]
+            worst = max(worst, float(np.abs(got - expected).max()))
+    finally:
+        module.close()
     return worst
 
 

@@ -30,6 +30,8 @@ def test_backbone_parity_and_fusions(tmp_path, arch):
     aot = export_backbone_graph(backbone, tmp_path / "aot", aot=True)
     vanilla = export_backbone_graph(backbone, tmp_path / "vanilla", aot=False)
     assert aot.max_abs_diff < 1e-4 and vanilla.max_abs_diff < 1e-4
+    # exporting leaves the caller's encoder as it was: no AoT hooks remain attached
+    assert not any(layer._forward_pre_hooks for layer in backbone.architecture.layers(backbone.encoder))
     # the bias inputs cost no fusion: same fused operators, same counts
     assert aot.fused_ops == vanilla.fused_ops
     layers = backbone.num_layers
