@@ -10,7 +10,7 @@ ensemble -> client:
 
 tokenizer -> lookup/backbone:  input_ids, attention_mask (and token_type_ids where the architecture has them),
     INT64 [S]; S is the sequence's own length (CPU) or its length rounded up to a bucket (GPU).
-lookup -> backbone:
+lookup -> backbone (GPU; on CPU the python backbone step does the lookup itself and takes TASK instead):
     aot_rows    FP16  [U*L*d]  the rows of P for the request's U distinct tokens, token-major [U, L, d], flat
     aot_index   INT32 [S]      for each token, which of the U rows it takes (padding takes row 0)
 backbone (inside the graph): aot_row_offsets INT32 [B+1], the accumulated element counts of the batch's aot_rows

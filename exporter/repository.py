@@ -4,7 +4,8 @@
     REPO/tasks/                 the task store (exporter.task_store), outside Triton's view
     REPO/models/                the Triton model repository (--model-repository=REPO/models):
     REPO/models/tokenizer/             python: TEXT (+ TEXT_PAIR), TASK -> token ids (the backbone's tokenizer in 1/tokenizer)
-    REPO/models/aot_lookup/     python: TASK, token ids -> aot_rows, aot_index (reads REPO/tasks)
+    REPO/models/aot_lookup/     python: TASK, token ids -> aot_rows, aot_index (reads REPO/tasks; GPU ensemble:
+                                the CPU backbone step does this lookup in its own process, one step fewer)
     REPO/models/backbone/       the AoT graph: onnxruntime_onnx or tensorrt_plan (GPU), python + ONNX Runtime (CPU)
     REPO/models/backbone_vanilla/ the same encoder without bias inputs (comparisons, plain models)
     REPO/models/head/           python: TASK, cls_hidden -> LOGITS, LABEL (each request its own task's head)
@@ -152,8 +153,10 @@ def _backbone(name: str, aot: bool, target: str, info: dict, options: ServingOpt
     token_names = io.token_inputs(info["uses_token_type_ids"])
     cpu = target == "cpu"
     if cpu:
-        config = _python_model(name, options, {"onnx_file": "model.onnx", "threads": str(options.cpu_threads)},
-                               options.backbone_queue_delay_us)
+        params = {"onnx_file": "model.onnx", "threads": str(options.cpu_threads)}
+        if aot:  # on CPU the lookup runs inside this step: no extra python step, no rows between processes
+            params["store"] = STORE_FROM_MODEL
+        config = _python_model(name, options, params, options.backbone_queue_delay_us)
     else:
         platform = "tensorrt_plan" if options.engine == "tensorrt" else "onnxruntime_onnx"
         config = pb.ModelConfig(name=name, platform=platform, max_batch_size=options.max_batch_size,
@@ -161,20 +164,21 @@ def _backbone(name: str, aot: bool, target: str, info: dict, options: ServingOpt
         config.dynamic_batching.max_queue_delay_microseconds = options.backbone_queue_delay_us
         config.instance_group.add(kind=pb.ModelInstanceGroup.KIND_GPU, count=1)
     # On CPU every input is ragged (the python step pads the batch itself); on GPU token tensors are bucketed.
+    if cpu and aot:
+        config.input.append(_tensor(pb.ModelInput, io.TASK, "STRING", [1]))
     for n in token_names:
         config.input.append(_tensor(pb.ModelInput, n, "INT64", [-1], ragged=cpu))
-    if aot:
+    if aot and not cpu:
         config.input.append(_tensor(pb.ModelInput, io.AOT_ROWS, "FP16", [-1], ragged=True))
-        config.input.append(_tensor(pb.ModelInput, io.AOT_INDEX, "INT32", [-1], ragged=cpu))
-        if not cpu:
-            config.batch_input.add(kind=pb.BatchInput.BATCH_ACCUMULATED_ELEMENT_COUNT_WITH_ZERO,
-                                   target_name=[io.AOT_ROW_OFFSETS], data_type=pb.TYPE_INT32,
-                                   source_input=[io.AOT_ROWS])
+        config.input.append(_tensor(pb.ModelInput, io.AOT_INDEX, "INT32", [-1]))
+        config.batch_input.add(kind=pb.BatchInput.BATCH_ACCUMULATED_ELEMENT_COUNT_WITH_ZERO,
+                               target_name=[io.AOT_ROW_OFFSETS], data_type=pb.TYPE_INT32,
+                               source_input=[io.AOT_ROWS])
     config.output.append(_tensor(pb.ModelOutput, io.CLS_HIDDEN, "FP32", [info["hidden_size"]]))
     return config
 
 
-def _ensemble(name: str, backbone: str, info: dict, options: ServingOptions):
+def _ensemble(name: str, backbone: str, info: dict, options: ServingOptions, target: str):
     pb = _pb()
     config = pb.ModelConfig(name=name, platform="ensemble", max_batch_size=options.max_batch_size)
     config.input.append(_tensor(pb.ModelInput, io.TEXT, "STRING", [1]))
@@ -188,7 +192,9 @@ def _ensemble(name: str, backbone: str, info: dict, options: ServingOptions):
     tok.input_map.update({io.TEXT: io.TEXT, io.TEXT_PAIR: io.TEXT_PAIR, io.TASK: io.TASK})
     tok.output_map.update({n: f"_{n}" for n in tokens})
     bb_inputs = {n: f"_{n}" for n in tokens}
-    if backbone == "backbone":
+    if backbone == "backbone" and target == "cpu":
+        bb_inputs[io.TASK] = io.TASK  # the CPU backbone step looks the rows up itself
+    elif backbone == "backbone":
         look = steps.add(model_name="aot_lookup", model_version=-1)
         look.input_map.update({io.TASK: io.TASK, io.INPUT_IDS: f"_{io.INPUT_IDS}",
                                io.ATTENTION_MASK: f"_{io.ATTENTION_MASK}"})
@@ -229,8 +235,8 @@ def model_configs(info: dict, options: ServingOptions, target: str) -> dict:
     return {"tokenizer": tok, "aot_lookup": look, "head": head,
             "backbone": _backbone("backbone", True, target, info, options),
             "backbone_vanilla": _backbone("backbone_vanilla", False, target, info, options),
-            "aot": _ensemble("aot", "backbone", info, options),
-            "vanilla": _ensemble("vanilla", "backbone_vanilla", info, options)}
+            "aot": _ensemble("aot", "backbone", info, options, target),
+            "vanilla": _ensemble("vanilla", "backbone_vanilla", info, options, target)}
 
 
 def to_pbtxt(config) -> str:

@@ -219,16 +219,21 @@ def test_every_config_parses_and_is_consistent(uses_tt, engine):
             assert parsed == config and parsed.name == name
         backbone = configs["backbone"]
         inputs = {i.name: i for i in backbone.input}
-        assert set(inputs) == set(io.token_inputs(uses_tt)) | {io.AOT_ROWS, io.AOT_INDEX}
-        assert inputs[io.AOT_ROWS].allow_ragged_batch
+        steps = [s.model_name for s in configs["aot"].ensemble_scheduling.step]
         if target == "gpu":
+            # the native backend receives ragged rows and an index; Triton supplies the row offsets
+            assert set(inputs) == set(io.token_inputs(uses_tt)) | {io.AOT_ROWS, io.AOT_INDEX}
+            assert inputs[io.AOT_ROWS].allow_ragged_batch
             assert backbone.platform == ("tensorrt_plan" if engine == "tensorrt" else "onnxruntime_onnx")
             assert [b.target_name[0] for b in backbone.batch_input] == [io.AOT_ROW_OFFSETS]
             assert backbone.instance_group[0].kind == backbone.instance_group[0].KIND_GPU
+            assert steps == ["tokenizer", "aot_lookup", "backbone", "head"]
         else:
+            # the python backbone looks rows up itself: as many steps as the vanilla ensemble
+            assert set(inputs) == set(io.token_inputs(uses_tt)) | {io.TASK}
             assert backbone.backend == "python" and not backbone.batch_input
-        steps = [s.model_name for s in configs["aot"].ensemble_scheduling.step]
-        assert steps == ["tokenizer", "aot_lookup", "backbone", "head"]
+            assert backbone.parameters["store"].string_value == "../../tasks"
+            assert steps == ["tokenizer", "backbone", "head"]
         assert [s.model_name for s in configs["vanilla"].ensemble_scheduling.step] == ["tokenizer", "backbone_vanilla", "head"]
 
 

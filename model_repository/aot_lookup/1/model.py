@@ -15,7 +15,7 @@ from exporter.runtime import RequestError, TaskRegistry, decode_text, lookup, mo
 class TritonPythonModel:
     def initialize(self, args):
         params = model_parameters(args)
-        self.tasks = TaskRegistry((Path(args["model_repository"]) / params["store"]).resolve())
+        self.tasks = TaskRegistry((Path(args["model_repository"]) / params["store"]).resolve(), serving=True)
         for name, error in self.tasks.errors().items():
             pb_utils.Logger.log_warn(f"aot_lookup: {error}")
 
