@@ -75,19 +75,17 @@ def add_infer(sub) -> None:
     p.set_defaults(run=run_infer)
 
 
-def _read_jsonl(path: str) -> list[dict]:
+def _read_requests(path: str) -> list[dict]:
+    """JSONL requests, read by the same reader as training data (errors name the file and line)."""
+    from pathlib import Path
+
+    from training.data.files import read_records
+
     items = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{n}: invalid JSON ({exc.msg})") from None
-            if not isinstance(item, dict) or not isinstance(item.get("task"), str) or not isinstance(item.get("text"), str):
-                raise ValueError(f'{path}:{n}: expected {{"task": "...", "text": "..."}}')
-            items.append(item)
+    for record in read_records(Path(path)):
+        if not all(isinstance(record.fields.get(k), str) for k in ("task", "text")):
+            raise ValueError(f'{record.where()}: expected {{"task": "...", "text": "..."}}')
+        items.append(record.fields)
     return items
 
 
@@ -99,7 +97,7 @@ def run_infer(args) -> int:
     if args.input and args.texts:
         raise ValueError("give either TEXT arguments or --input, not both")
     if args.input:
-        items = _read_jsonl(args.input)
+        items = _read_requests(args.input)
     else:
         if not args.texts or not args.task:
             raise ValueError("give --task and at least one TEXT (or --input FILE.jsonl)")

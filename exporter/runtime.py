@@ -17,6 +17,7 @@ from safetensors.numpy import load_file
 
 from exporter import interface as io
 from exporter.task_store import EMBEDDINGS, StoreError, TaskStore
+from training.data.task import label_for
 
 
 class RequestError(ValueError):
@@ -116,9 +117,7 @@ class ServedTask:
         return h @ self.head["out.weight"].T + self.head["out.bias"]
 
     def label(self, logits: np.ndarray) -> str:
-        if self.labels is None:
-            return f"{float(logits[0]):.6g}"
-        return self.labels[int(np.argmax(logits))]
+        return label_for(self.labels, logits)
 
 
 @functools.lru_cache(maxsize=4)

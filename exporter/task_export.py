@@ -90,9 +90,8 @@ def export_task(task_dir: str | Path, repo_dir: str | Path, name: str, storage: 
         raise StoreError(f"task {task_dir} was trained with method {method!r}; only AoT tasks (fc, kron) run on the "
                          "shared backbone")
     check_fingerprint(artifact, repo.fingerprint, f"{repo.model} (repository {repo.path})")
-    backbone = load_backbone(repo.model)
-    check_fingerprint(artifact, backbone.fingerprint, repo.model)
-    predictor = Predictor.load(task_dir, backbone)
+    predictor = Predictor.load(task_dir, load_backbone(repo.model))  # checks the loaded backbone's fingerprint
+    backbone = predictor.backbone
     artifact, model = predictor.artifact, predictor.model
     store = TaskStore(repo.store_root)
     folder = store.new_version_folder(name)

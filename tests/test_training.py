@@ -163,3 +163,26 @@ def test_same_seed_same_model_whatever_ran_before(tmp_path, sentiment_dir, tiny_
 
     a, b = read_task(tmp_path / "a").weights(), read_task(tmp_path / "b").weights()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("labels,logits,expected", [
+    (("negative", "positive"), [0.2, 1.5], "positive"),
+    (("a", "b", "c"), [3.0, -1.0, 2.0], "a"),
+    (None, [0.123456789], "0.123457"),  # regression: the score as text, as the served head returns it
+])
+def test_one_label_rule_for_predict_and_serving(labels, logits, expected):
+    import numpy as np
+
+    from exporter.runtime import ServedTask
+    from training.data.task import label_for
+
+    assert label_for(labels, logits) == expected
+    served = ServedTask("t", None if labels is None else list(labels), 8, "fused", {})
+    assert served.label(np.array(logits, dtype=np.float32)) == expected
+
+
+def test_infer_input_errors_name_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "requests.jsonl"
+    bad.write_text('{"task": "t", "text": "fine"}\n{"task": "t"}\n')
+    assert main(["infer", "--input", str(bad)]) == 2
+    assert f"{bad}:2: expected" in capsys.readouterr().err

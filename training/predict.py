@@ -8,7 +8,7 @@ import torch
 
 from training.artifact import TaskArtifact, load_task
 from training.backbone import Backbone
-from training.data.task import Example
+from training.data.task import Example, label_for
 from training.model import TaskModel
 from training.trainer import encode, predict_logits
 
@@ -35,10 +35,5 @@ class Predictor:
     def predict(self, texts: list[str], pairs: list[str | None] | None = None) -> list[dict]:
         spec = self.artifact.spec
         logits = self.logits(texts, pairs)
-        out = []
-        for row in logits:
-            values = [float(v) for v in row]
-            label = values[0] if spec.is_regression else spec.labels[int(row.argmax())]
-            out.append({"label": label, "logits": values})
-        return out
+        return [{"label": label_for(spec.labels, row), "logits": [float(v) for v in row]} for row in logits]
 
