@@ -9,14 +9,15 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable
 
-COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {}
+from aot import bench_cli, export_cli, serve_cli
+from aot.arguments import positive_float as _positive_float
+from aot.arguments import positive_int as _positive_int
 
-
-def command(fn: Callable[[argparse._SubParsersAction], None]):
-    COMMANDS[fn.__name__.removeprefix("add_")] = fn
-    return fn
+# The extra that brings each top-level package a command may need (`pip install '.[EXTRA]'`).
+EXTRA_OF_MODULE = {"torch": "train", "training": "train", "peft": "train", "transformers": "train",
+                   "sklearn": "train", "onnx": "export", "onnxscript": "export", "matplotlib": "bench",
+                   "onnxruntime": "serve", "tokenizers": "serve", "tritonclient": "client", "tqdm": "client"}
 
 
 def _quiet_libraries() -> None:
@@ -24,39 +25,25 @@ def _quiet_libraries() -> None:
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)
-    from transformers.utils import logging as hf_logging
-
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # a client-only install has no transformers
+        return
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
-    return value
-
-
 # --- train --------------------------------------------------------------------------------------------------------
 
-@command
 def add_train(sub) -> None:
-    from training.methods.base import METHODS, method_spec
+    try:
+        from training.methods.base import METHODS, method_spec
 
-    method_spec("fc")  # fills the registry
+        method_spec("fc")  # fills the registry
+    except ImportError as exc:  # a client-only install: `aot train` says what to install
+        p = sub.add_parser("train", help="train a task (needs the [train] extra)")
+        p.set_defaults(run=lambda args: _missing(exc))
+        return
     p = sub.add_parser("train", help="train a task on a frozen encoder and write a task artifact",
                        description="Train one task with AoT P-Tuning (fc, kron) or a baseline and write the task "
                                    "artifact (config.json, weights.safetensors, metrics.json) atomically to --out.",
@@ -104,7 +91,6 @@ def run_train(args) -> int:
 
 # --- predict / inspect ----------------------------------------------------------------------------------------------
 
-@command
 def add_predict(sub) -> None:
     p = sub.add_parser("predict", help="run a trained task in PyTorch; one JSON line per input",
                        description='Prints {"label": ..., "logits": [...]} for each TEXT, in order.')
@@ -127,7 +113,6 @@ def run_predict(args) -> int:
     return 0
 
 
-@command
 def add_inspect(sub) -> None:
     p = sub.add_parser("inspect", help="tokens with the largest ||P_x|| per layer (AoT tasks)",
                        description="Paper section 4.3: per layer, the tokens whose AoT bias rows have the largest "
@@ -158,25 +143,26 @@ def run_inspect(args) -> int:
 
 # --- entry point ---------------------------------------------------------------------------------------------------
 
-def _load_plugins() -> None:
-    """Subcommands that live with their package register themselves here."""
-    for module in ("exporter.cli", "aot.serve_cli", "benchmarks.cli"):
-        try:
-            __import__(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
+SUBCOMMANDS = (add_train, add_predict, add_inspect, export_cli.add_export, serve_cli.add_serve, serve_cli.add_tasks,
+               serve_cli.add_infer, bench_cli.add_bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    _load_plugins()
     parser = argparse.ArgumentParser(
         prog="aot", description="Ahead-of-Time P-Tuning: train tasks, export them to a Triton model repository, "
                                 "serve many tasks on one backbone, and call them with a task id.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in COMMANDS.values():
+    for add in SUBCOMMANDS:
         add(sub)
     return parser
+
+
+def _missing(exc: ImportError) -> int:
+    module = (exc.name or "").split(".")[0]
+    extra = EXTRA_OF_MODULE.get(module, "train")
+    print(f"aot: error: this command needs the [{extra}] extra (module {module or exc} is missing): "
+          f"pip install 'aot-ptuning[{extra}]'", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("aot: interrupted", file=sys.stderr)
         return 130
+    except ImportError as exc:
+        if os.environ.get("AOT_DEBUG") or not exc.name:
+            raise
+        return _missing(exc)
     except (ValueError, OSError, RuntimeError) as exc:
         if os.environ.get("AOT_DEBUG"):
             raise

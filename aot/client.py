@@ -10,13 +10,15 @@ One request per text, sent concurrently (Triton batches them, across tasks, on t
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from exporter import interface as io
+from serving import protocol as io
+from serving.store import MAX_NAME_LENGTH
 
 
 class InferenceError(RuntimeError):
@@ -46,6 +48,8 @@ class Client:
         self.close()
 
     def _inputs(self, task: str, text: str, pair: str | None):
+        if len(task) > MAX_NAME_LENGTH:  # checked here: a huge name would fail as a gRPC transport error
+            raise InferenceError(f"task name of {len(task)} characters: task names have at most {MAX_NAME_LENGTH}")
         tensors = []
         for name, value in ((io.TEXT, text), (io.TASK, task), (io.TEXT_PAIR, pair)):
             if value is None:
@@ -74,6 +78,18 @@ class Client:
             raise InferenceError(f"cannot reach the server at {self.url}: {_message(exc)}") from None
         if not ready:
             raise InferenceError(f"model {self.model!r} is not ready on {self.url}")
+
+    def tasks(self) -> dict:
+        """What the server serves now: {"tasks": [{name, version, storage, labels, max_length, method, metric,
+        dev, source}], "errors": {name: why its requests fail}}."""
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            result = self._client.infer("task_list", [], outputs=[self._grpc.InferRequestedOutput(io.TASKS)],
+                                        client_timeout=self.timeout)
+        except InferenceServerException as exc:
+            raise InferenceError(_message(exc)) from None
+        return json.loads(result.as_numpy(io.TASKS).reshape(-1)[0])
 
     def infer(self, task: str, text: str, pair: str | None = None) -> dict:
         from tritonclient.utils import InferenceServerException
@@ -105,6 +121,9 @@ class Client:
                 inputs = self._inputs(item["task"], item["text"], item.get("text_pair"))
             except (KeyError, AttributeError) as exc:
                 callback(i, error=f"line {i + 1}: expected {{\"task\": ..., \"text\": ...}}, missing {exc}")
+                continue
+            except InferenceError as exc:
+                callback(i, error=str(exc))
                 continue
             self._client.async_infer(self.model, inputs, outputs=self._outputs(), client_timeout=self.timeout,
                                      callback=lambda result, error, i=i: callback(i, result, error))

@@ -8,10 +8,9 @@ import signal
 import sys
 import threading
 
-from aot.cli import _positive_int, command
+from aot.arguments import positive_int
 
 
-@command
 def add_serve(sub) -> None:
     p = sub.add_parser("serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        help="serve a model repository with a local tritonserver on CPU (no Docker)",
@@ -20,20 +19,22 @@ def add_serve(sub) -> None:
                                    "Ctrl-C or SIGTERM.")
     p.add_argument("--repo", required=True, help="model repository (from `aot export backbone`)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
-    p.add_argument("--grpc-port", type=_positive_int, default=8001)
-    p.add_argument("--http-port", type=_positive_int, default=8000)
-    p.add_argument("--metrics-port", type=_positive_int, default=8002)
+    p.add_argument("--grpc-port", type=positive_int, default=8001)
+    p.add_argument("--http-port", type=positive_int, default=8000)
+    p.add_argument("--metrics-port", type=positive_int, default=8002)
     p.add_argument("--log", default=None, help="server log file (default: a temporary file)")
     p.set_defaults(run=run_serve)
 
 
 def run_serve(args) -> int:
     from aot.server import LocalServer
-    from exporter.repository import read_repository
-    from exporter.runtime import TaskRegistry
+    from serving.repository import read_repository
+    from serving.tasks import TaskRegistry
 
     repo = read_repository(args.repo)
     registry = TaskRegistry(repo.store_root, with_rows=True)
+    if registry.manifest_error:
+        print(f"aot: warning: {registry.manifest_error} (no task serves until it is fixed)", file=sys.stderr)
     for name, error in registry.errors().items():
         print(f"aot: warning: {error} (its requests will fail; the other tasks serve)", file=sys.stderr)
     server = LocalServer(repo.path, args.host, args.http_port, args.grpc_port, args.metrics_port, args.log)
@@ -42,7 +43,7 @@ def run_serve(args) -> int:
         signal.signal(sig, lambda *_: stop.set())
     server.start()
     try:
-        tasks = [n for n in registry.names() if n not in registry.errors()]
+        tasks = sorted(registry.served())
         print(json.dumps({"grpc": server.grpc_url, "http": server.http_url,
                           "metrics": f"{args.host}:{server.metrics_port}", "ready_seconds": round(server.ready_seconds, 2),
                           "tasks": tasks, "log": str(server.log_path)}), flush=True)
@@ -57,7 +58,31 @@ def run_serve(args) -> int:
     return 0
 
 
-@command
+def add_tasks(sub) -> None:
+    p = sub.add_parser("tasks", help="list the tasks a running server serves (read from the server)",
+                       description="One JSON line per served task: name, version, storage, labels, max length, "
+                                   "method, metric, dev score and source artifact; then one line per task whose "
+                                   "requests fail, with the reason.")
+    p.add_argument("--url", default="127.0.0.1:8001", help="gRPC address of the server")
+    p.set_defaults(run=run_tasks)
+
+
+def run_tasks(args) -> int:
+    from aot.client import Client, InferenceError
+
+    with Client(args.url) as client:
+        try:
+            client.check_ready()
+            listing = client.tasks()
+        except InferenceError as exc:
+            raise ValueError(str(exc)) from None
+    for task in listing["tasks"]:
+        print(json.dumps(task))
+    for name, error in listing["errors"].items():
+        print(json.dumps({"name": name, "error": error}))
+    return 0
+
+
 def add_infer(sub) -> None:
     p = sub.add_parser("infer", help="call a served task over gRPC; one JSON line per input",
                        description='Prints {"label": ..., "logits": [...]} per TEXT (like `aot predict`), or, with '
@@ -68,7 +93,7 @@ def add_infer(sub) -> None:
     p.add_argument("--pair", default=None, help="second text for every TEXT")
     p.add_argument("--input", default=None, help="JSONL file of requests (mixed tasks allowed)")
     p.add_argument("--output", default=None, help="write answers here instead of stdout")
-    p.add_argument("--concurrency", type=_positive_int, default=16, help="requests in flight")
+    p.add_argument("--concurrency", type=positive_int, default=16, help="requests in flight")
     p.add_argument("--model", default="aot", help="ensemble to call (aot, or vanilla for comparisons)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("texts", nargs="*", metavar="TEXT")
@@ -76,16 +101,21 @@ def add_infer(sub) -> None:
 
 
 def _read_requests(path: str) -> list[dict]:
-    """JSONL requests, read by the same reader as training data (errors name the file and line)."""
-    from pathlib import Path
-
-    from training.data.files import read_records
-
+    """JSONL requests; an error names the file and line."""
     items = []
-    for record in read_records(Path(path)):
-        if not all(isinstance(record.fields.get(k), str) for k in ("task", "text")):
-            raise ValueError(f'{record.where()}: expected {{"task": "...", "text": "..."}}')
-        items.append(record.fields)
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: invalid JSON ({exc.msg})") from None
+            if not isinstance(record, dict) or not all(isinstance(record.get(k), str) for k in ("task", "text")):
+                raise ValueError(f'{path}:{number}: expected {{"task": "...", "text": "..."}}')
+            items.append(record)
+    if not items:
+        raise ValueError(f"{path}: no requests")
     return items
 
 
@@ -115,11 +145,9 @@ def run_infer(args) -> int:
             bar.close()
     lines = "".join(json.dumps(a) + "\n" for a in answers)
     if args.output:
-        from pathlib import Path
+        from serving.atomic import write_atomic
 
-        from training.atomic import write_text_atomic
-
-        write_text_atomic(Path(args.output), lines)
+        write_atomic(args.output, lines)
     else:
         sys.stdout.write(lines)
     failed = [a for a in answers if "error" in a]

@@ -1,14 +1,19 @@
 """A real local Triton server (the `tritonserver` binary of the nvidia-pytriton wheel), no Docker.
 
-Set-up that the binary needs (see docs/serving.md): a backends folder whose python/ links the wheel's python
-backend and the stub for this Python; this interpreter's bin/ first on PATH (the stub runs `python3`, which must
-have numpy<2 and this project); LD_LIBRARY_PATH with this interpreter's libpython. The server runs in its own
-process group; stopping it sends SIGTERM to the group, then SIGKILL to the server alone (its stubs then remove their
-shared memory), then SIGKILL to the group.
+Set-up that the binary needs (../shared notes, docs/formats.md): a backends folder whose python/ links the wheel's
+python backend and the stub for this Python; this interpreter's bin/ first on PATH (the stub runs `python3`, which
+must have numpy<2 and this project); LD_LIBRARY_PATH with this interpreter's libpython.
+
+Lifetime: the server runs in its own process group and dies with the process that started it (parent-death
+signal), so `kill -9` of `aot serve` leaves no server behind. A supervisor (serving.supervisor) repairs a step whose
+stub died. Stopping sends SIGTERM to the group, then SIGKILL to the server alone (its stubs then remove their
+shared memory), then SIGKILL to the group and removes what stubs left in /dev/shm: also when the server had already
+exited (crashed) by itself.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import signal
@@ -22,9 +27,22 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from serving.supervisor import Supervisor, reap
+
 
 class ServerError(RuntimeError):
     pass
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the process that started it dies (Linux prctl)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except OSError:
+        pass
 
 
 def triton_home() -> Path:
@@ -85,8 +103,10 @@ class LocalServer:
     metrics_port: int = 0
     log_path: Path | None = None
     extra_args: list[str] = field(default_factory=list)
+    supervise: bool = True
     process: subprocess.Popen | None = None
     ready_seconds: float | None = None
+    supervisor: Supervisor | None = None
 
     def __post_init__(self):
         self.repo = Path(self.repo).resolve()
@@ -111,7 +131,9 @@ class LocalServer:
                 f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
                 f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
                 "--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0", "--exit-timeout-secs=5",
-                "--disable-auto-complete-config", "--log-info=true", *self.extra_args]
+                "--disable-auto-complete-config", "--log-info=true",
+                "--model-control-mode=explicit", "--load-model=*",  # the supervisor reloads what died
+                *self.extra_args]
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -123,8 +145,12 @@ class LocalServer:
         return env
 
     def check_ports(self) -> None:
-        for flag, port in (("--http-port", self.http_port), ("--grpc-port", self.grpc_port),
-                           ("--metrics-port", self.metrics_port)):
+        ports = (("--http-port", self.http_port), ("--grpc-port", self.grpc_port), ("--metrics-port", self.metrics_port))
+        for i, (flag, port) in enumerate(ports):
+            for other, same in ports[:i]:
+                if same == port:
+                    raise ServerError(f"{other} and {flag} are both {port}: each endpoint needs its own port")
+        for flag, port in ports:
             if not port_is_free(self.host, port):
                 raise ServerError(f"port {self.host}:{port} ({flag}) is already in use; choose another {flag}")
 
@@ -136,11 +162,14 @@ class LocalServer:
             return False
 
     def start(self, timeout: float = 120) -> "LocalServer":
+        if not (self.repo / "models").is_dir():
+            raise ServerError(f"{self.repo} has no models/ folder: not a model repository from `aot export backbone`")
         self.check_ports()
         start = time.monotonic()
         log = open(self.log_path, "w")
         self.process = subprocess.Popen(self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
+                                        stdin=subprocess.DEVNULL, start_new_session=True,
+                                        preexec_fn=_die_with_parent)
         log.close()
         while time.monotonic() - start < timeout:
             if self.process.poll() is not None:
@@ -148,6 +177,8 @@ class LocalServer:
                                   f"{self.log_tail()}")
             if self.is_ready():
                 self.ready_seconds = time.monotonic() - start
+                if self.supervise:
+                    self.supervisor = Supervisor(self.process.pid, self.http_url, log=self._log).start()
                 return self
             time.sleep(0.05)
         self.stop()
@@ -160,22 +191,30 @@ class LocalServer:
             return ""
         return "\n".join(text[-lines:])
 
+    def _log(self, message: str) -> None:
+        print(f"aot: {message}", file=sys.stderr, flush=True)
+
     def stop(self, timeout: float = 15) -> int | None:
-        if self.process is None or self.process.poll() is not None:
-            return None if self.process is None else self.process.returncode
-        group = os.getpgid(self.process.pid)
-        os.killpg(group, signal.SIGTERM)
-        try:
-            code = self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.kill(self.process.pid, signal.SIGKILL)  # alone first: the stubs then clean their shared memory
-            code = self.process.wait()
-            time.sleep(2)
+        """Stop the server and everything it started; safe to call again, and after the server crashed."""
+        if self.process is None:
+            return None
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        group = self.process.pid  # start_new_session: the server leads its own group
+        if self.process.poll() is None:
+            os.killpg(group, signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.kill(self.process.pid, signal.SIGKILL)  # alone first: the stubs then clean their shared memory
+                self.process.wait()
+                time.sleep(2)
+        reap(self.process.pid, self.supervisor.regions if self.supervisor else ())
         try:
             os.killpg(group, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        return code
+        return self.process.returncode
 
     def __enter__(self) -> "LocalServer":
         return self.start()

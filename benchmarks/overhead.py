@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.report import markdown_table, new_figure, save_figure, write_json, write_text
-from exporter import interface as io
+from serving import protocol as io
 from training.backbone import Architecture, architecture_for, encoder_from_config, load_encoder
 from training.methods.aot.config import FCConfig
 from training.methods.aot.layer import FCPrompt
@@ -475,11 +475,12 @@ def run_torch(config: OverheadConfig, progress: bool = True, on_size: Callable[[
 def run_onnxruntime(config: OverheadConfig, progress: bool = True,
                     on_size: Callable[[list[dict]], None] = lambda r: None) -> list[dict]:
     """vanilla and AoT through the exporter's optimized graphs and the server's own lookup and batching code
-    (exporter.runtime), the lookup inside the timed region. Other methods run with --engine torch."""
+    (serving.tasks, serving.engine), the lookup inside the timed region. Other methods run with --engine torch."""
     from tqdm.auto import tqdm
 
     from exporter.onnx_export import export_backbone_graph
-    from exporter.runtime import BackboneRunner, ServedTask, lookup
+    from serving.engine import BackboneRunner
+    from serving.tasks import FCRows, ServedTask, lookup
     from training.backbone import Backbone
 
     records = []
@@ -495,9 +496,12 @@ def run_onnxruntime(config: OverheadConfig, progress: bool = True,
                   "aot": export_backbone_graph(backbone, scratch / model_name / "aot", aot=True)}
         runners_by_graph = {k: BackboneRunner(g.optimized) for k, g in graphs.items()}
         prompt = FCPrompt(FCConfig(rank=config.rank), L, d, embedding_std=0.05).eval()
-        served = {"aot-fused": ServedTask("fused", None, 512, "fused", {}, table=table),
-                  "aot-factored": ServedTask("factored", None, 512, "factored", {}, prompt=prompt,
-                                             embeddings=encoder.get_input_embeddings().weight.detach())}
+        factors = {k: v.detach().numpy() for k, v in prompt.state_dict().items()}
+        embeddings = encoder.get_input_embeddings().weight.detach().numpy()
+        served = {"aot-fused": ServedTask("fused", "fused@000000000000", None, 512, "fused", L, d, V, {},
+                                          table=table),
+                  "aot-factored": ServedTask("factored", "factored@000000000000", None, 512, "factored", L, d, V,
+                                             {}, compute_rows=FCRows(factors, "tanh", embeddings))}
         for batch, seq in sizes:
             case = make_case(encoder, batch, seq, torch.device("cpu"), torch.float32)
             tokens = [{io.INPUT_IDS: case.ids[b].numpy(), io.ATTENTION_MASK: case.mask[b].numpy()}
@@ -505,7 +509,7 @@ def run_onnxruntime(config: OverheadConfig, progress: bool = True,
                       for b in range(batch)]
 
             def served_path(task: ServedTask):
-                """What the lookup and backbone steps of the server do for this batch (exporter.runtime)."""
+                """What the lookup and backbone steps of the server do for this batch."""
                 requests = []
                 for t in tokens:
                     rows, index = lookup(task, t[io.INPUT_IDS], t[io.ATTENTION_MASK])

@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.report import markdown_table, new_figure, save_figure, write_json, write_text
-from exporter import interface as io
-from exporter.repository import read_repository
 from exporter.task_store import TaskStore
+from serving import protocol as io
+from serving.repository import read_repository
 
 
 @dataclass

@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from exporter import interface as io
+from exporter.configs import PYTHON_MODELS, TEMPLATES, write_configs
 from exporter.onnx_export import export_backbone_graph
-from exporter.repository import (MODELS_DIR, PYTHON_MODELS, RECORD, REPO_FORMAT, REPO_VERSION, STORE_DIR, TEMPLATES,
-                                 RepositoryError, ServingOptions, read_repository, write_configs)
 from exporter.task_store import TaskStore
 from exporter.tensorrt import Profile, build_plan, build_script
+from serving import protocol as io
+from serving.atomic import atomic_directory, write_json
+from serving.repository import (MODELS_DIR, RECORD, REPO_FORMAT, REPO_VERSION, RepositoryError, ServingOptions,
+                                read_repository)
 from training.artifact import backbone_identity
-from training.atomic import atomic_directory
 from training.backbone import load_backbone
+
+STORE_DIR = "tasks"
+TOKENIZER_DIR = f"{MODELS_DIR}/tokenizer/1/tokenizer"
 
 
 @dataclass
@@ -40,7 +44,6 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
                     profile: Profile | None = None, overwrite: bool = False) -> BackboneExportReport:
     start = time.perf_counter()
     options = options or ServingOptions()
-    profile = profile or Profile(max_batch=options.max_batch_size, max_seq=max(options.buckets))
     if precision not in ("fp32", "fp16"):
         raise RepositoryError(f"unknown precision {precision!r}: expected fp32 or fp16")
     if precision == "fp16" and options.engine != "tensorrt":
@@ -55,6 +58,14 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
         keep_tasks = read_repository(repo)
     backbone = load_backbone(model)
     identity = backbone_identity(backbone)
+    # The longest sequence the repository serves: the encoder's limit, or, for encoders without one (relative
+    # positions), the longest bucket.
+    longest = backbone.max_positions or max(options.buckets)
+    if max(options.buckets) > longest:  # no bucket may pad a sequence past what the encoder accepts
+        options.buckets = tuple(sorted({b for b in options.buckets if b < longest} | {longest}))
+    profile = profile or Profile(max_batch=options.max_batch_size, max_seq=max(options.buckets))
+    max_seq = min(profile.max_seq, max(options.buckets))
+    profile = dataclasses.replace(profile, max_seq=max_seq, opt_seq=min(profile.opt_seq, max_seq))
     if keep_tasks is not None and keep_tasks.fingerprint != backbone.fingerprint:
         raise RepositoryError(f"{repo} holds tasks for backbone {keep_tasks.model!r} ({keep_tasks.fingerprint}); "
                               f"{model!r} is {backbone.fingerprint}: export into a new repository")
@@ -83,21 +94,25 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
             script = tmp / "build_engines.sh"
             script.write_text(build_script(trt_models, precision == "fp16"))
             script.chmod(0o755)
-        backbone.tokenizer.save_pretrained(models / "tokenizer" / "1" / "tokenizer")
+        backbone.tokenizer.save_pretrained(tmp / TOKENIZER_DIR)
         _copy_python_models(models)
         write_configs(models, info, options)
         if keep_tasks is not None:
             # Hard links: no data is copied, and the old store stays whole until the swap succeeds.
-            shutil.copytree(keep_tasks.store_root, tmp / STORE_DIR, copy_function=os.link)
+            shutil.copytree(keep_tasks.store_root, tmp / STORE_DIR, copy_function=os.link,
+                            ignore=shutil.ignore_patterns(".tmp-*", ".lock"))
         else:
             TaskStore(tmp / STORE_DIR).create(identity, backbone.embeddings.detach().float().numpy())
         record = {"format": REPO_FORMAT, "format_version": REPO_VERSION, "protocol_version": io.PROTOCOL_VERSION,
                   "backbone": identity, "uses_token_type_ids": backbone.uses_token_type_ids,
                   "num_layers": backbone.num_layers, "hidden_size": backbone.hidden_size,
+                  "vocab_size": int(backbone.embeddings.shape[0]),
+                  "type_vocab_size": int(getattr(backbone.encoder.config, "type_vocab_size", 0) or 0),
+                  "max_positions": longest, "store": STORE_DIR, "tokenizer": TOKENIZER_DIR,
                   "serving": options.to_json(), "precision": precision,
                   "tensorrt_profile": profile.__dict__ if options.engine == "tensorrt" else None,
                   "parity_max_abs_diff": report.max_abs_diff}
-        (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+        write_json(tmp / RECORD, record)
         report.sizes = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in tmp.rglob("*.onnx")}
         report.sizes["tasks/embeddings.npy"] = (tmp / STORE_DIR / "embeddings.npy").stat().st_size
     report.seconds = round(time.perf_counter() - start, 2)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from exporter import interface as io
+from serving import protocol as io
 from training.backbone import Backbone
 from training.methods.aot.model import BiasedEncoder
 

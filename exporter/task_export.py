@@ -13,10 +13,13 @@ import torch
 from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 
-from exporter import interface as io
-from exporter.repository import RepositoryInfo, read_repository
-from exporter.runtime import BackboneRunner, Tokenization, load_served_task, lookup
-from exporter.task_store import EMBEDDINGS, STORAGES, StoreError, TaskStore, check_task_name
+from exporter.task_store import TaskStore
+from serving import protocol as io
+from serving.engine import BackboneRunner
+from serving.repository import RepositoryInfo, read_repository
+from serving.store import EMBEDDINGS, STORAGES, StoreError, check_task_name
+from serving.tasks import load_task_version, lookup
+from serving.tokenization import Tokenization
 from training.artifact import check_fingerprint, read_task
 from training.backbone import load_backbone
 from training.methods.aot.model import AoTBody
@@ -50,21 +53,23 @@ def _head_arrays(model: TaskModel) -> dict[str, np.ndarray]:
 
 
 def _write_fused(body: AoTBody, path: Path, vocab: int, chunk: int = 2048, progress: bool = True) -> None:
-    """P for the whole vocabulary, token-major [V, L, d] fp16, written chunk by chunk into a .npy memory map."""
+    """P for the whole vocabulary, token-major [V, L, d] fp16, as a .npy written chunk by chunk.
+
+    Plain writes, not a memory map of a sparse file: a full disk then fails a write with ENOSPC (a clear error,
+    and the caller removes the folder) instead of killing the process with SIGBUS."""
     L, d = body.biased.num_layers, body.biased.hidden_size
-    table = np.lib.format.open_memmap(path, mode="w+", dtype=np.float16, shape=(vocab, L, d))
-    with torch.no_grad():
+    header = {"descr": np.lib.format.dtype_to_descr(io.ROWS_DTYPE), "fortran_order": False, "shape": (vocab, L, d)}
+    with open(path, "wb") as f, torch.no_grad():
+        np.lib.format.write_array_header_2_0(f, header)
         for start in tqdm(range(0, vocab, chunk), desc="fuse P", unit="chunk", disable=not progress):
             ids = torch.arange(start, min(start + chunk, vocab))
-            table[start:start + len(ids)] = body.rows(ids).to(torch.float16).numpy()
-    table.flush()
-    del table
+            f.write(body.rows(ids).to(torch.float16).numpy().tobytes())
 
 
 def validate_task(repo: RepositoryInfo, folder: Path, name: str, storage: str, predictor: Predictor,
                   texts=VALIDATION_TEXTS) -> float:
     """Served path (tokenizer, lookup, ONNX backbone, head) against the PyTorch task: max |logit difference|."""
-    served = load_served_task(folder, name, storage, repo.store_root / EMBEDDINGS)
+    served = load_task_version(folder, TaskStore.version_name(folder), repo.store_root / EMBEDDINGS)
     tokens = Tokenization(repo.tokenizer_dir, repo.uses_token_type_ids)
     runner = BackboneRunner(repo.backbone_onnx)
     requests = []
@@ -90,6 +95,14 @@ def export_task(task_dir: str | Path, repo_dir: str | Path, name: str, storage: 
         raise StoreError(f"task {task_dir} was trained with method {method!r}; only AoT tasks (fc, kron) run on the "
                          "shared backbone")
     check_fingerprint(artifact, repo.fingerprint, f"{repo.model} (repository {repo.path})")
+    if artifact.max_length > repo.max_positions:
+        raise StoreError(f"task {task_dir} has max length {artifact.max_length}; backbone {repo.model!r} accepts at "
+                         f"most {repo.max_positions} tokens: retrain it with --max-length {repo.max_positions} or less")
+    longest = max(repo.options.buckets)
+    if repo.options.engine == "tensorrt" and artifact.max_length > longest:
+        raise StoreError(f"task {task_dir} has max length {artifact.max_length}, beyond the TensorRT profile of "
+                         f"{repo.path} (longest bucket {longest}): re-export the backbone with --buckets up to "
+                         f"{artifact.max_length}, or retrain with --max-length {longest}")
     predictor = Predictor.load(task_dir, load_backbone(repo.model))  # checks the loaded backbone's fingerprint
     backbone = predictor.backbone
     artifact, model = predictor.artifact, predictor.model

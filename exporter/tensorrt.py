@@ -11,7 +11,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from exporter import interface as io
+from serving import protocol as io
 
 
 @dataclass(frozen=True)

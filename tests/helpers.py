@@ -21,7 +21,7 @@ def train_tiny_task(model_dir: Path, data_dir: Path, out: Path, method: str = "f
 
 def make_repository(model_dir: Path, repo: Path, tasks: dict[str, tuple[Path, str]], **options) -> Path:
     """A repository with `tasks`: name -> (artifact, storage)."""
-    from exporter.repository import ServingOptions
+    from serving.repository import ServingOptions
 
     export_backbone(str(model_dir), repo, ServingOptions(**options) if options else None)
     for name, (artifact, storage) in tasks.items():

@@ -11,14 +11,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from exporter import interface as io
+import exporter.task_store
+from exporter.configs import model_configs, parse_pbtxt, to_pbtxt
 from exporter.onnx_export import export_backbone_graph
-from exporter.repository import (RepositoryError, ServingOptions, model_configs, parse_pbtxt, read_repository,
-                                 to_pbtxt)
-from exporter.runtime import TaskRegistry
 from exporter.task_export import export_task
 from exporter.task_store import StoreError, TaskStore
 from exporter.tensorrt import Profile, build_plan, build_script, trtexec_command
+from serving import protocol as io
+from serving.errors import RequestError
+from serving.repository import RepositoryError, ServingOptions, read_repository
+from serving.tasks import TaskRegistry
 from tests.helpers import make_repository, train_tiny_task
 from tests.tiny import ARCHS, save_tiny_model, tiny_backbone
 from training.artifact import FingerprintMismatch
@@ -78,12 +80,12 @@ def test_task_parity_fused_and_factored(tmp_path, tiny_models, tasks, arch):
     export_task(tasks[(arch, "fc")], repo, "fc-factored-2", "factored", progress=False)
     registry = TaskRegistry(read_repository(repo).store_root)
     # factored FC tasks share one copy of the embedding matrix, whatever their number
-    assert registry.get("fc-factored").embeddings is registry.get("fc-factored-2").embeddings
+    assert registry.resolve("fc-factored").compute_rows.embeddings is registry.resolve("fc-factored-2").compute_rows.embeddings
     vocab = tiny_backbone(arch).embeddings.shape[0]
     ids = np.arange(vocab)
     for method in ("fc", "kron"):
-        fused = registry.get(f"{method}-fused").rows(ids).astype(np.float32)
-        factored = registry.get(f"{method}-factored").rows(ids).astype(np.float32)
+        fused = registry.resolve(f"{method}-fused").rows(ids).astype(np.float32)
+        factored = registry.resolve(f"{method}-factored").rows(ids).astype(np.float32)
         assert fused.shape == (vocab, 2, 32)
         np.testing.assert_allclose(factored, fused, rtol=1e-3, atol=1e-3)
         assert np.abs(fused).max() > 0  # trained rows, not zeros
@@ -136,16 +138,19 @@ def test_bad_task_names(tmp_path, tiny_models, tasks, name):
         export_task(tasks[("bert", "fc")], repo, name, progress=False)
 
 
-def test_reexport_swaps_and_remove(tmp_path, tiny_models, tasks):
+def test_reexport_swaps_and_remove(tmp_path, tiny_models, tasks, monkeypatch):
     repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"t": (tasks[("bert", "fc")], "fused")})
     store = TaskStore(read_repository(repo).store_root)
     first = store.entries()["t"].folder
     export_task(tasks[("bert", "kron")], repo, "t", "factored", progress=False)
     second = store.entries()["t"]
     assert second.folder != first and second.storage == "factored"
-    assert not (store.root / first).exists()  # the superseded version is gone
+    # the superseded version stays a while for requests already pinned to it, then goes
+    assert (store.root / first).is_dir() and first in store.manifest().retired
+    monkeypatch.setattr(exporter.task_store, "RETIRED_GRACE", 0.0)
     store.remove("t")
-    assert store.entries() == {} and not (store.root / second.folder).exists()
+    assert store.entries() == {} and not (store.root / first).exists() and not (store.root / second.folder).exists()
+    assert store.manifest().retired == {}
     with pytest.raises(StoreError, match="unknown task 't'"):
         store.remove("t")
 
@@ -172,10 +177,11 @@ def test_killed_export_leaves_store_loadable(tmp_path, tiny_models, tasks):
     store_root = read_repository(repo).store_root
     registry = TaskRegistry(store_root)
     assert registry.names() == ["keep"] and not registry.errors()
-    assert any(p.name.startswith(".tmp-new@") for p in store_root.iterdir())  # debris, invisible to readers
+    assert any(p.name.startswith(f".tmp-{proc.pid}-new@") for p in store_root.iterdir())  # invisible to readers
     export_task(tasks[("bert", "kron")], repo, "new", progress=False)
     registry.refresh()
     assert registry.names() == ["keep", "new"]
+    assert not any(p.name.startswith(".tmp-") for p in store_root.iterdir())  # a dead writer's debris is removed
 
 
 def test_corrupt_task_does_not_hide_the_others(tmp_path, tiny_models, tasks):
@@ -184,14 +190,13 @@ def test_corrupt_task_does_not_hide_the_others(tmp_path, tiny_models, tasks):
     store = TaskStore(read_repository(repo).store_root)
     (store.root / store.entries()["bad"].folder / "table.npy").write_bytes(b"garbage")
     registry = TaskRegistry(store.root)
-    assert registry.get("good").rows(np.array([1, 2])).shape == (2, 2, 32)
+    assert registry.resolve("good").rows(np.array([1, 2])).shape == (2, 2, 32)
     assert "bad" in registry.errors()
-    from exporter.runtime import RequestError
-
-    with pytest.raises(RequestError, match="task 'bad' is corrupt"):
-        registry.get("bad")
+    with pytest.raises(RequestError, match="task 'bad' .* is corrupt") as err:
+        registry.resolve("bad")
+    assert str(store.root) not in str(err.value)  # no server paths in what clients read
     with pytest.raises(RequestError, match=r"unknown task 'zzz'; known tasks: good"):
-        registry.get("zzz")
+        registry.resolve("zzz")
 
 
 def test_existing_repository_needs_overwrite(tmp_path, tiny_models, tasks):
@@ -213,7 +218,8 @@ def test_every_config_parses_and_is_consistent(uses_tt, engine):
     options = ServingOptions(engine=engine)
     for target in ("cpu", "gpu"):
         configs = model_configs(info, options, target)
-        assert set(configs) == {"tokenizer", "aot_lookup", "backbone", "backbone_vanilla", "head", "aot", "vanilla"}
+        assert set(configs) == {"tokenizer", "aot_lookup", "backbone", "backbone_vanilla", "head", "task_list", "aot",
+                                "vanilla"}
         for name, config in configs.items():
             parsed = parse_pbtxt(to_pbtxt(config))  # round trip through Triton's own ModelConfig protobuf
             assert parsed == config and parsed.name == name
@@ -230,9 +236,8 @@ def test_every_config_parses_and_is_consistent(uses_tt, engine):
             assert steps == ["tokenizer", "aot_lookup", "backbone", "head"]
         else:
             # the python backbone looks rows up itself: as many steps as the vanilla ensemble
-            assert set(inputs) == set(io.token_inputs(uses_tt)) | {io.TASK}
+            assert set(inputs) == set(io.token_inputs(uses_tt)) | {io.TASK_VERSION}
             assert backbone.backend == "python" and not backbone.batch_input
-            assert backbone.parameters["store"].string_value == "../../tasks"
             assert steps == ["tokenizer", "backbone", "head"]
         assert [s.model_name for s in configs["vanilla"].ensemble_scheduling.step] == ["tokenizer", "backbone_vanilla", "head"]
 
@@ -240,10 +245,10 @@ def test_every_config_parses_and_is_consistent(uses_tt, engine):
 def test_written_repository_configs_parse(tmp_path, tiny_models):
     repo = make_repository(tiny_models["roberta"], tmp_path / "repo", {})
     files = sorted((repo / "models").glob("*/config.pbtxt")) + sorted((repo / "models").glob("*/configs/cpu.pbtxt"))
-    assert len(files) == 14
+    assert len(files) == 16
     for path in files:
         parse_pbtxt(path.read_text())
-    for model in ("tokenizer", "aot_lookup", "backbone", "backbone_vanilla", "head"):
+    for model in ("tokenizer", "aot_lookup", "backbone", "backbone_vanilla", "head", "task_list"):
         assert (repo / "models" / model / "1" / "model.py").is_file()
     assert (repo / "models" / "backbone" / "1" / "model.onnx").is_file()
 

@@ -155,3 +155,19 @@ def test_fc_first_projection_is_of_order_one(embedding_std):
     prompt = FCPrompt(make_config("fc", rank=32), num_layers=2, hidden_size=64, embedding_std=float(E.std()))
     pre = torch.einsum("ud,ldr->lur", E, prompt.w1)
     assert 0.7 < float(pre.detach().std()) < 1.4
+
+
+def test_unknown_config_keys_are_warned_about_and_skipped():
+    import warnings
+
+    cls = METHODS["fc"].config_cls
+    with pytest.warns(UserWarning) as record:
+        config = cls.from_json({"method": "fc", "rank": 8, "rnak": 16, "extra": True})
+    assert config.rank == 8
+    [warning] = record
+    message = str(warning.message)
+    assert message.startswith("method 'fc': ignoring unknown config keys extra, rnak (known: ")
+    assert all(name in message.split("known: ")[1] for name in ("rank", "activation", "dropout"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "method" and every field of to_json() are expected: no warning
+        assert cls.from_json(make_config("fc", rank=8).to_json()) == config

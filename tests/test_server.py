@@ -15,9 +15,9 @@ import pytest
 
 from aot.client import Client, InferenceError
 from aot.server import LocalServer
-from exporter.repository import read_repository
 from exporter.task_export import export_task
 from exporter.task_store import TaskStore
+from serving.repository import read_repository
 from tests.helpers import make_repository, train_tiny_task
 from training.predict import Predictor
 
@@ -246,7 +246,7 @@ def test_serve_command_corrupt_task_and_clean_stop(tmp_path, repo):
         assert info["tasks"] == ["alpha", "gamma"]
         with Client(info["grpc"]) as c:
             assert c.infer("alpha", "good w1")["label"] in ("positive", "negative")
-            with pytest.raises(InferenceError, match="task 'beta' is corrupt"):
+            with pytest.raises(InferenceError, match=r"task 'beta' \(beta@[0-9a-f]+\) is corrupt"):
                 c.infer("beta", "good w1")
         server_pids = subprocess.run(["pgrep", "-f", f"grpc-port={ports[1]}"], capture_output=True, text=True).stdout.split()
         assert server_pids
@@ -254,7 +254,7 @@ def test_serve_command_corrupt_task_and_clean_stop(tmp_path, repo):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         err = proc.stderr.read()
-        assert "task 'beta' is corrupt" in err
+        assert "task 'beta' (beta@" in err and "is corrupt" in err
         deadline = time.monotonic() + 10
         while _group_alive(stub_group) and time.monotonic() < deadline:
             time.sleep(0.1)

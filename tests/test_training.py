@@ -173,11 +173,12 @@ def test_same_seed_same_model_whatever_ran_before(tmp_path, sentiment_dir, tiny_
 def test_one_label_rule_for_predict_and_serving(labels, logits, expected):
     import numpy as np
 
-    from exporter.runtime import ServedTask
-    from training.data.task import label_for
+    from serving.tasks import ServedTask
+    from serving.labels import label_for
 
     assert label_for(labels, logits) == expected
-    served = ServedTask("t", None if labels is None else list(labels), 8, "fused", {})
+    served = ServedTask(name="t", version="t@1", labels=None if labels is None else list(labels), max_length=8,
+                        storage="fused", num_layers=1, hidden_size=1, vocab_size=1, head={})
     assert served.label(np.array(logits, dtype=np.float32)) == expected
 
 
@@ -186,3 +187,166 @@ def test_infer_input_errors_name_file_and_line(tmp_path, capsys):
     bad.write_text('{"task": "t", "text": "fine"}\n{"task": "t"}\n')
     assert main(["infer", "--input", str(bad)]) == 2
     assert f"{bad}:2: expected" in capsys.readouterr().err
+
+
+# --- backbone length limit, damaged artifacts, offline loading -----------------------------------------------------
+
+@pytest.mark.parametrize("arch,expected", [("bert", 72), ("roberta", 70), ("deberta-v2", None)])
+def test_max_positions_is_the_real_limit(arch, expected):
+    """The tiny configs have max_position_embeddings 72: BERT takes 72, RoBERTa 72 - 2, DeBERTa-v3 style any length."""
+    backbone = tiny_backbone(arch)
+    assert backbone.max_positions == expected
+
+    def run(n: int) -> None:
+        ids = torch.full((1, n), 7)
+        backbone.encoder(input_ids=ids, attention_mask=torch.ones_like(ids))
+
+    if expected is None:
+        run(200)
+        return
+    run(expected)
+    with pytest.raises((IndexError, RuntimeError)):
+        run(expected + 1)
+
+
+def test_max_positions_of_known_configs():
+    from transformers import AutoConfig, XLMRobertaConfig
+
+    from tests.tiny import tiny_config
+    from training.backbone import architecture_for, resolve_model_path
+
+    def limit(config):
+        return architecture_for(config).max_positions(config)
+
+    assert limit(AutoConfig.from_pretrained(resolve_model_path("minilm"), local_files_only=True)) == 512
+    assert limit(XLMRobertaConfig(max_position_embeddings=514, pad_token_id=1)) == 512
+    deberta = tiny_config("deberta-v2", vocab_size=100)
+    deberta.position_biased_input = True  # DeBERTa (v1-style) absolute positions: a hard limit again
+    assert limit(deberta) == 72
+
+
+@pytest.mark.parametrize("model,max_length,limit", [("roberta", 71, 70), ("minilm", 1024, 512)])
+def test_train_refuses_max_length_beyond_backbone(tmp_path, sentiment_dir, tiny_models, capsys, model, max_length,
+                                                 limit):
+    from pathlib import Path
+
+    path = str(Path(tiny_models[model]).resolve()) if model in tiny_models else model
+    out = tmp_path / "task"
+    assert main(["train", "--model", path, "--data", str(sentiment_dir), "--method", "fc", "--out", str(out),
+                 "--max-length", str(max_length), "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip() == (f"aot: error: --max-length {max_length} exceeds what backbone {path} "
+                                               f"accepts ({limit} tokens)")
+    assert not out.exists()
+
+
+def test_prompt_methods_use_the_real_position_limit():
+    from training.data.task import TaskSpec
+    from training.methods import make_config
+    from training.model import build_task_model
+
+    model = build_task_model(tiny_backbone("roberta"), make_config("prompt", rank=4), TaskSpec("t", ("a", "b"), "accuracy"))
+    assert model.body.max_input_length == 70 - 4
+
+
+@pytest.fixture(scope="module")
+def trained_task(tmp_path_factory, sentiment_dir, tiny_models):
+    out = tmp_path_factory.mktemp("trained") / "task"
+    train_task(model=str(tiny_models["bert"]), data=str(sentiment_dir), method="fc", out=str(out),
+               **{**FAST, "epochs": 1})
+    return out
+
+
+def _copy_task(task, tmp_path):
+    import shutil
+
+    return shutil.copytree(task, tmp_path / "task")
+
+
+@pytest.mark.parametrize("damage", [lambda b: b[: len(b) // 2], lambda b: b[:5], lambda b: b"not safetensors" * 9],
+                         ids=["truncated", "header-cut", "garbage"])
+def test_damaged_weights_are_one_artifact_error(tmp_path, trained_task, damage):
+    task = _copy_task(trained_task, tmp_path)
+    weights = task / "weights.safetensors"
+    weights.write_bytes(damage(weights.read_bytes()))
+    with pytest.raises(ArtifactError, match="corrupt or truncated weights file") as err:
+        load_task(task)
+    assert str(err.value).startswith(f"{weights}: ")
+
+
+def test_cli_damaged_weights_is_one_line(tmp_path, trained_task):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    task = _copy_task(trained_task, tmp_path)
+    weights = task / "weights.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "aot", "predict", "--task", str(task), "good w1"], cwd=root,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("aot: error: "), proc.stderr
+    assert f"{weights}: corrupt or truncated weights file" in lines[0]
+    assert proc.stdout == ""
+
+
+@pytest.fixture
+def no_network(monkeypatch) -> list:
+    """Offline mode off (so only our code can keep loading local) and every connection attempt recorded, refused."""
+    import socket
+
+    import huggingface_hub.constants
+
+    attempts = []
+
+    def refuse(*args, **kwargs):
+        attempts.append(args)
+        raise OSError("network blocked by the test")
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    return attempts
+
+
+def _record_backbone(task, model: str) -> None:
+    config = json.loads((task / "config.json").read_text())
+    config["backbone"]["model"] = model
+    (task / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("recorded", ["aot-tests/no-such-model-cached", "/no/such/model/folder"])
+def test_recorded_backbone_missing_locally_names_model_option(tmp_path, trained_task, tiny_models, no_network, capsys,
+                                                              recorded):
+    """A hub id recorded in the artifact is never fetched, even with offline mode off; --model is the way out."""
+    task = _copy_task(trained_task, tmp_path)
+    _record_backbone(task, recorded)
+    with pytest.raises(ArtifactError) as err:
+        load_task(task)
+    assert str(err.value) == (f"the backbone recorded in task {task}, {recorded!r}, is not available locally "
+                              f"(loading a task never downloads); pass --model PATH (the model folder, or a hub id "
+                              f"to download it)")
+    # the remedy the message names works
+    assert main(["predict", "--task", str(task), "--model", str(tiny_models["bert"]), "good w1"]) == 0
+    assert json.loads(capsys.readouterr().out)["label"] in ("positive", "negative")
+    assert no_network == []
+
+
+def test_recorded_hub_id_loads_from_the_local_cache(tmp_path, trained_task, tiny_models, no_network, monkeypatch):
+    """A cached hub id loads from its snapshot folder, without a request (local_files_only alone still makes one)."""
+    import shutil
+
+    import huggingface_hub.constants
+
+    snapshot = tmp_path / "hub" / "models--aot-tests--tiny-bert" / "snapshots" / "abc123"
+    shutil.copytree(tiny_models["bert"], snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    task = _copy_task(trained_task, tmp_path)
+    _record_backbone(task, "aot-tests/tiny-bert")
+    _, _, backbone = load_task(task)
+    assert backbone.name == "aot-tests/tiny-bert"
+    assert no_network == []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from training.artifact import save_task
-from training.backbone import Backbone, load_backbone
+from training.backbone import Backbone, BackboneError, load_backbone
 from training.data import load_task_data
 from training.data.task import TaskData
 from training.methods.base import make_config, method_spec
@@ -23,6 +23,7 @@ def train_task(model: str, data: str, method: str, out: str, rank: int | None = 
     config = make_config(method, rank=rank)
     task_data = task_data or load_task_data(data, labels=labels, metric=metric)
     backbone = backbone or load_backbone(model)
+    check_max_length(backbone, max_length)
     train_config = TrainConfig(lr=lr or spec_method.default_lr, batch_size=batch_size, epochs=epochs,
                                patience=patience, max_length=max_length, seed=seed, eval_every=eval_every,
                                max_train_samples=max_train_samples, time_budget=time_budget, device=device)
@@ -42,3 +43,11 @@ def train_task(model: str, data: str, method: str, out: str, rank: int | None = 
     save_task(out, task_model, backbone, config, spec, max_length,
               {**train_config.to_json(), "data": task_data.source or data, "started": time.time()}, metrics)
     return {k: v for k, v in metrics.items() if k != "history"} | {"out": str(out)}
+
+
+def check_max_length(backbone: Backbone, max_length: int) -> None:
+    """Refuse a max length the encoder cannot run on, before training rather than at the first long batch."""
+    limit = backbone.max_positions
+    if limit is not None and max_length > limit:
+        raise BackboneError(f"--max-length {max_length} exceeds what backbone {backbone.name} accepts "
+                            f"({limit} tokens)")

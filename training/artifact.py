@@ -6,7 +6,7 @@ Format `aot-task`, version 1 (documented in docs/formats.md):
     DIR/weights.safetensors trainable parameters only (method factors + head), names as in TaskModel
     DIR/metrics.json        dev (and test) scores, train time, evaluation history
 
-The folder is written atomically (training.atomic). Loading checks the schema and refuses a backbone whose
+The folder is written atomically (serving.atomic). Loading checks the schema and refuses a backbone whose
 fingerprint differs from the one the task was trained on.
 """
 
@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from training.atomic import atomic_directory
-from training.backbone import Backbone, load_backbone
+from serving.atomic import atomic_directory
+from training.backbone import Backbone, BackboneError, load_backbone
 from training.data.task import TaskSpec
 from training.methods.base import MethodConfig, method_spec
 from training.model import TaskModel, build_task_model
@@ -70,7 +71,13 @@ class TaskArtifact:
         return self.config["backbone"]
 
     def weights(self) -> dict[str, torch.Tensor]:
-        return load_file(self.path / WEIGHTS_FILE)
+        """The trainable tensors; a damaged file is one ArtifactError naming it, not a safetensors traceback."""
+        path = self.path / WEIGHTS_FILE
+        try:
+            return load_file(path)
+        except SafetensorError as exc:
+            raise ArtifactError(f"{path}: corrupt or truncated weights file ({exc}); "
+                                f"restore it or train the task again") from None
 
     def metrics(self) -> dict:
         path = self.path / METRICS_FILE
@@ -137,15 +144,31 @@ def check_fingerprint(artifact: TaskArtifact, fingerprint: str, backbone_name: s
             f"but the backbone given is {backbone_name!r} ({fingerprint})")
 
 
+def load_recorded_backbone(artifact: TaskArtifact) -> Backbone:
+    """The backbone the artifact names (folder, 'minilm' or hub id), from local files only.
+
+    Loading a task must not reach the network on its own: a hub id recorded at training time is read from the
+    local cache or refused; only a --model the user passes may download.
+    """
+    name = artifact.backbone["model"]
+    try:
+        return load_backbone(name, local_only=True)
+    except (OSError, BackboneError) as exc:
+        raise ArtifactError(f"the backbone recorded in task {artifact.path}, {name!r}, is not available locally "
+                            f"(loading a task never downloads); pass --model PATH (the model folder, or a hub id to "
+                            f"download it)") from exc
+
+
 def load_task(path: str | Path, backbone: Backbone | None = None) -> tuple[TaskArtifact, TaskModel, Backbone]:
     """Rebuild a trained task model in eval mode on its backbone (loaded from the artifact's record if not given)."""
     artifact = read_task(path)
+    weights = artifact.weights()  # a damaged file is reported before the backbone is loaded
     if backbone is None:
-        backbone = load_backbone(artifact.backbone["model"])
+        backbone = load_recorded_backbone(artifact)
     check_fingerprint(artifact, backbone.fingerprint, backbone.name)
     model = build_task_model(backbone, artifact.method_config, artifact.spec)
     try:
-        model.load_trainable_state(artifact.weights())
+        model.load_trainable_state(weights)
     except ValueError as exc:
         raise ArtifactError(f"{artifact.path / WEIGHTS_FILE}: {exc}") from None
     model.eval()

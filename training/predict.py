@@ -8,7 +8,8 @@ import torch
 
 from training.artifact import TaskArtifact, load_task
 from training.backbone import Backbone
-from training.data.task import Example, label_for
+from serving.labels import label_for
+from training.data.task import Example
 from training.model import TaskModel
 from training.trainer import encode, predict_logits
 

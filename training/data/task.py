@@ -18,15 +18,6 @@ class Example:
     text_pair: str | None = None
 
 
-def label_for(labels, logits) -> str:
-    """The answer's label: the arg-max label name, or the score as text for regression (labels None).
-    `aot predict` and the served head both use it, so their JSON lines compare equal."""
-    values = [float(v) for v in logits]
-    if labels is None:
-        return f"{values[0]:.6g}"
-    return labels[max(range(len(values)), key=values.__getitem__)]
-
-
 @dataclass(frozen=True)
 class TaskSpec:
     """The label space and metric of a task. `labels is None` means regression (one float target)."""

@@ -7,6 +7,7 @@ top of any body (training.model.TaskModel). Only the parameters a method makes t
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import ClassVar
@@ -30,7 +31,12 @@ class MethodConfig:
 
     @classmethod
     def from_json(cls, data: dict) -> "MethodConfig":
+        """Build from `to_json` output; unknown keys (a typo, a newer version's field) are warned about and skipped."""
         known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known - {"method"})
+        if unknown:
+            warnings.warn(f"method {cls.method!r}: ignoring unknown config keys {', '.join(unknown)} "
+                          f"(known: {', '.join(sorted(known))})", UserWarning, stacklevel=2)
         return cls(**{k: v for k, v in data.items() if k in known})
 
     def validate(self) -> None:

@@ -87,7 +87,7 @@ class _PromptLearningBody(nn.Module):
         self.encoder = backbone.encoder
         self.uses_token_type_ids = backbone.uses_token_type_ids
         self.length = peft_config.num_virtual_tokens
-        max_positions = getattr(backbone.encoder.config, "max_position_embeddings", None)
+        max_positions = backbone.max_positions  # RoBERTa: max_position_embeddings - 2, not the raw count
         self.max_input_length = None if max_positions is None else max_positions - self.length
 
     def _check_length(self, input_ids):

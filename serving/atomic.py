@@ -1,8 +1,9 @@
-"""Writing a folder so that readers see the old one or the new one, never half of either.
+"""Writing files and folders so that readers see the old one or the new one, never half of either.
 
-The content is written into a hidden sibling, then swapped in: rename(2) when the target does not exist, else
-renameat2(RENAME_EXCHANGE) (Linux), which swaps both paths in one step. Where that call is missing, the old folder is
-moved aside first (a crash in between leaves the old folder under `.NAME.old-*`).
+Every writer of the project goes through here: a temporary sibling is written and fsynced, then renamed into place
+(and the parent folder fsynced); on any failure (a full disk included) the temporary is removed and the target is
+left as it was. A folder is swapped in with renameat2(RENAME_EXCHANGE) (Linux) when the target exists; where that
+call is missing, the old folder is moved aside first (a crash in between leaves it under `.NAME.old-*`).
 """
 
 from __future__ import annotations
@@ -46,12 +47,20 @@ def exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file under `root` (before it is renamed into place)."""
+    for path in root.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
 
 
 def replace_directory(src: Path, dst: Path) -> None:
@@ -65,10 +74,10 @@ def replace_directory(src: Path, dst: Path) -> None:
         os.rename(dst, old)
         os.rename(src, dst)
         shutil.rmtree(old, ignore_errors=True)
-    _fsync_dir(dst.parent)
+    fsync_dir(dst.parent)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -78,15 +87,23 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def temporary_name(target: Path) -> Path:
+    """`.NAME.tmp-PID-RANDOM` beside `target`: hidden, unique, and naming its writer (see remove_stale_temporaries)."""
+    return target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
 def remove_stale_temporaries(target: Path) -> None:
-    """Remove `.NAME.tmp-PID-*` folders left by writers that died."""
+    """Remove `.NAME.tmp-PID-*` files and folders left by writers that died."""
     for leftover in target.parent.glob(f".{target.name}.tmp-*"):
         try:
             pid = int(leftover.name.rsplit(".tmp-", 1)[1].split("-", 1)[0])
         except ValueError:
             continue
-        if not _pid_alive(pid):
-            shutil.rmtree(leftover, ignore_errors=True)
+        if not pid_alive(pid):
+            if leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -95,26 +112,33 @@ def atomic_directory(target: str | Path) -> Iterator[Path]:
     target = Path(target).absolute()
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(target)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp = temporary_name(target)
     tmp.mkdir()
     try:
         yield tmp
-        for path in tmp.rglob("*"):
-            if path.is_file():
-                with open(path, "rb") as f:
-                    os.fsync(f.fileno())
+        fsync_tree(tmp)
         replace_directory(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write a file through a temporary sibling and a rename: readers see the old or the new file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+def write_atomic(path: str | Path, data: bytes | str) -> None:
+    """Write a file through a fsynced temporary sibling and a rename: readers see the old or the new file, and a
+    failed write (ENOSPC, ...) leaves neither debris nor a changed file."""
+    path = Path(path)
+    tmp = temporary_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
 
 
-def write_json(path: Path, data) -> None:
-    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
+def write_json(path: str | Path, data) -> None:
+    write_atomic(path, json.dumps(data, indent=2) + "\n")

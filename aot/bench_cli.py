@@ -5,24 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from aot.cli import _positive_int, command
+from aot.arguments import ints as _ints
+from aot.arguments import names as _names
+from aot.arguments import positive_int as _positive_int
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _names(text: str) -> list[str]:
-    return [v for v in text.split(",") if v]
-
-
-@command
 def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: inference overhead, serving, accuracy sweep")
     kinds = p.add_subparsers(dest="bench_command", required=True, metavar="WHAT")

@@ -6,10 +6,9 @@ import argparse
 import json
 from dataclasses import asdict
 
-from aot.cli import _positive_int, command
+from aot.arguments import ints, non_negative_int, positive_int
 
 
-@command
 def add_export(sub) -> None:
     p = sub.add_parser("export", help="export a backbone or a task into a Triton model repository",
                        description="Write the shared backbone (once) and tasks (any number) into a model repository.")
@@ -27,13 +26,18 @@ def add_export(sub) -> None:
                    help="GPU engine of the backbone: onnxruntime_onnx, or a TensorRT plan (built here if tensorrt "
                         "is importable, else by the engine-builder service of docker-compose.yml)")
     b.add_argument("--precision", choices=["fp32", "fp16"], default="fp32", help="TensorRT precision")
-    b.add_argument("--max-batch-size", type=_positive_int, default=32, help="Triton max_batch_size of every step")
-    b.add_argument("--queue-delay-us", type=int, default=500, help="backbone dynamic-batching queue delay (µs)")
-    b.add_argument("--cpu-threads", type=int, default=0, help="ONNX Runtime threads of the CPU backbone (0: all)")
-    b.add_argument("--buckets", default="16,32,64,128,256,512",
-                   help="GPU: sequence lengths token tensors are padded to, so that requests batch together")
-    b.add_argument("--opt-batch", type=_positive_int, default=8, help="TensorRT profile: optimal batch")
-    b.add_argument("--opt-seq", type=_positive_int, default=128, help="TensorRT profile: optimal sequence length")
+    b.add_argument("--max-batch-size", type=positive_int, default=32, help="Triton max_batch_size of every step")
+    b.add_argument("--queue-delay-us", type=non_negative_int, default=500,
+                   help="backbone dynamic-batching queue delay (µs)")
+    b.add_argument("--cpu-threads", type=non_negative_int, default=0,
+                   help="ONNX Runtime threads of the CPU backbone (0: all)")
+    b.add_argument("--buckets", type=ints, default=[16, 32, 64, 128, 256, 512],
+                   help="GPU: sequence lengths token tensors are padded to, so that requests batch together "
+                        "(lengths past what the encoder accepts are replaced by its limit)")
+    b.add_argument("--max-text-bytes", type=positive_int, default=65536,
+                   help="longest TEXT a request may send (UTF-8 bytes); longer ones are refused at once")
+    b.add_argument("--opt-batch", type=positive_int, default=8, help="TensorRT profile: optimal batch")
+    b.add_argument("--opt-seq", type=positive_int, default=128, help="TensorRT profile: optimal sequence length")
     b.add_argument("--overwrite", action="store_true", help="replace an existing repository's backbone (tasks kept)")
     b.set_defaults(run=run_export_backbone)
 
@@ -62,14 +66,13 @@ def add_export(sub) -> None:
 
 def run_export_backbone(args) -> int:
     from exporter.backbone_export import export_backbone
-    from exporter.repository import ServingOptions
     from exporter.tensorrt import Profile
+    from serving.repository import ServingOptions
 
-    try:
-        buckets = tuple(sorted(int(b) for b in args.buckets.split(",") if b))
-    except ValueError:
-        raise ValueError(f"--buckets must be comma-separated integers, got {args.buckets!r}") from None
-    options = ServingOptions(args.max_batch_size, args.queue_delay_us, args.cpu_threads, buckets, args.format)
+    buckets = tuple(sorted(args.buckets))
+    options = ServingOptions(max_batch_size=args.max_batch_size, backbone_queue_delay_us=args.queue_delay_us,
+                             cpu_threads=args.cpu_threads, buckets=buckets, engine=args.format,
+                             max_text_bytes=args.max_text_bytes)
     profile = Profile(opt_batch=min(args.opt_batch, args.max_batch_size), max_batch=args.max_batch_size,
                       opt_seq=min(args.opt_seq, max(buckets)), max_seq=max(buckets))
     report = export_backbone(args.model, args.repo, options, args.precision, profile, args.overwrite)
@@ -86,8 +89,8 @@ def run_export_task(args) -> int:
 
 
 def run_export_remove(args) -> int:
-    from exporter.repository import read_repository
     from exporter.task_store import TaskStore
+    from serving.repository import read_repository
 
     TaskStore(read_repository(args.repo).store_root).remove(args.name)
     print(json.dumps({"removed": args.name}))
@@ -95,8 +98,8 @@ def run_export_remove(args) -> int:
 
 
 def run_export_list(args) -> int:
-    from exporter.repository import read_repository
     from exporter.task_store import TaskStore
+    from serving.repository import read_repository
 
     for entry in TaskStore(read_repository(args.repo).store_root).entries().values():
         print(json.dumps(asdict(entry)))

@@ -1,0 +1,166 @@
+"""The Triton model configs of a deployment folder, generated from one source (serving.repository reads the rest).
+
+    REPO/models/tokenizer/      python: TEXT (+ TEXT_PAIR), TASK -> token ids, TASK_VERSION (tokenizer in 1/tokenizer)
+    REPO/models/aot_lookup/     python: TASK_VERSION, token ids -> aot_rows, aot_index (GPU ensemble; on CPU the
+                                backbone step does this lookup in its own process, one step fewer)
+    REPO/models/backbone/       the AoT graph: onnxruntime_onnx or tensorrt_plan (GPU), python + ONNX Runtime (CPU)
+    REPO/models/backbone_vanilla/ the same encoder without bias inputs (comparisons, plain models)
+    REPO/models/head/           python: TASK_VERSION, cls_hidden -> LOGITS, LABEL (each request its own task's head)
+    REPO/models/aot/, vanilla/  the ensembles clients call
+
+Each model folder has `config.pbtxt` (GPU, NGC image) and `configs/cpu.pbtxt` (local CPU server, selected with
+--model-config-name=cpu). Both come from `model_configs()`, so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from google.protobuf import text_format
+
+from serving import protocol as io
+from serving.repository import ServingOptions
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "model_repository"
+PYTHON_MODELS = {"tokenizer": "tokenizer", "aot_lookup": "aot_lookup", "backbone": "backbone",
+                 "backbone_vanilla": "backbone", "head": "head", "task_list": "task_list"}  # model -> template
+ENSEMBLES = ("aot", "vanilla")
+
+
+# --- config generation: the one source of every config.pbtxt --------------------------------------------------
+
+def _pb():
+    from tritonclient.grpc import model_config_pb2
+
+    return model_config_pb2
+
+
+def _tensor(kind, name: str, dims: list[int], ragged: bool = False, optional: bool = False):
+    """A config input/output whose data type comes from the protocol's one definition."""
+    pb = _pb()
+    dtype = io.triton_type(name)
+    t = kind(name=name, data_type=getattr(pb, "TYPE_STRING" if dtype == io.BYTES else f"TYPE_{dtype}"), dims=dims)
+    if ragged:
+        t.allow_ragged_batch = True
+    if optional:
+        t.optional = True
+    return t
+
+
+def _python_model(name: str, options: ServingOptions, params: dict[str, str], queue_delay_us: int = 0):
+    pb = _pb()
+    config = pb.ModelConfig(name=name, backend="python", max_batch_size=options.max_batch_size)
+    config.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
+    config.instance_group.add(kind=pb.ModelInstanceGroup.KIND_CPU, count=1)
+    for key, value in params.items():
+        config.parameters[key].string_value = value
+    return config
+
+
+def _backbone(name: str, aot: bool, target: str, info: dict, options: ServingOptions):
+    """The backbone step: python + ONNX Runtime on CPU; the native backend on GPU (ragged rows + batch input)."""
+    pb = _pb()
+    token_names = io.token_inputs(info["uses_token_type_ids"])
+    cpu = target == "cpu"
+    if cpu:
+        params = {"onnx_file": "model.onnx", "threads": str(options.cpu_threads)}
+        config = _python_model(name, options, params, options.backbone_queue_delay_us)
+    else:
+        platform = "tensorrt_plan" if options.engine == "tensorrt" else "onnxruntime_onnx"
+        config = pb.ModelConfig(name=name, platform=platform, max_batch_size=options.max_batch_size,
+                                default_model_filename="model.plan" if options.engine == "tensorrt" else "model.onnx")
+        config.dynamic_batching.max_queue_delay_microseconds = options.backbone_queue_delay_us
+        config.instance_group.add(kind=pb.ModelInstanceGroup.KIND_GPU, count=1)
+    # On CPU every input is ragged (the python step pads the batch itself); on GPU token tensors are bucketed.
+    if cpu and aot:  # on CPU the lookup runs inside this step: no extra python step, no rows between processes
+        config.input.append(_tensor(pb.ModelInput, io.TASK_VERSION, [1]))
+    for n in token_names:
+        config.input.append(_tensor(pb.ModelInput, n, [-1], ragged=cpu))
+    if aot and not cpu:
+        config.input.append(_tensor(pb.ModelInput, io.AOT_ROWS, [-1], ragged=True))
+        config.input.append(_tensor(pb.ModelInput, io.AOT_INDEX, [-1]))
+        config.batch_input.add(kind=pb.BatchInput.BATCH_ACCUMULATED_ELEMENT_COUNT_WITH_ZERO,
+                               target_name=[io.AOT_ROW_OFFSETS], data_type=pb.TYPE_INT32,
+                               source_input=[io.AOT_ROWS])
+    config.output.append(_tensor(pb.ModelOutput, io.CLS_HIDDEN, [info["hidden_size"]]))
+    return config
+
+
+def _ensemble(name: str, backbone: str, info: dict, options: ServingOptions, target: str):
+    pb = _pb()
+    config = pb.ModelConfig(name=name, platform="ensemble", max_batch_size=options.max_batch_size)
+    config.input.append(_tensor(pb.ModelInput, io.TEXT, [1]))
+    config.input.append(_tensor(pb.ModelInput, io.TEXT_PAIR, [1], optional=True))
+    config.input.append(_tensor(pb.ModelInput, io.TASK, [1]))
+    config.output.append(_tensor(pb.ModelOutput, io.LOGITS, [-1]))
+    config.output.append(_tensor(pb.ModelOutput, io.LABEL, [1]))
+    tokens = io.token_inputs(info["uses_token_type_ids"])
+    version = f"_{io.TASK_VERSION}"
+    steps = config.ensemble_scheduling.step
+    tok = steps.add(model_name="tokenizer", model_version=-1)
+    tok.input_map.update({io.TEXT: io.TEXT, io.TEXT_PAIR: io.TEXT_PAIR, io.TASK: io.TASK})
+    tok.output_map.update({n: f"_{n}" for n in tokens + [io.TASK_VERSION]})
+    bb_inputs = {n: f"_{n}" for n in tokens}
+    if backbone == "backbone" and target == "cpu":
+        bb_inputs[io.TASK_VERSION] = version  # the CPU backbone step looks the rows up itself
+    elif backbone == "backbone":
+        look = steps.add(model_name="aot_lookup", model_version=-1)
+        look.input_map.update({io.TASK_VERSION: version, **{n: f"_{n}" for n in tokens}})
+        look.output_map.update({io.AOT_ROWS: f"_{io.AOT_ROWS}", io.AOT_INDEX: f"_{io.AOT_INDEX}"})
+        bb_inputs.update({io.AOT_ROWS: f"_{io.AOT_ROWS}", io.AOT_INDEX: f"_{io.AOT_INDEX}"})
+    bb = steps.add(model_name=backbone, model_version=-1)
+    bb.input_map.update(bb_inputs)
+    bb.output_map.update({io.CLS_HIDDEN: f"_{io.CLS_HIDDEN}"})
+    head = steps.add(model_name="head", model_version=-1)
+    head.input_map.update({io.TASK_VERSION: version, io.CLS_HIDDEN: f"_{io.CLS_HIDDEN}"})
+    head.output_map.update({io.LOGITS: io.LOGITS, io.LABEL: io.LABEL})
+    return config
+
+
+def model_configs(info: dict, options: ServingOptions, target: str) -> dict:
+    """Every model's config for `target` "cpu" (local server) or "gpu" (NGC image)."""
+    pb = _pb()
+    tokens = io.token_inputs(info["uses_token_type_ids"])
+    buckets = "" if target == "cpu" else ",".join(str(b) for b in options.buckets)
+    tok = _python_model("tokenizer", options, {"buckets": buckets})
+    tok.input.extend([_tensor(pb.ModelInput, io.TEXT, [1]), _tensor(pb.ModelInput, io.TEXT_PAIR, [1], optional=True),
+                      _tensor(pb.ModelInput, io.TASK, [1])])
+    tok.output.extend([_tensor(pb.ModelOutput, n, [-1]) for n in tokens] + [_tensor(pb.ModelOutput, io.TASK_VERSION, [1])])
+
+    look = _python_model("aot_lookup", options, {})
+    look.input.extend([_tensor(pb.ModelInput, io.TASK_VERSION, [1])]
+                      + [_tensor(pb.ModelInput, n, [-1], ragged=True) for n in tokens])
+    look.output.extend([_tensor(pb.ModelOutput, io.AOT_ROWS, [-1]), _tensor(pb.ModelOutput, io.AOT_INDEX, [-1])])
+
+    head = _python_model("head", options, {})
+    head.input.extend([_tensor(pb.ModelInput, io.TASK_VERSION, [1]),
+                       _tensor(pb.ModelInput, io.CLS_HIDDEN, [info["hidden_size"]])])
+    head.output.extend([_tensor(pb.ModelOutput, io.LOGITS, [-1]), _tensor(pb.ModelOutput, io.LABEL, [1])])
+    tasks = _python_model("task_list", options, {})
+    tasks.max_batch_size = 0  # no inputs: a model with batching needs one to read the batch size from
+    tasks.ClearField("dynamic_batching")
+    tasks.output.append(_tensor(pb.ModelOutput, io.TASKS, [1]))
+    return {"tokenizer": tok, "aot_lookup": look, "head": head, "task_list": tasks,
+            "backbone": _backbone("backbone", True, target, info, options),
+            "backbone_vanilla": _backbone("backbone_vanilla", False, target, info, options),
+            "aot": _ensemble("aot", "backbone", info, options, target),
+            "vanilla": _ensemble("vanilla", "backbone_vanilla", info, options, target)}
+
+
+def to_pbtxt(config) -> str:
+    return text_format.MessageToString(config)
+
+
+def parse_pbtxt(text: str):
+    return text_format.Parse(text, _pb().ModelConfig())
+
+
+def write_configs(models: Path, info: dict, options: ServingOptions) -> None:
+    """config.pbtxt (GPU) and configs/cpu.pbtxt (CPU) for every model, under REPO/models."""
+    gpu, cpu = model_configs(info, options, "gpu"), model_configs(info, options, "cpu")
+    for name in gpu:
+        folder = models / name
+        (folder / "configs").mkdir(parents=True, exist_ok=True)
+        (folder / "config.pbtxt").write_text(to_pbtxt(gpu[name]))
+        (folder / "configs" / "cpu.pbtxt").write_text(to_pbtxt(cpu[name]))
+        (folder / "1").mkdir(exist_ok=True)

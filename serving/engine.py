@@ -1,0 +1,40 @@
+"""The backbone on ONNX Runtime, batched exactly as Triton's native backend batches single-sequence requests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from serving import protocol
+
+
+class BackboneRunner:
+    """Token tensors padded to the longest sequence, ragged rows concatenated, and the accumulated row offsets."""
+
+    def __init__(self, onnx_path: str | Path, threads: int = 0, providers: list[str] | None = None):
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        self.session = ort.InferenceSession(str(onnx_path), options,
+                                            providers=providers or ["CPUExecutionProvider"])
+        self.inputs = [i.name for i in self.session.get_inputs()]
+        self.aot = protocol.AOT_ROWS in self.inputs
+
+    def run(self, requests: list[dict[str, np.ndarray]]) -> np.ndarray:
+        """Each request: 1-D token tensors (and aot_rows, aot_index for AoT). Returns [B, d]."""
+        longest = max(len(r[protocol.INPUT_IDS]) for r in requests)
+        feeds = {}
+        for name in protocol.token_inputs(protocol.TOKEN_TYPE_IDS in self.inputs):
+            feeds[name] = np.stack([np.pad(r[name], (0, longest - len(r[name]))) for r in requests])
+        if self.aot:
+            feeds[protocol.AOT_INDEX] = np.stack([np.pad(r[protocol.AOT_INDEX], (0, longest - len(r[protocol.AOT_INDEX])))
+                                                  for r in requests]).astype(protocol.INDEX_DTYPE)
+            rows = [r[protocol.AOT_ROWS].reshape(-1) for r in requests]
+            feeds[protocol.AOT_ROWS] = np.concatenate(rows).astype(protocol.ROWS_DTYPE, copy=False)
+            feeds[protocol.AOT_ROW_OFFSETS] = np.concatenate([[0], np.cumsum([len(x) for x in rows])]).astype(
+                protocol.INDEX_DTYPE)
+        return self.session.run([protocol.CLS_HIDDEN], feeds)[0]

@@ -1,0 +1,74 @@
+"""The tensors that flow between the client and the steps of the served ensemble: protocol version 2.
+
+Client -> ensemble `aot`:
+    TEXT          BYTES [1]   UTF-8 text (at most the repository's `max_text_bytes`)
+    TEXT_PAIR     BYTES [1]   optional second text (pair tasks)
+    TASK          BYTES [1]   task name
+ensemble -> client:
+    LOGITS        FP32  [n]   n = the task's number of labels (1 for regression)
+    LABEL         BYTES [1]   the arg-max label name (the score, as text, for regression)
+
+model `task_list` (no inputs) -> client:
+    TASKS         BYTES [1]   JSON: {"tasks": [{name, version, storage, labels, max_length, method, metric, dev,
+                              source}], "errors": {name: why its requests fail}}: what the server serves now
+
+tokenizer -> later steps:
+    TASK_VERSION  BYTES [1]   the exact task version `<name>@<id>` TASK resolved to (v2). The tokenizer is the only
+                              step that resolves a name; every later step serves exactly this version or fails the
+                              request, so a re-export between two steps never pairs one version's table with
+                              another's head.
+    input_ids, attention_mask (and token_type_ids where the architecture has them), INT64 [S]; S is the
+        sequence's own length (CPU) or its length rounded up to a bucket (GPU).
+lookup -> backbone (GPU; on CPU the python backbone step does the lookup itself and takes TASK_VERSION instead):
+    aot_rows      FP16  [U*L*d]  the rows of P for the request's U distinct tokens, token-major [U, L, d], flat
+    aot_index     INT32 [S]      for each token, which of the U rows it takes (padding takes row 0)
+backbone (inside the graph): aot_row_offsets INT32 [B+1], the accumulated element counts of the batch's aot_rows
+    with a leading zero (Triton's BATCH_ACCUMULATED_ELEMENT_COUNT_WITH_ZERO), turns local rows into global ones.
+backbone -> head:
+    cls_hidden    FP32  [d]      the first token's final hidden state
+
+Per request the lookup moves U*L*d*2 + S*4 bytes instead of the dense S*L*d*4 of a per-token bias tensor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+PROTOCOL_VERSION = 2
+
+TEXT, TEXT_PAIR, TASK, TASK_VERSION = "TEXT", "TEXT_PAIR", "TASK", "TASK_VERSION"
+LOGITS, LABEL, TASKS = "LOGITS", "LABEL", "TASKS"
+INPUT_IDS, ATTENTION_MASK, TOKEN_TYPE_IDS = "input_ids", "attention_mask", "token_type_ids"
+AOT_ROWS, AOT_INDEX, AOT_ROW_OFFSETS = "aot_rows", "aot_index", "aot_row_offsets"
+CLS_HIDDEN = "cls_hidden"
+
+# The one definition of every numeric tensor's dtype; BYTES tensors are numpy object arrays.
+TOKEN_DTYPE = np.dtype(np.int64)
+ROWS_DTYPE = np.dtype(np.float16)
+INDEX_DTYPE = np.dtype(np.int32)
+HIDDEN_DTYPE = np.dtype(np.float32)
+LOGITS_DTYPE = np.dtype(np.float32)
+DTYPES = {INPUT_IDS: TOKEN_DTYPE, ATTENTION_MASK: TOKEN_DTYPE, TOKEN_TYPE_IDS: TOKEN_DTYPE, AOT_ROWS: ROWS_DTYPE,
+          AOT_INDEX: INDEX_DTYPE, AOT_ROW_OFFSETS: INDEX_DTYPE, CLS_HIDDEN: HIDDEN_DTYPE, LOGITS: LOGITS_DTYPE}
+BYTES = "BYTES"
+_TRITON_TYPES = {"int64": "INT64", "int32": "INT32", "float16": "FP16", "float32": "FP32"}
+
+
+def triton_type(name: str) -> str:
+    """The Triton data type of a protocol tensor ("BYTES" for text tensors)."""
+    if name not in DTYPES:
+        return BYTES
+    return _TRITON_TYPES[DTYPES[name].name]
+
+
+def token_inputs(uses_token_type_ids: bool) -> list[str]:
+    """The backbone's token inputs for an architecture (Optimum-style: one place knows them)."""
+    return [INPUT_IDS, ATTENTION_MASK] + ([TOKEN_TYPE_IDS] if uses_token_type_ids else [])
+
+
+def lookup_bytes(unique_tokens: int, seq_len: int, num_layers: int, hidden: int) -> int:
+    return unique_tokens * num_layers * hidden * ROWS_DTYPE.itemsize + seq_len * INDEX_DTYPE.itemsize
+
+
+def dense_bias_bytes(seq_len: int, num_layers: int, hidden: int) -> int:
+    return seq_len * num_layers * hidden * 4

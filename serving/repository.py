@@ -1,0 +1,159 @@
+"""The deployment folder's record, as the served steps and the tools read it: format `aot-repository` v2.
+
+    REPO/aot_repository.json    backbone identity and limits, protocol version, serving options, where things are
+    REPO/tasks/                 the task store (serving.store); its location is the record's `store`
+    REPO/models/                the Triton model repository (--model-repository=REPO/models)
+
+The exporter writes it (exporter.configs, exporter.backbone_export); a served step finds it from its model folder
+(REPO/models/<model>) and reads every path from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from serving import protocol
+from serving.formats import FormatError, read_versioned_json
+
+REPO_FORMAT = "aot-repository"
+REPO_VERSION = 2
+RECORD = "aot_repository.json"
+MODELS_DIR = "models"
+DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
+ENGINES = ("onnx", "tensorrt")
+
+
+class RepositoryError(ValueError):
+    pass
+
+
+@dataclass
+class ServingOptions:
+    """Knobs of the served steps and their generated configs (recorded in the repository, docs/formats.md)."""
+
+    max_batch_size: int = field(default=32, metadata={"help": "Triton max_batch_size of every step"})
+    backbone_queue_delay_us: int = field(default=500, metadata={"help": "backbone dynamic-batching queue delay (µs)"})
+    cpu_threads: int = field(default=0, metadata={"help": "ONNX Runtime threads of the CPU backbone (0: all cores)"})
+    buckets: tuple[int, ...] = field(default=DEFAULT_BUCKETS, metadata={
+        "help": "GPU: sequence lengths token tensors are padded to, so that requests batch together"})
+    engine: str = field(default="onnx", metadata={"help": "GPU backbone: onnx (onnxruntime_onnx) or tensorrt"})
+    max_text_bytes: int = field(default=65536, metadata={
+        "help": "longest TEXT (and TEXT_PAIR) a request may send, in UTF-8 bytes; longer ones are refused at once "
+                "(texts are truncated to at most 512 tokens anyway)"})
+
+    def __post_init__(self):
+        self.buckets = tuple(sorted(int(b) for b in self.buckets))
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "engine":
+                if value not in ENGINES:
+                    raise RepositoryError(f"engine {value!r}: expected one of {', '.join(ENGINES)}")
+            elif f.name == "buckets":
+                if not value or min(value) < 1:
+                    raise RepositoryError(f"buckets {list(value)}: expected positive lengths")
+            elif not isinstance(value, int) or isinstance(value, bool) or value < (0 if f.name in (
+                    "cpu_threads", "backbone_queue_delay_us") else 1):
+                raise RepositoryError(f"serving option {f.name} = {value!r}: expected a "
+                                      f"{'non-negative' if f.name in ('cpu_threads', 'backbone_queue_delay_us') else 'positive'} integer")
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["buckets"] = list(self.buckets)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> "ServingOptions":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+_REQUIRED = {"protocol_version": int, "backbone": dict, "uses_token_type_ids": bool, "num_layers": int,
+             "hidden_size": int, "vocab_size": int, "type_vocab_size": int, "max_positions": int, "serving": dict,
+             "store": str, "tokenizer": str}
+
+
+@dataclass
+class RepositoryInfo:
+    """The parsed aot_repository.json of a repository."""
+
+    path: Path
+    record: dict
+
+    @property
+    def model(self) -> str:
+        return self.record["backbone"]["model"]
+
+    @property
+    def fingerprint(self) -> str:
+        return self.record["backbone"]["fingerprint"]
+
+    @property
+    def uses_token_type_ids(self) -> bool:
+        return self.record["uses_token_type_ids"]
+
+    @property
+    def num_layers(self) -> int:
+        return self.record["num_layers"]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.record["hidden_size"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.record["vocab_size"]
+
+    @property
+    def type_vocab_size(self) -> int:
+        return self.record["type_vocab_size"]
+
+    @property
+    def max_positions(self) -> int:
+        """The longest token sequence the backbone accepts (a task's max length may not exceed it)."""
+        return self.record["max_positions"]
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.path / self.record["tokenizer"]
+
+    @property
+    def models(self) -> Path:
+        return self.path / MODELS_DIR
+
+    @property
+    def backbone_onnx(self) -> Path:
+        return self.models / "backbone" / "1" / "model.onnx"
+
+    @property
+    def store_root(self) -> Path:
+        return self.path / self.record["store"]
+
+    @property
+    def options(self) -> ServingOptions:
+        return ServingOptions.from_json(self.record["serving"])
+
+
+def read_repository(path: str | Path) -> RepositoryInfo:
+    path = Path(path)
+    record_path = path / RECORD
+    if not record_path.is_file():
+        raise RepositoryError(f"{path}: not an AoT model repository (no {RECORD}); run `aot export backbone` first")
+    try:
+        record = read_versioned_json(record_path, REPO_FORMAT, REPO_VERSION, _REQUIRED)
+    except FormatError as exc:
+        raise RepositoryError(f"{exc}; re-export the backbone with this version (`aot export backbone`)") from None
+    if record["protocol_version"] != protocol.PROTOCOL_VERSION:
+        raise RepositoryError(f"{record_path}: protocol version {record['protocol_version']} is not "
+                              f"{protocol.PROTOCOL_VERSION}; re-export the backbone")
+    for key in ("store", "tokenizer"):
+        if Path(record[key]).is_absolute() or ".." in Path(record[key]).parts:
+            raise RepositoryError(f"{record_path}: {key!r} must be a path inside the repository, got {record[key]!r}")
+    if not (path / MODELS_DIR).is_dir():
+        raise RepositoryError(f"{path}: the repository has no {MODELS_DIR}/ folder; re-export the backbone")
+    return RepositoryInfo(path, record)
+
+
+def repository_of_model(model_dir: str | Path) -> RepositoryInfo:
+    """The repository a served model folder (REPO/models/<model>) belongs to."""
+    return read_repository(Path(model_dir).resolve().parents[1])

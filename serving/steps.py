@@ -1,0 +1,255 @@
+"""What every served Triton python step shares: its configuration, input checks, one response per request, and
+per-task metrics. The model files in model_repository/ are thin adapters over these functions and serving.tasks.
+
+Rules every step follows (a client must never be able to hurt another client's requests):
+- each request is checked on its own (shapes, dtypes, ranges, one sequence per request) and fails alone, with a
+  message that names the problem and no server internals (tracebacks go to the server log only);
+- every response gets its own TritonError object: one error object shared between responses is freed once per
+  response by the python backend, which corrupts the server's memory (a crash seen with batches of 2+);
+- a batch that fails as a whole is retried request by request, so one request cannot fail the others.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from serving import protocol
+from serving.errors import RequestError
+from serving.repository import RepositoryInfo, repository_of_model
+from serving.store import check_task_name
+from serving.tasks import TaskRegistry
+
+__all__ = ["RequestError", "Step"]
+
+_TOKEN_NAMES = (protocol.INPUT_IDS, protocol.ATTENTION_MASK, protocol.TOKEN_TYPE_IDS)
+
+
+def model_parameters(args: dict) -> dict[str, str]:
+    """The `parameters` of a Triton python model's config, as strings."""
+    config = json.loads(args["model_config"])
+    return {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+
+
+class StepMetrics:
+    """Per-task counters on Triton's metrics port (pb_utils.MetricFamily), labelled step, task and version.
+
+    Counters of microseconds follow Triton's own convention (nv_inference_request_duration_us): rate() of the
+    duration over rate() of the requests is the mean time a task's requests spend in a step.
+    """
+
+    def __init__(self, pb_utils, step: str):
+        counter = pb_utils.MetricFamily.COUNTER
+        self.step = step
+        self.families = {
+            "requests": pb_utils.MetricFamily("aot_task_requests_total", "Requests per task version and step",
+                                              counter),
+            "failures": pb_utils.MetricFamily("aot_task_failures_total",
+                                              "Failed requests per task version and step", counter),
+            "duration": pb_utils.MetricFamily("aot_task_duration_us_total",
+                                              "Time requests of a task version spent in a step, microseconds",
+                                              counter),
+            "manifest_errors": pb_utils.MetricFamily("aot_store_manifest_errors_total",
+                                                     "Task store manifests that could not be read (the last good "
+                                                     "one stays in use)", counter),
+        }
+        self._metrics: dict[tuple, object] = {}
+
+    def _metric(self, family: str, **labels):
+        key = (family, *sorted(labels.items()))
+        if key not in self._metrics:
+            self._metrics[key] = self.families[family].Metric(labels={"step": self.step, **labels})
+        return self._metrics[key]
+
+    def request(self, version: str, ok: bool, seconds: float) -> None:
+        task = version.rsplit("@", 1)[0] if version else ""
+        self._metric("requests", task=task, version=version).increment(1)
+        self._metric("duration", task=task, version=version).increment(seconds * 1e6)
+        if not ok:
+            self._metric("failures", task=task, version=version).increment(1)
+
+    def manifest_error(self) -> None:
+        self._metric("manifest_errors").increment(1)
+
+
+class Step:
+    """Base of a served python step: the repository record, the task registry, checks and responses."""
+
+    def __init__(self, args: dict, pb_utils, name: str, tasks: str = "metadata"):
+        """`tasks`: "metadata" (names, versions, heads), "rows" (also the rows of P: the lookup), or "none"."""
+        if tasks not in ("metadata", "rows", "none"):
+            raise ValueError(f"tasks={tasks!r}: expected metadata, rows or none")
+        self.step = name
+        self.pb = pb_utils
+        self.config = json.loads(args["model_config"])
+        self.parameters = model_parameters(args)
+        self.model_dir = Path(args["model_repository"])
+        self.repo: RepositoryInfo = repository_of_model(self.model_dir)
+        self.options = self.repo.options
+        self.metrics = StepMetrics(pb_utils, name)
+        self.tasks = None
+        if tasks != "none":
+            self.tasks = TaskRegistry(self.repo.store_root, with_rows=tasks == "rows",
+                                      on_manifest_error=self._manifest_error)
+            for error in self.tasks.errors().values():
+                self.pb.Logger.log_warn(f"{self.step}: {error}")
+
+    def refresh(self) -> None:
+        """Before each batch: pick up a changed manifest (a stat when nothing changed)."""
+        if self.tasks is not None:
+            self.tasks.refresh()
+
+    def _manifest_error(self, message: str) -> None:
+        self.pb.Logger.log_error(f"{self.step}: {message}; serving the last good manifest")
+        self.metrics.manifest_error()
+
+    # --- reading one request's inputs ---------------------------------------------------------------------------
+
+    def tensor(self, request, name: str, required: bool = True) -> np.ndarray | None:
+        tensor = self.pb.get_input_tensor_by_name(request, name)
+        if tensor is None:
+            if required:
+                raise RequestError(f"missing input {name}")
+            return None
+        return tensor.as_numpy()
+
+    def one_value(self, request, name: str, required: bool = True):
+        """The single element of a BYTES input: this protocol serves one sequence per request."""
+        array = self.tensor(request, name, required)
+        if array is None:
+            return None
+        if array.size != 1:
+            raise RequestError(f"{name} holds {array.size} values: send one text per request (batch size 1) and "
+                               "send requests concurrently for throughput")
+        return array.reshape(-1)[0]
+
+    def text(self, request, name: str, required: bool = True) -> str | None:
+        raw = self.one_value(request, name, required)
+        if raw is None:
+            return None
+        if isinstance(raw, str):
+            raw = raw.encode("utf-8", "surrogatepass")
+        raw = bytes(raw)
+        if len(raw) > self.options.max_text_bytes:
+            raise RequestError(f"{name} is {len(raw)} bytes; this server accepts at most "
+                               f"{self.options.max_text_bytes} (serving option max_text_bytes)")
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RequestError(f"{name} is not valid UTF-8 (byte {exc.start}: {raw[exc.start:exc.start + 1]!r})") from None
+
+    def task_name(self, request) -> str:
+        name = self.text(request, protocol.TASK)
+        try:
+            return check_task_name(name)
+        except ValueError as exc:
+            raise RequestError(f"unknown task: {exc}") from None
+
+    def task_version(self, request, ctx: dict):
+        """The task version the first step pinned for this request, loaded (fails the request if it is gone)."""
+        version = self.text(request, protocol.TASK_VERSION)
+        ctx["version"] = version[:200]
+        return self.tasks.version(version)
+
+    def sequence(self, request, name: str) -> np.ndarray:
+        """A [1, S] (or [S]) tensor of one sequence, as 1-D."""
+        array = self.tensor(request, name)
+        if array.ndim == 2 and array.shape[0] != 1 or array.ndim not in (1, 2):
+            raise RequestError(f"{name} has shape {list(array.shape)}: expected one sequence per request, [1, S]")
+        return array.reshape(-1)
+
+    def tokens(self, request) -> dict[str, np.ndarray]:
+        """The token tensors of one sequence, checked against the backbone's limits."""
+        names = protocol.token_inputs(self.repo.uses_token_type_ids)
+        tensors = {n: self.sequence(request, n) for n in names}
+        ids, mask = tensors[protocol.INPUT_IDS], tensors[protocol.ATTENTION_MASK]
+        length = len(ids)
+        if not 1 <= length <= max(self.repo.max_positions, max(self.options.buckets)):
+            raise RequestError(f"{protocol.INPUT_IDS} has {length} tokens: expected 1 to {self.repo.max_positions}")
+        for name, array in tensors.items():
+            if len(array) != length:
+                raise RequestError(f"{name} has {len(array)} values but {protocol.INPUT_IDS} has {length}")
+        limits = {protocol.INPUT_IDS: self.repo.vocab_size, protocol.ATTENTION_MASK: 2,
+                  protocol.TOKEN_TYPE_IDS: max(self.repo.type_vocab_size, 1)}
+        for name, array in tensors.items():
+            if array.min() < 0 or array.max() >= limits[name]:
+                bad = array[(array < 0) | (array >= limits[name])][0]
+                raise RequestError(f"{name} holds {int(bad)}: expected values in [0, {limits[name] - 1}]")
+        if not mask[0]:
+            raise RequestError(f"{protocol.ATTENTION_MASK} must start with 1 (the first token is the one the head reads)")
+        if mask[: int(mask.sum())].min() == 0:
+            raise RequestError(f"{protocol.ATTENTION_MASK} must be 1s followed by 0s (right padding)")
+        return tensors
+
+    # --- responses ---------------------------------------------------------------------------------------------
+
+    def error_response(self, message: str):
+        return self.pb.InferenceResponse(error=self.pb.TritonError(message))  # a new error object per response
+
+    def internal_error(self, exc: BaseException):
+        self.pb.Logger.log_error(f"{self.step}: {''.join(traceback.format_exception(exc))}")
+        return self.error_response(f"{self.step}: internal error ({type(exc).__name__}); the server log has the "
+                                   "details")
+
+    def respond_each(self, requests, handle: Callable) -> list:
+        """`handle(request, ctx) -> output tensors`, one request at a time; ctx["version"] names its task version."""
+        responses = []
+        for request in requests:
+            ctx: dict = {"version": ""}
+            start = time.perf_counter()
+            try:
+                responses.append(self.pb.InferenceResponse(handle(request, ctx)))
+                ok = True
+            except RequestError as exc:
+                responses.append(self.error_response(str(exc)))
+                ok = False
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
+                responses.append(self.internal_error(exc))
+                ok = False
+            self.metrics.request(ctx["version"], ok, time.perf_counter() - start)
+        return responses
+
+    def respond_batch(self, requests, prepare: Callable, run: Callable, outputs: Callable) -> list:
+        """A batched step: `prepare(request, ctx)` checks each request; `run(prepared list)` computes the batch;
+        `outputs(result, k)` is request k's tensors. A failing batch is retried request by request."""
+        start = time.perf_counter()
+        responses, ready, contexts = [None] * len(requests), [], []
+        for i, request in enumerate(requests):
+            ctx: dict = {"version": ""}
+            contexts.append(ctx)
+            try:
+                ready.append((i, prepare(request, ctx)))
+            except RequestError as exc:
+                responses[i] = self.error_response(str(exc))
+            except Exception as exc:  # noqa: BLE001
+                responses[i] = self.internal_error(exc)
+        ok = [False] * len(requests)
+        groups = [ready] if ready else []
+        while groups:
+            group = groups.pop()
+            try:
+                result = run([prepared for _, prepared in group])
+                done = [(i, outputs(result, k)) for k, (i, _) in enumerate(group)]
+            except Exception as exc:  # noqa: BLE001
+                if len(group) > 1:
+                    groups.extend([item] for item in group)  # isolate the request that fails
+                else:
+                    responses[group[0][0]] = self.internal_error(exc)
+                continue
+            for i, tensors in done:
+                responses[i], ok[i] = self.pb.InferenceResponse(tensors), True
+        seconds = (time.perf_counter() - start) / max(len(requests), 1)
+        for i, ctx in enumerate(contexts):
+            self.metrics.request(ctx["version"], ok[i], seconds)
+        return responses
+
+    def output(self, name: str, array: np.ndarray):
+        return self.pb.Tensor(name, array)
+
+    def bytes_output(self, name: str, text: str):
+        return self.pb.Tensor(name, np.array([[text.encode("utf-8")]], dtype=np.object_))

@@ -1,0 +1,271 @@
+"""A served task version and the registry each served step keeps, without torch.
+
+A version folder `REPO/tasks/<name>@<id>/` is immutable:
+    task.json               labels, metric, max length, storage, method config, L, d, V, source, dev score
+    head.safetensors        dense.weight [d, d], dense.bias, out.weight [n, d], out.bias
+    table.npy               fused: P for every token and layer, [V, L, d] fp16, token-major (memory-mapped)
+    factors.safetensors     factored: FC w1 [L, d, r], b1 [L, r], w2 [L, r, d], b2 [L, d];
+                            Kron w_left [L, a, r], w_mid [L, b, r], w_right [L, r*r, d]
+
+Factored rows are computed here with numpy, with the formulas of training.methods.aot.layer (eval mode: no
+dropout); export checks served logits against PyTorch before a task is published.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file
+
+from serving import protocol
+from serving.errors import RequestError
+from serving.formats import FormatError, check_keys, read_json
+from serving.labels import label_for
+from serving.store import STORAGES, StoreError, StoreReader, check_version, task_of
+
+_TASK_KEYS = {"labels": (list, type(None)), "max_length": int, "storage": str, "method": dict, "num_layers": int,
+              "hidden_size": int, "vocab_size": int}
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    """erf to ~1e-7 (Abramowitz & Stegun 7.1.26 refined): far below the fp16 the rows are served in."""
+    sign = np.sign(x)
+    a = np.abs(x)
+    t = 1.0 / (1.0 + 0.5 * a)
+    y = 1.0 - t * np.exp(-a * a - 1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (
+        -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277)))))))))
+    return sign * y
+
+
+ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "tanh": np.tanh,
+    "gelu": lambda x: 0.5 * x * (1.0 + _erf(x / np.sqrt(2.0))),  # torch.nn.GELU(): the exact (erf) form
+    "relu": lambda x: np.maximum(x, 0.0),
+    "identity": lambda x: x,
+}
+
+
+@functools.lru_cache(maxsize=4)
+def shared_embeddings(path: Path, stamp: tuple[int, int]) -> np.ndarray:
+    """The store's E, memory-mapped once per process and shared by every factored FC task."""
+    return np.load(path, mmap_mode="r")
+
+
+class FCRows:
+    """P = f(E W1 + b1) W2 + b2 for every layer at once."""
+
+    def __init__(self, factors: dict[str, np.ndarray], activation: str, embeddings: np.ndarray):
+        if activation not in ACTIVATIONS:
+            raise StoreError(f"unknown activation {activation!r}: expected one of {', '.join(ACTIVATIONS)}")
+        self.w1, self.b1, self.w2, self.b2 = (factors[k].astype(np.float32) for k in ("w1", "b1", "w2", "b2"))
+        self.act, self.embeddings = ACTIVATIONS[activation], embeddings
+
+    def __call__(self, token_ids: np.ndarray) -> np.ndarray:
+        e = np.asarray(self.embeddings[token_ids], dtype=np.float32)  # [U, d]
+        h = self.act(e[None] @ self.w1 + self.b1[:, None, :])  # [L, U, r]
+        return (h @ self.w2).transpose(1, 0, 2) + self.b2  # [U, L, d]
+
+
+class KronRows:
+    """P = (W_L ⊗ W_M) W_R; token x takes row (x // b, x % b)."""
+
+    def __init__(self, factors: dict[str, np.ndarray], b: int):
+        self.left, self.mid, self.right = (factors[k].astype(np.float32) for k in ("w_left", "w_mid", "w_right"))
+        self.b = int(b)
+
+    def __call__(self, token_ids: np.ndarray) -> np.ndarray:
+        left, mid = self.left[:, token_ids // self.b], self.mid[:, token_ids % self.b]  # [L, U, r]
+        L, U, r = left.shape
+        kron = (left[..., :, None] * mid[..., None, :]).reshape(L, U, r * r)
+        return (kron @ self.right).transpose(1, 0, 2)  # [U, L, d]
+
+
+@dataclass
+class ServedTask:
+    name: str
+    version: str  # the version folder `<name>@<id>`
+    labels: list[str] | None
+    max_length: int
+    storage: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    head: dict[str, np.ndarray]
+    meta: dict = field(default_factory=dict)  # task.json: source, metric, dev score, method, ...
+    table: np.ndarray | None = None  # fused: memory-mapped [V, L, d]
+    compute_rows: Callable[[np.ndarray], np.ndarray] | None = None  # factored
+
+    def rows(self, token_ids: np.ndarray) -> np.ndarray:
+        """Rows of P for sorted distinct token ids, [U, L, d] fp16. Fused: only these rows are read from disk."""
+        if self.table is not None:
+            return np.ascontiguousarray(self.table[token_ids], dtype=protocol.ROWS_DTYPE)
+        return self.compute_rows(token_ids).astype(protocol.ROWS_DTYPE)
+
+    def logits(self, cls_hidden: np.ndarray) -> np.ndarray:
+        """The task head (training.model.ClassificationHead in eval mode): out(tanh(dense(h)))."""
+        h = np.tanh(cls_hidden.astype(np.float32) @ self.head["dense.weight"].T + self.head["dense.bias"])
+        return (h @ self.head["out.weight"].T + self.head["out.bias"]).astype(protocol.LOGITS_DTYPE)
+
+    def label(self, logits: np.ndarray) -> str:
+        return label_for(self.labels, logits)
+
+    def describe(self) -> dict:
+        """What `aot tasks` shows of a served task."""
+        method = self.meta.get("method", {})
+        return {"name": self.name, "version": self.version, "storage": self.storage, "labels": self.labels,
+                "max_length": self.max_length, "method": method.get("method"), "metric": self.meta.get("metric"),
+                "dev": self.meta.get("dev"), "source": self.meta.get("source")}
+
+
+def load_task_version(folder: Path, version: str, embeddings_path: Path, with_rows: bool = True) -> ServedTask:
+    """Load a version folder (`folder` may still be an export's temporary; `version` is the name it will have).
+    `with_rows=False` loads what the tokenizer and head need (metadata, head), not P."""
+    try:
+        meta = check_keys(read_json(folder / "task.json"), _TASK_KEYS, f"{version}/task.json")
+    except FormatError as exc:
+        raise StoreError(str(exc).replace(str(folder), version)) from None
+    if meta["storage"] not in STORAGES:
+        raise StoreError(f"{version}: unknown storage {meta['storage']!r}")
+    head = load_file(folder / "head.safetensors")
+    task = ServedTask(task_of(version), version, meta["labels"], meta["max_length"], meta["storage"],
+                      meta["num_layers"], meta["hidden_size"], meta["vocab_size"], head, meta)
+    if not with_rows:
+        return task
+    shape = (task.vocab_size, task.num_layers, task.hidden_size)
+    if task.storage == "fused":
+        task.table = np.load(folder / "table.npy", mmap_mode="r")  # refuses a file shorter than its header says
+        if task.table.shape != shape or task.table.dtype != protocol.ROWS_DTYPE:
+            raise StoreError(f"{version}: table.npy is {task.table.dtype} {task.table.shape}, expected fp16 {shape}")
+    else:
+        method = meta["method"]
+        factors = load_file(folder / "factors.safetensors")
+        if method.get("method") == "fc":
+            st = embeddings_path.stat()
+            embeddings = shared_embeddings(embeddings_path, (st.st_ino, st.st_mtime_ns))
+            task.compute_rows = FCRows(factors, method.get("activation", "tanh"), embeddings)
+        elif method.get("method") == "kron":
+            task.compute_rows = KronRows(factors, method["b"])
+        else:
+            raise StoreError(f"{version}: method {method.get('method')!r} cannot be served from factors")
+        probe = task.compute_rows(np.array([0], dtype=np.int64))
+        if probe.shape != (1,) + shape[1:]:
+            raise StoreError(f"{version}: factors give rows of shape {probe.shape[1:]}, expected {shape[1:]}")
+    return task
+
+
+class TaskRegistry:
+    """The tasks of a store as one served step sees them.
+
+    Names resolve through the last good manifest (re-read when it changes: a stat per batch, no restart); a manifest
+    that cannot be read is reported (`on_manifest_error`) and the last good one stays in use. Versions load on
+    demand and stay while the manifest names them or they served a request in the last `grace` seconds, so a
+    request pinned to a version by the first step is served by that version even after a re-export.
+    A version that fails to load is kept as its error: its requests fail with that message, the others serve.
+    """
+
+    def __init__(self, store_root: str | Path, with_rows: bool = True, grace: float = 120.0,
+                 on_manifest_error: Callable[[str], None] | None = None):
+        self.store = StoreReader(store_root)
+        self.with_rows, self.grace = with_rows, grace
+        self.on_manifest_error = on_manifest_error
+        self.manifest_error: str | None = None
+        self._stamp = None
+        self._entries: dict = {}
+        self._entry_errors: dict[str, str] = {}
+        self._versions: dict[str, ServedTask | StoreError] = {}
+        self._last_used: dict[str, float] = {}
+        self._lock = threading.RLock()
+        self.refresh()
+
+    def refresh(self) -> None:
+        stamp = self.store.manifest_stamp()
+        if stamp == self._stamp:
+            return
+        with self._lock:
+            try:
+                manifest = self.store.manifest()
+            except StoreError as exc:
+                self._stamp = stamp
+                self.manifest_error = str(exc)
+                if self.on_manifest_error is not None:
+                    self.on_manifest_error(self.manifest_error)
+                return
+            self._entries, self._entry_errors, self._stamp = manifest.entries, manifest.errors, stamp
+            self.manifest_error = None
+            current = {e.folder for e in self._entries.values()}
+            now = time.monotonic()
+            for version in list(self._versions):
+                if version not in current and now - self._last_used.get(version, 0.0) > self.grace:
+                    del self._versions[version]
+                    self._last_used.pop(version, None)
+            for version in current - set(self._versions):
+                self._load(version)
+
+    def _load(self, version: str) -> ServedTask | StoreError:
+        try:
+            task: ServedTask | StoreError = load_task_version(self.store.version_folder(version), version,
+                                                              self.store.embeddings_path, self.with_rows)
+        except Exception as exc:  # noqa: BLE001 - a corrupt task must not take the others down
+            detail = str(exc).replace(str(self.store.root) + "/", "")
+            task = StoreError(f"task {task_of(version)!r} ({version}) is corrupt: {type(exc).__name__}: {detail}")
+        self._versions[version] = task
+        return task
+
+    def names(self) -> list[str]:
+        """Every task the manifest names, loadable or not."""
+        return sorted(set(self._entries) | set(self._entry_errors))
+
+    def errors(self) -> dict[str, str]:
+        """Task name -> why its requests fail (a bad manifest entry or a version that does not load)."""
+        errors = dict(self._entry_errors)
+        for name, entry in self._entries.items():
+            loaded = self._versions.get(entry.folder)
+            if isinstance(loaded, StoreError):
+                errors[name] = str(loaded)
+        return errors
+
+    def served(self) -> dict[str, ServedTask]:
+        """The tasks that serve now, by name."""
+        return {n: t for n, e in self._entries.items() if isinstance(t := self._versions.get(e.folder), ServedTask)}
+
+    def resolve(self, name: str) -> ServedTask:
+        """The current version of task `name` (the first step pins it for the request)."""
+        entry = self._entries.get(name)
+        if entry is None:
+            if name in self._entry_errors:
+                raise RequestError(self._entry_errors[name])
+            known = ", ".join(sorted(self.served())) or "(none)"
+            raise RequestError(f"unknown task {name[:200]!r}; known tasks: {known}")
+        return self.version(entry.folder)
+
+    def version(self, version: str) -> ServedTask:
+        """Exactly this task version (loaded on demand: version folders are immutable)."""
+        try:
+            check_version(version)
+        except StoreError as exc:
+            raise RequestError(str(exc)) from None
+        with self._lock:
+            task = self._versions.get(version)
+            if task is None:
+                if not self.store.version_folder(version).is_dir():
+                    raise RequestError(f"task version {version!r} is not in the store (removed, or never exported)")
+                task = self._load(version)
+            self._last_used[version] = time.monotonic()
+        if isinstance(task, StoreError):
+            raise RequestError(str(task))
+        return task
+
+
+def lookup(task: ServedTask, input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The AoT lookup for one sequence: distinct tokens' rows (flat fp16) and each token's row number."""
+    valid = attention_mask.astype(bool)
+    unique, inverse = np.unique(input_ids[valid], return_inverse=True)
+    index = np.zeros(input_ids.shape[0], dtype=protocol.INDEX_DTYPE)
+    index[valid] = inverse
+    return task.rows(unique).reshape(-1), index

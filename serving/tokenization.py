@@ -1,0 +1,60 @@
+"""Text (+ pair) -> token ids, truncated to the task's max length exactly as in training and `aot predict`.
+
+The exported tokenizer folder is what transformers' save_pretrained wrote; serving reads its `tokenizer.json`
+with the `tokenizers` library (what transformers' fast tokenizers run underneath), so no transformers or torch is
+imported by a served step. Truncation is transformers' `truncation=True`: longest_first, on the tokenizer's
+truncation side; tests check the ids equal transformers' for every architecture.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from serving import protocol
+from serving.errors import RequestError
+from serving.formats import read_json
+
+
+def bucket_length(length: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if length <= b:
+            return b
+    return length
+
+
+def _token_text(value) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class Tokenization:
+    def __init__(self, tokenizer_dir: str | Path, uses_token_type_ids: bool, buckets: tuple[int, ...] = ()):
+        from tokenizers import Tokenizer
+
+        tokenizer_dir = Path(tokenizer_dir)
+        self.tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+        self.tokenizer.no_padding()
+        config = read_json(tokenizer_dir / "tokenizer_config.json")
+        pad = _token_text(config.get("pad_token"))
+        self.pad_id = (self.tokenizer.token_to_id(pad) if pad else None) or 0
+        self.truncation_side = config.get("truncation_side", "right")
+        self.uses_token_type_ids = uses_token_type_ids
+        self.buckets = tuple(sorted(buckets))
+
+    def encode(self, text: str, pair: str | None, max_length: int) -> dict[str, np.ndarray]:
+        if not text.strip():
+            raise RequestError("TEXT is empty")
+        self.tokenizer.enable_truncation(max_length, strategy="longest_first", direction=self.truncation_side)
+        enc = self.tokenizer.encode(text, pair or None)
+        n = len(enc.ids)
+        size = bucket_length(n, self.buckets)
+        out = {protocol.INPUT_IDS: np.full(size, self.pad_id, dtype=protocol.TOKEN_DTYPE),
+               protocol.ATTENTION_MASK: np.zeros(size, protocol.TOKEN_DTYPE)}
+        out[protocol.INPUT_IDS][:n] = enc.ids
+        out[protocol.ATTENTION_MASK][:n] = 1
+        if self.uses_token_type_ids:
+            types = np.zeros(size, dtype=protocol.TOKEN_DTYPE)
+            types[:n] = enc.type_ids
+            out[protocol.TOKEN_TYPE_IDS] = types
+        return out

