@@ -178,3 +178,42 @@ class Supervisor:
         self.regions |= {s.shm_region for s in stubs.values()}
         repair.seconds = round(time.monotonic() - start, 3)
         self.log(f"supervisor: model {model!r} serves again after {repair.seconds:.2f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python3 -m serving.supervisor tritonserver ARGS...`: run the server under a supervisor (the container's
+    entry point). Adds explicit model control, forwards SIGTERM/SIGINT, and reaps the stubs when the server exits."""
+    import subprocess
+    import sys
+
+    command = list(sys.argv[1:] if argv is None else argv)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        print("usage: python3 -m serving.supervisor tritonserver [ARGS...]", file=sys.stderr)
+        return 2
+    if not any(a.startswith("--model-control-mode") for a in command):
+        command += ["--model-control-mode=explicit", "--load-model=*"]
+    port = next((a.split("=", 1)[1] for a in command if a.startswith("--http-port=")), "8000")
+    server = subprocess.Popen(command)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, _: server.send_signal(s))
+    supervisor = None
+    while server.poll() is None:
+        if supervisor is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=1) as r:
+                    if r.status == 200:
+                        supervisor = Supervisor(server.pid, f"127.0.0.1:{port}",
+                                                log=lambda m: print(m, file=sys.stderr, flush=True)).start()
+            except OSError:
+                pass
+        time.sleep(0.5)
+    if supervisor is not None:
+        supervisor.stop()
+    reap(server.pid, supervisor.regions if supervisor else ())
+    return server.returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

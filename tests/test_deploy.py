@@ -33,7 +33,26 @@ def test_compose_serves_the_local_binary_release_on_a_gpu():
     assert "--model-repository=/repo/models" in triton["command"]
 
 
-def test_dockerfile_copies_every_package_the_python_steps_import():
+def test_dockerfile_installs_only_the_pinned_serving_extra():
+    """The image gets `serving` and the model files, the [serve] extra pinned, and nothing that imports torch."""
+    import re
+    import tomllib
+
     text = (ROOT / "docker" / "Dockerfile").read_text()
-    for package in ("aot", "training", "exporter", "model_repository"):
+    for package in ("serving", "model_repository"):
         assert f"COPY {package} ./{package}" in text
+    for package in ("aot", "training", "exporter", "benchmarks"):
+        assert f"COPY {package} " not in text
+    assert not re.search(r"pip install[^\n]*torch", text)
+    pins = dict(re.findall(r"([a-z_]+)==([0-9.]+)", text))
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["serve"]
+    for requirement in extra:
+        name = re.match(r"[a-z_]+", requirement).group(0)
+        assert name in pins, f"{name} of the [serve] extra is not pinned in the Dockerfile"
+    assert pins["numpy"].startswith("1.")
+
+
+def test_compose_runs_tritonserver_under_the_supervisor():
+    spec = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    command = spec["services"]["triton"]["command"]
+    assert command[:4] == ["python3", "-m", "serving.supervisor", "tritonserver"]

@@ -211,6 +211,65 @@ def test_add_swap_and_remove_tasks_while_serving(server, repo, artifacts, expect
     assert failures == [] and served[0] > 0
 
 
+def test_reexport_under_load_serves_exactly_one_version_per_request(server, repo, artifacts, expected):
+    """Re-export a task while 6 clients call it: every answer is the old version's or the new one's, none fails,
+    none mixes one version's table with the other's head (the first step pins the version)."""
+    stop, answers, failures = threading.Event(), [], []
+
+    def traffic(k):
+        with Client(server.grpc_url) as c:
+            while not stop.is_set():
+                i = k % len(TEXTS)
+                try:
+                    answers.append((i, np.array(c.infer("alpha", TEXTS[i])["logits"])))
+                except InferenceError as exc:
+                    failures.append(str(exc))
+
+    threads = [threading.Thread(target=traffic, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    try:
+        for source in ("gamma", "alpha", "gamma", "alpha"):
+            time.sleep(0.5)
+            export_task(artifacts[source], repo, "alpha", "factored" if source == "gamma" else "fused",
+                        progress=False)
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert failures == []
+    versions = {"alpha": 0, "gamma": 0}
+    for i, logits in answers:
+        matches = [n for n in versions if np.abs(logits - expected[n][i]).max() <= 1e-3]
+        assert matches, f"answer {logits} for text {i} is neither version's"
+        versions[matches[0]] += 1
+    assert versions["alpha"] > 0 and versions["gamma"] > 0, versions
+    print(f"\n{len(answers)} answers during 4 re-exports: {versions}, 0 failed, 0 mixed")
+
+
+def test_perf_analyzer_input_file_is_valid_for_the_ensemble(server, repo, artifacts):
+    """docs/perf_analyzer_input.json (the README's perf_analyzer command) drives `aot` with mixed tasks: every entry
+    is a valid request, sent here exactly as perf_analyzer sends it (shape [1] plus the batch dimension)."""
+    from pathlib import Path
+
+    data = json.loads((Path(__file__).parent.parent / "docs" / "perf_analyzer_input.json").read_text())["data"]
+    tasks = {entry["TASK"]["content"][0] for entry in data}
+    assert len(tasks) >= 2, "the file should mix tasks"
+    for i, name in enumerate(sorted(tasks)):
+        export_task(artifacts["alpha"], repo, name, ("fused", "factored")[i % 2], progress=False)
+    try:
+        for entry in data:
+            inputs = [(name, np.array([[v.encode() for v in spec["content"]]], dtype=np.object_), "BYTES")
+                      for name, spec in entry.items()]
+            assert all(list(a.shape[1:]) == entry[n]["shape"] for n, a, _ in inputs)
+            result = _raw(server, inputs)
+            assert result.as_numpy("LOGITS").shape == (1, 2)
+    finally:
+        for name in tasks:
+            TaskStore(read_repository(repo).store_root).remove(name)
+
+
 # --- the `aot serve` command -----------------------------------------------------------------------------------
 
 def _aot(*args, **kw):
