@@ -173,7 +173,7 @@ class AoTFused(Method):
         ids = self.case.ids_host
         unique, inverse = np.unique(ids, return_inverse=True)
         rows = torch.from_numpy(np.ascontiguousarray(self.table[unique]))
-        return rows, torch.from_numpy(inverse.reshape(ids.shape).astype(np.int32))
+        return rows, torch.from_numpy(inverse.reshape(ids.shape).astype(io.INDEX_DTYPE))
 
     def __call__(self):
         rows, index = self.lookup()
@@ -351,7 +351,7 @@ def fused_table(vocab: int, layers: int, hidden: int, folder: Path) -> np.ndarra
     """A [V, L, d] fp16 table as served: memory-mapped from disk (a sparse file: its content does not matter)."""
     path = folder / f"table-{vocab}-{layers}-{hidden}.npy"
     if not path.exists():
-        table = np.lib.format.open_memmap(path, mode="w+", dtype=np.float16, shape=(vocab, layers, hidden))
+        table = np.lib.format.open_memmap(path, mode="w+", dtype=io.ROWS_DTYPE, shape=(vocab, layers, hidden))
         table[:: max(1, vocab // 64)] = 0.01  # touch a few pages so that the file is a real table
         table.flush()
         del table

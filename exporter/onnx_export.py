@@ -63,7 +63,7 @@ class ExportableBackbone(nn.Module):
 
 
 def example_inputs(backbone: Backbone, aot: bool, batch: int, seq: int, seed: int,
-                   rows_dtype=torch.float16) -> dict[str, torch.Tensor]:
+                   rows_dtype=getattr(torch, io.ROWS_DTYPE.name)) -> dict[str, torch.Tensor]:
     """Random token inputs with padding, and random non-zero rows laid out exactly as the lookup step sends them."""
     g = torch.Generator().manual_seed(seed)
     vocab = backbone.embeddings.shape[0]

@@ -63,7 +63,7 @@ def _write_fused(body: AoTBody, path: Path, vocab: int, chunk: int = 2048, progr
         np.lib.format.write_array_header_2_0(f, header)
         for start in tqdm(range(0, vocab, chunk), desc="fuse P", unit="chunk", disable=not progress):
             ids = torch.arange(start, min(start + chunk, vocab))
-            f.write(body.rows(ids).to(torch.float16).numpy().tobytes())
+            f.write(body.rows(ids).float().numpy().astype(io.ROWS_DTYPE).tobytes())
 
 
 def validate_task(repo: RepositoryInfo, folder: Path, name: str, storage: str, predictor: Predictor,

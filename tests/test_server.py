@@ -337,6 +337,24 @@ def test_serve_command_port_taken_and_missing_repo(tmp_path, repo):
     assert proc.returncode == 2 and "not an AoT model repository" in err and len(err.strip().splitlines()) == 1
 
 
+def test_tasks_command_lists_what_the_server_serves(server, repo):
+    """`aot tasks` and Client.tasks() read the server (its task store view), not a disk the client has."""
+    with Client(server.grpc_url) as c:
+        listing = c.tasks()
+    served = {t["name"]: t for t in listing["tasks"]}
+    entries = TaskStore(read_repository(repo).store_root).entries()
+    assert {"alpha", "beta", "gamma"} <= set(served)
+    for name in ("alpha", "beta", "gamma"):
+        assert served[name]["version"] == entries[name].folder and served[name]["storage"] == entries[name].storage
+        assert served[name]["labels"] == ["negative", "positive"] and served[name]["max_length"] == 32
+        assert served[name]["method"] in ("fc", "kron")
+    proc = _aot("tasks", "--url", server.grpc_url)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert {line["name"] for line in lines} == set(served)
+
+
 def test_infer_command_file_mixed_tasks(server, tmp_path, expected):
     requests = tmp_path / "requests.jsonl"
     items = [{"task": ("alpha", "beta", "gamma")[i % 3], "text": TEXTS[i % len(TEXTS)]} for i in range(12)]
