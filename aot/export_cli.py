@@ -34,6 +34,9 @@ def add_export(sub) -> None:
     b.add_argument("--buckets", type=ints, default=[16, 32, 64, 128, 256, 512],
                    help="GPU: sequence lengths token tensors are padded to, so that requests batch together "
                         "(lengths past what the encoder accepts are replaced by its limit)")
+    b.add_argument("--pool-bytes", type=non_negative_int, default=1 << 30,
+                   help="task pool: memory for rows of P kept in RAM by the lookup (0: none; `aot serve "
+                        "--pool-bytes` overrides it)")
     b.add_argument("--max-text-bytes", type=positive_int, default=65536,
                    help="longest TEXT a request may send (UTF-8 bytes); longer ones are refused at once")
     b.add_argument("--opt-batch", type=positive_int, default=8, help="TensorRT profile: optimal batch")
@@ -48,9 +51,10 @@ def add_export(sub) -> None:
     t.add_argument("--task", required=True, help="task artifact folder (from `aot train`, method fc or kron)")
     t.add_argument("--repo", required=True, help="model repository (from `aot export backbone`)")
     t.add_argument("--name", required=True, help="task id clients use")
-    t.add_argument("--storage", choices=["fused", "factored"], default="fused",
-                   help="fused: P as a [V, L, d] fp16 table read by memory map (the paper); factored: the factors, "
-                        "rows computed per request")
+    t.add_argument("--storage", choices=["auto", "fused", "factored"], default="auto",
+                   help="fused: P as a [V, L, d] fp16 table (the paper); factored: the factors (1-2 %% of a table), "
+                        "rows computed when the pool fills; auto: fused while every task of the repository fits "
+                        "in its task pool, else factored (the report shows both costs)")
     t.add_argument("--no-progress", action="store_true")
     t.set_defaults(run=run_export_task)
 
@@ -72,7 +76,7 @@ def run_export_backbone(args) -> int:
     buckets = tuple(sorted(args.buckets))
     options = ServingOptions(max_batch_size=args.max_batch_size, backbone_queue_delay_us=args.queue_delay_us,
                              cpu_threads=args.cpu_threads, buckets=buckets, engine=args.format,
-                             max_text_bytes=args.max_text_bytes)
+                             max_text_bytes=args.max_text_bytes, pool_bytes=args.pool_bytes)
     profile = Profile(opt_batch=min(args.opt_batch, args.max_batch_size), max_batch=args.max_batch_size,
                       opt_seq=min(args.opt_seq, max(buckets)), max_seq=max(buckets))
     report = export_backbone(args.model, args.repo, options, args.precision, profile, args.overwrite)

@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 
-from aot.arguments import positive_int
+from aot.arguments import non_negative_int, positive_int
 
 
 def add_serve(sub) -> None:
@@ -23,6 +23,9 @@ def add_serve(sub) -> None:
     p.add_argument("--http-port", type=positive_int, default=8000)
     p.add_argument("--metrics-port", type=positive_int, default=8002)
     p.add_argument("--log", default=None, help="server log file (default: a temporary file)")
+    p.add_argument("--pool-bytes", type=non_negative_int, default=None,
+                   help="memory of the task pool (rows of P kept in RAM; 0: none) instead of the repository's "
+                        "serving option (printed at start-up)")
     p.set_defaults(run=run_serve)
 
 
@@ -37,7 +40,9 @@ def run_serve(args) -> int:
         print(f"aot: warning: {registry.manifest_error} (no task serves until it is fixed)", file=sys.stderr)
     for name, error in registry.errors().items():
         print(f"aot: warning: {error} (its requests will fail; the other tasks serve)", file=sys.stderr)
-    server = LocalServer(repo.path, args.host, args.http_port, args.grpc_port, args.metrics_port, args.log)
+    pool_bytes = repo.options.pool_bytes if args.pool_bytes is None else args.pool_bytes
+    server = LocalServer(repo.path, args.host, args.http_port, args.grpc_port, args.metrics_port, args.log,
+                         pool_bytes=pool_bytes)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -46,8 +51,11 @@ def run_serve(args) -> int:
         tasks = sorted(registry.served())
         print(json.dumps({"grpc": server.grpc_url, "http": server.http_url,
                           "metrics": f"{args.host}:{server.metrics_port}", "ready_seconds": round(server.ready_seconds, 2),
-                          "tasks": tasks, "log": str(server.log_path)}), flush=True)
-        print(f"serving {repo.path} on grpc {server.grpc_url} (Ctrl-C stops)", file=sys.stderr, flush=True)
+                          "tasks": tasks, "pool_bytes": pool_bytes, "log": str(server.log_path)}), flush=True)
+        row_bytes = repo.num_layers * repo.hidden_size * 2
+        print(f"serving {repo.path} on grpc {server.grpc_url}; task pool {pool_bytes / 2**20:.0f} MiB "
+              f"({pool_bytes // (row_bytes * repo.vocab_size)} tasks fully resident) (Ctrl-C stops)",
+              file=sys.stderr, flush=True)
         while not stop.wait(0.5):
             if server.process.poll() is not None:
                 print(f"aot: error: tritonserver exited with code {server.process.returncode}:\n{server.log_tail()}",

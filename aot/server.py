@@ -27,6 +27,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from serving.repository import POOL_BYTES_ENV
 from serving.supervisor import Supervisor, reap
 
 
@@ -104,6 +105,7 @@ class LocalServer:
     log_path: Path | None = None
     extra_args: list[str] = field(default_factory=list)
     supervise: bool = True
+    pool_bytes: int | None = None  # overrides the repository's task pool budget (AOT_POOL_BYTES)
     process: subprocess.Popen | None = None
     ready_seconds: float | None = None
     supervisor: Supervisor | None = None
@@ -142,6 +144,8 @@ class LocalServer:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         env.setdefault("HF_HUB_OFFLINE", "1")
+        if self.pool_bytes is not None:
+            env[POOL_BYTES_ENV] = str(self.pool_bytes)
         return env
 
     def check_ports(self) -> None:

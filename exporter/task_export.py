@@ -45,6 +45,7 @@ class TaskExportReport:
     fused_bytes: int
     max_abs_logit_diff: float
     seconds: float
+    storage_advice: dict
 
 
 def _head_arrays(model: TaskModel) -> dict[str, np.ndarray]:
@@ -82,12 +83,26 @@ def validate_task(repo: RepositoryInfo, folder: Path, name: str, storage: str, p
     return float(np.abs(got - expected).max())
 
 
-def export_task(task_dir: str | Path, repo_dir: str | Path, name: str, storage: str = "fused",
+def storage_advice(repo: RepositoryInfo, name: str, fused_bytes: int, factored_bytes: int) -> dict:
+    """What a task costs in each storage and, with the repository's pool budget, how many such tasks stay fully
+    resident. `auto` picks fused while every task of the store (this one included) fits resident, else factored:
+    beyond the pool, fused tables only cost disk and page cache, while factors are 1-2 % of a table."""
+    pool = repo.options.pool_bytes
+    resident = pool // fused_bytes if fused_bytes else 0
+    others = [n for n in TaskStore(repo.store_root).entries() if n != name]
+    fits = len(others) + 1 <= resident
+    return {"fused_bytes": fused_bytes, "factored_bytes": factored_bytes, "pool_bytes": pool,
+            "tasks_resident_in_pool": int(resident), "tasks_in_store": len(others) + 1,
+            "auto": "fused" if fits else "factored"}
+
+
+def export_task(task_dir: str | Path, repo_dir: str | Path, name: str, storage: str = "auto",
                 progress: bool = True) -> TaskExportReport:
+    """`storage`: fused, factored, or auto (see storage_advice)."""
     start = time.perf_counter()
     check_task_name(name)
-    if storage not in STORAGES:
-        raise StoreError(f"unknown storage {storage!r}: expected one of {', '.join(STORAGES)}")
+    if storage not in STORAGES + ("auto",):
+        raise StoreError(f"unknown storage {storage!r}: expected auto, {', '.join(STORAGES)}")
     repo = read_repository(repo_dir)
     artifact = read_task(task_dir)
     method = artifact.config["method"]["method"]
@@ -107,9 +122,12 @@ def export_task(task_dir: str | Path, repo_dir: str | Path, name: str, storage: 
     backbone = predictor.backbone
     artifact, model = predictor.artifact, predictor.model
     store = TaskStore(repo.store_root)
+    L, d, V = backbone.num_layers, backbone.hidden_size, int(backbone.embeddings.shape[0])
+    factors = {k: v.detach().float().numpy().copy() for k, v in model.body.aot.state_dict().items()}
+    advice = storage_advice(repo, name, V * L * d * io.ROWS_DTYPE.itemsize, sum(a.nbytes for a in factors.values()))
+    storage = advice["auto"] if storage == "auto" else storage
     folder = store.new_version_folder(name)
     try:
-        L, d, V = backbone.num_layers, backbone.hidden_size, int(backbone.embeddings.shape[0])
         meta = {"name": name, "labels": None if artifact.spec.labels is None else list(artifact.spec.labels),
                 "metric": artifact.spec.metric, "max_length": artifact.max_length, "storage": storage,
                 "method": artifact.config["method"], "num_layers": L, "hidden_size": d, "vocab_size": V,
@@ -121,8 +139,7 @@ def export_task(task_dir: str | Path, repo_dir: str | Path, name: str, storage: 
         if storage == "fused":
             _write_fused(body, folder / "table.npy", V, progress=progress)
         else:
-            save_file({k: v.detach().float().numpy().copy() for k, v in body.aot.state_dict().items()},
-                      folder / "factors.safetensors")
+            save_file(factors, folder / "factors.safetensors")
         diff = validate_task(repo, folder, name, storage, predictor)
         if not diff <= LOGITS_TOLERANCE:
             raise StoreError(f"task {name!r}: served logits differ from PyTorch by {diff:.3g} "
@@ -133,4 +150,4 @@ def export_task(task_dir: str | Path, repo_dir: str | Path, name: str, storage: 
         raise
     size = sum(p.stat().st_size for p in (store.root / entry.folder).rglob("*") if p.is_file())
     return TaskExportReport(name, storage, entry.folder, size, V * L * d * 2, diff,
-                            round(time.perf_counter() - start, 2))
+                            round(time.perf_counter() - start, 2), advice)

@@ -10,6 +10,7 @@ The exporter writes it (exporter.configs, exporter.backbone_export); a served st
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -22,6 +23,7 @@ RECORD = "aot_repository.json"
 MODELS_DIR = "models"
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
 ENGINES = ("onnx", "tensorrt")
+POOL_BYTES_ENV = "AOT_POOL_BYTES"
 
 
 class RepositoryError(ValueError):
@@ -38,6 +40,11 @@ class ServingOptions:
     buckets: tuple[int, ...] = field(default=DEFAULT_BUCKETS, metadata={
         "help": "GPU: sequence lengths token tensors are padded to, so that requests batch together"})
     engine: str = field(default="onnx", metadata={"help": "GPU backbone: onnx (onnxruntime_onnx) or tensorrt"})
+    pool_bytes: int = field(default=1 << 30, metadata={
+        "help": "memory of the task pool, the rows of P kept in RAM by the lookup (bytes; 0: no pool, fused tables "
+                "are read through their memory maps and factored rows computed per request). Every task is fully "
+                "resident while all fit; beyond that the pool caches the most recently used rows. `aot serve "
+                "--pool-bytes` overrides it"})
     max_text_bytes: int = field(default=65536, metadata={
         "help": "longest TEXT (and TEXT_PAIR) a request may send, in UTF-8 bytes; longer ones are refused at once "
                 "(texts are truncated to at most 512 tokens anyway)"})
@@ -53,9 +60,9 @@ class ServingOptions:
                 if not value or min(value) < 1:
                     raise RepositoryError(f"buckets {list(value)}: expected positive lengths")
             elif not isinstance(value, int) or isinstance(value, bool) or value < (0 if f.name in (
-                    "cpu_threads", "backbone_queue_delay_us") else 1):
-                raise RepositoryError(f"serving option {f.name} = {value!r}: expected a "
-                                      f"{'non-negative' if f.name in ('cpu_threads', 'backbone_queue_delay_us') else 'positive'} integer")
+                    "cpu_threads", "backbone_queue_delay_us", "pool_bytes") else 1):
+                kind = "non-negative" if f.name in ("cpu_threads", "backbone_queue_delay_us", "pool_bytes") else "positive"
+                raise RepositoryError(f"serving option {f.name} = {value!r}: expected a {kind} integer")
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -131,7 +138,16 @@ class RepositoryInfo:
 
     @property
     def options(self) -> ServingOptions:
-        return ServingOptions.from_json(self.record["serving"])
+        """The recorded serving options; `AOT_POOL_BYTES` in the environment (set by `aot serve --pool-bytes`)
+        overrides the pool budget without a re-export."""
+        options = ServingOptions.from_json(self.record["serving"])
+        override = os.environ.get(POOL_BYTES_ENV)
+        if override:
+            try:
+                options.pool_bytes = int(override)
+            except ValueError:
+                raise RepositoryError(f"{POOL_BYTES_ENV}={override!r}: expected a number of bytes") from None
+        return options
 
 
 def read_repository(path: str | Path) -> RepositoryInfo:

@@ -23,6 +23,7 @@ from serving import protocol
 from serving.errors import RequestError
 from serving.repository import RepositoryInfo, repository_of_model
 from serving.store import check_task_name
+from serving.pool import RowPool
 from serving.tasks import TaskRegistry
 
 __all__ = ["RequestError", "Step"]
@@ -54,11 +55,22 @@ class StepMetrics:
             "duration": pb_utils.MetricFamily("aot_task_duration_us_total",
                                               "Time requests of a task version spent in a step, microseconds",
                                               counter),
+            "pool_hits": pb_utils.MetricFamily("aot_pool_hits_total", "Rows found in the task pool", counter),
+            "pool_misses": pb_utils.MetricFamily("aot_pool_misses_total",
+                                                 "Rows read or computed into the task pool", counter),
+            "pool_evictions": pb_utils.MetricFamily("aot_pool_evictions_total", "Rows evicted from the task pool",
+                                                    counter),
+            "pool_fill_us": pb_utils.MetricFamily("aot_pool_fill_us_total",
+                                                  "Time spent filling the task pool, microseconds", counter),
+            "pool_resident_bytes": pb_utils.MetricFamily("aot_pool_resident_bytes",
+                                                         "Bytes of a task version's rows held in the pool",
+                                                         pb_utils.MetricFamily.GAUGE),
             "manifest_errors": pb_utils.MetricFamily("aot_store_manifest_errors_total",
                                                      "Task store manifests that could not be read (the last good "
                                                      "one stays in use)", counter),
         }
         self._metrics: dict[tuple, object] = {}
+        self._pool_last: dict[str, tuple] = {}
 
     def _metric(self, family: str, **labels):
         key = (family, *sorted(labels.items()))
@@ -75,6 +87,25 @@ class StepMetrics:
 
     def manifest_error(self) -> None:
         self._metric("manifest_errors").increment(1)
+
+    def pool(self, pool: RowPool) -> None:
+        """Publish the pool's counters per task version (increments since the last call)."""
+        seen = {}
+        for version, stats in list(pool.stats.items()):
+            labels = {"task": version.rsplit("@", 1)[0], "version": version}
+            last = self._pool_last.get(version, (0, 0, 0, 0.0))
+            now = (stats.hits, stats.misses, stats.evictions, stats.fill_seconds)
+            for family, new, old in zip(("pool_hits", "pool_misses", "pool_evictions"), now[:3], last[:3]):
+                if new > old:
+                    self._metric(family, **labels).increment(new - old)
+            if now[3] > last[3]:
+                self._metric("pool_fill_us", **labels).increment((now[3] - last[3]) * 1e6)
+            self._metric("pool_resident_bytes", **labels).set(stats.resident_rows * pool.row_bytes)
+            seen[version] = now
+        for version in set(self._pool_last) - set(seen):  # detached: its rows are gone
+            labels = {"task": version.rsplit("@", 1)[0], "version": version}
+            self._metric("pool_resident_bytes", **labels).set(0)
+        self._pool_last = seen
 
 
 class Step:
@@ -93,9 +124,15 @@ class Step:
         self.options = self.repo.options
         self.metrics = StepMetrics(pb_utils, name)
         self.tasks = None
+        self.pool = None
+        if tasks == "rows" and self.options.pool_bytes > 0:
+            self.pool = RowPool(self.options.pool_bytes, self.repo.num_layers, self.repo.hidden_size,
+                                self.repo.vocab_size)
+            self.pb.Logger.log_info(f"{name}: task pool of {self.pool.budget_bytes} bytes ({self.pool.slots} rows; "
+                                    f"{self.pool.slots // self.repo.vocab_size} tasks fully resident)")
         if tasks != "none":
             self.tasks = TaskRegistry(self.repo.store_root, with_rows=tasks == "rows",
-                                      on_manifest_error=self._manifest_error)
+                                      on_manifest_error=self._manifest_error, pool=self.pool)
             for error in self.tasks.errors().values():
                 self.pb.Logger.log_warn(f"{self.step}: {error}")
 

@@ -27,6 +27,7 @@ from serving import protocol
 from serving.errors import RequestError
 from serving.formats import FormatError, check_keys, read_json
 from serving.labels import label_for
+from serving.pool import RowPool
 from serving.store import STORAGES, StoreError, StoreReader, check_version, task_of
 
 _TASK_KEYS = {"labels": (list, type(None)), "max_length": int, "storage": str, "method": dict, "num_layers": int,
@@ -102,7 +103,8 @@ class ServedTask:
     compute_rows: Callable[[np.ndarray], np.ndarray] | None = None  # factored
 
     def rows(self, token_ids: np.ndarray) -> np.ndarray:
-        """Rows of P for sorted distinct token ids, [U, L, d] fp16. Fused: only these rows are read from disk."""
+        """Rows of P for sorted distinct token ids, [U, L, d] fp16, from the task's own storage (no pool).
+        Fused: only these rows are read from disk; factored: computed in one matmul per layer stack."""
         if self.table is not None:
             return np.ascontiguousarray(self.table[token_ids], dtype=protocol.ROWS_DTYPE)
         return self.compute_rows(token_ids).astype(protocol.ROWS_DTYPE)
@@ -170,8 +172,11 @@ class TaskRegistry:
     """
 
     def __init__(self, store_root: str | Path, with_rows: bool = True, grace: float = 120.0,
-                 on_manifest_error: Callable[[str], None] | None = None):
+                 on_manifest_error: Callable[[str], None] | None = None, pool: RowPool | None = None):
+        """`pool`: keep the rows of the current versions in this pool (serving.pool); versions that leave the
+        manifest are detached from it at once (a request still pinned to one reads its storage directly)."""
         self.store = StoreReader(store_root)
+        self.pool = pool
         self.with_rows, self.grace = with_rows, grace
         self.on_manifest_error = on_manifest_error
         self.manifest_error: str | None = None
@@ -201,11 +206,19 @@ class TaskRegistry:
             current = {e.folder for e in self._entries.values()}
             now = time.monotonic()
             for version in list(self._versions):
-                if version not in current and now - self._last_used.get(version, 0.0) > self.grace:
+                if version in current:
+                    continue
+                if self.pool is not None:
+                    self.pool.detach(version)
+                if now - self._last_used.get(version, 0.0) > self.grace:
                     del self._versions[version]
                     self._last_used.pop(version, None)
             for version in current - set(self._versions):
                 self._load(version)
+            if self.pool is not None:
+                for version in current:
+                    if isinstance(self._versions.get(version), ServedTask):
+                        self.pool.attach(version, self._versions[version].rows)
 
     def _load(self, version: str) -> ServedTask | StoreError:
         try:
@@ -262,10 +275,33 @@ class TaskRegistry:
         return task
 
 
-def lookup(task: ServedTask, input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The AoT lookup for one sequence: distinct tokens' rows (flat fp16) and each token's row number."""
+    def rows_many(self, requests: list[tuple[ServedTask, np.ndarray]]) -> list[np.ndarray]:
+        """Rows for a batch's (task, sorted distinct token ids): through the pool for the current versions (its
+        misses filled together), from storage for versions that left the manifest."""
+        if self.pool is None:
+            return [task.rows(ids) for task, ids in requests]
+        with self._lock:
+            pooled = [i for i, (task, _) in enumerate(requests) if self.pool.holds(task.version)]
+            try:
+                rows = self.pool.rows_many([(requests[i][0].version, requests[i][1]) for i in pooled])
+            except MemoryError:  # one batch needs more rows than the whole pool: serve it from storage
+                pooled, rows = [], []
+        out: list = [None] * len(requests)
+        for i, r in zip(pooled, rows):
+            out[i] = r
+        return [r if r is not None else task.rows(ids) for r, (task, ids) in zip(out, requests)]
+
+
+def token_index(input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct tokens of one sequence (sorted) and, for each token, its row among them (padding: row 0)."""
     valid = attention_mask.astype(bool)
     unique, inverse = np.unique(input_ids[valid], return_inverse=True)
     index = np.zeros(input_ids.shape[0], dtype=protocol.INDEX_DTYPE)
     index[valid] = inverse
+    return unique, index
+
+
+def lookup(task: ServedTask, input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The AoT lookup for one sequence from the task's storage: distinct tokens' rows (flat fp16), row numbers."""
+    unique, index = token_index(input_ids, attention_mask)
     return task.rows(unique).reshape(-1), index

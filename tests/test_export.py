@@ -279,3 +279,16 @@ def test_lookup_bytes_against_dense():
     assert io.lookup_bytes(70, 128, 6, 384) == 70 * 6 * 384 * 2 + 128 * 4
     assert io.dense_bias_bytes(128, 6, 384) == 128 * 6 * 384 * 4
     assert io.lookup_bytes(70, 128, 6, 384) < io.dense_bias_bytes(128, 6, 384) / 3
+
+
+def test_auto_storage_follows_the_pool_budget(tmp_path, tiny_models, tasks):
+    """auto: fused while every task fits resident in the repository's pool, then factored; both costs reported."""
+    info = {"bert": tiny_backbone("bert")}["bert"]
+    table = int(info.embeddings.shape[0]) * info.num_layers * info.hidden_size * 2
+    repo = make_repository(tiny_models["bert"], tmp_path / "repo", {}, pool_bytes=2 * table)
+    reports = [export_task(tasks[("bert", "fc")], repo, f"t{i}", progress=False) for i in range(3)]
+    assert [r.storage for r in reports] == ["fused", "fused", "factored"]
+    advice = reports[2].storage_advice
+    assert advice["fused_bytes"] == table and advice["tasks_resident_in_pool"] == 2 and advice["tasks_in_store"] == 3
+    assert advice["factored_bytes"] > 0  # (tiny vocabulary: here the factors are larger than the table)
+    assert reports[0].max_abs_logit_diff <= 1e-3 and reports[2].max_abs_logit_diff <= 1e-3

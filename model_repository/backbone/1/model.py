@@ -12,7 +12,7 @@ import triton_python_backend_utils as pb_utils
 from serving import protocol
 from serving.engine import BackboneRunner
 from serving.steps import Step
-from serving.tasks import lookup
+from serving.tasks import token_index
 
 
 class TritonPythonModel:
@@ -25,13 +25,24 @@ class TritonPythonModel:
     def _prepare(self, request, ctx) -> dict:
         tensors = self.step.tokens(request)
         if self.step.tasks is not None:
-            task = self.step.task_version(request, ctx)
-            tensors[protocol.AOT_ROWS], tensors[protocol.AOT_INDEX] = lookup(
-                task, tensors[protocol.INPUT_IDS], tensors[protocol.ATTENTION_MASK])
+            tensors["task"] = self.step.task_version(request, ctx)
+            tensors["unique"], tensors[protocol.AOT_INDEX] = token_index(tensors[protocol.INPUT_IDS],
+                                                                         tensors[protocol.ATTENTION_MASK])
         return tensors
+
+    def _run(self, batch: list[dict]):
+        """The batch's rows in one pool call (its misses filled together), then the graph."""
+        if self.step.tasks is not None:
+            rows = self.step.tasks.rows_many([(r["task"], r["unique"]) for r in batch])
+            for r, rows_of in zip(batch, rows):
+                r[protocol.AOT_ROWS] = rows_of.reshape(-1)
+        return self.runner.run(batch)
 
     def execute(self, requests):
         self.step.refresh()
-        return self.step.respond_batch(
-            requests, self._prepare, self.runner.run,
+        responses = self.step.respond_batch(
+            requests, self._prepare, self._run,
             lambda hidden, k: [self.step.output(protocol.CLS_HIDDEN, hidden[k:k + 1])])
+        if self.step.pool is not None:
+            self.step.metrics.pool(self.step.pool)
+        return responses

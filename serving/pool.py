@@ -1,0 +1,208 @@
+"""The task pool: rows of P for every served task version, inside one preallocated buffer of `budget` bytes.
+
+A served task is a table of V rows (one per token) of L x d fp16 values. Fused tables are memory-mapped files and
+factored tasks compute rows from their factors; the pool keeps rows in memory so that a request's lookup is a gather:
+
+- **Resident** while every version's V rows fit in the budget: each version owns a contiguous range of rows,
+  filled once when it is first used (the table read, or every row computed in one grouped matmul); a lookup is
+  `buffer[base + ids]`, and nothing is ever evicted.
+- **Cache** beyond that: rows are kept per (version, token id), the least recently used rows are evicted in bulk
+  when the buffer is full (approximate LRU: a last-use tick per slot, the oldest 1/16 of the buffer goes at once),
+  and a batch's misses are filled together, one gather (fused) or one matmul (factored) per version.
+
+A version that is removed or replaced is detached and its rows are dropped at once; keys carry the version, so
+rows of one version are never served for another. Counters per version: hits, misses, evictions, fill seconds,
+resident rows (`stats`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from serving import protocol
+
+EVICT_FRACTION = 16  # evict 1/16 of the buffer when it is full: one argpartition per many fills
+
+
+@dataclass
+class PoolStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    fill_seconds: float = 0.0
+    resident_rows: int = 0
+
+
+class RowPool:
+    def __init__(self, budget_bytes: int, num_layers: int, hidden_size: int, vocab_size: int):
+        self.row_shape = (num_layers, hidden_size)
+        self.row_bytes = num_layers * hidden_size * protocol.ROWS_DTYPE.itemsize
+        self.vocab_size = vocab_size
+        self.slots = int(budget_bytes // self.row_bytes)
+        self.budget_bytes = self.slots * self.row_bytes
+        self.buffer = np.empty((self.slots, num_layers, hidden_size), dtype=protocol.ROWS_DTYPE)
+        self._lock = threading.Lock()
+        self._sources: dict[str, Callable[[np.ndarray], np.ndarray]] = {}
+        self.stats: dict[str, PoolStats] = {}
+        # resident mode: version -> first slot of its V rows
+        self._base: dict[str, int] = {}
+        self._filled: set[str] = set()
+        # cache mode: per version a dict token -> slot (memory grows with the rows held, not with V x versions);
+        # per slot its key (version number * V + token, -1 free) and its last use
+        self._resident = True
+        self._slot_of: dict[str, dict[int, int]] = {}
+        self._owner = np.full(self.slots, -1, dtype=np.int64)  # version number * V + token, -1 free
+        self._owner_version: list[str] = []
+        self._version_number: dict[str, int] = {}
+        self._last_use = np.zeros(self.slots, dtype=np.int64)
+        self._tick = 0
+        self._free: list[np.ndarray] = []
+
+    def holds(self, version: str) -> bool:
+        return version in self._sources
+
+    @property
+    def resident(self) -> bool:
+        """True while every attached version is fully resident (no eviction ever)."""
+        return self._resident
+
+    def attach(self, version: str, source: Callable[[np.ndarray], np.ndarray]) -> None:
+        """Serve `version` from the pool; `source(sorted ids) -> [U, L, d]` reads or computes missing rows."""
+        with self._lock:
+            if version in self._sources:
+                return
+            self._sources[version] = source
+            self.stats[version] = PoolStats()
+            self._layout()
+
+    def detach(self, version: str) -> None:
+        """Drop a removed or replaced version's rows at once."""
+        with self._lock:
+            if self._sources.pop(version, None) is None:
+                return
+            self.stats.pop(version, None)
+            self._base.pop(version, None)
+            self._filled.discard(version)
+            slot_of = self._slot_of.pop(version, None)
+            if slot_of:
+                freed = np.fromiter(slot_of.values(), dtype=np.int64, count=len(slot_of))
+                self._owner[freed] = -1
+                self._free.append(freed)
+            self._layout()
+
+    def _layout(self) -> None:
+        """Resident if every version's V rows fit; otherwise switch to the cache (once: it never switches back
+        while versions are attached, so no row is moved under a running request)."""
+        need = len(self._sources) * self.vocab_size
+        if self._resident and need <= self.slots:
+            base, self._base = 0, {}
+            for version in self._sources:  # versions keep their order: ranges of earlier ones do not move
+                self._base[version] = base
+                base += self.vocab_size
+            self._filled &= set(self._sources)
+            return
+        if self._resident:
+            self._resident = False
+            self._base, self._filled = {}, set()
+            for stats in self.stats.values():
+                stats.resident_rows = 0
+            self._owner[:] = -1
+            self._free = [np.arange(self.slots, dtype=np.int64)]
+            self._slot_of = {}
+
+    def rows_many(self, requests: list[tuple[str, np.ndarray]]) -> list[np.ndarray]:
+        """Rows for each (version, sorted distinct token ids) of a batch, [U, L, d] fp16 each."""
+        with self._lock:
+            if self._resident:
+                return [self._resident_rows(version, ids) for version, ids in requests]
+            return self._cached_rows(requests)
+
+    def _resident_rows(self, version: str, ids: np.ndarray) -> np.ndarray:
+        base = self._base[version]
+        if version not in self._filled:
+            start = time.perf_counter()
+            every = np.arange(self.vocab_size, dtype=np.int64)
+            self.buffer[base:base + self.vocab_size] = self._sources[version](every)
+            self._filled.add(version)
+            stats = self.stats[version]
+            stats.fill_seconds += time.perf_counter() - start
+            stats.resident_rows = self.vocab_size
+            stats.misses += len(ids)
+        else:
+            self.stats[version].hits += len(ids)
+        return self.buffer[base + ids]
+
+    def _slots(self, version: str, ids: np.ndarray) -> np.ndarray:
+        get = self._slot_of.setdefault(version, {}).get
+        return np.fromiter((get(t, -1) for t in ids.tolist()), dtype=np.int64, count=len(ids))
+
+    def _cached_rows(self, requests: list[tuple[str, np.ndarray]]) -> list[np.ndarray]:
+        self._tick += 1
+        slots = [self._slots(version, ids) for version, ids in requests]
+        misses: dict[str, np.ndarray] = {}
+        for (version, ids), found in zip(requests, slots):
+            self._last_use[found[found >= 0]] = self._tick  # protect this batch's hits from eviction
+            missing = ids[found < 0]
+            if len(missing):
+                misses[version] = np.union1d(misses[version], missing) if version in misses else missing
+        for version, ids in misses.items():  # one fill (gather or matmul) per version
+            self._fill(version, ids)
+        out = []
+        for (version, ids), found in zip(requests, slots):
+            stats = self.stats[version]
+            missed = int((found < 0).sum())
+            if missed:
+                found = self._slots(version, ids)
+            stats.misses += missed
+            stats.hits += len(ids) - missed
+            self._last_use[found] = self._tick
+            out.append(self.buffer[found])
+        return out
+
+    def _take(self, count: int) -> np.ndarray:
+        free = np.concatenate(self._free) if self._free else np.empty(0, np.int64)
+        if len(free) < count:
+            # evict the least recently used (not used by this batch) in bulk
+            in_use = self._owner >= 0
+            candidates = np.flatnonzero(in_use & (self._last_use < self._tick))
+            want = min(len(candidates), max(count - len(free), self.slots // EVICT_FRACTION))
+            if want < count - len(free):
+                raise MemoryError(f"the task pool holds {self.slots} rows; one batch needs more "
+                                  f"({count}): raise --pool-bytes")
+            oldest = candidates[np.argpartition(self._last_use[candidates], want - 1)[:want]]
+            keys = self._owner[oldest]
+            numbers, tokens = np.divmod(keys, self.vocab_size)
+            for number in np.unique(numbers).tolist():
+                version = self._owner_version[number]
+                slot_of, gone = self._slot_of.get(version), tokens[numbers == number].tolist()
+                if slot_of is not None:
+                    for token in gone:
+                        del slot_of[token]
+                    self.stats[version].evictions += len(gone)
+                    self.stats[version].resident_rows -= len(gone)
+            self._owner[oldest] = -1
+            free = np.concatenate([free, oldest])
+        self._free = [free[count:]]
+        return free[:count]
+
+    def _number(self, version: str) -> int:
+        if version not in self._version_number:
+            self._version_number[version] = len(self._owner_version)
+            self._owner_version.append(version)
+        return self._version_number[version]
+
+    def _fill(self, version: str, ids: np.ndarray) -> None:
+        start = time.perf_counter()
+        slots = self._take(len(ids))
+        self.buffer[slots] = self._sources[version](ids)
+        self._slot_of[version].update(zip(ids.tolist(), slots.tolist()))
+        self._owner[slots] = self._number(version) * self.vocab_size + ids
+        self._last_use[slots] = self._tick  # rows filled for this batch are not evicted by its next fill
+        stats = self.stats[version]
+        stats.fill_seconds += time.perf_counter() - start
+        stats.resident_rows += len(ids)

@@ -1,0 +1,121 @@
+"""The task pool: accounting, eviction and refill, versions, and serving through it (real server)."""
+
+import re
+import threading
+import urllib.request
+
+import numpy as np
+import pytest
+
+from serving.pool import RowPool
+
+V, L, D = 500, 2, 4
+
+
+def _tables(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return {f"t{i}@{i:012x}": rng.standard_normal((V, L, D)).astype(np.float16) for i in range(n)}
+
+
+def _attach(pool, tables):
+    for version, table in tables.items():
+        pool.attach(version, lambda ids, t=table: t[ids])
+
+
+def test_every_task_resident_while_all_fit():
+    tables = _tables(3)
+    pool = RowPool(3 * V * L * D * 2, L, D, V)
+    _attach(pool, tables)
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        version = list(tables)[rng.integers(3)]
+        ids = np.unique(rng.integers(0, V, 40))
+        np.testing.assert_array_equal(pool.rows_many([(version, ids)])[0], tables[version][ids])
+    assert pool.resident
+    assert all(s.evictions == 0 and s.resident_rows == V for s in pool.stats.values())
+
+
+def test_cache_never_exceeds_budget_and_refills_identical_rows():
+    tables = _tables(6)
+    pool = RowPool(2 * V * L * D * 2 + 5, L, D, V)  # room for 2 of 6 tables (and part of a row: ignored)
+    assert pool.slots == 2 * V and pool.budget_bytes == 2 * V * L * D * 2
+    _attach(pool, tables)
+    assert not pool.resident
+    rng = np.random.default_rng(2)
+    versions = list(tables)
+    for _ in range(300):
+        batch = [(versions[rng.integers(6)], np.unique(rng.zipf(1.3, 60) % V)) for _ in range(8)]
+        for (version, ids), rows in zip(batch, pool.rows_many(batch)):
+            np.testing.assert_array_equal(rows, tables[version][ids])  # including rows evicted and refilled
+        held = (pool._owner >= 0).sum()
+        assert held <= pool.slots and held == sum(s.resident_rows for s in pool.stats.values())
+    stats = pool.stats.values()
+    assert sum(s.evictions for s in stats) > 0 and sum(s.hits for s in stats) > sum(s.misses for s in stats)
+
+
+def test_detached_version_rows_are_dropped_and_never_served_for_another():
+    old, new = _tables(1, seed=3), _tables(1, seed=4)
+    old_version = next(iter(old))
+    pool = RowPool(V * L * D * 2 // 2, L, D, V)
+    _attach(pool, old)
+    ids = np.arange(0, V, 7)
+    pool.rows_many([(old_version, ids)])
+    pool.detach(old_version)
+    assert pool.stats == {} and (pool._owner >= 0).sum() == 0
+    replacement = "t0@0000000000ff"
+    pool.attach(replacement, lambda i: new[old_version][i])
+    np.testing.assert_array_equal(pool.rows_many([(replacement, ids)])[0], new[old_version][ids])
+
+
+def test_one_batch_larger_than_the_pool_is_refused():
+    pool = RowPool(10 * L * D * 2, L, D, V)
+    tables = _tables(2)
+    _attach(pool, tables)
+    with pytest.raises(MemoryError, match="raise --pool-bytes"):
+        pool.rows_many([(v, np.arange(20)) for v in tables])
+
+
+@pytest.mark.server
+def test_served_through_a_small_pool_equals_predict(tmp_path_factory, tiny_models, sentiment_dir):
+    """Cache mode through the real server: a pool of 24 rows for 3 tasks (fused and factored)."""
+    from aot.client import Client
+    from aot.server import LocalServer
+    from serving.repository import read_repository
+    from tests.helpers import make_repository, train_tiny_task
+    from training.predict import Predictor
+
+    root = tmp_path_factory.mktemp("pool")
+    artifacts = {n: train_tiny_task(tiny_models["bert"], sentiment_dir, root / n, m, seed=s, epochs=1)
+                 for n, m, s in (("a", "fc", 0), ("b", "kron", 1), ("c", "fc", 2))}
+    repo = make_repository(tiny_models["bert"], root / "repo", {"a": (artifacts["a"], "fused"),
+                                                                "b": (artifacts["b"], "factored"),
+                                                                "c": (artifacts["c"], "factored")})
+    info = read_repository(repo)
+    budget = 24 * info.num_layers * info.hidden_size * 2  # 24 rows for 3 tasks: most tokens get evicted
+    texts = ["good w1 w2", "w3 awful w4 w5 the movie", "superb plot w7 w8 w9", "dull w10 w11", "w12 w13 great"]
+    expected = {n: Predictor.load(a).logits(texts).numpy() for n, a in artifacts.items()}
+    errors, wrong = [], []
+    with LocalServer(repo, pool_bytes=budget) as server:
+        def worker(k):
+            with Client(server.grpc_url) as c:
+                for j in range(60):
+                    name, i = "abc"[(k + j) % 3], (k * 3 + j) % len(texts)
+                    try:
+                        got = np.array(c.infer(name, texts[i])["logits"])
+                    except Exception as exc:  # noqa: BLE001
+                        errors.append(repr(exc))
+                        continue
+                    if np.abs(got - expected[name][i]).max() > 1e-3:
+                        wrong.append((name, i))
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()
+    assert errors == [] and wrong == []
+    evictions = sum(float(v) for v in re.findall(r'^aot_pool_evictions_total\{[^}]*\} (\S+)', metrics, re.M))
+    hits = sum(float(v) for v in re.findall(r'^aot_pool_hits_total\{[^}]*\} (\S+)', metrics, re.M))
+    assert evictions > 0 and hits > 0, [line for line in metrics.splitlines() if "aot_pool" in line]
+    assert re.search(r'aot_pool_resident_bytes\{[^}]*task="a"', metrics)
