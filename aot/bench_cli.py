@@ -55,6 +55,27 @@ def add_bench(sub) -> None:
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(run=run_serve)
 
+    t = kinds.add_parser("tasks", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                         help="serving 1 to 1,000 tasks through the local tritonserver: fused + mmap, factored, pool",
+                         description="Derives N tasks from one artifact (independently perturbed factors), publishes "
+                                     "them, and measures throughput, p50/p99 latency, server RSS, pool hit rate and "
+                                     "start-up of three storages side by side, each on a fresh server: fused-mmap, "
+                                     "factored (rows per request), pool (factored rows cached in the task pool). "
+                                     "Writes tasks.json, tasks.md and tasks.png.")
+    t.add_argument("--task", required=True, help="an AoT task artifact (fc or kron)")
+    t.add_argument("--counts", type=_ints, default=[1, 10, 100, 1000], help="numbers of tasks served")
+    t.add_argument("--popularity", type=_names, default=["zipf", "uniform"],
+                   help="how requests pick tasks: zipf (task k with probability ~1/k) and/or uniform")
+    t.add_argument("--pool-bytes", type=_positive_int, default=None,
+                   help="task pool budget of the pool mode (default: what 8 fused tables take)")
+    t.add_argument("--concurrency", type=_positive_int, default=8, help="concurrent clients")
+    t.add_argument("--requests", type=_positive_int, default=400, help="measured requests per run (after as many "
+                                                                       "warm-up requests)")
+    t.add_argument("--modes", type=_names, default=["fused-mmap", "factored", "pool"])
+    t.add_argument("--out", required=True)
+    t.add_argument("--no-progress", action="store_true")
+    t.set_defaults(run=run_tasks)
+
     a = kinds.add_parser("accuracy", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                          help="sweep methods over a small grid from the paper's Table 2, then retrain over seeds",
                          description="For each dataset and method: train every grid point (seed 0), pick the best on "
@@ -74,6 +95,19 @@ def add_bench(sub) -> None:
     a.add_argument("--workers", type=_positive_int, default=1, help="parallel training processes")
     a.add_argument("--no-progress", action="store_true")
     a.set_defaults(run=run_accuracy)
+
+
+def run_tasks(args) -> int:
+    from benchmarks.tasks import MODES, POPULARITIES, TasksBenchConfig, run_tasks_bench
+
+    for value, known, flag in ((args.popularity, POPULARITIES, "--popularity"), (args.modes, MODES, "--modes")):
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            raise ValueError(f"{flag}: unknown {unknown}; expected some of {', '.join(known)}")
+    config = TasksBenchConfig(args.task, args.out, tuple(args.counts), tuple(args.popularity), args.pool_bytes,
+                              args.concurrency, args.requests, tuple(args.modes))
+    print(json.dumps(run_tasks_bench(config, progress=not args.no_progress)))
+    return 0
 
 
 def run_overhead(args) -> int:

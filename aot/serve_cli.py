@@ -35,10 +35,11 @@ def run_serve(args) -> int:
     from serving.tasks import TaskRegistry
 
     repo = read_repository(args.repo)
-    registry = TaskRegistry(repo.store_root, with_rows=True)
+    registry = TaskRegistry(repo.store_root, parts="meta")
     if registry.manifest_error:
         print(f"aot: warning: {registry.manifest_error} (no task serves until it is fixed)", file=sys.stderr)
-    for name, error in registry.errors().items():
+    errors = registry.check()
+    for error in errors.values():
         print(f"aot: warning: {error} (its requests will fail; the other tasks serve)", file=sys.stderr)
     pool_bytes = repo.options.pool_bytes if args.pool_bytes is None else args.pool_bytes
     server = LocalServer(repo.path, args.host, args.http_port, args.grpc_port, args.metrics_port, args.log,
@@ -48,7 +49,7 @@ def run_serve(args) -> int:
         signal.signal(sig, lambda *_: stop.set())
     server.start()
     try:
-        tasks = sorted(registry.served())
+        tasks = sorted(set(registry.served()) - set(errors))
         print(json.dumps({"grpc": server.grpc_url, "http": server.http_url,
                           "metrics": f"{args.host}:{server.metrics_port}", "ready_seconds": round(server.ready_seconds, 2),
                           "tasks": tasks, "pool_bytes": pool_bytes, "log": str(server.log_path)}), flush=True)

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from serving import atomic
+
 
 def write_json(path: Path, data) -> None:
-    """Atomic: a crash leaves the previous file or the new one."""
+    """Atomic (serving.atomic): a crash leaves the previous file or the new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    atomic.write_json(path, data)
 
 
 def markdown_table(rows: Sequence[dict], columns: Sequence[str], headers: Sequence[str] | None = None,
@@ -35,18 +34,16 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str], headers: Sequen
 
 def write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    atomic.write_atomic(path, text)
 
 
-def new_figure(width: float = 8, height: float = 4.5):
+def new_figure(width: float = 8, height: float = 4.5, ncols: int = 1):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt.subplots(figsize=(width, height))
+    return plt.subplots(1, ncols, figsize=(width, height))
 
 
 def save_figure(fig, path: Path) -> None:

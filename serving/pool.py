@@ -49,8 +49,10 @@ class RowPool:
         self._lock = threading.Lock()
         self._sources: dict[str, Callable[[np.ndarray], np.ndarray]] = {}
         self.stats: dict[str, PoolStats] = {}
-        # resident mode: version -> first slot of its V rows
+        # resident mode: version -> first slot of its V rows; ranges of detached versions, reused first
         self._base: dict[str, int] = {}
+        self._free_bases: list[int] = []
+        self._next_base = 0
         self._filled: set[str] = set()
         # cache mode: per version a dict token -> slot (memory grows with the rows held, not with V x versions);
         # per slot its key (version number * V + token, -1 free) and its last use
@@ -96,24 +98,31 @@ class RowPool:
             self._layout()
 
     def _layout(self) -> None:
-        """Resident if every version's V rows fit; otherwise switch to the cache (once: it never switches back
-        while versions are attached, so no row is moved under a running request)."""
-        need = len(self._sources) * self.vocab_size
-        if self._resident and need <= self.slots:
-            base, self._base = 0, {}
-            for version in self._sources:  # versions keep their order: ranges of earlier ones do not move
-                self._base[version] = base
-                base += self.vocab_size
-            self._filled &= set(self._sources)
+        """Resident while every version's V rows fit: each version keeps its range for as long as it is attached
+        (a detached version's range is reused by the next one, never shifted under a live version). Beyond that,
+        switch to the cache (once: it never switches back while versions are attached)."""
+        if not self._resident:
             return
-        if self._resident:
-            self._resident = False
-            self._base, self._filled = {}, set()
-            for stats in self.stats.values():
-                stats.resident_rows = 0
-            self._owner[:] = -1
-            self._free = [np.arange(self.slots, dtype=np.int64)]
-            self._slot_of = {}
+        for version in [v for v in self._base if v not in self._sources]:
+            self._free_bases.append(self._base.pop(version))
+            self._filled.discard(version)
+        for version in self._sources:
+            if version in self._base:
+                continue
+            if self._free_bases:
+                self._base[version] = self._free_bases.pop()
+            elif self._next_base + self.vocab_size <= self.slots:
+                self._base[version] = self._next_base
+                self._next_base += self.vocab_size
+            else:
+                self._resident = False
+                self._base, self._filled, self._free_bases = {}, set(), []
+                for stats in self.stats.values():
+                    stats.resident_rows = 0
+                self._owner[:] = -1
+                self._free = [np.arange(self.slots, dtype=np.int64)]
+                self._slot_of = {}
+                return
 
     def rows_many(self, requests: list[tuple[str, np.ndarray]]) -> list[np.ndarray]:
         """Rows for each (version, sorted distinct token ids) of a batch, [U, L, d] fp16 each."""

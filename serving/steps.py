@@ -111,10 +111,9 @@ class StepMetrics:
 class Step:
     """Base of a served python step: the repository record, the task registry, checks and responses."""
 
-    def __init__(self, args: dict, pb_utils, name: str, tasks: str = "metadata"):
-        """`tasks`: "metadata" (names, versions, heads), "rows" (also the rows of P: the lookup), or "none"."""
-        if tasks not in ("metadata", "rows", "none"):
-            raise ValueError(f"tasks={tasks!r}: expected metadata, rows or none")
+    def __init__(self, args: dict, pb_utils, name: str, tasks: str = "meta"):
+        """`tasks`: the part of each task version this step needs (serving.tasks.PARTS: meta, head, rows), or
+        "none" (the vanilla backbone)."""
         self.step = name
         self.pb = pb_utils
         self.config = json.loads(args["model_config"])
@@ -131,7 +130,7 @@ class Step:
             self.pb.Logger.log_info(f"{name}: task pool of {self.pool.budget_bytes} bytes ({self.pool.slots} rows; "
                                     f"{self.pool.slots // self.repo.vocab_size} tasks fully resident)")
         if tasks != "none":
-            self.tasks = TaskRegistry(self.repo.store_root, with_rows=tasks == "rows",
+            self.tasks = TaskRegistry(self.repo.store_root, parts=tasks,
                                       on_manifest_error=self._manifest_error, pool=self.pool)
             for error in self.tasks.errors().values():
                 self.pb.Logger.log_warn(f"{self.step}: {error}")

@@ -116,7 +116,7 @@ class StoreReader:
         entries, errors = {}, {}
         for name, entry in data["tasks"].items():
             try:
-                entries[name] = parse_entry(name, entry, str(self.manifest_path))
+                entries[name] = parse_entry(name, entry, MANIFEST)  # no server path: clients read this
             except StoreError as exc:
                 errors[name] = str(exc)
         retired = {v: float(t) for v, t in data.get("retired", {}).items()

@@ -125,19 +125,23 @@ class ServedTask:
                 "dev": self.meta.get("dev"), "source": self.meta.get("source")}
 
 
-def load_task_version(folder: Path, version: str, embeddings_path: Path, with_rows: bool = True) -> ServedTask:
+PARTS = ("meta", "head", "rows", "all")
+
+
+def load_task_version(folder: Path, version: str, embeddings_path: Path, parts: str = "all") -> ServedTask:
     """Load a version folder (`folder` may still be an export's temporary; `version` is the name it will have).
-    `with_rows=False` loads what the tokenizer and head need (metadata, head), not P."""
+    `parts`: what a step needs: "meta" (the tokenizer, task_list), "head" (the head step), "rows" (the lookup: the
+    table or factors, not the head), "all". With 1,000 tasks a head is 0.6 MB (MiniLM) a step need not hold."""
     try:
         meta = check_keys(read_json(folder / "task.json"), _TASK_KEYS, f"{version}/task.json")
     except FormatError as exc:
         raise StoreError(str(exc).replace(str(folder), version)) from None
     if meta["storage"] not in STORAGES:
         raise StoreError(f"{version}: unknown storage {meta['storage']!r}")
-    head = load_file(folder / "head.safetensors")
+    head = load_file(folder / "head.safetensors") if parts in ("head", "all") else {}
     task = ServedTask(task_of(version), version, meta["labels"], meta["max_length"], meta["storage"],
                       meta["num_layers"], meta["hidden_size"], meta["vocab_size"], head, meta)
-    if not with_rows:
+    if parts not in ("rows", "all"):
         return task
     shape = (task.vocab_size, task.num_layers, task.hidden_size)
     if task.storage == "fused":
@@ -171,13 +175,15 @@ class TaskRegistry:
     A version that fails to load is kept as its error: its requests fail with that message, the others serve.
     """
 
-    def __init__(self, store_root: str | Path, with_rows: bool = True, grace: float = 120.0,
+    def __init__(self, store_root: str | Path, parts: str = "all", grace: float = 120.0,
                  on_manifest_error: Callable[[str], None] | None = None, pool: RowPool | None = None):
         """`pool`: keep the rows of the current versions in this pool (serving.pool); versions that leave the
         manifest are detached from it at once (a request still pinned to one reads its storage directly)."""
         self.store = StoreReader(store_root)
         self.pool = pool
-        self.with_rows, self.grace = with_rows, grace
+        if parts not in PARTS:
+            raise ValueError(f"parts={parts!r}: expected one of {', '.join(PARTS)}")
+        self.parts, self.grace = parts, grace
         self.on_manifest_error = on_manifest_error
         self.manifest_error: str | None = None
         self._stamp = None
@@ -220,14 +226,25 @@ class TaskRegistry:
                     if isinstance(self._versions.get(version), ServedTask):
                         self.pool.attach(version, self._versions[version].rows)
 
-    def _load(self, version: str) -> ServedTask | StoreError:
+    def check(self) -> dict[str, str]:
+        """Load every current version whole (table or factors, head) without keeping it: task name -> why its
+        requests will fail. What `aot serve` reports at start-up, in constant memory whatever the task count."""
+        errors = dict(self._entry_errors)
+        for name, entry in self._entries.items():
+            loaded = self._load(entry.folder, "all", keep=False)
+            if isinstance(loaded, StoreError):
+                errors[name] = str(loaded)
+        return errors
+
+    def _load(self, version: str, parts: str | None = None, keep: bool = True) -> ServedTask | StoreError:
         try:
             task: ServedTask | StoreError = load_task_version(self.store.version_folder(version), version,
-                                                              self.store.embeddings_path, self.with_rows)
+                                                              self.store.embeddings_path, parts or self.parts)
         except Exception as exc:  # noqa: BLE001 - a corrupt task must not take the others down
             detail = str(exc).replace(str(self.store.root) + "/", "")
             task = StoreError(f"task {task_of(version)!r} ({version}) is corrupt: {type(exc).__name__}: {detail}")
-        self._versions[version] = task
+        if keep:
+            self._versions[version] = task
         return task
 
     def names(self) -> list[str]:

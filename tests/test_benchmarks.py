@@ -52,3 +52,23 @@ def test_serve_bench_tiny(tmp_path, tiny_models, sentiment_dir):
         if r["model"] == "aot":
             assert 0 < r["lookup_bytes_per_request"] < r["dense_bias_bytes_per_request"]
     assert (out / "serve.md").is_file() and (out / "serve.png").is_file()
+
+
+@pytest.mark.server
+def test_tasks_bench_tiny(tmp_path, tiny_models, sentiment_dir):
+    task = train_tiny_task(tiny_models["bert"], sentiment_dir, tmp_path / "task", "fc", epochs=1)
+    out = tmp_path / "bench"
+    assert main(["bench", "tasks", "--task", str(task), "--counts", "1,3", "--popularity", "zipf,uniform",
+                 "--concurrency", "2", "--requests", "12", "--pool-bytes", "6000", "--out", str(out),
+                 "--no-progress"]) == 0
+    data = json.loads((out / "tasks.json").read_text())
+    records = data["records"]
+    assert {(r["tasks"], r["mode"], r["popularity"]) for r in records} == {
+        (n, m, p) for n in (1, 3) for m in ("fused-mmap", "factored", "pool") for p in ("zipf", "uniform")}
+    for r in records:
+        assert r["errors"] == 0 and r["throughput_rps"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0 and r["rss_mb"] > 50
+        if r["mode"] == "pool":
+            assert 0 <= r["hit_rate"] <= 1
+        else:
+            assert r["hit_rate"] is None
+    assert (out / "tasks.md").read_text().startswith("# Tasks scaling") and (out / "tasks.png").stat().st_size > 1000

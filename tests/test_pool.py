@@ -119,3 +119,22 @@ def test_served_through_a_small_pool_equals_predict(tmp_path_factory, tiny_model
     hits = sum(float(v) for v in re.findall(r'^aot_pool_hits_total\{[^}]*\} (\S+)', metrics, re.M))
     assert evictions > 0 and hits > 0, [line for line in metrics.splitlines() if "aot_pool" in line]
     assert re.search(r'aot_pool_resident_bytes\{[^}]*task="a"', metrics)
+
+
+def test_a_detached_version_never_shifts_the_others():
+    """Resident mode: detaching A must not move B's rows (B would be served A's leftover rows)."""
+    pool = RowPool(3 * V * L * D * 2, L, D, V)
+    a = np.ones((V, L, D), np.float16)
+    b = np.full((V, L, D), 2, np.float16)
+    c = np.full((V, L, D), 3, np.float16)
+    pool.attach("a@000000000000", lambda i: a[i])
+    pool.attach("b@000000000000", lambda i: b[i])
+    ids = np.array([1, 2, 3])
+    pool.rows_many([("a@000000000000", ids), ("b@000000000000", ids)])
+    pool.detach("a@000000000000")
+    np.testing.assert_array_equal(pool.rows_many([("b@000000000000", ids)])[0], b[ids])
+    pool.attach("c@000000000000", lambda i: c[i])  # takes A's range, filled afresh
+    got = pool.rows_many([("c@000000000000", ids), ("b@000000000000", ids)])
+    np.testing.assert_array_equal(got[0], c[ids])
+    np.testing.assert_array_equal(got[1], b[ids])
+    assert pool.resident

@@ -23,9 +23,10 @@ class TritonPythonModel:
         self.runner = BackboneRunner(onnx, threads=int(self.step.parameters.get("threads", "0")))
 
     def _prepare(self, request, ctx) -> dict:
+        task = self.step.task_version(request, ctx) if self.step.tasks is not None else None  # first: metrics
         tensors = self.step.tokens(request)
-        if self.step.tasks is not None:
-            tensors["task"] = self.step.task_version(request, ctx)
+        if task is not None:
+            tensors["task"] = task
             tensors["unique"], tensors[protocol.AOT_INDEX] = token_index(tensors[protocol.INPUT_IDS],
                                                                          tensors[protocol.ATTENTION_MASK])
         return tensors

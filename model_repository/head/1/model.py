@@ -11,7 +11,7 @@ from serving.steps import Step
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.step = Step(args, pb_utils, "head")
+        self.step = Step(args, pb_utils, "head", tasks="head")
 
     def _one(self, request, ctx):
         task = self.step.task_version(request, ctx)

@@ -1,0 +1,206 @@
+"""`aot bench tasks`: how serving scales with the number of tasks, through the real local tritonserver.
+
+From one trained AoT task it derives N tasks with independently perturbed factors (every factor multiplied by
+1 + 0.05 * N(0, 1), seeded per task, so their rows differ), publishes them, and measures three ways of serving them
+side by side, each on a fresh server, for every task count and popularity:
+
+    fused-mmap   fused tables read through their memory maps (no pool): today's design; one table per task on disk
+    factored     factors only, rows computed per request (no pool)
+    pool         factors, rows kept in the task pool (serving.pool) with a fixed budget
+
+Requests pick a task by popularity (zipf: task k with probability ~ 1/k; uniform), texts from Rotten Tomatoes (dev).
+A warm-up pass of the same distribution precedes the measured pass (the pool's steady state); the hit rate is the
+measured pass's. Records: tasks, mode, popularity, throughput_rps, p50_ms, p99_ms, rss_mb (server and stubs),
+hit_rate (pool only), ready_seconds, errors. Fused tables that would not fit on the disk are skipped and said so.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.report import markdown_table, new_figure, save_figure, write_json, write_text
+from benchmarks.serve import _closed_loop, _server_rss_mb, _texts
+from exporter.task_store import TaskStore
+from serving import protocol
+from serving.repository import read_repository
+from serving.tasks import load_task_version
+
+MODES = ("fused-mmap", "factored", "pool")
+POPULARITIES = ("zipf", "uniform")
+
+
+@dataclass
+class TasksBenchConfig:
+    task: str
+    out: str
+    counts: tuple[int, ...] = (1, 10, 100, 1000)
+    popularity: tuple[str, ...] = POPULARITIES
+    pool_bytes: int | None = None  # default: what 8 fused tables take
+    concurrency: int = 8
+    requests: int = 400
+    modes: tuple[str, ...] = MODES
+    disk_fraction: float = 0.5  # fused tables may use at most this share of the free disk
+
+
+def _perturbed(factors: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {k: (v * (1 + 0.05 * rng.standard_normal(v.shape))).astype(v.dtype) for k, v in factors.items()}
+
+
+class DerivedTasks:
+    """Publishes N derived tasks of one storage into a repository's store (replacing what it held)."""
+
+    def __init__(self, repo: Path, master: Path, embeddings: Path):
+        from safetensors.numpy import load_file
+
+        self.store = TaskStore(read_repository(repo).store_root)
+        self.master, self.embeddings = master, embeddings
+        self.factors = load_file(master / "factors.safetensors")
+
+    def publish(self, storage: str, n: int) -> list[str]:
+        import json
+
+        from safetensors.numpy import save_file
+
+        for name in list(self.store.entries()):
+            self.store.remove(name)
+        names = [f"t{i:04d}" for i in range(n)]
+        for i, name in enumerate(names):
+            folder = self.store.new_version_folder(name)
+            for file in ("task.json", "head.safetensors"):
+                shutil.copy2(self.master / file, folder / file)
+            factors = _perturbed(self.factors, seed=i)
+            save_file(factors, folder / "factors.safetensors")
+            if storage == "fused":
+                task = load_task_version(folder, TaskStore.version_name(folder), self.embeddings)
+                table = np.lib.format.open_memmap(folder / "table.npy", mode="w+", dtype=protocol.ROWS_DTYPE,
+                                                  shape=(task.vocab_size, task.num_layers, task.hidden_size))
+                for start in range(0, task.vocab_size, 4096):
+                    ids = np.arange(start, min(start + 4096, task.vocab_size))
+                    table[ids] = task.rows(ids)
+                table.flush()
+                del table
+                (folder / "factors.safetensors").unlink()
+                meta = json.loads((folder / "task.json").read_text())
+                (folder / "task.json").write_text(json.dumps({**meta, "storage": "fused"}))
+            self.store.publish(name, folder, storage)
+        return names
+
+
+def _pool_counters(metrics_url: str) -> tuple[float, float]:
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+
+    def total(name):
+        return sum(float(v) for v in re.findall(rf"^{name}\{{[^}}]*\}} (\S+)", text, re.M))
+
+    return total("aot_pool_hits_total"), total("aot_pool_misses_total")
+
+
+def _picks(popularity: str, tasks: int, n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if popularity == "uniform":
+        return rng.integers(0, tasks, n)
+    weights = 1.0 / np.arange(1, tasks + 1)
+    return rng.choice(tasks, size=n, p=weights / weights.sum())
+
+
+def run_tasks_bench(config: TasksBenchConfig, progress: bool = True) -> dict:
+    from tqdm.auto import tqdm
+
+    from aot.server import LocalServer
+    from exporter.backbone_export import export_backbone
+    from exporter.task_export import export_task
+    from training.artifact import read_task
+
+    out = Path(config.out)
+    scratch = Path(tempfile.mkdtemp(prefix="aot-bench-tasks-"))
+    repo = scratch / "repo"
+    export_backbone(read_task(config.task).backbone["model"], repo)
+    info = read_repository(repo)
+    report = export_task(config.task, repo, "master", "factored", progress=False)
+    master = scratch / "master"
+    shutil.copytree(info.store_root / report.folder, master)
+    TaskStore(info.store_root).remove("master")
+    derived = DerivedTasks(repo, master, info.store_root / "embeddings.npy")
+    table_bytes = info.vocab_size * info.num_layers * info.hidden_size * protocol.ROWS_DTYPE.itemsize
+    pool_bytes = config.pool_bytes if config.pool_bytes is not None else 8 * table_bytes
+    factor_bytes = sum(a.nbytes for a in derived.factors.values())
+    texts = _texts(2 * config.requests)
+    records, notes = [], []
+    runs = [(n, m, p) for n in config.counts for m in config.modes for p in config.popularity]
+    bar = tqdm(total=len(runs), desc="tasks bench", disable=not progress)
+    published = (None, 0)
+    for n, mode, popularity in runs:
+        storage = "fused" if mode == "fused-mmap" else "factored"
+        if storage == "fused" and n * table_bytes > config.disk_fraction * shutil.disk_usage(scratch).free:
+            note = (f"fused-mmap with {n} tasks skipped: {n} tables of {table_bytes / 2**20:.0f} MiB exceed "
+                    f"{config.disk_fraction:.0%} of the free disk")
+            if note not in notes:
+                notes.append(note)
+            bar.update(1)
+            continue
+        if published != (storage, n):
+            names = derived.publish(storage, n)
+            published = (storage, n)
+        picks = _picks(popularity, n, 2 * config.requests, seed=n)
+        items = [(names[k], texts[i]) for i, k in enumerate(picks)]
+        with LocalServer(repo, pool_bytes=pool_bytes if mode == "pool" else 0) as server:
+            metrics = f"http://{server.host}:{server.metrics_port}/metrics"
+            warm = _closed_loop(server.grpc_url, "aot", items[:config.requests], config.concurrency)
+            hits0, misses0 = _pool_counters(metrics)
+            result = _closed_loop(server.grpc_url, "aot", items[config.requests:], config.concurrency)
+            hits, misses = _pool_counters(metrics)
+            rss = _server_rss_mb(server.process)
+            ready = server.ready_seconds
+        lookups = (hits - hits0) + (misses - misses0)
+        records.append({"tasks": n, "mode": mode, "popularity": popularity, **result,
+                        "errors": result["errors"] + warm["errors"], "rss_mb": round(rss, 1),
+                        "hit_rate": round((hits - hits0) / lookups, 4) if mode == "pool" and lookups else None,
+                        "ready_seconds": round(ready, 2), "requests": config.requests,
+                        "concurrency": config.concurrency, "pool_bytes": pool_bytes if mode == "pool" else 0,
+                        "factor_bytes_per_task": factor_bytes, "table_bytes_per_task": table_bytes})
+        write_reports(records, notes, out)
+        bar.update(1)
+    bar.close()
+    write_reports(records, notes, out)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return {"out": str(out), "records": len(records), "notes": notes, "config": asdict(config)}
+
+
+def write_reports(records: list[dict], notes: list[str], out: Path) -> None:
+    write_json(out / "tasks.json", {"records": records, "notes": notes})
+    for r in records:
+        base = [b for b in records if b["tasks"] == 1 and b["mode"] == r["mode"] and b["popularity"] == r["popularity"]]
+        r["vs_1_task"] = round(r["throughput_rps"] / base[0]["throughput_rps"], 3) if base else None
+    text = "# Tasks scaling through the local tritonserver (CPU)\n\n"
+    text += markdown_table(records, ["tasks", "mode", "popularity", "throughput_rps", "vs_1_task", "p50_ms", "p99_ms",
+                                     "rss_mb", "hit_rate", "ready_seconds", "errors"],
+                           ["tasks", "mode", "popularity", "req/s", "× 1 task", "p50 ms", "p99 ms", "RSS MB",
+                            "pool hit rate", "start (s)", "errors"])
+    if notes:
+        text += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+    write_text(out / "tasks.md", text)
+    if records:
+        fig, (left, right) = new_figure(11, 4.5, ncols=2)
+        for mode in MODES:
+            for popularity in POPULARITIES:
+                rows = sorted((r for r in records if r["mode"] == mode and r["popularity"] == popularity),
+                              key=lambda r: r["tasks"])
+                if rows:
+                    label = f"{mode}, {popularity}"
+                    left.plot([r["tasks"] for r in rows], [r["throughput_rps"] for r in rows], marker="o", label=label)
+                    right.plot([r["tasks"] for r in rows], [r["rss_mb"] for r in rows], marker="o", label=label)
+        for ax, ylabel in ((left, "requests / s"), (right, "server RSS (MB)")):
+            ax.set_xscale("log")
+            ax.set_xlabel("tasks served")
+            ax.set_ylabel(ylabel)
+        left.legend(fontsize=7)
+        fig.suptitle("Serving many tasks on one backbone (CPU)")
+        save_figure(fig, out / "tasks.png")

@@ -1,0 +1,755 @@
+"""Fault injection through a real local tritonserver (LocalServer, or `aot serve` in a subprocess): no mocks.
+
+Each case breaks something on purpose (bad requests, a killed stub or server, a corrupt manifest, a full disk,
+concurrent writers) and checks that only what was broken fails, with a message that names the problem, and that
+the server keeps giving exactly the answers `aot predict` gives.
+"""
+
+import json
+import os
+import re
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from aot.client import Client, InferenceError
+from aot.server import LocalServer
+from exporter.task_export import export_task
+from exporter.task_store import TaskStore
+from serving.atomic import write_json
+from serving.repository import read_repository
+from serving.supervisor import SHM, STUB, stubs_of
+from serving.tasks import TaskRegistry
+from tests.helpers import make_repository, train_tiny_task
+from training.predict import Predictor
+
+pytestmark = [pytest.mark.server, pytest.mark.faults]
+
+TEXTS = ["good w1 w2", "w3 awful w4 w5", "the movie was superb", "dull plot", "w7",
+         " ".join(["w9 great"] * 40)]  # longer than max_length 32: truncated exactly as in training
+TASKS = ("alpha", "beta", "gamma")
+ATOL = 1e-3
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# --- fixtures ---------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory, tiny_models, sentiment_dir):
+    root = tmp_path_factory.mktemp("fault-artifacts")
+    return {name: train_tiny_task(tiny_models["bert"], sentiment_dir, root / name, method, seed=seed)
+            for name, method, seed in (("alpha", "fc", 0), ("beta", "kron", 1), ("gamma", "fc", 2),
+                                       ("delta", "fc", 3))}
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory, tiny_models, artifacts):
+    return make_repository(tiny_models["bert"], tmp_path_factory.mktemp("fault-served") / "repo",
+                           {"alpha": (artifacts["alpha"], "fused"), "beta": (artifacts["beta"], "fused"),
+                            "gamma": (artifacts["gamma"], "factored")}, max_batch_size=64, backbone_queue_delay_us=2000)
+
+
+def _serve(request, repo):
+    failed_before = request.session.testsfailed
+    srv = LocalServer(repo).start()
+    yield srv
+    srv.stop()
+    if request.session.testsfailed > failed_before:
+        print(f"\n--- tritonserver log ({srv.log_path}) ---\n{srv.log_tail(80)}")
+
+
+@pytest.fixture(scope="module")
+def server(request, repo):
+    yield from _serve(request, repo)
+
+
+@pytest.fixture
+def scratch(request, tmp_path, repo):
+    """A server of its own on a copy of the repository, for each case that damages the store (a start is ~1-2 s)."""
+    copy = tmp_path / "repo"
+    shutil.copytree(repo, copy)
+    yield from _serve(request, copy)
+
+
+@pytest.fixture(scope="module")
+def expected(artifacts):
+    """PyTorch logits (aot predict) for every artifact and text."""
+    return {name: Predictor.load(path).logits(TEXTS).numpy() for name, path in artifacts.items()}
+
+
+@pytest.fixture
+def client(server):
+    with Client(server.grpc_url, timeout=30) as c:
+        yield c
+
+
+# --- helpers ----------------------------------------------------------------------------------------------------
+
+def _bytes(*values) -> np.ndarray:
+    """A BYTES tensor [len(values), 1]."""
+    return np.array([[v.encode() if isinstance(v, str) else v] for v in values], dtype=np.object_)
+
+
+def _call(url: str, model: str, inputs: dict, timeout: float = 30.0):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        tensors = []
+        for name, array in inputs.items():
+            t = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+            t.set_data_from_numpy(array)
+            tensors.append(t)
+        return client.infer(model, tensors, client_timeout=timeout)
+    finally:
+        client.close()
+
+
+def _refusal(url: str, model: str, inputs: dict) -> str:
+    """The server's message for a request it must refuse."""
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        result = _call(url, model, inputs)
+    except InferenceServerException as exc:
+        return exc.message() or str(exc)
+    raise AssertionError(f"model {model!r} accepted a bad request: {result.get_response()}")
+
+
+def _token_inputs(repo, version: str, ids, mask=None) -> dict:
+    """A direct request to the CPU `backbone` step: TASK_VERSION [1, 1], token tensors INT64 [1, S]."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
+    inputs = {"TASK_VERSION": _bytes(version), "input_ids": ids,
+              "attention_mask": np.ones_like(ids) if mask is None else np.asarray(mask, dtype=np.int64).reshape(1, -1)}
+    if read_repository(repo).uses_token_type_ids:
+        inputs["token_type_ids"] = np.zeros_like(ids)
+    return inputs
+
+
+def _version(repo, name: str) -> str:
+    return TaskStore(read_repository(repo).store_root).entries()[name].folder
+
+
+def _assert_clean(message: str, repo) -> None:
+    """A message for a client: one line, no traceback, no server file path."""
+    assert "Traceback" not in message and 'File "' not in message, message
+    for path in {str(repo), str(Path(repo).resolve()), str(ROOT)}:
+        assert path not in message, f"server path {path} in the message: {message}"
+    assert "site-packages" not in message and "\n" not in message.strip(), message
+
+
+def _check_answers(c: Client, expected, tasks=TASKS, sources=None) -> None:
+    """Every text of every task equals `aot predict` within ATOL (sources: task -> artifact it was exported from)."""
+    for name in tasks:
+        for i, text in enumerate(TEXTS):
+            got = c.infer(name, text)["logits"]
+            np.testing.assert_allclose(got, expected[(sources or {}).get(name, name)][i], atol=ATOL,
+                                       err_msg=f"task {name}, text {i}")
+
+
+_SAMPLE = re.compile(r"^(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def _metrics(srv) -> list[tuple[str, dict, float]]:
+    with urllib.request.urlopen(f"http://{srv.host}:{srv.metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    samples = []
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m and not line.startswith("#"):
+            samples.append((m["name"], dict(_LABEL.findall(m["labels"] or "")), float(m["value"])))
+    return samples
+
+
+def _metric(samples, name: str, **labels) -> float:
+    return sum(v for n, lab, v in samples if n == name and all(lab.get(k) == w for k, w in labels.items()))
+
+
+def _aot(*args, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "aot", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, cwd=ROOT, **kw)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pgrep(pattern: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in out if int(p) != os.getpid()]
+
+
+def _stub_processes(server_pid: int) -> list[int]:
+    """Every process (alive or not yet reaped) whose command line is a python stub of this server."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(STUB) and str(server_pid) in argv:
+            found.append(int(entry.name))
+    return found
+
+
+def _start_serve(repo) -> tuple[subprocess.Popen, dict, int]:
+    """`aot serve` on free ports: the process, its JSON line and the tritonserver pid."""
+    ports = [str(_free_port()) for _ in range(3)]
+    proc = _aot("serve", "--repo", str(repo), "--http-port", ports[0], "--grpc-port", ports[1],
+                "--metrics-port", ports[2])
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait(30)
+        raise AssertionError(f"aot serve did not start: {proc.stderr.read()}")
+    pids = _pgrep(f"grpc-port={ports[1]}")
+    assert len(pids) == 1, f"expected one tritonserver on grpc port {ports[1]}, found {pids}"
+    return proc, json.loads(line), pids[0]
+
+
+def _kill_quietly(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _backbone_stats(srv) -> dict:
+    import tritonclient.grpc as grpcclient
+
+    with grpcclient.InferenceServerClient(srv.grpc_url) as c:
+        stats = c.get_inference_statistics("backbone").model_stats[0]
+    return {"failed": stats.inference_stats.fail.count, "executions": stats.execution_count}
+
+
+# --- 1. a batch of failing requests ---------------------------------------------------------------------------
+
+def test_batch_of_failing_backbone_requests_does_not_crash_the_server(server, repo, client, expected):
+    vocab = read_repository(repo).vocab_size
+    version = _version(repo, "alpha")
+    barrier = threading.Barrier(8)
+
+    def bad(k):
+        inputs = _token_inputs(repo, version, [2, 10 + k, vocab + 10 * k, 3])
+        barrier.wait()
+        return _refusal(server.grpc_url, "backbone", inputs)
+
+    repairs = len(server.supervisor.repairs)
+    stats_before = _backbone_stats(server)
+    failures_before = _metric(_metrics(server), "aot_task_failures_total", step="backbone")
+    with ThreadPoolExecutor(8) as pool:
+        messages = list(pool.map(bad, range(8)))
+    stats_after = _backbone_stats(server)
+    failed, executions = (stats_after[k] - stats_before[k] for k in ("failed", "executions"))
+    samples = _metrics(server)
+    failures = _metric(samples, "aot_task_failures_total", step="backbone")
+    labels = [(lab, v) for n, lab, v in samples if n == "aot_task_failures_total" and lab.get("step") == "backbone"]
+    print(f"\n8 bad requests: {executions} backbone executions (Triton's own failure count grew by {failed}); "
+          f"aot_task_failures_total of the backbone step grew by {failures - failures_before:.0f}: {labels}; "
+          f"first message {messages[0]!r}")
+    assert executions < 8, "the 8 requests were never batched together"
+    assert failures - failures_before == 8
+    for k, message in enumerate(messages):  # each request its own error, naming its own bad value
+        assert f"input_ids holds {vocab + 10 * k}: expected values in [0, {vocab - 1}]" in message, message
+        _assert_clean(message, repo)
+    assert server.process.poll() is None, "tritonserver died"
+    assert server.is_ready()
+    assert server.supervisor.repairs[repairs:] == [], "a stub died"
+    _check_answers(client, expected)
+
+
+# --- 2. dead processes ------------------------------------------------------------------------------------------
+
+def test_killed_backbone_stub_is_repaired_within_30_s(server, expected):
+    stubs = stubs_of(server.process.pid)
+    old = next(s for s in stubs.values() if s.model == "backbone")
+    repairs_before = len(server.supervisor.repairs)
+    with Client(server.grpc_url, timeout=10) as c:
+        np.testing.assert_allclose(c.infer("alpha", TEXTS[0])["logits"], expected["alpha"][0], atol=ATOL)
+        os.kill(old.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        failures = []
+        while True:
+            try:
+                got = c.infer("alpha", TEXTS[0])
+                break
+            except InferenceError as exc:
+                failures.append(str(exc))
+                assert server.process.poll() is None, f"tritonserver died: {server.log_tail(5)}"
+                assert time.monotonic() - killed < 30, f"not healed after 30 s; last error: {exc}"
+                time.sleep(0.05)
+        downtime = time.monotonic() - killed
+        np.testing.assert_allclose(got["logits"], expected["alpha"][0], atol=ATOL)
+        _check_answers(c, expected)
+    deadline = time.monotonic() + 10  # the supervisor records the time just after the reload returns
+    while not any(r.seconds or r.error for r in server.supervisor.repairs[repairs_before:]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    repairs = server.supervisor.repairs[repairs_before:]
+    assert [r.model for r in repairs] == ["backbone"], repairs
+    assert repairs[0].error is None and repairs[0].seconds is not None and 0 < repairs[0].seconds < 30, repairs
+    new = stubs_of(server.process.pid)[old.instance]
+    assert new.pid != old.pid
+    print(f"\nbackbone stub {old.pid} killed: first correct answer after {downtime:.2f} s; supervisor repair "
+          f"took {repairs[0].seconds:.2f} s; {len(failures)} failed requests meanwhile: {sorted(set(failures))}")
+
+
+def test_serve_command_exits_when_tritonserver_is_killed(repo):
+    proc, info, triton = _start_serve(repo)
+    try:
+        with Client(info["grpc"]) as c:
+            assert c.infer("alpha", TEXTS[0])["label"] in ("positive", "negative")
+        stubs = stubs_of(triton)
+        assert {s.model for s in stubs.values()} >= {"tokenizer", "backbone", "head"}, stubs
+        regions = [SHM / s.shm_region.lstrip("/") for s in stubs.values()]
+        assert all(r.exists() for r in regions), regions
+        os.kill(triton, signal.SIGKILL)
+        killed = time.monotonic()
+        code = proc.wait(30)
+        took = time.monotonic() - killed
+        err = proc.stderr.read()
+        assert code != 0, err
+        assert took < 10, f"aot serve took {took:.1f} s to notice the dead server"
+        assert "tritonserver exited with code -9" in err, err
+        left = _stub_processes(triton)
+        assert left == [], f"stubs of the killed server still running: {left}"
+        assert [r for r in regions if r.exists()] == [], "shared-memory regions of the killed server remain"
+        print(f"\n`aot serve` exited with {code} {took:.2f} s after kill -9 of tritonserver")
+    finally:
+        _kill_quietly(triton)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_killing_serve_command_stops_tritonserver(repo):
+    proc, info, triton = _start_serve(repo)
+    port = info["grpc"].rsplit(":", 1)[1]
+    try:
+        stubs = stubs_of(triton)
+        regions = [SHM / s.shm_region.lstrip("/") for s in stubs.values()]
+        assert stubs and all(r.exists() for r in regions)
+        os.kill(proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        proc.wait(10)
+        while _pgrep(f"grpc-port={port}") and time.monotonic() - killed < 15:
+            time.sleep(0.1)
+        took = time.monotonic() - killed
+        assert _pgrep(f"grpc-port={port}") == [], "tritonserver outlived a kill -9 of `aot serve` by 15 s"
+        deadline = time.monotonic() + 5
+        while _stub_processes(triton) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _stub_processes(triton) == [], "stubs outlived their server"
+        assert [r for r in regions if r.exists()] == [], "shared-memory regions of the stopped server remain"
+        print(f"\ntritonserver gone {took:.2f} s after kill -9 of `aot serve`")
+    finally:
+        _kill_quietly(triton)
+        for pid in _stub_processes(triton):
+            _kill_quietly(pid)
+
+
+# --- 3. bad direct requests fail alone --------------------------------------------------------------------------
+
+def test_bad_direct_requests_fail_alone_under_load(server, repo, expected):
+    info = read_repository(repo)
+    vocab, hidden = info.vocab_size, info.hidden_size
+    version = _version(repo, "alpha")
+    outside, missing = "../../../../etc@0123456789ab", "alpha@000000000000"
+    cls = np.zeros((1, hidden), dtype=np.float32)
+    cases = [
+        ("backbone", _token_inputs(repo, version, [2, 10, vocab + 3, 3]),
+         f"input_ids holds {vocab + 3}: expected values in [0, {vocab - 1}]"),
+        ("backbone", _token_inputs(repo, version, [2, 10, -1, 3]), "input_ids holds -1"),
+        ("backbone", _token_inputs(repo, version, [2, 10, 11, 3], mask=[1, 1, 1]),
+         "attention_mask has 3 values but input_ids has 4"),
+        ("backbone", _token_inputs(repo, outside, [2, 10, 3]), f"invalid task version {outside!r}"),
+        ("backbone", _token_inputs(repo, missing, [2, 10, 3]), f"task version {missing!r} is not in the store"),
+        ("head", {"TASK_VERSION": _bytes(outside), "cls_hidden": cls}, f"invalid task version {outside!r}"),
+        ("head", {"TASK_VERSION": _bytes(missing), "cls_hidden": cls}, f"task version {missing!r} is not in the store"),
+        ("head", {"TASK_VERSION": _bytes(version), "cls_hidden": np.full((1, hidden), np.nan, dtype=np.float32)},
+         f"cls_hidden must be {hidden} finite values"),
+        ("aot", {"TEXT": _bytes("good w1", "dull w2"), "TASK": _bytes("alpha", "alpha")}, "TEXT holds 2 values"),
+        ("tokenizer", {"TEXT": _bytes("good w1", "dull w2"), "TASK": _bytes("alpha", "alpha")}, "TEXT holds 2 values"),
+        ("tokenizer", {"TEXT": _bytes("good w1"), "TASK": _bytes("../../../../etc")},
+         "invalid task name '../../../../etc'"),
+        ("aot", {"TEXT": _bytes("good w1"), "TASK": _bytes(missing)}, f"invalid task name {missing!r}"),
+    ]
+    stop, failures, checked = threading.Event(), [], [0]
+
+    def traffic(k):
+        with Client(server.grpc_url, timeout=30) as c:
+            j = 0
+            while not stop.is_set():
+                name, i = TASKS[(k + j) % 3], (k + j) % len(TEXTS)
+                j += 1
+                try:
+                    got = c.infer(name, TEXTS[i])["logits"]
+                except InferenceError as exc:
+                    failures.append(f"{name}/{i}: {exc}")
+                    continue
+                if np.abs(np.array(got) - expected[name][i]).max() > ATOL:
+                    failures.append(f"{name}/{i}: wrong logits {got}")
+                checked[0] += 1
+
+    repairs = len(server.supervisor.repairs)
+    threads = [threading.Thread(target=traffic, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    problems, seen = [], {}
+    try:
+        time.sleep(0.3)
+        for _ in range(2):  # every bad request twice, interleaved with the legitimate traffic
+            for model, inputs, message in cases:
+                got = _refusal(server.grpc_url, model, inputs)
+                seen[model, message] = got
+                if message not in got:
+                    problems.append(f"{model}: expected {message!r}, got {got!r}")
+                _assert_clean(got, repo)
+        time.sleep(0.3)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert problems == []
+    assert failures == [], failures[:5]
+    assert checked[0] > 20, f"only {checked[0]} legitimate answers"
+    assert server.supervisor.repairs[repairs:] == [], "a stub died"
+    print(f"\n{2 * len(cases)} bad requests refused; {checked[0]} legitimate answers meanwhile, all correct")
+    for (model, _), got in seen.items():
+        print(f"  {model}: {got}")
+
+
+# --- 4. a huge text -------------------------------------------------------------------------------------------
+
+def test_huge_text_is_refused_at_once(server, client, expected):
+    limit = read_repository(server.repo).options.max_text_bytes
+    for pair in (None, "w1" * 500_000):
+        text = "good " * 200_000 if pair is None else "good"
+        start = time.monotonic()
+        with pytest.raises(InferenceError) as err:
+            client.infer("alpha", text, pair)
+        took = time.monotonic() - start
+        name = "TEXT" if pair is None else "TEXT_PAIR"
+        assert f"{name} is 1000000 bytes; this server accepts at most {limit} (serving option max_text_bytes)" \
+            in str(err.value)
+        assert took < 1.0, f"a 1 MB {name} took {took:.2f} s to be refused"
+    np.testing.assert_allclose(client.infer("alpha", TEXTS[0])["logits"], expected["alpha"][0], atol=ATOL)
+
+
+# --- 5. concurrent exports --------------------------------------------------------------------------------------
+
+_PUBLISHER = r"""
+import shutil, sys, time
+from pathlib import Path
+from exporter.task_store import TaskStore
+store, start = TaskStore(Path(sys.argv[1])), float(sys.argv[2])
+folders = []
+for job in sys.argv[3:]:
+    name, source, storage = job.split("=")
+    folder = store.new_version_folder(name)
+    for f in (store.root / source).iterdir():
+        shutil.copy2(f, folder / f.name)
+    folders.append((name, folder, storage))
+while time.time() < start:
+    time.sleep(0.001)
+for name, folder, storage in folders:
+    print(store.publish(name, folder, storage).folder, flush=True)
+"""
+
+
+def test_concurrent_exports_keep_the_store_consistent(scratch, expected):
+    store = TaskStore(read_repository(scratch.repo).store_root)
+    sources, published = {}, []
+    for round_ in range(3):
+        entries = store.entries()
+        jobs = {p: [f"alpha={entries['alpha'].folder}={entries['alpha'].storage}",
+                    f"extra_{p}{round_}={entries['beta'].folder}={entries['beta'].storage}"] for p in "ab"}
+        start = time.time() + 2.0
+        procs = [subprocess.Popen([sys.executable, "-c", _PUBLISHER, str(store.root), str(start), *jobs[p]],
+                                  cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for p in "ab"]
+        for p, proc in zip("ab", procs):
+            out, err = proc.communicate(timeout=60)
+            assert proc.returncode == 0, err
+            published += out.split()
+            sources[f"extra_{p}{round_}"] = "beta"
+    assert len(published) == 12 and len(set(published)) == 12, published
+    manifest = store.manifest()
+    assert manifest.errors == {}
+    assert set(manifest.entries) == {"alpha", "beta", "gamma", *sources}
+    for name, entry in manifest.entries.items():
+        assert (store.root / entry.folder).is_dir(), f"manifest entry {name} -> {entry.folder}: folder missing"
+    for version in published:  # every version published is live or retired, and still on disk (grace period)
+        assert version in {e.folder for e in manifest.entries.values()} | set(manifest.retired), version
+        assert (store.root / version).is_dir(), f"{version} was removed by the other writer"
+    registry = TaskRegistry(store.root)
+    assert registry.errors() == {}
+    assert set(registry.served()) == set(manifest.entries)
+    with Client(scratch.grpc_url, timeout=30) as c:
+        _check_answers(c, expected, tasks=sorted(manifest.entries), sources=sources)
+        for name in sources:  # removing the extra tasks leaves the others serving exactly as before
+            store.remove(name)
+        _check_answers(c, expected)
+        with pytest.raises(InferenceError, match="unknown task 'extra_a0'"):
+            c.infer("extra_a0", TEXTS[0])
+
+
+# --- 6. a bad manifest ------------------------------------------------------------------------------------------
+
+def test_bad_manifest_keeps_the_last_good_one(scratch, expected):
+    store = TaskStore(read_repository(scratch.repo).store_root)
+    good = store.manifest_path.read_bytes()
+    data = json.loads(good)
+    errors_before = _metric(_metrics(scratch), "aot_store_manifest_errors_total")
+    messages = []
+    try:
+        with Client(scratch.grpc_url, timeout=30) as c:
+            _check_answers(c, expected)
+            store.manifest_path.write_text('{"format": "aot-task-store", "tasks": {')  # not JSON
+            time.sleep(0.05)
+            _check_answers(c, expected)  # the last good manifest
+            with urllib.request.urlopen(f"http://{scratch.http_url}/v2/health/ready", timeout=5) as r:
+                assert r.status == 200
+            samples = _metrics(scratch)
+            errors = _metric(samples, "aot_store_manifest_errors_total")
+            assert errors > errors_before, "aot_store_manifest_errors_total did not grow"
+            for step in ("tokenizer", "backbone", "head"):
+                assert _metric(samples, "aot_store_manifest_errors_total", step=step) > 0, step
+
+            bad = json.loads(good)
+            del bad["tasks"]["beta"]["storage"]
+            bad["tasks"]["gamma"]["folder"] = "../../../../etc"
+            write_json(store.manifest_path, bad)
+            for name, why in (("beta", "missing key 'storage'"), ("gamma", "invalid task version '../../../../etc'")):
+                with pytest.raises(InferenceError) as err:
+                    c.infer(name, TEXTS[0])
+                messages.append(str(err.value))
+                assert f"bad entry for task {name!r}" in messages[-1] and why in messages[-1], messages[-1]
+            _check_answers(c, expected, tasks=("alpha",))
+    finally:
+        write_json(store.manifest_path, data)
+    with Client(scratch.grpc_url, timeout=30) as c:
+        _check_answers(c, expected)
+    for message in messages:  # what a client is told: no server path
+        _assert_clean(message, scratch.repo)
+
+
+# --- 7. a full disk during export -----------------------------------------------------------------------------
+
+def test_file_size_limit_during_fused_export_leaves_the_store_unchanged(scratch, artifacts, expected):
+    store = TaskStore(read_repository(scratch.repo).store_root)
+    manifest = store.manifest_path.read_bytes()
+    listing = sorted(p.name for p in store.root.iterdir())
+    folder = store.root / store.entries()["alpha"].folder
+    table = (folder / "table.npy").stat().st_size
+    others = max(p.stat().st_size for p in folder.iterdir() if p.name != "table.npy")
+    limit = (others + table) // 2  # task.json and the head fit; the fused table does not
+    assert others < limit < table, (others, table)
+
+    def limited():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    proc = subprocess.run([sys.executable, "-m", "aot", "export", "task", "--task", str(artifacts["alpha"]),
+                           "--repo", str(scratch.repo), "--name", "alpha", "--storage", "fused",
+                           "--no-progress"],
+                          capture_output=True, text=True, cwd=ROOT, preexec_fn=limited, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("aot: error:"), proc.stderr
+    assert "File too large" in lines[0], lines[0]
+    assert proc.stdout == ""
+    assert store.manifest_path.read_bytes() == manifest
+    assert sorted(p.name for p in store.root.iterdir()) == listing
+    assert [p.name for p in store.root.iterdir() if ".tmp-" in p.name] == []
+    with Client(scratch.grpc_url, timeout=30) as c:
+        _check_answers(c, expected, tasks=("alpha",))
+    print(f"\nRLIMIT_FSIZE {limit} bytes (table {table}): {lines[0]}")
+
+
+# --- 8. small ones ------------------------------------------------------------------------------------------------
+
+def test_huge_task_name(server, client, repo):
+    name = "t" * 16384
+    start = time.monotonic()
+    with pytest.raises(InferenceError, match="task name of 16384 characters: task names have at most 128"):
+        client.infer(name, "good")
+    assert time.monotonic() - start < 0.5
+    # the server's own check, for clients other than aot.Client
+    message = _refusal(server.grpc_url, "aot", {"TEXT": _bytes("good"), "TASK": _bytes(name)})
+    assert "invalid task name (16384 characters): at most 128" in message, message[:300]
+    assert len(message) < 1000
+    _assert_clean(message, repo)
+
+
+def test_serve_command_refuses_bad_setups(tmp_path, repo):
+    port = str(_free_port())
+    same = _aot("serve", "--repo", str(repo), "--http-port", port, "--grpc-port", port,
+                "--metrics-port", str(_free_port()))
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(repo / "aot_repository.json", bare / "aot_repository.json")
+    no_models = _aot("serve", "--repo", str(bare))
+    out, err = same.communicate(timeout=120)
+    assert same.returncode == 2, err
+    assert err.strip().count("\n") == 0 and err.startswith("aot: error:"), err
+    assert "--http-port" in err and "--grpc-port" in err and port in err, err
+    out, err = no_models.communicate(timeout=120)
+    assert no_models.returncode == 2, err
+    assert err.strip().count("\n") == 0 and err.startswith("aot: error:"), err
+    assert "no models/ folder" in err, err
+
+
+# --- 9. metrics per task ----------------------------------------------------------------------------------------
+
+def test_metrics_per_task_and_step(server, repo):
+    versions = {name: _version(repo, name) for name in ("alpha", "beta")}
+    sent = {"alpha": 7, "beta": 4}
+    before = _metrics(server)
+    with Client(server.grpc_url, timeout=30) as c:
+        answers = c.infer_many([{"task": name, "text": TEXTS[i % len(TEXTS)]}
+                                for name, n in sent.items() for i in range(n)], concurrency=8)
+    assert all("error" not in a for a in answers), answers
+    after = _metrics(server)
+    for name, n in sent.items():
+        for step in ("tokenizer", "backbone", "head"):
+            labels = dict(step=step, task=name, version=versions[name])
+            total = _metric(after, "aot_task_requests_total", **labels)
+            assert total >= n, f"{labels}: {total} < {n}"
+            assert total - _metric(before, "aot_task_requests_total", **labels) == n, labels
+            assert _metric(after, "aot_task_duration_us_total", **labels) > 0, labels
+
+
+# --- 10. soak -----------------------------------------------------------------------------------------------------
+
+def test_soak_with_reexport_removal_and_a_killed_stub(server, repo, artifacts, expected):
+    """16 clients x 200 requests over 3 tasks; meanwhile gamma is re-exported from another artifact (delta), beta is
+    removed, and the backbone stub is killed. Every answer is one version's; failures only where allowed."""
+    threads_n, per_thread = 16, 200
+    total = threads_n * per_thread
+    records = []  # (task, text index, start, end, logits | None, error | None), time.time()
+    done = [0]
+    lock = threading.Lock()
+    events: dict[str, float] = {}
+    abort = threading.Event()  # the server died or was not repaired: stop sending (the test then fails)
+
+    def worker(k):
+        with Client(server.grpc_url, timeout=20) as c:
+            for j in range(per_thread):
+                if abort.is_set():
+                    return
+                name, i = TASKS[(k + j) % 3], (k * 7 + j) % len(TEXTS)
+                start = time.time()
+                try:
+                    got, error = np.array(c.infer(name, TEXTS[i])["logits"]), None
+                except InferenceError as exc:
+                    got, error = None, str(exc)
+                with lock:
+                    records.append((name, i, start, time.time(), got, error))
+                    done[0] += 1
+
+    def wait_for(fraction):
+        while done[0] < fraction * total and not abort.is_set():
+            time.sleep(0.02)
+
+    def controller():
+        try:
+            wait_for(0.2)
+            events["reexport_start"] = time.time()
+            export_task(artifacts["delta"], repo, "gamma", "fused", progress=False)
+            events["reexport_end"] = time.time()
+            wait_for(0.4)
+            events["remove"] = time.time()
+            TaskStore(read_repository(repo).store_root).remove("beta")
+            events["removed"] = time.time()
+            wait_for(0.55)
+            stub = stubs_of(server.process.pid)["backbone_0_0"]
+            repairs = len(server.supervisor.repairs)
+            events["kill"] = time.time()
+            os.kill(stub.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while len(server.supervisor.repairs) == repairs or server.supervisor.repairs[-1].seconds is None:
+                if len(server.supervisor.repairs) > repairs and server.supervisor.repairs[-1].error:
+                    raise AssertionError(f"repair failed: {server.supervisor.repairs[-1]}")
+                if server.process.poll() is not None:
+                    raise AssertionError(f"tritonserver exited with code {server.process.returncode} after the stub "
+                                         "was killed")
+                if time.monotonic() > deadline:
+                    raise AssertionError("the backbone step was not repaired within 30 s")
+                time.sleep(0.05)
+            repair = server.supervisor.repairs[-1]
+            events["repaired"] = repair.detected + repair.seconds
+            events["repair_seconds"] = repair.seconds
+        except BaseException as exc:
+            control_errors.append(f"{type(exc).__name__}: {exc}")
+            abort.set()
+
+    began = time.monotonic()
+    began_wall = time.time()
+    workers = [threading.Thread(target=worker, args=(k,)) for k in range(threads_n)]
+    control_errors = []
+    control = threading.Thread(target=controller)
+    for t in workers + [control]:
+        t.start()
+    for t in workers + [control]:
+        t.join()
+    seconds = time.monotonic() - began
+    crash = [line for line in server.log_path.read_text(errors="replace").splitlines()
+             if "lock_exception" in line or "Signal (" in line and "Signal (15)" not in line]
+    assert control_errors == [], f"{control_errors}; {len(records)} of {total} requests sent; server log: {crash}"
+    assert len(records) == total
+
+    versions = {"alpha": ["alpha"], "beta": ["beta"], "gamma": ["gamma", "delta"]}
+    wrong, stale, unexpected = [], [], []
+    failed = {"removed task": 0, "stub downtime": 0}
+    ok = 0
+    down_from, down_to = events["kill"], events["repaired"] + 1.0
+    for name, i, start, end, got, error in records:
+        if error is None:
+            ok += 1
+            matches = [v for v in versions[name] if np.abs(got - expected[v][i]).max() <= ATOL]
+            if not matches:
+                wrong.append((name, i, got.tolist()))
+            elif name == "gamma" and start > events["reexport_end"] and matches != ["delta"]:
+                stale.append((name, i, start - events["reexport_end"]))
+        elif start <= down_to and end >= down_from:  # sent before the step served again, answered after the kill
+            failed["stub downtime"] += 1
+        elif name == "beta" and end >= events["remove"]:
+            failed["removed task"] += 1
+            if start > events["removed"] and "unknown task 'beta'" not in error:
+                unexpected.append((name, error))
+        else:
+            unexpected.append((name, round(start - events["kill"], 2), error))
+    first_ok = min((r[3] for r in records if r[2] >= events["kill"] and r[5] is None), default=float("nan")) \
+        - events["kill"]
+    down = [(round(start - events["kill"], 2), round(end - events["kill"], 2), error)
+            for name, i, start, end, got, error in records
+            if error is not None and "unknown task 'beta'" not in error]
+    last_down = max((d[1] for d in down), default=0.0)
+    messages = sorted({d[2] for d in down})
+    print(f"\nsoak: {total} requests by {threads_n} clients in {seconds:.1f} s ({total / seconds:.0f} req/s); "
+          f"{ok} answered, {len(wrong)} wrong, {failed['removed task']} failed for the removed task, "
+          f"{failed['stub downtime']} failed during the stub downtime, {len(unexpected)} other failures; "
+          f"stub killed at +{events['kill'] - began_wall:.1f} s; repair detected "
+          f"{events['repaired'] - events['repair_seconds'] - events['kill']:.2f} s after the kill and took "
+          f"{events['repair_seconds']:.2f} s; first correct answer of a request sent after the kill "
+          f"{first_ok:.2f} s after it; last failure {last_down:.2f} s after it; failure messages {messages}")
+    assert wrong == [], wrong[:5]
+    assert stale == [], stale[:5]
+    assert unexpected == [], unexpected[:5]
+    assert ok + sum(failed.values()) == total
