@@ -49,6 +49,7 @@ class RowPool:
         self._lock = threading.Lock()
         self._sources: dict[str, Callable[[np.ndarray], np.ndarray]] = {}
         self.stats: dict[str, PoolStats] = {}
+        self.touched: set[str] = set()  # versions whose stats changed since the last drain_touched()
         # resident mode: version -> first slot of its V rows; ranges of detached versions, reused first
         self._base: dict[str, int] = {}
         self._free_bases: list[int] = []
@@ -87,6 +88,7 @@ class RowPool:
         with self._lock:
             if self._sources.pop(version, None) is None:
                 return
+            self.touched.add(version)
             self.stats.pop(version, None)
             self._base.pop(version, None)
             self._filled.discard(version)
@@ -119,14 +121,22 @@ class RowPool:
                 self._base, self._filled, self._free_bases = {}, set(), []
                 for stats in self.stats.values():
                     stats.resident_rows = 0
+                self.touched.update(self.stats)
                 self._owner[:] = -1
                 self._free = [np.arange(self.slots, dtype=np.int64)]
                 self._slot_of = {}
                 return
 
+    def drain_touched(self) -> set[str]:
+        """The versions whose counters changed since the last call (metrics publish only those)."""
+        with self._lock:
+            touched, self.touched = self.touched, set()
+            return touched
+
     def rows_many(self, requests: list[tuple[str, np.ndarray]]) -> list[np.ndarray]:
         """Rows for each (version, sorted distinct token ids) of a batch, [U, L, d] fp16 each."""
         with self._lock:
+            self.touched.update(version for version, _ in requests)
             if self._resident:
                 return [self._resident_rows(version, ids) for version, ids in requests]
             return self._cached_rows(requests)
@@ -193,6 +203,7 @@ class RowPool:
                     for token in gone:
                         del slot_of[token]
                     self.stats[version].evictions += len(gone)
+                    self.touched.add(version)
                     self.stats[version].resident_rows -= len(gone)
             self._owner[oldest] = -1
             free = np.concatenate([free, oldest])

@@ -89,10 +89,14 @@ class StepMetrics:
         self._metric("manifest_errors").increment(1)
 
     def pool(self, pool: RowPool) -> None:
-        """Publish the pool's counters per task version (increments since the last call)."""
-        seen = {}
-        for version, stats in list(pool.stats.items()):
+        """Publish the pool's counters of the versions a batch touched (increments since the last call)."""
+        for version in pool.drain_touched():
             labels = {"task": version.rsplit("@", 1)[0], "version": version}
+            stats = pool.stats.get(version)
+            if stats is None:  # detached: its rows are gone
+                self._metric("pool_resident_bytes", **labels).set(0)
+                self._pool_last.pop(version, None)
+                continue
             last = self._pool_last.get(version, (0, 0, 0, 0.0))
             now = (stats.hits, stats.misses, stats.evictions, stats.fill_seconds)
             for family, new, old in zip(("pool_hits", "pool_misses", "pool_evictions"), now[:3], last[:3]):
@@ -101,11 +105,7 @@ class StepMetrics:
             if now[3] > last[3]:
                 self._metric("pool_fill_us", **labels).increment((now[3] - last[3]) * 1e6)
             self._metric("pool_resident_bytes", **labels).set(stats.resident_rows * pool.row_bytes)
-            seen[version] = now
-        for version in set(self._pool_last) - set(seen):  # detached: its rows are gone
-            labels = {"task": version.rsplit("@", 1)[0], "version": version}
-            self._metric("pool_resident_bytes", **labels).set(0)
-        self._pool_last = seen
+            self._pool_last[version] = now
 
 
 class Step:
@@ -205,7 +205,7 @@ class Step:
         tensors = {n: self.sequence(request, n) for n in names}
         ids, mask = tensors[protocol.INPUT_IDS], tensors[protocol.ATTENTION_MASK]
         length = len(ids)
-        if not 1 <= length <= max(self.repo.max_positions, max(self.options.buckets)):
+        if not 1 <= length <= self.repo.max_positions:
             raise RequestError(f"{protocol.INPUT_IDS} has {length} tokens: expected 1 to {self.repo.max_positions}")
         for name, array in tensors.items():
             if len(array) != length:

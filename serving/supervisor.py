@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 STUB = "triton_python_backend_stub"
+MAX_ATTEMPTS = 3  # failed repairs in a row before a model is given up (and its owner told: Supervisor.failed)
+REQUEST_TIMEOUT = 30.0  # seconds for one repository API call (a load of the backbone takes ~1 s)
 SHM = Path("/dev/shm")
 
 
@@ -105,6 +107,7 @@ class Supervisor:
 
     def __post_init__(self):
         self.expected: dict[str, str] = {}  # instance -> model
+        self._failures: dict[str, int] = {}  # model -> failed repairs in a row
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="aot-supervisor", daemon=True)
         self._lock = threading.Lock()
@@ -128,19 +131,27 @@ class Supervisor:
             self.check()
 
     def check(self) -> list[str]:
-        """Repair every model whose stub is gone; returns the models repaired."""
+        """Repair every model whose stub is gone (models given up are not tried again); returns the dead ones."""
         with self._lock:
             stubs = stubs_of(self.server_pid)
             self.regions |= {s.shm_region for s in stubs.values()}
             dead = sorted({model for instance, model in self.expected.items() if instance not in stubs})
             for model in dead:
+                if self._failures.get(model, 0) >= MAX_ATTEMPTS:
+                    continue
                 self._repair(model, [i for i, m in self.expected.items() if m == model and i not in stubs])
             return dead
+
+    @property
+    def failed(self) -> list[str]:
+        """Models that could not be repaired MAX_ATTEMPTS times in a row: the server cannot serve them; the
+        process that owns it should stop it (aot serve exits non-zero)."""
+        return sorted(m for m, n in self._failures.items() if n >= MAX_ATTEMPTS)
 
     def _post(self, path: str) -> None:
         request = urllib.request.Request(f"http://{self.http_url}{path}", data=b"{}", method="POST",
                                          headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=120) as response:
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as response:
             response.read()
 
     def model_ready(self, model: str) -> bool:
@@ -172,8 +183,11 @@ class Supervisor:
                 self._post(f"/v2/repository/models/{other}/load")
         except (urllib.error.URLError, OSError) as exc:
             repair.error = f"{type(exc).__name__}: {exc}"
-            self.log(f"supervisor: reloading {model!r} failed: {repair.error}")
+            self._failures[model] = self._failures.get(model, 0) + 1
+            self.log(f"supervisor: reloading {model!r} failed ({self._failures[model]} of {MAX_ATTEMPTS}): "
+                     f"{repair.error}")
             return
+        self._failures.pop(model, None)
         stubs = stubs_of(self.server_pid)
         self.regions |= {s.shm_region for s in stubs.values()}
         repair.seconds = round(time.monotonic() - start, 3)
@@ -200,6 +214,12 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda s, _: server.send_signal(s))
     supervisor = None
     while server.poll() is None:
+        if supervisor is not None and supervisor.failed:  # exit: the container's restart policy starts anew
+            print(f"supervisor: {', '.join(supervisor.failed)} could not be reloaded; stopping tritonserver",
+                  file=sys.stderr, flush=True)
+            server.terminate()
+            server.wait()
+            break
         if supervisor is None:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=1) as r:
@@ -212,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     if supervisor is not None:
         supervisor.stop()
     reap(server.pid, supervisor.regions if supervisor else ())
-    return server.returncode
+    return 1 if supervisor is not None and supervisor.failed else server.returncode
 
 
 if __name__ == "__main__":

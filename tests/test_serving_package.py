@@ -142,3 +142,22 @@ def test_versioned_json_reader_names_the_problem(tmp_path):
         read_versioned_json(path, "f", 1, {"n": int})
     with pytest.raises(FormatError, match="missing key 'm'"):
         read_versioned_json(path, "f", 1, {"m": int})
+
+
+def test_supervisor_gives_up_a_model_after_three_failed_repairs():
+    """A repair that cannot reach the server is counted; after 3 in a row the model is reported failed (aot serve
+    and the container then stop the server instead of retrying forever) and no more attempts are made."""
+    import os
+    import socket
+
+    from serving.supervisor import MAX_ATTEMPTS, Supervisor
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"
+    supervisor = Supervisor(os.getpid(), closed, log=lambda m: None)
+    supervisor.expected = {"backbone_0_0": "backbone"}  # a stub that is not running
+    for _ in range(MAX_ATTEMPTS + 2):
+        assert supervisor.check() == ["backbone"]
+    assert supervisor.failed == ["backbone"]
+    assert len(supervisor.repairs) == MAX_ATTEMPTS and all(r.error and r.seconds is None for r in supervisor.repairs)
