@@ -41,8 +41,9 @@ def add_train(sub) -> None:
 
         method_spec("fc")  # fills the registry
     except ImportError as exc:  # a client-only install: `aot train` says what to install
-        p = sub.add_parser("train", help="train a task (needs the [train] extra)")
-        p.set_defaults(run=lambda args: _missing(exc))
+        p = sub.add_parser("train", help="train a task (needs the [train] extra)", prefix_chars="\0")
+        p.add_argument("arguments", nargs="*")  # whatever was given: the answer is what to install
+        p.set_defaults(run=lambda args, error=exc: _missing(error))
         return
     p = sub.add_parser("train", help="train a task on a frozen encoder and write a task artifact",
                        description="Train one task with AoT P-Tuning (fc, kron) or a baseline and write the task "

@@ -27,3 +27,15 @@ def make_repository(model_dir: Path, repo: Path, tasks: dict[str, tuple[Path, st
     for name, (artifact, storage) in tasks.items():
         export_task(artifact, repo, name, storage, progress=False)
     return repo
+
+
+def serve_for_tests(request, repo: Path):
+    """A LocalServer for a test module's fixture (yield from it); prints the server's log when a test failed."""
+    from aot.server import LocalServer
+
+    failed_before = request.session.testsfailed
+    server = LocalServer(repo).start()
+    yield server
+    server.stop()
+    if request.session.testsfailed > failed_before:
+        print(f"\n--- tritonserver log ({server.log_path}) ---\n{server.log_tail(80)}")

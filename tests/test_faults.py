@@ -24,14 +24,13 @@ import numpy as np
 import pytest
 
 from aot.client import Client, InferenceError
-from aot.server import LocalServer
 from exporter.task_export import export_task
 from exporter.task_store import TaskStore
 from serving.atomic import write_json
 from serving.repository import read_repository
 from serving.supervisor import SHM, STUB, stubs_of
 from serving.tasks import TaskRegistry
-from tests.helpers import make_repository, train_tiny_task
+from tests.helpers import make_repository, serve_for_tests, train_tiny_task
 from training.predict import Predictor
 
 pytestmark = [pytest.mark.server, pytest.mark.faults]
@@ -60,18 +59,9 @@ def repo(tmp_path_factory, tiny_models, artifacts):
                             "gamma": (artifacts["gamma"], "factored")}, max_batch_size=64, backbone_queue_delay_us=2000)
 
 
-def _serve(request, repo):
-    failed_before = request.session.testsfailed
-    srv = LocalServer(repo).start()
-    yield srv
-    srv.stop()
-    if request.session.testsfailed > failed_before:
-        print(f"\n--- tritonserver log ({srv.log_path}) ---\n{srv.log_tail(80)}")
-
-
 @pytest.fixture(scope="module")
 def server(request, repo):
-    yield from _serve(request, repo)
+    yield from serve_for_tests(request, repo)
 
 
 @pytest.fixture
@@ -79,7 +69,7 @@ def scratch(request, tmp_path, repo):
     """A server of its own on a copy of the repository, for each case that damages the store (a start is ~1-2 s)."""
     copy = tmp_path / "repo"
     shutil.copytree(repo, copy)
-    yield from _serve(request, copy)
+    yield from serve_for_tests(request, copy)
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,10 @@ import numpy as np
 import pytest
 
 from aot.client import Client, InferenceError
-from aot.server import LocalServer
 from exporter.task_export import export_task
 from exporter.task_store import TaskStore
 from serving.repository import read_repository
-from tests.helpers import make_repository, train_tiny_task
+from tests.helpers import make_repository, serve_for_tests, train_tiny_task
 from training.predict import Predictor
 
 pytestmark = pytest.mark.server
@@ -44,12 +43,7 @@ def repo(tmp_path_factory, tiny_models, artifacts):
 
 @pytest.fixture(scope="module")
 def server(request, repo):
-    failed_before = request.session.testsfailed
-    srv = LocalServer(repo).start()
-    yield srv
-    srv.stop()
-    if request.session.testsfailed > failed_before:
-        print(f"\n--- tritonserver log ({srv.log_path}) ---\n{srv.log_tail(80)}")
+    yield from serve_for_tests(request, repo)
 
 
 @pytest.fixture(scope="module")

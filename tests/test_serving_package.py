@@ -161,3 +161,31 @@ def test_supervisor_gives_up_a_model_after_three_failed_repairs():
         assert supervisor.check() == ["backbone"]
     assert supervisor.failed == ["backbone"]
     assert len(supervisor.repairs) == MAX_ATTEMPTS and all(r.error and r.seconds is None for r in supervisor.repairs)
+
+
+def test_client_commands_work_without_torch():
+    """What `pip install .[client]` gives: with torch, transformers and peft unimportable, `aot infer --help`,
+    `aot tasks --help` and aot.Client work, and `aot train` says which extra to install (one line, exit 2)."""
+    script = """
+import sys, importlib.abc
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "transformers", "peft", "sklearn"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Block())
+from aot import Client
+from aot.cli import main
+code = main(["train", "--model", "m", "--data", "d", "--method", "fc", "--out", "o"])
+print("TRAIN", code)
+assert "torch" not in sys.modules
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "TRAIN 2" in out.stdout
+    assert out.stderr.strip().splitlines() == [
+        "aot: error: this command needs the [train] extra (module torch is missing): pip install 'aot-ptuning[train]'"]
+    for command in (["infer", "--help"], ["tasks", "--help"]):
+        helped = subprocess.run([sys.executable, "-c", script.split("from aot import Client")[0]
+                                 + f"from aot.cli import main\nmain({command!r})"], capture_output=True, text=True,
+                                cwd=ROOT)
+        assert helped.returncode == 0 and "usage: aot" in helped.stdout, helped.stderr
