@@ -58,13 +58,8 @@ def run_serve(args) -> int:
               f"({pool_bytes // (row_bytes * repo.vocab_size)} tasks fully resident) (Ctrl-C stops)",
               file=sys.stderr, flush=True)
         while not stop.wait(0.5):
-            if server.supervisor is not None and server.supervisor.failed:
-                print(f"aot: error: model(s) {', '.join(server.supervisor.failed)} died and could not be reloaded; "
-                      f"stopping the server (see {server.log_path})", file=sys.stderr)
-                return 1
-            if server.process.poll() is not None:
-                print(f"aot: error: tritonserver exited with code {server.process.returncode}:\n{server.log_tail()}",
-                      file=sys.stderr)
+            if server.failed:
+                print(f"aot: error: {server.failed} (log: {server.log_path})", file=sys.stderr)
                 return 1
     finally:
         server.stop()

@@ -6,7 +6,8 @@ must have numpy<2 and this project); LD_LIBRARY_PATH with this interpreter's lib
 
 Lifetime: the server runs in its own process group and dies with the process that started it (parent-death
 signal), so `kill -9` of `aot serve` leaves no server behind. A supervisor (serving.supervisor) repairs a step whose
-stub died. Stopping sends SIGTERM to the group, then SIGKILL to the server alone (its stubs then remove their
+stub died; when tritonserver itself dies (Triton 2.51's python backend can abort when a stub is killed under load),
+its stubs and shared memory are removed and it is started again, at most 3 times a minute. Stopping sends SIGTERM to the group, then SIGKILL to the server alone (its stubs then remove their
 shared memory), then SIGKILL to the group and removes what stubs left in /dev/shm: also when the server had already
 exited (crashed) by itself.
 """
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -36,6 +38,8 @@ class ServerError(RuntimeError):
 
 
 _PR_SET_PDEATHSIG = 1
+MAX_RESTARTS = 3
+RESTART_WINDOW = 60.0
 
 
 def _die_with_parent() -> None:
@@ -105,10 +109,13 @@ class LocalServer:
     log_path: Path | None = None
     extra_args: list[str] = field(default_factory=list)
     supervise: bool = True
+    restart: bool = True  # start tritonserver again when it dies (serving.supervisor repairs single steps)
     pool_bytes: int | None = None  # overrides the repository's task pool budget (AOT_POOL_BYTES)
     process: subprocess.Popen | None = None
     ready_seconds: float | None = None
     supervisor: Supervisor | None = None
+    failed: str | None = None  # why the server is down for good (restarts exhausted)
+    restarts: list[float] = field(default_factory=list)
 
     def __post_init__(self):
         self.repo = Path(self.repo).resolve()
@@ -116,6 +123,8 @@ class LocalServer:
         self.grpc_port = self.grpc_port or free_port(self.host)
         self.metrics_port = self.metrics_port or free_port(self.host)
         self._workdir = Path(tempfile.mkdtemp(prefix="aot-triton-"))
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
         self.log_path = Path(self.log_path or self._workdir / "tritonserver.log")
 
     @property
@@ -169,8 +178,15 @@ class LocalServer:
         if not (self.repo / "models").is_dir():
             raise ServerError(f"{self.repo} has no models/ folder: not a model repository from `aot export backbone`")
         self.check_ports()
+        self._launch(timeout, mode="w")
+        if self.restart:
+            self._watcher = threading.Thread(target=self._watch, name="aot-server-watch", daemon=True)
+            self._watcher.start()
+        return self
+
+    def _launch(self, timeout: float, mode: str = "a") -> None:
         start = time.monotonic()
-        log = open(self.log_path, "w")
+        log = open(self.log_path, mode)
         self.process = subprocess.Popen(self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True,
                                         preexec_fn=_die_with_parent)
@@ -183,10 +199,33 @@ class LocalServer:
                 self.ready_seconds = time.monotonic() - start
                 if self.supervise:
                     self.supervisor = Supervisor(self.process.pid, self.http_url, log=self._log).start()
-                return self
+                return
             time.sleep(0.05)
-        self.stop()
+        self._stop_process()
         raise ServerError(f"tritonserver was not ready after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def _watch(self) -> None:
+        """Start tritonserver again when it died (a crash, or a step the supervisor could not reload): at most
+        MAX_RESTARTS times in RESTART_WINDOW seconds, then give up (`failed` says why; `aot serve` exits)."""
+        while not self._stopping.wait(0.5):
+            if self.process.poll() is None:
+                if self.supervisor is not None and self.supervisor.failed:
+                    self._log(f"{', '.join(self.supervisor.failed)} could not be reloaded; restarting tritonserver")
+                    self._stop_process()
+                continue
+            code = self.process.returncode
+            self._stop_process()  # reaps the stubs and their shared memory
+            now = time.monotonic()
+            self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW] + [now]
+            if len(self.restarts) > MAX_RESTARTS:
+                self.failed = f"tritonserver died {len(self.restarts)} times in {RESTART_WINDOW:.0f} s (last exit code {code})"
+                return
+            self._log(f"tritonserver exited with code {code}; restarting it")
+            try:
+                self._launch(120)
+            except ServerError as exc:
+                self.failed = f"tritonserver could not be restarted: {exc}"
+                return
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -200,8 +239,14 @@ class LocalServer:
 
     def stop(self, timeout: float = 15) -> int | None:
         """Stop the server and everything it started; safe to call again, and after the server crashed."""
+        self._stopping.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=150)
         if self.process is None:
             return None
+        return self._stop_process(timeout)
+
+    def _stop_process(self, timeout: float = 15) -> int | None:
         if self.supervisor is not None:
             self.supervisor.stop()
         group = self.process.pid  # start_new_session: the server leads its own group

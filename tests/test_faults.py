@@ -242,12 +242,12 @@ def test_batch_of_failing_backbone_requests_does_not_crash_the_server(server, re
 
     repairs = len(server.supervisor.repairs)
     stats_before = _backbone_stats(server)
-    failures_before = _metric(_metrics(server), "aot_task_failures_total", step="backbone")
+    failures_before = _metric(_published_metrics(server, client), "aot_task_failures_total", step="backbone")
     with ThreadPoolExecutor(8) as pool:
         messages = list(pool.map(bad, range(8)))
     stats_after = _backbone_stats(server)
     failed, executions = (stats_after[k] - stats_before[k] for k in ("failed", "executions"))
-    samples = _metrics(server)
+    samples = _published_metrics(server, client)
     failures = _metric(samples, "aot_task_failures_total", step="backbone")
     labels = [(lab, v) for n, lab, v in samples if n == "aot_task_failures_total" and lab.get("step") == "backbone"]
     print(f"\n8 bad requests: {executions} backbone executions (Triton's own failure count grew by {failed}); "
@@ -300,8 +300,11 @@ def test_killed_backbone_stub_is_repaired_within_30_s(server, expected):
           f"took {repairs[0].seconds:.2f} s; {len(failures)} failed requests meanwhile: {sorted(set(failures))}")
 
 
-def test_serve_command_exits_when_tritonserver_is_killed(repo):
+def test_serve_command_restarts_a_killed_tritonserver_and_cleans_up_after_it(repo):
+    """kill -9 of tritonserver: `aot serve` removes the dead server's stubs and shared memory, starts it again on
+    the same ports, and serves; after 3 deaths a minute it gives up (exit 1, one line naming the cause)."""
     proc, info, triton = _start_serve(repo)
+    grpc_port = info["grpc"].rsplit(":", 1)[1]
     try:
         with Client(info["grpc"]) as c:
             assert c.infer("alpha", TEXTS[0])["label"] in ("positive", "negative")
@@ -309,20 +312,34 @@ def test_serve_command_exits_when_tritonserver_is_killed(repo):
         assert {s.model for s in stubs.values()} >= {"tokenizer", "backbone", "head"}, stubs
         regions = [SHM / s.shm_region.lstrip("/") for s in stubs.values()]
         assert all(r.exists() for r in regions), regions
+        def serving_again(since: float) -> float:
+            while time.monotonic() - since < 60 and proc.poll() is None:
+                try:
+                    with Client(info["grpc"]) as c:
+                        c.infer("alpha", TEXTS[0])
+                    return time.monotonic() - since
+                except Exception:  # noqa: BLE001 - down until the restart is ready
+                    time.sleep(0.1)
+            raise AssertionError("aot serve did not bring the server back")
+
         os.kill(triton, signal.SIGKILL)
-        killed = time.monotonic()
-        code = proc.wait(30)
-        took = time.monotonic() - killed
-        err = proc.stderr.read()
-        assert code != 0, err
-        assert took < 10, f"aot serve took {took:.1f} s to notice the dead server"
-        assert "tritonserver exited with code -9" in err, err
-        left = _stub_processes(triton)
-        assert left == [], f"stubs of the killed server still running: {left}"
+        took = serving_again(time.monotonic())
+        assert _stub_processes(triton) == [], "stubs of the killed server still running"
         assert [r for r in regions if r.exists()] == [], "shared-memory regions of the killed server remain"
-        print(f"\n`aot serve` exited with {code} {took:.2f} s after kill -9 of tritonserver")
+        print(f"\nkill -9 of tritonserver: serving again {took:.2f} s later (restarted)")
+        for death in (2, 3, 4):  # within a minute: the 4th death is not restarted
+            pids = _pgrep(f"grpc-port={grpc_port}")
+            assert len(pids) == 1, pids
+            os.kill(pids[0], signal.SIGKILL)
+            if death < 4:
+                serving_again(time.monotonic())
+        code = proc.wait(60)
+        err = proc.stderr.read()
+        assert code == 1 and "tritonserver died 4 times in 60 s" in err, err
+        assert _pgrep(f"grpc-port={grpc_port}") == []
     finally:
-        _kill_quietly(triton)
+        for pid in _pgrep(f"grpc-port={grpc_port}"):
+            _kill_quietly(pid)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
 
@@ -607,15 +624,27 @@ def test_serve_command_refuses_bad_setups(tmp_path, repo):
 
 # --- 9. metrics per task ----------------------------------------------------------------------------------------
 
+def _published_metrics(server, client) -> str:
+    """The metrics once every step has published what it counted: steps publish at most once a second, after a
+    batch, so wait that long and send one request (of task gamma) through every step."""
+    from serving.steps import StepMetrics
+
+    time.sleep(StepMetrics.FLUSH_SECONDS + 0.2)
+    client.infer("gamma", TEXTS[0])
+    return _metrics(server)
+
+
 def test_metrics_per_task_and_step(server, repo):
+    """Steps publish their counts at most once a second, after a batch: a request of another task after a pause
+    makes every step publish what it counted before it."""
     versions = {name: _version(repo, name) for name in ("alpha", "beta")}
     sent = {"alpha": 7, "beta": 4}
-    before = _metrics(server)
     with Client(server.grpc_url, timeout=30) as c:
+        before = _published_metrics(server, c)
         answers = c.infer_many([{"task": name, "text": TEXTS[i % len(TEXTS)]}
                                 for name, n in sent.items() for i in range(n)], concurrency=8)
-    assert all("error" not in a for a in answers), answers
-    after = _metrics(server)
+        assert all("error" not in a for a in answers), answers
+        after = _published_metrics(server, c)
     for name, n in sent.items():
         for step in ("tokenizer", "backbone", "head"):
             labels = dict(step=step, task=name, version=versions[name])
@@ -669,22 +698,23 @@ def test_soak_with_reexport_removal_and_a_killed_stub(server, repo, artifacts, e
             events["removed"] = time.time()
             wait_for(0.55)
             stub = stubs_of(server.process.pid)["backbone_0_0"]
-            repairs = len(server.supervisor.repairs)
+            restarts = len(server.restarts)
             events["kill"] = time.time()
             os.kill(stub.pid, signal.SIGKILL)
-            deadline = time.monotonic() + 30
-            while len(server.supervisor.repairs) == repairs or server.supervisor.repairs[-1].seconds is None:
-                if len(server.supervisor.repairs) > repairs and server.supervisor.repairs[-1].error:
-                    raise AssertionError(f"repair failed: {server.supervisor.repairs[-1]}")
-                if server.process.poll() is not None:
-                    raise AssertionError(f"tritonserver exited with code {server.process.returncode} after the stub "
-                                         "was killed")
-                if time.monotonic() > deadline:
-                    raise AssertionError("the backbone step was not repaired within 30 s")
-                time.sleep(0.05)
-            repair = server.supervisor.repairs[-1]
-            events["repaired"] = repair.detected + repair.seconds
-            events["repair_seconds"] = repair.seconds
+            # Serving again: the supervisor reloads the step, or, when Triton 2.51's python backend aborts the whole
+            # server (boost lock_exception, seen in ~1 of 3 runs with 16 clients), LocalServer restarts it.
+            deadline = time.monotonic() + 60
+            with Client(server.grpc_url, timeout=10) as probe:
+                while True:
+                    try:
+                        probe.infer("alpha", TEXTS[0])
+                        break
+                    except Exception:  # noqa: BLE001
+                        if server.failed or time.monotonic() > deadline:
+                            raise AssertionError(f"not serving 60 s after the stub was killed: {server.failed}")
+                        time.sleep(0.05)
+            events["repaired"] = time.time()
+            events["server_restarted"] = len(server.restarts) > restarts
         except BaseException as exc:
             control_errors.append(f"{type(exc).__name__}: {exc}")
             abort.set()
@@ -735,9 +765,10 @@ def test_soak_with_reexport_removal_and_a_killed_stub(server, repo, artifacts, e
     print(f"\nsoak: {total} requests by {threads_n} clients in {seconds:.1f} s ({total / seconds:.0f} req/s); "
           f"{ok} answered, {len(wrong)} wrong, {failed['removed task']} failed for the removed task, "
           f"{failed['stub downtime']} failed during the stub downtime, {len(unexpected)} other failures; "
-          f"stub killed at +{events['kill'] - began_wall:.1f} s; repair detected "
-          f"{events['repaired'] - events['repair_seconds'] - events['kill']:.2f} s after the kill and took "
-          f"{events['repair_seconds']:.2f} s; first correct answer of a request sent after the kill "
+          f"stub killed at +{events['kill'] - began_wall:.1f} s; serving again "
+          f"{events['repaired'] - events['kill']:.2f} s after the kill "
+          f"({'tritonserver aborted and was restarted' if events['server_restarted'] else 'step reloaded'}); "
+          f"first correct answer of a request sent after the kill "
           f"{first_ok:.2f} s after it; last failure {last_down:.2f} s after it; failure messages {messages}")
     assert wrong == [], wrong[:5]
     assert stale == [], stale[:5]

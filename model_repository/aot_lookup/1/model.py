@@ -25,10 +25,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         self.step.refresh()
-        responses = self.step.respond_batch(
+        return self.step.respond_batch(
             requests, self._prepare, self._run,
             lambda out, k: [self.step.output(protocol.AOT_ROWS, out[0][k].reshape(1, -1)),
                             self.step.output(protocol.AOT_INDEX, out[1][k][None, :])])
-        if self.step.pool is not None:
-            self.step.metrics.pool(self.step.pool)
-        return responses

@@ -41,9 +41,6 @@ class TritonPythonModel:
 
     def execute(self, requests):
         self.step.refresh()
-        responses = self.step.respond_batch(
+        return self.step.respond_batch(
             requests, self._prepare, self._run,
             lambda hidden, k: [self.step.output(protocol.CLS_HIDDEN, hidden[k:k + 1])])
-        if self.step.pool is not None:
-            self.step.metrics.pool(self.step.pool)
-        return responses
