@@ -147,8 +147,16 @@ class LocalServer:
                 f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
                 "--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0", "--exit-timeout-secs=5",
                 "--disable-auto-complete-config", "--log-info=true",
-                "--model-control-mode=explicit", "--load-model=*",  # the supervisor reloads what died
+                "--model-control-mode=explicit",  # the supervisor reloads what died
+                *(f"--load-model={m}" for m in self.models()),
                 *self.extra_args]
+
+    def models(self) -> list[str]:
+        """The models the CPU ensembles use: every model folder but `aot_lookup`, the GPU ensemble's separate lookup
+        step (on CPU the backbone step looks rows up itself; loading it anyway held a second copy of every factored
+        task's factors)."""
+        return sorted(p.name for p in (self.repo / "models").iterdir()
+                      if (p / "config.pbtxt").is_file() and p.name != "aot_lookup")
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)

@@ -162,11 +162,12 @@ class Supervisor:
             return False
 
     def _dependents(self) -> list[str]:
-        """Models that are not ready (the ensembles an unload took down with it)."""
+        """Models that were loaded and are not ready now (the ensembles an unload took down with it); models never
+        loaded (no state, e.g. `aot_lookup` on CPU) stay unloaded."""
         request = urllib.request.Request(f"http://{self.http_url}/v2/repository/index", data=b"{}", method="POST")
         with urllib.request.urlopen(request, timeout=10) as response:
             index = json.loads(response.read())
-        return [m["name"] for m in index if m.get("state") != "READY"]
+        return [m["name"] for m in index if m.get("state") and m["state"] != "READY"]
 
     def _repair(self, model: str, instances: list[str]) -> None:
         repair = Repair(model, ",".join(instances), time.time())
