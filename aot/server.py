@@ -165,7 +165,8 @@ class LocalServer:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         env.setdefault("HF_HUB_OFFLINE", "1")
-        env.update(SINGLE_THREADED_BLAS)
+        for key, value in SINGLE_THREADED_BLAS.items():  # a value the user set explicitly wins
+            env.setdefault(key, value)
         if self.pool_bytes is not None:
             env[POOL_BYTES_ENV] = str(self.pool_bytes)
         return env

@@ -140,7 +140,6 @@ class Step:
         "none" (the vanilla backbone)."""
         self.step = name
         self.pb = pb_utils
-        self.config = json.loads(args["model_config"])
         self.parameters = model_parameters(args)
         self.model_dir = Path(args["model_repository"])
         self.repo: RepositoryInfo = repository_of_model(self.model_dir)

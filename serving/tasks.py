@@ -64,7 +64,7 @@ class FCRows:
     def __init__(self, factors: dict[str, np.ndarray], activation: str, embeddings: np.ndarray):
         if activation not in ACTIVATIONS:
             raise StoreError(f"unknown activation {activation!r}: expected one of {', '.join(ACTIVATIONS)}")
-        self.w1, self.b1, self.w2, self.b2 = (factors[k].astype(np.float32) for k in ("w1", "b1", "w2", "b2"))
+        self.w1, self.b1, self.w2, self.b2 = (np.asarray(factors[k], np.float32) for k in ("w1", "b1", "w2", "b2"))
         self.act, self.embeddings = ACTIVATIONS[activation], embeddings
 
     def __call__(self, token_ids: np.ndarray) -> np.ndarray:
@@ -77,7 +77,8 @@ class KronRows:
     """P = (W_L ⊗ W_M) W_R; token x takes row (x // b, x % b)."""
 
     def __init__(self, factors: dict[str, np.ndarray], b: int):
-        self.left, self.mid, self.right = (factors[k].astype(np.float32) for k in ("w_left", "w_mid", "w_right"))
+        self.left, self.mid, self.right = (np.asarray(factors[k], np.float32)
+                                           for k in ("w_left", "w_mid", "w_right"))
         self.b = int(b)
 
     def __call__(self, token_ids: np.ndarray) -> np.ndarray:
