@@ -480,7 +480,9 @@ def run_onnxruntime(config: OverheadConfig, progress: bool = True,
 
     from exporter.onnx_export import export_backbone_graph
     from serving.engine import BackboneRunner
-    from serving.tasks import FCRows, ServedTask, lookup
+    from exporter.rows_export import write_rows_graphs
+    from serving.store import EMBEDDINGS
+    from serving.tasks import FactoredRows, ServedTask, lookup
     from training.backbone import Backbone
 
     records = []
@@ -497,11 +499,14 @@ def run_onnxruntime(config: OverheadConfig, progress: bool = True,
         runners_by_graph = {k: BackboneRunner(g.optimized) for k, g in graphs.items()}
         prompt = FCPrompt(FCConfig(rank=config.rank), L, d, embedding_std=0.05).eval()
         factors = {k: v.detach().numpy() for k, v in prompt.state_dict().items()}
-        embeddings = encoder.get_input_embeddings().weight.detach().numpy()
+        store = scratch / model_name / "store"
+        write_rows_graphs(store, L, d)
+        np.save(store / EMBEDDINGS, encoder.get_input_embeddings().weight.detach().numpy())
         served = {"aot-fused": ServedTask("fused", "fused@000000000000", None, 512, "fused", L, d, V, {},
                                           table=table),
                   "aot-factored": ServedTask("factored", "factored@000000000000", None, 512, "factored", L, d, V,
-                                             {}, compute_rows=FCRows(factors, "tanh", embeddings))}
+                                             {}, compute_rows=FactoredRows(store, {"method": "fc", "activation": "tanh"},
+                                                                                    factors))}
         for batch, seq in sizes:
             case = make_case(encoder, batch, seq, torch.device("cpu"), torch.float32)
             tokens = [{io.INPUT_IDS: case.ids[b].numpy(), io.ATTENTION_MASK: case.mask[b].numpy()}

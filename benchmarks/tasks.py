@@ -12,6 +12,12 @@ Requests pick a task by popularity (zipf: task k with probability ~ 1/k; uniform
 A warm-up pass of the same distribution precedes the measured pass (the pool's steady state); the hit rate is the
 measured pass's. Records: tasks, mode, popularity, throughput_rps, p50_ms, p99_ms, rss_mb (server and stubs),
 hit_rate (pool only), ready_seconds, errors. Fused tables that would not fit on the disk are skipped and said so.
+
+The served runs are too short to fill the pool (1,000 tasks x ~25 new rows a request fill 8 tables' budget only
+after ~10,000 requests), so the eviction policies are compared by replaying a longer trace of the same kind
+(Rotten Tomatoes train texts, the same popularity, the largest task count) through the pool itself, in this
+process: records `policies`, each with the hit rate of the trace's second half (steady state) and the pool's
+bookkeeping time per request.
 """
 
 from __future__ import annotations
@@ -30,8 +36,10 @@ from benchmarks.report import markdown_table, new_figure, save_figure, write_jso
 from benchmarks.serve import _closed_loop, _server_rss_mb, _texts
 from exporter.task_store import TaskStore
 from serving import protocol
-from serving.repository import read_repository
-from serving.tasks import load_task_version
+from serving.pool import POLICIES, RowPool
+from serving.repository import RepositoryInfo, read_repository
+from serving.tasks import load_task_version, token_index
+from serving.tokenization import Tokenization
 
 MODES = ("fused-mmap", "factored", "pool")
 POPULARITIES = ("zipf", "uniform")
@@ -48,6 +56,7 @@ class TasksBenchConfig:
     requests: int = 400
     modes: tuple[str, ...] = MODES
     disk_fraction: float = 0.5  # fused tables may use at most this share of the free disk
+    policy_requests: int = 20000  # requests replayed per eviction policy (0: no replay)
 
 
 def _perturbed(factors: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
@@ -58,11 +67,11 @@ def _perturbed(factors: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarra
 class DerivedTasks:
     """Publishes N derived tasks of one storage into a repository's store (replacing what it held)."""
 
-    def __init__(self, repo: Path, master: Path, embeddings: Path):
+    def __init__(self, repo: Path, master: Path):
         from safetensors.numpy import load_file
 
         self.store = TaskStore(read_repository(repo).store_root)
-        self.master, self.embeddings = master, embeddings
+        self.master = master
         self.factors = load_file(master / "factors.safetensors")
 
     def publish(self, storage: str, n: int) -> list[str]:
@@ -80,7 +89,7 @@ class DerivedTasks:
             factors = _perturbed(self.factors, seed=i)
             save_file(factors, folder / "factors.safetensors")
             if storage == "fused":
-                task = load_task_version(folder, TaskStore.version_name(folder), self.embeddings)
+                task = load_task_version(folder, TaskStore.version_name(folder), self.store.root)
                 table = np.lib.format.open_memmap(folder / "table.npy", mode="w+", dtype=protocol.ROWS_DTYPE,
                                                   shape=(task.vocab_size, task.num_layers, task.hidden_size))
                 for start in range(0, task.vocab_size, 4096):
@@ -124,6 +133,48 @@ def _picks(popularity: str, tasks: int, n: int, seed: int) -> np.ndarray:
     return rng.choice(tasks, size=n, p=weights / weights.sum())
 
 
+def replay_policies(info: RepositoryInfo, tasks: int, popularity: str, pool_bytes: int, requests: int,
+                    batch: int = 8, max_length: int = 64) -> list[dict]:
+    """One trace (task by popularity, a real text's distinct tokens per request) through a pool of each policy."""
+    from training.data import load_task_data
+
+    tokens = Tokenization(info.tokenizer_dir, info.uses_token_type_ids)
+    texts = [e.text for e in load_task_data("rotten_tomatoes").train]
+    ids = []
+    for text in texts[:requests]:
+        enc = tokens.encode(text, None, max_length)
+        ids.append(token_index(enc[protocol.INPUT_IDS], enc[protocol.ATTENTION_MASK])[0])
+    picks = _picks(popularity, tasks, requests, seed=tasks + 1)
+    trace = [(f"t{k:04d}@{k:012x}", ids[i % len(ids)]) for i, k in enumerate(picks)]
+    zeros = np.zeros((max_length, info.num_layers, info.hidden_size), protocol.ROWS_DTYPE)
+    records = []
+    for policy in POLICIES:
+        pool = RowPool(pool_bytes, info.num_layers, info.hidden_size, info.vocab_size, policy)
+        for k in range(tasks):
+            pool.attach(f"t{k:04d}@{k:012x}", lambda u: zeros[:len(u)])
+        half = len(trace) // 2
+        bypassed = 0  # rows of batches larger than the whole pool: served from storage (as the registry does)
+        start = counted = time.perf_counter()
+        for i in range(0, len(trace), batch):
+            if i >= half and counted == start:
+                counted = time.perf_counter()
+                hits0 = sum(st.hits for st in pool.stats.values())
+                misses0 = sum(st.misses for st in pool.stats.values()) + bypassed
+            try:
+                pool.rows_many(trace[i:i + batch])
+            except MemoryError:
+                bypassed += sum(len(u) for _, u in trace[i:i + batch])
+        seconds = time.perf_counter() - counted
+        hits = sum(st.hits for st in pool.stats.values()) - hits0
+        misses = sum(st.misses for st in pool.stats.values()) + bypassed - misses0
+        records.append({"policy": policy, "tasks": tasks, "popularity": popularity, "requests": len(trace),
+                        "pool_rows": pool.slots, "resident": pool.resident,
+                        "hit_rate": round(hits / max(1, hits + misses), 4),
+                        "evictions": sum(st.evictions for st in pool.stats.values()),
+                        "us_per_request": round(seconds / (len(trace) - half) * 1e6, 1)})
+    return records
+
+
 def run_tasks_bench(config: TasksBenchConfig, progress: bool = True) -> dict:
     from tqdm.auto import tqdm
 
@@ -141,7 +192,7 @@ def run_tasks_bench(config: TasksBenchConfig, progress: bool = True) -> dict:
     master = scratch / "master"
     shutil.copytree(info.store_root / report.folder, master)
     TaskStore(info.store_root).remove("master")
-    derived = DerivedTasks(repo, master, info.store_root / "embeddings.npy")
+    derived = DerivedTasks(repo, master)
     table_bytes = info.vocab_size * info.num_layers * info.hidden_size * protocol.ROWS_DTYPE.itemsize
     pool_bytes = config.pool_bytes if config.pool_bytes is not None else 8 * table_bytes
     factor_bytes = sum(a.nbytes for a in derived.factors.values())
@@ -182,13 +233,18 @@ def run_tasks_bench(config: TasksBenchConfig, progress: bool = True) -> dict:
         write_reports(records, notes, out)
         bar.update(1)
     bar.close()
-    write_reports(records, notes, out)
+    policies = []
+    if config.policy_requests and "pool" in config.modes:
+        for popularity in tqdm(config.popularity, desc="eviction policies", disable=not progress):
+            policies += replay_policies(info, max(config.counts), popularity, pool_bytes, config.policy_requests,
+                                        config.concurrency)
+    write_reports(records, notes, out, policies)
     shutil.rmtree(scratch, ignore_errors=True)
     return {"out": str(out), "records": len(records), "notes": notes, "config": asdict(config)}
 
 
-def write_reports(records: list[dict], notes: list[str], out: Path) -> None:
-    write_json(out / "tasks.json", {"records": records, "notes": notes})
+def write_reports(records: list[dict], notes: list[str], out: Path, policies: list[dict] = ()) -> None:
+    write_json(out / "tasks.json", {"records": records, "notes": notes, "policies": list(policies)})
     for r in records:
         base = [b for b in records if b["tasks"] == 1 and b["mode"] == r["mode"] and b["popularity"] == r["popularity"]]
         r["vs_1_task"] = round(r["throughput_rps"] / base[0]["throughput_rps"], 3) if base else None
@@ -199,6 +255,13 @@ def write_reports(records: list[dict], notes: list[str], out: Path) -> None:
                             "pool hit rate", "start (s)", "errors"])
     if notes:
         text += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+    if policies:
+        text += ("\n## Eviction policies: one trace replayed through the pool (in-process, hit rate of its second "
+                 "half)\n\n")
+        text += markdown_table(list(policies), ["tasks", "popularity", "policy", "requests", "pool_rows", "hit_rate",
+                                                "evictions", "us_per_request"],
+                               ["tasks", "popularity", "policy", "requests", "pool rows", "hit rate", "evictions",
+                                "pool µs / request"])
     write_text(out / "tasks.md", text)
     if records:
         fig, (left, right) = new_figure(11, 4.5, ncols=2)

@@ -11,10 +11,12 @@ from pathlib import Path
 
 from exporter.configs import PYTHON_MODELS, TEMPLATES, write_configs
 from exporter.onnx_export import export_backbone_graph
+from exporter.rows_export import write_rows_graphs
 from exporter.task_store import TaskStore
 from exporter.tensorrt import Profile, build_plan, build_script
 from serving import protocol as io
 from serving.atomic import atomic_directory, write_json
+from serving.store import ROWS_DIR
 from serving.repository import (MODELS_DIR, RECORD, REPO_FORMAT, REPO_VERSION, RepositoryError, ServingOptions,
                                 read_repository)
 from training.artifact import backbone_identity
@@ -100,9 +102,10 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
         if keep_tasks is not None:
             # Hard links: no data is copied, and the old store stays whole until the swap succeeds.
             shutil.copytree(keep_tasks.store_root, tmp / STORE_DIR, copy_function=os.link,
-                            ignore=shutil.ignore_patterns(".tmp-*", ".lock"))
+                            ignore=shutil.ignore_patterns(".tmp-*", ".lock", ROWS_DIR))
         else:
             TaskStore(tmp / STORE_DIR).create(identity, backbone.embeddings.detach().float().numpy())
+        write_rows_graphs(tmp / STORE_DIR, backbone.num_layers, backbone.hidden_size)
         record = {"format": REPO_FORMAT, "format_version": REPO_VERSION, "protocol_version": io.PROTOCOL_VERSION,
                   "backbone": identity, "uses_token_type_ids": backbone.uses_token_type_ids,
                   "num_layers": backbone.num_layers, "hidden_size": backbone.hidden_size,

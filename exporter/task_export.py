@@ -17,7 +17,7 @@ from exporter.task_store import TaskStore
 from serving import protocol as io
 from serving.engine import BackboneRunner
 from serving.repository import RepositoryInfo, read_repository
-from serving.store import EMBEDDINGS, STORAGES, StoreError, check_task_name
+from serving.store import STORAGES, StoreError, check_task_name
 from serving.tasks import load_task_version, lookup
 from serving.tokenization import Tokenization
 from training.artifact import check_fingerprint, read_task
@@ -70,7 +70,7 @@ def _write_fused(body: AoTBody, path: Path, vocab: int, chunk: int = 2048, progr
 def validate_task(repo: RepositoryInfo, folder: Path, name: str, storage: str, predictor: Predictor,
                   texts=VALIDATION_TEXTS) -> float:
     """Served path (tokenizer, lookup, ONNX backbone, head) against the PyTorch task: max |logit difference|."""
-    served = load_task_version(folder, TaskStore.version_name(folder), repo.store_root / EMBEDDINGS)
+    served = load_task_version(folder, TaskStore.version_name(folder), repo.store_root)
     tokens = Tokenization(repo.tokenizer_dir, repo.uses_token_type_ids)
     runner = BackboneRunner(repo.backbone_onnx)
     requests = []

@@ -6,9 +6,13 @@ factored tasks compute rows from their factors; the pool keeps rows in memory so
 - **Resident** while every version's V rows fit in the budget: each version owns a contiguous range of rows,
   filled once when it is first used (the table read, or every row computed in one grouped matmul); a lookup is
   `buffer[base + ids]`, and nothing is ever evicted.
-- **Cache** beyond that: rows are kept per (version, token id), the least recently used rows are evicted in bulk
-  when the buffer is full (approximate LRU: a last-use tick per slot, the oldest 1/16 of the buffer goes at once),
-  and a batch's misses are filled together, one gather (fused) or one matmul (factored) per version.
+- **Cache** beyond that: rows are kept per (version, token id) and a batch's misses are filled together, one
+  gather (fused) or one rows-graph run (factored) per version. When the buffer is full, 1/16 of it is evicted at
+  once, chosen by the policy: `lru` (a last-use tick per slot: the oldest go) or `lfu` (frequency-aware: rows of
+  the tokens requested least often go first, ties by last use; token counts are kept across tasks and evictions,
+  since token ids follow a Zipf law in every task, and halve whenever 8 buffers' worth of rows were filled, so
+  that old popularity fades). `aot bench tasks` measures both on one request trace; the default is the one that
+  measured best (docs/benchmarks.md, section 4).
 
 A version that is removed or replaced is detached and its rows are dropped at once; keys carry the version, so
 rows of one version are never served for another. Counters per version: hits, misses, evictions, fill seconds,
@@ -27,6 +31,9 @@ import numpy as np
 from serving import protocol
 
 EVICT_FRACTION = 16  # evict 1/16 of the buffer when it is full: one argpartition per many fills
+POLICIES = ("lru", "lfu")
+AGING_TURNOVERS = 8  # lfu: use counts halve once AGING_TURNOVERS x the buffer's rows were filled
+DEFAULT_POLICY = "lru"
 
 
 @dataclass
@@ -39,7 +46,11 @@ class PoolStats:
 
 
 class RowPool:
-    def __init__(self, budget_bytes: int, num_layers: int, hidden_size: int, vocab_size: int):
+    def __init__(self, budget_bytes: int, num_layers: int, hidden_size: int, vocab_size: int,
+                 policy: str = DEFAULT_POLICY):
+        if policy not in POLICIES:
+            raise ValueError(f"pool policy {policy!r}: expected one of {', '.join(POLICIES)}")
+        self.policy = policy
         self.row_shape = (num_layers, hidden_size)
         self.row_bytes = num_layers * hidden_size * protocol.ROWS_DTYPE.itemsize
         self.vocab_size = vocab_size
@@ -63,8 +74,11 @@ class RowPool:
         self._owner_version: list[str] = []
         self._version_number: dict[str, int] = {}
         self._last_use = np.zeros(self.slots, dtype=np.int64)
+        self._token_uses = np.zeros(vocab_size, dtype=np.int64)  # lfu: requests per token, aged
+        self._filled_since_aging = 0
         self._tick = 0
-        self._free: list[np.ndarray] = []
+        self._free = np.empty(0, dtype=np.int64)  # a stack of free slots: the first _free_count are free
+        self._free_count = 0
 
     def holds(self, version: str) -> bool:
         return version in self._sources
@@ -96,7 +110,7 @@ class RowPool:
             if slot_of:
                 freed = np.fromiter(slot_of.values(), dtype=np.int64, count=len(slot_of))
                 self._owner[freed] = -1
-                self._free.append(freed)
+                self._release(freed)
             self._layout()
 
     def _layout(self) -> None:
@@ -123,7 +137,7 @@ class RowPool:
                     stats.resident_rows = 0
                 self.touched.update(self.stats)
                 self._owner[:] = -1
-                self._free = [np.arange(self.slots, dtype=np.int64)]
+                self._free, self._free_count = np.arange(self.slots, dtype=np.int64), self.slots
                 self._slot_of = {}
                 return
 
@@ -166,6 +180,7 @@ class RowPool:
         misses: dict[str, np.ndarray] = {}
         for (version, ids), found in zip(requests, slots):
             self._last_use[found[found >= 0]] = self._tick  # protect this batch's hits from eviction
+            self._token_uses[ids] += 1
             missing = ids[found < 0]
             if len(missing):
                 misses[version] = np.union1d(misses[version], missing) if version in misses else missing
@@ -183,32 +198,42 @@ class RowPool:
             out.append(self.buffer[found])
         return out
 
+    def _release(self, slots: np.ndarray) -> None:
+        self._free[self._free_count:self._free_count + len(slots)] = slots
+        self._free_count += len(slots)
+
     def _take(self, count: int) -> np.ndarray:
-        free = np.concatenate(self._free) if self._free else np.empty(0, np.int64)
-        if len(free) < count:
-            # evict the least recently used (not used by this batch) in bulk
-            in_use = self._owner >= 0
-            candidates = np.flatnonzero(in_use & (self._last_use < self._tick))
-            want = min(len(candidates), max(count - len(free), self.slots // EVICT_FRACTION))
-            if want < count - len(free):
-                raise MemoryError(f"the task pool holds {self.slots} rows; one batch needs more "
-                                  f"({count}): raise --pool-bytes")
-            oldest = candidates[np.argpartition(self._last_use[candidates], want - 1)[:want]]
-            keys = self._owner[oldest]
-            numbers, tokens = np.divmod(keys, self.vocab_size)
-            for number in np.unique(numbers).tolist():
-                version = self._owner_version[number]
-                slot_of, gone = self._slot_of.get(version), tokens[numbers == number].tolist()
-                if slot_of is not None:
-                    for token in gone:
-                        del slot_of[token]
-                    self.stats[version].evictions += len(gone)
-                    self.touched.add(version)
-                    self.stats[version].resident_rows -= len(gone)
-            self._owner[oldest] = -1
-            free = np.concatenate([free, oldest])
-        self._free = [free[count:]]
-        return free[:count]
+        if self._free_count < count:
+            self._evict(max(count - self._free_count, self.slots // EVICT_FRACTION), count - self._free_count)
+        self._free_count -= count
+        return self._free[self._free_count:self._free_count + count].copy()
+
+    def _evict(self, want: int, need: int) -> None:
+        """Evict `want` rows (at least `need`) that this batch does not use, chosen by the policy."""
+        candidates = np.flatnonzero((self._owner >= 0) & (self._last_use < self._tick))
+        if len(candidates) < need:
+            raise MemoryError(f"the task pool holds {self.slots} rows; one batch needs more "
+                              f"({need + self._free_count}): raise --pool-bytes")
+        want = min(want, len(candidates))
+        score = self._last_use[candidates]
+        if self.policy == "lfu":
+            score = (self._token_uses[self._owner[candidates] % self.vocab_size] << 32) | (score & 0xFFFFFFFF)
+            if self._filled_since_aging >= AGING_TURNOVERS * self.slots:
+                self._token_uses >>= 1
+                self._filled_since_aging = 0
+        oldest = candidates[np.argpartition(score, want - 1)[:want]] if want < len(candidates) else candidates
+        numbers, tokens = np.divmod(self._owner[oldest], self.vocab_size)
+        for number in np.unique(numbers).tolist():
+            version = self._owner_version[number]
+            slot_of, gone = self._slot_of.get(version), tokens[numbers == number].tolist()
+            if slot_of is not None:
+                for token in gone:
+                    del slot_of[token]
+                self.stats[version].evictions += len(gone)
+                self.stats[version].resident_rows -= len(gone)
+                self.touched.add(version)
+        self._owner[oldest] = -1
+        self._release(oldest)
 
     def _number(self, version: str) -> int:
         if version not in self._version_number:
@@ -223,6 +248,7 @@ class RowPool:
         self._slot_of[version].update(zip(ids.tolist(), slots.tolist()))
         self._owner[slots] = self._number(version) * self.vocab_size + ids
         self._last_use[slots] = self._tick  # rows filled for this batch are not evicted by its next fill
+        self._filled_since_aging += len(slots)
         stats = self.stats[version]
         stats.fill_seconds += time.perf_counter() - start
         stats.resident_rows += len(ids)

@@ -3,6 +3,7 @@
     REPO/tasks/manifest.json       the only source of truth: backbone identity, {task name -> version folder}, and
                                    the versions retired recently (kept on disk a while for requests in flight)
     REPO/tasks/embeddings.npy      the backbone's embedding matrix E [V, d] fp32 (factored FC tasks use it)
+    REPO/tasks/rows/<formula>.onnx the rows graphs factored tasks are computed with (fc-<activation>, kron)
     REPO/tasks/<name>@<id>/        one immutable version of a task (see serving.tasks)
 
 The writer is exporter.task_store. A reader validates each manifest entry on its own: a bad entry fails only its
@@ -22,10 +23,18 @@ STORE_FORMAT = "aot-task-store"
 STORE_VERSION = 1
 MANIFEST = "manifest.json"
 EMBEDDINGS = "embeddings.npy"
+ROWS_DIR = "rows"
 STORAGES = ("fused", "factored")
 MAX_NAME_LENGTH = 128
 _NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
 _VERSION = re.compile(r"(?P<name>[A-Za-z0-9_-][A-Za-z0-9_.-]*)@(?P<id>[0-9a-f]{12})")
+
+
+def rows_graph_name(method: dict) -> str:
+    """The rows graph a factored task's method config is computed with: `fc-<activation>` or `kron`."""
+    if method.get("method") == "fc":
+        return f"fc-{method.get('activation', 'tanh')}"
+    return str(method.get("method"))
 
 
 class StoreError(ValueError):

@@ -7,8 +7,9 @@ A version folder `REPO/tasks/<name>@<id>/` is immutable:
     factors.safetensors     factored: FC w1 [L, d, r], b1 [L, r], w2 [L, r, d], b2 [L, d];
                             Kron w_left [L, a, r], w_mid [L, b, r], w_right [L, r*r, d]
 
-Factored rows are computed here with numpy, with the formulas of training.methods.aot.layer (eval mode: no
-dropout); export checks served logits against PyTorch before a task is published.
+Factored rows are computed by the store's rows graphs: training's own formulas (training.methods.aot.layer, eval
+mode: no dropout) exported to ONNX and run with ONNX Runtime; export checks served logits against PyTorch before
+a task is published.
 """
 
 from __future__ import annotations
@@ -28,28 +29,11 @@ from serving.errors import RequestError
 from serving.formats import FormatError, check_keys, read_json
 from serving.labels import label_for
 from serving.pool import RowPool
-from serving.store import STORAGES, StoreError, StoreReader, check_version, task_of
+from serving.store import (EMBEDDINGS, ROWS_DIR, STORAGES, StoreError, StoreReader, check_version, rows_graph_name,
+                           task_of)
 
 _TASK_KEYS = {"labels": (list, type(None)), "max_length": int, "storage": str, "method": dict, "num_layers": int,
               "hidden_size": int, "vocab_size": int}
-
-
-def _erf(x: np.ndarray) -> np.ndarray:
-    """erf to ~1e-7 (Abramowitz & Stegun 7.1.26 refined): far below the fp16 the rows are served in."""
-    sign = np.sign(x)
-    a = np.abs(x)
-    t = 1.0 / (1.0 + 0.5 * a)
-    y = 1.0 - t * np.exp(-a * a - 1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (
-        -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277)))))))))
-    return sign * y
-
-
-ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
-    "tanh": np.tanh,
-    "gelu": lambda x: 0.5 * x * (1.0 + _erf(x / np.sqrt(2.0))),  # torch.nn.GELU(): the exact (erf) form
-    "relu": lambda x: np.maximum(x, 0.0),
-    "identity": lambda x: x,
-}
 
 
 @functools.lru_cache(maxsize=4)
@@ -58,34 +42,47 @@ def shared_embeddings(path: Path, stamp: tuple[int, int]) -> np.ndarray:
     return np.load(path, mmap_mode="r")
 
 
-class FCRows:
-    """P = f(E W1 + b1) W2 + b2 for every layer at once."""
+@functools.lru_cache(maxsize=16)
+def rows_session(path: Path, stamp: tuple[int, int]):
+    """One ONNX Runtime session per rows graph and process, shared by every task of that formula. One thread: a
+    batch's rows are small GEMMs, and the backbone's session owns the cores."""
+    import onnxruntime as ort
 
-    def __init__(self, factors: dict[str, np.ndarray], activation: str, embeddings: np.ndarray):
-        if activation not in ACTIVATIONS:
-            raise StoreError(f"unknown activation {activation!r}: expected one of {', '.join(ACTIVATIONS)}")
-        self.w1, self.b1, self.w2, self.b2 = (np.asarray(factors[k], np.float32) for k in ("w1", "b1", "w2", "b2"))
-        self.act, self.embeddings = ACTIVATIONS[activation], embeddings
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+class FactoredRows:
+    """A factored task's rows, computed by the store's rows graph for its formula (exporter.rows_export: training's
+    own formula exported to ONNX) from its factors: sorted token ids -> [U, L, d] fp16, one session run."""
+
+    def __init__(self, store_root: Path, method: dict, factors: dict[str, np.ndarray]):
+        graph = Path(store_root) / ROWS_DIR / f"{rows_graph_name(method)}.onnx"
+        if not graph.is_file():
+            raise StoreError(f"the task store has no rows graph {ROWS_DIR}/{graph.name} for method "
+                             f"{method.get('method')!r}: re-export the backbone (aot export backbone) to write it")
+        st = graph.stat()
+        self.session = rows_session(graph, (st.st_ino, st.st_mtime_ns))
+        names = [i.name for i in self.session.get_inputs()]
+        missing = [n for n in names if n not in factors and n not in ("e", "token_ids")]
+        if missing:
+            raise StoreError(f"factors.safetensors lacks {', '.join(missing)} (formula {rows_graph_name(method)})")
+        self.feeds = {n: np.ascontiguousarray(factors[n], dtype=np.float32) for n in names if n in factors}
+        self.embeddings = None
+        if "e" in names:
+            embeddings_path = Path(store_root) / EMBEDDINGS
+            st = embeddings_path.stat()
+            self.embeddings = shared_embeddings(embeddings_path, (st.st_ino, st.st_mtime_ns))
 
     def __call__(self, token_ids: np.ndarray) -> np.ndarray:
-        e = np.asarray(self.embeddings[token_ids], dtype=np.float32)  # [U, d]
-        h = self.act(e[None] @ self.w1 + self.b1[:, None, :])  # [L, U, r]
-        return (h @ self.w2).transpose(1, 0, 2) + self.b2  # [U, L, d]
-
-
-class KronRows:
-    """P = (W_L ⊗ W_M) W_R; token x takes row (x // b, x % b)."""
-
-    def __init__(self, factors: dict[str, np.ndarray], b: int):
-        self.left, self.mid, self.right = (np.asarray(factors[k], np.float32)
-                                           for k in ("w_left", "w_mid", "w_right"))
-        self.b = int(b)
-
-    def __call__(self, token_ids: np.ndarray) -> np.ndarray:
-        left, mid = self.left[:, token_ids // self.b], self.mid[:, token_ids % self.b]  # [L, U, r]
-        L, U, r = left.shape
-        kron = (left[..., :, None] * mid[..., None, :]).reshape(L, U, r * r)
-        return (kron @ self.right).transpose(1, 0, 2)  # [U, L, d]
+        feeds = dict(self.feeds)
+        if self.embeddings is not None:
+            feeds["e"] = np.asarray(self.embeddings[token_ids], dtype=np.float32)
+        else:
+            feeds["token_ids"] = np.asarray(token_ids, dtype=np.int64)
+        return self.session.run(None, feeds)[0]
 
 
 @dataclass
@@ -108,7 +105,7 @@ class ServedTask:
         Fused: only these rows are read from disk; factored: computed in one matmul per layer stack."""
         if self.table is not None:
             return np.ascontiguousarray(self.table[token_ids], dtype=protocol.ROWS_DTYPE)
-        return self.compute_rows(token_ids).astype(protocol.ROWS_DTYPE)
+        return self.compute_rows(token_ids)
 
     def logits(self, cls_hidden: np.ndarray) -> np.ndarray:
         """The task head (training.model.ClassificationHead in eval mode): out(tanh(dense(h)))."""
@@ -129,7 +126,7 @@ class ServedTask:
 PARTS = ("meta", "head", "rows", "all")
 
 
-def load_task_version(folder: Path, version: str, embeddings_path: Path, parts: str = "all") -> ServedTask:
+def load_task_version(folder: Path, version: str, store_root: Path, parts: str = "all") -> ServedTask:
     """Load a version folder (`folder` may still be an export's temporary; `version` is the name it will have).
     `parts`: what a step needs: "meta" (the tokenizer, task_list), "head" (the head step), "rows" (the lookup: the
     table or factors, not the head), "all". With 1,000 tasks a head is 0.6 MB (MiniLM) a step need not hold."""
@@ -151,15 +148,9 @@ def load_task_version(folder: Path, version: str, embeddings_path: Path, parts: 
             raise StoreError(f"{version}: table.npy is {task.table.dtype} {task.table.shape}, expected fp16 {shape}")
     else:
         method = meta["method"]
-        factors = load_file(folder / "factors.safetensors")
-        if method.get("method") == "fc":
-            st = embeddings_path.stat()
-            embeddings = shared_embeddings(embeddings_path, (st.st_ino, st.st_mtime_ns))
-            task.compute_rows = FCRows(factors, method.get("activation", "tanh"), embeddings)
-        elif method.get("method") == "kron":
-            task.compute_rows = KronRows(factors, method["b"])
-        else:
+        if method.get("method") not in ("fc", "kron"):
             raise StoreError(f"{version}: method {method.get('method')!r} cannot be served from factors")
+        task.compute_rows = FactoredRows(store_root, method, load_file(folder / "factors.safetensors"))
         probe = task.compute_rows(np.array([0], dtype=np.int64))
         if probe.shape != (1,) + shape[1:]:
             raise StoreError(f"{version}: factors give rows of shape {probe.shape[1:]}, expected {shape[1:]}")
@@ -240,7 +231,7 @@ class TaskRegistry:
     def _load(self, version: str, parts: str | None = None, keep: bool = True) -> ServedTask | StoreError:
         try:
             task: ServedTask | StoreError = load_task_version(self.store.version_folder(version), version,
-                                                              self.store.embeddings_path, parts or self.parts)
+                                                              self.store.root, parts or self.parts)
         except Exception as exc:  # noqa: BLE001 - a corrupt task must not take the others down
             detail = str(exc).replace(str(self.store.root) + "/", "")
             task = StoreError(f"task {task_of(version)!r} ({version}) is corrupt: {type(exc).__name__}: {detail}")

@@ -59,8 +59,8 @@ def test_tasks_bench_tiny(tmp_path, tiny_models, sentiment_dir):
     task = train_tiny_task(tiny_models["bert"], sentiment_dir, tmp_path / "task", "fc", epochs=1)
     out = tmp_path / "bench"
     assert main(["bench", "tasks", "--task", str(task), "--counts", "1,3", "--popularity", "zipf,uniform",
-                 "--concurrency", "2", "--requests", "12", "--pool-bytes", "6000", "--out", str(out),
-                 "--no-progress"]) == 0
+                 "--concurrency", "2", "--requests", "12", "--pool-bytes", "6000", "--policy-requests", "200",
+                 "--out", str(out), "--no-progress"]) == 0
     data = json.loads((out / "tasks.json").read_text())
     records = data["records"]
     assert {(r["tasks"], r["mode"], r["popularity"]) for r in records} == {
@@ -71,4 +71,25 @@ def test_tasks_bench_tiny(tmp_path, tiny_models, sentiment_dir):
             assert 0 <= r["hit_rate"] <= 1
         else:
             assert r["hit_rate"] is None
+    policies = data["policies"]
+    assert {(r["policy"], r["popularity"]) for r in policies} == {(p, q) for p in ("lru", "lfu")
+                                                                  for q in ("zipf", "uniform")}
+    for r in policies:
+        assert r["tasks"] == 3 and r["requests"] == 200 and not r["resident"] and 0 < r["hit_rate"] <= 1
     assert (out / "tasks.md").read_text().startswith("# Tasks scaling") and (out / "tasks.png").stat().st_size > 1000
+    assert "## Eviction policies" in (out / "tasks.md").read_text()
+
+
+def test_policy_replay_evicts_and_counts_every_lookup(tmp_path, tiny_models):
+    """The replay of `aot bench tasks` through a pool of 8 rows for 20 tasks: it evicts, and hits + misses are every
+    distinct token of the trace's second half."""
+    from benchmarks.tasks import replay_policies
+    from serving.repository import read_repository
+    from tests.helpers import make_repository
+
+    info = read_repository(make_repository(tiny_models["bert"], tmp_path / "repo", {}))
+    row_bytes = info.num_layers * info.hidden_size * 2
+    records = replay_policies(info, tasks=20, popularity="zipf", pool_bytes=8 * row_bytes, requests=300, batch=1)
+    assert [r["policy"] for r in records] == ["lru", "lfu"]
+    for r in records:
+        assert r["pool_rows"] == 8 and not r["resident"] and r["evictions"] > 0 and 0 < r["hit_rate"] < 1

@@ -7,7 +7,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from serving.pool import RowPool
+from serving.pool import POLICIES, RowPool
 
 V, L, D = 500, 2, 4
 
@@ -35,9 +35,10 @@ def test_every_task_resident_while_all_fit():
     assert all(s.evictions == 0 and s.resident_rows == V for s in pool.stats.values())
 
 
-def test_cache_never_exceeds_budget_and_refills_identical_rows():
+@pytest.mark.parametrize("policy", POLICIES)
+def test_cache_never_exceeds_budget_and_refills_identical_rows(policy):
     tables = _tables(6)
-    pool = RowPool(2 * V * L * D * 2 + 5, L, D, V)  # room for 2 of 6 tables (and part of a row: ignored)
+    pool = RowPool(2 * V * L * D * 2 + 5, L, D, V, policy)  # room for 2 of 6 tables (and part of a row: ignored)
     assert pool.slots == 2 * V and pool.budget_bytes == 2 * V * L * D * 2
     _attach(pool, tables)
     assert not pool.resident
@@ -67,10 +68,34 @@ def test_detached_version_rows_are_dropped_and_never_served_for_another():
     np.testing.assert_array_equal(pool.rows_many([(replacement, ids)])[0], new[old_version][ids])
 
 
+def test_lfu_keeps_rows_used_often_where_lru_keeps_the_last_used():
+    """A hot set of tokens used every third batch among tokens used once (a scan), 64 slots: LFU keeps the hot
+    set, LRU lets it go."""
+    table = _tables(1)
+    version = next(iter(table))
+    hot = np.arange(0, 20)
+    hits = {}
+    for policy in POLICIES:
+        pool = RowPool(64 * L * D * 2, L, D, V, policy)
+        _attach(pool, {version: table[version], "other@000000000001": table[version]})
+        scan = (100 + 30 * k + np.arange(30) for k in range(12))  # rows used once: 60 between two hot batches
+        for batch in range(18):
+            ids = hot if batch % 3 == 0 else next(scan)
+            before = pool.stats[version].hits
+            np.testing.assert_array_equal(pool.rows_many([(version, ids)])[0], table[version][ids])
+            if batch % 3 == 0 and batch:
+                hits[policy] = hits.get(policy, 0) + pool.stats[version].hits - before
+    # LRU keeps only what the last eviction happened to spare (4 rows); LFU loses the hot set once, at its first
+    # eviction (every token was used once then), and keeps it from its second use on
+    assert hits == {"lru": 5 * 4, "lfu": 4 + 4 * len(hot)}, hits
+
+
 def test_one_batch_larger_than_the_pool_is_refused():
     pool = RowPool(10 * L * D * 2, L, D, V)
     tables = _tables(2)
     _attach(pool, tables)
+    with pytest.raises(ValueError, match="pool policy 'fifo': expected one of lru, lfu"):
+        RowPool(10 * L * D * 2, L, D, V, "fifo")
     with pytest.raises(MemoryError, match="raise --pool-bytes"):
         pool.rows_many([(v, np.arange(20)) for v in tables])
 

@@ -1,5 +1,5 @@
-"""The serving package is the ground floor: no torch, no training; its numpy and tokenizers code computes what
-training computes."""
+"""The serving package is the ground floor: no torch, no training; what it computes (rows through the exported
+rows graphs, tokens through the tokenizers library) equals what training computes."""
 
 import json
 import subprocess
@@ -12,11 +12,11 @@ import torch
 
 from serving import protocol
 from serving.formats import FormatError, read_versioned_json
-from serving.store import StoreError, check_task_name, check_version
-from serving.tasks import ACTIVATIONS, FCRows, KronRows
+from serving.store import EMBEDDINGS, StoreError, check_task_name, check_version
+from serving.tasks import FactoredRows
 from serving.tokenization import Tokenization
 from tests.tiny import ARCHS, tiny_tokenizer
-from training.methods.aot.config import FCConfig, KronConfig
+from training.methods.aot.config import ACTIVATIONS, FCConfig, KronConfig
 from training.methods.aot.layer import FCPrompt, KronPrompt
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,34 +42,57 @@ print(",".join(bad))
     assert out.stdout.strip() == "", f"the serving side imported {out.stdout.strip()}"
 
 
-@pytest.mark.parametrize("activation", list(ACTIVATIONS))
-def test_fc_rows_in_numpy_equal_training(activation):
+@pytest.fixture(scope="module")
+def rows_store(tmp_path_factory):
+    """A store with the exported rows graphs (3 layers, d = 16) and an embedding matrix."""
+    from exporter.rows_export import write_rows_graphs
+
+    store = tmp_path_factory.mktemp("store")
+    assert sorted(write_rows_graphs(store, num_layers=3, hidden_size=16)) == sorted(
+        [f"fc-{a}" for a in ACTIVATIONS] + ["kron"])
+    torch.manual_seed(1)
+    np.save(store / EMBEDDINGS, (torch.randn(50, 16) * 0.05).numpy())
+    return store
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_served_fc_rows_equal_training(rows_store, activation):
     torch.manual_seed(0)
     prompt = FCPrompt(FCConfig(rank=8, activation=activation), num_layers=3, hidden_size=16, embedding_std=0.05).eval()
     with torch.no_grad():
         for p in prompt.parameters():
             p.normal_(0, 0.5)  # trained-looking factors (W2 = 0 at init would make every row zero)
-    embeddings = torch.randn(50, 16) * 0.05
+    embeddings = torch.from_numpy(np.load(rows_store / EMBEDDINGS))
     ids = np.array([0, 3, 7, 49])
     with torch.no_grad():
         expected = prompt.rows(torch.from_numpy(ids), embeddings).numpy()
-    rows = FCRows({k: v.detach().numpy() for k, v in prompt.state_dict().items()}, activation, embeddings.numpy())
+    rows = FactoredRows(rows_store, {"method": "fc", "activation": activation},
+                        {k: v.detach().numpy() for k, v in prompt.state_dict().items()})
     got = rows(ids)
-    assert got.shape == (4, 3, 16)
-    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    assert got.shape == (4, 3, 16) and got.dtype == protocol.ROWS_DTYPE
+    np.testing.assert_allclose(got.astype(np.float32), expected, rtol=2e-3, atol=2e-3)  # fp16 rounding
 
 
-def test_kron_rows_in_numpy_equal_training():
+def test_served_kron_rows_equal_training(rows_store):
     torch.manual_seed(0)
     config = KronConfig(rank=3).resolve(50)
-    prompt = KronPrompt(config, num_layers=2, hidden_size=8).eval()
+    prompt = KronPrompt(config, num_layers=3, hidden_size=16).eval()
     with torch.no_grad():
         prompt.w_right.normal_()
     ids = np.array([0, 1, 8, 49])
     with torch.no_grad():
         expected = prompt.rows(torch.from_numpy(ids)).numpy()
-    got = KronRows({k: v.detach().numpy() for k, v in prompt.state_dict().items()}, config.b)(ids)
-    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    got = FactoredRows(rows_store, {"method": "kron", "b": config.b},
+                       {k: v.detach().numpy() for k, v in prompt.state_dict().items()})(ids)
+    np.testing.assert_allclose(got.astype(np.float32), expected, rtol=2e-3, atol=2e-3)
+
+
+def test_factored_rows_name_what_is_missing(rows_store, tmp_path):
+    with pytest.raises(StoreError, match=r"no rows graph rows/fc-swish.onnx .* re-export the backbone"):
+        FactoredRows(rows_store, {"method": "fc", "activation": "swish"}, {})
+    with pytest.raises(StoreError, match="factors.safetensors lacks w2, b2"):
+        FactoredRows(rows_store, {"method": "fc", "activation": "tanh"},
+                     {"w1": np.zeros((3, 16, 2)), "b1": np.zeros((3, 2))})
 
 
 @pytest.mark.parametrize("arch", ARCHS)

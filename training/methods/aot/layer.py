@@ -1,5 +1,7 @@
 """The two parametrizations of P. Both compute only the rows of the tokens asked for, token-major [U, L, d]:
-the same layout as the fused table the exporter writes, so training, fusing and serving share one formula."""
+the same layout as the fused table the exporter writes. `fc_rows` and `kron_rows` are the one formula: training
+calls them here, and the exporter turns them into the ONNX graphs that serving computes factored rows with
+(exporter.rows_export)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,24 @@ from torch import nn
 
 from training.methods.aot.config import FCConfig, KronConfig
 
-_ACTIVATIONS = {"tanh": nn.Tanh, "gelu": nn.GELU, "relu": nn.ReLU, "identity": nn.Identity}
+ACTIVATION_MODULES = {"tanh": nn.Tanh, "gelu": nn.GELU, "relu": nn.ReLU, "identity": nn.Identity}
+
+
+def fc_rows(e: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor,
+            act: nn.Module) -> torch.Tensor:
+    """f(e W1 + b1) W2 + b2 for every layer: e [U, d], w1 [L, d, r], b1 [L, r], w2 [L, r, d], b2 [L, d] -> [U, L, d]."""
+    h = act(torch.matmul(e, w1) + b1[:, None, :])  # [L, U, r]
+    return (torch.matmul(h, w2) + b2[:, None, :]).transpose(0, 1)
+
+
+def kron_rows(token_ids: torch.Tensor, w_left: torch.Tensor, w_mid: torch.Tensor,
+              w_right: torch.Tensor) -> torch.Tensor:
+    """(W_L[x // b] ⊗ W_M[x % b]) W_R for every layer: w_left [L, a, r], w_mid [L, b, r], w_right [L, r*r, d]."""
+    b = w_mid.shape[1]
+    left, mid = w_left[:, token_ids // b], w_mid[:, token_ids % b]  # [L, U, r]
+    L, U, r = left.shape
+    kron = (left[..., :, None] * mid[..., None, :]).reshape(L, U, r * r)
+    return torch.matmul(kron, w_right).transpose(0, 1)
 
 
 class FCPrompt(nn.Module):
@@ -26,13 +45,12 @@ class FCPrompt(nn.Module):
         self.b1 = nn.Parameter(torch.zeros(L, r))
         self.w2 = nn.Parameter(torch.zeros(L, r, d))
         self.b2 = nn.Parameter(torch.zeros(L, d))
-        self.act = _ACTIVATIONS[config.activation]()
+        self.act = ACTIVATION_MODULES[config.activation]()
         self.dropout = nn.Dropout(config.dropout)
 
     def rows(self, token_ids: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
         e = self.dropout(embeddings[token_ids].to(self.w1.dtype))  # [U, d]
-        h = self.act(torch.einsum("ud,ldr->lur", e, self.w1) + self.b1[:, None, :])  # [L, U, r]
-        return torch.einsum("lur,lrd->uld", h, self.w2) + self.b2  # [U, L, d]
+        return fc_rows(e, self.w1, self.b1, self.w2, self.b2, self.act)
 
 
 class KronPrompt(nn.Module):
@@ -49,8 +67,4 @@ class KronPrompt(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def rows(self, token_ids: torch.Tensor, embeddings: torch.Tensor | None = None) -> torch.Tensor:
-        left = self.w_left[:, token_ids // self.b]  # [L, U, r]
-        mid = self.w_mid[:, token_ids % self.b]  # [L, U, r]
-        L, U, r = left.shape
-        kron = (left[..., :, None] * mid[..., None, :]).reshape(L, U, r * r)
-        return self.dropout(torch.einsum("luk,lkd->uld", kron, self.w_right))
+        return self.dropout(kron_rows(token_ids, self.w_left, self.w_mid, self.w_right))
