@@ -16,7 +16,7 @@ hit_rate (pool only), ready_seconds, errors. Fused tables that would not fit on 
 The served runs are too short to fill the pool (1,000 tasks x ~25 new rows a request fill 8 tables' budget only
 after ~10,000 requests), so the eviction policies are compared by replaying a longer trace of the same kind
 (Rotten Tomatoes train texts, the same popularity, the largest task count) through the pool itself, in this
-process: records `policies`, each with the hit rate of the trace's second half (steady state) and the pool's
+process, with the bench's budget and with 1/8 of it: records `policies`, each with the hit rate of the trace's second half (steady state) and the pool's
 bookkeeping time per request.
 """
 
@@ -146,7 +146,7 @@ def replay_policies(info: RepositoryInfo, tasks: int, popularity: str, pool_byte
         ids.append(token_index(enc[protocol.INPUT_IDS], enc[protocol.ATTENTION_MASK])[0])
     picks = _picks(popularity, tasks, requests, seed=tasks + 1)
     trace = [(f"t{k:04d}@{k:012x}", ids[i % len(ids)]) for i, k in enumerate(picks)]
-    zeros = np.zeros((max_length, info.num_layers, info.hidden_size), protocol.ROWS_DTYPE)
+    zeros = np.zeros((batch * max_length, info.num_layers, info.hidden_size), protocol.ROWS_DTYPE)
     records = []
     for policy in POLICIES:
         pool = RowPool(pool_bytes, info.num_layers, info.hidden_size, info.vocab_size, policy)
@@ -235,8 +235,9 @@ def run_tasks_bench(config: TasksBenchConfig, progress: bool = True) -> dict:
     bar.close()
     policies = []
     if config.policy_requests and "pool" in config.modes:
-        for popularity in tqdm(config.popularity, desc="eviction policies", disable=not progress):
-            policies += replay_policies(info, max(config.counts), popularity, pool_bytes, config.policy_requests,
+        runs = [(p, b) for p in config.popularity for b in (pool_bytes, pool_bytes // 8)]
+        for popularity, budget in tqdm(runs, desc="eviction policies", disable=not progress):
+            policies += replay_policies(info, max(config.counts), popularity, budget, config.policy_requests,
                                         config.concurrency)
     write_reports(records, notes, out, policies)
     shutil.rmtree(scratch, ignore_errors=True)

@@ -72,8 +72,8 @@ def test_tasks_bench_tiny(tmp_path, tiny_models, sentiment_dir):
         else:
             assert r["hit_rate"] is None
     policies = data["policies"]
-    assert {(r["policy"], r["popularity"]) for r in policies} == {(p, q) for p in ("lru", "lfu")
-                                                                  for q in ("zipf", "uniform")}
+    assert sorted((r["policy"], r["popularity"], r["pool_rows"]) for r in policies) == sorted(
+        (p, q, rows) for p in ("lru", "lfu") for q in ("zipf", "uniform") for rows in (46, 5))  # 6000 and 750 bytes
     for r in policies:
         assert r["tasks"] == 3 and r["requests"] == 200 and not r["resident"] and 0 < r["hit_rate"] <= 1
     assert (out / "tasks.md").read_text().startswith("# Tasks scaling") and (out / "tasks.png").stat().st_size > 1000
