@@ -72,6 +72,9 @@ def add_bench(sub) -> None:
     t.add_argument("--requests", type=_positive_int, default=400, help="measured requests per run (after as many "
                                                                        "warm-up requests)")
     t.add_argument("--modes", type=_names, default=["fused-mmap", "factored", "pool"])
+    t.add_argument("--repeats", type=_positive_int, default=1,
+                   help="runs of each configuration, each on a fresh server, interleaved; the median is reported "
+                        "(this machine's run-to-run noise is 3-15 %%)")
     t.add_argument("--policy-requests", type=int, default=20000,
                    help="requests of the trace replayed through the pool per eviction policy (lru, lfu), in-process, "
                         "with the largest task count; 0 skips it")
@@ -109,7 +112,7 @@ def run_tasks(args) -> int:
             raise ValueError(f"{flag}: unknown {unknown}; expected some of {', '.join(known)}")
     config = TasksBenchConfig(args.task, args.out, tuple(args.counts), tuple(args.popularity), args.pool_bytes,
                               args.concurrency, args.requests, tuple(args.modes),
-                              policy_requests=args.policy_requests)
+                              policy_requests=args.policy_requests, repeats=args.repeats)
     print(json.dumps(run_tasks_bench(config, progress=not args.no_progress)))
     return 0
 

@@ -57,6 +57,7 @@ class TasksBenchConfig:
     modes: tuple[str, ...] = MODES
     disk_fraction: float = 0.5  # fused tables may use at most this share of the free disk
     policy_requests: int = 20000  # requests replayed per eviction policy (0: no replay)
+    repeats: int = 1  # runs of each configuration (fresh server each), interleaved; records keep the median
 
 
 def _perturbed(factors: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
@@ -175,10 +176,30 @@ def replay_policies(info: RepositoryInfo, tasks: int, popularity: str, pool_byte
     return records
 
 
+def _served_run(repo: Path, names: list[str], texts: list[str], n: int, mode: str, popularity: str, pool_bytes: int,
+                config: TasksBenchConfig) -> dict:
+    """One fresh server: warm-up pass, measured pass; throughput, latency, RSS, hit rate, start-up."""
+    from aot.server import LocalServer
+
+    picks = _picks(popularity, n, 2 * config.requests, seed=n)
+    items = [(names[k], texts[i]) for i, k in enumerate(picks)]
+    with LocalServer(repo, pool_bytes=pool_bytes if mode == "pool" else 0) as server:
+        metrics = f"http://{server.host}:{server.metrics_port}/metrics"
+        warm = _closed_loop(server.grpc_url, "aot", items[:config.requests], config.concurrency)
+        hits0, misses0 = _published_counters(server.grpc_url, metrics, names[0], texts[0])
+        result = _closed_loop(server.grpc_url, "aot", items[config.requests:], config.concurrency)
+        hits, misses = _published_counters(server.grpc_url, metrics, names[0], texts[0])
+        rss = _server_rss_mb(server.process)
+        ready = server.ready_seconds
+    lookups = (hits - hits0) + (misses - misses0)
+    return {**result, "errors": result["errors"] + warm["errors"], "rss_mb": round(rss, 1),
+            "hit_rate": round((hits - hits0) / lookups, 4) if mode == "pool" and lookups else None,
+            "ready_seconds": round(ready, 2)}
+
+
 def run_tasks_bench(config: TasksBenchConfig, progress: bool = True) -> dict:
     from tqdm.auto import tqdm
 
-    from aot.server import LocalServer
     from exporter.backbone_export import export_backbone
     from exporter.task_export import export_task
     from training.artifact import read_task
@@ -199,39 +220,33 @@ def run_tasks_bench(config: TasksBenchConfig, progress: bool = True) -> dict:
     texts = _texts(2 * config.requests)
     records, notes = [], []
     runs = [(n, m, p) for n in config.counts for m in config.modes for p in config.popularity]
-    bar = tqdm(total=len(runs), desc="tasks bench", disable=not progress)
-    published = (None, 0)
-    for n, mode, popularity in runs:
-        storage = "fused" if mode == "fused-mmap" else "factored"
-        if storage == "fused" and n * table_bytes > config.disk_fraction * shutil.disk_usage(scratch).free:
-            note = (f"fused-mmap with {n} tasks skipped: {n} tables of {table_bytes / 2**20:.0f} MiB exceed "
-                    f"{config.disk_fraction:.0%} of the free disk")
-            if note not in notes:
-                notes.append(note)
-            bar.update(1)
-            continue
-        if published != (storage, n):
+    bar = tqdm(total=len(runs) * config.repeats, desc="tasks bench", disable=not progress)
+    for n in config.counts:
+        for storage in ("fused", "factored"):
+            group = [(m, p) for m in config.modes for p in config.popularity
+                     if ("fused" if m == "fused-mmap" else "factored") == storage]
+            if not group:
+                continue
+            if storage == "fused" and n * table_bytes > config.disk_fraction * shutil.disk_usage(scratch).free:
+                notes.append(f"fused-mmap with {n} tasks skipped: {n} tables of {table_bytes / 2**20:.0f} MiB "
+                             f"exceed {config.disk_fraction:.0%} of the free disk")
+                bar.update(len(group) * config.repeats)
+                continue
             names = derived.publish(storage, n)
-            published = (storage, n)
-        picks = _picks(popularity, n, 2 * config.requests, seed=n)
-        items = [(names[k], texts[i]) for i, k in enumerate(picks)]
-        with LocalServer(repo, pool_bytes=pool_bytes if mode == "pool" else 0) as server:
-            metrics = f"http://{server.host}:{server.metrics_port}/metrics"
-            warm = _closed_loop(server.grpc_url, "aot", items[:config.requests], config.concurrency)
-            hits0, misses0 = _published_counters(server.grpc_url, metrics, names[0], texts[0])
-            result = _closed_loop(server.grpc_url, "aot", items[config.requests:], config.concurrency)
-            hits, misses = _published_counters(server.grpc_url, metrics, names[0], texts[0])
-            rss = _server_rss_mb(server.process)
-            ready = server.ready_seconds
-        lookups = (hits - hits0) + (misses - misses0)
-        records.append({"tasks": n, "mode": mode, "popularity": popularity, **result,
-                        "errors": result["errors"] + warm["errors"], "rss_mb": round(rss, 1),
-                        "hit_rate": round((hits - hits0) / lookups, 4) if mode == "pool" and lookups else None,
-                        "ready_seconds": round(ready, 2), "requests": config.requests,
-                        "concurrency": config.concurrency, "pool_bytes": pool_bytes if mode == "pool" else 0,
-                        "factor_bytes_per_task": factor_bytes, "table_bytes_per_task": table_bytes})
-        write_reports(records, notes, out)
-        bar.update(1)
+            measured: dict[tuple[str, str], list[dict]] = {c: [] for c in group}
+            for _ in range(config.repeats):  # interleaved: a slow minute of the machine hits every configuration
+                for mode, popularity in group:
+                    measured[(mode, popularity)].append(_served_run(repo, names, texts, n, mode, popularity,
+                                                                    pool_bytes, config))
+                    bar.update(1)
+            for (mode, popularity), results in measured.items():
+                median = sorted(results, key=lambda r: r["throughput_rps"])[len(results) // 2]
+                records.append({"tasks": n, "mode": mode, "popularity": popularity, **median,
+                                "throughput_runs": [r["throughput_rps"] for r in results],
+                                "errors": sum(r["errors"] for r in results), "requests": config.requests,
+                                "concurrency": config.concurrency, "pool_bytes": pool_bytes if mode == "pool" else 0,
+                                "factor_bytes_per_task": factor_bytes, "table_bytes_per_task": table_bytes})
+            write_reports(records, notes, out)
     bar.close()
     policies = []
     if config.policy_requests and "pool" in config.modes:
@@ -250,10 +265,12 @@ def write_reports(records: list[dict], notes: list[str], out: Path, policies: li
         base = [b for b in records if b["tasks"] == 1 and b["mode"] == r["mode"] and b["popularity"] == r["popularity"]]
         r["vs_1_task"] = round(r["throughput_rps"] / base[0]["throughput_rps"], 3) if base else None
     text = "# Tasks scaling through the local tritonserver (CPU)\n\n"
-    text += markdown_table(records, ["tasks", "mode", "popularity", "throughput_rps", "vs_1_task", "p50_ms", "p99_ms",
-                                     "rss_mb", "hit_rate", "ready_seconds", "errors"],
-                           ["tasks", "mode", "popularity", "req/s", "× 1 task", "p50 ms", "p99 ms", "RSS MB",
-                            "pool hit rate", "start (s)", "errors"])
+    for r in records:
+        r["runs"] = " / ".join(f"{x:.1f}" for x in r.get("throughput_runs", [r["throughput_rps"]]))
+    text += markdown_table(records, ["tasks", "mode", "popularity", "throughput_rps", "vs_1_task", "runs", "p50_ms",
+                                     "p99_ms", "rss_mb", "hit_rate", "ready_seconds", "errors"],
+                           ["tasks", "mode", "popularity", "req/s (median)", "× 1 task", "req/s of each run",
+                            "p50 ms", "p99 ms", "RSS MB", "pool hit rate", "start (s)", "errors"])
     if notes:
         text += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
     if policies:
