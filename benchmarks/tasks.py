@@ -16,8 +16,8 @@ hit_rate (pool only), ready_seconds, errors. Fused tables that would not fit on 
 The served runs are too short to fill the pool (1,000 tasks x ~25 new rows a request fill 8 tables' budget only
 after ~10,000 requests), so the eviction policies are compared by replaying a longer trace of the same kind
 (Rotten Tomatoes train texts, the same popularity, the largest task count) through the pool itself, in this
-process, with the bench's budget and with 1/8 of it: records `policies`, each with the hit rate of the trace's second half (steady state) and the pool's
-bookkeeping time per request.
+process, with the bench's budget and with 1/8 of it: records `policies`, each with the hit rate of the trace's
+second half (steady state) and the pool's bookkeeping time per request.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ FILL_CHUNK = 1024  # a resident fill computes its V rows this many at a time: ON
 # memory, which for all of MiniLM's rows at once cost 745 MB of RSS more than in chunks (1,044 vs 299 MB, measured)
 POLICIES = ("lru", "lfu")
 AGING_TURNOVERS = 8  # lfu: use counts halve once AGING_TURNOVERS x the buffer's rows were filled
-DEFAULT_POLICY = "lfu"  # measured: a hit rate up to 19 points above lru, never more than 0.3 below (docs/benchmarks.md §4)
+DEFAULT_POLICY = "lfu"  # measured: hit rates up to 19 points above lru, at most 0.21 below (docs/benchmarks.md §4.1)
 
 
 @dataclass
