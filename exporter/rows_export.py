@@ -51,7 +51,7 @@ def _fc_inputs(L: int, d: int, r: int, U: int, g: torch.Generator) -> dict[str, 
 
 
 def _kron_inputs(L: int, d: int, r: int, U: int, g: torch.Generator, vocab: int = 1000) -> dict[str, torch.Tensor]:
-    b = 32
+    b = 5 + 3 * r  # b, like the rank, differs between the traced example and the checks
     return {"token_ids": torch.randint(0, vocab, (U,), generator=g),
             "w_left": torch.randn(L, vocab // b + 1, r, generator=g), "w_mid": torch.randn(L, b, r, generator=g),
             "w_right": torch.randn(L, r * r, d, generator=g) * 0.1}
