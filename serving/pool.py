@@ -161,9 +161,9 @@ class RowPool:
         base = self._base[version]
         if version not in self._filled:
             start = time.perf_counter()
-            for start in range(0, self.vocab_size, FILL_CHUNK):
-                ids_chunk = np.arange(start, min(start + FILL_CHUNK, self.vocab_size), dtype=np.int64)
-                self.buffer[base + start:base + start + len(ids_chunk)] = self._sources[version](ids_chunk)
+            for first in range(0, self.vocab_size, FILL_CHUNK):
+                chunk = np.arange(first, min(first + FILL_CHUNK, self.vocab_size), dtype=np.int64)
+                self.buffer[base + first:base + first + len(chunk)] = self._sources[version](chunk)
             self._filled.add(version)
             stats = self.stats[version]
             stats.fill_seconds += time.perf_counter() - start
@@ -183,7 +183,8 @@ class RowPool:
         misses: dict[str, np.ndarray] = {}
         for (version, ids), found in zip(requests, slots):
             self._last_use[found[found >= 0]] = self._tick  # protect this batch's hits from eviction
-            self._token_uses[ids] += 1
+            if self.policy == "lfu":
+                self._token_uses[ids] += 1
             missing = ids[found < 0]
             if len(missing):
                 misses[version] = np.union1d(misses[version], missing) if version in misses else missing

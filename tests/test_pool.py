@@ -2,6 +2,7 @@
 
 import re
 import threading
+import time
 import urllib.request
 
 import numpy as np
@@ -27,12 +28,15 @@ def test_every_task_resident_while_all_fit():
     pool = RowPool(3 * V * L * D * 2, L, D, V)
     _attach(pool, tables)
     rng = np.random.default_rng(1)
+    started = time.perf_counter()
     for _ in range(50):
         version = list(tables)[rng.integers(3)]
         ids = np.unique(rng.integers(0, V, 40))
         np.testing.assert_array_equal(pool.rows_many([(version, ids)])[0], tables[version][ids])
+    elapsed = time.perf_counter() - started
     assert pool.resident
     assert all(s.evictions == 0 and s.resident_rows == V for s in pool.stats.values())
+    assert all(0 < s.fill_seconds <= elapsed for s in pool.stats.values())  # the fill's own time, in seconds
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -106,6 +110,7 @@ def test_served_through_a_small_pool_equals_predict(tmp_path_factory, tiny_model
     from aot.client import Client
     from aot.server import LocalServer
     from serving.repository import read_repository
+    from serving.steps import StepMetrics
     from tests.helpers import make_repository, train_tiny_task
     from training.predict import Predictor
 
@@ -138,6 +143,10 @@ def test_served_through_a_small_pool_equals_predict(tmp_path_factory, tiny_model
             t.start()
         for t in threads:
             t.join()
+        # the steps publish counters at most once a second, after a batch: wait that long, then send one request
+        time.sleep(StepMetrics.FLUSH_SECONDS + 0.2)
+        with Client(server.grpc_url) as c:
+            c.infer("a", texts[0])
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()
     assert errors == [] and wrong == []
     evictions = sum(float(v) for v in re.findall(r'^aot_pool_evictions_total\{[^}]*\} (\S+)', metrics, re.M))
