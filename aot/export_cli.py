@@ -22,9 +22,12 @@ def add_export(sub) -> None:
                                      "and an empty task store.")
     b.add_argument("--model", required=True, help="local Hugging Face model folder or 'minilm'")
     b.add_argument("--repo", required=True, help="model repository folder to create")
-    b.add_argument("--format", choices=["onnx", "tensorrt"], default="onnx",
-                   help="GPU engine of the backbone: onnxruntime_onnx, or a TensorRT plan (built here if tensorrt "
-                        "is importable, else by the engine-builder service of docker-compose.yml)")
+    b.add_argument("--format", choices=["onnx", "tensorrt", "torch"], default="onnx",
+                   help="engine of the backbone: onnx (the NGC image's onnxruntime backend; locally ONNX Runtime on "
+                        "CPU), tensorrt (a TensorRT plan, built here if tensorrt is importable, else by the "
+                        "engine-builder service of the generated docker-compose.yml), or torch (PyTorch in a "
+                        "python step, fp16 + CUDA graphs on a GPU: `aot serve --device cuda` serves it with the "
+                        "local tritonserver)")
     b.add_argument("--precision", choices=["fp32", "fp16"], default="fp32", help="TensorRT precision")
     b.add_argument("--max-batch-size", type=positive_int, default=32, help="Triton max_batch_size of every step")
     b.add_argument("--queue-delay-us", type=non_negative_int, default=500,

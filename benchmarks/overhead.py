@@ -33,7 +33,7 @@ from serving import protocol as io
 from training.backbone import Architecture, architecture_for, encoder_from_config, load_encoder
 from training.methods.aot.config import FCConfig
 from training.methods.aot.layer import FCPrompt
-from training.methods.aot.model import BiasedEncoder
+from serving_torch.encoder import BiasedEncoder
 
 METHODS = ("vanilla", "aot-fused", "aot-factored", "lora", "adapter", "prompt", "prefix")
 
@@ -162,7 +162,7 @@ class AoTFused(Method):
         self.table, self.resident = table, resident
 
     def setup(self):
-        self.biased = BiasedEncoder(self.case.encoder, self.case.arch)
+        self.biased = BiasedEncoder(self.case.encoder, self.case.arch.uses_token_type_ids(self.case.encoder.config))
 
     def teardown(self):
         self.biased.remove_hooks()
@@ -190,7 +190,7 @@ class AoTFactored(Method):
         self.prompt = FCPrompt(FCConfig(rank=self.config.rank), L, d, embedding_std=0.05).to(c.device, c.dtype).eval()
         with torch.no_grad():
             self.prompt.w2.normal_(0, 0.02)
-        self.biased = BiasedEncoder(c.encoder, c.arch)
+        self.biased = BiasedEncoder(c.encoder, c.arch.uses_token_type_ids(c.encoder.config))
         self.embeddings = c.encoder.get_input_embeddings().weight
 
     def teardown(self):

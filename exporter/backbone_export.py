@@ -14,6 +14,7 @@ from exporter.onnx_export import export_backbone_graph
 from exporter.rows_export import write_rows_graphs
 from exporter.task_store import TaskStore
 from exporter.tensorrt import Profile, build_plan, build_script
+from exporter.torch_export import export_torch_encoder
 from serving import protocol as io
 from serving.atomic import atomic_directory, write_json
 from serving.store import ROWS_DIR
@@ -23,6 +24,7 @@ from training.artifact import backbone_identity
 from training.backbone import load_backbone
 
 STORE_DIR = "tasks"
+ENCODER_DIR = "encoder"  # the torch engine's weights (--format torch)
 TOKENIZER_DIR = f"{MODELS_DIR}/tokenizer/1/tokenizer"
 
 
@@ -36,8 +38,10 @@ class BackboneExportReport:
     notes: list[str] = field(default_factory=list)
 
 
-def _copy_python_models(models: Path) -> None:
+def _copy_python_models(models: Path, names) -> None:
     for model, template in PYTHON_MODELS.items():
+        if model not in names:
+            continue
         (models / model / "1").mkdir(parents=True, exist_ok=True)
         shutil.copy2(TEMPLATES / template / "1" / "model.py", models / model / "1" / "model.py")
 
@@ -49,7 +53,8 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
     if precision not in ("fp32", "fp16"):
         raise RepositoryError(f"unknown precision {precision!r}: expected fp32 or fp16")
     if precision == "fp16" and options.engine != "tensorrt":
-        raise RepositoryError("--precision fp16 applies to --format tensorrt (ONNX Runtime graphs stay fp32)")
+        raise RepositoryError("--precision fp16 applies to --format tensorrt (ONNX Runtime graphs stay fp32; the "
+                              "torch engine runs fp16 on CUDA anyway)")
     repo = Path(repo)
     keep_tasks = None
     if repo.exists() and any(repo.iterdir()):
@@ -76,7 +81,9 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
     with atomic_directory(repo) as tmp:
         models = tmp / MODELS_DIR
         trt_models = {}
-        for name, aot in (("backbone", True), ("backbone_vanilla", False)):
+        if options.engine == "torch":
+            report.max_abs_diff["torch"] = export_torch_encoder(backbone, tmp / ENCODER_DIR)
+        for name, aot in (("backbone", True), ("backbone_vanilla", False)) if options.engine != "torch" else ():
             graph = export_backbone_graph(backbone, models / name / "1", aot)
             report.max_abs_diff[name] = graph.max_abs_diff
             report.fused_ops[name] = graph.fused_ops
@@ -97,8 +104,7 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
             script.write_text(build_script(trt_models, precision == "fp16"))
             script.chmod(0o755)
         backbone.tokenizer.save_pretrained(tmp / TOKENIZER_DIR)
-        _copy_python_models(models)
-        write_configs(models, info, options)
+        _copy_python_models(models, write_configs(models, info, options))
         if keep_tasks is not None:
             # Hard links: no data is copied, and the old store stays whole until the swap succeeds.
             shutil.copytree(keep_tasks.store_root, tmp / STORE_DIR, copy_function=os.link,
@@ -112,11 +118,13 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
                   "vocab_size": int(backbone.embeddings.shape[0]),
                   "type_vocab_size": int(getattr(backbone.encoder.config, "type_vocab_size", 0) or 0),
                   "max_positions": longest, "store": STORE_DIR, "tokenizer": TOKENIZER_DIR,
+                  "encoder": ENCODER_DIR if options.engine == "torch" else None,
                   "serving": options.to_json(), "precision": precision,
                   "tensorrt_profile": profile.__dict__ if options.engine == "tensorrt" else None,
                   "parity_max_abs_diff": report.max_abs_diff}
         write_json(tmp / RECORD, record)
-        report.sizes = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in tmp.rglob("*.onnx")}
+        report.sizes = {p.relative_to(tmp).as_posix(): p.stat().st_size
+                        for pattern in ("*.onnx", f"{ENCODER_DIR}/*.safetensors") for p in tmp.rglob(pattern)}
         report.sizes["tasks/embeddings.npy"] = (tmp / STORE_DIR / "embeddings.npy").stat().st_size
     report.seconds = round(time.perf_counter() - start, 2)
     return report

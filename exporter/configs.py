@@ -3,7 +3,8 @@
     REPO/models/tokenizer/      python: TEXT (+ TEXT_PAIR), TASK -> token ids, TASK_VERSION (tokenizer in 1/tokenizer)
     REPO/models/aot_lookup/     python: TASK_VERSION, token ids -> aot_rows, aot_index (GPU ensemble; on CPU the
                                 backbone step does this lookup in its own process, one step fewer)
-    REPO/models/backbone/       the AoT graph: onnxruntime_onnx or tensorrt_plan (GPU), python + ONNX Runtime (CPU)
+    REPO/models/backbone/       the AoT graph: onnxruntime_onnx or tensorrt_plan (GPU), python + ONNX Runtime (CPU);
+                                --format torch: python + PyTorch on CPU or CUDA, looking rows up itself (no aot_lookup)
     REPO/models/backbone_vanilla/ the same encoder without bias inputs (comparisons, plain models)
     REPO/models/head/           python: TASK_VERSION, cls_hidden -> LOGITS, LABEL (each request its own task's head)
     REPO/models/aot/, vanilla/  the ensembles clients call
@@ -57,13 +58,24 @@ def _python_model(name: str, options: ServingOptions, params: dict[str, str], qu
     return config
 
 
+def _in_process_lookup(target: str, options: ServingOptions) -> bool:
+    """Whether the AoT backbone step looks rows up itself (CPU configs, and the torch engine everywhere: its pool is
+    on the backbone's device) rather than receiving them from the aot_lookup step (native GPU backends)."""
+    return target == "cpu" or options.engine == "torch"
+
+
 def _backbone(name: str, aot: bool, target: str, info: dict, options: ServingOptions):
-    """The backbone step: python + ONNX Runtime on CPU; the native backend on GPU (ragged rows + batch input)."""
+    """The backbone step: a python step (ONNX Runtime on CPU; the torch engine on CPU or CUDA), or the native
+    backend on GPU (ragged rows + batch input)."""
     pb = _pb()
     token_names = io.token_inputs(info["uses_token_type_ids"])
-    cpu = target == "cpu"
-    if cpu:
-        params = {"onnx_file": "model.onnx", "threads": str(options.cpu_threads)}
+    python = _in_process_lookup(target, options)
+    if options.engine == "torch":
+        params = {"engine": "torch", "device": "cpu" if target == "cpu" else "cuda",
+                  "threads": str(options.cpu_threads)}
+        config = _python_model(name, options, params, options.backbone_queue_delay_us)
+    elif python:
+        params = {"engine": "onnx", "onnx_file": "model.onnx", "threads": str(options.cpu_threads)}
         config = _python_model(name, options, params, options.backbone_queue_delay_us)
     else:
         platform = "tensorrt_plan" if options.engine == "tensorrt" else "onnxruntime_onnx"
@@ -71,12 +83,12 @@ def _backbone(name: str, aot: bool, target: str, info: dict, options: ServingOpt
                                 default_model_filename="model.plan" if options.engine == "tensorrt" else "model.onnx")
         config.dynamic_batching.max_queue_delay_microseconds = options.backbone_queue_delay_us
         config.instance_group.add(kind=pb.ModelInstanceGroup.KIND_GPU, count=1)
-    # On CPU every input is ragged (the python step pads the batch itself); on GPU token tensors are bucketed.
-    if cpu and aot:  # on CPU the lookup runs inside this step: no extra python step, no rows between processes
+    # A python step takes ragged inputs (it pads the batch itself); a native backend takes bucketed token tensors.
+    if python and aot:  # the lookup runs inside this step: no extra step, no rows between processes
         config.input.append(_tensor(pb.ModelInput, io.TASK_VERSION, [1]))
     for n in token_names:
-        config.input.append(_tensor(pb.ModelInput, n, [-1], ragged=cpu))
-    if aot and not cpu:
+        config.input.append(_tensor(pb.ModelInput, n, [-1], ragged=python))
+    if aot and not python:
         config.input.append(_tensor(pb.ModelInput, io.AOT_ROWS, [-1], ragged=True))
         config.input.append(_tensor(pb.ModelInput, io.AOT_INDEX, [-1]))
         config.batch_input.add(kind=pb.BatchInput.BATCH_ACCUMULATED_ELEMENT_COUNT_WITH_ZERO,
@@ -101,8 +113,8 @@ def _ensemble(name: str, backbone: str, info: dict, options: ServingOptions, tar
     tok.input_map.update({io.TEXT: io.TEXT, io.TEXT_PAIR: io.TEXT_PAIR, io.TASK: io.TASK})
     tok.output_map.update({n: f"_{n}" for n in tokens + [io.TASK_VERSION]})
     bb_inputs = {n: f"_{n}" for n in tokens}
-    if backbone == "backbone" and target == "cpu":
-        bb_inputs[io.TASK_VERSION] = version  # the CPU backbone step looks the rows up itself
+    if backbone == "backbone" and _in_process_lookup(target, options):
+        bb_inputs[io.TASK_VERSION] = version  # the backbone step looks the rows up itself
     elif backbone == "backbone":
         look = steps.add(model_name="aot_lookup", model_version=-1)
         look.input_map.update({io.TASK_VERSION: version, **{n: f"_{n}" for n in tokens}})
@@ -121,7 +133,8 @@ def model_configs(info: dict, options: ServingOptions, target: str) -> dict:
     """Every model's config for `target` "cpu" (local server) or "gpu" (NGC image)."""
     pb = _pb()
     tokens = io.token_inputs(info["uses_token_type_ids"])
-    buckets = "" if target == "cpu" else ",".join(str(b) for b in options.buckets)
+    # Bucketed token tensors for a native backend; a python backbone step pads each batch itself.
+    buckets = "" if _in_process_lookup(target, options) else ",".join(str(b) for b in options.buckets)
     tok = _python_model("tokenizer", options, {"buckets": buckets})
     tok.input.extend([_tensor(pb.ModelInput, io.TEXT, [1]), _tensor(pb.ModelInput, io.TEXT_PAIR, [1], optional=True),
                       _tensor(pb.ModelInput, io.TASK, [1])])
@@ -140,11 +153,14 @@ def model_configs(info: dict, options: ServingOptions, target: str) -> dict:
     tasks.max_batch_size = 0  # no inputs: a model with batching needs one to read the batch size from
     tasks.ClearField("dynamic_batching")
     tasks.output.append(_tensor(pb.ModelOutput, io.TASKS, [1]))
-    return {"tokenizer": tok, "aot_lookup": look, "head": head, "task_list": tasks,
-            "backbone": _backbone("backbone", True, target, info, options),
-            "backbone_vanilla": _backbone("backbone_vanilla", False, target, info, options),
-            "aot": _ensemble("aot", "backbone", info, options, target),
-            "vanilla": _ensemble("vanilla", "backbone_vanilla", info, options, target)}
+    configs = {"tokenizer": tok, "aot_lookup": look, "head": head, "task_list": tasks,
+               "backbone": _backbone("backbone", True, target, info, options),
+               "backbone_vanilla": _backbone("backbone_vanilla", False, target, info, options),
+               "aot": _ensemble("aot", "backbone", info, options, target),
+               "vanilla": _ensemble("vanilla", "backbone_vanilla", info, options, target)}
+    if options.engine == "torch":  # its backbone step looks rows up on its own device: no lookup step anywhere
+        del configs["aot_lookup"]
+    return configs
 
 
 def to_pbtxt(config) -> str:
@@ -155,8 +171,8 @@ def parse_pbtxt(text: str):
     return text_format.Parse(text, _pb().ModelConfig())
 
 
-def write_configs(models: Path, info: dict, options: ServingOptions) -> None:
-    """config.pbtxt (GPU) and configs/cpu.pbtxt (CPU) for every model, under REPO/models."""
+def write_configs(models: Path, info: dict, options: ServingOptions) -> list[str]:
+    """config.pbtxt (GPU) and configs/cpu.pbtxt (CPU) for every model, under REPO/models; returns the models."""
     gpu, cpu = model_configs(info, options, "gpu"), model_configs(info, options, "cpu")
     for name in gpu:
         folder = models / name
@@ -164,3 +180,4 @@ def write_configs(models: Path, info: dict, options: ServingOptions) -> None:
         (folder / "config.pbtxt").write_text(to_pbtxt(gpu[name]))
         (folder / "configs" / "cpu.pbtxt").write_text(to_pbtxt(cpu[name]))
         (folder / "1").mkdir(exist_ok=True)
+    return list(gpu)

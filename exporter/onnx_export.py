@@ -1,7 +1,7 @@
 """Export the frozen encoder to ONNX, with AoT bias inputs ("aot") or without them ("vanilla").
 
 The AoT graph adds the looked-up rows before every layer through the very module training used
-(training.methods.aot.model.BiasedEncoder), is optimized by ONNX Runtime's transformer optimizer, and is
+(serving_torch.encoder.BiasedEncoder), is optimized by ONNX Runtime's transformer optimizer, and is
 checked against PyTorch on random inputs and random non-zero biases before anything is written.
 """
 
@@ -18,7 +18,7 @@ from torch import nn
 
 from serving import protocol as io
 from training.backbone import Backbone
-from training.methods.aot.model import BiasedEncoder
+from serving_torch.encoder import BiasedEncoder
 
 OPSET = 17
 # Fused operators of ONNX Runtime's transformer optimizer that the AoT graph must keep (compared with vanilla).
@@ -40,7 +40,7 @@ class ExportableBackbone(nn.Module):
         self.uses_token_type_ids = backbone.uses_token_type_ids
         self.encoder = backbone.encoder
         # Only the AoT graph hooks into the (shared) encoder; close() detaches it again.
-        self.biased = BiasedEncoder(backbone.encoder, backbone.architecture) if aot else None
+        self.biased = BiasedEncoder(backbone.encoder, backbone.uses_token_type_ids) if aot else None
         self.row_elements = backbone.num_layers * backbone.hidden_size
 
     def close(self) -> None:

@@ -18,7 +18,7 @@ from serving import protocol as io
 from serving.engine import BackboneRunner
 from serving.repository import RepositoryInfo, read_repository
 from serving.store import STORAGES, StoreError, check_task_name
-from serving.tasks import load_task_version, lookup
+from serving.tasks import load_task_version, lookup, token_index
 from serving.tokenization import Tokenization
 from training.artifact import check_fingerprint, read_task
 from training.backbone import load_backbone
@@ -69,16 +69,27 @@ def _write_fused(body: AoTBody, path: Path, vocab: int, chunk: int = 2048, progr
 
 def validate_task(repo: RepositoryInfo, folder: Path, name: str, storage: str, predictor: Predictor,
                   texts=VALIDATION_TEXTS) -> float:
-    """Served path (tokenizer, lookup, ONNX backbone, head) against the PyTorch task: max |logit difference|."""
+    """Served path (tokenizer, lookup, the repository's backbone engine, head) against the PyTorch task: max
+    |logit difference|."""
     served = load_task_version(folder, TaskStore.version_name(folder), repo.store_root)
     tokens = Tokenization(repo.tokenizer_dir, repo.uses_token_type_ids)
-    runner = BackboneRunner(repo.backbone_onnx)
-    requests = []
-    for text in texts:
-        enc = tokens.encode(text, None, served.max_length)
-        rows, index = lookup(served, enc[io.INPUT_IDS], enc[io.ATTENTION_MASK])
-        requests.append({**enc, io.AOT_ROWS: rows, io.AOT_INDEX: index})
-    got = served.logits(runner.run(requests))
+    encodings = [tokens.encode(text, None, served.max_length) for text in texts]
+    if repo.options.engine == "torch":
+        from serving_torch.engine import Prepared, TorchBackbone
+
+        engine = TorchBackbone(repo.encoder_dir, repo.uses_token_type_ids, aot=True)
+        requests = []
+        for enc in encodings:
+            unique, index = token_index(enc[io.INPUT_IDS], enc[io.ATTENTION_MASK])
+            requests.append(Prepared(enc, index=index, rows=served.rows(unique)))
+        hidden = engine.run(requests)
+    else:
+        requests = []
+        for enc in encodings:
+            rows, index = lookup(served, enc[io.INPUT_IDS], enc[io.ATTENTION_MASK])
+            requests.append({**enc, io.AOT_ROWS: rows, io.AOT_INDEX: index})
+        hidden = BackboneRunner(repo.backbone_onnx).run(requests)
+    got = served.logits(hidden)
     expected = predictor.logits(list(texts)).numpy()
     return float(np.abs(got - expected).max())
 

@@ -14,6 +14,10 @@ factored tasks compute rows from their factors; the pool keeps rows in memory so
   that old popularity fades). `aot bench tasks` measures both on one request trace; the default is the one that
   measured best (docs/benchmarks.md, section 4).
 
+The pool hands out slots (`slots_many`): a request's rows are `buffer[slots]`. The buffer lives where the backbone
+runs: host memory (`HostRows`, numpy) for the ONNX Runtime step; device memory for the torch engine
+(serving_torch.engine.DeviceRows), whose captured graph gathers from the buffer itself. Bookkeeping is the same.
+
 A version that is removed or replaced is detached and its rows are dropped at once; keys carry the version, so
 rows of one version are never served for another. Counters per version: hits, misses, evictions, fill seconds,
 resident rows (`stats`).
@@ -38,6 +42,16 @@ AGING_TURNOVERS = 8  # lfu: use counts halve once AGING_TURNOVERS x the buffer's
 DEFAULT_POLICY = "lfu"  # measured: hit rates up to 19 points above lru, at most 0.21 below (docs/benchmarks.md §4.1)
 
 
+class HostRows:
+    """Pool rows in host memory: a numpy buffer."""
+
+    def allocate(self, slots: int, num_layers: int, hidden_size: int) -> np.ndarray:
+        return np.empty((slots, num_layers, hidden_size), dtype=protocol.ROWS_DTYPE)
+
+    def write(self, buffer: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> None:
+        buffer[slots] = rows
+
+
 @dataclass
 class PoolStats:
     hits: int = 0
@@ -49,7 +63,8 @@ class PoolStats:
 
 class RowPool:
     def __init__(self, budget_bytes: int, num_layers: int, hidden_size: int, vocab_size: int,
-                 policy: str = DEFAULT_POLICY):
+                 policy: str = DEFAULT_POLICY, storage=None):
+        """`storage`: where the rows live (HostRows by default; serving_torch.engine.DeviceRows on a GPU)."""
         if policy not in POLICIES:
             raise ValueError(f"pool policy {policy!r}: expected one of {', '.join(POLICIES)}")
         self.policy = policy
@@ -58,8 +73,9 @@ class RowPool:
         self.vocab_size = vocab_size
         self.slots = int(budget_bytes // self.row_bytes)
         self.budget_bytes = self.slots * self.row_bytes
-        self.buffer = np.empty((self.slots, num_layers, hidden_size), dtype=protocol.ROWS_DTYPE)
-        self._lock = threading.Lock()
+        self.storage = storage or HostRows()
+        self.buffer = self.storage.allocate(self.slots, num_layers, hidden_size)
+        self._lock = threading.RLock()  # rows_many holds it across slots_many and its gather
         self._sources: dict[str, Callable[[np.ndarray], np.ndarray]] = {}
         self.stats: dict[str, PoolStats] = {}
         self.touched: set[str] = set()  # versions whose stats changed since the last drain_touched()
@@ -149,21 +165,27 @@ class RowPool:
             touched, self.touched = self.touched, set()
             return touched
 
-    def rows_many(self, requests: list[tuple[str, np.ndarray]]) -> list[np.ndarray]:
-        """Rows for each (version, sorted distinct token ids) of a batch, [U, L, d] fp16 each."""
+    def slots_many(self, requests: list[tuple[str, np.ndarray]]) -> list[np.ndarray]:
+        """The buffer slots of each (version, sorted distinct token ids) of a batch, its misses filled. The slots
+        hold those rows until the next call (the caller gathers before it asks again)."""
         with self._lock:
             self.touched.update(version for version, _ in requests)
             if self._resident:
-                return [self._resident_rows(version, ids) for version, ids in requests]
-            return self._cached_rows(requests)
+                return [self._resident_slots(version, ids) for version, ids in requests]
+            return self._cached_slots(requests)
 
-    def _resident_rows(self, version: str, ids: np.ndarray) -> np.ndarray:
+    def rows_many(self, requests: list[tuple[str, np.ndarray]]) -> list[np.ndarray]:
+        """Rows for each (version, sorted distinct token ids) of a batch, [U, L, d] fp16 each (host pools)."""
+        with self._lock:
+            return [self.buffer[slots] for slots in self.slots_many(requests)]
+
+    def _resident_slots(self, version: str, ids: np.ndarray) -> np.ndarray:
         base = self._base[version]
         if version not in self._filled:
             start = time.perf_counter()
             for first in range(0, self.vocab_size, FILL_CHUNK):
                 chunk = np.arange(first, min(first + FILL_CHUNK, self.vocab_size), dtype=np.int64)
-                self.buffer[base + first:base + first + len(chunk)] = self._sources[version](chunk)
+                self.storage.write(self.buffer, base + chunk, self._sources[version](chunk))
             self._filled.add(version)
             stats = self.stats[version]
             stats.fill_seconds += time.perf_counter() - start
@@ -171,13 +193,13 @@ class RowPool:
             stats.misses += len(ids)
         else:
             self.stats[version].hits += len(ids)
-        return self.buffer[base + ids]
+        return base + ids
 
     def _slots(self, version: str, ids: np.ndarray) -> np.ndarray:
         get = self._slot_of.setdefault(version, {}).get
         return np.fromiter((get(t, -1) for t in ids.tolist()), dtype=np.int64, count=len(ids))
 
-    def _cached_rows(self, requests: list[tuple[str, np.ndarray]]) -> list[np.ndarray]:
+    def _cached_slots(self, requests: list[tuple[str, np.ndarray]]) -> list[np.ndarray]:
         self._tick += 1
         slots = [self._slots(version, ids) for version, ids in requests]
         misses: dict[str, np.ndarray] = {}
@@ -199,7 +221,7 @@ class RowPool:
             stats.misses += missed
             stats.hits += len(ids) - missed
             self._last_use[found] = self._tick
-            out.append(self.buffer[found])
+            out.append(found)
         return out
 
     def _release(self, slots: np.ndarray) -> None:
@@ -248,7 +270,7 @@ class RowPool:
     def _fill(self, version: str, ids: np.ndarray) -> None:
         start = time.perf_counter()
         slots = self._take(len(ids))
-        self.buffer[slots] = self._sources[version](ids)
+        self.storage.write(self.buffer, slots, self._sources[version](ids))
         self._slot_of[version].update(zip(ids.tolist(), slots.tolist()))
         self._owner[slots] = self._number(version) * self.vocab_size + ids
         self._last_use[slots] = self._tick  # rows filled for this batch are not evicted by its next fill

@@ -22,7 +22,7 @@ REPO_VERSION = 2
 RECORD = "aot_repository.json"
 MODELS_DIR = "models"
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
-ENGINES = ("onnx", "tensorrt")
+ENGINES = ("onnx", "tensorrt", "torch")
 POOL_BYTES_ENV = "AOT_POOL_BYTES"
 
 
@@ -39,7 +39,10 @@ class ServingOptions:
     cpu_threads: int = field(default=0, metadata={"help": "ONNX Runtime threads of the CPU backbone (0: all cores)"})
     buckets: tuple[int, ...] = field(default=DEFAULT_BUCKETS, metadata={
         "help": "GPU: sequence lengths token tensors are padded to, so that requests batch together"})
-    engine: str = field(default="onnx", metadata={"help": "GPU backbone: onnx (onnxruntime_onnx) or tensorrt"})
+    engine: str = field(default="onnx", metadata={
+        "help": "backbone engine: onnx (GPU: onnxruntime_onnx; CPU: ONNX Runtime in a python step), tensorrt (GPU: "
+                "tensorrt_plan; CPU: as onnx), or torch (PyTorch in a python step on CPU or CUDA, the task pool on "
+                "the same device: what `aot serve --device cuda` serves)"})
     pool_bytes: int = field(default=1 << 30, metadata={
         "help": "memory of the task pool, the rows of P kept in RAM by the lookup (bytes; 0: no pool, fused tables "
                 "are read through their memory maps and factored rows computed per request). Every task is fully "
@@ -133,6 +136,14 @@ class RepositoryInfo:
         return self.models / "backbone" / "1" / "model.onnx"
 
     @property
+    def encoder_dir(self) -> Path:
+        """The encoder's config and weights, for the torch engine (`--format torch`)."""
+        if not self.record.get("encoder"):
+            raise RepositoryError(f"{self.path}: no encoder folder (exported with engine "
+                                  f"{self.record['serving'].get('engine')!r}, not torch)")
+        return self.path / self.record["encoder"]
+
+    @property
     def store_root(self) -> Path:
         return self.path / self.record["store"]
 
@@ -162,7 +173,9 @@ def read_repository(path: str | Path) -> RepositoryInfo:
     if record["protocol_version"] != protocol.PROTOCOL_VERSION:
         raise RepositoryError(f"{record_path}: protocol version {record['protocol_version']} is not "
                               f"{protocol.PROTOCOL_VERSION}; re-export the backbone")
-    for key in ("store", "tokenizer"):
+    for key in ("store", "tokenizer", "encoder"):
+        if key not in record or record[key] is None:
+            continue
         if Path(record[key]).is_absolute() or ".." in Path(record[key]).parts:
             raise RepositoryError(f"{record_path}: {key!r} must be a path inside the repository, got {record[key]!r}")
     if not (path / MODELS_DIR).is_dir():

@@ -135,9 +135,10 @@ class StepMetrics:
 class Step:
     """Base of a served python step: the repository record, the task registry, checks and responses."""
 
-    def __init__(self, args: dict, pb_utils, name: str, tasks: str = "meta"):
+    def __init__(self, args: dict, pb_utils, name: str, tasks: str = "meta", pool_storage=None):
         """`tasks`: the part of each task version this step needs (serving.tasks.PARTS: meta, head, rows), or
-        "none" (the vanilla backbone)."""
+        "none" (the vanilla backbone). `pool_storage`: where the task pool's rows live (host memory by default;
+        serving_torch.engine.DeviceRows for the torch engine)."""
         self.step = name
         self.pb = pb_utils
         self.parameters = model_parameters(args)
@@ -148,7 +149,7 @@ class Step:
         self.pool = None
         if tasks == "rows" and self.options.pool_bytes > 0:
             self.pool = RowPool(self.options.pool_bytes, self.repo.num_layers, self.repo.hidden_size,
-                                self.repo.vocab_size)
+                                self.repo.vocab_size, storage=pool_storage)
             self.pb.Logger.log_info(f"{name}: task pool of {self.pool.budget_bytes} bytes ({self.pool.slots} rows; "
                                     f"{self.pool.slots // self.repo.vocab_size} tasks fully resident)")
         self.metrics = StepMetrics(pb_utils, name, self.pool)

@@ -284,21 +284,30 @@ class TaskRegistry:
         return task
 
 
-    def rows_many(self, requests: list[tuple[ServedTask, np.ndarray]]) -> list[np.ndarray]:
-        """Rows for a batch's (task, sorted distinct token ids): through the pool for the current versions (its
-        misses filled together), from storage for versions that left the manifest."""
+    def pool_slots(self, requests: list[tuple[ServedTask, np.ndarray]]) -> list[np.ndarray | None]:
+        """Pool slots for a batch's (task, sorted distinct token ids), its misses filled together; None for a
+        request the pool does not hold (a version that left the manifest, no pool, or a batch that needs more rows
+        than the whole pool): its rows come from storage (`task.rows`)."""
         if self.pool is None:
-            return [task.rows(ids) for task, ids in requests]
+            return [None] * len(requests)
         with self._lock:
             pooled = [i for i, (task, _) in enumerate(requests) if self.pool.holds(task.version)]
             try:
-                rows = self.pool.rows_many([(requests[i][0].version, requests[i][1]) for i in pooled])
-            except MemoryError:  # one batch needs more rows than the whole pool: serve it from storage
-                pooled, rows = [], []
-        out: list = [None] * len(requests)
-        for i, r in zip(pooled, rows):
-            out[i] = r
-        return [r if r is not None else task.rows(ids) for r, (task, ids) in zip(out, requests)]
+                slots = self.pool.slots_many([(requests[i][0].version, requests[i][1]) for i in pooled])
+            except MemoryError:
+                pooled, slots = [], []
+        out: list[np.ndarray | None] = [None] * len(requests)
+        for i, s in zip(pooled, slots):
+            out[i] = s
+        return out
+
+    def rows_many(self, requests: list[tuple[ServedTask, np.ndarray]]) -> list[np.ndarray]:
+        """Rows for a batch's (task, sorted distinct token ids), [U, L, d] fp16 each, in host memory: gathered
+        from a host pool, or read or computed from storage."""
+        with self._lock:
+            slots = self.pool_slots(requests)
+            return [self.pool.buffer[s] if s is not None else task.rows(ids)
+                    for s, (task, ids) in zip(slots, requests)]
 
 
 def token_index(input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

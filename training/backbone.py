@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from serving_torch.encoder import encoder_layers
+
 MINILM_ALIAS = "minilm"
 
 
@@ -34,7 +36,7 @@ class Architecture:
     adapter_sites: tuple[str, ...] = ("attention.output.dense", "output.dense")
 
     def layers(self, encoder: nn.Module) -> nn.ModuleList:
-        return encoder.encoder.layer
+        return encoder_layers(encoder)
 
     def uses_token_type_ids(self, config) -> bool:
         # RoBERTa (type_vocab_size 1) and DeBERTa-v2 (0) ignore token types; BERT uses them for pairs.

@@ -2,62 +2,13 @@
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from training.backbone import Architecture, Backbone
+from serving_torch.encoder import BiasedEncoder
+from training.backbone import Backbone
 from training.methods.aot.config import FCConfig, KronConfig
 from training.methods.aot.layer import FCPrompt, KronPrompt
-
-
-class BiasedEncoder(nn.Module):
-    """The frozen encoder whose layer i sees H^i + rows[index, i].
-
-    `rows` is [N, L, d] (token-major, as stored by the exporter) and `index` [B, S] says which of the N rows each
-    token takes. Training passes the unique tokens of the batch; the exported graph receives both as inputs. One
-    implementation serves both, so the exported graph adds exactly what training added.
-    """
-
-    def __init__(self, encoder: nn.Module, architecture: Architecture):
-        super().__init__()
-        self.encoder = encoder
-        self.uses_token_type_ids = architecture.uses_token_type_ids(encoder.config)
-        # Python ints, so that the exported graph reshapes with constants rather than Shape ops.
-        self.num_layers = len(architecture.layers(encoder))
-        self.hidden_size = int(encoder.config.hidden_size)
-        self._bias: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._hooks = [layer.register_forward_pre_hook(partial(self._add_bias, i), with_kwargs=True)
-                       for i, layer in enumerate(architecture.layers(encoder))]
-
-    def remove_hooks(self) -> None:
-        """Detach from the encoder (benchmarks share one encoder between methods)."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
-
-    def _add_bias(self, i: int, module: nn.Module, args: tuple, kwargs: dict):
-        if self._bias is None:
-            return None
-        flat, base = self._bias
-        # One gather of the B*S rows layer i needs from the flat [N*L, d] table; the cast touches only those rows.
-        if args:
-            hidden = args[0]
-            return (hidden + F.embedding(base + i, flat).to(hidden.dtype), *args[1:]), kwargs
-        hidden = kwargs["hidden_states"]
-        return args, {**kwargs, "hidden_states": hidden + F.embedding(base + i, flat).to(hidden.dtype)}
-
-    def forward(self, input_ids, attention_mask, token_type_ids, rows, index) -> torch.Tensor:
-        """`rows` [N, L, d]; `index` [B, S] picks each token's row. Returns the first token's state [B, d]."""
-        self._bias = (rows.reshape(-1, self.hidden_size), index.long() * self.num_layers)
-        try:
-            extra = {"token_type_ids": token_type_ids} if self.uses_token_type_ids and token_type_ids is not None else {}
-            out = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **extra)
-        finally:
-            self._bias = None
-        return out.last_hidden_state[:, 0]
 
 
 class AoTBody(nn.Module):
@@ -65,7 +16,7 @@ class AoTBody(nn.Module):
 
     def __init__(self, backbone: Backbone, prompt: nn.Module):
         super().__init__()
-        self.biased = BiasedEncoder(backbone.encoder, backbone.architecture)
+        self.biased = BiasedEncoder(backbone.encoder, backbone.uses_token_type_ids)
         self.aot = prompt
 
     @property

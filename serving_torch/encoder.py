@@ -1,0 +1,84 @@
+"""The frozen encoder whose layer i sees H^i + rows[index, i]: one class for training, export and the torch engine."""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def encoder_layers(encoder: nn.Module) -> nn.ModuleList:
+    """The transformer layers of every supported encoder family (BERT, RoBERTa, XLM-R, DeBERTa-v2)."""
+    return encoder.encoder.layer
+
+
+class BiasedEncoder(nn.Module):
+    """The frozen encoder whose layer i sees H^i + rows[index, i].
+
+    `rows` is [N, L, d] (token-major, as stored by the exporter and held by the task pool) and `index` [B, S] says
+    which of the N rows each token takes. Training passes the unique tokens of the batch; the exported graph
+    receives both as inputs; the torch engine passes the whole pool and each token's slot. One implementation
+    serves all three, so what is served adds exactly what training added.
+    """
+
+    def __init__(self, encoder: nn.Module, uses_token_type_ids: bool):
+        super().__init__()
+        self.encoder = encoder
+        self.uses_token_type_ids = uses_token_type_ids
+        layers = encoder_layers(encoder)
+        # Python ints, so that the exported graph reshapes with constants rather than Shape ops.
+        self.num_layers = len(layers)
+        self.hidden_size = int(encoder.config.hidden_size)
+        self._bias: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._hooks = [layer.register_forward_pre_hook(partial(self._add_bias, i), with_kwargs=True)
+                       for i, layer in enumerate(layers)]
+
+    def remove_hooks(self) -> None:
+        """Detach from the encoder (benchmarks share one encoder between methods)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def _add_bias(self, i: int, module: nn.Module, args: tuple, kwargs: dict):
+        if self._bias is None:
+            return None
+        flat, base = self._bias
+        # One gather of the B*S rows layer i needs from the flat [N*L, d] table; the cast touches only those rows.
+        if args:
+            hidden = args[0]
+            return (hidden + F.embedding(base + i, flat).to(hidden.dtype), *args[1:]), kwargs
+        hidden = kwargs["hidden_states"]
+        return args, {**kwargs, "hidden_states": hidden + F.embedding(base + i, flat).to(hidden.dtype)}
+
+    def forward(self, input_ids, attention_mask, token_type_ids, rows, index) -> torch.Tensor:
+        """`rows` [N, L, d]; `index` [B, S] picks each token's row. Returns the first token's state [B, d]."""
+        self._bias = (rows.reshape(-1, self.hidden_size), index.long() * self.num_layers)
+        try:
+            return self.plain(input_ids, attention_mask, token_type_ids)
+        finally:
+            self._bias = None
+
+    def plain(self, input_ids, attention_mask, token_type_ids=None) -> torch.Tensor:
+        """The encoder alone (no bias unless forward set one): the first token's state [B, d]."""
+        extra = {"token_type_ids": token_type_ids} if self.uses_token_type_ids and token_type_ids is not None else {}
+        return self.encoder(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state[:, 0]
+
+
+def save_encoder(encoder: nn.Module, folder: Path) -> None:
+    """The encoder's config and weights (safetensors), loadable by `load_encoder` without the training code."""
+    encoder.save_pretrained(folder)
+
+
+def load_encoder(folder: Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+    """An encoder saved by `save_encoder`, frozen, in eval mode, with eager attention (what training runs)."""
+    from transformers import AutoModel
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # a served step's log is no terminal
+    encoder = AutoModel.from_pretrained(str(folder), attn_implementation="eager", local_files_only=True,
+                                        dtype=dtype)
+    encoder.requires_grad_(False)
+    return encoder.to(device).eval()

@@ -1,0 +1,188 @@
+"""The torch engine: the served backbone in PyTorch, the task pool's rows beside it on the same device.
+
+A batch's bias is gathered from the pool buffer inside the encoder's forward (serving_torch.encoder.BiasedEncoder:
+each token's pool slot picks its row, layer by layer), so rows never travel between processes or devices once they
+are in the pool. On CUDA the encoder runs in fp16 and each (batch, sequence) bucket is captured once as a CUDA graph
+whose inputs are the token tensors and each token's slot, and whose gather reads the pool buffer in place; on CPU it
+runs eagerly in fp32 (what `aot predict` runs), padded to the batch's longest sequence.
+
+A request the pool does not hold (no pool, a version that left the manifest, a batch larger than the pool) brings
+its own rows; such a batch runs eagerly on a rows tensor assembled for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from serving import protocol
+from serving_torch.encoder import BiasedEncoder, load_encoder
+
+DEVICES = ("cpu", "cuda")
+
+
+def check_device(device: str) -> str:
+    """`cpu`, `cuda` or `cuda:N`, and CUDA present when asked for."""
+    if device.split(":")[0] not in DEVICES:
+        raise ValueError(f"device {device!r}: expected one of {', '.join(DEVICES)} (or cuda:N)")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: this PyTorch ({torch.__version__}) sees no CUDA device")
+    return device
+
+
+class DeviceRows:
+    """Pool rows in torch memory on one device (serving.pool.RowPool's storage): device memory on a GPU."""
+
+    def __init__(self, device: str):
+        self.device = torch.device(device)
+
+    def allocate(self, slots: int, num_layers: int, hidden_size: int) -> torch.Tensor:
+        # Uninitialised, like the host pool: a slot is read only after it was filled (padding rows of a CUDA-graph
+        # bucket read slot 0 whatever it holds; their outputs are dropped).
+        return torch.empty((slots, num_layers, hidden_size), dtype=torch.float16, device=self.device)
+
+    def write(self, buffer: torch.Tensor, slots: np.ndarray, rows: np.ndarray) -> None:
+        index = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(self.device)
+        buffer.index_copy_(0, index, torch.from_numpy(np.ascontiguousarray(rows)).to(self.device))
+
+
+@dataclass
+class Prepared:
+    """One request as the engine takes it: token tensors (1-D), and for AoT each token's row among the request's
+    distinct tokens (`index`) with either their pool slots or their rows."""
+
+    tokens: dict[str, np.ndarray]
+    index: np.ndarray | None = None
+    slots: np.ndarray | None = None
+    rows: np.ndarray | None = None
+
+
+def _bucket(value: int, buckets: tuple[int, ...]) -> int | None:
+    return next((b for b in buckets if b >= value), None)
+
+
+class TorchBackbone:
+    """The encoder (AoT: with the bias gather + add before every layer) for batches of prepared requests."""
+
+    def __init__(self, encoder_dir: Path, uses_token_type_ids: bool, aot: bool, device: str = "cpu",
+                 threads: int = 0, seq_buckets: tuple[int, ...] = (), max_batch: int = 32, cuda_graphs: bool = True):
+        self.device = torch.device(check_device(device))
+        cuda = self.device.type == "cuda"
+        if threads and not cuda:
+            torch.set_num_threads(threads)
+        self.dtype = torch.float16 if cuda else torch.float32
+        self.encoder = load_encoder(encoder_dir, str(self.device), self.dtype)
+        self.uses_token_type_ids = uses_token_type_ids
+        self.names = protocol.token_inputs(uses_token_type_ids)
+        self.biased = BiasedEncoder(self.encoder, uses_token_type_ids)
+        self.aot = aot
+        self.pool_rows: torch.Tensor | None = None  # the pool buffer on this device (set by the step)
+        # CUDA graphs over (batch, sequence) buckets: batch sizes 1, 2, 4, ... up to max_batch.
+        self.graphs = cuda and cuda_graphs and bool(seq_buckets)
+        self.seq_buckets = tuple(sorted(seq_buckets))
+        self.batch_buckets = tuple(sorted({min(1 << k, max_batch) for k in range(max_batch.bit_length() + 1)}))
+        self._captured: dict[tuple[int, int], tuple] = {}
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
+
+    # --- one batch ------------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, requests: list[Prepared]) -> np.ndarray:
+        """First-token states [B, d] (fp32) of a batch."""
+        pooled = self.aot and self.pool_rows is not None and all(r.slots is not None for r in requests)
+        if not self.aot or pooled:
+            shape = self._shape(len(requests), max(len(r.tokens[protocol.INPUT_IDS]) for r in requests))
+            feeds = self._feeds(requests, shape, pooled)
+            if self.graphs and shape in self._graph_shapes():
+                out = self._replay(shape, feeds)
+            else:
+                out = self._forward({k: v.to(self.device) for k, v in feeds.items()}, self.pool_rows)
+        else:
+            out = self._run_with_rows(requests)
+        return out[: len(requests)].float().cpu().numpy()
+
+    def _shape(self, batch: int, seq: int) -> tuple[int, int]:
+        """The padded shape: a captured bucket on CUDA, else exactly the batch and its longest sequence."""
+        if self.graphs:
+            b, s = _bucket(batch, self.batch_buckets), _bucket(seq, self.seq_buckets)
+            if b is not None and s is not None:
+                return b, s
+        return batch, seq
+
+    def _graph_shapes(self):
+        return {(b, s) for b in self.batch_buckets for s in self.seq_buckets}
+
+    def _feeds(self, requests: list[Prepared], shape: tuple[int, int], pooled: bool,
+               offsets: list[int] | None = None) -> dict[str, torch.Tensor]:
+        """Host tensors of `shape`: tokens right-padded (a padded row attends to its first position only), and
+        for AoT each token's slot in the pool (or, with `offsets`, its row in the batch's own rows tensor)."""
+        batch, seq = shape
+        feeds = {n: np.zeros(shape, dtype=np.int64) for n in self.names}
+        feeds[protocol.ATTENTION_MASK][:, 0] = 1
+        if self.aot:
+            feeds["index"] = np.zeros(shape, dtype=np.int64)
+        for b, r in enumerate(requests):
+            n = len(r.tokens[protocol.INPUT_IDS])
+            for name in self.names:
+                feeds[name][b, :n] = r.tokens[name]
+            if self.aot:
+                feeds["index"][b, :n] = r.slots[r.index] if pooled else r.index + offsets[b]
+        return {k: torch.from_numpy(v) for k, v in feeds.items()}
+
+    def _forward(self, feeds: dict[str, torch.Tensor], rows: torch.Tensor | None) -> torch.Tensor:
+        ids, mask = feeds[protocol.INPUT_IDS], feeds[protocol.ATTENTION_MASK]
+        types = feeds.get(protocol.TOKEN_TYPE_IDS)
+        if not self.aot:
+            return self.biased.plain(ids, mask, types)
+        return self.biased(ids, mask, types, rows, feeds["index"])
+
+    def _run_with_rows(self, requests: list[Prepared]) -> torch.Tensor:
+        """Eager: the batch's rows (gathered from the pool, or brought by the request) in one tensor of its own."""
+        parts, offsets, total = [], [], 0
+        for r in requests:
+            if r.slots is not None:
+                part = self.pool_rows[torch.from_numpy(r.slots.astype(np.int64)).to(self.device)]
+            else:
+                part = torch.from_numpy(np.ascontiguousarray(r.rows)).to(self.device)
+            parts.append(part)
+            offsets.append(total)
+            total += part.shape[0]
+        shape = (len(requests), max(len(r.tokens[protocol.INPUT_IDS]) for r in requests))
+        feeds = self._feeds(requests, shape, pooled=False, offsets=offsets)
+        return self._forward({k: v.to(self.device) for k, v in feeds.items()}, torch.cat(parts))
+
+    # --- CUDA graphs ----------------------------------------------------------------------------------------------
+
+    def _replay(self, shape: tuple[int, int], feeds: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Copy the inputs into the bucket's static tensors and replay its graph (captured on first use)."""
+        if shape not in self._captured:
+            self._captured[shape] = self._capture(shape)
+        graph, static, out = self._captured[shape]
+        for name, value in feeds.items():
+            static[name].copy_(value, non_blocking=True)
+        graph.replay()
+        return out
+
+    def _capture(self, shape: tuple[int, int]):
+        """Capture the forward for one bucket. The pool buffer is read in place, so rows filled later are seen."""
+        static = {n: torch.zeros(shape, dtype=torch.int64, device=self.device) for n in self.names}
+        static[protocol.ATTENTION_MASK][:, 0] = 1
+        if self.aot:
+            static["index"] = torch.zeros(shape, dtype=torch.int64, device=self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up runs before capture (lazy initialisation must not be captured)
+            for _ in range(2):
+                self._forward(static, self.pool_rows)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            out = self._forward(static, self.pool_rows)
+        return graph, static, out
+
+    def captured(self) -> list[tuple[int, int]]:
+        """The (batch, sequence) buckets captured so far."""
+        return sorted(self._captured)
