@@ -13,16 +13,21 @@ from aot.arguments import non_negative_int, positive_int
 
 def add_serve(sub) -> None:
     p = sub.add_parser("serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                       help="serve a model repository with a local tritonserver on CPU (no Docker)",
+                       help="serve a model repository with a local tritonserver on CPU or CUDA (no Docker)",
                        description="Start tritonserver (from the nvidia-pytriton wheel) on the repository's CPU "
-                                   "configs, wait until it is ready, print the endpoints, and stop it cleanly on "
-                                   "Ctrl-C or SIGTERM.")
+                                   "configs (--device cpu) or, for a repository exported with --format torch, on "
+                                   "its GPU configs with memory pools sized from the repository (--device cuda), "
+                                   "wait until it is ready, print the endpoints, and stop it cleanly on Ctrl-C or "
+                                   "SIGTERM.")
     p.add_argument("--repo", required=True, help="model repository (from `aot export backbone`)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--grpc-port", type=positive_int, default=8001)
     p.add_argument("--http-port", type=positive_int, default=8000)
     p.add_argument("--metrics-port", type=positive_int, default=8002)
     p.add_argument("--log", default=None, help="server log file (default: a temporary file)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, or cuda (cuda:N): the torch engine on a GPU, fp16 with CUDA graphs (a repository "
+                        "exported with --format torch; the local tritonserver has no native GPU backends)")
     p.add_argument("--pool-bytes", type=non_negative_int, default=None,
                    help="memory of the task pool (rows of P kept in RAM; 0: none) instead of the repository's "
                         "serving option (printed at start-up)")
@@ -31,10 +36,11 @@ def add_serve(sub) -> None:
 
 def run_serve(args) -> int:
     from aot.server import LocalServer
-    from serving.repository import read_repository
+    from serving.repository import memory_pool_bytes, read_repository
     from serving.tasks import TaskRegistry
 
     repo = read_repository(args.repo)
+    _check_device(args.device, repo.options.engine)
     registry = TaskRegistry(repo.store_root, parts="meta")
     if registry.manifest_error:
         print(f"aot: warning: {registry.manifest_error} (no task serves until it is fixed)", file=sys.stderr)
@@ -43,18 +49,20 @@ def run_serve(args) -> int:
         print(f"aot: warning: {error} (its requests will fail; the other tasks serve)", file=sys.stderr)
     pool_bytes = repo.options.pool_bytes if args.pool_bytes is None else args.pool_bytes
     server = LocalServer(repo.path, args.host, args.http_port, args.grpc_port, args.metrics_port, args.log,
-                         pool_bytes=pool_bytes)
+                         pool_bytes=pool_bytes, device=args.device)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     server.start()
     try:
         tasks = sorted(set(registry.served()) - set(errors))
-        print(json.dumps({"grpc": server.grpc_url, "http": server.http_url,
+        print(json.dumps({"grpc": server.grpc_url, "http": server.http_url, "device": args.device,
                           "metrics": f"{args.host}:{server.metrics_port}", "ready_seconds": round(server.ready_seconds, 2),
-                          "tasks": tasks, "pool_bytes": pool_bytes, "log": str(server.log_path)}), flush=True)
+                          "tasks": tasks, "pool_bytes": pool_bytes,
+                          "memory_pools": None if args.device == "cpu" else memory_pool_bytes(repo),
+                          "log": str(server.log_path)}), flush=True)
         row_bytes = repo.num_layers * repo.hidden_size * 2
-        print(f"serving {repo.path} on grpc {server.grpc_url}; task pool {pool_bytes / 2**20:.0f} MiB "
+        print(f"serving {repo.path} on {args.device}, grpc {server.grpc_url}; task pool {pool_bytes / 2**20:.0f} MiB "
               f"({pool_bytes // (row_bytes * repo.vocab_size)} tasks fully resident) (Ctrl-C stops)",
               file=sys.stderr, flush=True)
         while not stop.wait(0.5):
@@ -64,6 +72,24 @@ def run_serve(args) -> int:
     finally:
         server.stop()
     return 0
+
+
+def _check_device(device: str, engine: str) -> None:
+    """`cpu` serves any repository; `cuda` a torch-engine one, on a machine whose PyTorch sees CUDA."""
+    kind, _, number = device.partition(":")
+    if kind not in ("cpu", "cuda") or (number and (kind == "cpu" or not number.isdigit())):
+        raise ValueError(f"--device {device!r}: expected cpu, cuda or cuda:N")
+    if kind == "cpu":
+        return
+    if engine != "torch":
+        raise ValueError(f"--device {device}: this repository's backbone engine is {engine!r}; the local "
+                         "tritonserver has only the python backend, so GPU serving here needs a repository "
+                         "exported with `aot export backbone --format torch` (serve onnx and tensorrt ones with "
+                         "docker compose on the NGC image)")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: PyTorch {torch.__version__} sees no CUDA device on this machine")
 
 
 def add_tasks(sub) -> None:

@@ -29,7 +29,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from serving.repository import POOL_BYTES_ENV
+from serving.repository import POOL_BYTES_ENV, memory_pool_bytes, read_repository
 from serving.supervisor import Supervisor, reap
 
 
@@ -103,7 +103,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @dataclass
 class LocalServer:
-    """tritonserver on REPO/models with the CPU configs. Use as a context manager or call start()/stop()."""
+    """tritonserver on REPO/models with the CPU configs (`device` "cpu"), or with the GPU configs of a torch-engine
+    repository (`device` "cuda": the local binary has only the python backend) and memory pools sized from the
+    repository. Use as a context manager or call start()/stop()."""
 
     repo: Path
     host: str = "127.0.0.1"
@@ -115,6 +117,7 @@ class LocalServer:
     supervise: bool = True
     restart: bool = True  # start tritonserver again when it dies (serving.supervisor repairs single steps)
     pool_bytes: int | None = None  # overrides the repository's task pool budget (AOT_POOL_BYTES)
+    device: str = "cpu"
     process: subprocess.Popen | None = None
     ready_seconds: float | None = None
     supervisor: Supervisor | None = None
@@ -141,15 +144,24 @@ class LocalServer:
 
     def command(self) -> list[str]:
         return [str(triton_home() / "bin" / "tritonserver"), f"--model-repository={self.repo / 'models'}",
-                f"--backend-directory={backends_folder(self._workdir)}", "--model-config-name=cpu",
+                f"--backend-directory={backends_folder(self._workdir)}", *self.device_args(),
                 f"--http-address={self.host}", f"--http-port={self.http_port}",
                 f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
-                f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
-                "--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0", "--exit-timeout-secs=5",
+                f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}", "--exit-timeout-secs=5",
                 "--disable-auto-complete-config", "--log-info=true",
                 "--model-control-mode=explicit",  # the supervisor reloads what died
                 *(f"--load-model={m}" for m in self.models()),
                 *self.extra_args]
+
+    def device_args(self) -> list[str]:
+        """CPU: the configs/cpu.pbtxt configs, no pinned pool, no GPU metrics. CUDA: the GPU configs (config.pbtxt)
+        and the CUDA and pinned memory pools the repository's largest batch needs (serving.repository)."""
+        if self.device == "cpu":
+            return ["--model-config-name=cpu", "--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0"]
+        pools = memory_pool_bytes(read_repository(self.repo))
+        gpu = self.device.partition(":")[2] or "0"
+        return [f"--cuda-memory-pool-byte-size={gpu}:{pools['cuda']}",
+                f"--pinned-memory-pool-byte-size={pools['pinned']}"]
 
     def models(self) -> list[str]:
         """The models the CPU ensembles use: every model folder but `aot_lookup`, the GPU ensemble's separate lookup

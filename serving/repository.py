@@ -161,6 +161,31 @@ class RepositoryInfo:
         return options
 
 
+def largest_batch_bytes(info: RepositoryInfo) -> int:
+    """Bytes of the tensors that pass between the steps of the repository's largest batch (max batch size x the
+    longest bucket): token tensors, the rows and index of the lookup (native GPU backends only: the torch engine
+    looks up in its own process), the backbone's states and the logits."""
+    options = info.options
+    batch, seq = options.max_batch_size, min(max(options.buckets), info.max_positions)
+    elements = batch * seq
+    size = len(protocol.token_inputs(info.uses_token_type_ids)) * elements * protocol.TOKEN_DTYPE.itemsize
+    if options.engine != "torch":
+        size += elements * (info.num_layers * info.hidden_size * protocol.ROWS_DTYPE.itemsize
+                            + protocol.INDEX_DTYPE.itemsize)
+    size += batch * info.hidden_size * protocol.HIDDEN_DTYPE.itemsize * 2  # states, and logits at most as wide
+    return size
+
+
+def memory_pool_bytes(info: RepositoryInfo) -> dict[str, int]:
+    """tritonserver's CUDA and pinned memory pools for this repository: twice its largest batch's tensors between
+    steps (one batch in flight while the next is formed), rounded up to MiB and never below Triton's defaults
+    (64 MiB CUDA, 256 MiB pinned). Smaller pools make those tensors fall back to (unpinned) host memory without a
+    word (server#1765, #3511)."""
+    mib = 1 << 20
+    need = -(-2 * largest_batch_bytes(info) // mib) * mib
+    return {"cuda": max(need, 64 * mib), "pinned": max(need, 256 * mib)}
+
+
 def read_repository(path: str | Path) -> RepositoryInfo:
     path = Path(path)
     record_path = path / RECORD

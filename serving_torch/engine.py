@@ -40,8 +40,8 @@ class DeviceRows:
         self.device = torch.device(device)
 
     def allocate(self, slots: int, num_layers: int, hidden_size: int) -> torch.Tensor:
-        # Uninitialised, like the host pool: a slot is read only after it was filled (padding rows of a CUDA-graph
-        # bucket read slot 0 whatever it holds; their outputs are dropped).
+        # Uninitialised, like the host pool: a slot is read only after it was filled (TorchBackbone pads with
+        # filled slots; only the warm-up before a CUDA-graph capture reads slot 0 as it is, and drops the result).
         return torch.empty((slots, num_layers, hidden_size), dtype=torch.float16, device=self.device)
 
     def write(self, buffer: torch.Tensor, slots: np.ndarray, rows: np.ndarray) -> None:
@@ -123,12 +123,16 @@ class TorchBackbone:
         feeds = {n: np.zeros(shape, dtype=np.int64) for n in self.names}
         feeds[protocol.ATTENTION_MASK][:, 0] = 1
         if self.aot:
-            feeds["index"] = np.zeros(shape, dtype=np.int64)
+            # Padding takes a row that holds numbers (a request's first token's): a NaN in an unfilled slot would
+            # reach every position through the attention scores, masked or not.
+            first = requests[0].slots[requests[0].index[0]] if pooled else 0
+            feeds["index"] = np.full(shape, first, dtype=np.int64)
         for b, r in enumerate(requests):
             n = len(r.tokens[protocol.INPUT_IDS])
             for name in self.names:
                 feeds[name][b, :n] = r.tokens[name]
             if self.aot:
+                feeds["index"][b] = r.slots[r.index[0]] if pooled else offsets[b]
                 feeds["index"][b, :n] = r.slots[r.index] if pooled else r.index + offsets[b]
         return {k: torch.from_numpy(v) for k, v in feeds.items()}
 

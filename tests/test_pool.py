@@ -105,8 +105,10 @@ def test_one_batch_larger_than_the_pool_is_refused():
 
 
 @pytest.mark.server
-def test_served_through_a_small_pool_equals_predict(tmp_path_factory, tiny_models, sentiment_dir):
-    """Cache mode through the real server: a pool of 24 rows for 3 tasks (fused and factored)."""
+@pytest.mark.parametrize("engine", ["onnx", "torch"])
+def test_served_through_a_small_pool_equals_predict(tmp_path_factory, tiny_models, sentiment_dir, engine):
+    """Cache mode through the real server: a pool of 24 rows for 3 tasks (fused and factored), in host memory
+    (ONNX Runtime step) or beside the torch engine, whose forward gathers from it in place."""
     from aot.client import Client
     from aot.server import LocalServer
     from serving.repository import read_repository
@@ -119,7 +121,8 @@ def test_served_through_a_small_pool_equals_predict(tmp_path_factory, tiny_model
                  for n, m, s in (("a", "fc", 0), ("b", "kron", 1), ("c", "fc", 2))}
     repo = make_repository(tiny_models["bert"], root / "repo", {"a": (artifacts["a"], "fused"),
                                                                 "b": (artifacts["b"], "factored"),
-                                                                "c": (artifacts["c"], "factored")})
+                                                                "c": (artifacts["c"], "factored")},
+                           engine=engine)
     info = read_repository(repo)
     budget = 24 * info.num_layers * info.hidden_size * 2  # 24 rows for 3 tasks: most tokens get evicted
     texts = ["good w1 w2", "w3 awful w4 w5 the movie", "superb plot w7 w8 w9", "dull w10 w11", "w12 w13 great"]

@@ -1,0 +1,158 @@
+"""The torch engine (`aot export backbone --format torch`): export checks, the engine in-process (pool slots, rows,
+mixed batches), and serving through the real local tritonserver on CPU, equal to `aot predict`. The CUDA path
+(fp16, CUDA graphs) needs a GPU: docs/benchmarks.md names the command that runs it there."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from aot.client import Client
+from exporter.configs import parse_pbtxt
+from serving import protocol as io
+from serving.pool import RowPool
+from serving.repository import ServingOptions, memory_pool_bytes, read_repository
+from serving_torch.engine import DeviceRows, Prepared, TorchBackbone
+from tests.helpers import make_repository, serve_for_tests, train_tiny_task
+from training.predict import Predictor
+
+TEXTS = ["good w1 w2", "w3 awful w4 w5 the movie", "superb plot w7 w8 w9", "dull w10", " ".join(["w9 great"] * 40)]
+
+
+@pytest.mark.parametrize("arch", ["bert", "roberta", "deberta-v2"])
+def test_export_writes_the_encoder_checked_through_the_engine(tmp_path, tiny_models, arch):
+    from exporter.backbone_export import export_backbone
+
+    report = export_backbone(str(tiny_models[arch]), tmp_path / "repo", ServingOptions(engine="torch"))
+    assert 0 <= report.max_abs_diff["torch"] <= 1e-4
+    repo = read_repository(tmp_path / "repo")
+    assert (repo.encoder_dir / "model.safetensors").is_file() and "encoder/model.safetensors" in report.sizes
+    assert not list(repo.models.rglob("*.onnx")), "the torch engine needs no backbone graph"
+    assert not (repo.models / "aot_lookup").exists(), "its backbone step looks rows up itself"
+    for name, device in (("configs/cpu.pbtxt", "cpu"), ("config.pbtxt", "cuda")):
+        config = parse_pbtxt((repo.models / "backbone" / name).read_text())
+        assert config.backend == "python"
+        assert config.parameters["engine"].string_value == "torch"
+        assert config.parameters["device"].string_value == device
+        assert io.TASK_VERSION in [i.name for i in config.input]
+        ensemble = parse_pbtxt((repo.models / "aot" / name).read_text())
+        assert [s.model_name for s in ensemble.ensemble_scheduling.step] == ["tokenizer", "backbone", "head"]
+
+
+def _engine_batch(repo, rows_of, names, lengths, seed=0):
+    """Prepared requests with random tokens: (tokens, distinct ids, index) per request."""
+    g = np.random.default_rng(seed)
+    out = []
+    for n in lengths:
+        ids = g.integers(5, repo.vocab_size, n)
+        mask = np.ones(n, dtype=np.int64)
+        tokens = {io.INPUT_IDS: ids, io.ATTENTION_MASK: mask}
+        if io.TOKEN_TYPE_IDS in names:
+            tokens[io.TOKEN_TYPE_IDS] = np.zeros(n, dtype=np.int64)
+        unique, index = np.unique(ids, return_inverse=True)
+        out.append((Prepared(tokens, index=index.astype(np.int32)), unique))
+    return out
+
+
+def test_engine_pool_slots_rows_and_mixed_batches_agree(tmp_path, tiny_models):
+    """The same batch through pool slots (resident and cached), through rows, and mixed, gives the same states."""
+    from exporter.backbone_export import export_backbone
+
+    export_backbone(str(tiny_models["bert"]), tmp_path / "repo", ServingOptions(engine="torch"))
+    repo = read_repository(tmp_path / "repo")
+    L, d, V = repo.num_layers, repo.hidden_size, repo.vocab_size
+    table = (np.random.default_rng(1).standard_normal((V, L, d)) * 0.3).astype(np.float16)
+    engine = TorchBackbone(repo.encoder_dir, repo.uses_token_type_ids, aot=True)
+    names = io.token_inputs(repo.uses_token_type_ids)
+    batch = _engine_batch(repo, table, names, [7, 3, 12])
+    for p, unique in batch:
+        p.rows = table[unique]
+    expected = engine.run([p for p, _ in batch])
+    for budget_rows in (2 * V, 30):  # resident, then a cache smaller than one table
+        pool = RowPool(budget_rows * L * d * 2, L, d, V, storage=DeviceRows("cpu"))
+        pool.attach("t@1", lambda ids: table[ids])
+        engine.pool_rows = pool.buffer
+        slots = pool.slots_many([("t@1", u) for _, u in batch])
+        assert pool.resident == (budget_rows == 2 * V)
+        for (p, _), s in zip(batch, slots):
+            p.rows, p.slots = None, s
+        np.testing.assert_allclose(engine.run([p for p, _ in batch]), expected, atol=1e-5)
+        batch[1][0].slots, batch[1][0].rows = None, table[batch[1][1]]  # one request brings its own rows
+        np.testing.assert_allclose(engine.run([p for p, _ in batch]), expected, atol=1e-5)
+    vanilla = TorchBackbone(repo.encoder_dir, repo.uses_token_type_ids, aot=False)
+    plain = vanilla.run([p for p, _ in batch])
+    assert np.abs(plain - expected).max() > 1e-3, "the rows must change the states"
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory, tiny_models, sentiment_dir):
+    root = tmp_path_factory.mktemp("torch-artifacts")
+    return {n: train_tiny_task(tiny_models["bert"], sentiment_dir, root / n, m, seed=s, epochs=1)
+            for n, m, s in (("a", "fc", 0), ("b", "kron", 1), ("c", "fc", 2))}
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory, tiny_models, artifacts):
+    return make_repository(tiny_models["bert"], tmp_path_factory.mktemp("torch") / "repo",
+                           {"a": (artifacts["a"], "fused"), "b": (artifacts["b"], "factored"),
+                            "c": (artifacts["c"], "factored")}, engine="torch", max_batch_size=16,
+                           backbone_queue_delay_us=2000)
+
+
+@pytest.fixture(scope="module")
+def expected(artifacts):
+    return {n: (Predictor.load(a).logits(TEXTS).numpy(), Predictor.load(a).logits(TEXTS[:2], ["w5", "w6 w7"]).numpy())
+            for n, a in artifacts.items()}
+
+
+@pytest.mark.server
+def test_served_torch_engine_equals_predict_with_and_without_a_pool(request, repo, expected):
+    """Concurrent mixed tasks (fused, FC and Kron factored), pairs, long texts; then with no pool (rows brought per
+    request, the eager path)."""
+    from aot.server import LocalServer
+
+    for pool_bytes in (None, 0):
+        with LocalServer(repo, pool_bytes=pool_bytes) as server, Client(server.grpc_url) as client:
+            items = [{"task": "abc"[k % 3], "text": TEXTS[k % len(TEXTS)]} for k in range(45)]
+            answers = client.infer_many(items, concurrency=12)
+            for item, k, answer in zip(items, range(45), answers):
+                assert "error" not in answer, answer
+                np.testing.assert_allclose(answer["logits"], expected[item["task"]][0][k % len(TEXTS)], atol=1e-3)
+            for name in "abc":
+                for i, pair in enumerate(["w5", "w6 w7"]):
+                    got = client.infer(name, TEXTS[i], pair)["logits"]
+                    np.testing.assert_allclose(got, expected[name][1][i], atol=1e-3)
+            stats = client._client.get_inference_statistics("backbone").model_stats[0]
+            assert stats.execution_count < stats.inference_count, "requests of mixed tasks must batch together"
+
+
+def test_serve_device_is_checked_before_a_server_starts(tmp_path, repo, tiny_models):
+    aot = [sys.executable, "-m", "aot"]
+    out = subprocess.run(aot + ["serve", "--repo", str(repo), "--device", "tpu"], capture_output=True, text=True)
+    assert out.returncode == 2 and "--device 'tpu': expected cpu, cuda or cuda:N" in out.stderr
+    if not torch.cuda.is_available():
+        out = subprocess.run(aot + ["serve", "--repo", str(repo), "--device", "cuda"], capture_output=True, text=True)
+        assert out.returncode == 2 and "sees no CUDA device" in out.stderr
+    onnx = make_repository(tiny_models["bert"], tmp_path / "onnx", {})
+    out = subprocess.run(aot + ["serve", "--repo", str(onnx), "--device", "cuda"], capture_output=True, text=True)
+    assert out.returncode == 2 and "engine is 'onnx'" in out.stderr and "--format torch" in out.stderr
+
+
+def test_cuda_server_flags_come_from_the_repository(repo):
+    """--device cuda: the GPU configs and memory pools of twice the largest batch (never below Triton's defaults)."""
+    from aot.server import LocalServer
+
+    info = read_repository(repo)
+    args = LocalServer(repo, device="cuda").device_args()
+    pools = memory_pool_bytes(info)
+    assert args == [f"--cuda-memory-pool-byte-size=0:{pools['cuda']}", f"--pinned-memory-pool-byte-size={pools['pinned']}"]
+    assert "--model-config-name=cpu" in LocalServer(repo).device_args()
+    # a RoBERTa-base-sized ONNX repository: the rows between lookup and backbone outgrow the 64 MiB default
+    big = json.loads(json.dumps(info.record))
+    big.update(num_layers=12, hidden_size=768, max_positions=512)
+    big["serving"] = {**big["serving"], "engine": "onnx", "max_batch_size": 32, "buckets": [128, 512]}
+    sized = memory_pool_bytes(type(info)(info.path, big))
+    assert sized["cuda"] >= 2 * 32 * 512 * 12 * 768 * 2 and sized["cuda"] % (1 << 20) == 0
