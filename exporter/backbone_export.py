@@ -9,11 +9,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from exporter.configs import PYTHON_MODELS, TEMPLATES, write_configs
-from exporter.onnx_export import export_backbone_graph
+from exporter.config_checks import check_configs
+from exporter.configs import CPU_CONFIG, PYTHON_MODELS, TEMPLATES, write_configs
+from exporter.onnx_export import example_inputs, export_backbone_graph
 from exporter.rows_export import write_rows_graphs
 from exporter.task_store import TaskStore
-from exporter.tensorrt import Profile, build_plan, build_script
+from exporter.tensorrt import Profile, build_plan, build_script, write_parity_data
 from exporter.torch_export import export_torch_encoder
 from serving import protocol as io
 from serving.atomic import atomic_directory, write_json
@@ -92,6 +93,8 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
                 inputs += [io.AOT_ROWS, io.AOT_INDEX, io.AOT_ROW_OFFSETS]
             trt_models[name] = {"shapes": profile.shapes(inputs, backbone.num_layers, backbone.hidden_size)}
             if options.engine == "tensorrt":
+                feeds = example_inputs(backbone, aot, batch=3, seq=min(13, profile.max_seq), seed=7)
+                write_parity_data(graph.raw, {k: v.numpy() for k, v in feeds.items()}, graph.raw.parent)
                 try:
                     build_plan(graph.raw, graph.raw.with_name("model.plan"), trt_models[name]["shapes"],
                                precision == "fp16")
@@ -105,6 +108,9 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
             script.chmod(0o755)
         backbone.tokenizer.save_pretrained(tmp / TOKENIZER_DIR)
         _copy_python_models(models, write_configs(models, info, options))
+        problems = check_configs(models) + check_configs(models, CPU_CONFIG)
+        if problems:
+            raise RepositoryError("the generated configs would not load; nothing was written:\n  " + "\n  ".join(problems))
         if keep_tasks is not None:
             # Hard links: no data is copied, and the old store stays whole until the swap succeeds.
             shutil.copytree(keep_tasks.store_root, tmp / STORE_DIR, copy_function=os.link,

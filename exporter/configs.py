@@ -26,6 +26,7 @@ TEMPLATES = Path(__file__).resolve().parent.parent / "model_repository"
 PYTHON_MODELS = {"tokenizer": "tokenizer", "aot_lookup": "aot_lookup", "backbone": "backbone",
                  "backbone_vanilla": "backbone", "head": "head", "task_list": "task_list"}  # model -> template
 ENSEMBLES = ("aot", "vanilla")
+CPU_CONFIG = "configs/cpu.pbtxt"  # selected by tritonserver --model-config-name=cpu
 
 
 # --- config generation: the one source of every config.pbtxt --------------------------------------------------
@@ -83,6 +84,10 @@ def _backbone(name: str, aot: bool, target: str, info: dict, options: ServingOpt
                                 default_model_filename="model.plan" if options.engine == "tensorrt" else "model.onnx")
         config.dynamic_batching.max_queue_delay_microseconds = options.backbone_queue_delay_us
         config.instance_group.add(kind=pb.ModelInstanceGroup.KIND_GPU, count=1)
+        if options.engine == "tensorrt":
+            # The TensorRT backend captures a CUDA graph per input shape it meets and replays it for that shape (the
+            # ragged rows make shapes vary with the batch's distinct tokens, so it pays for repeated shapes only).
+            config.optimization.cuda.graphs = True
     # A python step takes ragged inputs (it pads the batch itself); a native backend takes bucketed token tensors.
     if python and aot:  # the lookup runs inside this step: no extra step, no rows between processes
         config.input.append(_tensor(pb.ModelInput, io.TASK_VERSION, [1]))
@@ -178,6 +183,6 @@ def write_configs(models: Path, info: dict, options: ServingOptions) -> list[str
         folder = models / name
         (folder / "configs").mkdir(parents=True, exist_ok=True)
         (folder / "config.pbtxt").write_text(to_pbtxt(gpu[name]))
-        (folder / "configs" / "cpu.pbtxt").write_text(to_pbtxt(cpu[name]))
+        (folder / CPU_CONFIG).write_text(to_pbtxt(cpu[name]))
         (folder / "1").mkdir(exist_ok=True)
     return list(gpu)

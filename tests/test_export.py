@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import exporter.task_store
+from exporter.backbone_export import export_backbone
 from exporter.configs import model_configs, parse_pbtxt, to_pbtxt
 from exporter.onnx_export import export_backbone_graph
 from exporter.task_export import export_task
@@ -292,3 +293,76 @@ def test_auto_storage_follows_the_pool_budget(tmp_path, tiny_models, tasks):
     assert advice["fused_bytes"] == table and advice["tasks_resident_in_pool"] == 2 and advice["tasks_in_store"] == 3
     assert advice["factored_bytes"] > 0  # (tiny vocabulary: here the factors are larger than the table)
     assert reports[0].max_abs_logit_diff <= 1e-3 and reports[2].max_abs_logit_diff <= 1e-3
+
+
+def test_tensorrt_repository_saves_parity_data_that_polygraphy_checks(tmp_path, tiny_models):
+    """A --format tensorrt repository: CUDA graphs on, and per backbone the inputs and ONNX Runtime outputs that
+    build_engines.sh checks each plan against with Polygraphy. Checked here with Polygraphy's ONNX Runtime runner
+    (TensorRT is absent): the files load, agree, and a wrong output fails the check."""
+    import shlex
+
+    from exporter.tensorrt import PARITY_OUTPUTS, parity_command
+
+    repo = tmp_path / "repo"
+    export_backbone(str(tiny_models["bert"]), repo, ServingOptions(engine="tensorrt"))
+    config = parse_pbtxt((repo / "models" / "backbone" / "config.pbtxt").read_text())
+    assert config.platform == "tensorrt_plan" and config.optimization.cuda.graphs
+    script = (repo / "build_engines.sh").read_text()
+    polygraphy = str(Path(sys.executable).with_name("polygraphy"))
+    for name in ("backbone", "backbone_vanilla"):
+        folder = f"models/{name}/1"
+        assert parity_command(folder, fp16=False, plan=f"{folder}/model.plan") in script
+        ok = subprocess.run(shlex.split(parity_command(folder, fp16=False, polygraphy=polygraphy)), cwd=repo,
+                            capture_output=True, text=True)
+        assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
+    outputs = repo / "models" / "backbone" / "1" / PARITY_OUTPUTS
+    from polygraphy.comparator import RunResults
+
+    results = RunResults.load(str(outputs))
+    for _, iterations in results:
+        for iteration in iterations:
+            for key in iteration.keys():
+                iteration[key] = iteration[key] + 0.5
+    results.save(str(outputs))
+    bad = subprocess.run(shlex.split(parity_command("models/backbone/1", fp16=False, polygraphy=polygraphy)),
+                         cwd=repo, capture_output=True, text=True)
+    assert bad.returncode != 0
+    assert 'rm -f models/backbone/1/model.plan' in script and "Triton will not start on it" in script
+
+
+def test_config_checks_find_what_triton_would_refuse(tmp_path, tiny_models):
+    """Both config sets of a written repository pass; each broken copy is named by its problem."""
+    from exporter.config_checks import check_configs
+
+    repo = make_repository(tiny_models["bert"], tmp_path / "repo", {})
+    models = repo / "models"
+    assert check_configs(models) == [] and check_configs(models, "configs/cpu.pbtxt") == []
+    text = {m: (models / m / "config.pbtxt").read_text() for m in ("backbone", "aot")}
+    cases = [
+        ("backbone", 'name: "aot_rows"\n  data_type: TYPE_FP16\n  dims: -1',
+         'name: "aot_rows"\n  data_type: TYPE_FP16\n  dims: -1\n  dims: 4', "ragged input aot_rows has dims [-1, 4]"),
+        ("backbone", "data_type: TYPE_FP16", "data_type: TYPE_FP32", "'aot_rows' is TYPE_FP32 of rank 1 in the config"),
+        ("backbone", "source_input: \"aot_rows\"", "source_input: \"aot_index\"", "which is not a ragged input"),
+    ]
+    for model, old, new, message in cases:
+        assert old in text[model], (model, old)
+        (models / model / "config.pbtxt").write_text(text[model].replace(old, new, 1))
+        problems = check_configs(models)
+        assert any(message in p for p in problems), (message, problems)
+        (models / model / "config.pbtxt").write_text(text[model])
+
+    def broken_ensemble(edit, message):
+        config = parse_pbtxt(text["aot"])
+        edit({s.model_name: s for s in config.ensemble_scheduling.step})
+        (models / "aot" / "config.pbtxt").write_text(to_pbtxt(config))
+        problems = check_configs(models)
+        assert any(message in p for p in problems), (message, problems)
+        (models / "aot" / "config.pbtxt").write_text(text["aot"])
+
+    broken_ensemble(lambda steps: setattr(steps["head"], "model_name", "heads"), "step 'heads' is not a model")
+    broken_ensemble(lambda steps: steps["backbone"].input_map.update({io.AOT_INDEX: "_aot_idx"}),
+                    "reads '_aot_idx', which nothing before it writes")
+    broken_ensemble(lambda steps: steps["backbone"].input_map.update({io.AOT_ROWS: "_input_ids"}),
+                    "backbone.aot_rows is TYPE_FP16 but '_input_ids' is TYPE_INT64")
+    broken_ensemble(lambda steps: steps["backbone"].input_map.pop(io.AOT_INDEX),
+                    "backbone.aot_index is required and not mapped")
