@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from exporter.compose_env import write_compose_env
 from exporter.config_checks import check_configs
 from exporter.configs import CPU_CONFIG, PYTHON_MODELS, TEMPLATES, write_configs
 from exporter.onnx_export import example_inputs, export_backbone_graph
@@ -19,8 +20,8 @@ from exporter.torch_export import export_torch_encoder
 from serving import protocol as io
 from serving.atomic import atomic_directory, write_json
 from serving.store import ROWS_DIR
-from serving.repository import (MODELS_DIR, RECORD, REPO_FORMAT, REPO_VERSION, RepositoryError, ServingOptions,
-                                read_repository)
+from serving.repository import (MODELS_DIR, RECORD, REPO_FORMAT, REPO_VERSION, RepositoryError, RepositoryInfo,
+                                ServingOptions, read_repository)
 from training.artifact import backbone_identity
 from training.backbone import load_backbone
 
@@ -129,6 +130,7 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
                   "tensorrt_profile": profile.__dict__ if options.engine == "tensorrt" else None,
                   "parity_max_abs_diff": report.max_abs_diff}
         write_json(tmp / RECORD, record)
+        write_compose_env(tmp, RepositoryInfo(tmp, record), repo)
         report.sizes = {p.relative_to(tmp).as_posix(): p.stat().st_size
                         for pattern in ("*.onnx", f"{ENCODER_DIR}/*.safetensors") for p in tmp.rglob(pattern)}
         report.sizes["tasks/embeddings.npy"] = (tmp / STORE_DIR / "embeddings.npy").stat().st_size

@@ -22,8 +22,9 @@ def test_compose_file_is_valid():
 def test_compose_serves_the_local_binary_release_on_a_gpu():
     spec = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     triton, builder = spec["services"]["triton"], spec["services"]["engine-builder"]
-    assert builder["image"] == "nvcr.io/nvidia/tritonserver:24.10-py3"  # = Triton 2.51, the wheel's binary
-    assert "24.10-py3" in (ROOT / "docker" / "Dockerfile").read_text()
+    assert builder["image"] == "nvcr.io/nvidia/tensorrt:24.10-py3"  # trtexec of Triton 2.51's TensorRT
+    assert "tritonserver:24.10-py3" in (ROOT / "docker" / "Dockerfile").read_text()  # = the wheel's binary
+    assert triton["restart"] == "on-failure:3"  # a model that fails to load is reported, not restarted forever
     assert set(triton["ports"]) == {"8000:8000", "8001:8001", "8002:8002"}
     assert "/v2/health/ready" in " ".join(triton["healthcheck"]["test"])
     assert triton["depends_on"]["engine-builder"]["condition"] == "service_completed_successfully"
@@ -43,12 +44,15 @@ def test_dockerfile_installs_only_the_pinned_serving_extra():
         assert f"COPY {package} ./{package}" in text
     for package in ("aot", "training", "exporter", "benchmarks"):
         assert f"COPY {package} " not in text
-    assert not re.search(r"pip install[^\n]*torch", text)
+    # torch only for the torch engine, inside the AOT_ENGINE=torch branch
+    for line in re.findall(r"pip install[^\n]*torch[^\n]*", text):
+        assert '[ "$AOT_ENGINE" = torch ]' in text[max(0, text.index(line) - 200):text.index(line)]
     pins = dict(re.findall(r"([a-z_]+)==([0-9.]+)", text))
-    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["serve"]
-    for requirement in extra:
-        name = re.match(r"[a-z_]+", requirement).group(0)
-        assert name in pins, f"{name} of the [serve] extra is not pinned in the Dockerfile"
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for requirement in extras["serve"] + extras["serve-torch"]:
+        name = re.match(r"[a-z_-]+", requirement).group(0)
+        if name != "aot-ptuning":
+            assert name in pins, f"{name} of the [serve] / [serve-torch] extras is not pinned in the Dockerfile"
     assert pins["numpy"].startswith("1.")
 
 
@@ -56,3 +60,27 @@ def test_compose_runs_tritonserver_under_the_supervisor():
     spec = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     command = spec["services"]["triton"]["command"]
     assert command[:4] == ["python3", "-m", "serving.supervisor", "tritonserver"]
+
+
+@pytest.mark.parametrize("engine", ["onnx", "torch"])
+def test_compose_env_of_a_repository_sizes_the_memory_pools(tmp_path, tiny_models, engine):
+    """`docker compose --env-file REPO/compose.env` resolves the repository, its engine's image and the memory pools
+    computed from its largest batch (validated offline by docker-compose)."""
+    from serving.repository import memory_pool_bytes, read_repository
+    from tests.helpers import make_repository
+
+    repo = make_repository(tiny_models["bert"], tmp_path / "repo", {}, engine=engine)
+    compose = shutil.which("docker-compose")
+    if compose is None:
+        pytest.fail("docker-compose is not installed: scripts/setup.sh installs Debian's docker-compose package")
+    result = subprocess.run([compose, "--env-file", str(repo / "compose.env"), "-f", str(ROOT / "docker-compose.yml"),
+                             "config"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    spec = yaml.safe_load(result.stdout)
+    triton = spec["services"]["triton"]
+    pools = memory_pool_bytes(read_repository(repo))
+    assert f"--cuda-memory-pool-byte-size=0:{pools['cuda']}" in triton["command"]
+    assert f"--pinned-memory-pool-byte-size={pools['pinned']}" in triton["command"]
+    assert triton["build"]["args"]["AOT_ENGINE"] == engine and triton["image"].endswith(engine)
+    volumes = [v if isinstance(v, str) else f"{v['source']}:{v['target']}" for v in triton["volumes"]]
+    assert any(v.startswith(f"{repo.resolve()}:/repo") for v in volumes), volumes
