@@ -52,6 +52,9 @@ def add_bench(sub) -> None:
     s.add_argument("--concurrency", type=_ints, default=[1, 8, 32])
     s.add_argument("--storage", type=_names, default=["fused", "factored"])
     s.add_argument("--requests", type=_positive_int, default=200, help="requests per measurement")
+    s.add_argument("--engine", choices=["onnx", "torch"], default="onnx",
+                   help="backbone engine of the repository the bench exports (ignored for an existing --repo)")
+    s.add_argument("--device", default="cpu", help="aot serve --device: cpu, or cuda (torch engine)")
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(run=run_serve)
 
@@ -137,7 +140,7 @@ def run_serve(args) -> int:
         raise ValueError(f"unknown storage {bad}: expected fused and/or factored")
     config = ServeBenchConfig(task=args.task, out=args.out, repo=args.repo, task_counts=tuple(args.tasks),
                               concurrency=tuple(args.concurrency), storages=tuple(args.storage),
-                              requests=args.requests)
+                              requests=args.requests, engine=args.engine, device=args.device)
     print(json.dumps(run_serve_bench(config, progress=not args.no_progress)))
     return 0
 

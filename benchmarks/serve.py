@@ -28,7 +28,7 @@ import numpy as np
 from benchmarks.report import markdown_table, new_figure, save_figure, write_json, write_text
 from exporter.task_store import TaskStore
 from serving import protocol as io
-from serving.repository import read_repository
+from serving.repository import ServingOptions, read_repository
 
 
 @dataclass
@@ -41,6 +41,8 @@ class ServeBenchConfig:
     storages: tuple[str, ...] = ("fused", "factored")
     requests: int = 200
     mixed_tasks: int = 8
+    engine: str = "onnx"  # the backbone engine of a repository the bench exports (serving.repository.ENGINES)
+    device: str = "cpu"  # aot serve --device: cuda needs engine torch
 
 
 def _texts(n: int) -> list[str]:
@@ -85,7 +87,10 @@ def _build(config: ServeBenchConfig, scratch: Path) -> tuple[Path, dict[str, Pat
 
     repo = Path(config.repo) if config.repo else scratch / "repo"
     if not (repo / "aot_repository.json").is_file():
-        export_backbone(read_task(config.task).backbone["model"], repo)
+        export_backbone(read_task(config.task).backbone["model"], repo, ServingOptions(engine=config.engine))
+    engine = read_repository(repo).options.engine
+    if config.device != "cpu" and engine != "torch":
+        raise ValueError(f"--device {config.device} serves a torch-engine repository; {repo} is {engine!r}")
     store = TaskStore(read_repository(repo).store_root)
     foreign = [n for n in store.entries() if not n.startswith("bench-")]
     if foreign:
@@ -157,6 +162,7 @@ def run_serve_bench(config: ServeBenchConfig, progress: bool = True) -> dict:
     from aot.client import Client
     from aot.server import LocalServer
     from training.artifact import read_task
+    from training.predict import Predictor
 
     out = Path(config.out)
     scratch = Path(tempfile.mkdtemp(prefix="aot-bench-serve-"))
@@ -169,12 +175,12 @@ def run_serve_bench(config: ServeBenchConfig, progress: bool = True) -> dict:
     bar = tqdm(total=steps, desc="serve bench", disable=not progress)
 
     def save():
-        write_reports(records, out)
+        write_reports(records, out, f"{config.device}, {read_repository(repo).options.engine} engine")
 
     for storage in config.storages:
         for n in config.task_counts:
             names = store.set(storage, n)
-            with LocalServer(repo) as server:
+            with LocalServer(repo, device=config.device) as server:
                 with Client(server.grpc_url) as client:
                     for name in names:
                         client.infer(name, texts[0])
@@ -185,10 +191,18 @@ def run_serve_bench(config: ServeBenchConfig, progress: bool = True) -> dict:
             bar.update(1)
         names = store.set(storage, max(config.mixed_tasks, 1))
         ours, dense = _lookup_bytes(repo, texts, max_length)
-        with LocalServer(repo) as server:
+        with LocalServer(repo, device=config.device) as server:
             with Client(server.grpc_url) as client:  # warm every step once
                 for name in names:
                     client.infer(name, texts[0])
+                # every copy is the master task: the served logits against `aot predict` (fp16 rows; fp16 encoder on
+                # CUDA)
+                sample = texts[:32]
+                expected = Predictor.load(config.task).logits(sample).numpy()
+                served = np.array([client.infer(names[i % len(names)], t)["logits"] for i, t in enumerate(sample)])
+                records.append({"kind": "parity", "storage": storage, "texts": len(sample),
+                                "max_abs_logit_diff": float(np.abs(served - expected).max()),
+                                "same_label": float(np.mean(served.argmax(1) == expected.argmax(1)))})
                 client.model = "vanilla"
                 client.infer(names[0], texts[0])
             for concurrency in config.concurrency:
@@ -206,13 +220,18 @@ def run_serve_bench(config: ServeBenchConfig, progress: bool = True) -> dict:
     return {"out": str(out), "records": len(records), "config": asdict(config)}
 
 
-def write_reports(records: list[dict], out: Path) -> None:
+def write_reports(records: list[dict], out: Path, device: str = "CPU") -> None:
     write_json(out / "serve.json", records)
     memory = [r for r in records if r["kind"] == "memory"]
     latency = [r for r in records if r["kind"] == "latency"]
-    text = "# Serving through the local tritonserver (CPU)\n\n## Start-up and memory\n\n"
+    parity = [r for r in records if r["kind"] == "parity"]
+    text = f"# Serving through the local tritonserver ({device})\n\n## Start-up and memory\n\n"
     text += markdown_table(memory, ["storage", "tasks", "ready_seconds", "rss_mb"],
                            ["storage", "tasks in store", "start to ready (s)", "RSS server + stubs (MB)"])
+    if parity:
+        text += "\n## Served answers against `aot predict`\n\n"
+        text += markdown_table(parity, ["storage", "texts", "max_abs_logit_diff", "same_label"],
+                               ["storage", "texts", "max |logit difference|", "same label (fraction)"])
     text += "\n## Latency and throughput\n\n"
     for r in latency:
         r["ratio"] = ""

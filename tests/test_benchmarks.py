@@ -36,11 +36,12 @@ def test_overhead_rejects_unknown_method(tmp_path, capsys):
 
 
 @pytest.mark.server
-def test_serve_bench_tiny(tmp_path, tiny_models, sentiment_dir):
+@pytest.mark.parametrize("engine", ["onnx", "torch"])
+def test_serve_bench_tiny(tmp_path, tiny_models, sentiment_dir, engine):
     task = train_tiny_task(tiny_models["bert"], sentiment_dir, tmp_path / "task", "fc", epochs=1)
     out = tmp_path / "bench"
     assert main(["bench", "serve", "--task", str(task), "--out", str(out), "--tasks", "1,2", "--concurrency", "2",
-                 "--storage", "fused", "--requests", "12", "--no-progress"]) == 0
+                 "--storage", "fused", "--requests", "12", "--engine", engine, "--no-progress"]) == 0
     records = json.loads((out / "serve.json").read_text())
     memory = [r for r in records if r["kind"] == "memory"]
     latency = [r for r in records if r["kind"] == "latency"]
@@ -51,6 +52,9 @@ def test_serve_bench_tiny(tmp_path, tiny_models, sentiment_dir):
         assert r["errors"] == 0 and r["throughput_rps"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0
         if r["model"] == "aot":
             assert 0 < r["lookup_bytes_per_request"] < r["dense_bias_bytes_per_request"]
+    parity = [r for r in records if r["kind"] == "parity"]
+    assert len(parity) == 1 and parity[0]["max_abs_logit_diff"] < 1e-3 and parity[0]["same_label"] == 1.0
+    assert f"(cpu, {engine} engine)" in (out / "serve.md").read_text()
     assert (out / "serve.md").is_file() and (out / "serve.png").is_file()
 
 
