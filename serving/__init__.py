@@ -10,6 +10,7 @@ only this package's extra (`.[serve]`). Training and export build on it (they wr
     repository   the repository record reader and the serving options
     tasks        a served task version (fused table or factors, head) and the registry a step keeps
     tokenization text -> token ids, as in training (the `tokenizers` library, no transformers/torch)
-    engine       the ONNX Runtime backbone runner
+    engine       the ONNX Runtime backbone runner (the torch engine builds on this package: serving_torch)
+    pool         the task pool: rows of P in one preallocated buffer, resident or cached
     steps        what every Triton python step shares: input checks, one response per request, metrics
 """
