@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -40,6 +41,14 @@ FILL_CHUNK = 1024  # a resident fill computes its V rows this many at a time: ON
 POLICIES = ("lru", "lfu")
 AGING_TURNOVERS = 8  # lfu: use counts halve once AGING_TURNOVERS x the buffer's rows were filled
 DEFAULT_POLICY = "lfu"  # measured: hit rates up to 19 points above lru, at most 0.21 below (docs/benchmarks.md §4.1)
+
+
+class RowStorage(Protocol):
+    """Where a pool's rows live: allocates the buffer, writes rows into slots of it (reads are `buffer[slots]`)."""
+
+    def allocate(self, slots: int, num_layers: int, hidden_size: int): ...
+
+    def write(self, buffer, slots: np.ndarray, rows: np.ndarray) -> None: ...
 
 
 class HostRows:
@@ -63,7 +72,7 @@ class PoolStats:
 
 class RowPool:
     def __init__(self, budget_bytes: int, num_layers: int, hidden_size: int, vocab_size: int,
-                 policy: str = DEFAULT_POLICY, storage=None):
+                 policy: str = DEFAULT_POLICY, storage: RowStorage | None = None):
         """`storage`: where the rows live (HostRows by default; serving_torch.engine.DeviceRows on a GPU)."""
         if policy not in POLICIES:
             raise ValueError(f"pool policy {policy!r}: expected one of {', '.join(POLICIES)}")
