@@ -98,9 +98,14 @@ def add_bench(sub) -> None:
     a.add_argument("--out", required=True, help="output folder (accuracy.json, accuracy.md, accuracy.png, runs/)")
     a.add_argument("--max-train-samples", type=_positive_int, default=None, help="seeded train subset per dataset")
     a.add_argument("--max-length", type=_positive_int, default=128)
+    a.add_argument("--budget", choices=["epochs", "steps"], default="epochs",
+                   help="epochs: up to --epochs with early stopping (--patience); steps: exactly --steps optimizer "
+                        "steps for every method, no early stopping")
+    a.add_argument("--steps", type=_positive_int, default=100, help="the steps budget (--budget steps)")
     a.add_argument("--epochs", type=_positive_int, default=3)
     a.add_argument("--patience", type=_positive_int, default=3)
-    a.add_argument("--eval-every", type=int, default=0)
+    a.add_argument("--eval-every", type=int, default=0,
+                   help="steps between dev evaluations (0: once per epoch; with --budget steps, steps/10)")
     a.add_argument("--workers", type=_positive_int, default=1, help="parallel training processes")
     a.add_argument("--no-progress", action="store_true")
     a.set_defaults(run=run_accuracy)
@@ -151,6 +156,7 @@ def run_accuracy(args) -> int:
     config = SweepConfig(model=args.model, datasets=args.data, methods=args.methods, seeds=args.seeds,
                          grid=args.grid, out=args.out, max_train_samples=args.max_train_samples,
                          max_length=args.max_length, epochs=args.epochs, patience=args.patience,
-                         eval_every=args.eval_every, workers=args.workers, progress=not args.no_progress)
+                         eval_every=args.eval_every, budget=args.budget, steps=args.steps, workers=args.workers,
+                         progress=not args.no_progress)
     print(json.dumps(run_sweep(config)))
     return 0

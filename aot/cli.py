@@ -69,6 +69,8 @@ def add_train(sub) -> None:
     p.add_argument("--max-train-samples", type=_positive_int, default=None, help="train on a seeded random subset")
     p.add_argument("--time-budget", type=_positive_float, default=None,
                    help="seconds; stop at the first evaluation after this much training")
+    p.add_argument("--max-steps", type=_positive_int, default=None,
+                   help="stop after this many optimizer steps (evaluated there), whatever --epochs allows")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--labels", default=None, help="comma-separated label set (plain folders without task.json)")
     p.add_argument("--metric", default=None, help="accuracy, f1, acc_f1, mcc or pearson_spearman")
@@ -83,7 +85,8 @@ def run_train(args) -> int:
     result = train_task(model=args.model, data=args.data, method=args.method, out=args.out, rank=args.rank,
                         lr=args.lr, batch_size=args.batch_size, epochs=args.epochs, patience=args.patience,
                         eval_every=args.eval_every, max_length=args.max_length,
-                        max_train_samples=args.max_train_samples, time_budget=args.time_budget, seed=args.seed,
+                        max_train_samples=args.max_train_samples, time_budget=args.time_budget,
+                        max_steps=args.max_steps, seed=args.seed,
                         labels=args.labels.split(",") if args.labels else None, metric=args.metric,
                         device=args.device, progress=not args.no_progress)
     print(json.dumps(result))

@@ -61,10 +61,12 @@ SMALL_FULL_LRS = (5e-5, 1e-4)
 SMALL_BATCH_SIZES = (16,)
 SMALL_RANKS = {"fc": (64,), "kron": (10,), "lora": (16,), "adapter": (64,), "prefix": (20,), "prompt": (20,)}
 
+BUDGETS = ("epochs", "steps")
+
 # Every record in runs/ and accuracy.json has exactly these keys (null where a value does not apply).
 RECORD_FIELDS = ("run_id", "dataset", "task", "method", "lr", "batch_size", "rank_field", "rank", "seed", "phase",
                  "status", "reason", "note", "metric", "dev", "test", "split", "score", "trainable_parameters",
-                 "train_seconds", "steps", "stopped", "settings")
+                 "train_seconds", "steps", "stopped", "settings", "history")
 
 
 @dataclass
@@ -82,6 +84,8 @@ class SweepConfig:
     epochs: int = 3
     patience: int = 3
     eval_every: int = 0
+    budget: str = "epochs"  # "epochs": up to `epochs`, early stopping; "steps": exactly `steps` for every method
+    steps: int = 100
     workers: int = 1
     progress: bool = True
 
@@ -99,6 +103,10 @@ class SweepConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value}")
         if self.max_train_samples is not None and self.max_train_samples < 1:
             raise ValueError(f"max_train_samples must be a positive integer, got {self.max_train_samples}")
+        if self.budget not in BUDGETS:
+            raise ValueError(f"unknown budget {self.budget!r}: expected one of {', '.join(BUDGETS)}")
+        if self.steps < 1:
+            raise ValueError(f"steps must be a positive integer, got {self.steps}")
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
         for method in self.methods:
@@ -106,9 +114,26 @@ class SweepConfig:
 
     def train_settings(self) -> dict:
         """What, besides the dataset, method, hyperparameters and seed, changes a run's result (part of its id)."""
-        return {"model": _canonical(self.model), "max_train_samples": self.max_train_samples,
-                "max_length": self.max_length, "epochs": self.epochs, "patience": self.patience,
-                "eval_every": self.eval_every}
+        settings = {"model": _canonical(self.model), "max_train_samples": self.max_train_samples,
+                    "max_length": self.max_length, "epochs": self.epochs, "patience": self.patience,
+                    "eval_every": self.eval_every}
+        if self.budget == "steps":  # (runs of the epochs budget keep the ids they always had)
+            settings = {**settings, "epochs": None, "patience": None, "budget": "steps", "steps": self.steps,
+                        "eval_every": self.curve_every()}
+        return settings
+
+    def curve_every(self) -> int:
+        """Steps between dev evaluations: as asked, or, under the steps budget, 10 points on each curve."""
+        if self.budget == "steps" and not self.eval_every:
+            return max(1, self.steps // 10)
+        return self.eval_every
+
+    def train_budget(self) -> dict:
+        """train_task's stopping arguments. Steps: the same number of optimizer steps for every method (no early
+        stopping; epochs only bound the loop); epochs: up to `epochs`, stopping after `patience` evaluations."""
+        if self.budget == "steps":
+            return {"epochs": 10 ** 6, "patience": 10 ** 9, "max_steps": self.steps, "eval_every": self.curve_every()}
+        return {"epochs": self.epochs, "patience": self.patience, "eval_every": self.eval_every}
 
 
 @dataclass(frozen=True)
@@ -181,8 +206,8 @@ def _execute(config: SweepConfig, run: Run, runs_dir: Path) -> dict:
         try:
             result = train_task(model=config.model, data=run.dataset, method=run.method,
                                 out=str(Path(scratch) / "task"), rank=run.point.rank, lr=run.point.lr,
-                                batch_size=run.point.batch_size, epochs=config.epochs, patience=config.patience,
-                                eval_every=config.eval_every, max_length=config.max_length,
+                                batch_size=run.point.batch_size, **config.train_budget(),
+                                max_length=config.max_length,
                                 max_train_samples=config.max_train_samples, seed=run.seed, progress=False,
                                 task_data=data)
         except MethodError as err:
@@ -194,7 +219,10 @@ def _execute(config: SweepConfig, run: Run, runs_dir: Path) -> dict:
                 record.update(split="dev", score=result["dev"], note="no test split: score is the dev score")
             record.update(status="ok", dev=result["dev"], test=result.get("test"),
                           trainable_parameters=result["trainable_parameters"],
-                          train_seconds=result["train_seconds"], steps=result["steps"], stopped=result["stopped"])
+                          train_seconds=result["train_seconds"], steps=result["steps"], stopped=result["stopped"],
+                          history=[{"step": h["step"], "dev": h["dev"]}
+                                   for h in json.loads((Path(scratch) / "task" / "metrics.json").read_text())
+                                   .get("history", [])])
     write_json(runs_dir / f"{record['run_id']}.json", record)
     return record
 
@@ -311,6 +339,7 @@ def run_sweep(config: SweepConfig) -> dict:
     write_json(out / "accuracy.json", {"config": settings, "summary": summary, "records": records})
     write_text(out / "accuracy.md", _markdown(config, datasets, methods, summary))
     _plot(datasets, methods, summary, out / "accuracy.png")
+    _plot_curves(datasets, methods, summary, records, out / "accuracy-curves.png")
     return {"out": str(out), "runs": len(records), "trained": counts["trained"],
             "skipped_existing": counts["skipped_existing"],
             "unsupported": sum(r["status"] == "skipped" for r in records),
@@ -348,8 +377,11 @@ def _markdown(config: SweepConfig, datasets: list[str], methods: list[str], summ
     builtin = [columns[d] for d in datasets if d in BUILTIN]
     no_test = [columns[d] for d in datasets if not _task_data(d).test]
     notes = [f"Model: `{config.model}`. Grid: `{config.grid}` (from the paper's Table 2). Seeds: {config.seeds}. "
-             f"Training: {subset}; {config.epochs} epochs max, patience {config.patience}, max length "
-             f"{config.max_length}.",
+             f"Training: {subset}; "
+             + (f"exactly {config.steps} optimizer steps for every method (no early stopping; dev every "
+                f"{config.curve_every()} steps, the best evaluation kept)" if config.budget == "steps" else
+                f"{config.epochs} epochs max, patience {config.patience}")
+             + f", max length {config.max_length}. Learning curves: `accuracy-curves.png`.",
              "Cells: median ± std over seeds of the test score ×100 (metric per task), for the grid point with the "
              "best seed-0 dev score. Macro: mean of the medians over datasets."]
     if builtin:
@@ -406,4 +438,47 @@ def _plot(datasets: list[str], methods: list[str], summary: list[dict], path: Pa
     ax.set_ylabel("test score ×100 (median ± std)")
     ax.set_title("Accuracy against trainable parameters")
     ax.grid(True, alpha=0.3)
+    save_figure(fig, path)
+
+
+def curves(summary: list[dict], records: list[dict]) -> dict[tuple[str, str], tuple[list[int], list[float]]]:
+    """(dataset, method) -> the dev learning curve of its chosen grid point: steps and, at each, the median dev score
+    over the seeds whose evaluations fell on those steps (the steps budget: all of them)."""
+    by_id = {r["run_id"]: r for r in records}
+    out = {}
+    for entry in summary:
+        if entry["status"] != "ok":
+            continue
+        histories = [by_id[i].get("history") or [] for i in entry["run_ids"] if i in by_id]
+        histories = [h for h in histories if h]
+        if not histories:
+            continue
+        steps = [h["step"] for h in histories[0]]
+        same = [h for h in histories if [p["step"] for p in h] == steps]
+        out[(entry["dataset"], entry["method"])] = (steps, [float(np.median([h[k]["dev"] for h in same]))
+                                                           for k in range(len(steps))])
+    return out
+
+
+def _plot_curves(datasets: list[str], methods: list[str], summary: list[dict], records: list[dict],
+                 path: Path) -> None:
+    """Dev score against training step, one line per method, one panel per dataset."""
+    columns = _columns(datasets)
+    lines = curves(summary, records)
+    fig, axes = new_figure(width=5 * len(datasets), height=4, ncols=len(datasets))
+    axes = np.atleast_1d(axes)
+    for ax, dataset in zip(axes, datasets):
+        for i, method in enumerate(methods):
+            if (dataset, method) in lines:
+                steps, dev = lines[(dataset, method)]
+                ax.plot(steps, [100 * v for v in dev], marker="o", markersize=3, color=f"C{i % 10}", label=method)
+        ax.set_title(columns[dataset])
+        ax.set_xlabel("training step")
+        ax.set_ylabel("dev score ×100 (median over seeds)")
+        ax.grid(True, alpha=0.3)
+        if not ax.lines:
+            ax.text(0.5, 0.5, "no evaluation history", ha="center", va="center", transform=ax.transAxes)
+    handles, labels = axes[0].get_legend_handles_labels()
+    if handles:
+        axes[-1].legend(handles, labels, loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
     save_figure(fig, path)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.accuracy import RECORD_FIELDS, SweepConfig, grid_points, run_sweep
+from benchmarks.accuracy import RECORD_FIELDS, SweepConfig, curves, grid_points, run_sweep
 from training.data import DataError
 from training.methods import MethodError
 
@@ -107,6 +107,7 @@ def test_unsupported_method_is_recorded_as_skipped(tiny_models, with_test_dir, t
     ({"datasets": ["no_such_dataset"]}, DataError, "no_such_dataset"),
     ({"grid": "huge"}, ValueError, "unknown grid 'huge'"),
     ({"seeds": 0}, ValueError, "seeds must be a positive integer, got 0"),
+    ({"budget": "minutes"}, ValueError, "unknown budget 'minutes': expected one of epochs, steps"),
 ])
 def test_bad_values_are_named_before_training(tiny_models, with_test_dir, tmp_path, change, error, match):
     config = SweepConfig(**{"model": str(tiny_models["bert"]), "datasets": [str(with_test_dir)], "methods": ["fc"],
@@ -114,3 +115,24 @@ def test_bad_values_are_named_before_training(tiny_models, with_test_dir, tmp_pa
     with pytest.raises(error, match=match):
         run_sweep(config)
     assert not (tmp_path / "out").exists()
+
+
+def test_steps_budget_trains_every_method_the_same_steps_and_plots_curves(tiny_models, with_test_dir, tmp_path):
+    """--budget steps: exactly `steps` optimizer steps for every method (no early stopping, whatever the epochs),
+    dev evaluated every steps/10, the curve of each method's chosen point in accuracy.json and accuracy-curves.png."""
+    config = SweepConfig(model=str(tiny_models["bert"]), datasets=[str(with_test_dir)], methods=["fc", "bitfit"],
+                         out=str(tmp_path / "out"), **{**TINY, "budget": "steps", "steps": 7, "epochs": 1,
+                                                       "patience": 1})
+    run_sweep(config)
+    report = json.loads((tmp_path / "out" / "accuracy.json").read_text())
+    for record in report["records"]:
+        # 48 examples at batch 16 are 3 steps an epoch: 7 steps need a third epoch, and --patience 1 is not applied
+        assert record["steps"] == 7 and record["stopped"] == "max_steps"
+        assert [h["step"] for h in record["history"]] == [1, 2, 3, 4, 5, 6, 7]
+        assert record["dev"] == max(h["dev"] for h in record["history"])
+    lines = curves(report["summary"], report["records"])
+    assert set(lines) == {(str(with_test_dir), "fc"), (str(with_test_dir), "bitfit")}
+    for steps, dev in lines.values():
+        assert steps == [1, 2, 3, 4, 5, 6, 7] and all(0 <= v <= 1 for v in dev)
+    assert (tmp_path / "out" / "accuracy-curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "exactly 7 optimizer steps for every method" in (tmp_path / "out" / "accuracy.md").read_text()

@@ -16,6 +16,7 @@ from training.trainer import TrainConfig, encode, predict_logits, resolve_device
 def train_task(model: str, data: str, method: str, out: str, rank: int | None = None, lr: float | None = None,
                batch_size: int = 16, epochs: int = 10, patience: int = 3, eval_every: int = 0,
                max_length: int = 128, max_train_samples: int | None = None, time_budget: float | None = None,
+               max_steps: int | None = None,
                seed: int = 0, labels: list[str] | None = None, metric: str | None = None, device: str = "auto",
                progress: bool = True, backbone: Backbone | None = None, task_data: TaskData | None = None) -> dict:
     """Train and save; returns the summary that metrics.json holds."""
@@ -26,7 +27,8 @@ def train_task(model: str, data: str, method: str, out: str, rank: int | None = 
     check_max_length(backbone, max_length)
     train_config = TrainConfig(lr=lr or spec_method.default_lr, batch_size=batch_size, epochs=epochs,
                                patience=patience, max_length=max_length, seed=seed, eval_every=eval_every,
-                               max_train_samples=max_train_samples, time_budget=time_budget, device=device)
+                               max_train_samples=max_train_samples, time_budget=time_budget, max_steps=max_steps,
+                               device=device)
     seed_everything(seed)  # the method's random init must depend on the seed alone, not on what ran before
     task_model = build_task_model(backbone, config, task_data.spec)
     result = train(task_model, task_data, backbone.tokenizer, train_config, progress=progress)

@@ -31,6 +31,7 @@ class TrainConfig:
     eval_every: int = 0  # steps between dev evaluations; 0 = once per epoch
     max_train_samples: int | None = None
     time_budget: float | None = None  # seconds; training stops at the first evaluation past it
+    max_steps: int | None = None  # optimizer steps; training stops there (evaluated at that step) whatever the epochs
     device: str = "auto"
 
     def to_json(self) -> dict:
@@ -147,12 +148,14 @@ def train(model: TaskModel, data: TaskData, tokenizer, config: TrainConfig, prog
     n = len(train_enc.input_ids)
     steps_per_epoch = -(-n // config.batch_size)
     eval_every = config.eval_every or steps_per_epoch
+    total = steps_per_epoch * config.epochs if config.max_steps is None else min(config.max_steps,
+                                                                                 steps_per_epoch * config.epochs)
 
     best = (-float("inf"), model.trainable_state(), 0)
     history: list[dict] = []
     bad_evals, step, stopped = 0, 0, "epochs"
     start = time.perf_counter()
-    bar = tqdm(total=steps_per_epoch * config.epochs, disable=not progress, desc=f"train {spec.name}", unit="step",
+    bar = tqdm(total=total, disable=not progress, desc=f"train {spec.name}", unit="step",
                dynamic_ncols=True)
     try:
         for epoch in range(config.epochs):
@@ -170,7 +173,7 @@ def train(model: TaskModel, data: TaskData, tokenizer, config: TrainConfig, prog
                 step += 1
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss.item():.4f}", dev=f"{best[0]:.4f}" if history else "-", refresh=False)
-                if step % eval_every == 0:
+                if step % eval_every == 0 or step == config.max_steps:
                     dev = score(predict_logits(model, dev_enc, pad_id, device), dev_enc, spec)
                     model.train()
                     elapsed = time.perf_counter() - start
@@ -186,6 +189,9 @@ def train(model: TaskModel, data: TaskData, tokenizer, config: TrainConfig, prog
                         raise StopIteration
                     if config.time_budget is not None and elapsed > config.time_budget:
                         stopped = "time_budget"
+                        raise StopIteration
+                    if step == config.max_steps:
+                        stopped = "max_steps"
                         raise StopIteration
     except StopIteration:
         pass
