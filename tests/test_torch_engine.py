@@ -73,6 +73,7 @@ def test_engine_pool_slots_rows_and_mixed_batches_agree(tmp_path, tiny_models):
     expected = engine.run([p for p, _ in batch])
     for budget_rows in (2 * V, 30):  # resident, then a cache smaller than one table
         pool = RowPool(budget_rows * L * d * 2, L, d, V, storage=DeviceRows("cpu"))
+        pool.buffer.fill_(float("nan"))  # an unfilled slot read anywhere (padding included) turns states into NaN
         pool.attach("t@1", lambda ids: table[ids])
         engine.pool_rows = pool.buffer
         slots = pool.slots_many([("t@1", u) for _, u in batch])
@@ -82,6 +83,16 @@ def test_engine_pool_slots_rows_and_mixed_batches_agree(tmp_path, tiny_models):
         np.testing.assert_allclose(engine.run([p for p, _ in batch]), expected, atol=1e-5)
         batch[1][0].slots, batch[1][0].rows = None, table[batch[1][1]]  # one request brings its own rows
         np.testing.assert_allclose(engine.run([p for p, _ in batch]), expected, atol=1e-5)
+    # The CUDA path pads each batch to a (batch, sequence) bucket and replays a graph captured at that shape. The
+    # same padding, run eagerly here, must not change any request's states (padded rows and positions read filled
+    # slots and are masked out).
+    engine.graphs, engine.seq_buckets, engine.batch_buckets = True, (4, 16, 64), (1, 2, 4, 8)
+    shapes = []
+    engine._replay = lambda shape, feeds: shapes.append(shape) or engine._forward(feeds, engine.pool_rows)
+    batch[1][0].slots, batch[1][0].rows = slots[1], None
+    np.testing.assert_allclose(engine.run([p for p, _ in batch]), expected, atol=1e-5)
+    assert shapes == [(4, 16)]  # 3 requests of at most 12 tokens
+    engine.graphs = False
     vanilla = TorchBackbone(repo.encoder_dir, repo.uses_token_type_ids, aot=False)
     plain = vanilla.run([p for p, _ in batch])
     assert np.abs(plain - expected).max() > 1e-3, "the rows must change the states"
