@@ -12,7 +12,7 @@ from pathlib import Path
 from exporter.compose_env import write_compose_env
 from exporter.config_checks import check_configs
 from exporter.configs import CPU_CONFIG, PYTHON_MODELS, TEMPLATES, write_configs
-from exporter.onnx_export import example_inputs, export_backbone_graph
+from exporter.onnx_export import FP16_FILE, FP16_TOLERANCE, example_inputs, export_backbone_graph, export_fp16_graph
 from exporter.rows_export import write_rows_graphs
 from exporter.task_store import TaskStore
 from exporter.tensorrt import Profile, build_plan, build_script, write_parity_data
@@ -48,15 +48,21 @@ def _copy_python_models(models: Path, names) -> None:
         shutil.copy2(TEMPLATES / template / "1" / "model.py", models / model / "1" / "model.py")
 
 
-def export_backbone(model: str, repo: str | Path, options: ServingOptions | None = None, precision: str = "fp32",
+def export_backbone(model: str, repo: str | Path, options: ServingOptions | None = None, precision: str | None = None,
                     profile: Profile | None = None, overwrite: bool = False) -> BackboneExportReport:
+    """`precision` of the GPU backbone: fp32 or fp16. Default: fp16 for ONNX Runtime where the fp16 graph keeps
+    parity (else fp32, with a note), fp32 for TensorRT (its fp16 plan is checked on the GPU by build_engines.sh);
+    the torch engine runs fp16 on CUDA anyway. CPU configs always run the fp32 graph."""
     start = time.perf_counter()
     options = options or ServingOptions()
-    if precision not in ("fp32", "fp16"):
+    if precision not in (None, "fp32", "fp16"):
         raise RepositoryError(f"unknown precision {precision!r}: expected fp32 or fp16")
-    if precision == "fp16" and options.engine != "tensorrt":
-        raise RepositoryError("--precision fp16 applies to --format tensorrt (ONNX Runtime graphs stay fp32; the "
-                              "torch engine runs fp16 on CUDA anyway)")
+    if precision is not None and options.engine == "torch":
+        raise RepositoryError("--precision applies to --format onnx and tensorrt (the torch engine runs fp16 on CUDA "
+                              "and fp32 on CPU)")
+    explicit = precision is not None
+    if precision is None:
+        precision = {"onnx": "fp16", "tensorrt": "fp32", "torch": None}[options.engine]
     repo = Path(repo)
     keep_tasks = None
     if repo.exists() and any(repo.iterdir()):
@@ -88,6 +94,18 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
         for name, aot in (("backbone", True), ("backbone_vanilla", False)) if options.engine != "torch" else ():
             graph = export_backbone_graph(backbone, models / name / "1", aot)
             report.max_abs_diff[name] = graph.max_abs_diff
+            if options.engine == "onnx" and precision == "fp16":
+                fp16, diff = export_fp16_graph(backbone, graph.optimized, aot)
+                report.max_abs_diff[f"{name}-fp16"] = diff
+                if fp16 is None and explicit:
+                    raise RepositoryError(f"{name}: the fp16 graph differs from PyTorch by {diff:.3g} (> "
+                                          f"{FP16_TOLERANCE:g}); nothing was written: export with --precision fp32")
+                if fp16 is None:  # parity does not allow it: the GPU configs run the fp32 graphs
+                    report.notes.append(f"{name}: the fp16 graph differs from PyTorch by {diff:.3g} (> "
+                                        f"{FP16_TOLERANCE:g}); the GPU configs run fp32")
+                    precision = "fp32"
+                    for extra in models.glob(f"*/1/{FP16_FILE}"):
+                        extra.unlink()
             report.fused_ops[name] = graph.fused_ops
             inputs = io.token_inputs(backbone.uses_token_type_ids)
             if aot:
@@ -107,6 +125,8 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
             script = tmp / "build_engines.sh"
             script.write_text(build_script(trt_models, precision == "fp16"))
             script.chmod(0o755)
+        if options.engine == "onnx" and precision == "fp16":
+            info["gpu_onnx_file"] = FP16_FILE
         backbone.tokenizer.save_pretrained(tmp / TOKENIZER_DIR)
         _copy_python_models(models, write_configs(models, info, options))
         problems = check_configs(models) + check_configs(models, CPU_CONFIG)

@@ -80,8 +80,10 @@ def _backbone(name: str, aot: bool, target: str, info: dict, options: ServingOpt
         config = _python_model(name, options, params, options.backbone_queue_delay_us)
     else:
         platform = "tensorrt_plan" if options.engine == "tensorrt" else "onnxruntime_onnx"
+        # ONNX Runtime on a GPU runs the fp16 twin of the graph when export found it within parity
+        onnx_file = info.get("gpu_onnx_file", "model.onnx")
         config = pb.ModelConfig(name=name, platform=platform, max_batch_size=options.max_batch_size,
-                                default_model_filename="model.plan" if options.engine == "tensorrt" else "model.onnx")
+                                default_model_filename="model.plan" if options.engine == "tensorrt" else onnx_file)
         config.dynamic_batching.max_queue_delay_microseconds = options.backbone_queue_delay_us
         config.instance_group.add(kind=pb.ModelInstanceGroup.KIND_GPU, count=1)
         if options.engine == "tensorrt":

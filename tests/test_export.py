@@ -366,3 +366,31 @@ def test_config_checks_find_what_triton_would_refuse(tmp_path, tiny_models):
                     "backbone.aot_rows is TYPE_FP16 but '_input_ids' is TYPE_INT64")
     broken_ensemble(lambda steps: steps["backbone"].input_map.pop(io.AOT_INDEX),
                     "backbone.aot_index is required and not mapped")
+
+
+def test_onnx_gpu_config_runs_the_fp16_graph_where_parity_allows(tmp_path, tiny_models):
+    """Default --format onnx: an fp16 twin of each graph, checked against PyTorch, for ONNX Runtime on the GPU; the
+    CPU configs keep the fp32 graph. --precision fp32 keeps fp32 everywhere; a twin beyond the tolerance is not kept."""
+    from exporter.onnx_export import FP16_FILE, FP16_TOLERANCE, export_fp16_graph
+    from tests.tiny import tiny_backbone
+
+    report = export_backbone(str(tiny_models["bert"]), tmp_path / "a")
+    models = tmp_path / "a" / "models"
+    for name in ("backbone", "backbone_vanilla"):
+        assert 0 < report.max_abs_diff[f"{name}-fp16"] <= FP16_TOLERANCE
+        assert (models / name / "1" / FP16_FILE).is_file()
+        assert parse_pbtxt((models / name / "config.pbtxt").read_text()).default_model_filename == FP16_FILE
+        cpu = parse_pbtxt((models / name / "configs" / "cpu.pbtxt").read_text())
+        assert cpu.parameters["onnx_file"].string_value == "model.onnx"
+    assert read_repository(tmp_path / "a").record["precision"] == "fp16"
+
+    export_backbone(str(tiny_models["bert"]), tmp_path / "b", precision="fp32")
+    assert not list((tmp_path / "b" / "models").rglob(FP16_FILE))
+    config = parse_pbtxt((tmp_path / "b" / "models" / "backbone" / "config.pbtxt").read_text())
+    assert config.default_model_filename == "model.onnx"
+    with pytest.raises(RepositoryError, match="--precision applies to --format onnx and tensorrt"):
+        export_backbone(str(tiny_models["bert"]), tmp_path / "c", ServingOptions(engine="torch"), precision="fp16")
+
+    graph = models / "backbone" / "1" / "model.onnx"
+    path, diff = export_fp16_graph(tiny_backbone("bert"), graph, aot=True, tolerance=1e-9)
+    assert path is None and diff > 1e-9 and not (graph.parent / FP16_FILE).exists()
