@@ -1,6 +1,5 @@
 """REPO/compose.env: what docker-compose.yml needs to know of one repository (`docker compose --env-file
-REPO/compose.env up`): where it is, its backbone engine (the image installs the torch engine only for
-`--format torch`), and tritonserver's CUDA and pinned memory pools sized from its largest batch
+REPO/compose.env up`): where it is, and tritonserver's CUDA and pinned memory pools sized from its largest batch
 (serving.repository.memory_pool_bytes: smaller pools make tensors between steps fall back to host memory)."""
 
 from __future__ import annotations
@@ -15,8 +14,7 @@ COMPOSE_ENV = "compose.env"
 
 def compose_env(info: RepositoryInfo, repo_path: Path) -> dict[str, str]:
     pools = memory_pool_bytes(info)
-    return {"AOT_REPO": str(Path(repo_path).resolve()), "AOT_ENGINE": info.options.engine,
-            "AOT_CUDA_POOL_BYTES": str(pools["cuda"]), "AOT_PINNED_POOL_BYTES": str(pools["pinned"])}
+    return {"AOT_REPO": str(Path(repo_path).resolve()), "AOT_CUDA_POOL_BYTES": str(pools["cuda"]), "AOT_PINNED_POOL_BYTES": str(pools["pinned"])}
 
 
 def write_compose_env(folder: Path, info: RepositoryInfo, repo_path: Path) -> None:

@@ -147,7 +147,13 @@ def model_configs(info: dict, options: ServingOptions, target: str) -> dict:
                       _tensor(pb.ModelInput, io.TASK, [1])])
     tok.output.extend([_tensor(pb.ModelOutput, n, [-1]) for n in tokens] + [_tensor(pb.ModelOutput, io.TASK_VERSION, [1])])
 
-    look = _python_model("aot_lookup", options, {})
+    # The native GPU ensemble's lookup keeps its task pool in device memory (torch) and hands the rows to the
+    # backbone as GPU tensors (DLPack); the CPU config keeps it in host memory.
+    gpu = target != "cpu"
+    look = _python_model("aot_lookup", options, {"device": "cuda" if gpu else "cpu",
+                                                  "pool_storage": "torch" if gpu else "host"})
+    if gpu:
+        look.instance_group[0].kind = pb.ModelInstanceGroup.KIND_GPU
     look.input.extend([_tensor(pb.ModelInput, io.TASK_VERSION, [1])]
                       + [_tensor(pb.ModelInput, n, [-1], ragged=True) for n in tokens])
     look.output.extend([_tensor(pb.ModelOutput, io.AOT_ROWS, [-1]), _tensor(pb.ModelOutput, io.AOT_INDEX, [-1])])

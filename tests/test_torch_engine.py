@@ -167,3 +167,50 @@ def test_cuda_server_flags_come_from_the_repository(repo):
     big["serving"] = {**big["serving"], "engine": "onnx", "max_batch_size": 32, "buckets": [128, 512]}
     sized = memory_pool_bytes(type(info)(info.path, big))
     assert sized["cuda"] >= 2 * 32 * 512 * 12 * 768 * 2 and sized["cuda"] % (1 << 20) == 0
+
+
+@pytest.mark.server
+def test_lookup_step_serves_rows_from_a_host_or_a_torch_pool(tmp_path, tiny_models, artifacts):
+    """The native GPU ensemble's aot_lookup step, through the real server: with its pool in host memory (the CPU
+    config), then in torch memory with the rows handed out through DLPack (the GPU config's path, on the CPU device:
+    DLPack tensors exist there too). Rows and index equal the task's own, for fused and factored tasks."""
+    import tritonclient.grpc as grpcclient
+    from google.protobuf.json_format import MessageToJson
+
+    from aot.server import LocalServer
+    from serving.tasks import TaskRegistry, token_index
+    from serving.tokenization import Tokenization
+
+    repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"a": (artifacts["a"], "fused"),
+                                                                    "b": (artifacts["b"], "factored")})
+    info = read_repository(repo)
+    served = TaskRegistry(info.store_root, parts="all").served()
+    tokens = Tokenization(info.tokenizer_dir, info.uses_token_type_ids)
+    gpu = parse_pbtxt((repo / "models" / "aot_lookup" / "config.pbtxt").read_text())
+    assert gpu.parameters["pool_storage"].string_value == "torch" and gpu.instance_group[0].kind == gpu.instance_group[0].KIND_GPU
+    with LocalServer(repo, extra_args=["--load-model=aot_lookup"]) as server:
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        for storage in ("host", "torch"):
+            if storage == "torch":
+                config = parse_pbtxt((repo / "models" / "aot_lookup" / "configs" / "cpu.pbtxt").read_text())
+                config.parameters["pool_storage"].string_value = "torch"
+                client.load_model("aot_lookup", config=MessageToJson(config, preserving_proto_field_name=True))
+                loaded = client.get_model_config("aot_lookup").config
+                assert loaded.parameters["pool_storage"].string_value == "torch"
+            for name, task in served.items():
+                for text in TEXTS[:3]:
+                    enc = tokens.encode(text, None, task.max_length)
+                    inputs = [grpcclient.InferInput(io.TASK_VERSION, [1, 1], "BYTES")]
+                    inputs[0].set_data_from_numpy(np.array([[task.version.encode()]], dtype=np.object_))
+                    for n in io.token_inputs(info.uses_token_type_ids):
+                        t = grpcclient.InferInput(n, [1, len(enc[n])], "INT64")
+                        t.set_data_from_numpy(enc[n][None, :].astype(np.int64))
+                        inputs.append(t)
+                    result = client.infer("aot_lookup", inputs)
+                    unique, index = token_index(enc[io.INPUT_IDS], enc[io.ATTENTION_MASK])
+                    np.testing.assert_array_equal(result.as_numpy(io.AOT_ROWS), task.rows(unique).reshape(1, -1))
+                    np.testing.assert_array_equal(result.as_numpy(io.AOT_INDEX), index[None, :])
+        client.close()
+        log = server.log_path.read_text()
+    assert "aot_lookup: task pool rows in host memory" in log
+    assert "aot_lookup: task pool rows in torch memory on cpu, out through DLPack" in log

@@ -1,17 +1,33 @@
-"""Triton python model: the AoT lookup of the GPU ensemble. TASK_VERSION, token ids -> the rows of P for the
-request's distinct tokens (+ each token's row). Fused tables are memory-mapped, so only the rows a request needs are
-read; factored tasks compute them."""
+"""Triton python model: the AoT lookup of the native GPU ensemble. TASK_VERSION, token ids -> the rows of P for the
+request's distinct tokens (+ each token's row), its batch's misses filled together in the task pool.
 
+`pool_storage: torch` (the GPU config, KIND_GPU): the pool lives in device memory (serving_torch.engine.DeviceRows
+on this instance's GPU); a request's rows are gathered there and handed to the backbone as a GPU tensor through
+DLPack, device to device. `pool_storage: host`: the pool is a numpy buffer and rows go out as host tensors. Rows a
+pool does not hold (no pool, a version that left the manifest) are read or computed from storage, on the host."""
+
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from serving import protocol
-from serving.steps import Step
+from serving.steps import Step, model_parameters
 from serving.tasks import token_index
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.step = Step(args, pb_utils, "aot_lookup", tasks="rows")
+        params = model_parameters(args)
+        self.device = None
+        storage = None
+        if params.get("pool_storage", "host") == "torch":
+            from serving_torch.engine import DeviceRows
+
+            self.device = "cpu" if params.get("device", "cpu") == "cpu" else \
+                f"cuda:{args.get('model_instance_device_id', '0')}"
+            storage = DeviceRows(self.device)
+        self.step = Step(args, pb_utils, "aot_lookup", tasks="rows", pool_storage=storage)
+        where = f"torch memory on {self.device}, out through DLPack" if self.device else "host memory"
+        pb_utils.Logger.log_info(f"aot_lookup: task pool rows in {where}")
 
     def _prepare(self, request, ctx):
         task = self.step.task_version(request, ctx)
@@ -20,12 +36,32 @@ class TritonPythonModel:
         return task, unique, index
 
     def _run(self, batch):
-        """The batch's rows in one pool call: its misses are filled together."""
-        return self.step.tasks.rows_many([(task, unique) for task, unique, _ in batch]), [i for _, _, i in batch]
+        """The batch's pool slots in one call (its misses filled together), then each request's rows: gathered on
+        the pool's device, or from storage."""
+        requests = [(task, unique) for task, unique, _ in batch]
+        slots = self.step.tasks.pool_slots(requests)
+        rows = []
+        for (task, unique), s in zip(requests, slots):
+            if s is None:
+                rows.append(task.rows(unique).reshape(1, -1))
+            elif self.device is not None:
+                import torch
+
+                rows.append(self.step.pool.buffer[torch.from_numpy(s).to(self.device)].reshape(1, -1))
+            else:
+                rows.append(self.step.pool.buffer[s].reshape(1, -1))
+        return rows, [i for _, _, i in batch]
+
+    def _rows_tensor(self, rows):
+        """Host rows as they are; a torch tensor (the device pool's gather) through DLPack, without a copy."""
+        if isinstance(rows, np.ndarray):
+            return self.step.output(protocol.AOT_ROWS, rows)
+        from torch.utils.dlpack import to_dlpack
+
+        return pb_utils.Tensor.from_dlpack(protocol.AOT_ROWS, to_dlpack(rows))
 
     def execute(self, requests):
         self.step.refresh()
         return self.step.respond_batch(
             requests, self._prepare, self._run,
-            lambda out, k: [self.step.output(protocol.AOT_ROWS, out[0][k].reshape(1, -1)),
-                            self.step.output(protocol.AOT_INDEX, out[1][k][None, :])])
+            lambda out, k: [self._rows_tensor(out[0][k]), self.step.output(protocol.AOT_INDEX, out[1][k][None, :])])
