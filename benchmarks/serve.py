@@ -156,6 +156,15 @@ def _lookup_bytes(repo: Path, texts: list[str], max_length: int) -> tuple[float,
     return statistics.fmean(ours), statistics.fmean(dense)
 
 
+def _memory_fallbacks(log: Path) -> int:
+    """tritonserver's warnings that a tensor between steps fell back from its CUDA or pinned memory pool to plain
+    host memory (on a GPU, 0 is what sized pools must give; the CPU server runs with no pinned pool at all)."""
+    try:
+        return sum("falling back to" in line for line in log.read_text(errors="replace").splitlines())
+    except OSError:
+        return 0
+
+
 def run_serve_bench(config: ServeBenchConfig, progress: bool = True) -> dict:
     from tqdm.auto import tqdm
 
@@ -208,9 +217,11 @@ def run_serve_bench(config: ServeBenchConfig, progress: bool = True) -> dict:
             for concurrency in config.concurrency:
                 for model, mix in (("vanilla", 1), ("aot", 1), ("aot", config.mixed_tasks)):
                     items = [(names[i % mix], text) for i, text in enumerate(texts)]
+                    before = _memory_fallbacks(server.log_path)
                     result = _closed_loop(server.grpc_url, model, items, concurrency)
                     records.append({"kind": "latency", "model": model, "storage": storage, "tasks_in_flight": mix,
                                     "concurrency": concurrency, "requests": len(items), **result,
+                                    "memory_fallbacks": _memory_fallbacks(server.log_path) - before,
                                     "lookup_bytes_per_request": None if model == "vanilla" else round(ours),
                                     "dense_bias_bytes_per_request": None if model == "vanilla" else round(dense)})
                     save()
@@ -240,10 +251,11 @@ def write_reports(records: list[dict], out: Path, device: str = "CPU") -> None:
         if base and r["model"] == "aot":
             r["ratio"] = f"{r['throughput_rps'] / base[0]['throughput_rps']:.3f}"
     text += markdown_table(latency, ["storage", "model", "tasks_in_flight", "concurrency", "throughput_rps", "ratio",
-                                     "p50_ms", "p99_ms", "errors", "lookup_bytes_per_request",
+                                     "p50_ms", "p99_ms", "errors", "memory_fallbacks", "lookup_bytes_per_request",
                                      "dense_bias_bytes_per_request"],
                            ["storage", "ensemble", "tasks", "concurrency", "req/s", "× vanilla (1 task)", "p50 ms",
-                            "p99 ms", "errors", "lookup→backbone bytes/req", "dense bias bytes/req"])
+                            "p99 ms", "errors", "memory pool fallbacks (log)", "lookup→backbone bytes/req",
+                            "dense bias bytes/req"])
     write_text(out / "serve.md", text)
     if latency:
         fig, ax = new_figure()

@@ -50,6 +50,7 @@ def test_serve_bench_tiny(tmp_path, tiny_models, sentiment_dir, engine):
     assert {(r["model"], r["tasks_in_flight"]) for r in latency} == {("vanilla", 1), ("aot", 1), ("aot", 8)}
     for r in latency:
         assert r["errors"] == 0 and r["throughput_rps"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0
+        assert isinstance(r["memory_fallbacks"], int)  # counted from the server log (test_memory_fallbacks_...)
         if r["model"] == "aot":
             assert 0 < r["lookup_bytes_per_request"] < r["dense_bias_bytes_per_request"]
     parity = [r for r in records if r["kind"] == "parity"]
@@ -98,3 +99,14 @@ def test_policy_replay_evicts_and_counts_every_lookup(tmp_path, tiny_models):
     assert [r["policy"] for r in records] == ["lru", "lfu"]
     for r in records:
         assert r["pool_rows"] == 8 and not r["resident"] and r["evictions"] > 0 and 0 < r["hit_rate"] < 1
+
+
+def test_memory_fallbacks_are_counted_from_the_server_log(tmp_path):
+    from benchmarks.serve import _memory_fallbacks
+
+    log = tmp_path / "tritonserver.log"
+    log.write_text('W1123 pinned_memory_manager.cc:170] "failed to allocate pinned system memory: no pinned memory '
+                   'pool, falling back to non-pinned system memory"\nI1123 model loaded\n'
+                   'W1123 memory.cc:212] "failed to allocate GPU memory from pool, falling back to pinned memory"\n')
+    assert _memory_fallbacks(log) == 2
+    assert _memory_fallbacks(tmp_path / "missing.log") == 0
