@@ -159,8 +159,8 @@ class LocalServer:
         if self.device == "cpu":
             return ["--model-config-name=cpu", "--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0"]
         pools = memory_pool_bytes(read_repository(self.repo))
-        gpu = self.device.partition(":")[2] or "0"
-        return [f"--cuda-memory-pool-byte-size={gpu}:{pools['cuda']}",
+        # cuda:N: the server sees GPU N alone (CUDA_VISIBLE_DEVICES, environment()), as its device 0
+        return [f"--cuda-memory-pool-byte-size=0:{pools['cuda']}",
                 f"--pinned-memory-pool-byte-size={pools['pinned']}"]
 
     def models(self) -> list[str]:
@@ -181,6 +181,8 @@ class LocalServer:
             env.setdefault(key, value)
         if self.pool_bytes is not None:
             env[POOL_BYTES_ENV] = str(self.pool_bytes)
+        if self.device.startswith("cuda:"):  # the steps' "cuda" is then GPU N, and so is the server's pool
+            env["CUDA_VISIBLE_DEVICES"] = self.device.partition(":")[2]
         return env
 
     def check_ports(self) -> None:

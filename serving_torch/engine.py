@@ -15,6 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import contextlib
+import sys
+
 import numpy as np
 import torch
 
@@ -22,6 +25,9 @@ from serving import protocol
 from serving_torch.encoder import BiasedEncoder, load_encoder
 
 DEVICES = ("cpu", "cuda")
+# Encoder families whose forward copies a host tensor to the device (DeBERTa-v2's log-bucketed relative positions:
+# `torch.tensor(mid - 1)` in make_log_bucket_position), which CUDA graph capture forbids: they run eagerly.
+NO_CUDA_GRAPHS = ("deberta-v2",)
 
 
 def check_device(device: str) -> str:
@@ -81,11 +87,27 @@ class TorchBackbone:
         self.aot = aot
         self.pool_rows: torch.Tensor | None = None  # the pool buffer on this device (set by the step)
         # CUDA graphs over (batch, sequence) buckets: batch sizes 1, 2, 4, ... up to max_batch.
-        self.graphs = cuda and cuda_graphs and bool(seq_buckets)
+        self.graphs = (cuda and cuda_graphs and bool(seq_buckets)
+                       and self.encoder.config.model_type not in NO_CUDA_GRAPHS)
         self.seq_buckets = tuple(sorted(seq_buckets))
         self.batch_buckets = tuple(sorted({min(1 << k, max_batch) for k in range(max_batch.bit_length() + 1)}))
         self._captured: dict[tuple[int, int], tuple] = {}
+        self._uncapturable: set[tuple[int, int]] = set()  # buckets whose capture failed: they run eagerly
         self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
+
+    def _on_device(self):
+        """Make this engine's GPU the current one (kernels, capture streams), so that cuda:N works."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
+    @torch.inference_mode()
+    def capture_all(self) -> list[tuple[int, int]]:
+        """Capture every bucket now (at start-up) rather than on the first request of each: a capture synchronizes
+        the device and runs two warm-up passes. Returns the buckets that will run eagerly instead."""
+        if self.graphs:
+            with self._on_device():
+                for shape in sorted(self._graph_shapes()):
+                    self._try_capture(shape)
+        return sorted(self._uncapturable)
 
     # --- one batch ------------------------------------------------------------------------------------------------
 
@@ -96,13 +118,14 @@ class TorchBackbone:
         if not self.aot or pooled:
             shape = self._shape(len(requests), max(len(r.tokens[protocol.INPUT_IDS]) for r in requests))
             feeds = self._feeds(requests, shape, pooled)
-            if self.graphs and shape in self._graph_shapes():
-                out = self._replay(shape, feeds)
-            else:
-                out = self._forward({k: v.to(self.device) for k, v in feeds.items()}, self.pool_rows)
-        else:
-            out = self._run_with_rows(requests)
-        return out[: len(requests)].float().cpu().numpy()
+            with self._on_device():
+                if self.graphs and shape in self._graph_shapes() and self._try_capture(shape):
+                    out = self._replay(shape, feeds)
+                else:
+                    out = self._forward({k: v.to(self.device) for k, v in feeds.items()}, self.pool_rows)
+                return out[: len(requests)].float().cpu().numpy()
+        with self._on_device():
+            return self._run_with_rows(requests)[: len(requests)].float().cpu().numpy()
 
     def _shape(self, batch: int, seq: int) -> tuple[int, int]:
         """The padded shape: a captured bucket on CUDA, else exactly the batch and its longest sequence."""
@@ -160,10 +183,24 @@ class TorchBackbone:
 
     # --- CUDA graphs ----------------------------------------------------------------------------------------------
 
-    def _replay(self, shape: tuple[int, int], feeds: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Copy the inputs into the bucket's static tensors and replay its graph (captured on first use)."""
-        if shape not in self._captured:
+    def _try_capture(self, shape: tuple[int, int]) -> bool:
+        """Whether the bucket has a graph, capturing it if it was never tried; a capture that fails is reported once
+        and the bucket runs eagerly from then on (a failed request would fail again at every retry)."""
+        if shape in self._captured:
+            return True
+        if shape in self._uncapturable:
+            return False
+        try:
             self._captured[shape] = self._capture(shape)
+            return True
+        except RuntimeError as exc:
+            self._uncapturable.add(shape)
+            print(f"torch engine: CUDA graph capture failed for bucket {shape}; it runs eagerly ({exc})",
+                  file=sys.stderr, flush=True)
+            return False
+
+    def _replay(self, shape: tuple[int, int], feeds: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Copy the inputs into the bucket's static tensors and replay its graph."""
         graph, static, out = self._captured[shape]
         for name, value in feeds.items():
             static[name].copy_(value, non_blocking=True)
@@ -183,7 +220,7 @@ class TorchBackbone:
                 self._forward(static, self.pool_rows)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        with torch.cuda.graph(graph, pool=self._graph_pool, stream=side):
             out = self._forward(static, self.pool_rows)
         return graph, static, out
 

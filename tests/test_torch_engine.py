@@ -3,6 +3,7 @@ mixed batches), and serving through the real local tritonserver on CPU, equal to
 (fp16, CUDA graphs) needs a GPU: docs/benchmarks.md names the command that runs it there."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -88,6 +89,7 @@ def test_engine_pool_slots_rows_and_mixed_batches_agree(tmp_path, tiny_models):
     # slots and are masked out).
     engine.graphs, engine.seq_buckets, engine.batch_buckets = True, (4, 16, 64), (1, 2, 4, 8)
     shapes = []
+    engine._try_capture = lambda shape: True
     engine._replay = lambda shape, feeds: shapes.append(shape) or engine._forward(feeds, engine.pool_rows)
     batch[1][0].slots, batch[1][0].rows = slots[1], None
     np.testing.assert_allclose(engine.run([p for p, _ in batch]), expected, atol=1e-5)
@@ -161,6 +163,9 @@ def test_cuda_server_flags_come_from_the_repository(repo):
     pools = memory_pool_bytes(info)
     assert args == [f"--cuda-memory-pool-byte-size=0:{pools['cuda']}", f"--pinned-memory-pool-byte-size={pools['pinned']}"]
     assert "--model-config-name=cpu" in LocalServer(repo).device_args()
+    second = LocalServer(repo, device="cuda:1")  # the server sees GPU 1 alone, as its device 0
+    assert second.environment()["CUDA_VISIBLE_DEVICES"] == "1" and second.device_args() == args
+    assert "CUDA_VISIBLE_DEVICES" not in LocalServer(repo).environment() or "CUDA_VISIBLE_DEVICES" in os.environ
     # a RoBERTa-base-sized ONNX repository: the rows between lookup and backbone outgrow the 64 MiB default
     big = json.loads(json.dumps(info.record))
     big.update(num_layers=12, hidden_size=768, max_positions=512)

@@ -24,6 +24,12 @@ class TritonPythonModel:
 
             self.device = "cpu" if params.get("device", "cpu") == "cpu" else \
                 f"cuda:{args.get('model_instance_device_id', '0')}"
+            if self.device != "cpu":
+                import torch
+
+                # The backend copies outputs on the current device: make it this instance's GPU (KIND_GPU makes one
+                # instance per GPU).
+                torch.cuda.set_device(self.device)
             storage = DeviceRows(self.device)
         self.step = Step(args, pb_utils, "aot_lookup", tasks="rows", pool_storage=storage)
         where = f"torch memory on {self.device}, out through DLPack" if self.device else "host memory"
@@ -53,12 +59,12 @@ class TritonPythonModel:
         return rows, [i for _, _, i in batch]
 
     def _rows_tensor(self, rows):
-        """Host rows as they are; a torch tensor (the device pool's gather) through DLPack, without a copy."""
+        """Host rows as they are; a torch tensor (the device pool's gather) through DLPack, without a copy. The
+        tensor itself, not a capsule: given an object with __dlpack__, the backend synchronizes with the stream that
+        produced it before it reads the rows."""
         if isinstance(rows, np.ndarray):
             return self.step.output(protocol.AOT_ROWS, rows)
-        from torch.utils.dlpack import to_dlpack
-
-        return pb_utils.Tensor.from_dlpack(protocol.AOT_ROWS, to_dlpack(rows))
+        return pb_utils.Tensor.from_dlpack(protocol.AOT_ROWS, rows)
 
     def execute(self, requests):
         self.step.refresh()

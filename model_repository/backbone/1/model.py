@@ -39,6 +39,10 @@ class TritonPythonModel:
                                         params["device"], threads, options.buckets, options.max_batch_size)
             if self.step.pool is not None:
                 self.runner.pool_rows = self.step.pool.buffer
+            eager = self.runner.capture_all()  # CUDA: every bucket's graph now, not on live requests
+            if self.runner.graphs:
+                pb_utils.Logger.log_info(f"{args['model_name']}: {len(self.runner.captured())} CUDA graphs captured"
+                                         + (f"; buckets run eagerly: {eager}" if eager else ""))
         else:
             from serving.engine import BackboneRunner
 
