@@ -75,21 +75,22 @@ def run_serve(args) -> int:
 
 
 def _check_device(device: str, engine: str) -> None:
-    """`cpu` serves any repository; `cuda` a torch-engine one, on a machine whose PyTorch sees CUDA."""
-    kind, _, number = device.partition(":")
-    if kind not in ("cpu", "cuda") or (number and (kind == "cpu" or not number.isdigit())):
-        raise ValueError(f"--device {device!r}: expected cpu, cuda or cuda:N")
-    if kind == "cpu":
+    """`cpu` serves any repository; `cuda` a torch-engine one, on a machine whose PyTorch sees CUDA (the torch
+    engine's own check, serving_torch.engine.check_device)."""
+    if device == "cpu":
         return
-    if engine != "torch":
-        raise ValueError(f"--device {device}: this repository's backbone engine is {engine!r}; the local "
-                         "tritonserver has only the python backend, so GPU serving here needs a repository "
-                         "exported with `aot export backbone --format torch` (serve onnx and tensorrt ones with "
-                         "docker compose on the NGC image)")
-    import torch
+    from serving_torch.engine import check_device
 
-    if not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: PyTorch {torch.__version__} sees no CUDA device on this machine")
+    try:
+        check_device(device, present=False)
+        if engine != "torch":
+            raise ValueError(f"device {device!r}: this repository's backbone engine is {engine!r}; the local "
+                             "tritonserver has only the python backend, so GPU serving here needs a repository "
+                             "exported with `aot export backbone --format torch` (serve onnx and tensorrt ones with "
+                             "docker compose on the NGC image)")
+        check_device(device)
+    except ValueError as exc:
+        raise ValueError(f"--{exc}") from None
 
 
 def add_tasks(sub) -> None:

@@ -48,6 +48,26 @@ def _copy_python_models(models: Path, names) -> None:
         shutil.copy2(TEMPLATES / template / "1" / "model.py", models / model / "1" / "model.py")
 
 
+GRAPHS = (("backbone", True), ("backbone_vanilla", False))  # model folder, AoT inputs
+
+
+def _write_fp16_twins(backbone, models: Path, report: BackboneExportReport, explicit: bool) -> str:
+    """fp16 twins of both graphs for ONNX Runtime on the GPU, each checked against PyTorch. Returns the GPU precision:
+    "fp16", or "fp32" (no twin kept) when one misses parity and fp16 was not asked for explicitly (then: an error)."""
+    for name, aot in GRAPHS:
+        fp16, diff = export_fp16_graph(backbone, models / name / "1" / "model.onnx", aot)
+        report.max_abs_diff[f"{name}-fp16"] = diff
+        if fp16 is None:
+            problem = f"{name}: the fp16 graph differs from PyTorch by {diff:.3g} (> {FP16_TOLERANCE:g})"
+            if explicit:
+                raise RepositoryError(f"{problem}; nothing was written: export with --precision fp32")
+            report.notes.append(f"{problem}; the GPU configs run fp32")
+            for twin in models.glob(f"*/1/{FP16_FILE}"):
+                twin.unlink()
+            return "fp32"
+    return "fp16"
+
+
 def export_backbone(model: str, repo: str | Path, options: ServingOptions | None = None, precision: str | None = None,
                     profile: Profile | None = None, overwrite: bool = False) -> BackboneExportReport:
     """`precision` of the GPU backbone: fp32 or fp16. Default: fp16 for ONNX Runtime where the fp16 graph keeps
@@ -91,21 +111,9 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
         trt_models = {}
         if options.engine == "torch":
             report.max_abs_diff["torch"] = export_torch_encoder(backbone, tmp / ENCODER_DIR)
-        for name, aot in (("backbone", True), ("backbone_vanilla", False)) if options.engine != "torch" else ():
+        for name, aot in GRAPHS if options.engine != "torch" else ():
             graph = export_backbone_graph(backbone, models / name / "1", aot)
             report.max_abs_diff[name] = graph.max_abs_diff
-            if options.engine == "onnx" and precision == "fp16":
-                fp16, diff = export_fp16_graph(backbone, graph.optimized, aot)
-                report.max_abs_diff[f"{name}-fp16"] = diff
-                if fp16 is None and explicit:
-                    raise RepositoryError(f"{name}: the fp16 graph differs from PyTorch by {diff:.3g} (> "
-                                          f"{FP16_TOLERANCE:g}); nothing was written: export with --precision fp32")
-                if fp16 is None:  # parity does not allow it: the GPU configs run the fp32 graphs
-                    report.notes.append(f"{name}: the fp16 graph differs from PyTorch by {diff:.3g} (> "
-                                        f"{FP16_TOLERANCE:g}); the GPU configs run fp32")
-                    precision = "fp32"
-                    for extra in models.glob(f"*/1/{FP16_FILE}"):
-                        extra.unlink()
             report.fused_ops[name] = graph.fused_ops
             inputs = io.token_inputs(backbone.uses_token_type_ids)
             if aot:
@@ -125,6 +133,8 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
             script = tmp / "build_engines.sh"
             script.write_text(build_script(trt_models, precision == "fp16"))
             script.chmod(0o755)
+        if options.engine == "onnx" and precision == "fp16":
+            precision = _write_fp16_twins(backbone, models, report, explicit)
         if options.engine == "onnx" and precision == "fp16":
             info["gpu_onnx_file"] = FP16_FILE
         backbone.tokenizer.save_pretrained(tmp / TOKENIZER_DIR)

@@ -218,8 +218,7 @@ def export_fp16_graph(backbone: Backbone, fp32_graph: Path, aot: bool,
     diff = max_abs_difference(dst, backbone, aot)
     if not diff <= tolerance:
         dst.unlink()
-        for extra in dst.parent.glob(dst.name + ".data"):
-            extra.unlink()
+        dst.with_name(dst.name + ".data").unlink(missing_ok=True)
         return None, diff
     return dst, diff
 

@@ -44,11 +44,13 @@ DEFAULT_POLICY = "lfu"  # measured: hit rates up to 19 points above lru, at most
 
 
 class RowStorage(Protocol):
-    """Where a pool's rows live: allocates the buffer, writes rows into slots of it (reads are `buffer[slots]`)."""
+    """Where a pool's rows live: allocates the buffer, writes rows into slots of it, gathers rows from slots."""
 
     def allocate(self, slots: int, num_layers: int, hidden_size: int): ...
 
     def write(self, buffer, slots: np.ndarray, rows: np.ndarray) -> None: ...
+
+    def gather(self, buffer, slots: np.ndarray): ...
 
 
 class HostRows:
@@ -59,6 +61,9 @@ class HostRows:
 
     def write(self, buffer: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> None:
         buffer[slots] = rows
+
+    def gather(self, buffer: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        return buffer[slots]
 
 
 @dataclass
@@ -183,10 +188,15 @@ class RowPool:
                 return [self._resident_slots(version, ids) for version, ids in requests]
             return self._cached_slots(requests)
 
-    def rows_many(self, requests: list[tuple[str, np.ndarray]]) -> list[np.ndarray]:
-        """Rows for each (version, sorted distinct token ids) of a batch, [U, L, d] fp16 each (host pools)."""
+    def rows_many(self, requests: list[tuple[str, np.ndarray]]) -> list:
+        """Rows for each (version, sorted distinct token ids) of a batch, [U, L, d] fp16 each, where the pool
+        keeps them (numpy arrays, or tensors on the storage's device)."""
         with self._lock:
-            return [self.buffer[slots] for slots in self.slots_many(requests)]
+            return [self.gather(slots) for slots in self.slots_many(requests)]
+
+    def gather(self, slots: np.ndarray):
+        """The rows in `slots` (as `slots_many` handed them out), copied out of the buffer on its device."""
+        return self.storage.gather(self.buffer, slots)
 
     def _resident_slots(self, version: str, ids: np.ndarray) -> np.ndarray:
         base = self._base[version]

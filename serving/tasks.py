@@ -301,12 +301,12 @@ class TaskRegistry:
             out[i] = s
         return out
 
-    def rows_many(self, requests: list[tuple[ServedTask, np.ndarray]]) -> list[np.ndarray]:
-        """Rows for a batch's (task, sorted distinct token ids), [U, L, d] fp16 each, in host memory: gathered
-        from a host pool, or read or computed from storage."""
+    def rows_many(self, requests: list[tuple[ServedTask, np.ndarray]]) -> list:
+        """Rows for a batch's (task, sorted distinct token ids), [U, L, d] fp16 each: gathered where the pool keeps
+        them (a numpy array, or a tensor on the pool's device), or read or computed from storage (numpy)."""
         with self._lock:
             slots = self.pool_slots(requests)
-            return [self.pool.buffer[s] if s is not None else task.rows(ids)
+            return [self.pool.gather(s) if s is not None else task.rows(ids)
                     for s, (task, ids) in zip(slots, requests)]
 
 

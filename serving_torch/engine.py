@@ -2,9 +2,9 @@
 
 A batch's bias is gathered from the pool buffer inside the encoder's forward (serving_torch.encoder.BiasedEncoder:
 each token's pool slot picks its row, layer by layer), so rows never travel between processes or devices once they
-are in the pool. On CUDA the encoder runs in fp16 and each (batch, sequence) bucket is captured once as a CUDA graph
-whose inputs are the token tensors and each token's slot, and whose gather reads the pool buffer in place; on CPU it
-runs eagerly in fp32 (what `aot predict` runs), padded to the batch's longest sequence.
+are in the pool. On CUDA the encoder runs in fp16 and each (batch, sequence) bucket is captured at start-up as a CUDA
+graph whose inputs are the token tensors and each token's slot, and whose gather reads the pool buffer in place; on
+CPU it runs eagerly in fp32 (what `aot predict` runs), padded to the batch's longest sequence.
 
 A request the pool does not hold (no pool, a version that left the manifest, a batch larger than the pool) brings
 its own rows; such a batch runs eagerly on a rows tensor assembled for it.
@@ -12,11 +12,10 @@ its own rows; such a batch runs eagerly on a rows tensor assembled for it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-
 import contextlib
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -30,11 +29,12 @@ DEVICES = ("cpu", "cuda")
 NO_CUDA_GRAPHS = ("deberta-v2",)
 
 
-def check_device(device: str) -> str:
-    """`cpu`, `cuda` or `cuda:N`, and CUDA present when asked for."""
-    if device.split(":")[0] not in DEVICES:
-        raise ValueError(f"device {device!r}: expected one of {', '.join(DEVICES)} (or cuda:N)")
-    if device.startswith("cuda") and not torch.cuda.is_available():
+def check_device(device: str, present: bool = True) -> str:
+    """`cpu`, `cuda` or `cuda:N`; with `present`, also a CUDA device this PyTorch sees when one is asked for."""
+    kind, _, number = device.partition(":")
+    if kind not in DEVICES or (number and (kind == "cpu" or not number.isdigit())):
+        raise ValueError(f"device {device!r}: expected cpu, cuda or cuda:N")
+    if present and kind == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r}: this PyTorch ({torch.__version__}) sees no CUDA device")
     return device
 
@@ -51,8 +51,13 @@ class DeviceRows:
         return torch.empty((slots, num_layers, hidden_size), dtype=torch.float16, device=self.device)
 
     def write(self, buffer: torch.Tensor, slots: np.ndarray, rows: np.ndarray) -> None:
-        index = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(self.device)
-        buffer.index_copy_(0, index, torch.from_numpy(np.ascontiguousarray(rows)).to(self.device))
+        buffer.index_copy_(0, self._index(slots), torch.from_numpy(np.ascontiguousarray(rows)).to(self.device))
+
+    def gather(self, buffer: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
+        return buffer[self._index(slots)]
+
+    def _index(self, slots: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(self.device)
 
 
 @dataclass

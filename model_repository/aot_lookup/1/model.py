@@ -42,21 +42,10 @@ class TritonPythonModel:
         return task, unique, index
 
     def _run(self, batch):
-        """The batch's pool slots in one call (its misses filled together), then each request's rows: gathered on
-        the pool's device, or from storage."""
-        requests = [(task, unique) for task, unique, _ in batch]
-        slots = self.step.tasks.pool_slots(requests)
-        rows = []
-        for (task, unique), s in zip(requests, slots):
-            if s is None:
-                rows.append(task.rows(unique).reshape(1, -1))
-            elif self.device is not None:
-                import torch
-
-                rows.append(self.step.pool.buffer[torch.from_numpy(s).to(self.device)].reshape(1, -1))
-            else:
-                rows.append(self.step.pool.buffer[s].reshape(1, -1))
-        return rows, [i for _, _, i in batch]
+        """The batch's rows in one pool call (its misses filled together), gathered on the pool's device; rows the
+        pool does not hold come from storage."""
+        rows = self.step.tasks.rows_many([(task, unique) for task, unique, _ in batch])
+        return [r.reshape(1, -1) for r in rows], [i for _, _, i in batch]
 
     def _rows_tensor(self, rows):
         """Host rows as they are; a torch tensor (the device pool's gather) through DLPack, without a copy. The
