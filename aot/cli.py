@@ -71,6 +71,10 @@ def add_train(sub) -> None:
                    help="seconds; stop at the first evaluation after this much training")
     p.add_argument("--max-steps", type=_positive_int, default=None,
                    help="stop after this many optimizer steps (evaluated there), whatever --epochs allows")
+    p.add_argument("--pooling", choices=("cls", "mean"), default=None,
+                   help="what the head reads: the first token's state (cls) or the mean over the tokens (mean); "
+                        "default: what the model folder declares (a sentence-transformers folder's 1_Pooling, e.g. "
+                        "mean for minilm), cls otherwise")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--labels", default=None, help="comma-separated label set (plain folders without task.json)")
     p.add_argument("--metric", default=None, help="accuracy, f1, acc_f1, mcc or pearson_spearman")
@@ -86,7 +90,7 @@ def run_train(args) -> int:
                         lr=args.lr, batch_size=args.batch_size, epochs=args.epochs, patience=args.patience,
                         eval_every=args.eval_every, max_length=args.max_length,
                         max_train_samples=args.max_train_samples, time_budget=args.time_budget,
-                        max_steps=args.max_steps, seed=args.seed,
+                        max_steps=args.max_steps, pooling=args.pooling, seed=args.seed,
                         labels=args.labels.split(",") if args.labels else None, metric=args.metric,
                         device=args.device, progress=not args.no_progress)
     print(json.dumps(result))

@@ -33,7 +33,7 @@ from serving import protocol as io
 from training.backbone import Architecture, architecture_for, encoder_from_config, load_encoder
 from training.methods.aot.config import FCConfig
 from training.methods.aot.layer import FCPrompt
-from serving_torch.encoder import BiasedEncoder
+from serving_torch.encoder import BiasedEncoder, pool_states
 
 METHODS = ("vanilla", "aot-fused", "aot-factored", "lora", "adapter", "prompt", "prefix")
 
@@ -119,7 +119,8 @@ def _encode(case: Case, inputs_embeds=None, attention_mask=None, **kw) -> torch.
     if case.token_types is not None:
         inputs["token_type_ids"] = case.token_types if inputs_embeds is None else torch.zeros(
             inputs_embeds.shape[:2], dtype=torch.long, device=case.device)
-    return case.encoder(**inputs, attention_mask=attention_mask, **kw).last_hidden_state[:, 0]
+    hidden = case.encoder(**inputs, attention_mask=attention_mask, **kw).last_hidden_state
+    return pool_states(hidden, attention_mask)  # what the AoT methods' BiasedEncoder returns, at the same cost
 
 
 class Method:

@@ -6,7 +6,8 @@
     REPO/models/backbone/       the AoT graph: onnxruntime_onnx or tensorrt_plan (GPU), python + ONNX Runtime (CPU);
                                 --format torch: python + PyTorch on CPU or CUDA, looking rows up itself (no aot_lookup)
     REPO/models/backbone_vanilla/ the same encoder without bias inputs (comparisons, plain models)
-    REPO/models/head/           python: TASK_VERSION, cls_hidden -> LOGITS, LABEL (each request its own task's head)
+    REPO/models/head/           python: TASK_VERSION, pooled_hidden -> LOGITS, LABEL (each request its own task's
+                                head, on its task's pooling)
     REPO/models/aot/, vanilla/  the ensembles clients call
 
 Each model folder has `config.pbtxt` (GPU, NGC image) and `configs/cpu.pbtxt` (local CPU server, selected with
@@ -101,7 +102,7 @@ def _backbone(name: str, aot: bool, target: str, info: dict, options: ServingOpt
         config.batch_input.add(kind=pb.BatchInput.BATCH_ACCUMULATED_ELEMENT_COUNT_WITH_ZERO,
                                target_name=[io.AOT_ROW_OFFSETS], data_type=pb.TYPE_INT32,
                                source_input=[io.AOT_ROWS])
-    config.output.append(_tensor(pb.ModelOutput, io.CLS_HIDDEN, [info["hidden_size"]]))
+    config.output.append(_tensor(pb.ModelOutput, io.POOLED_HIDDEN, [len(io.POOLINGS), info["hidden_size"]]))
     return config
 
 
@@ -129,9 +130,9 @@ def _ensemble(name: str, backbone: str, info: dict, options: ServingOptions, tar
         bb_inputs.update({io.AOT_ROWS: f"_{io.AOT_ROWS}", io.AOT_INDEX: f"_{io.AOT_INDEX}"})
     bb = steps.add(model_name=backbone, model_version=-1)
     bb.input_map.update(bb_inputs)
-    bb.output_map.update({io.CLS_HIDDEN: f"_{io.CLS_HIDDEN}"})
+    bb.output_map.update({io.POOLED_HIDDEN: f"_{io.POOLED_HIDDEN}"})
     head = steps.add(model_name="head", model_version=-1)
-    head.input_map.update({io.TASK_VERSION: version, io.CLS_HIDDEN: f"_{io.CLS_HIDDEN}"})
+    head.input_map.update({io.TASK_VERSION: version, io.POOLED_HIDDEN: f"_{io.POOLED_HIDDEN}"})
     head.output_map.update({io.LOGITS: io.LOGITS, io.LABEL: io.LABEL})
     return config
 
@@ -160,7 +161,7 @@ def model_configs(info: dict, options: ServingOptions, target: str) -> dict:
 
     head = _python_model("head", options, {})
     head.input.extend([_tensor(pb.ModelInput, io.TASK_VERSION, [1]),
-                       _tensor(pb.ModelInput, io.CLS_HIDDEN, [info["hidden_size"]])])
+                       _tensor(pb.ModelInput, io.POOLED_HIDDEN, [len(io.POOLINGS), info["hidden_size"]])])
     head.output.extend([_tensor(pb.ModelOutput, io.LOGITS, [-1]), _tensor(pb.ModelOutput, io.LABEL, [1])])
     tasks = _python_model("task_list", options, {})
     tasks.max_batch_size = 0  # no inputs: a model with batching needs one to read the batch size from

@@ -18,7 +18,7 @@ from torch import nn
 
 from serving import protocol as io
 from training.backbone import Backbone
-from serving_torch.encoder import BiasedEncoder
+from serving_torch.encoder import BiasedEncoder, pool_states
 
 OPSET = 17
 # Fused operators of ONNX Runtime's transformer optimizer that the AoT graph must keep (compared with vanilla).
@@ -32,7 +32,7 @@ class ExportError(RuntimeError):
 
 
 class ExportableBackbone(nn.Module):
-    """The graph a server runs: token inputs (+ AoT rows, index and offsets) -> first-token state [B, d]."""
+    """The graph a server runs: token inputs (+ AoT rows, index and offsets) -> pooled states [B, P, d]."""
 
     def __init__(self, backbone: Backbone, aot: bool):
         super().__init__()
@@ -55,7 +55,8 @@ class ExportableBackbone(nn.Module):
                 aot_row_offsets=None):
         if not self.aot:
             extra = {"token_type_ids": token_type_ids} if token_type_ids is not None else {}
-            return self.encoder(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state[:, 0]
+            hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
+            return pool_states(hidden, attention_mask)
         first_row = aot_row_offsets[:-1].long() // self.row_elements  # [B]: where each sequence's rows start
         index = aot_index.long() + first_row[:, None]
         rows = aot_rows.reshape(-1, self.biased.num_layers, self.biased.hidden_size)
@@ -99,13 +100,13 @@ def export_onnx(backbone: Backbone, path: Path, aot: bool) -> None:
     if aot:
         axes.update({io.AOT_ROWS: {0: "row_elements"}, io.AOT_INDEX: {0: "batch", 1: "sequence"},
                      io.AOT_ROW_OFFSETS: {0: "batch_plus_one"}})
-    axes[io.CLS_HIDDEN] = {0: "batch"}
+    axes[io.POOLED_HIDDEN] = {0: "batch"}
     big = sum(p.numel() * p.element_size() for p in backbone.encoder.parameters()) > 1.8e9
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.onnx.export(module, (), str(path), kwargs={n: feeds[n] for n in names}, input_names=names,
-                              output_names=[io.CLS_HIDDEN], dynamic_axes=axes, opset_version=OPSET,
+                              output_names=[io.POOLED_HIDDEN], dynamic_axes=axes, opset_version=OPSET,
                               do_constant_folding=True, dynamo=False)
     finally:
         module.close()
@@ -192,7 +193,7 @@ def max_abs_difference(path: Path, backbone: Backbone, aot: bool, trials: tuple[
             feeds = example_inputs(backbone, aot, batch, seq, seed=100 + k)
             with torch.no_grad():
                 expected = module(**feeds).numpy()
-            got = sess.run([io.CLS_HIDDEN], {n: v.numpy() for n, v in feeds.items() if n in names})[0]
+            got = sess.run([io.POOLED_HIDDEN], {n: v.numpy() for n, v in feeds.items() if n in names})[0]
             worst = max(worst, float(np.abs(got - expected).max()))
     finally:
         module.close()

@@ -25,7 +25,7 @@ class BackboneRunner:
         self.aot = protocol.AOT_ROWS in self.inputs
 
     def run(self, requests: list[dict[str, np.ndarray]]) -> np.ndarray:
-        """Each request: 1-D token tensors (and aot_rows, aot_index for AoT). Returns [B, d]."""
+        """Each request: 1-D token tensors (and aot_rows, aot_index for AoT). Returns the pooled states [B, P, d]."""
         longest = max(len(r[protocol.INPUT_IDS]) for r in requests)
         feeds = {}
         for name in protocol.token_inputs(protocol.TOKEN_TYPE_IDS in self.inputs):
@@ -37,4 +37,4 @@ class BackboneRunner:
             feeds[protocol.AOT_ROWS] = np.concatenate(rows).astype(protocol.ROWS_DTYPE, copy=False)
             feeds[protocol.AOT_ROW_OFFSETS] = np.concatenate([[0], np.cumsum([len(x) for x in rows])]).astype(
                 protocol.INDEX_DTYPE)
-        return self.session.run([protocol.CLS_HIDDEN], feeds)[0]
+        return self.session.run([protocol.POOLED_HIDDEN], feeds)[0]

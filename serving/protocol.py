@@ -1,4 +1,4 @@
-"""The tensors that flow between the client and the steps of the served ensemble: protocol version 2.
+"""The tensors that flow between the client and the steps of the served ensemble: protocol version 3.
 
 Client -> ensemble `aot`:
     TEXT          BYTES [1]   UTF-8 text (at most the repository's `max_text_bytes`)
@@ -25,7 +25,8 @@ lookup -> backbone (GPU; on CPU the python backbone step does the lookup itself 
 backbone (inside the graph): aot_row_offsets INT32 [B+1], the accumulated element counts of the batch's aot_rows
     with a leading zero (Triton's BATCH_ACCUMULATED_ELEMENT_COUNT_WITH_ZERO), turns local rows into global ones.
 backbone -> head:
-    cls_hidden    FP32  [d]      the first token's final hidden state
+    pooled_hidden FP32  [P, d]   the final hidden states pooled each way in POOLINGS (v3): row 0 the first token's,
+                                 row 1 the mean over the attention mask; the head reads its task's row
 
 Per request the lookup moves U*L*d*2 + S*4 bytes instead of the dense S*L*d*4 of a per-token bias tensor.
 """
@@ -34,13 +35,17 @@ from __future__ import annotations
 
 import numpy as np
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 TEXT, TEXT_PAIR, TASK, TASK_VERSION = "TEXT", "TEXT_PAIR", "TASK", "TASK_VERSION"
 LOGITS, LABEL, TASKS = "LOGITS", "LABEL", "TASKS"
 INPUT_IDS, ATTENTION_MASK, TOKEN_TYPE_IDS = "input_ids", "attention_mask", "token_type_ids"
 AOT_ROWS, AOT_INDEX, AOT_ROW_OFFSETS = "aot_rows", "aot_index", "aot_row_offsets"
-CLS_HIDDEN = "cls_hidden"
+POOLED_HIDDEN = "pooled_hidden"
+# How a task turns the final hidden states into the one vector its head reads; the backbone computes every one, in
+# this order, so tasks that pool differently share one backbone. `cls`: the first token (BERT, RoBERTa); `mean`:
+# the average over the attention mask (sentence-transformers models are trained with it).
+POOLINGS = ("cls", "mean")
 
 # The one definition of every numeric tensor's dtype; BYTES tensors are numpy object arrays.
 TOKEN_DTYPE = np.dtype(np.int64)
@@ -49,7 +54,7 @@ INDEX_DTYPE = np.dtype(np.int32)
 HIDDEN_DTYPE = np.dtype(np.float32)
 LOGITS_DTYPE = np.dtype(np.float32)
 DTYPES = {INPUT_IDS: TOKEN_DTYPE, ATTENTION_MASK: TOKEN_DTYPE, TOKEN_TYPE_IDS: TOKEN_DTYPE, AOT_ROWS: ROWS_DTYPE,
-          AOT_INDEX: INDEX_DTYPE, AOT_ROW_OFFSETS: INDEX_DTYPE, CLS_HIDDEN: HIDDEN_DTYPE, LOGITS: LOGITS_DTYPE}
+          AOT_INDEX: INDEX_DTYPE, AOT_ROW_OFFSETS: INDEX_DTYPE, POOLED_HIDDEN: HIDDEN_DTYPE, LOGITS: LOGITS_DTYPE}
 BYTES = "BYTES"
 _TRITON_TYPES = {"int64": "INT64", "int32": "INT32", "float16": "FP16", "float32": "FP32"}
 

@@ -1,7 +1,7 @@
 """A served task version and the registry each served step keeps, without torch.
 
 A version folder `REPO/tasks/<name>@<id>/` is immutable:
-    task.json               labels, metric, max length, storage, method config, L, d, V, source, dev score
+    task.json               labels, metric, max length, pooling, storage, method config, L, d, V, source, dev
     head.safetensors        dense.weight [d, d], dense.bias, out.weight [n, d], out.bias
     table.npy               fused: P for every token and layer, [V, L, d] fp16, token-major (memory-mapped)
     factors.safetensors     factored: FC w1 [L, d, r], b1 [L, r], w2 [L, r, d], b2 [L, d];
@@ -107,9 +107,16 @@ class ServedTask:
             return np.ascontiguousarray(self.table[token_ids], dtype=protocol.ROWS_DTYPE)
         return self.compute_rows(token_ids)
 
-    def logits(self, cls_hidden: np.ndarray) -> np.ndarray:
-        """The task head (training.model.ClassificationHead in eval mode): out(tanh(dense(h)))."""
-        h = np.tanh(cls_hidden.astype(np.float32) @ self.head["dense.weight"].T + self.head["dense.bias"])
+    @property
+    def pooling(self) -> str:
+        """Which pooled state the head reads (versions exported before pooling was recorded read the first token)."""
+        return self.meta.get("pooling", "cls")
+
+    def logits(self, pooled: np.ndarray) -> np.ndarray:
+        """The task head (training.model.ClassificationHead in eval mode) on the task's pooling: pooled [B, P, d]
+        (every pooling, protocol.POOLINGS) -> out(tanh(dense(h))) [B, n]."""
+        chosen = pooled[:, protocol.POOLINGS.index(self.pooling)].astype(np.float32)
+        h = np.tanh(chosen @ self.head["dense.weight"].T + self.head["dense.bias"])
         return (h @ self.head["out.weight"].T + self.head["out.bias"]).astype(protocol.LOGITS_DTYPE)
 
     def label(self, logits: np.ndarray) -> str:
@@ -136,6 +143,9 @@ def load_task_version(folder: Path, version: str, store_root: Path, parts: str =
         raise StoreError(str(exc).replace(str(folder), version)) from None
     if meta["storage"] not in STORAGES:
         raise StoreError(f"{version}: unknown storage {meta['storage']!r}")
+    if meta.get("pooling", "cls") not in protocol.POOLINGS:
+        raise StoreError(f"{version}: unknown pooling {meta['pooling']!r} (expected one of "
+                         f"{', '.join(protocol.POOLINGS)})")
     head = load_file(folder / "head.safetensors") if parts in ("head", "all") else {}
     task = ServedTask(task_of(version), version, meta["labels"], meta["max_length"], meta["storage"],
                       meta["num_layers"], meta["hidden_size"], meta["vocab_size"], head, meta)

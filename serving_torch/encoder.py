@@ -9,10 +9,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from serving.protocol import POOLINGS
+
 
 def encoder_layers(encoder: nn.Module) -> nn.ModuleList:
     """The transformer layers of every supported encoder family (BERT, RoBERTa, XLM-R, DeBERTa-v2)."""
     return encoder.encoder.layer
+
+
+def pool_states(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """The final states [B, S, d] pooled each way in serving.protocol.POOLINGS, [B, P, d]: training, export and
+    both engines call this one function, so a task's head reads the same vector everywhere. No mask: no padding."""
+    if attention_mask is None:
+        mean = hidden.mean(1)
+    else:
+        mask = attention_mask[..., None].to(hidden.dtype)
+        mean = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
+    pooled = {"cls": hidden[:, 0], "mean": mean}
+    return torch.stack([pooled[name] for name in POOLINGS], dim=1)
 
 
 class BiasedEncoder(nn.Module):
@@ -54,7 +68,7 @@ class BiasedEncoder(nn.Module):
         return args, {**kwargs, "hidden_states": hidden + F.embedding(base + i, flat).to(hidden.dtype)}
 
     def forward(self, input_ids, attention_mask, token_type_ids, rows, index) -> torch.Tensor:
-        """`rows` [N, L, d]; `index` [B, S] picks each token's row. Returns the first token's state [B, d]."""
+        """`rows` [N, L, d]; `index` [B, S] picks each token's row. Returns the pooled states [B, P, d]."""
         self._bias = (rows.reshape(-1, self.hidden_size), index.long() * self.num_layers)
         try:
             return self.plain(input_ids, attention_mask, token_type_ids)
@@ -62,9 +76,10 @@ class BiasedEncoder(nn.Module):
             self._bias = None
 
     def plain(self, input_ids, attention_mask, token_type_ids=None) -> torch.Tensor:
-        """The encoder alone (no bias unless forward set one): the first token's state [B, d]."""
+        """The encoder alone (no bias unless forward set one): the pooled states [B, P, d] (pool_states)."""
         extra = {"token_type_ids": token_type_ids} if self.uses_token_type_ids and token_type_ids is not None else {}
-        return self.encoder(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state[:, 0]
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
+        return pool_states(hidden, attention_mask)
 
 
 def save_encoder(encoder: nn.Module, folder: Path) -> None:

@@ -118,7 +118,7 @@ class TorchBackbone:
 
     @torch.inference_mode()
     def run(self, requests: list[Prepared]) -> np.ndarray:
-        """First-token states [B, d] (fp32) of a batch."""
+        """The pooled states [B, P, d] (fp32) of a batch (serving_torch.encoder.pool_states)."""
         pooled = self.aot and self.pool_rows is not None and all(r.slots is not None for r in requests)
         if not self.aot or pooled:
             shape = self._shape(len(requests), max(len(r.tokens[protocol.INPUT_IDS]) for r in requests))

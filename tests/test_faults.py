@@ -377,7 +377,7 @@ def test_bad_direct_requests_fail_alone_under_load(server, repo, expected):
     vocab, hidden = info.vocab_size, info.hidden_size
     version = _version(repo, "alpha")
     outside, missing = "../../../../etc@0123456789ab", "alpha@000000000000"
-    cls = np.zeros((1, hidden), dtype=np.float32)
+    pooled = np.zeros((1, 2, hidden), dtype=np.float32)
     cases = [
         ("backbone", _token_inputs(repo, version, [2, 10, vocab + 3, 3]),
          f"input_ids holds {vocab + 3}: expected values in [0, {vocab - 1}]"),
@@ -386,10 +386,11 @@ def test_bad_direct_requests_fail_alone_under_load(server, repo, expected):
          "attention_mask has 3 values but input_ids has 4"),
         ("backbone", _token_inputs(repo, outside, [2, 10, 3]), f"invalid task version {outside!r}"),
         ("backbone", _token_inputs(repo, missing, [2, 10, 3]), f"task version {missing!r} is not in the store"),
-        ("head", {"TASK_VERSION": _bytes(outside), "cls_hidden": cls}, f"invalid task version {outside!r}"),
-        ("head", {"TASK_VERSION": _bytes(missing), "cls_hidden": cls}, f"task version {missing!r} is not in the store"),
-        ("head", {"TASK_VERSION": _bytes(version), "cls_hidden": np.full((1, hidden), np.nan, dtype=np.float32)},
-         f"cls_hidden must be {hidden} finite values"),
+        ("head", {"TASK_VERSION": _bytes(outside), "pooled_hidden": pooled}, f"invalid task version {outside!r}"),
+        ("head", {"TASK_VERSION": _bytes(missing), "pooled_hidden": pooled},
+         f"task version {missing!r} is not in the store"),
+        ("head", {"TASK_VERSION": _bytes(version), "pooled_hidden": np.full((1, 2, hidden), np.nan, dtype=np.float32)},
+         f"pooled_hidden must be 2 x {hidden} finite values"),
         ("aot", {"TEXT": _bytes("good w1", "dull w2"), "TASK": _bytes("alpha", "alpha")}, "TEXT holds 2 values"),
         ("tokenizer", {"TEXT": _bytes("good w1", "dull w2"), "TASK": _bytes("alpha", "alpha")}, "TEXT holds 2 values"),
         ("tokenizer", {"TEXT": _bytes("good w1"), "TASK": _bytes("../../../../etc")},

@@ -29,9 +29,11 @@ TEXTS = ["good w1 w2", "w3 awful w4 w5", "the movie was superb", "dull plot", "w
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory, tiny_models, sentiment_dir):
     root = tmp_path_factory.mktemp("artifacts")
-    return {name: train_tiny_task(tiny_models["bert"], sentiment_dir, root / name, method, seed=seed)
-            for name, method, seed in (("alpha", "fc", 0), ("beta", "kron", 1), ("gamma", "fc", 2),
-                                       ("delta", "fc", 3), ("epsilon", "kron", 4))}
+    # Served tasks pool both ways (beta, gamma: mean), so one batch mixes poolings on the one backbone.
+    return {name: train_tiny_task(tiny_models["bert"], sentiment_dir, root / name, method, seed=seed, pooling=pooling)
+            for name, method, seed, pooling in (("alpha", "fc", 0, "cls"), ("beta", "kron", 1, "mean"),
+                                                ("gamma", "fc", 2, "mean"), ("delta", "fc", 3, "cls"),
+                                                ("epsilon", "kron", 4, "cls"))}
 
 
 @pytest.fixture(scope="module")

@@ -130,7 +130,8 @@ def test_protocol_dtypes_have_one_definition():
     assert protocol.triton_type(protocol.AOT_INDEX) == "INT32"
     assert protocol.triton_type(protocol.INPUT_IDS) == "INT64"
     assert protocol.triton_type(protocol.TASK_VERSION) == "BYTES"
-    assert protocol.PROTOCOL_VERSION == 2
+    assert protocol.PROTOCOL_VERSION == 3
+    assert protocol.POOLINGS == ("cls", "mean")  # the backbone's pooled rows, in this order
 
 
 @pytest.mark.parametrize("name,ok", [("sentiment", True), ("a.b-c_1", True), ("", False), (".hidden", False),

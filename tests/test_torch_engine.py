@@ -103,8 +103,8 @@ def test_engine_pool_slots_rows_and_mixed_batches_agree(tmp_path, tiny_models):
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory, tiny_models, sentiment_dir):
     root = tmp_path_factory.mktemp("torch-artifacts")
-    return {n: train_tiny_task(tiny_models["bert"], sentiment_dir, root / n, m, seed=s, epochs=1)
-            for n, m, s in (("a", "fc", 0), ("b", "kron", 1), ("c", "fc", 2))}
+    return {n: train_tiny_task(tiny_models["bert"], sentiment_dir, root / n, m, seed=s, epochs=1, pooling=pool)
+            for n, m, s, pool in (("a", "fc", 0, "cls"), ("b", "kron", 1, "mean"), ("c", "fc", 2, "mean"))}
 
 
 @pytest.fixture(scope="module")

@@ -90,6 +90,7 @@ def test_failed_write_keeps_old_artifact(tmp_path, sentiment_dir, tiny_models, m
     ({"format": "other"}, "format 'other' is not 'aot-task'"),
     ({"format_version": 99}, "format_version 99 is not supported"),
     ({"task": None}, "key 'task' should be dict"),
+    ({"pooling": "max"}, "pooling 'max' is not one of cls, mean"),
 ])
 def test_malformed_artifact(tmp_path, sentiment_dir, tiny_models, broken, message):
     out = tmp_path / "task"
@@ -350,3 +351,96 @@ def test_recorded_hub_id_loads_from_the_local_cache(tmp_path, trained_task, tiny
     _, _, backbone = load_task(task)
     assert backbone.name == "aot-tests/tiny-bert"
     assert no_network == []
+
+
+def test_pool_states_mean_ignores_padding():
+    from serving_torch.encoder import pool_states
+
+    hidden = torch.randn(2, 5, 4)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    pooled = pool_states(hidden, mask)
+    assert pooled.shape == (2, 2, 4)
+    torch.testing.assert_close(pooled[:, 0], hidden[:, 0])  # cls
+    torch.testing.assert_close(pooled[0, 1], hidden[0, :3].mean(0))  # the padded positions are left out
+    torch.testing.assert_close(pooled[1, 1], hidden[1].mean(0))
+    torch.testing.assert_close(pool_states(hidden, None)[:, 1], hidden.mean(1))
+
+
+@pytest.mark.parametrize("declared,expected", [(None, "cls"), ({"pooling_mode_mean_tokens": True}, "mean"),
+                                               ({"pooling_mode_cls_token": True}, "cls"),
+                                               ({"pooling_mode_max_tokens": True}, "cls"), ("not json", "cls")])
+def test_default_pooling_is_what_the_model_folder_declares(tmp_path, tiny_models, sentiment_dir, declared, expected):
+    """A sentence-transformers folder declares its pooling in 1_Pooling/config.json; training takes it unless told,
+    records it, and predict reads the same pooled state."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_models["bert"], model)
+    if declared is not None:
+        (model / "1_Pooling").mkdir()
+        text = declared if isinstance(declared, str) else json.dumps(declared)
+        (model / "1_Pooling" / "config.json").write_text(text)
+    assert load_backbone(str(model)).pooling == expected
+    out = tmp_path / "task"
+    summary = train_task(model=str(model), data=str(sentiment_dir), method="fc", out=str(out),
+                         **{**FAST, "epochs": 1})
+    assert summary["pooling"] == expected and read_task(out).pooling == expected
+    other = "cls" if expected == "mean" else "mean"
+    train_task(model=str(model), data=str(sentiment_dir), method="fc", out=str(tmp_path / "other"), pooling=other,
+               **{**FAST, "epochs": 1})
+    assert read_task(tmp_path / "other").pooling == other
+    _, task_model, _ = load_task(out)
+    assert task_model.pooling == expected
+    ids, mask = torch.tensor([[2, 7, 9, 3, 0]]), torch.tensor([[1, 1, 1, 1, 0]])
+    with torch.no_grad():
+        pooled = task_model.body(ids, mask)
+        torch.testing.assert_close(task_model(ids, mask), task_model.head(pooled[:, ("cls", "mean").index(expected)]))
+
+
+def test_artifact_without_pooling_reads_the_first_token(tmp_path, sentiment_dir, tiny_models):
+    """Artifacts written before pooling was recorded were trained on the first token."""
+    out = tmp_path / "task"
+    train_task(model=str(tiny_models["bert"]), data=str(sentiment_dir), method="fc", out=str(out), pooling="cls",
+               **{**FAST, "epochs": 1})
+    config = json.loads((out / "config.json").read_text())
+    before = Predictor.load(out).logits(["good w1"])
+    del config["pooling"]
+    (out / "config.json").write_text(json.dumps(config))
+    assert read_task(out).pooling == "cls"
+    torch.testing.assert_close(Predictor.load(out).logits(["good w1"]), before)
+
+
+@pytest.mark.parametrize("warmup,decay,expected", [
+    (0.0, "constant", [1.0] * 10),
+    (0.0, "linear", [1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1]),
+    (0.2, "constant", [1 / 3, 2 / 3, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]),
+    (0.2, "linear", [1 / 3, 2 / 3, 1.0, 7 / 8, 6 / 8, 5 / 8, 4 / 8, 3 / 8, 2 / 8, 1 / 8]),
+])
+def test_learning_rate_schedule(warmup, decay, expected):
+    from training.trainer import schedule
+
+    assert [schedule(k, 10, warmup, decay) for k in range(10)] == pytest.approx(expected)
+
+
+def test_head_gets_its_own_learning_rate():
+    from training.data.task import TaskSpec
+    from training.methods import make_config
+    from training.model import build_task_model
+    from training.trainer import TrainConfig, make_optimizer
+
+    model = build_task_model(tiny_backbone("bert"), make_config("fc"), TaskSpec("t", ("a", "b"), "accuracy"))
+    groups = make_optimizer(model, TrainConfig(lr=1e-3, head_lr=5e-3)).param_groups
+    head = {id(p) for p in model.head.parameters()}
+    assert [g["lr"] for g in groups] == [1e-3, 5e-3]
+    assert {id(p) for p in groups[1]["params"]} == head
+    assert not head & {id(p) for p in groups[0]["params"]}
+    assert make_optimizer(model, TrainConfig(lr=1e-3)).param_groups[1]["lr"] == 1e-3
+
+
+@pytest.mark.parametrize("kw,message", [({"warmup": 1.0}, "warmup must be a fraction"),
+                                        ({"decay": "cosine"}, "unknown decay 'cosine'")])
+def test_bad_schedule_is_refused(tmp_path, sentiment_dir, tiny_models, kw, message):
+    with pytest.raises(ValueError, match=message):
+        train_task(model=str(tiny_models["bert"]), data=str(sentiment_dir), method="fc", out=str(tmp_path / "t"),
+                   **{**FAST, "epochs": 1}, **kw)
+    assert not (tmp_path / "t").exists()

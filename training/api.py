@@ -16,24 +16,27 @@ from training.trainer import TrainConfig, encode, predict_logits, resolve_device
 def train_task(model: str, data: str, method: str, out: str, rank: int | None = None, lr: float | None = None,
                batch_size: int = 16, epochs: int = 10, patience: int = 3, eval_every: int = 0,
                max_length: int = 128, max_train_samples: int | None = None, time_budget: float | None = None,
-               max_steps: int | None = None,
+               max_steps: int | None = None, pooling: str | None = None, head_lr: float | None = None,
+               warmup: float = 0.0, decay: str = "constant", method_options: dict | None = None,
                seed: int = 0, labels: list[str] | None = None, metric: str | None = None, device: str = "auto",
                progress: bool = True, backbone: Backbone | None = None, task_data: TaskData | None = None) -> dict:
-    """Train and save; returns the summary that metrics.json holds."""
+    """Train and save; returns the summary that metrics.json holds. `pooling` None: the backbone's own."""
     spec_method = method_spec(method)
-    config = make_config(method, rank=rank)
+    config = make_config(method, rank=rank, **(method_options or {}))
     task_data = task_data or load_task_data(data, labels=labels, metric=metric)
     backbone = backbone or load_backbone(model)
     check_max_length(backbone, max_length)
-    train_config = TrainConfig(lr=lr or spec_method.default_lr, batch_size=batch_size, epochs=epochs,
+    train_config = TrainConfig(lr=lr or spec_method.default_lr, head_lr=head_lr, warmup=warmup, decay=decay,
+                               batch_size=batch_size, epochs=epochs,
                                patience=patience, max_length=max_length, seed=seed, eval_every=eval_every,
                                max_train_samples=max_train_samples, time_budget=time_budget, max_steps=max_steps,
                                device=device)
     seed_everything(seed)  # the method's random init must depend on the seed alone, not on what ran before
-    task_model = build_task_model(backbone, config, task_data.spec)
+    task_model = build_task_model(backbone, config, task_data.spec, pooling)
     result = train(task_model, task_data, backbone.tokenizer, train_config, progress=progress)
     spec = task_data.spec
-    metrics = {"task": spec.name, "method": method, "metric": spec.metric, "dev": result.dev_score,
+    metrics = {"task": spec.name, "method": method, "pooling": task_model.pooling, "metric": spec.metric,
+               "dev": result.dev_score,
                "best_step": result.best_step, "steps": result.steps, "stopped": result.stopped,
                "train_seconds": round(result.train_seconds, 2),
                "trainable_parameters": trainable_parameter_count(task_model), "history": result.history}

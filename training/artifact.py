@@ -2,7 +2,7 @@
 
 Format `aot-task`, version 1 (documented in docs/formats.md):
 
-    DIR/config.json         method, hyperparameters, task (labels, metric), max length, backbone identity
+    DIR/config.json         method, hyperparameters, task (labels, metric), max length, pooling, backbone identity
     DIR/weights.safetensors trainable parameters only (method factors + head), names as in TaskModel
     DIR/metrics.json        dev (and test) scores, train time, evaluation history
 
@@ -21,6 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from serving.atomic import atomic_directory
+from serving.protocol import POOLINGS
 from training.backbone import Backbone, BackboneError, load_backbone
 from training.data.task import TaskSpec
 from training.methods.base import MethodConfig, method_spec
@@ -67,6 +68,11 @@ class TaskArtifact:
         return self.config["max_length"]
 
     @property
+    def pooling(self) -> str:
+        """Which pooled state the head reads; artifacts written before pooling was recorded read the first token."""
+        return self.config.get("pooling", "cls")
+
+    @property
     def backbone(self) -> dict:
         return self.config["backbone"]
 
@@ -93,8 +99,8 @@ def backbone_identity(backbone: Backbone) -> dict:
 def save_task(out: str | Path, model: TaskModel, backbone: Backbone, method: MethodConfig, spec: TaskSpec,
               max_length: int, training: dict, metrics: dict) -> Path:
     config = {"format": FORMAT, "format_version": FORMAT_VERSION, "method": method.to_json(),
-              "task": spec.to_json(), "max_length": max_length, "backbone": backbone_identity(backbone),
-              "training": training}
+              "task": spec.to_json(), "max_length": max_length, "pooling": model.pooling,
+              "backbone": backbone_identity(backbone), "training": training}
     out = Path(out)
     with atomic_directory(out) as tmp:
         save_file({k: v.contiguous() for k, v in model.trainable_state().items()}, tmp / WEIGHTS_FILE)
@@ -130,6 +136,8 @@ def read_task(path: str | Path) -> TaskArtifact:
         raise ArtifactError(f"{config_path}: format_version {config['format_version']} is not supported "
                             f"(this version reads {FORMAT_VERSION})")
     _check_keys(config["backbone"], _BACKBONE_REQUIRED, f"{config_path} [backbone]")
+    if config.get("pooling", "cls") not in POOLINGS:
+        raise ArtifactError(f"{config_path}: pooling {config['pooling']!r} is not one of {', '.join(POOLINGS)}")
     method_spec(config["method"].get("method", "?"))
     if not (path / WEIGHTS_FILE).is_file():
         raise ArtifactError(f"{path}: missing {WEIGHTS_FILE}")
@@ -166,7 +174,7 @@ def load_task(path: str | Path, backbone: Backbone | None = None) -> tuple[TaskA
     if backbone is None:
         backbone = load_recorded_backbone(artifact)
     check_fingerprint(artifact, backbone.fingerprint, backbone.name)
-    model = build_task_model(backbone, artifact.method_config, artifact.spec)
+    model = build_task_model(backbone, artifact.method_config, artifact.spec, artifact.pooling)
     try:
         model.load_trainable_state(weights)
     except ValueError as exc:

@@ -194,6 +194,7 @@ class Backbone:
     encoder: nn.Module
     tokenizer: object
     fingerprint: str
+    pooling: str = "cls"  # what the model folder declares (declared_pooling): a task's default
 
     @property
     def architecture(self) -> Architecture:
@@ -225,6 +226,20 @@ class Backbone:
         return self.architecture.max_positions(self.encoder.config)
 
 
+def declared_pooling(path: str) -> str:
+    """The pooling a model folder declares: a sentence-transformers folder names it in `1_Pooling/config.json`
+    (`pooling_mode_mean_tokens` -> mean, `pooling_mode_cls_token` -> cls); anything else (a masked-LM checkpoint,
+    a hub id, a mode this project does not serve such as max) pools the first token, as BERT and RoBERTa heads do."""
+    config = Path(path) / "1_Pooling" / "config.json"
+    try:
+        modes = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "cls"
+    if isinstance(modes, dict) and modes.get("pooling_mode_mean_tokens"):
+        return "mean"
+    return "cls"
+
+
 def load_backbone(model: str, local_only: bool = False) -> Backbone:
     """`model`: a folder (recorded by its absolute path), the `minilm` alias, or a hub id.
 
@@ -233,7 +248,8 @@ def load_backbone(model: str, local_only: bool = False) -> Backbone:
     encoder = load_encoder(model, local_only=local_only)
     tokenizer = load_tokenizer(model, local_only=local_only)
     name = str(Path(model).resolve()) if os.path.isdir(model) else model
-    return Backbone(name, encoder, tokenizer, backbone_fingerprint(encoder, tokenizer))
+    pooling = declared_pooling(resolve_model_path(model, local_only))
+    return Backbone(name, encoder, tokenizer, backbone_fingerprint(encoder, tokenizer), pooling)
 
 
 def save_backbone(backbone: Backbone, folder: str | Path) -> None:

@@ -7,14 +7,15 @@ import copy
 import torch
 from torch import nn
 
+from serving.protocol import POOLINGS
 from training.backbone import Backbone
 from training.data.task import TaskSpec
 from training.methods.base import MethodConfig, method_spec
 
 
 class ClassificationHead(nn.Module):
-    """dropout -> dense -> tanh -> dropout -> out on the first token's state (RoBERTa's head; BERT's pooler +
-    classifier). Every method shares it, so serving needs one head format: out(tanh(dense(h)))."""
+    """dropout -> dense -> tanh -> dropout -> out on the pooled state (RoBERTa's head; BERT's pooler + classifier).
+    Every method shares it, so serving needs one head format: out(tanh(dense(h)))."""
 
     def __init__(self, hidden_size: int, num_outputs: int, dropout: float = 0.1):
         super().__init__()
@@ -22,18 +23,22 @@ class ClassificationHead(nn.Module):
         self.out = nn.Linear(hidden_size, num_outputs)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, first_token: torch.Tensor) -> torch.Tensor:
-        return self.out(self.dropout(torch.tanh(self.dense(self.dropout(first_token)))))
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        return self.out(self.dropout(torch.tanh(self.dense(self.dropout(pooled)))))
 
 
 class TaskModel(nn.Module):
-    def __init__(self, body: nn.Module, head: ClassificationHead):
+    """A body, which pools every way in POOLINGS, and a head that reads the row of the task's `pooling`."""
+
+    def __init__(self, body: nn.Module, head: ClassificationHead, pooling: str = "cls"):
         super().__init__()
         self.body = body
         self.head = head
+        self.pooling = check_pooling(pooling)
 
     def forward(self, input_ids, attention_mask, token_type_ids=None) -> torch.Tensor:
-        return self.head(self.body(input_ids, attention_mask, token_type_ids))
+        pooled = self.body(input_ids, attention_mask, token_type_ids)
+        return self.head(pooled[:, POOLINGS.index(self.pooling)])
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().to("cpu").clone() for n, p in self.named_parameters() if p.requires_grad}
@@ -52,9 +57,18 @@ class TaskModel(nn.Module):
                 params[name].copy_(value)
 
 
-def build_task_model(backbone: Backbone, config: MethodConfig, spec: TaskSpec) -> TaskModel:
-    """Build on a private copy of the encoder: methods hook into it or unfreeze it, the caller's stays pristine."""
-    own = Backbone(backbone.name, copy.deepcopy(backbone.encoder), backbone.tokenizer, backbone.fingerprint)
+def check_pooling(pooling: str) -> str:
+    if pooling not in POOLINGS:
+        raise ValueError(f"unknown pooling {pooling!r}: expected one of {', '.join(POOLINGS)}")
+    return pooling
+
+
+def build_task_model(backbone: Backbone, config: MethodConfig, spec: TaskSpec, pooling: str | None = None) -> TaskModel:
+    """Build on a private copy of the encoder: methods hook into it or unfreeze it, the caller's stays pristine.
+
+    `pooling`: which pooled state the head reads; None takes the one the backbone declares (Backbone.pooling)."""
+    own = Backbone(backbone.name, copy.deepcopy(backbone.encoder), backbone.tokenizer, backbone.fingerprint,
+                   backbone.pooling)
     own.encoder.requires_grad_(False)
     body = method_spec(config.method).build(own, config)
     head = ClassificationHead(own.hidden_size, spec.num_outputs)
@@ -63,7 +77,7 @@ def build_task_model(backbone: Backbone, config: MethodConfig, spec: TaskSpec) -
         with torch.no_grad():  # BERT's pretrained pooler is a better start for the head's dense layer
             head.dense.weight.copy_(pooler.dense.weight)
             head.dense.bias.copy_(pooler.dense.bias)
-    return TaskModel(body, head)
+    return TaskModel(body, head, pooling or backbone.pooling)
 
 
 def trainable_parameter_count(model: nn.Module) -> int:

@@ -1,4 +1,7 @@
-"""The training loop (paper section 4.1): Adam with a constant learning rate, early stopping on the dev metric.
+"""The training loop (paper section 4.1): Adam, early stopping on the dev metric.
+
+The paper's schedule is a constant learning rate; `warmup` (a fraction of the planned steps, linear from 0) and
+`decay` ("linear" to 0 at the planned last step) are options, and `head_lr` gives the task head its own rate.
 
 Evaluation happens every `eval_every` steps (or once per epoch); training stops after `patience` evaluations
 without a better dev score, and the best trainable weights are restored at the end.
@@ -23,6 +26,9 @@ from training.model import TaskModel
 @dataclass
 class TrainConfig:
     lr: float = 1e-3
+    head_lr: float | None = None  # the head's learning rate; None: lr
+    warmup: float = 0.0  # fraction of the planned steps over which the rate rises linearly from 0
+    decay: str = "constant"  # "constant" or "linear" (to 0 at the planned last step)
     batch_size: int = 16
     epochs: int = 10
     patience: int = 3
@@ -52,6 +58,35 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+DECAYS = ("constant", "linear")
+
+
+def check_schedule(warmup: float, decay: str) -> None:
+    if not 0.0 <= warmup < 1.0:
+        raise ValueError(f"warmup must be a fraction of the steps in [0, 1), got {warmup}")
+    if decay not in DECAYS:
+        raise ValueError(f"unknown decay {decay!r}: expected one of {', '.join(DECAYS)}")
+
+
+def schedule(step: int, total: int, warmup: float, decay: str) -> float:
+    """The learning-rate multiplier before optimizer step `step` (0-based) of `total` planned steps."""
+    warm = int(round(warmup * total))
+    if step < warm:
+        return (step + 1) / (warm + 1)
+    if decay == "linear":
+        return max(0.0, (total - step) / max(1, total - warm))
+    return 1.0
+
+
+def make_optimizer(model: TaskModel, config: TrainConfig) -> torch.optim.Optimizer:
+    """Adam over the trainable parameters: the head in its own group when it has its own rate."""
+    head = [p for p in model.head.parameters() if p.requires_grad]
+    head_ids = {id(p) for p in head}
+    body = [p for p in model.parameters() if p.requires_grad and id(p) not in head_ids]
+    groups = [{"params": body, "lr": config.lr}, {"params": head, "lr": config.head_lr or config.lr}]
+    return torch.optim.Adam([g for g in groups if g["params"]])
 
 
 def seed_everything(seed: int) -> None:
@@ -142,8 +177,8 @@ def train(model: TaskModel, data: TaskData, tokenizer, config: TrainConfig, prog
     train_enc = encode(tokenizer, train_examples, spec, config.max_length)
     dev_enc = encode(tokenizer, data.dev, spec, config.max_length)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.Adam(params, lr=config.lr)
+    check_schedule(config.warmup, config.decay)
+    optimizer = make_optimizer(model, config)
     generator = torch.Generator().manual_seed(config.seed)
     n = len(train_enc.input_ids)
     steps_per_epoch = -(-n // config.batch_size)
@@ -151,6 +186,8 @@ def train(model: TaskModel, data: TaskData, tokenizer, config: TrainConfig, prog
     total = steps_per_epoch * config.epochs if config.max_steps is None else min(config.max_steps,
                                                                                  steps_per_epoch * config.epochs)
 
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda k: schedule(k, total, config.warmup, config.decay))
     best = (-float("inf"), model.trainable_state(), 0)
     history: list[dict] = []
     bad_evals, step, stopped = 0, 0, "epochs"
@@ -170,6 +207,7 @@ def train(model: TaskModel, data: TaskData, tokenizer, config: TrainConfig, prog
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
+                scheduler.step()
                 step += 1
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss.item():.4f}", dev=f"{best[0]:.4f}" if history else "-", refresh=False)

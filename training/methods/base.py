@@ -1,7 +1,8 @@
 """The method registry: a method name maps to its config class and a builder.
 
 A builder takes the frozen backbone and the method's config and returns a *body*: a module that maps
-(input_ids, attention_mask, token_type_ids) to the hidden state of the first token, [B, d]. The task head sits on
+(input_ids, attention_mask, token_type_ids) to the final hidden states pooled each way in
+serving.protocol.POOLINGS, [B, P, d] (serving_torch.encoder.pool_states); the task head reads its pooling's row. The task head sits on
 top of any body (training.model.TaskModel). Only the parameters a method makes trainable have requires_grad.
 """
 
@@ -86,7 +87,3 @@ def make_config(name: str, rank: int | None = None, **overrides) -> MethodConfig
     config.validate()
     return config
 
-
-def first_token(hidden):
-    """The first position's state, [B, d]: what the task head reads."""
-    return hidden[:, 0]

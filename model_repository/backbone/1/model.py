@@ -85,4 +85,4 @@ class TritonPythonModel:
         self.step.refresh()
         return self.step.respond_batch(
             requests, self._prepare, self._run,
-            lambda hidden, k: [self.step.output(protocol.CLS_HIDDEN, hidden[k:k + 1])])
+            lambda pooled, k: [self.step.output(protocol.POOLED_HIDDEN, pooled[k:k + 1])])

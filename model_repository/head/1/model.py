@@ -1,5 +1,5 @@
-"""Triton python model: each request's own task head (the version the tokenizer pinned), so a batch may mix
-tasks."""
+"""Triton python model: each request's own task head (the version the tokenizer pinned) on its task's pooling, so
+a batch may mix tasks."""
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -15,11 +15,12 @@ class TritonPythonModel:
 
     def _one(self, request, ctx):
         task = self.step.task_version(request, ctx)
-        hidden = self.step.sequence(request, protocol.CLS_HIDDEN).astype(np.float32)
-        if hidden.shape != (task.hidden_size,) or not np.isfinite(hidden).all():
-            raise RequestError(f"{protocol.CLS_HIDDEN} must be {task.hidden_size} finite values, got "
-                               f"{hidden.shape[0]} values")
-        logits = task.logits(hidden[None, :])[0]
+        pooled = self.step.tensor(request, protocol.POOLED_HIDDEN).astype(np.float32)
+        expected = (1, len(protocol.POOLINGS), task.hidden_size)
+        if pooled.shape != expected or not np.isfinite(pooled).all():
+            raise RequestError(f"{protocol.POOLED_HIDDEN} must be {expected[1]} x {expected[2]} finite values, got "
+                               f"shape {list(pooled.shape)}")
+        logits = task.logits(pooled)[0]
         return [self.step.output(protocol.LOGITS, logits[None, :]),
                 self.step.bytes_output(protocol.LABEL, task.label(logits))]
 
