@@ -94,7 +94,8 @@ def add_bench(sub) -> None:
     a.add_argument("--data", required=True, type=_names, help="comma-separated datasets (built-in names or folders)")
     a.add_argument("--methods", type=_names, default=_names("fc,kron,bitfit,lora,prefix,prompt,adapter,full"))
     a.add_argument("--seeds", type=_positive_int, default=3, help="seeds for the best setting of each method")
-    a.add_argument("--grid", choices=["small", "paper"], default="small", help="hyperparameter grid")
+    a.add_argument("--grid", choices=["small", "paper", "defaults"], default="small",
+                   help="hyperparameter grid (defaults: each method as `aot train` runs it with no flags)")
     a.add_argument("--out", required=True, help="output folder (accuracy.json, accuracy.md, accuracy.png, runs/)")
     a.add_argument("--max-train-samples", type=_positive_int, default=None, help="seeded train subset per dataset")
     a.add_argument("--max-length", type=_positive_int, default=128)
@@ -106,6 +107,8 @@ def add_bench(sub) -> None:
     a.add_argument("--patience", type=_positive_int, default=3)
     a.add_argument("--eval-every", type=int, default=0,
                    help="steps between dev evaluations (0: once per epoch; with --budget steps, steps/10)")
+    a.add_argument("--pooling", choices=["cls", "mean"], default=None,
+                   help="what every task's head reads (default: what the model declares, as aot train does)")
     a.add_argument("--workers", type=_positive_int, default=1, help="parallel training processes")
     a.add_argument("--no-progress", action="store_true")
     a.set_defaults(run=run_accuracy)
@@ -156,7 +159,8 @@ def run_accuracy(args) -> int:
     config = SweepConfig(model=args.model, datasets=args.data, methods=args.methods, seeds=args.seeds,
                          grid=args.grid, out=args.out, max_train_samples=args.max_train_samples,
                          max_length=args.max_length, epochs=args.epochs, patience=args.patience,
-                         eval_every=args.eval_every, budget=args.budget, steps=args.steps, workers=args.workers,
+                         eval_every=args.eval_every, budget=args.budget, steps=args.steps, pooling=args.pooling,
+                         workers=args.workers,
                          progress=not args.no_progress)
     print(json.dumps(run_sweep(config)))
     return 0

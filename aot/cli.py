@@ -60,6 +60,12 @@ def add_train(sub) -> None:
     p.add_argument("--rank", type=_positive_int, default=None,
                    help="fc/kron/lora rank, adapter bottleneck, or prefix/prompt length p (default: the method's)")
     p.add_argument("--lr", type=_positive_float, default=None, help="learning rate (default: the method's)")
+    p.add_argument("--head-lr", type=_positive_float, default=None, help="the task head's learning rate (default: --lr)")
+    p.add_argument("--warmup", type=float, default=0.1,
+                   help="fraction of the planned steps over which the rate rises linearly from 0")
+    p.add_argument("--decay", choices=["linear", "constant"], default="linear",
+                   help="linear: down to 0 at the planned last step (--max-steps, else --epochs); constant: the "
+                        "paper's schedule (with --warmup 0)")
     p.add_argument("--batch-size", type=_positive_int, default=16)
     p.add_argument("--epochs", type=_positive_int, default=10)
     p.add_argument("--patience", type=_positive_int, default=3,
@@ -87,7 +93,8 @@ def run_train(args) -> int:
     from training.api import train_task
 
     result = train_task(model=args.model, data=args.data, method=args.method, out=args.out, rank=args.rank,
-                        lr=args.lr, batch_size=args.batch_size, epochs=args.epochs, patience=args.patience,
+                        lr=args.lr, head_lr=args.head_lr, warmup=args.warmup, decay=args.decay,
+                        batch_size=args.batch_size, epochs=args.epochs, patience=args.patience,
                         eval_every=args.eval_every, max_length=args.max_length,
                         max_train_samples=args.max_train_samples, time_budget=args.time_budget,
                         max_steps=args.max_steps, pooling=args.pooling, seed=args.seed,

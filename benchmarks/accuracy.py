@@ -16,6 +16,8 @@ same range. Fine-tuning (`full`) has its own range.
            (40 points per rank-like method, 8 for bitfit, 10 for full.)
     small  learning rate 1e-3, 5e-3 (full: 5e-5, 1e-4); batch size 16; one rank-like value from the same
            ranges: fc 64, kron 10, lora 16, adapter 64, prefix/prompt 20. (2 points per method.)
+    defaults  what `aot train --method M` runs with no hyperparameter flags: the method's default learning rate
+           and rank-like value, batch size 16 (1 point per method).
 
 A method registered later without a Table 2 range uses its config's default rank-like value.
 
@@ -45,9 +47,11 @@ import numpy as np
 from benchmarks.report import markdown_table, new_figure, save_figure, write_json, write_text
 from training.data import BUILTIN, load_task_data
 from training.data.task import TaskData
+from serving.protocol import POOLINGS
 from training.methods import MethodError, make_config, method_spec
+from training.trainer import TrainConfig
 
-GRIDS = ("small", "paper")
+GRIDS = ("small", "paper", "defaults")
 
 # Table 2, left (RoBERTa, all tasks except RTE).
 PAPER_LRS = (1e-4, 5e-4, 1e-3, 5e-3)
@@ -86,6 +90,7 @@ class SweepConfig:
     eval_every: int = 0
     budget: str = "epochs"  # "epochs": up to `epochs`, early stopping; "steps": exactly `steps` for every method
     steps: int = 100
+    pooling: str | None = None  # None: the backbone's declared pooling (as `aot train`)
     workers: int = 1
     progress: bool = True
 
@@ -107,6 +112,8 @@ class SweepConfig:
             raise ValueError(f"unknown budget {self.budget!r}: expected one of {', '.join(BUDGETS)}")
         if self.steps < 1:
             raise ValueError(f"steps must be a positive integer, got {self.steps}")
+        if self.pooling not in (None, *POOLINGS):
+            raise ValueError(f"unknown pooling {self.pooling!r}: expected one of {', '.join(POOLINGS)}")
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
         for method in self.methods:
@@ -120,7 +127,9 @@ class SweepConfig:
         if self.budget == "steps":  # (runs of the epochs budget keep the ids they always had)
             settings = {**settings, "epochs": None, "patience": None, "budget": "steps", "steps": self.steps,
                         "eval_every": self.curve_every()}
-        return settings
+        # Since issue 13 (pooling, schedule), runs from before have other ids and are not reused.
+        return {**settings, "pooling": self.pooling or "model", "warmup": TrainConfig.warmup,
+                "decay": TrainConfig.decay}
 
     def curve_every(self) -> int:
         """Steps between dev evaluations: as asked, or, under the steps budget, 10 points on each curve."""
@@ -156,13 +165,15 @@ def grid_points(grid: str, method: str) -> list[GridPoint]:
     """The grid points of `method`, in a fixed order (ties on dev go to the earlier point)."""
     if grid not in GRIDS:
         raise ValueError(f"unknown grid {grid!r}: expected one of {', '.join(GRIDS)}")
+    field = method_spec(method).config_cls.rank_field
+    if grid == "defaults":
+        return [GridPoint(method_spec(method).default_lr, 16, None if field is None else getattr(make_config(method), field))]
     paper = grid == "paper"
     if method == "full":
         lrs = PAPER_FULL_LRS if paper else SMALL_FULL_LRS
     else:
         lrs = PAPER_LRS if paper else SMALL_LRS
     batch_sizes = PAPER_BATCH_SIZES if paper else SMALL_BATCH_SIZES
-    field = method_spec(method).config_cls.rank_field
     if field is None:
         ranks: tuple[int | None, ...] = (None,)
     else:
@@ -208,7 +219,8 @@ def _execute(config: SweepConfig, run: Run, runs_dir: Path) -> dict:
                                 out=str(Path(scratch) / "task"), rank=run.point.rank, lr=run.point.lr,
                                 batch_size=run.point.batch_size, **config.train_budget(),
                                 max_length=config.max_length,
-                                max_train_samples=config.max_train_samples, seed=run.seed, progress=False,
+                                max_train_samples=config.max_train_samples, pooling=config.pooling,
+                                seed=run.seed, progress=False,
                                 task_data=data)
         except MethodError as err:
             record.update(status="skipped", reason=str(err))

@@ -17,12 +17,12 @@ def train_task(model: str, data: str, method: str, out: str, rank: int | None = 
                batch_size: int = 16, epochs: int = 10, patience: int = 3, eval_every: int = 0,
                max_length: int = 128, max_train_samples: int | None = None, time_budget: float | None = None,
                max_steps: int | None = None, pooling: str | None = None, head_lr: float | None = None,
-               warmup: float = 0.0, decay: str = "constant", method_options: dict | None = None,
+               warmup: float = TrainConfig.warmup, decay: str = TrainConfig.decay,
                seed: int = 0, labels: list[str] | None = None, metric: str | None = None, device: str = "auto",
                progress: bool = True, backbone: Backbone | None = None, task_data: TaskData | None = None) -> dict:
     """Train and save; returns the summary that metrics.json holds. `pooling` None: the backbone's own."""
     spec_method = method_spec(method)
-    config = make_config(method, rank=rank, **(method_options or {}))
+    config = make_config(method, rank=rank)
     task_data = task_data or load_task_data(data, labels=labels, metric=metric)
     backbone = backbone or load_backbone(model)
     check_max_length(backbone, max_length)
