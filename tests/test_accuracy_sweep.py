@@ -108,6 +108,7 @@ def test_unsupported_method_is_recorded_as_skipped(tiny_models, with_test_dir, t
     ({"grid": "huge"}, ValueError, "unknown grid 'huge'"),
     ({"seeds": 0}, ValueError, "seeds must be a positive integer, got 0"),
     ({"budget": "minutes"}, ValueError, "unknown budget 'minutes': expected one of epochs, steps"),
+    ({"pooling": "max"}, ValueError, "unknown pooling 'max': expected one of cls, mean"),
 ])
 def test_bad_values_are_named_before_training(tiny_models, with_test_dir, tmp_path, change, error, match):
     config = SweepConfig(**{"model": str(tiny_models["bert"]), "datasets": [str(with_test_dir)], "methods": ["fc"],
@@ -136,3 +137,23 @@ def test_steps_budget_trains_every_method_the_same_steps_and_plots_curves(tiny_m
         assert steps == [1, 2, 3, 4, 5, 6, 7] and all(0 <= v <= 1 for v in dev)
     assert (tmp_path / "out" / "accuracy-curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "exactly 7 optimizer steps for every method" in (tmp_path / "out" / "accuracy.md").read_text()
+
+
+def test_defaults_grid_is_what_aot_train_runs_without_flags():
+    from training.methods import make_config, method_spec
+
+    for method in ("fc", "lora", "bitfit", "adapter", "kron"):
+        (point,) = grid_points("defaults", method)
+        field = method_spec(method).config_cls.rank_field
+        assert point.lr == method_spec(method).default_lr and point.batch_size == 16
+        assert point.rank == (None if field is None else getattr(make_config(method), field))
+
+
+def test_run_ids_change_with_pooling(tiny_models, with_test_dir, tmp_path):
+    from benchmarks.accuracy import Run, run_id
+
+    base = SweepConfig(model=str(tiny_models["bert"]), datasets=[str(with_test_dir)], methods=["fc"],
+                       out=str(tmp_path / "out"), **TINY)
+    run = Run(str(with_test_dir), "fc", grid_points("defaults", "fc")[0], 0, "grid")
+    ids = {run_id(SweepConfig(**{**base.__dict__, "pooling": pooling}), run) for pooling in (None, "cls", "mean")}
+    assert len(ids) == 3
