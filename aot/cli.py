@@ -11,6 +11,7 @@ import os
 import sys
 
 from aot import bench_cli, export_cli, serve_cli
+from aot.arguments import fraction as _fraction
 from aot.arguments import positive_float as _positive_float
 from aot.arguments import positive_int as _positive_int
 
@@ -61,7 +62,7 @@ def add_train(sub) -> None:
                    help="fc/kron/lora rank, adapter bottleneck, or prefix/prompt length p (default: the method's)")
     p.add_argument("--lr", type=_positive_float, default=None, help="learning rate (default: the method's)")
     p.add_argument("--head-lr", type=_positive_float, default=None, help="the task head's learning rate (default: --lr)")
-    p.add_argument("--warmup", type=float, default=0.1,
+    p.add_argument("--warmup", type=_fraction, default=0.1,
                    help="fraction of the planned steps over which the rate rises linearly from 0")
     p.add_argument("--decay", choices=["linear", "constant"], default="linear",
                    help="linear: down to 0 at the planned last step (--max-steps, else --epochs); constant: the "

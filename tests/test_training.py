@@ -138,11 +138,15 @@ def test_cli_bad_input_is_one_line(argv, message, capsys):
     assert re.search(message, err)
 
 
-def test_cli_rejects_bad_numbers(capsys):
+@pytest.mark.parametrize("flag,value,message", [("--rank", "0", "expected a positive integer, got 0"),
+                                                ("--warmup", "1.5", "expected a fraction in [0, 1), got 1.5"),
+                                                ("--head-lr", "-1", "expected a positive number, got -1.0"),
+                                                ("--pooling", "max", "invalid choice: 'max'")])
+def test_cli_rejects_bad_numbers(capsys, flag, value, message):
     with pytest.raises(SystemExit) as exit_info:
-        main(["train", "--model", "m", "--data", "d", "--method", "fc", "--out", "o", "--rank", "0"])
+        main(["train", "--model", "m", "--data", "d", "--method", "fc", "--out", "o", flag, value])
     assert exit_info.value.code == 2
-    assert "expected a positive integer, got 0" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 def test_unsupported_architecture_is_named(tmp_path):
