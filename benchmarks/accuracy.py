@@ -388,12 +388,15 @@ def _markdown(config: SweepConfig, datasets: list[str], methods: list[str], summ
               "run's seed)" if config.max_train_samples else "the full train split")
     builtin = [columns[d] for d in datasets if d in BUILTIN]
     no_test = [columns[d] for d in datasets if not _task_data(d).test]
-    notes = [f"Model: `{config.model}`. Grid: `{config.grid}` (from the paper's Table 2). Seeds: {config.seeds}. "
+    grid = "each method's defaults, as `aot train` runs it" if config.grid == "defaults" else "from the paper's Table 2"
+    notes = [f"Model: `{config.model}`. Grid: `{config.grid}` ({grid}). Seeds: {config.seeds}. "
              f"Training: {subset}; "
              + (f"exactly {config.steps} optimizer steps for every method (no early stopping; dev every "
                 f"{config.curve_every()} steps, the best evaluation kept)" if config.budget == "steps" else
                 f"{config.epochs} epochs max, patience {config.patience}")
-             + f", max length {config.max_length}. Learning curves: `accuracy-curves.png`.",
+             + f", max length {config.max_length}, pooling {config.pooling or 'as the model declares'}, learning "
+             f"rate warm-up {TrainConfig.warmup:g} of the steps and {TrainConfig.decay} decay. Learning curves: "
+             "`accuracy-curves.png`.",
              "Cells: median ± std over seeds of the test score ×100 (metric per task), for the grid point with the "
              "best seed-0 dev score. Macro: mean of the medians over datasets."]
     if builtin:
