@@ -95,7 +95,8 @@ def add_bench(sub) -> None:
     a.add_argument("--methods", type=_names, default=_names("fc,kron,bitfit,lora,prefix,prompt,adapter,full"))
     a.add_argument("--seeds", type=_positive_int, default=3, help="seeds for the best setting of each method")
     a.add_argument("--grid", choices=["small", "paper", "defaults"], default="small",
-                   help="hyperparameter grid (defaults: each method as `aot train` runs it with no flags)")
+                   help="hyperparameter grid (defaults: each method's default learning rate and rank, batch 16, as `aot "
+                        "train` uses them with no flags)")
     a.add_argument("--out", required=True, help="output folder (accuracy.json, accuracy.md, accuracy.png, runs/)")
     a.add_argument("--max-train-samples", type=_positive_int, default=None, help="seeded train subset per dataset")
     a.add_argument("--max-length", type=_positive_int, default=128)

@@ -65,8 +65,8 @@ def add_train(sub) -> None:
     p.add_argument("--warmup", type=_fraction, default=0.1,
                    help="fraction of the planned steps over which the rate rises linearly from 0")
     p.add_argument("--decay", choices=["linear", "constant"], default="linear",
-                   help="linear: down to 0 at the planned last step (--max-steps, else --epochs); constant: the "
-                        "paper's schedule (with --warmup 0)")
+                   help="linear: down towards 0 over the planned steps (--max-steps, else --epochs); constant: "
+                        "the paper's schedule (with --warmup 0)")
     p.add_argument("--batch-size", type=_positive_int, default=16)
     p.add_argument("--epochs", type=_positive_int, default=10)
     p.add_argument("--patience", type=_positive_int, default=3,
@@ -80,8 +80,8 @@ def add_train(sub) -> None:
                    help="stop after this many optimizer steps (evaluated there), whatever --epochs allows")
     p.add_argument("--pooling", choices=("cls", "mean"), default=None,
                    help="what the head reads: the first token's state (cls) or the mean over the tokens (mean); "
-                        "default: what the model folder declares (a sentence-transformers folder's 1_Pooling, e.g. "
-                        "mean for minilm), cls otherwise")
+                        "default: what a local model folder declares (a sentence-transformers folder's 1_Pooling, "
+                        "e.g. mean for minilm), cls otherwise (hub ids included)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--labels", default=None, help="comma-separated label set (plain folders without task.json)")
     p.add_argument("--metric", default=None, help="accuracy, f1, acc_f1, mcc or pearson_spearman")

@@ -30,7 +30,7 @@ def add_export(sub) -> None:
                         "local tritonserver)")
     b.add_argument("--precision", choices=["fp32", "fp16"], default=None,
                    help="precision of the GPU backbone (CPU configs always run fp32). Default: fp16 for onnx where "
-                        "the fp16 graph keeps parity with PyTorch (within 5e-2 on the first-token states; else fp32, "
+                        "the fp16 graph keeps parity with PyTorch (within 5e-2 on the pooled states; else fp32, "
                         "with a note), fp32 for tensorrt (fp16: trtexec --fp16, checked by Polygraphy on the GPU); "
                         "the torch engine takes none (fp16 on CUDA)")
     b.add_argument("--max-batch-size", type=positive_int, default=32, help="Triton max_batch_size of every step")

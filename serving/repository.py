@@ -172,7 +172,8 @@ def largest_batch_bytes(info: RepositoryInfo) -> int:
     if options.engine != "torch":
         size += elements * (info.num_layers * info.hidden_size * protocol.ROWS_DTYPE.itemsize
                             + protocol.INDEX_DTYPE.itemsize)
-    size += batch * info.hidden_size * protocol.HIDDEN_DTYPE.itemsize * 2  # states, and logits at most as wide
+    # the pooled states (one row per pooling), and logits at most as wide as one row
+    size += batch * info.hidden_size * protocol.HIDDEN_DTYPE.itemsize * (len(protocol.POOLINGS) + 1)
     return size
 
 

@@ -241,7 +241,7 @@ class Step:
                 bad = array[(array < 0) | (array >= limits[name])][0]
                 raise RequestError(f"{name} holds {int(bad)}: expected values in [0, {limits[name] - 1}]")
         if not mask[0]:
-            raise RequestError(f"{protocol.ATTENTION_MASK} must start with 1 (the first token is the one the head reads)")
+            raise RequestError(f"{protocol.ATTENTION_MASK} must start with 1 (the first token is always read)")
         if mask[: int(mask.sum())].min() == 0:
             raise RequestError(f"{protocol.ATTENTION_MASK} must be 1s followed by 0s (right padding)")
         return tensors

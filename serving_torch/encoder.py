@@ -20,11 +20,14 @@ def encoder_layers(encoder: nn.Module) -> nn.ModuleList:
 def pool_states(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """The final states [B, S, d] pooled each way in serving.protocol.POOLINGS, [B, P, d]: training, export and
     both engines call this one function, so a task's head reads the same vector everywhere. No mask: no padding."""
+    # The sum runs in fp32: in fp16 a long input's sum of large activations can overflow where the mean does not.
+    wide = hidden.float()
     if attention_mask is None:
-        mean = hidden.mean(1)
+        mean = wide.mean(1)
     else:
-        mask = attention_mask[..., None].to(hidden.dtype)
-        mean = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
+        mask = attention_mask[..., None].float()
+        mean = (wide * mask).sum(1) / mask.sum(1).clamp(min=1)
+    mean = mean.to(hidden.dtype)
     pooled = {"cls": hidden[:, 0], "mean": mean}
     return torch.stack([pooled[name] for name in POOLINGS], dim=1)
 

@@ -368,6 +368,10 @@ def test_pool_states_mean_ignores_padding():
     torch.testing.assert_close(pooled[0, 1], hidden[0, :3].mean(0))  # the padded positions are left out
     torch.testing.assert_close(pooled[1, 1], hidden[1].mean(0))
     torch.testing.assert_close(pool_states(hidden, None)[:, 1], hidden.mean(1))
+    # fp16 states whose sum overflows fp16 (max 65504) while their mean does not: the sum runs in fp32
+    large = torch.full((1, 4, 2), 60000.0, dtype=torch.float16)
+    pooled = pool_states(large, torch.ones(1, 4, dtype=torch.long))
+    assert pooled.dtype == torch.float16 and torch.isfinite(pooled).all() and float(pooled[0, 1, 0]) == 60000.0
 
 
 @pytest.mark.parametrize("declared,expected", [(None, "cls"), ({"pooling_mode_mean_tokens": True}, "mean"),

@@ -227,9 +227,9 @@ class Backbone:
 
 
 def declared_pooling(path: str) -> str:
-    """The pooling a model folder declares: a sentence-transformers folder names it in `1_Pooling/config.json`
+    """The pooling a local model folder declares: a sentence-transformers folder names it in `1_Pooling/config.json`
     (`pooling_mode_mean_tokens` -> mean, `pooling_mode_cls_token` -> cls); anything else (a masked-LM checkpoint,
-    a hub id, a mode this project does not serve such as max) pools the first token, as BERT and RoBERTa heads do."""
+    a mode this project does not serve such as max) pools the first token, as BERT and RoBERTa heads do."""
     config = Path(path) / "1_Pooling" / "config.json"
     try:
         modes = json.loads(config.read_text(encoding="utf-8"))
@@ -248,7 +248,10 @@ def load_backbone(model: str, local_only: bool = False) -> Backbone:
     encoder = load_encoder(model, local_only=local_only)
     tokenizer = load_tokenizer(model, local_only=local_only)
     name = str(Path(model).resolve()) if os.path.isdir(model) else model
-    pooling = declared_pooling(resolve_model_path(model, local_only))
+    # Only a folder the user names (or the packaged alias) declares: a hub id pools the first token whether or not
+    # its snapshot is cached, so the same --model gives the same default on every machine.
+    local = os.path.isdir(model) or model == MINILM_ALIAS
+    pooling = declared_pooling(resolve_model_path(model)) if local else "cls"
     return Backbone(name, encoder, tokenizer, backbone_fingerprint(encoder, tokenizer), pooling)
 
 

@@ -1,7 +1,8 @@
 """The training loop (paper section 4.1): Adam, early stopping on the dev metric.
 
 The paper's schedule is a constant learning rate. The default here is a linear warm-up over the first 10 % of the
-planned steps and a linear decay to 0 at the last (docs/benchmarks.md section 3.2: at 100 steps it lifted FC on
+planned steps and a linear decay towards 0 over the rest (the last planned step runs at 1/(steps after warm-up) of
+the rate, as in transformers' linear schedule; docs/benchmarks.md section 3.2: at 100 steps it lifted FC on
 Rotten Tomatoes from 76.3 to 78.6 and ended its swings); `warmup 0, decay constant` is the paper's. `head_lr`
 gives the task head its own rate.
 
@@ -30,7 +31,7 @@ class TrainConfig:
     lr: float = 1e-3
     head_lr: float | None = None  # the head's learning rate; None: lr
     warmup: float = 0.1  # fraction of the planned steps over which the rate rises linearly from 0
-    decay: str = "linear"  # "linear" (to 0 at the planned last step) or "constant"
+    decay: str = "linear"  # "linear" (towards 0 over the planned steps) or "constant"
     batch_size: int = 16
     epochs: int = 10
     patience: int = 3

@@ -1,7 +1,8 @@
 """Baselines that PEFT implements: LoRA, P-Tuning v2 (prefix tuning) and P-Tuning v1 (prompt encoder).
 
 PEFT builds and owns the trainable parameters; the forward pass is called here so that token type ids reach the
-encoder (PEFT's feature-extraction wrapper drops them) and the pooled position is the real first token.
+encoder (PEFT's feature-extraction wrapper drops them) and pooling reads the real tokens under the real mask, not
+the virtual ones.
 """
 
 from __future__ import annotations
