@@ -8,6 +8,7 @@ import json
 from aot.arguments import ints as _ints
 from aot.arguments import names as _names
 from aot.arguments import positive_int as _positive_int
+from serving.protocol import POOLINGS
 
 
 def add_bench(sub) -> None:
@@ -108,7 +109,7 @@ def add_bench(sub) -> None:
     a.add_argument("--patience", type=_positive_int, default=3)
     a.add_argument("--eval-every", type=int, default=0,
                    help="steps between dev evaluations (0: once per epoch; with --budget steps, steps/10)")
-    a.add_argument("--pooling", choices=["cls", "mean"], default=None,
+    a.add_argument("--pooling", choices=POOLINGS, default=None,
                    help="what every task's head reads (default: what the model declares, as aot train does)")
     a.add_argument("--workers", type=_positive_int, default=1, help="parallel training processes")
     a.add_argument("--no-progress", action="store_true")

@@ -14,6 +14,7 @@ from aot import bench_cli, export_cli, serve_cli
 from aot.arguments import fraction as _fraction
 from aot.arguments import positive_float as _positive_float
 from aot.arguments import positive_int as _positive_int
+from serving.protocol import POOLINGS
 
 # The extra that brings each top-level package a command may need (`pip install '.[EXTRA]'`).
 EXTRA_OF_MODULE = {"torch": "train", "training": "train", "peft": "train", "transformers": "train",
@@ -78,7 +79,7 @@ def add_train(sub) -> None:
                    help="seconds; stop at the first evaluation after this much training")
     p.add_argument("--max-steps", type=_positive_int, default=None,
                    help="stop after this many optimizer steps (evaluated there), whatever --epochs allows")
-    p.add_argument("--pooling", choices=("cls", "mean"), default=None,
+    p.add_argument("--pooling", choices=POOLINGS, default=None,
                    help="what the head reads: the first token's state (cls) or the mean over the tokens (mean); "
                         "default: what a local model folder declares (a sentence-transformers folder's 1_Pooling, "
                         "e.g. mean for minilm), cls otherwise (hub ids included)")

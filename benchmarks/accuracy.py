@@ -46,8 +46,8 @@ import numpy as np
 
 from benchmarks.report import markdown_table, new_figure, save_figure, write_json, write_text
 from training.data import BUILTIN, load_task_data
+from serving.protocol import pooling_row
 from training.data.task import TaskData
-from serving.protocol import POOLINGS
 from training.methods import MethodError, make_config, method_spec
 from training.trainer import TrainConfig
 
@@ -112,8 +112,8 @@ class SweepConfig:
             raise ValueError(f"unknown budget {self.budget!r}: expected one of {', '.join(BUDGETS)}")
         if self.steps < 1:
             raise ValueError(f"steps must be a positive integer, got {self.steps}")
-        if self.pooling not in (None, *POOLINGS):
-            raise ValueError(f"unknown pooling {self.pooling!r}: expected one of {', '.join(POOLINGS)}")
+        if self.pooling is not None:
+            pooling_row(self.pooling)
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
         for method in self.methods:
@@ -166,18 +166,15 @@ def grid_points(grid: str, method: str) -> list[GridPoint]:
     if grid not in GRIDS:
         raise ValueError(f"unknown grid {grid!r}: expected one of {', '.join(GRIDS)}")
     field = method_spec(method).config_cls.rank_field
-    if grid == "defaults":
-        return [GridPoint(method_spec(method).default_lr, 16, None if field is None else getattr(make_config(method), field))]
+    default_rank = None if field is None else getattr(make_config(method), field)
     paper = grid == "paper"
-    if method == "full":
-        lrs = PAPER_FULL_LRS if paper else SMALL_FULL_LRS
+    if grid == "defaults":
+        lrs, batch_sizes, ranks = (method_spec(method).default_lr,), (16,), (default_rank,)
     else:
-        lrs = PAPER_LRS if paper else SMALL_LRS
-    batch_sizes = PAPER_BATCH_SIZES if paper else SMALL_BATCH_SIZES
-    if field is None:
-        ranks: tuple[int | None, ...] = (None,)
-    else:
-        ranks = (PAPER_RANKS if paper else SMALL_RANKS).get(method) or (getattr(make_config(method), field),)
+        lrs = (PAPER_FULL_LRS if paper else SMALL_FULL_LRS) if method == "full" else (PAPER_LRS if paper else SMALL_LRS)
+        batch_sizes = PAPER_BATCH_SIZES if paper else SMALL_BATCH_SIZES
+        table = PAPER_RANKS if paper else SMALL_RANKS
+        ranks = table.get(method, (default_rank,)) if field is not None else (default_rank,)
     return [GridPoint(lr, bs, rank) for rank in ranks for bs in batch_sizes for lr in lrs]
 
 

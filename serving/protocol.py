@@ -46,6 +46,15 @@ POOLED_HIDDEN = "pooled_hidden"
 # this order, so tasks that pool differently share one backbone. `cls`: the first token (BERT, RoBERTa); `mean`:
 # the average over the attention mask (sentence-transformers models are trained with it).
 POOLINGS = ("cls", "mean")
+# What a task recorded before pooling was a setting (an artifact or task version without `pooling`) was trained on.
+POOLING_BEFORE_V3 = "cls"
+
+
+def pooling_row(pooling: str) -> int:
+    """The row of `pooling` in pooled_hidden: the one check of a pooling name, wherever one is read."""
+    if pooling not in POOLINGS:
+        raise ValueError(f"unknown pooling {pooling!r}: expected one of {', '.join(POOLINGS)}")
+    return POOLINGS.index(pooling)
 
 # The one definition of every numeric tensor's dtype; BYTES tensors are numpy object arrays.
 TOKEN_DTYPE = np.dtype(np.int64)

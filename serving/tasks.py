@@ -110,12 +110,12 @@ class ServedTask:
     @property
     def pooling(self) -> str:
         """Which pooled state the head reads (versions exported before pooling was recorded read the first token)."""
-        return self.meta.get("pooling", "cls")
+        return self.meta.get("pooling", protocol.POOLING_BEFORE_V3)
 
     def logits(self, pooled: np.ndarray) -> np.ndarray:
         """The task head (training.model.ClassificationHead in eval mode) on the task's pooling: pooled [B, P, d]
         (every pooling, protocol.POOLINGS) -> out(tanh(dense(h))) [B, n]."""
-        chosen = pooled[:, protocol.POOLINGS.index(self.pooling)].astype(np.float32)
+        chosen = pooled[:, protocol.pooling_row(self.pooling)].astype(np.float32)
         h = np.tanh(chosen @ self.head["dense.weight"].T + self.head["dense.bias"])
         return (h @ self.head["out.weight"].T + self.head["out.bias"]).astype(protocol.LOGITS_DTYPE)
 
@@ -143,9 +143,10 @@ def load_task_version(folder: Path, version: str, store_root: Path, parts: str =
         raise StoreError(str(exc).replace(str(folder), version)) from None
     if meta["storage"] not in STORAGES:
         raise StoreError(f"{version}: unknown storage {meta['storage']!r}")
-    if meta.get("pooling", "cls") not in protocol.POOLINGS:
-        raise StoreError(f"{version}: unknown pooling {meta['pooling']!r} (expected one of "
-                         f"{', '.join(protocol.POOLINGS)})")
+    try:
+        protocol.pooling_row(meta.get("pooling", protocol.POOLING_BEFORE_V3))
+    except ValueError as exc:
+        raise StoreError(f"{version}: {exc}") from None
     head = load_file(folder / "head.safetensors") if parts in ("head", "all") else {}
     task = ServedTask(task_of(version), version, meta["labels"], meta["max_length"], meta["storage"],
                       meta["num_layers"], meta["hidden_size"], meta["vocab_size"], head, meta)

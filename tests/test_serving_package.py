@@ -95,6 +95,31 @@ def test_factored_rows_name_what_is_missing(rows_store, tmp_path):
                      {"w1": np.zeros((3, 16, 2)), "b1": np.zeros((3, 2))})
 
 
+@pytest.mark.parametrize("recorded,row", [(None, 0), ("cls", 0), ("mean", 1), ("max", None)])
+def test_served_head_reads_its_pooling_row(tmp_path, recorded, row):
+    """task.json's pooling picks the row of pooled_hidden the head reads; versions from before it read the first
+    token; an unknown one fails that version alone, naming it."""
+    from safetensors.numpy import save_file
+
+    from serving.tasks import load_task_version
+
+    folder = tmp_path / "t@0123456789ab"
+    folder.mkdir()
+    meta = {"labels": ["a", "b"], "max_length": 8, "storage": "fused", "method": {"method": "fc"}, "num_layers": 1,
+            "hidden_size": 3, "vocab_size": 5, **({} if recorded is None else {"pooling": recorded})}
+    (folder / "task.json").write_text(json.dumps(meta))
+    head = {"dense.weight": np.eye(3, dtype=np.float32), "dense.bias": np.zeros(3, np.float32),
+            "out.weight": np.array([[1, 0, 0], [0, 1, 0]], np.float32), "out.bias": np.zeros(2, np.float32)}
+    save_file(head, str(folder / "head.safetensors"))
+    if row is None:
+        with pytest.raises(StoreError, match="t@0123456789ab: unknown pooling 'max': expected one of cls, mean"):
+            load_task_version(folder, folder.name, tmp_path, parts="head")
+        return
+    task = load_task_version(folder, folder.name, tmp_path, parts="head")
+    pooled = np.array([[[0.5, -0.5, 0.0], [-0.25, 0.75, 0.0]]], np.float32)  # [B=1, P=2, d=3]
+    np.testing.assert_allclose(task.logits(pooled), np.tanh(pooled[:, row, :2]), rtol=1e-6)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tokenization_equals_transformers(tmp_path, arch):
     tokenizer = tiny_tokenizer(arch)

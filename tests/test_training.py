@@ -90,7 +90,7 @@ def test_failed_write_keeps_old_artifact(tmp_path, sentiment_dir, tiny_models, m
     ({"format": "other"}, "format 'other' is not 'aot-task'"),
     ({"format_version": 99}, "format_version 99 is not supported"),
     ({"task": None}, "key 'task' should be dict"),
-    ({"pooling": "max"}, "pooling 'max' is not one of cls, mean"),
+    ({"pooling": "max"}, "unknown pooling 'max': expected one of cls, mean"),
 ])
 def test_malformed_artifact(tmp_path, sentiment_dir, tiny_models, broken, message):
     out = tmp_path / "task"

@@ -23,14 +23,15 @@ def train_task(model: str, data: str, method: str, out: str, rank: int | None = 
     """Train and save; returns the summary that metrics.json holds. `pooling` None: the backbone's own."""
     spec_method = method_spec(method)
     config = make_config(method, rank=rank)
-    task_data = task_data or load_task_data(data, labels=labels, metric=metric)
-    backbone = backbone or load_backbone(model)
-    check_max_length(backbone, max_length)
+    # Checked before the data and the backbone load: a bad schedule fails at once.
     train_config = TrainConfig(lr=lr or spec_method.default_lr, head_lr=head_lr, warmup=warmup, decay=decay,
                                batch_size=batch_size, epochs=epochs,
                                patience=patience, max_length=max_length, seed=seed, eval_every=eval_every,
                                max_train_samples=max_train_samples, time_budget=time_budget, max_steps=max_steps,
                                device=device)
+    task_data = task_data or load_task_data(data, labels=labels, metric=metric)
+    backbone = backbone or load_backbone(model)
+    check_max_length(backbone, max_length)
     seed_everything(seed)  # the method's random init must depend on the seed alone, not on what ran before
     task_model = build_task_model(backbone, config, task_data.spec, pooling)
     result = train(task_model, task_data, backbone.tokenizer, train_config, progress=progress)

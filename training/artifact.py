@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from serving.atomic import atomic_directory
-from serving.protocol import POOLINGS
+from serving.protocol import POOLING_BEFORE_V3, pooling_row
 from training.backbone import Backbone, BackboneError, load_backbone
 from training.data.task import TaskSpec
 from training.methods.base import MethodConfig, method_spec
@@ -70,7 +70,7 @@ class TaskArtifact:
     @property
     def pooling(self) -> str:
         """Which pooled state the head reads; artifacts written before pooling was recorded read the first token."""
-        return self.config.get("pooling", "cls")
+        return self.config.get("pooling", POOLING_BEFORE_V3)
 
     @property
     def backbone(self) -> dict:
@@ -136,8 +136,10 @@ def read_task(path: str | Path) -> TaskArtifact:
         raise ArtifactError(f"{config_path}: format_version {config['format_version']} is not supported "
                             f"(this version reads {FORMAT_VERSION})")
     _check_keys(config["backbone"], _BACKBONE_REQUIRED, f"{config_path} [backbone]")
-    if config.get("pooling", "cls") not in POOLINGS:
-        raise ArtifactError(f"{config_path}: pooling {config['pooling']!r} is not one of {', '.join(POOLINGS)}")
+    try:
+        pooling_row(config.get("pooling", POOLING_BEFORE_V3))
+    except ValueError as exc:
+        raise ArtifactError(f"{config_path}: {exc}") from None
     method_spec(config["method"].get("method", "?"))
     if not (path / WEIGHTS_FILE).is_file():
         raise ArtifactError(f"{path}: missing {WEIGHTS_FILE}")

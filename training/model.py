@@ -7,7 +7,7 @@ import copy
 import torch
 from torch import nn
 
-from serving.protocol import POOLINGS
+from serving.protocol import pooling_row
 from training.backbone import Backbone
 from training.data.task import TaskSpec
 from training.methods.base import MethodConfig, method_spec
@@ -30,15 +30,15 @@ class ClassificationHead(nn.Module):
 class TaskModel(nn.Module):
     """A body, which pools every way in POOLINGS, and a head that reads the row of the task's `pooling`."""
 
-    def __init__(self, body: nn.Module, head: ClassificationHead, pooling: str = "cls"):
+    def __init__(self, body: nn.Module, head: ClassificationHead, pooling: str):
         super().__init__()
         self.body = body
         self.head = head
-        self.pooling = check_pooling(pooling)
+        self.row = pooling_row(pooling)
+        self.pooling = pooling
 
     def forward(self, input_ids, attention_mask, token_type_ids=None) -> torch.Tensor:
-        pooled = self.body(input_ids, attention_mask, token_type_ids)
-        return self.head(pooled[:, POOLINGS.index(self.pooling)])
+        return self.head(self.body(input_ids, attention_mask, token_type_ids)[:, self.row])
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().to("cpu").clone() for n, p in self.named_parameters() if p.requires_grad}
@@ -57,13 +57,8 @@ class TaskModel(nn.Module):
                 params[name].copy_(value)
 
 
-def check_pooling(pooling: str) -> str:
-    if pooling not in POOLINGS:
-        raise ValueError(f"unknown pooling {pooling!r}: expected one of {', '.join(POOLINGS)}")
-    return pooling
-
-
-def build_task_model(backbone: Backbone, config: MethodConfig, spec: TaskSpec, pooling: str | None = None) -> TaskModel:
+def build_task_model(backbone: Backbone, config: MethodConfig, spec: TaskSpec,
+                     pooling: str | None = None) -> TaskModel:
     """Build on a private copy of the encoder: methods hook into it or unfreeze it, the caller's stays pristine.
 
     `pooling`: which pooled state the head reads; None takes the one the backbone declares (Backbone.pooling)."""

@@ -43,6 +43,9 @@ class TrainConfig:
     max_steps: int | None = None  # optimizer steps; training stops there (evaluated at that step) whatever the epochs
     device: str = "auto"
 
+    def __post_init__(self) -> None:
+        check_schedule(self.warmup, self.decay)
+
     def to_json(self) -> dict:
         return asdict(self)
 
@@ -180,7 +183,6 @@ def train(model: TaskModel, data: TaskData, tokenizer, config: TrainConfig, prog
     train_enc = encode(tokenizer, train_examples, spec, config.max_length)
     dev_enc = encode(tokenizer, data.dev, spec, config.max_length)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    check_schedule(config.warmup, config.decay)
     optimizer = make_optimizer(model, config)
     generator = torch.Generator().manual_seed(config.seed)
     n = len(train_enc.input_ids)

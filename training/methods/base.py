@@ -2,8 +2,8 @@
 
 A builder takes the frozen backbone and the method's config and returns a *body*: a module that maps
 (input_ids, attention_mask, token_type_ids) to the final hidden states pooled each way in
-serving.protocol.POOLINGS, [B, P, d] (serving_torch.encoder.pool_states); the task head reads its pooling's row. The task head sits on
-top of any body (training.model.TaskModel). Only the parameters a method makes trainable have requires_grad.
+serving.protocol.POOLINGS, [B, P, d] (serving_torch.encoder.pool_states). The task head sits on top of any body and
+reads the row of its task's pooling (training.model.TaskModel). Only the parameters a method makes trainable have requires_grad.
 """
 
 from __future__ import annotations

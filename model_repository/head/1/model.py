@@ -18,7 +18,7 @@ class TritonPythonModel:
         pooled = self.step.tensor(request, protocol.POOLED_HIDDEN).astype(np.float32)
         expected = (1, len(protocol.POOLINGS), task.hidden_size)
         # Only the row this task reads must be finite: another pooling's overflow is not this request's failure.
-        if pooled.shape != expected or not np.isfinite(pooled[0, protocol.POOLINGS.index(task.pooling)]).all():
+        if pooled.shape != expected or not np.isfinite(pooled[0, protocol.pooling_row(task.pooling)]).all():
             raise RequestError(f"{protocol.POOLED_HIDDEN} must be {expected[1]} x {expected[2]} finite values, got "
                                f"shape {list(pooled.shape)}")
         logits = task.logits(pooled)[0]
