@@ -39,7 +39,7 @@ def _quiet_libraries() -> None:
 
 def add_train(sub) -> None:
     try:
-        from training.methods.base import METHODS, method_spec
+        from training.methods.base import METHODS, method_spec, option_types
 
         method_spec("fc")  # fills the registry
     except ImportError as exc:  # a client-only install: `aot train` says what to install
@@ -61,6 +61,10 @@ def add_train(sub) -> None:
     p.add_argument("--out", required=True, help="artifact folder to write (replaced atomically if it exists)")
     p.add_argument("--rank", type=_positive_int, default=None,
                    help="fc/kron/lora rank, adapter bottleneck, or prefix/prompt length p (default: the method's)")
+    p.add_argument("--option", action="append", default=None, metavar="NAME=VALUE",
+                   help="set one of the method's hyperparameters (repeatable); "
+                        + "; ".join(f"{n}: {', '.join(option_types(n))}" for n in METHODS if option_types(n))
+                        + " (README, 'Method options')")
     p.add_argument("--lr", type=_positive_float, default=None, help="learning rate (default: the method's)")
     p.add_argument("--head-lr", type=_positive_float, default=None, help="the task head's learning rate (default: --lr)")
     p.add_argument("--warmup", type=_fraction, default=0.1,
@@ -93,8 +97,10 @@ def add_train(sub) -> None:
 
 def run_train(args) -> int:
     from training.api import train_task
+    from training.methods.base import parse_options
 
     result = train_task(model=args.model, data=args.data, method=args.method, out=args.out, rank=args.rank,
+                        options=parse_options(args.method, args.option or []),
                         lr=args.lr, head_lr=args.head_lr, warmup=args.warmup, decay=args.decay,
                         batch_size=args.batch_size, epochs=args.epochs, patience=args.patience,
                         eval_every=args.eval_every, max_length=args.max_length,

@@ -149,6 +149,49 @@ def test_cli_rejects_bad_numbers(capsys, flag, value, message):
     assert message in capsys.readouterr().err
 
 
+def test_method_options_are_trained_with_and_recorded(tmp_path, sentiment_dir, tiny_models, capsys):
+    out = tmp_path / "gelu"
+    assert main(["train", "--model", str(tiny_models["bert"]), "--data", str(sentiment_dir), "--method", "fc",
+                 "--out", str(out), "--option", "activation=gelu", "--option", "dropout=0", "--epochs", "1",
+                 "--max-length", "32", "--no-progress"]) == 0
+    config = read_task(out).method_config
+    assert (config.activation, config.dropout, config.rank) == ("gelu", 0.0, 64)
+    _, model, _ = load_task(out, load_backbone(str(tiny_models["bert"])))
+    assert isinstance(model.body.aot.act, torch.nn.GELU) and model.body.aot.dropout.p == 0.0
+
+
+@pytest.mark.parametrize("method,option,message", [
+    ("fc", "act=gelu", "fc: unknown option 'act': expected one of: activation, dropout"),
+    ("fc", "rank=8", "unknown option 'rank' (set it with --rank)"),
+    ("fc", "dropout=high", "fc: option dropout='high': expected float"),
+    ("fc", "activation=swish", "unknown activation 'swish'"),
+    ("adapter", "train_layer_norms=maybe", "expected bool"),
+    ("bitfit", "dropout=0", "bitfit: unknown option 'dropout': expected one of: none"),
+    ("lora", "alpha", "option 'alpha': expected NAME=VALUE"),
+])
+def test_bad_method_option_is_one_line(tmp_path, capsys, method, option, message):
+    """Refused before any data or model is read (the paths do not exist), naming the option and what was expected."""
+    out = tmp_path / "t"
+    assert main(["train", "--model", "/no/model", "--data", "/no/data", "--method", method, "--out", str(out),
+                 "--option", option]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("aot: error: ") and message in err and len(err.splitlines()) == 1
+    assert not out.exists()
+
+
+def test_readme_lists_every_method_option():
+    from pathlib import Path
+
+    from training.methods.base import METHODS, option_types
+
+    readme = Path(__file__).resolve().parents[1].joinpath("README.md").read_text(encoding="utf-8")
+    table = readme[readme.index("Method options:"):].split("\n\n")[1]  # the table after that paragraph
+    rows = {line.split("|")[1].strip(" `"): line for line in table.splitlines() if line.startswith("| `")}
+    for name in METHODS:
+        for option in option_types(name):
+            assert f"`{option}`" in rows.get(name, ""), f"README's method options table lacks {name} {option}"
+
+
 def test_unsupported_architecture_is_named(tmp_path):
     from transformers import GPT2Config
 

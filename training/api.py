@@ -13,16 +13,18 @@ from training.model import build_task_model, trainable_parameter_count
 from training.trainer import TrainConfig, encode, predict_logits, resolve_device, score, seed_everything, train
 
 
-def train_task(model: str, data: str, method: str, out: str, rank: int | None = None, lr: float | None = None,
+def train_task(model: str, data: str, method: str, out: str, rank: int | None = None, options: dict | None = None,
+               lr: float | None = None,
                batch_size: int = 16, epochs: int = 10, patience: int = 3, eval_every: int = 0,
                max_length: int = 128, max_train_samples: int | None = None, time_budget: float | None = None,
                max_steps: int | None = None, pooling: str | None = None, head_lr: float | None = None,
                warmup: float = TrainConfig.warmup, decay: str = TrainConfig.decay,
                seed: int = 0, labels: list[str] | None = None, metric: str | None = None, device: str = "auto",
                progress: bool = True, backbone: Backbone | None = None, task_data: TaskData | None = None) -> dict:
-    """Train and save; returns the summary that metrics.json holds. `pooling` None: the backbone's own."""
+    """Train and save; returns the summary that metrics.json holds. `options`: the method's config fields to set
+    (training.methods.base.option_types). `pooling` None: the backbone's own."""
     spec_method = method_spec(method)
-    config = make_config(method, rank=rank)
+    config = make_config(method, rank=rank, **(options or {}))
     # Checked before the data and the backbone load: a bad schedule fails at once.
     train_config = TrainConfig(lr=lr or spec_method.default_lr, head_lr=head_lr, warmup=warmup, decay=decay,
                                batch_size=batch_size, epochs=epochs,

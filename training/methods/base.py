@@ -8,6 +8,7 @@ reads the row of its task's pooling (training.model.TaskModel). Only the paramet
 
 from __future__ import annotations
 
+import typing
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
@@ -76,9 +77,57 @@ def method_spec(name: str) -> MethodSpec:
     return METHODS[name]
 
 
+def option_types(name: str) -> dict[str, type]:
+    """The hyperparameters `aot train --option NAME=VALUE` may set for a method, with their types: every config
+    field but the rank-like one (that is --rank)."""
+    cls = method_spec(name).config_cls
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in fields(cls) if f.name != cls.rank_field}
+
+
+def _convert(name: str, field: str, kind, text: str):
+    """`text` as the field's type; an optional field also takes 'none'."""
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    if args and type(None) in typing.get_args(kind):
+        if text.strip().lower() == "none":
+            return None
+        kind = args[0]
+    try:
+        if kind is bool:
+            return {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[text.lower()]
+        return kind(text)
+    except (KeyError, ValueError):
+        raise MethodError(f"{name}: option {field}={text!r}: expected {getattr(kind, '__name__', kind)}") from None
+
+
+def parse_options(name: str, items: list[str]) -> dict:
+    """`NAME=VALUE` strings as a method's config overrides, each value converted to its field's type."""
+    types = option_types(name)
+    options = {}
+    for item in items:
+        field, sep, text = item.partition("=")
+        field = field.strip()
+        if not sep or not field:
+            raise MethodError(f"option {item!r}: expected NAME=VALUE")
+        if field not in types:
+            raise MethodError(_unknown_option(name, field))
+        options[field] = _convert(name, field, types[field], text.strip())
+    return options
+
+
+def _unknown_option(name: str, field: str) -> str:
+    cls = method_spec(name).config_cls
+    known = ", ".join(option_types(name)) or "none"
+    hint = " (set it with --rank)" if field == cls.rank_field else ""
+    return f"{name}: unknown option {field!r}{hint}: expected one of: {known}"
+
+
 def make_config(name: str, rank: int | None = None, **overrides) -> MethodConfig:
-    """A method's default config, with `rank` mapped to the method's rank-like field."""
+    """A method's default config with `overrides` (option_types' fields), `rank` mapped to its rank-like field."""
     spec = method_spec(name)
+    for field in overrides:
+        if field not in option_types(name):
+            raise MethodError(_unknown_option(name, field))
     config = spec.config_cls(**overrides)
     if rank is not None:
         if spec.config_cls.rank_field is None:
