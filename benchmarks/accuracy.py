@@ -385,7 +385,8 @@ def _markdown(config: SweepConfig, datasets: list[str], methods: list[str], summ
               "run's seed)" if config.max_train_samples else "the full train split")
     builtin = [columns[d] for d in datasets if d in BUILTIN]
     no_test = [columns[d] for d in datasets if not _task_data(d).test]
-    grid = "each method's defaults, as `aot train` runs it" if config.grid == "defaults" else "from the paper's Table 2"
+    grid = ("each method's default learning rate and rank-like value, as `aot train` sets them with no flags"
+            if config.grid == "defaults" else "from the paper's Table 2")
     notes = [f"Model: `{config.model}`. Grid: `{config.grid}` ({grid}). Seeds: {config.seeds}. "
              f"Training: {subset}; "
              + (f"exactly {config.steps} optimizer steps for every method (no early stopping; dev every "

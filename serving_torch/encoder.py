@@ -20,13 +20,15 @@ def encoder_layers(encoder: nn.Module) -> nn.ModuleList:
 def pool_states(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """The final states [B, S, d] pooled each way in serving.protocol.POOLINGS, [B, P, d]: training, export and
     both engines call this one function, so a task's head reads the same vector everywhere. No mask: no padding."""
-    # The sum runs in fp32: in fp16 a long input's sum of large activations can overflow where the mean does not.
+    # Each state is weighted by 1 / (its input's token count) before the sum, so no partial sum exceeds the largest
+    # state: a long input's plain sum of large activations can overflow fp16 where the mean does not, and the fp16
+    # ONNX and TensorRT graphs exported from this code run every op, this sum included, in fp16. PyTorch sums in fp32.
     wide = hidden.float()
     if attention_mask is None:
         mean = wide.mean(1)
     else:
         mask = attention_mask[..., None].float()
-        mean = (wide * mask).sum(1) / mask.sum(1).clamp(min=1)
+        mean = (wide * (mask / mask.sum(1, keepdim=True).clamp(min=1))).sum(1)
     mean = mean.to(hidden.dtype)
     pooled = {"cls": hidden[:, 0], "mean": mean}
     return torch.stack([pooled[name] for name in POOLINGS], dim=1)

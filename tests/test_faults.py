@@ -390,7 +390,7 @@ def test_bad_direct_requests_fail_alone_under_load(server, repo, expected):
         ("head", {"TASK_VERSION": _bytes(missing), "pooled_hidden": pooled},
          f"task version {missing!r} is not in the store"),
         ("head", {"TASK_VERSION": _bytes(version), "pooled_hidden": np.full((1, 2, hidden), np.nan, dtype=np.float32)},
-         f"pooled_hidden must be 2 x {hidden} finite values"),
+         f"pooled_hidden must be 2 x {hidden} values with a finite 'cls' row"),
         ("aot", {"TEXT": _bytes("good w1", "dull w2"), "TASK": _bytes("alpha", "alpha")}, "TEXT holds 2 values"),
         ("tokenizer", {"TEXT": _bytes("good w1", "dull w2"), "TASK": _bytes("alpha", "alpha")}, "TEXT holds 2 values"),
         ("tokenizer", {"TEXT": _bytes("good w1"), "TASK": _bytes("../../../../etc")},

@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -417,6 +418,35 @@ def test_pool_states_mean_ignores_padding():
     assert pooled.dtype == torch.float16 and torch.isfinite(pooled).all() and float(pooled[0, 1, 0]) == 60000.0
 
 
+def test_pool_states_mean_stays_finite_in_an_fp16_onnx_graph(tmp_path):
+    """The exporter's fp16 twin (export_fp16_graph) runs every op in fp16, the mean's sum included: 512 states of
+    200 sum to 102,400, past fp16's 65,504, but their mean is 200 and must come out so. ONNX's reference evaluator
+    sums fp16 in fp16, as a GPU kernel may (ONNX Runtime's CPU kernel accumulates wider and would hide it)."""
+    import onnx
+    from onnx.reference import ReferenceEvaluator
+    from onnxruntime.transformers.onnx_model import OnnxModel
+
+    from serving_torch.encoder import pool_states
+
+    class Pool(torch.nn.Module):
+        def forward(self, hidden, mask):
+            return pool_states(hidden, mask)
+
+    path = tmp_path / "pool.onnx"
+    hidden, mask = torch.randn(1, 8, 4), torch.ones(1, 8, dtype=torch.long)
+    torch.onnx.export(Pool(), (hidden, mask), str(path), input_names=["hidden", "mask"], output_names=["pooled"],
+                      dynamic_axes={"hidden": {1: "s"}, "mask": {1: "s"}}, dynamo=False)
+    model = OnnxModel(onnx.load(str(path)))
+    model.convert_float_to_float16(keep_io_types=True)
+    model.save_model_to_file(str(path))
+    mask = np.ones((1, 512), dtype=np.int64)
+    mask[0, 500:] = 0  # padding left out of the mean
+    (pooled,) = ReferenceEvaluator(onnx.load(str(path))).run(
+        None, {"hidden": np.full((1, 512, 4), 200.0, dtype=np.float32), "mask": mask})
+    # finite, and near 200 (an fp16 running sum of 500 terms of 0.4 rounds by a few per cent; the old sum was inf)
+    assert np.isfinite(pooled).all() and np.allclose(pooled[0, 1], 200.0, rtol=5e-2)
+
+
 @pytest.mark.parametrize("declared,expected", [(None, "cls"), ({"pooling_mode_mean_tokens": True}, "mean"),
                                                ({"pooling_mode_cls_token": True}, "cls"),
                                                ({"pooling_mode_max_tokens": True}, "cls"), ("not json", "cls")])
@@ -466,6 +496,8 @@ def test_artifact_without_pooling_reads_the_first_token(tmp_path, sentiment_dir,
     (0.0, "linear", [1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1]),
     (0.2, "constant", [1 / 3, 2 / 3, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]),
     (0.2, "linear", [1 / 3, 2 / 3, 1.0, 7 / 8, 6 / 8, 5 / 8, 4 / 8, 3 / 8, 2 / 8, 1 / 8]),
+    # a warm-up that would round to every step still leaves the last one at the full rate
+    (0.96, "linear", [k / 10 for k in range(1, 10)] + [1.0]),
 ])
 def test_learning_rate_schedule(warmup, decay, expected):
     from training.trainer import schedule

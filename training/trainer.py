@@ -78,7 +78,7 @@ def check_schedule(warmup: float, decay: str) -> None:
 
 def schedule(step: int, total: int, warmup: float, decay: str) -> float:
     """The learning-rate multiplier before optimizer step `step` (0-based) of `total` planned steps."""
-    warm = int(round(warmup * total))
+    warm = min(int(round(warmup * total)), max(total - 1, 0))  # at least one step at the full rate
     if step < warm:
         return (step + 1) / (warm + 1)
     if decay == "linear":

@@ -19,8 +19,8 @@ class TritonPythonModel:
         expected = (1, len(protocol.POOLINGS), task.hidden_size)
         # Only the row this task reads must be finite: another pooling's overflow is not this request's failure.
         if pooled.shape != expected or not np.isfinite(pooled[0, protocol.pooling_row(task.pooling)]).all():
-            raise RequestError(f"{protocol.POOLED_HIDDEN} must be {expected[1]} x {expected[2]} finite values, got "
-                               f"shape {list(pooled.shape)}")
+            raise RequestError(f"{protocol.POOLED_HIDDEN} must be {expected[1]} x {expected[2]} values with a finite "
+                               f"{task.pooling!r} row (the one this task reads), got shape {list(pooled.shape)}")
         logits = task.logits(pooled)[0]
         return [self.step.output(protocol.LOGITS, logits[None, :]),
                 self.step.bytes_output(protocol.LABEL, task.label(logits))]
