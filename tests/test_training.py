@@ -193,6 +193,16 @@ def test_readme_lists_every_method_option():
             assert f"`{option}`" in rows.get(name, ""), f"README's method options table lacks {name} {option}"
 
 
+def test_the_last_step_is_evaluated(tmp_path, sentiment_dir, tiny_models):
+    """Evaluations every 7 steps of a run whose planned steps are not a multiple of 7: the last step is scored too
+    (under a decaying rate its weights are often the best)."""
+    summary = train_task(model=str(tiny_models["bert"]), data=str(sentiment_dir), method="bitfit",
+                         out=str(tmp_path / "t"), **{**FAST, "epochs": 1, "patience": 100}, eval_every=7)
+    steps = [h["step"] for h in json.loads((tmp_path / "t" / "metrics.json").read_text())["history"]]
+    assert summary["steps"] % 7 != 0, "pick settings whose planned steps are not a multiple of 7"
+    assert steps == [*range(7, summary["steps"], 7), summary["steps"]]
+
+
 def test_unsupported_architecture_is_named(tmp_path):
     from transformers import GPT2Config
 

@@ -6,8 +6,8 @@ the rate, as in transformers' linear schedule; docs/benchmarks.md section 3.2: a
 Rotten Tomatoes from 76.3 to 78.6 and ended its swings); `warmup 0, decay constant` is the paper's. `head_lr`
 gives the task head its own rate.
 
-Evaluation happens every `eval_every` steps (or once per epoch); training stops after `patience` evaluations
-without a better dev score, and the best trainable weights are restored at the end.
+Evaluation happens every `eval_every` steps (or once per epoch) and at the last planned step; training stops after
+`patience` evaluations without a better dev score, and the best trainable weights are restored at the end.
 """
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ def train(model: TaskModel, data: TaskData, tokenizer, config: TrainConfig, prog
                 step += 1
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss.item():.4f}", dev=f"{best[0]:.4f}" if history else "-", refresh=False)
-                if step % eval_every == 0 or step == config.max_steps:
+                if step % eval_every == 0 or step == total:  # the last step too: its weights may be the best
                     dev = score(predict_logits(model, dev_enc, pad_id, device), dev_enc, spec)
                     model.train()
                     elapsed = time.perf_counter() - start
