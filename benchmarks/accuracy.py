@@ -45,8 +45,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.report import markdown_table, new_figure, save_figure, write_json, write_text
-from training.data import BUILTIN, load_task_data
 from serving.protocol import pooling_row
+from training.data import BUILTIN, load_task_data
 from training.data.task import TaskData
 from training.methods import MethodError, make_config, method_spec
 from training.trainer import TrainConfig

@@ -21,15 +21,14 @@ def pool_states(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> to
     """The final states [B, S, d] pooled each way in serving.protocol.POOLINGS, [B, P, d]: training, export and
     both engines call this one function, so a task's head reads the same vector everywhere. No mask: no padding."""
     # Each state is weighted by 1 / (its input's token count) before the sum, so no partial sum exceeds the largest
-    # state: a long input's plain sum of large activations can overflow fp16 where the mean does not, and the fp16
-    # ONNX and TensorRT graphs exported from this code run every op, this sum included, in fp16. PyTorch sums in fp32.
-    wide = hidden.float()
+    # state: a plain sum of a long input's large activations can overflow fp16 where the mean does not, and the fp16
+    # ONNX and TensorRT graphs exported from this code run every op, this sum included, in fp16. So the states need
+    # no fp32 copy (the torch engine's CUDA graphs run this on every batch).
     if attention_mask is None:
-        mean = wide.mean(1)
+        mean = hidden.mean(1)
     else:
         mask = attention_mask[..., None].float()
-        mean = (wide * (mask / mask.sum(1, keepdim=True).clamp(min=1))).sum(1)
-    mean = mean.to(hidden.dtype)
+        mean = (hidden * (mask / mask.sum(1, keepdim=True).clamp(min=1)).to(hidden.dtype)).sum(1)
     pooled = {"cls": hidden[:, 0], "mean": mean}
     return torch.stack([pooled[name] for name in POOLINGS], dim=1)
 

@@ -29,11 +29,13 @@ def _package_dir(package: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def _split(name: str, examples: list[Example], labels: tuple[str, ...], metric: str) -> TaskData:
+def split(name: str, examples: list[Example], labels: tuple[str, ...], metric: str,
+          seed: int = SPLIT_SEED) -> TaskData:
+    """Our split: stratified 80/10/10 with SPLIT_SEED (another `seed` only for re-split comparisons)."""
     y = [ex.label for ex in examples]
-    rest, test = train_test_split(examples, test_size=TEST_FRACTION, random_state=SPLIT_SEED, stratify=y)
+    rest, test = train_test_split(examples, test_size=TEST_FRACTION, random_state=seed, stratify=y)
     y_rest = [ex.label for ex in rest]
-    train, dev = train_test_split(rest, test_size=DEV_FRACTION / (1 - TEST_FRACTION), random_state=SPLIT_SEED,
+    train, dev = train_test_split(rest, test_size=DEV_FRACTION / (1 - TEST_FRACTION), random_state=seed,
                                   stratify=y_rest)
     return TaskData(TaskSpec(name, labels, metric), {"train": train, "dev": dev, "test": test},
                     source=f"builtin:{name}")
@@ -59,7 +61,7 @@ def rotten_tomatoes() -> TaskData:
                 continue
             seen.add(text)
             examples.append(Example(text, label))
-    return _split("rotten_tomatoes", examples, ("negative", "positive"), "accuracy")
+    return split("rotten_tomatoes", examples, ("negative", "positive"), "accuracy")
 
 
 def bbc_news() -> TaskData:
@@ -76,7 +78,7 @@ def bbc_news() -> TaskData:
             text = " ".join(text.split())
             if text:
                 examples.append(Example(text, label))
-    return _split("bbc_news", examples, labels, "accuracy")
+    return split("bbc_news", examples, labels, "accuracy")
 
 
 BUILTIN = {"rotten_tomatoes": rotten_tomatoes, "bbc_news": bbc_news}

@@ -125,8 +125,9 @@ def _unknown_option(name: str, field: str) -> str:
 def make_config(name: str, rank: int | None = None, **overrides) -> MethodConfig:
     """A method's default config with `overrides` (option_types' fields), `rank` mapped to its rank-like field."""
     spec = method_spec(name)
+    known = option_types(name)
     for field in overrides:
-        if field not in option_types(name):
+        if field not in known:
             raise MethodError(_unknown_option(name, field))
     config = spec.config_cls(**overrides)
     if rank is not None:
