@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict
 
 from aot.arguments import ints, non_negative_int, positive_int
+from serving.protocol import BIAS_INTERFACES
 
 
 def add_export(sub) -> None:
@@ -41,6 +42,12 @@ def add_export(sub) -> None:
     b.add_argument("--buckets", type=ints, default=[16, 32, 64, 128, 256, 512],
                    help="GPU: sequence lengths token tensors are padded to, so that requests batch together "
                         "(lengths past what the encoder accepts are replaced by its limit)")
+    b.add_argument("--bias-interface", choices=list(BIAS_INTERFACES), default="rows",
+                   help="native GPU backends (onnx, tensorrt): how the lookup step hands each request's bias to the "
+                        "backbone: rows (the rows of its distinct tokens + each token's index: fewest bytes, ragged "
+                        "shapes) or dense (an fp16 bias per token of the bucketed sequence: fixed shapes per bucket, "
+                        "so TensorRT replays CUDA graphs captured for them). docs/benchmarks.md section 5 compares "
+                        "them")
     b.add_argument("--pool-bytes", type=non_negative_int, default=1 << 30,
                    help="task pool: memory for rows of P kept in RAM by the lookup (0: none; `aot serve "
                         "--pool-bytes` overrides it)")
@@ -83,7 +90,8 @@ def run_export_backbone(args) -> int:
     buckets = tuple(sorted(args.buckets))
     options = ServingOptions(max_batch_size=args.max_batch_size, backbone_queue_delay_us=args.queue_delay_us,
                              cpu_threads=args.cpu_threads, buckets=buckets, engine=args.format,
-                             max_text_bytes=args.max_text_bytes, pool_bytes=args.pool_bytes)
+                             max_text_bytes=args.max_text_bytes, pool_bytes=args.pool_bytes,
+                             bias_interface=args.bias_interface)
     profile = Profile(opt_batch=min(args.opt_batch, args.max_batch_size), max_batch=args.max_batch_size,
                       opt_seq=min(args.opt_seq, max(buckets)), max_seq=max(buckets))
     report = export_backbone(args.model, args.repo, options, args.precision, profile, args.overwrite)

@@ -142,17 +142,20 @@ def _closed_loop(url: str, model: str, items: list[tuple[str, str]], concurrency
 
 
 def _lookup_bytes(repo: Path, texts: list[str], max_length: int) -> tuple[float, float]:
-    """Mean bytes per request from lookup to backbone, and the dense per-token bias it replaces."""
+    """Mean bytes per request from lookup to backbone on a GPU in each bias interface: rows of the distinct tokens +
+    index, and the dense fp16 bias of the bucketed sequence."""
     from transformers import AutoTokenizer
+
+    from serving.tokenization import bucket_length
 
     info = read_repository(repo)
     tokenizer = AutoTokenizer.from_pretrained(str(info.tokenizer_dir))
-    L, d = info.record["num_layers"], info.record["hidden_size"]
+    L, d, buckets = info.record["num_layers"], info.record["hidden_size"], info.options.buckets
     ours, dense = [], []
     for text in texts:
         ids = tokenizer(text, truncation=True, max_length=max_length)["input_ids"]
         ours.append(io.lookup_bytes(len(set(ids)), len(ids), L, d))
-        dense.append(io.dense_bias_bytes(len(ids), L, d))
+        dense.append(io.dense_bias_bytes(bucket_length(len(ids), buckets), L, d))
     return statistics.fmean(ours), statistics.fmean(dense)
 
 

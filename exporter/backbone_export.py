@@ -51,11 +51,13 @@ def _copy_python_models(models: Path, names) -> None:
 GRAPHS = (("backbone", True), ("backbone_vanilla", False))  # model folder, AoT inputs
 
 
-def _write_fp16_twins(backbone, models: Path, report: BackboneExportReport, explicit: bool) -> str:
+def _write_fp16_twins(backbone, models: Path, report: BackboneExportReport, explicit: bool,
+                      options: ServingOptions) -> str:
     """fp16 twins of both graphs for ONNX Runtime on the GPU, each checked against PyTorch. Returns the GPU precision:
     "fp16", or "fp32" (no twin kept) when one misses parity and fp16 was not asked for explicitly (then: an error)."""
     for name, aot in GRAPHS:
-        fp16, diff = export_fp16_graph(backbone, models / name / "1" / "model.onnx", aot)
+        fp16, diff = export_fp16_graph(backbone, models / name / "1" / "model.onnx", aot,
+                                       interface=options.bias_interface)
         report.max_abs_diff[f"{name}-fp16"] = diff
         if fp16 is None:
             problem = f"{name}: the fp16 graph differs from PyTorch by {diff:.3g} (> {FP16_TOLERANCE:g})"
@@ -80,6 +82,9 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
     if precision is not None and options.engine == "torch":
         raise RepositoryError("--precision applies to --format onnx and tensorrt (the torch engine runs fp16 on CUDA "
                               "and fp32 on CPU)")
+    if options.bias_interface != "rows" and options.engine == "torch":
+        raise RepositoryError(f"--bias-interface {options.bias_interface} applies to --format onnx and tensorrt (the "
+                              "torch engine gathers each token's row from its pool inside the backbone step)")
     explicit = precision is not None
     if precision is None:
         precision = {"onnx": "fp16", "tensorrt": "fp32", "torch": None}[options.engine]
@@ -104,7 +109,8 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
     if keep_tasks is not None and keep_tasks.fingerprint != backbone.fingerprint:
         raise RepositoryError(f"{repo} holds tasks for backbone {keep_tasks.model!r} ({keep_tasks.fingerprint}); "
                               f"{model!r} is {backbone.fingerprint}: export into a new repository")
-    info = {"uses_token_type_ids": backbone.uses_token_type_ids, "hidden_size": backbone.hidden_size}
+    info = {"uses_token_type_ids": backbone.uses_token_type_ids, "hidden_size": backbone.hidden_size,
+            "num_layers": backbone.num_layers, "max_seq": profile.max_seq}
     report = BackboneExportReport(str(repo), {}, {}, {}, 0.0)
     with atomic_directory(repo) as tmp:
         models = tmp / MODELS_DIR
@@ -112,15 +118,16 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
         if options.engine == "torch":
             report.max_abs_diff["torch"] = export_torch_encoder(backbone, tmp / ENCODER_DIR)
         for name, aot in GRAPHS if options.engine != "torch" else ():
-            graph = export_backbone_graph(backbone, models / name / "1", aot)
+            graph = export_backbone_graph(backbone, models / name / "1", aot, interface=options.bias_interface)
             report.max_abs_diff[name] = graph.max_abs_diff
             report.fused_ops[name] = graph.fused_ops
             inputs = io.token_inputs(backbone.uses_token_type_ids)
             if aot:
-                inputs += [io.AOT_ROWS, io.AOT_INDEX, io.AOT_ROW_OFFSETS]
+                inputs += io.bias_inputs(options.bias_interface)
             trt_models[name] = {"shapes": profile.shapes(inputs, backbone.num_layers, backbone.hidden_size)}
             if options.engine == "tensorrt":
-                feeds = example_inputs(backbone, aot, batch=3, seq=min(13, profile.max_seq), seed=7)
+                feeds = example_inputs(backbone, aot, batch=3, seq=min(13, profile.max_seq), seed=7,
+                                       interface=options.bias_interface)
                 write_parity_data(graph.raw, {k: v.numpy() for k, v in feeds.items()}, graph.raw.parent)
                 try:
                     build_plan(graph.raw, graph.raw.with_name("model.plan"), trt_models[name]["shapes"],
@@ -134,7 +141,7 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
             script.write_text(build_script(trt_models, precision == "fp16"))
             script.chmod(0o755)
         if options.engine == "onnx" and precision == "fp16":
-            precision = _write_fp16_twins(backbone, models, report, explicit)
+            precision = _write_fp16_twins(backbone, models, report, explicit, options)
         if options.engine == "onnx" and precision == "fp16":
             info["gpu_onnx_file"] = FP16_FILE
         backbone.tokenizer.save_pretrained(tmp / TOKENIZER_DIR)

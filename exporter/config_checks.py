@@ -5,6 +5,8 @@ Each config is parsed as a Triton ModelConfig protobuf, then:
 - batching: ragged inputs and batch inputs need max_batch_size > 0; a ragged input is 1-D ([-1]);
 - batch inputs: a known kind with the source inputs it needs, source inputs that are ragged inputs of the model,
   INT32 or FP32, a target name no input has;
+- CUDA graph specs (TensorRT): batch sizes within max_batch_size above their lower bounds, and a shape for every
+  input (none ragged) that fits the input's dims, at or above its lower bound;
 - native ONNX Runtime models: every config input, batch input and output matches the graph's (name, type, and rank:
   a ragged input is 1-D in the graph, a batched one has the batch axis first);
 - ensembles: every step's model exists, maps only inputs and outputs that model has, and every tensor a step reads
@@ -70,6 +72,33 @@ def _check_batching(name: str, config) -> list[str]:
             if source not in ragged:
                 problems.append(f"{name}: batch input {list(b.target_name)} reads {source!r}, which is not a ragged "
                                 "input of the model")
+    return problems
+
+
+def _check_graph_specs(name: str, config) -> list[str]:
+    """What the TensorRT backend validates when it captures CUDA graphs at load (ValidateGraphSpec), and the shapes
+    it needs for every input (a spec lacking one is not captured)."""
+    problems = []
+    inputs = {i.name: i for i in config.input}
+    for k, spec in enumerate(config.optimization.cuda.graph_spec):
+        where = f"{name}: graph_spec {k} (batch {spec.batch_size})"
+        lower = spec.graph_lower_bound
+        if not 1 <= lower.batch_size <= spec.batch_size <= config.max_batch_size:
+            problems.append(f"{where}: expected 1 <= lower bound batch {lower.batch_size} <= batch <= "
+                            f"max_batch_size {config.max_batch_size}")
+        if set(spec.input) != set(inputs):
+            problems.append(f"{where}: shapes for {sorted(spec.input)}, expected every input {sorted(inputs)}")
+        for tensor, shape in spec.input.items():
+            if tensor not in inputs:
+                continue
+            dims, low = list(shape.dim), list(lower.input[tensor].dim) if tensor in lower.input else None
+            if inputs[tensor].allow_ragged_batch:
+                problems.append(f"{where}: {tensor} is ragged: its shape changes with every batch")
+            elif len(dims) != len(inputs[tensor].dims) or any(c != -1 and c != d for c, d in
+                                                                zip(inputs[tensor].dims, dims)):
+                problems.append(f"{where}: {tensor} {dims} does not fit its dims {list(inputs[tensor].dims)}")
+            if low is None or len(low) != len(dims) or any(lo > d for lo, d in zip(low, dims)):
+                problems.append(f"{where}: {tensor} needs a lower bound of rank {len(dims)} at most {dims}, got {low}")
     return problems
 
 
@@ -139,6 +168,7 @@ def check_configs(models: Path, config_name: str = "config.pbtxt") -> list[str]:
             problems += _check_ensemble(name, config, configs)
             continue
         problems += _check_batching(name, config)
+        problems += _check_graph_specs(name, config)
         native = {"onnxruntime_onnx": config.default_model_filename or "model.onnx",
                   "tensorrt_plan": "model.raw.onnx"}  # a plan is built from the raw graph, with its inputs
         if config.platform in native:

@@ -1,8 +1,9 @@
 """The Triton model configs of a deployment folder, generated from one source (serving.repository reads the rest).
 
     REPO/models/tokenizer/      python: TEXT (+ TEXT_PAIR), TASK -> token ids, TASK_VERSION (tokenizer in 1/tokenizer)
-    REPO/models/aot_lookup/     python: TASK_VERSION, token ids -> aot_rows, aot_index (GPU ensemble; on CPU the
-                                backbone step does this lookup in its own process, one step fewer)
+    REPO/models/aot_lookup/     python: TASK_VERSION, token ids -> aot_rows, aot_index or aot_bias (the bias
+                                interface; GPU ensemble; on CPU the backbone step does this lookup in its own
+                                process, one step fewer)
     REPO/models/backbone/       the AoT graph: onnxruntime_onnx or tensorrt_plan (GPU), python + ONNX Runtime (CPU);
                                 --format torch: python + PyTorch on CPU or CUDA, looking rows up itself (no aot_lookup)
     REPO/models/backbone_vanilla/ the same encoder without bias inputs (comparisons, plain models)
@@ -66,9 +67,28 @@ def _in_process_lookup(target: str, options: ServingOptions) -> bool:
     return target == "cpu" or options.engine == "torch"
 
 
+def _graph_specs(config, inputs: dict[str, list[int]], options: ServingOptions, max_seq: int) -> None:
+    """TensorRT CUDA graphs for every bucket the tokenizer pads to, at Triton's default batch sizes (1, 2, 3, 4, 6, 8,
+    12, 16 and max_batch_size), each taking the batch sizes above the previous one (graph_lower_bound: a batch of 5
+    runs the graph of 6, padded). The backend captures graphs at load only for these specs and replays one only for
+    a batch whose shapes it covers; without specs it captures the profile's optimal sequence length alone.
+    `inputs`: each input's dims after the batch, -1 standing for the bucket's length."""
+    pb = _pb()
+    sizes = sorted({b for b in (1, 2, 3, 4, 6, 8, 12, 16) if b < options.max_batch_size} | {options.max_batch_size})
+    for seq in (b for b in options.buckets if b <= max_seq):
+        for lower, size in zip([1] + [s + 1 for s in sizes], sizes):
+            spec = config.optimization.cuda.graph_spec.add(batch_size=size)
+            spec.graph_lower_bound.batch_size = lower
+            for name, dims in inputs.items():
+                shape = [seq if n == -1 else n for n in dims]
+                spec.input[name].dim.extend(shape)
+                spec.graph_lower_bound.input[name].dim.extend(shape)
+    config.optimization.cuda.graphs = True
+
+
 def _backbone(name: str, aot: bool, target: str, info: dict, options: ServingOptions):
     """The backbone step: a python step (ONNX Runtime on CPU; the torch engine on CPU or CUDA), or the native
-    backend on GPU (ragged rows + batch input)."""
+    backend on GPU (the bias in the repository's interface: ragged rows + batch input, or the dense bias)."""
     pb = _pb()
     token_names = io.token_inputs(info["uses_token_type_ids"])
     python = _in_process_lookup(target, options)
@@ -87,21 +107,24 @@ def _backbone(name: str, aot: bool, target: str, info: dict, options: ServingOpt
                                 default_model_filename="model.plan" if options.engine == "tensorrt" else onnx_file)
         config.dynamic_batching.max_queue_delay_microseconds = options.backbone_queue_delay_us
         config.instance_group.add(kind=pb.ModelInstanceGroup.KIND_GPU, count=1)
-        if options.engine == "tensorrt":
-            # The TensorRT backend captures a CUDA graph per input shape it meets and replays it for that shape (the
-            # ragged rows make shapes vary with the batch's distinct tokens, so it pays for repeated shapes only).
-            config.optimization.cuda.graphs = True
     # A python step takes ragged inputs (it pads the batch itself); a native backend takes bucketed token tensors.
     if python and aot:  # the lookup runs inside this step: no extra step, no rows between processes
         config.input.append(_tensor(pb.ModelInput, io.TASK_VERSION, [1]))
     for n in token_names:
         config.input.append(_tensor(pb.ModelInput, n, [-1], ragged=python))
-    if aot and not python:
+    dense = aot and not python and options.bias_interface == "dense"
+    if dense:
+        config.input.append(_tensor(pb.ModelInput, io.AOT_BIAS, [-1, info["num_layers"], info["hidden_size"]]))
+    elif aot and not python:
         config.input.append(_tensor(pb.ModelInput, io.AOT_ROWS, [-1], ragged=True))
         config.input.append(_tensor(pb.ModelInput, io.AOT_INDEX, [-1]))
         config.batch_input.add(kind=pb.BatchInput.BATCH_ACCUMULATED_ELEMENT_COUNT_WITH_ZERO,
                                target_name=[io.AOT_ROW_OFFSETS], data_type=pb.TYPE_INT32,
                                source_input=[io.AOT_ROWS])
+    # TensorRT replays CUDA graphs only for the shapes captured at load: the bucketed shapes of the vanilla and dense
+    # graphs. The ragged rows' length changes with every batch's distinct tokens, so no graph would ever match.
+    if options.engine == "tensorrt" and not python and (dense or not aot):
+        _graph_specs(config, {i.name: list(i.dims) for i in config.input}, options, info["max_seq"])
     config.output.append(_tensor(pb.ModelOutput, io.POOLED_HIDDEN, [len(io.POOLINGS), info["hidden_size"]]))
     return config
 
@@ -126,8 +149,9 @@ def _ensemble(name: str, backbone: str, info: dict, options: ServingOptions, tar
     elif backbone == "backbone":
         look = steps.add(model_name="aot_lookup", model_version=-1)
         look.input_map.update({io.TASK_VERSION: version, **{n: f"_{n}" for n in tokens}})
-        look.output_map.update({io.AOT_ROWS: f"_{io.AOT_ROWS}", io.AOT_INDEX: f"_{io.AOT_INDEX}"})
-        bb_inputs.update({io.AOT_ROWS: f"_{io.AOT_ROWS}", io.AOT_INDEX: f"_{io.AOT_INDEX}"})
+        bias = _lookup_outputs(options)
+        look.output_map.update({n: f"_{n}" for n in bias})
+        bb_inputs.update({n: f"_{n}" for n in bias})
     bb = steps.add(model_name=backbone, model_version=-1)
     bb.input_map.update(bb_inputs)
     bb.output_map.update({io.POOLED_HIDDEN: f"_{io.POOLED_HIDDEN}"})
@@ -135,6 +159,11 @@ def _ensemble(name: str, backbone: str, info: dict, options: ServingOptions, tar
     head.input_map.update({io.TASK_VERSION: version, io.POOLED_HIDDEN: f"_{io.POOLED_HIDDEN}"})
     head.output_map.update({io.LOGITS: io.LOGITS, io.LABEL: io.LABEL})
     return config
+
+
+def _lookup_outputs(options: ServingOptions) -> list[str]:
+    """What the aot_lookup step sends the native backbone: its graph's bias inputs but the batch input Triton adds."""
+    return [n for n in io.bias_inputs(options.bias_interface) if n != io.AOT_ROW_OFFSETS]
 
 
 def model_configs(info: dict, options: ServingOptions, target: str) -> dict:
@@ -157,7 +186,8 @@ def model_configs(info: dict, options: ServingOptions, target: str) -> dict:
         look.instance_group[0].kind = pb.ModelInstanceGroup.KIND_GPU
     look.input.extend([_tensor(pb.ModelInput, io.TASK_VERSION, [1])]
                       + [_tensor(pb.ModelInput, n, [-1], ragged=True) for n in tokens])
-    look.output.extend([_tensor(pb.ModelOutput, io.AOT_ROWS, [-1]), _tensor(pb.ModelOutput, io.AOT_INDEX, [-1])])
+    dims = {io.AOT_ROWS: [-1], io.AOT_INDEX: [-1], io.AOT_BIAS: [-1, info["num_layers"], info["hidden_size"]]}
+    look.output.extend([_tensor(pb.ModelOutput, n, dims[n]) for n in _lookup_outputs(options)])
 
     head = _python_model("head", options, {})
     head.input.extend([_tensor(pb.ModelInput, io.TASK_VERSION, [1]),

@@ -32,11 +32,13 @@ class ExportError(RuntimeError):
 
 
 class ExportableBackbone(nn.Module):
-    """The graph a server runs: token inputs (+ AoT rows, index and offsets) -> pooled states [B, P, d]."""
+    """The graph a server runs: token inputs (+ the AoT bias in `interface`: rows, index and offsets, or the dense
+    bias) -> pooled states [B, P, d]."""
 
-    def __init__(self, backbone: Backbone, aot: bool):
+    def __init__(self, backbone: Backbone, aot: bool, interface: str = "rows"):
         super().__init__()
         self.aot = aot
+        self.interface = interface
         self.uses_token_type_ids = backbone.uses_token_type_ids
         self.encoder = backbone.encoder
         # Only the AoT graph hooks into the (shared) encoder; close() detaches it again.
@@ -49,14 +51,16 @@ class ExportableBackbone(nn.Module):
 
     def input_names(self) -> list[str]:
         names = io.token_inputs(self.uses_token_type_ids)
-        return names + ([io.AOT_ROWS, io.AOT_INDEX, io.AOT_ROW_OFFSETS] if self.aot else [])
+        return names + (io.bias_inputs(self.interface) if self.aot else [])
 
     def forward(self, input_ids, attention_mask, token_type_ids=None, aot_rows=None, aot_index=None,
-                aot_row_offsets=None):
+                aot_row_offsets=None, aot_bias=None):
         if not self.aot:
             extra = {"token_type_ids": token_type_ids} if token_type_ids is not None else {}
             hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
             return pool_states(hidden, attention_mask)
+        if self.interface == "dense":
+            return self.biased.forward_dense(input_ids, attention_mask, token_type_ids, aot_bias)
         first_row = aot_row_offsets[:-1].long() // self.row_elements  # [B]: where each sequence's rows start
         index = aot_index.long() + first_row[:, None]
         rows = aot_rows.reshape(-1, self.biased.num_layers, self.biased.hidden_size)
@@ -64,8 +68,9 @@ class ExportableBackbone(nn.Module):
 
 
 def example_inputs(backbone: Backbone, aot: bool, batch: int, seq: int, seed: int,
-                   rows_dtype=getattr(torch, io.ROWS_DTYPE.name)) -> dict[str, torch.Tensor]:
-    """Random token inputs with padding, and random non-zero rows laid out exactly as the lookup step sends them."""
+                   rows_dtype=getattr(torch, io.ROWS_DTYPE.name), interface: str = "rows") -> dict[str, torch.Tensor]:
+    """Random token inputs with padding, and random non-zero rows laid out exactly as the lookup step sends them in
+    `interface` (the same rows for the same seed in both: dense is rows[index])."""
     g = torch.Generator().manual_seed(seed)
     vocab = backbone.embeddings.shape[0]
     lengths = torch.randint(max(2, seq // 2), seq + 1, (batch,), generator=g)
@@ -85,21 +90,25 @@ def example_inputs(backbone: Backbone, aot: bool, batch: int, seq: int, seed: in
             local[: lengths[b]] = inverse.int()
             index.append(local)
             offsets.append(offsets[-1] + rows[-1].numel())
-        feeds[io.AOT_ROWS] = torch.cat(rows)
-        feeds[io.AOT_INDEX] = torch.stack(index)
-        feeds[io.AOT_ROW_OFFSETS] = torch.tensor(offsets, dtype=torch.int32)
+        if interface == "dense":
+            feeds[io.AOT_BIAS] = torch.stack([r.reshape(-1, L, d)[i.long()] for r, i in zip(rows, index)])
+        else:
+            feeds[io.AOT_ROWS] = torch.cat(rows)
+            feeds[io.AOT_INDEX] = torch.stack(index)
+            feeds[io.AOT_ROW_OFFSETS] = torch.tensor(offsets, dtype=torch.int32)
     return feeds
 
 
-def export_onnx(backbone: Backbone, path: Path, aot: bool) -> None:
+def export_onnx(backbone: Backbone, path: Path, aot: bool, interface: str = "rows") -> None:
     """TorchScript-based export (the graphs ONNX Runtime's optimizer fuses best), dynamic batch and sequence."""
-    module = ExportableBackbone(backbone, aot).eval()
-    feeds = example_inputs(backbone, aot, batch=2, seq=8, seed=0)
+    module = ExportableBackbone(backbone, aot, interface).eval()
+    feeds = example_inputs(backbone, aot, batch=2, seq=8, seed=0, interface=interface)
     names = module.input_names()
     axes = {n: {0: "batch", 1: "sequence"} for n in io.token_inputs(module.uses_token_type_ids)}
     if aot:
         axes.update({io.AOT_ROWS: {0: "row_elements"}, io.AOT_INDEX: {0: "batch", 1: "sequence"},
-                     io.AOT_ROW_OFFSETS: {0: "batch_plus_one"}})
+                     io.AOT_ROW_OFFSETS: {0: "batch_plus_one"}, io.AOT_BIAS: {0: "batch", 1: "sequence"}})
+        axes = {n: a for n, a in axes.items() if n in names + [io.POOLED_HIDDEN]}
     axes[io.POOLED_HIDDEN] = {0: "batch"}
     big = sum(p.numel() * p.element_size() for p in backbone.encoder.parameters()) > 1.8e9
     try:
@@ -182,15 +191,16 @@ def session(path: Path, threads: int = 0):
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
-def max_abs_difference(path: Path, backbone: Backbone, aot: bool, trials: tuple[tuple[int, int], ...] = ((3, 13), (1, 5))) -> float:
+def max_abs_difference(path: Path, backbone: Backbone, aot: bool, interface: str = "rows",
+                       trials: tuple[tuple[int, int], ...] = ((3, 13), (1, 5))) -> float:
     """ONNX Runtime against PyTorch at shapes other than the export's, with random non-zero biases."""
-    module = ExportableBackbone(backbone, aot).eval()
+    module = ExportableBackbone(backbone, aot, interface).eval()
     sess = session(path)
     names = {i.name for i in sess.get_inputs()}
     worst = 0.0
     try:
         for k, (batch, seq) in enumerate(trials):
-            feeds = example_inputs(backbone, aot, batch, seq, seed=100 + k)
+            feeds = example_inputs(backbone, aot, batch, seq, seed=100 + k, interface=interface)
             with torch.no_grad():
                 expected = module(**feeds).numpy()
             got = sess.run([io.POOLED_HIDDEN], {n: v.numpy() for n, v in feeds.items() if n in names})[0]
@@ -204,7 +214,7 @@ FP16_FILE = "model.fp16.onnx"
 FP16_TOLERANCE = 5e-2  # pooled states of the fp16 graph against PyTorch fp32 (fp32 graphs: 1e-4)
 
 
-def export_fp16_graph(backbone: Backbone, fp32_graph: Path, aot: bool,
+def export_fp16_graph(backbone: Backbone, fp32_graph: Path, aot: bool, interface: str = "rows",
                       tolerance: float = FP16_TOLERANCE) -> tuple[Path | None, float]:
     """The fp16 twin of an optimized graph for ONNX Runtime on a GPU (its CUDA provider runs the fused attention and
     GEMMs in fp16; inputs and outputs keep their types), checked against PyTorch like the fp32 graph. Returns its
@@ -216,7 +226,7 @@ def export_fp16_graph(backbone: Backbone, fp32_graph: Path, aot: bool,
     model = OnnxModel(onnx.load(str(fp32_graph)))
     model.convert_float_to_float16(keep_io_types=True)
     model.save_model_to_file(str(dst), use_external_data_format=fp32_graph.with_name(fp32_graph.name + ".data").exists())
-    diff = max_abs_difference(dst, backbone, aot)
+    diff = max_abs_difference(dst, backbone, aot, interface)
     if not diff <= tolerance:
         dst.unlink()
         dst.with_name(dst.name + ".data").unlink(missing_ok=True)
@@ -232,13 +242,15 @@ class ExportedGraph:
     fused_ops: dict[str, int]
 
 
-def export_backbone_graph(backbone: Backbone, folder: Path, aot: bool, tolerance: float = 1e-4) -> ExportedGraph:
-    """Export, optimize and validate one graph into `folder` (model.raw.onnx, model.onnx)."""
+def export_backbone_graph(backbone: Backbone, folder: Path, aot: bool, tolerance: float = 1e-4,
+                          interface: str = "rows") -> ExportedGraph:
+    """Export, optimize and validate one graph into `folder` (model.raw.onnx, model.onnx); an AoT graph takes its
+    bias in `interface` (serving.protocol.BIAS_INTERFACES)."""
     folder.mkdir(parents=True, exist_ok=True)
     raw, optimized = folder / "model.raw.onnx", folder / "model.onnx"
-    export_onnx(backbone, raw, aot)
+    export_onnx(backbone, raw, aot, interface)
     optimize(raw, optimized, backbone, aot)
-    diff = max_abs_difference(optimized, backbone, aot)
+    diff = max_abs_difference(optimized, backbone, aot, interface)
     kind = "AoT" if aot else "vanilla"
     if not diff <= tolerance:
         raise ExportError(f"{kind} graph: ONNX Runtime differs from PyTorch by {diff:.3g} (> {tolerance:g}); "

@@ -41,6 +41,10 @@ class Profile:
                 out[name] = ((per,), (self.opt_batch * self.opt_seq * per,), (self.max_batch * self.max_seq * per,))
             elif name == io.AOT_ROW_OFFSETS:
                 out[name] = ((self.min_batch + 1,), (self.opt_batch + 1,), (self.max_batch + 1,))
+            elif name == io.AOT_BIAS:
+                out[name] = ((self.min_batch, self.min_seq, num_layers, hidden),
+                             (self.opt_batch, self.opt_seq, num_layers, hidden),
+                             (self.max_batch, self.max_seq, num_layers, hidden))
             else:
                 out[name] = ((self.min_batch, self.min_seq), (self.opt_batch, self.opt_seq),
                              (self.max_batch, self.max_seq))

@@ -10,7 +10,8 @@ from serving import protocol
 
 
 class BackboneRunner:
-    """Token tensors padded to the longest sequence, ragged rows concatenated, and the accumulated row offsets."""
+    """Token tensors padded to the longest sequence, and the AoT bias in the graph's interface: ragged rows
+    concatenated with the accumulated row offsets, or each request's dense bias rows[index] (zero past its end)."""
 
     def __init__(self, onnx_path: str | Path, threads: int = 0, providers: list[str] | None = None):
         import onnxruntime as ort
@@ -22,7 +23,11 @@ class BackboneRunner:
         self.session = ort.InferenceSession(str(onnx_path), options,
                                             providers=providers or ["CPUExecutionProvider"])
         self.inputs = [i.name for i in self.session.get_inputs()]
-        self.aot = protocol.AOT_ROWS in self.inputs
+        self.dense = protocol.AOT_BIAS in self.inputs
+        self.aot = self.dense or protocol.AOT_ROWS in self.inputs
+        if self.dense:  # [batch, sequence, L, d]: the row shape is fixed in the graph
+            shape = next(i.shape for i in self.session.get_inputs() if i.name == protocol.AOT_BIAS)
+            self.row_shape = tuple(int(n) for n in shape[2:])
 
     def run(self, requests: list[dict[str, np.ndarray]]) -> np.ndarray:
         """Each request: 1-D token tensors (and aot_rows, aot_index for AoT). Returns the pooled states [B, P, d]."""
@@ -30,7 +35,13 @@ class BackboneRunner:
         feeds = {}
         for name in protocol.token_inputs(protocol.TOKEN_TYPE_IDS in self.inputs):
             feeds[name] = np.stack([np.pad(r[name], (0, longest - len(r[name]))) for r in requests])
-        if self.aot:
+        if self.dense:
+            bias = np.zeros((len(requests), longest, *self.row_shape), protocol.ROWS_DTYPE)
+            for b, r in enumerate(requests):
+                index = r[protocol.AOT_INDEX]
+                bias[b, :len(index)] = r[protocol.AOT_ROWS].reshape(-1, *self.row_shape)[index]
+            feeds[protocol.AOT_BIAS] = bias
+        elif self.aot:
             feeds[protocol.AOT_INDEX] = np.stack([np.pad(r[protocol.AOT_INDEX], (0, longest - len(r[protocol.AOT_INDEX])))
                                                   for r in requests]).astype(protocol.INDEX_DTYPE)
             rows = [r[protocol.AOT_ROWS].reshape(-1) for r in requests]

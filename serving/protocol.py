@@ -1,4 +1,4 @@
-"""The tensors that flow between the client and the steps of the served ensemble: protocol version 3.
+"""The tensors that flow between the client and the steps of the served ensemble: protocol version 4.
 
 Client -> ensemble `aot`:
     TEXT          BYTES [1]   UTF-8 text (at most the repository's `max_text_bytes`)
@@ -19,28 +19,36 @@ tokenizer -> later steps:
                               another's head.
     input_ids, attention_mask (and token_type_ids where the architecture has them), INT64 [S]; S is the
         sequence's own length (CPU) or its length rounded up to a bucket (GPU).
-lookup -> backbone (GPU; on CPU the python backbone step does the lookup itself and takes TASK_VERSION instead):
+lookup -> backbone (native GPU backends; on CPU and with the torch engine the python backbone step does the lookup
+itself and takes TASK_VERSION instead), in the repository's bias interface (serving option `bias_interface`, v4):
+  rows (default):
     aot_rows      FP16  [U*L*d]  the rows of P for the request's U distinct tokens, token-major [U, L, d], flat
     aot_index     INT32 [S]      for each token, which of the U rows it takes (padding takes row 0)
-backbone (inside the graph): aot_row_offsets INT32 [B+1], the accumulated element counts of the batch's aot_rows
+    backbone (inside the graph): aot_row_offsets INT32 [B+1], the accumulated element counts of the batch's aot_rows
     with a leading zero (Triton's BATCH_ACCUMULATED_ELEMENT_COUNT_WITH_ZERO), turns local rows into global ones.
+  dense:
+    aot_bias      FP16  [S, L, d]  each token's row (aot_rows[aot_index]; padding takes row 0), S the bucketed
+                                   length: fixed shapes per bucket, so TensorRT replays a captured CUDA graph
 backbone -> head:
     pooled_hidden FP32  [P, d]   the final hidden states pooled each way in POOLINGS (v3): row 0 the first token's,
                                  row 1 the mean over the attention mask; the head reads its task's row
 
-Per request the lookup moves U*L*d*2 + S*4 bytes instead of the dense S*L*d*4 of a per-token bias tensor.
+Per request the rows interface moves U*L*d*2 + S*4 bytes; the dense one S*L*d*2 (U <= S distinct tokens).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 TEXT, TEXT_PAIR, TASK, TASK_VERSION = "TEXT", "TEXT_PAIR", "TASK", "TASK_VERSION"
 LOGITS, LABEL, TASKS = "LOGITS", "LABEL", "TASKS"
 INPUT_IDS, ATTENTION_MASK, TOKEN_TYPE_IDS = "input_ids", "attention_mask", "token_type_ids"
 AOT_ROWS, AOT_INDEX, AOT_ROW_OFFSETS = "aot_rows", "aot_index", "aot_row_offsets"
+AOT_BIAS = "aot_bias"
+# How the lookup hands a request's bias to a native backbone (see above): what the AoT graph's inputs are.
+BIAS_INTERFACES = ("rows", "dense")
 POOLED_HIDDEN = "pooled_hidden"
 # How a task turns the final hidden states into the one vector its head reads; the backbone computes every one, in
 # this order, so tasks that pool differently share one backbone. `cls`: the first token (BERT, RoBERTa); `mean`:
@@ -63,7 +71,7 @@ INDEX_DTYPE = np.dtype(np.int32)
 HIDDEN_DTYPE = np.dtype(np.float32)
 LOGITS_DTYPE = np.dtype(np.float32)
 DTYPES = {INPUT_IDS: TOKEN_DTYPE, ATTENTION_MASK: TOKEN_DTYPE, TOKEN_TYPE_IDS: TOKEN_DTYPE, AOT_ROWS: ROWS_DTYPE,
-          AOT_INDEX: INDEX_DTYPE, AOT_ROW_OFFSETS: INDEX_DTYPE, POOLED_HIDDEN: HIDDEN_DTYPE, LOGITS: LOGITS_DTYPE}
+          AOT_BIAS: ROWS_DTYPE, AOT_INDEX: INDEX_DTYPE, AOT_ROW_OFFSETS: INDEX_DTYPE, POOLED_HIDDEN: HIDDEN_DTYPE, LOGITS: LOGITS_DTYPE}
 BYTES = "BYTES"
 _TRITON_TYPES = {"int64": "INT64", "int32": "INT32", "float16": "FP16", "float32": "FP32"}
 
@@ -80,9 +88,17 @@ def token_inputs(uses_token_type_ids: bool) -> list[str]:
     return [INPUT_IDS, ATTENTION_MASK] + ([TOKEN_TYPE_IDS] if uses_token_type_ids else [])
 
 
+def bias_inputs(interface: str) -> list[str]:
+    """The AoT graph's bias inputs in `interface` (aot_row_offsets is the batch input Triton adds to the rows)."""
+    if interface not in BIAS_INTERFACES:
+        raise ValueError(f"unknown bias interface {interface!r}: expected one of {', '.join(BIAS_INTERFACES)}")
+    return [AOT_ROWS, AOT_INDEX, AOT_ROW_OFFSETS] if interface == "rows" else [AOT_BIAS]
+
+
 def lookup_bytes(unique_tokens: int, seq_len: int, num_layers: int, hidden: int) -> int:
     return unique_tokens * num_layers * hidden * ROWS_DTYPE.itemsize + seq_len * INDEX_DTYPE.itemsize
 
 
 def dense_bias_bytes(seq_len: int, num_layers: int, hidden: int) -> int:
-    return seq_len * num_layers * hidden * 4
+    """The dense interface's aot_bias of one request (`seq_len`: its bucketed length on a GPU)."""
+    return seq_len * num_layers * hidden * ROWS_DTYPE.itemsize

@@ -43,6 +43,12 @@ class ServingOptions:
         "help": "backbone engine: onnx (GPU: onnxruntime_onnx; CPU: ONNX Runtime in a python step), tensorrt (GPU: "
                 "tensorrt_plan; CPU: as onnx), or torch (PyTorch in a python step on CPU or CUDA, the task pool on "
                 "the same device: what `aot serve --device cuda` serves)"})
+    bias_interface: str = field(default="rows", metadata={
+        "help": "native GPU backends (onnx, tensorrt): how the lookup step hands each request's bias to the "
+                "backbone: rows (the rows of its distinct tokens + each token's index: fewest bytes, but a ragged "
+                "shape that changes with every batch) or dense (an fp16 bias per token of the bucketed sequence: "
+                "more bytes, fixed shapes per bucket, so TensorRT replays CUDA graphs captured for them). CPU "
+                "configs and the torch engine look rows up inside the backbone step and take either"})
     pool_bytes: int = field(default=1 << 30, metadata={
         "help": "memory of the task pool, the rows of P kept in RAM by the lookup (bytes; 0: no pool, fused tables "
                 "are read through their memory maps and factored rows computed per request). Every task is fully "
@@ -59,6 +65,10 @@ class ServingOptions:
             if f.name == "engine":
                 if value not in ENGINES:
                     raise RepositoryError(f"engine {value!r}: expected one of {', '.join(ENGINES)}")
+            elif f.name == "bias_interface":
+                if value not in protocol.BIAS_INTERFACES:
+                    raise RepositoryError(f"bias interface {value!r}: expected one of "
+                                          f"{', '.join(protocol.BIAS_INTERFACES)}")
             elif f.name == "buckets":
                 if not value or min(value) < 1:
                     raise RepositoryError(f"buckets {list(value)}: expected positive lengths")
@@ -163,15 +173,16 @@ class RepositoryInfo:
 
 def largest_batch_bytes(info: RepositoryInfo) -> int:
     """Bytes of the tensors that pass between the steps of the repository's largest batch (max batch size x the
-    longest bucket): token tensors, the rows and index of the lookup (native GPU backends only: the torch engine
-    looks up in its own process), the backbone's states and the logits."""
+    longest bucket): token tensors, the lookup's bias (native GPU backends only: the torch engine looks up in its own
+    process; rows of every token distinct + index, or the dense bias), the backbone's states and the logits."""
     options = info.options
     batch, seq = options.max_batch_size, min(max(options.buckets), info.max_positions)
     elements = batch * seq
     size = len(protocol.token_inputs(info.uses_token_type_ids)) * elements * protocol.TOKEN_DTYPE.itemsize
     if options.engine != "torch":
-        size += elements * (info.num_layers * info.hidden_size * protocol.ROWS_DTYPE.itemsize
-                            + protocol.INDEX_DTYPE.itemsize)
+        size += elements * info.num_layers * info.hidden_size * protocol.ROWS_DTYPE.itemsize
+        if options.bias_interface == "rows":
+            size += elements * protocol.INDEX_DTYPE.itemsize
     # the pooled states (one row per pooling), and logits at most as wide as one row
     size += batch * info.hidden_size * protocol.HIDDEN_DTYPE.itemsize * (len(protocol.POOLINGS) + 1)
     return size

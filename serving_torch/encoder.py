@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -38,8 +39,9 @@ class BiasedEncoder(nn.Module):
 
     `rows` is [N, L, d] (token-major, as stored by the exporter and held by the task pool) and `index` [B, S] says
     which of the N rows each token takes. Training passes the unique tokens of the batch; the exported graph
-    receives both as inputs; the torch engine passes the whole pool and each token's slot. One implementation
-    serves all three, so what is served adds exactly what training added.
+    receives both as inputs (or, in the dense bias interface, rows[index] itself: `forward_dense`); the torch engine
+    passes the whole pool and each token's slot. One implementation serves all of them, so what is served adds
+    exactly what training added.
     """
 
     def __init__(self, encoder: nn.Module, uses_token_type_ids: bool):
@@ -50,7 +52,7 @@ class BiasedEncoder(nn.Module):
         # Python ints, so that the exported graph reshapes with constants rather than Shape ops.
         self.num_layers = len(layers)
         self.hidden_size = int(encoder.config.hidden_size)
-        self._bias: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._layer_bias: Callable[[int], torch.Tensor] | None = None  # layer i -> its [B, S, d] bias
         self._hooks = [layer.register_forward_pre_hook(partial(self._add_bias, i), with_kwargs=True)
                        for i, layer in enumerate(layers)]
 
@@ -61,23 +63,30 @@ class BiasedEncoder(nn.Module):
         self._hooks = []
 
     def _add_bias(self, i: int, module: nn.Module, args: tuple, kwargs: dict):
-        if self._bias is None:
+        if self._layer_bias is None:
             return None
-        flat, base = self._bias
-        # One gather of the B*S rows layer i needs from the flat [N*L, d] table; the cast touches only those rows.
         if args:
             hidden = args[0]
-            return (hidden + F.embedding(base + i, flat).to(hidden.dtype), *args[1:]), kwargs
+            return (hidden + self._layer_bias(i).to(hidden.dtype), *args[1:]), kwargs
         hidden = kwargs["hidden_states"]
-        return args, {**kwargs, "hidden_states": hidden + F.embedding(base + i, flat).to(hidden.dtype)}
+        return args, {**kwargs, "hidden_states": hidden + self._layer_bias(i).to(hidden.dtype)}
 
     def forward(self, input_ids, attention_mask, token_type_ids, rows, index) -> torch.Tensor:
         """`rows` [N, L, d]; `index` [B, S] picks each token's row. Returns the pooled states [B, P, d]."""
-        self._bias = (rows.reshape(-1, self.hidden_size), index.long() * self.num_layers)
+        flat, base = rows.reshape(-1, self.hidden_size), index.long() * self.num_layers
+        # One gather of the B*S rows layer i needs from the flat [N*L, d] table; the cast touches only those rows.
+        return self._biased(lambda i: F.embedding(base + i, flat), input_ids, attention_mask, token_type_ids)
+
+    def forward_dense(self, input_ids, attention_mask, token_type_ids, bias) -> torch.Tensor:
+        """`bias` [B, S, L, d]: each token's row already gathered (rows[index]). Returns the pooled states."""
+        return self._biased(lambda i: bias[:, :, i], input_ids, attention_mask, token_type_ids)
+
+    def _biased(self, layer_bias: Callable[[int], torch.Tensor], input_ids, attention_mask, token_type_ids):
+        self._layer_bias = layer_bias
         try:
             return self.plain(input_ids, attention_mask, token_type_ids)
         finally:
-            self._bias = None
+            self._layer_bias = None
 
     def plain(self, input_ids, attention_mask, token_type_ids=None) -> torch.Tensor:
         """The encoder alone (no bias unless forward set one): the pooled states [B, P, d] (pool_states)."""

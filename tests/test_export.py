@@ -44,6 +44,31 @@ def test_backbone_parity_and_fusions(tmp_path, arch):
         assert aot.fused_ops["Attention"] == layers and aot.fused_ops["EmbedLayerNormalization"] == 1
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_dense_bias_graph_equals_the_rows_graph(tmp_path, arch):
+    """The dense bias interface (aot_bias = rows[index], one input) computes what the rows interface computes, keeps
+    the same fusions, and has the shapes a bucketed TensorRT profile needs: [batch, sequence, L, d]."""
+    import onnx
+
+    from exporter.onnx_export import example_inputs, session
+
+    backbone = tiny_backbone(arch)
+    rows = export_backbone_graph(backbone, tmp_path / "rows", aot=True)
+    dense = export_backbone_graph(backbone, tmp_path / "dense", aot=True, interface="dense")
+    assert dense.max_abs_diff < 1e-4 and dense.fused_ops == rows.fused_ops
+    graph = onnx.load(str(dense.optimized)).graph
+    bias = next(i for i in graph.input if i.name == io.AOT_BIAS)
+    dims = [d.dim_param or d.dim_value for d in bias.type.tensor_type.shape.dim]
+    assert dims == ["batch", "sequence", backbone.num_layers, backbone.hidden_size]
+    assert {i.name for i in graph.input} == set(io.token_inputs(backbone.uses_token_type_ids)) | {io.AOT_BIAS}
+    outputs = {}
+    for interface, g in (("rows", rows), ("dense", dense)):
+        feeds = example_inputs(backbone, True, 3, 11, seed=9, interface=interface)
+        outputs[interface] = session(g.optimized).run(None, {k: v.numpy() for k, v in feeds.items()})[0]
+    assert np.abs(outputs["rows"] - outputs["dense"]).max() < 1e-4
+    assert np.abs(outputs["rows"]).max() > 0.1
+
+
 def test_aot_graph_uses_the_biases(tmp_path):
     """Random non-zero rows move the output: the parity check is not comparing two unbiased graphs."""
     import torch
@@ -214,9 +239,10 @@ def test_existing_repository_needs_overwrite(tmp_path, tiny_models, tasks):
 
 @pytest.mark.parametrize("uses_tt", [True, False])
 @pytest.mark.parametrize("engine", ["onnx", "tensorrt"])
-def test_every_config_parses_and_is_consistent(uses_tt, engine):
-    info = {"uses_token_type_ids": uses_tt, "hidden_size": 48}
-    options = ServingOptions(engine=engine)
+@pytest.mark.parametrize("interface", io.BIAS_INTERFACES)
+def test_every_config_parses_and_is_consistent(uses_tt, engine, interface):
+    info = {"uses_token_type_ids": uses_tt, "hidden_size": 48, "num_layers": 3, "max_seq": 256}
+    options = ServingOptions(engine=engine, bias_interface=interface, buckets=(16, 128, 512), max_batch_size=8)
     for target in ("cpu", "gpu"):
         configs = model_configs(info, options, target)
         assert set(configs) == {"tokenizer", "aot_lookup", "backbone", "backbone_vanilla", "head", "task_list", "aot",
@@ -227,14 +253,39 @@ def test_every_config_parses_and_is_consistent(uses_tt, engine):
         backbone = configs["backbone"]
         inputs = {i.name: i for i in backbone.input}
         steps = [s.model_name for s in configs["aot"].ensemble_scheduling.step]
-        if target == "gpu":
+        if target == "gpu" and interface == "rows":
             # the native backend receives ragged rows and an index; Triton supplies the row offsets
             assert set(inputs) == set(io.token_inputs(uses_tt)) | {io.AOT_ROWS, io.AOT_INDEX}
             assert inputs[io.AOT_ROWS].allow_ragged_batch
-            assert backbone.platform == ("tensorrt_plan" if engine == "tensorrt" else "onnxruntime_onnx")
             assert [b.target_name[0] for b in backbone.batch_input] == [io.AOT_ROW_OFFSETS]
+        elif target == "gpu":
+            # one dense bias per token, [S, L, d] after the batch axis: no ragged input, no batch input
+            assert set(inputs) == set(io.token_inputs(uses_tt)) | {io.AOT_BIAS}
+            assert list(inputs[io.AOT_BIAS].dims) == [-1, 3, 48] and not backbone.batch_input
+            assert not any(i.allow_ragged_batch for i in backbone.input)
+        if target == "gpu":
+            lookup = {o.name: list(o.dims) for o in configs["aot_lookup"].output}
+            assert lookup == ({io.AOT_ROWS: [-1], io.AOT_INDEX: [-1]} if interface == "rows" else {io.AOT_BIAS: [-1, 3, 48]})
+            step = configs["aot"].ensemble_scheduling.step[1]
+            assert set(step.output_map) == set(lookup) == set(configs["aot"].ensemble_scheduling.step[2].input_map) - set(io.token_inputs(uses_tt))
+            assert backbone.platform == ("tensorrt_plan" if engine == "tensorrt" else "onnxruntime_onnx")
             assert backbone.instance_group[0].kind == backbone.instance_group[0].KIND_GPU
             assert steps == ["tokenizer", "aot_lookup", "backbone", "head"]
+            # TensorRT: CUDA graphs for every bucket within the profile x Triton's default batch sizes, for the graphs
+            # whose shapes are fixed per bucket (vanilla, dense); none for ragged rows (no shape would ever match)
+            for config, fixed in ((backbone, interface == "dense"), (configs["backbone_vanilla"], True)):
+                cuda = config.optimization.cuda
+                if engine != "tensorrt" or not fixed:
+                    assert not cuda.graphs and not cuda.graph_spec
+                    continue
+                assert cuda.graphs
+                specs = [(g.batch_size, g.graph_lower_bound.batch_size, g.input[io.INPUT_IDS].dim[0]) for g in cuda.graph_spec]
+                assert specs == [(b, lo, seq) for seq in (16, 128) for lo, b in ((1, 1), (2, 2), (3, 3), (4, 4), (5, 6), (7, 8))]
+                for g in cuda.graph_spec:
+                    assert set(g.input) == {i.name for i in config.input}
+                    seq = g.input[io.INPUT_IDS].dim[0]
+                    if io.AOT_BIAS in g.input:
+                        assert list(g.input[io.AOT_BIAS].dim) == list(g.graph_lower_bound.input[io.AOT_BIAS].dim) == [seq, 3, 48]
         else:
             # the python backbone looks rows up itself: as many steps as the vanilla ensemble
             assert set(inputs) == set(io.token_inputs(uses_tt)) | {io.TASK_VERSION}
@@ -278,8 +329,8 @@ def test_tensorrt_profiles_and_commands(tmp_path):
 def test_lookup_bytes_against_dense():
     # MiniLM: L=6, d=384; a 128-token sequence with 70 distinct tokens
     assert io.lookup_bytes(70, 128, 6, 384) == 70 * 6 * 384 * 2 + 128 * 4
-    assert io.dense_bias_bytes(128, 6, 384) == 128 * 6 * 384 * 4
-    assert io.lookup_bytes(70, 128, 6, 384) < io.dense_bias_bytes(128, 6, 384) / 3
+    assert io.dense_bias_bytes(128, 6, 384) == 128 * 6 * 384 * 2  # fp16, like the rows
+    assert io.lookup_bytes(70, 128, 6, 384) < io.dense_bias_bytes(128, 6, 384) * 0.6
 
 
 def test_auto_storage_follows_the_pool_budget(tmp_path, tiny_models, tasks):
@@ -296,7 +347,9 @@ def test_auto_storage_follows_the_pool_budget(tmp_path, tiny_models, tasks):
 
 
 def test_tensorrt_repository_saves_parity_data_that_polygraphy_checks(tmp_path, tiny_models):
-    """A --format tensorrt repository: CUDA graphs on, and per backbone the inputs and ONNX Runtime outputs that
+    """A --format tensorrt repository: CUDA graphs on where shapes are fixed per bucket (the vanilla backbone; the
+    AoT one in the default rows interface has none: ragged rows match no graph), and per backbone the inputs and
+    ONNX Runtime outputs that
     build_engines.sh checks each plan against with Polygraphy. Checked here with Polygraphy's ONNX Runtime runner
     (TensorRT is absent): the files load, agree, and a wrong output fails the check."""
     import shlex
@@ -306,7 +359,9 @@ def test_tensorrt_repository_saves_parity_data_that_polygraphy_checks(tmp_path, 
     repo = tmp_path / "repo"
     export_backbone(str(tiny_models["bert"]), repo, ServingOptions(engine="tensorrt"))
     config = parse_pbtxt((repo / "models" / "backbone" / "config.pbtxt").read_text())
-    assert config.platform == "tensorrt_plan" and config.optimization.cuda.graphs
+    assert config.platform == "tensorrt_plan" and not config.optimization.cuda.graphs
+    vanilla = parse_pbtxt((repo / "models" / "backbone_vanilla" / "config.pbtxt").read_text())
+    assert vanilla.optimization.cuda.graphs and len(vanilla.optimization.cuda.graph_spec) > 0
     script = (repo / "build_engines.sh").read_text()
     polygraphy = str(Path(sys.executable).with_name("polygraphy"))
     for name in ("backbone", "backbone_vanilla"):
@@ -366,6 +421,44 @@ def test_config_checks_find_what_triton_would_refuse(tmp_path, tiny_models):
                     "backbone.aot_rows is TYPE_FP16 but '_input_ids' is TYPE_INT64")
     broken_ensemble(lambda steps: steps["backbone"].input_map.pop(io.AOT_INDEX),
                     "backbone.aot_index is required and not mapped")
+
+
+def test_dense_tensorrt_repository_and_its_cuda_graph_specs(tmp_path, tiny_models):
+    """--format tensorrt --bias-interface dense: the plan is built from a graph taking aot_bias in the profile's
+    shapes, its configs pass the checks, and graph specs Triton's TensorRT backend would refuse (or never capture)
+    are named. The torch engine has no lookup step: the option is refused there."""
+    from exporter.config_checks import check_configs
+
+    repo = make_repository(tiny_models["bert"], tmp_path / "repo", {}, engine="tensorrt", bias_interface="dense",
+                           buckets=(8, 16), max_batch_size=4)
+    models = repo / "models"
+    assert check_configs(models) == [] and check_configs(models, "configs/cpu.pbtxt") == []
+    info = read_repository(repo)
+    L, d = info.num_layers, info.hidden_size
+    script = (repo / "build_engines.sh").read_text()
+    assert f"aot_bias:1x1x{L}x{d}" in script and f"aot_bias:4x16x{L}x{d}" in script and "aot_rows" not in script
+    assert info.options.bias_interface == "dense"
+    config = parse_pbtxt((models / "backbone" / "config.pbtxt").read_text())
+    assert [(g.batch_size, g.input[io.AOT_BIAS].dim[0]) for g in config.optimization.cuda.graph_spec] == [
+        (b, s) for s in (8, 16) for b in (1, 2, 3, 4)]
+    text = (models / "backbone" / "config.pbtxt").read_text()
+
+    def broken(edit, message):
+        bad = parse_pbtxt(text)
+        edit(bad.optimization.cuda.graph_spec)
+        (models / "backbone" / "config.pbtxt").write_text(to_pbtxt(bad))
+        problems = check_configs(models)
+        assert any(message in p for p in problems), (message, problems)
+        (models / "backbone" / "config.pbtxt").write_text(text)
+
+    broken(lambda specs: specs[0].input.pop(io.AOT_BIAS), "expected every input")
+    broken(lambda specs: setattr(specs[3], "batch_size", 5), "<= max_batch_size 4")
+    broken(lambda specs: specs[1].input[io.AOT_BIAS].dim.append(1), "does not fit its dims")
+    broken(lambda specs: specs[2].graph_lower_bound.input[io.INPUT_IDS].dim.__setitem__(0, 99), "needs a lower bound")
+    with pytest.raises(RepositoryError, match="--bias-interface dense applies to --format onnx and tensorrt"):
+        export_backbone(str(tiny_models["bert"]), tmp_path / "t", ServingOptions(engine="torch", bias_interface="dense"))
+    with pytest.raises(RepositoryError, match="bias interface 'sparse': expected one of rows, dense"):
+        ServingOptions(bias_interface="sparse")
 
 
 def test_onnx_gpu_config_runs_the_fp16_graph_where_parity_allows(tmp_path, tiny_models):

@@ -155,7 +155,11 @@ def test_protocol_dtypes_have_one_definition():
     assert protocol.triton_type(protocol.AOT_INDEX) == "INT32"
     assert protocol.triton_type(protocol.INPUT_IDS) == "INT64"
     assert protocol.triton_type(protocol.TASK_VERSION) == "BYTES"
-    assert protocol.PROTOCOL_VERSION == 3
+    assert protocol.triton_type(protocol.AOT_BIAS) == "FP16"
+    assert protocol.PROTOCOL_VERSION == 4
+    assert protocol.bias_inputs("dense") == [protocol.AOT_BIAS]
+    with pytest.raises(ValueError, match="unknown bias interface 'ragged': expected one of rows, dense"):
+        protocol.bias_inputs("ragged")
     assert protocol.POOLINGS == ("cls", "mean")  # the backbone's pooled rows, in this order
 
 

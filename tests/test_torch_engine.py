@@ -15,7 +15,7 @@ from aot.client import Client
 from exporter.configs import parse_pbtxt
 from serving import protocol as io
 from serving.pool import RowPool
-from serving.repository import ServingOptions, memory_pool_bytes, read_repository
+from serving.repository import ServingOptions, largest_batch_bytes, memory_pool_bytes, read_repository
 from serving_torch.engine import DeviceRows, Prepared, TorchBackbone
 from tests.helpers import make_repository, serve_for_tests, train_tiny_task
 from training.predict import Predictor
@@ -172,23 +172,32 @@ def test_cuda_server_flags_come_from_the_repository(repo):
     big["serving"] = {**big["serving"], "engine": "onnx", "max_batch_size": 32, "buckets": [128, 512]}
     sized = memory_pool_bytes(type(info)(info.path, big))
     assert sized["cuda"] >= 2 * 32 * 512 * 12 * 768 * 2 and sized["cuda"] % (1 << 20) == 0
+    big["serving"]["bias_interface"] = "dense"  # the same bias bytes per token, no index
+    dense = largest_batch_bytes(type(info)(info.path, big))
+    big["serving"]["bias_interface"] = "rows"
+    assert largest_batch_bytes(type(info)(info.path, big)) - dense == 32 * 512 * 4
 
 
 @pytest.mark.server
-def test_lookup_step_serves_rows_from_a_host_or_a_torch_pool(tmp_path, tiny_models, artifacts):
+@pytest.mark.parametrize("interface", io.BIAS_INTERFACES)
+def test_lookup_step_serves_the_bias_from_a_host_or_a_torch_pool(tmp_path, tiny_models, artifacts, expected, interface):
     """The native GPU ensemble's aot_lookup step, through the real server: with its pool in host memory (the CPU
-    config), then in torch memory with the rows handed out through DLPack (the GPU config's path, on the CPU device:
-    DLPack tensors exist there too). Rows and index equal the task's own, for fused and factored tasks."""
+    config), then in torch memory with the bias handed out through DLPack (the GPU config's path, on the CPU device:
+    DLPack tensors exist there too). Rows and index (or, dense, each token's row) equal the task's own, for fused
+    and factored tasks. The repository's AoT graph takes the same interface, and its ensemble answers as predict."""
     import tritonclient.grpc as grpcclient
     from google.protobuf.json_format import MessageToJson
 
     from aot.server import LocalServer
+    from serving.engine import BackboneRunner
     from serving.tasks import TaskRegistry, token_index
     from serving.tokenization import Tokenization
 
     repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"a": (artifacts["a"], "fused"),
-                                                                    "b": (artifacts["b"], "factored")})
+                                                                    "b": (artifacts["b"], "factored")},
+                           bias_interface=interface)
     info = read_repository(repo)
+    assert BackboneRunner(info.backbone_onnx).dense == (interface == "dense")
     served = TaskRegistry(info.store_root, parts="all").served()
     tokens = Tokenization(info.tokenizer_dir, info.uses_token_type_ids)
     gpu = parse_pbtxt((repo / "models" / "aot_lookup" / "config.pbtxt").read_text())
@@ -213,9 +222,17 @@ def test_lookup_step_serves_rows_from_a_host_or_a_torch_pool(tmp_path, tiny_mode
                         inputs.append(t)
                     result = client.infer("aot_lookup", inputs)
                     unique, index = token_index(enc[io.INPUT_IDS], enc[io.ATTENTION_MASK])
-                    np.testing.assert_array_equal(result.as_numpy(io.AOT_ROWS), task.rows(unique).reshape(1, -1))
-                    np.testing.assert_array_equal(result.as_numpy(io.AOT_INDEX), index[None, :])
+                    if interface == "dense":
+                        np.testing.assert_array_equal(result.as_numpy(io.AOT_BIAS), task.rows(unique)[index][None])
+                        assert result.get_output(io.AOT_INDEX) is None
+                    else:
+                        np.testing.assert_array_equal(result.as_numpy(io.AOT_ROWS), task.rows(unique).reshape(1, -1))
+                        np.testing.assert_array_equal(result.as_numpy(io.AOT_INDEX), index[None, :])
         client.close()
+        with Client(server.grpc_url) as aot_client:  # the repository's AoT graph, in this interface
+            for name in "ab":
+                answers = aot_client.infer_many([{"task": name, "text": t} for t in TEXTS], concurrency=4)
+                np.testing.assert_allclose([a["logits"] for a in answers], expected[name][0], atol=1e-3)
         log = server.log_path.read_text()
     assert "aot_lookup: task pool rows in host memory" in log
     assert "aot_lookup: task pool rows in torch memory on cpu, out through DLPack" in log

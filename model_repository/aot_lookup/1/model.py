@@ -1,5 +1,6 @@
-"""Triton python model: the AoT lookup of the native GPU ensemble. TASK_VERSION, token ids -> the rows of P for the
-request's distinct tokens (+ each token's row), its batch's misses filled together in the task pool.
+"""Triton python model: the AoT lookup of the native GPU ensemble. TASK_VERSION, token ids -> the request's bias in
+the repository's bias interface: the rows of P for its distinct tokens + each token's row (`rows`), or each token's
+row itself, rows[index] (`dense`); its batch's misses filled together in the task pool.
 
 `pool_storage: torch` (the GPU config, KIND_GPU): the pool lives in device memory (serving_torch.engine.DeviceRows
 on this instance's GPU); a request's rows are gathered there and handed to the backbone as a GPU tensor through
@@ -32,6 +33,7 @@ class TritonPythonModel:
                 torch.cuda.set_device(self.device)
             storage = DeviceRows(self.device)
         self.step = Step(args, pb_utils, "aot_lookup", tasks="rows", pool_storage=storage)
+        self.dense = self.step.options.bias_interface == "dense"
         where = f"torch memory on {self.device}, out through DLPack" if self.device else "host memory"
         pb_utils.Logger.log_info(f"aot_lookup: task pool rows in {where}")
 
@@ -45,18 +47,32 @@ class TritonPythonModel:
         """The batch's rows in one pool call (its misses filled together), gathered on the pool's device; rows the
         pool does not hold come from storage."""
         rows = self.step.tasks.rows_many([(task, unique) for task, unique, _ in batch])
-        return [r.reshape(1, -1) for r in rows], [i for _, _, i in batch]
+        if self.dense:  # each token's row, gathered where the rows are (the device pool's gather stays on the GPU)
+            return [self._gather(r, i)[None] for r, (_, _, i) in zip(rows, batch)]
+        return [(r.reshape(1, -1), i[None, :]) for r, (_, _, i) in zip(rows, batch)]
 
-    def _rows_tensor(self, rows):
-        """Host rows as they are; a torch tensor (the device pool's gather) through DLPack, without a copy. The
-        tensor itself, not a capsule: given an object with __dlpack__, the backend synchronizes with the stream that
-        produced it before it reads the rows."""
+    @staticmethod
+    def _gather(rows, index):
         if isinstance(rows, np.ndarray):
-            return self.step.output(protocol.AOT_ROWS, rows)
-        return pb_utils.Tensor.from_dlpack(protocol.AOT_ROWS, rows)
+            return rows[index]
+        import torch
+
+        return rows[torch.from_numpy(index).to(rows.device, torch.long)]
+
+    def _tensor(self, name: str, value):
+        """Host arrays as they are; a torch tensor (the device pool's gather) through DLPack, without a copy. The
+        tensor itself, not a capsule: given an object with __dlpack__, the backend synchronizes with the stream that
+        produced it before it reads it."""
+        if isinstance(value, np.ndarray):
+            return self.step.output(name, value)
+        return pb_utils.Tensor.from_dlpack(name, value.contiguous())
+
+    def _outputs(self, out, k):
+        if self.dense:
+            return [self._tensor(protocol.AOT_BIAS, out[k])]
+        rows, index = out[k]
+        return [self._tensor(protocol.AOT_ROWS, rows), self.step.output(protocol.AOT_INDEX, index)]
 
     def execute(self, requests):
         self.step.refresh()
-        return self.step.respond_batch(
-            requests, self._prepare, self._run,
-            lambda out, k: [self._rows_tensor(out[0][k]), self.step.output(protocol.AOT_INDEX, out[1][k][None, :])])
+        return self.step.respond_batch(requests, self._prepare, self._run, self._outputs)
