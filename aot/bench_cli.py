@@ -19,14 +19,18 @@ def add_bench(sub) -> None:
                          help="inference time of each multi-task method relative to the plain model (paper Fig. 3)",
                          description="Times vanilla, AoT (fused, factored), unfused LoRA, adapters, P-Tuning v1/v2 "
                                      "side by side in one process (rotating order) and writes overhead.json, "
-                                     "overhead.md and overhead.png.")
+                                     "overhead.md and overhead.png. --engine onnxruntime times the exported graphs "
+                                     "instead (vanilla, AoT in the rows and the dense bias interface).")
     o.add_argument("--models", type=_names, default=["minilm"],
                    help="minilm (real weights), local model folders, and/or random models of shape bert-base, "
                         "roberta-base, roberta-large, deberta-v2-xlarge")
     o.add_argument("--batch", type=_ints, default=[1, 16, 64], help="batch sizes")
     o.add_argument("--seq", type=_ints, default=[64, 128, 384], help="sequence lengths")
     o.add_argument("--methods", type=_names, default=None, help="subset of methods (vanilla is always run)")
-    o.add_argument("--engine", choices=["torch", "onnxruntime"], default="torch")
+    o.add_argument("--engine", choices=["torch", "onnxruntime"], default="torch",
+                   help="torch: every method in PyTorch; onnxruntime: the exporter's graphs, AoT as aot-fused (rows + "
+                        "index) and aot-dense (dense bias); on cpu through the server's lookup and batching code, "
+                        "on cuda the fp16 graphs with the table and inputs in device memory (needs onnxruntime-gpu)")
     o.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     o.add_argument("--cuda-graphs", action="store_true", help="torch on cuda: replay each method as a CUDA graph")
     o.add_argument("--dtype", choices=["auto", "fp32", "fp16", "bf16"], default="auto", help="auto: fp16 on cuda")

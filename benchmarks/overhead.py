@@ -5,6 +5,8 @@ Every method is timed as the multi-task-capable computation a server would run, 
     vanilla       the plain encoder (also the cost of BitFit and of fused LoRA)
     aot-fused     AoT with a fused table: host lookup of the batch's distinct tokens (memory-mapped table), rows
                   and index to the device, one gather + add per layer. The lookup is inside the timed region.
+    aot-dense     (--engine onnxruntime) aot-fused in the dense bias interface: the exported graph takes each
+                  token's row [B, S, L, d] instead of the distinct rows + index (serving option bias_interface)
     aot-factored  AoT computing its rows on the fly from the FC factors (rank --rank)
     lora          unfused LoRA on query/value with per-row adapters (batched low-rank matmuls, rank --rank)
     adapter       Houlsby adapters with per-row weights (bottleneck --adapter-rank)
@@ -35,7 +37,7 @@ from training.methods.aot.config import FCConfig
 from training.methods.aot.layer import FCPrompt
 from serving_torch.encoder import BiasedEncoder, pool_states
 
-METHODS = ("vanilla", "aot-fused", "aot-factored", "lora", "adapter", "prompt", "prefix")
+METHODS = ("vanilla", "aot-fused", "aot-dense", "aot-factored", "lora", "adapter", "prompt", "prefix")
 
 
 def _model_configs() -> dict[str, Callable]:
@@ -441,6 +443,9 @@ def run_torch(config: OverheadConfig, progress: bool = True, on_size: Callable[[
             case = make_case(encoder, batch, seq, device, dtype)
             methods, skipped = {}, {}
             for name in config.methods:
+                if name not in METHOD_CLASSES:
+                    skipped[name] = "an input interface of the exported graphs: --engine onnxruntime"
+                    continue
                 cls = METHOD_CLASSES[name]
                 method = cls(case, config, table, resident) if cls is AoTFused else cls(case, config)
                 try:
@@ -471,21 +476,98 @@ def run_torch(config: OverheadConfig, progress: bool = True, on_size: Callable[[
     return records
 
 
-# --- ONNX Runtime: the exported graphs a CPU server runs --------------------------------------------------------
+# --- ONNX Runtime: the exported graphs a server runs --------------------------------------------------------------
+
+def _ort_graphs(backbone, folder: Path, methods: list[str], device: torch.device) -> dict[str, Path]:
+    """The exporter's graphs the methods need: vanilla, AoT in the rows interface, AoT in the dense interface. On
+    CUDA their fp16 twins, what the NGC image's onnxruntime backend runs (the fp32 graph where the twin misses
+    parity)."""
+    from exporter.onnx_export import export_backbone_graph, export_fp16_graph
+
+    wanted = {"vanilla": (False, "rows"), "aot": (True, "rows"), "aot-dense": (True, "dense")}
+    need = {"vanilla"} | ({"aot"} if {"aot-fused", "aot-factored"} & set(methods) else set()) | (
+        {"aot-dense"} & set(methods))
+    graphs = {}
+    for name in sorted(need):
+        aot, interface = wanted[name]
+        graph = export_backbone_graph(backbone, folder / name, aot=aot, interface=interface).optimized
+        if device.type == "cuda":
+            graph = export_fp16_graph(backbone, graph, aot, interface)[0] or graph
+        graphs[name] = graph
+    return graphs
+
+
+_NUMPY_TYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float16: np.float16, torch.float32: np.float32}
+
+
+class BoundSession:
+    """An ONNX Runtime session whose inputs and output are bound in place to torch tensors on `device` (IO binding):
+    nothing is copied through the host, as in Triton's native backends, where the lookup's tensors arrive in device
+    memory. CUDA needs onnxruntime-gpu (its CUDA execution provider)."""
+
+    def __init__(self, path: Path, device: torch.device, threads: int = 0):
+        import onnxruntime as ort
+
+        provider = "CUDAExecutionProvider" if device.type == "cuda" else "CPUExecutionProvider"
+        if provider not in ort.get_available_providers():
+            raise ValueError(f"--engine onnxruntime --device {device.type} needs onnxruntime with {provider} "
+                             f"(this onnxruntime has {', '.join(ort.get_available_providers())}): install "
+                             "onnxruntime-gpu")
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        options_cuda = [{"device_id": device.index or 0}] if device.type == "cuda" else None
+        self.session = ort.InferenceSession(str(path), options, providers=[provider], provider_options=options_cuda)
+        self.device = device
+        self.inputs = {i.name for i in self.session.get_inputs()}
+
+    def run(self, feeds: dict[str, torch.Tensor], hidden: int) -> torch.Tensor:
+        """The pooled states [B, P, d] (fp32, on the device) of `feeds` (the graph's inputs, on the device)."""
+        _sync(self.device)  # inputs written on torch's stream before ONNX Runtime reads them on its own
+        binding = self.session.io_binding()
+        kind, index = self.device.type, self.device.index or 0
+        for name, tensor in feeds.items():
+            if name in self.inputs:
+                t = tensor.contiguous()
+                binding.bind_input(name, kind, index, _NUMPY_TYPES[t.dtype], tuple(t.shape), t.data_ptr())
+        out = torch.empty((feeds[io.INPUT_IDS].shape[0], len(io.POOLINGS), hidden), dtype=torch.float32,
+                          device=self.device)
+        binding.bind_output(io.POOLED_HIDDEN, kind, index, np.float32, tuple(out.shape), out.data_ptr())
+        self.session.run_with_iobinding(binding)
+        binding.synchronize_outputs()  # ONNX Runtime's stream done: the timer may stop
+        return out
+
+
+def device_bias_feeds(case: Case, table: torch.Tensor, interface: str) -> dict[str, torch.Tensor]:
+    """What the GPU lookup step hands the native backbone for this batch, computed on the device from the resident
+    table [V, L, d]: the rows of the batch's distinct tokens + index (every sequence's rows starting at row 0 of
+    one block), or each token's row."""
+    if interface == "dense":
+        return {io.AOT_BIAS: table[case.ids]}
+    unique, inverse = torch.unique(case.ids, return_inverse=True)
+    rows = table[unique]
+    offsets = torch.zeros(case.batch + 1, dtype=torch.int32, device=case.device)
+    offsets[-1] = rows.numel()
+    return {io.AOT_ROWS: rows.reshape(-1), io.AOT_INDEX: inverse.int(), io.AOT_ROW_OFFSETS: offsets}
+
 
 def run_onnxruntime(config: OverheadConfig, progress: bool = True,
                     on_size: Callable[[list[dict]], None] = lambda r: None) -> list[dict]:
-    """vanilla and AoT through the exporter's optimized graphs and the server's own lookup and batching code
-    (serving.tasks, serving.engine), the lookup inside the timed region. Other methods run with --engine torch."""
+    """vanilla and AoT through the exporter's optimized graphs, AoT in both bias interfaces (aot-fused: rows + index;
+    aot-dense: each token's row). On CPU, the server's own lookup and batching code (serving.tasks, serving.engine),
+    the lookup inside the timed region. On CUDA, the fp16 graphs with the table resident on the device and the
+    inputs bound in place (BoundSession); the device lookup is inside the timed region. Other methods run with
+    --engine torch."""
     from tqdm.auto import tqdm
 
-    from exporter.onnx_export import export_backbone_graph
     from serving.engine import BackboneRunner
     from exporter.rows_export import write_rows_graphs
     from serving.store import EMBEDDINGS
     from serving.tasks import FactoredRows, ServedTask, lookup
     from training.backbone import Backbone
 
+    device = torch.device(config.device)
     records = []
     scratch = Path(tempfile.mkdtemp(prefix="aot-bench-ort-"))
     sizes = [(b, s) for b in config.batches for s in config.seqs]
@@ -495,42 +577,59 @@ def run_onnxruntime(config: OverheadConfig, progress: bool = True,
         backbone = Backbone(model_name, encoder, None, "bench")
         L, d, V = backbone.num_layers, backbone.hidden_size, encoder.config.vocab_size
         table = fused_table(V, L, d, scratch)
-        graphs = {"vanilla": export_backbone_graph(backbone, scratch / model_name / "vanilla", aot=False),
-                  "aot": export_backbone_graph(backbone, scratch / model_name / "aot", aot=True)}
-        runners_by_graph = {k: BackboneRunner(g.optimized) for k, g in graphs.items()}
-        prompt = FCPrompt(FCConfig(rank=config.rank), L, d, embedding_std=0.05).eval()
-        factors = {k: v.detach().numpy() for k, v in prompt.state_dict().items()}
-        store = scratch / model_name / "store"
-        write_rows_graphs(store, L, d)
-        np.save(store / EMBEDDINGS, encoder.get_input_embeddings().weight.detach().numpy())
-        served = {"aot-fused": ServedTask("fused", "fused@000000000000", None, 512, "fused", L, d, V, {},
+        graphs = _ort_graphs(backbone, scratch / model_name, config.methods, device)
+        if device.type == "cuda":
+            sessions = {k: BoundSession(g, device) for k, g in graphs.items()}
+            resident = torch.from_numpy(np.array(table)).to(device)
+        else:
+            runners_by_graph = {k: BackboneRunner(g) for k, g in graphs.items()}
+            prompt = FCPrompt(FCConfig(rank=config.rank), L, d, embedding_std=0.05).eval()
+            factors = {k: v.detach().numpy() for k, v in prompt.state_dict().items()}
+            store = scratch / model_name / "store"
+            write_rows_graphs(store, L, d)
+            np.save(store / EMBEDDINGS, encoder.get_input_embeddings().weight.detach().numpy())
+            served = {"fused": ServedTask("fused", "fused@000000000000", None, 512, "fused", L, d, V, {},
                                           table=table),
-                  "aot-factored": ServedTask("factored", "factored@000000000000", None, 512, "factored", L, d, V,
+                      "factored": ServedTask("factored", "factored@000000000000", None, 512, "factored", L, d, V,
                                              {}, compute_rows=FactoredRows(store, {"method": "fc", "activation": "tanh"},
-                                                                                    factors))}
+                                                                           factors))}
         for batch, seq in sizes:
-            case = make_case(encoder, batch, seq, torch.device("cpu"), torch.float32)
-            tokens = [{io.INPUT_IDS: case.ids[b].numpy(), io.ATTENTION_MASK: case.mask[b].numpy()}
-                      | ({io.TOKEN_TYPE_IDS: case.token_types[b].numpy()} if case.token_types is not None else {})
-                      for b in range(batch)]
+            case = make_case(encoder, batch, seq, device, torch.float32)
+            if device.type == "cuda":
+                tokens = {io.INPUT_IDS: case.ids, io.ATTENTION_MASK: case.mask}
+                if case.token_types is not None:
+                    tokens[io.TOKEN_TYPE_IDS] = case.token_types
+                run = lambda graph, bias=None: sessions[graph].run(  # noqa: E731
+                    {**tokens, **(device_bias_feeds(case, resident, bias) if bias else {})}, d)
+                runners = {"vanilla": lambda: run("vanilla"), "aot-fused": lambda: run("aot", "rows"),
+                           "aot-dense": lambda: run("aot-dense", "dense")}
+            else:
+                requests = [{io.INPUT_IDS: case.ids[b].numpy(), io.ATTENTION_MASK: case.mask[b].numpy()}
+                            | ({io.TOKEN_TYPE_IDS: case.token_types[b].numpy()} if case.token_types is not None else {})
+                            for b in range(batch)]
 
-            def served_path(task: ServedTask):
-                """What the lookup and backbone steps of the server do for this batch."""
-                requests = []
-                for t in tokens:
-                    rows, index = lookup(task, t[io.INPUT_IDS], t[io.ATTENTION_MASK])
-                    requests.append({**t, io.AOT_ROWS: rows, io.AOT_INDEX: index})
-                return runners_by_graph["aot"].run(requests)
+                def served_path(task: ServedTask, graph: str):
+                    """What the backbone step of the CPU server does for this batch: lookup, then the graph."""
+                    looked_up = []
+                    for t in requests:
+                        rows, index = lookup(task, t[io.INPUT_IDS], t[io.ATTENTION_MASK])
+                        looked_up.append({**t, io.AOT_ROWS: rows, io.AOT_INDEX: index})
+                    return runners_by_graph[graph].run(looked_up)
 
-            runners = {"vanilla": lambda: runners_by_graph["vanilla"].run(tokens),
-                       "aot-fused": lambda: served_path(served["aot-fused"]),
-                       "aot-factored": lambda: served_path(served["aot-factored"])}
+                runners = {"vanilla": lambda: runners_by_graph["vanilla"].run(requests),
+                           "aot-fused": lambda: served_path(served["fused"], "aot"),
+                           "aot-factored": lambda: served_path(served["factored"], "aot"),
+                           "aot-dense": lambda: served_path(served["fused"], "aot-dense")}
             methods = {n: _Callable(n, r) for n, r in runners.items() if n in config.methods}
-            skipped = {n: "onnxruntime engine times vanilla and AoT graphs only; use --engine torch for the others"
+            skipped = {n: "the onnxruntime engine times vanilla and AoT graphs only; use --engine torch for the others"
                        for n in config.methods if n not in runners}
-            times = time_methods(methods, config.warmup, config.repeats, torch.device("cpu"))
-            common = {"model": model_name, "batch": batch, "seq": seq, "engine": "onnxruntime", "device": "cpu",
-                      "dtype": "float32", "cuda_graphs": False, "repeats": config.repeats}
+            if "aot-factored" in skipped and device.type == "cuda":
+                skipped["aot-factored"] = "the onnxruntime engine on cuda times fused tables (the factored rows are " \
+                                          "computed by the lookup step, not the graph)"
+            times = time_methods(methods, config.warmup, config.repeats, device)
+            common = {"model": model_name, "batch": batch, "seq": seq, "engine": "onnxruntime", "device": device.type,
+                      "dtype": "float16" if device.type == "cuda" else "float32", "cuda_graphs": False,
+                      "repeats": config.repeats}
             records += size_records(config.methods, times, skipped, common)
             on_size(records)
             bar.update(1)
@@ -593,8 +692,8 @@ def run_overhead(config: OverheadConfig, progress: bool = True) -> dict:
         config.methods = ["vanilla", *config.methods]
     if config.cuda_graphs and config.device != "cuda":
         raise ValueError("--cuda-graphs needs --device cuda")
-    if config.engine == "onnxruntime" and config.device != "cpu":
-        raise ValueError("--engine onnxruntime runs on --device cpu here (the CUDA provider is not installed)")
+    if config.cuda_graphs and config.engine != "torch":
+        raise ValueError("--cuda-graphs applies to --engine torch")
     runner = run_torch if config.engine == "torch" else run_onnxruntime
     out = Path(config.out)
     graphs = " + CUDA graphs" if config.cuda_graphs else ""

@@ -18,16 +18,50 @@ def test_overhead_tiny(tmp_path, tiny_models, engine, capsys):
                  "--repeats", "2", "--warmup", "1", "--engine", engine, "--out", str(out), "--no-progress"])
     assert code == 0
     records = json.loads((out / "overhead.json").read_text())
-    assert {r["method"] for r in records} == {"vanilla", "aot-fused", "aot-factored", "lora", "adapter", "prompt",
-                                              "prefix"}
+    assert {r["method"] for r in records} == {"vanilla", "aot-fused", "aot-dense", "aot-factored", "lora", "adapter",
+                                              "prompt", "prefix"}
     for r in records:
         assert OVERHEAD_FIELDS <= set(r)
     ran = [r for r in records if r["median_ms"] is not None]
     assert {r["method"] for r in ran} >= {"vanilla", "aot-fused", "aot-factored"}
+    # the dense bias interface is an input of the exported graphs: timed by the onnxruntime engine only
+    assert ("aot-dense" in {r["method"] for r in ran}) == (engine == "onnxruntime")
     assert all(r["median_ms"] > 0 and r["ratio_to_vanilla"] > 0 for r in ran)
     assert next(r for r in records if r["method"] == "vanilla")["ratio_to_vanilla"] == 1.0
     assert (out / "overhead.md").read_text().startswith("# Inference overhead")
     assert (out / "overhead.png").stat().st_size > 1000
+
+
+def test_bound_session_equals_a_plain_run(tmp_path, tiny_models):
+    """The onnxruntime engine's GPU path (inputs bound in place, the lookup on the device) on the CPU device: both
+    bias interfaces give the states of the server's own lookup and batching (serving.engine.BackboneRunner)."""
+    import numpy as np
+    import torch
+
+    from benchmarks.overhead import BoundSession, device_bias_feeds, make_case
+    from exporter.onnx_export import export_backbone_graph
+    from serving import protocol as io
+    from serving.engine import BackboneRunner
+    from tests.tiny import tiny_backbone
+
+    backbone = tiny_backbone("bert")
+    L, d, V = backbone.num_layers, backbone.hidden_size, backbone.embeddings.shape[0]
+    table = torch.from_numpy((np.random.default_rng(0).standard_normal((V, L, d)) * 0.5).astype(np.float16))
+    case = make_case(backbone.encoder, 3, 10, torch.device("cpu"), torch.float32)
+    tokens = {io.INPUT_IDS: case.ids, io.ATTENTION_MASK: case.mask, io.TOKEN_TYPE_IDS: case.token_types}
+    requests = []
+    for b in range(3):
+        unique, index = np.unique(case.ids[b].numpy(), return_inverse=True)
+        requests.append({**{k: v[b].numpy() for k, v in tokens.items()}, io.AOT_ROWS: table.numpy()[unique],
+                         io.AOT_INDEX: index.astype(np.int32)})
+    states = {}
+    for interface in io.BIAS_INTERFACES:
+        graph = export_backbone_graph(backbone, tmp_path / interface, aot=True, interface=interface).optimized
+        expected = BackboneRunner(graph).run(requests)
+        got = BoundSession(graph, torch.device("cpu")).run({**tokens, **device_bias_feeds(case, table, interface)}, d)
+        np.testing.assert_allclose(got.numpy(), expected, atol=1e-4)
+        states[interface] = expected
+    np.testing.assert_allclose(states["rows"], states["dense"], atol=1e-4)
 
 
 def test_overhead_rejects_unknown_method(tmp_path, capsys):
