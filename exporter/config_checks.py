@@ -6,7 +6,7 @@ Each config is parsed as a Triton ModelConfig protobuf, then:
 - batch inputs: a known kind with the source inputs it needs, source inputs that are ragged inputs of the model,
   INT32 or FP32, a target name no input has;
 - CUDA graph specs (TensorRT): batch sizes within max_batch_size above their lower bounds, and a shape for every
-  input (none ragged) that fits the input's dims, at or above its lower bound;
+  input (none ragged, no negative dimension) that fits the input's dims, at or above its lower bound;
 - native ONNX Runtime models: every config input, batch input and output matches the graph's (name, type, and rank:
   a ragged input is 1-D in the graph, a batched one has the batch axis first);
 - ensembles: every step's model exists, maps only inputs and outputs that model has, and every tensor a step reads
@@ -94,7 +94,7 @@ def _check_graph_specs(name: str, config) -> list[str]:
             dims, low = list(shape.dim), list(lower.input[tensor].dim) if tensor in lower.input else None
             if inputs[tensor].allow_ragged_batch:
                 problems.append(f"{where}: {tensor} is ragged: its shape changes with every batch")
-            elif len(dims) != len(inputs[tensor].dims) or any(c != -1 and c != d for c, d in
+            elif len(dims) != len(inputs[tensor].dims) or any(d < 0 or (c != -1 and c != d) for c, d in
                                                                 zip(inputs[tensor].dims, dims)):
                 problems.append(f"{where}: {tensor} {dims} does not fit its dims {list(inputs[tensor].dims)}")
             if low is None or len(low) != len(dims) or any(lo > d for lo, d in zip(low, dims)):

@@ -454,6 +454,7 @@ def test_dense_tensorrt_repository_and_its_cuda_graph_specs(tmp_path, tiny_model
     broken(lambda specs: specs[0].input.pop(io.AOT_BIAS), "expected every input")
     broken(lambda specs: setattr(specs[3], "batch_size", 5), "<= max_batch_size 4")
     broken(lambda specs: specs[1].input[io.AOT_BIAS].dim.append(1), "does not fit its dims")
+    broken(lambda specs: specs[1].input[io.INPUT_IDS].dim.__setitem__(0, -1), "does not fit its dims")
     broken(lambda specs: specs[2].graph_lower_bound.input[io.INPUT_IDS].dim.__setitem__(0, 99), "needs a lower bound")
     with pytest.raises(RepositoryError, match="--bias-interface dense applies to --format onnx and tensorrt"):
         export_backbone(str(tiny_models["bert"]), tmp_path / "t", ServingOptions(engine="torch", bias_interface="dense"))
