@@ -5,8 +5,9 @@ Each config is parsed as a Triton ModelConfig protobuf, then:
 - batching: ragged inputs and batch inputs need max_batch_size > 0; a ragged input is 1-D ([-1]);
 - batch inputs: a known kind with the source inputs it needs, source inputs that are ragged inputs of the model,
   INT32 or FP32, a target name no input has;
-- CUDA graph specs (TensorRT): batch sizes within max_batch_size above their lower bounds, and a shape for every
-  input (none ragged, no negative dimension) that fits the input's dims, at or above its lower bound;
+- CUDA graph specs (TensorRT): batch sizes within max_batch_size above their lower bounds (a spec without one is its
+  own), and a shape for every input and batch input, no dimension below 0, that fits the input's dims (a ragged
+  input's: one dimension), at or above its lower bound;
 - native ONNX Runtime models: every config input, batch input and output matches the graph's (name, type, and rank:
   a ragged input is 1-D in the graph, a batched one has the batch axis first);
 - ensembles: every step's model exists, maps only inputs and outputs that model has, and every tensor a step reads
@@ -76,26 +77,33 @@ def _check_batching(name: str, config) -> list[str]:
 
 
 def _check_graph_specs(name: str, config) -> list[str]:
-    """What the TensorRT backend validates when it captures CUDA graphs at load (ValidateGraphSpec), and the shapes
-    it needs for every input (a spec lacking one is not captured)."""
+    """What the TensorRT backend validates when it captures CUDA graphs at load (InitializeGraphSpecs,
+    ValidateGraphSpec), and the shapes SetCudaGraphShape needs for every engine input, batch inputs included (a spec
+    lacking one is not captured). A spec without graph_lower_bound is its own lower bound; a ragged input's shape is
+    its 1-D shape after the batch is concatenated."""
     problems = []
     inputs = {i.name: i for i in config.input}
+    engine_inputs = set(inputs) | {b.target_name[0] for b in config.batch_input if len(b.target_name) == 1}
     for k, spec in enumerate(config.optimization.cuda.graph_spec):
         where = f"{name}: graph_spec {k} (batch {spec.batch_size})"
-        lower = spec.graph_lower_bound
+        bounded = spec.HasField("graph_lower_bound")
+        lower = spec.graph_lower_bound if bounded else spec
         if not 1 <= lower.batch_size <= spec.batch_size <= config.max_batch_size:
             problems.append(f"{where}: expected 1 <= lower bound batch {lower.batch_size} <= batch <= "
                             f"max_batch_size {config.max_batch_size}")
-        if set(spec.input) != set(inputs):
-            problems.append(f"{where}: shapes for {sorted(spec.input)}, expected every input {sorted(inputs)}")
+        if set(spec.input) != engine_inputs:
+            problems.append(f"{where}: shapes for {sorted(spec.input)}, expected every input {sorted(engine_inputs)}")
         for tensor, shape in spec.input.items():
-            if tensor not in inputs:
-                continue
-            dims, low = list(shape.dim), list(lower.input[tensor].dim) if tensor in lower.input else None
-            if inputs[tensor].allow_ragged_batch:
-                problems.append(f"{where}: {tensor} is ragged: its shape changes with every batch")
-            elif len(dims) != len(inputs[tensor].dims) or any(d < 0 or (c != -1 and c != d) for c, d in
-                                                                zip(inputs[tensor].dims, dims)):
+            dims = list(shape.dim)
+            low = list(lower.input[tensor].dim) if tensor in lower.input else None
+            if any(d < 0 for d in dims + (low or [])):
+                problems.append(f"{where}: {tensor} {dims} (lower bound {low}) has a dimension below 0")
+            if tensor in inputs and inputs[tensor].allow_ragged_batch:
+                if len(dims) != 1:
+                    problems.append(f"{where}: ragged {tensor} needs one dimension (its concatenated length), got "
+                                    f"{dims}")
+            elif tensor in inputs and (len(dims) != len(inputs[tensor].dims) or any(
+                    c != -1 and c != d for c, d in zip(inputs[tensor].dims, dims))):
                 problems.append(f"{where}: {tensor} {dims} does not fit its dims {list(inputs[tensor].dims)}")
             if low is None or len(low) != len(dims) or any(lo > d for lo, d in zip(low, dims)):
                 problems.append(f"{where}: {tensor} needs a lower bound of rank {len(dims)} at most {dims}, got {low}")

@@ -67,14 +67,29 @@ def _in_process_lookup(target: str, options: ServingOptions) -> bool:
     return target == "cpu" or options.engine == "torch"
 
 
+def graph_batch_sizes(max_batch_size: int) -> list[int]:
+    """The batch sizes a TensorRT backbone captures CUDA graphs for: 1, 2, 3, 4, then steps of 1.5x and 2x (6, 8, 12,
+    16, 24, 32, 48, ...), and max_batch_size. A batch between two sizes replays the larger one's graph padded, so a
+    step of at most 1.5x bounds that padding (Triton's own default list jumps from 16 to the max: at 32, a batch of
+    17 would compute 32 sequences)."""
+    sizes = {1, 2, 3, max_batch_size}
+    step = 4
+    while step < max_batch_size:
+        sizes |= {step, step * 3 // 2}
+        step *= 2
+    return sorted(b for b in sizes if b <= max_batch_size)
+
+
 def _graph_specs(config, inputs: dict[str, list[int]], options: ServingOptions, max_seq: int) -> None:
-    """TensorRT CUDA graphs for every bucket the tokenizer pads to, at Triton's default batch sizes (1, 2, 3, 4, 6, 8,
-    12, 16 and max_batch_size), each taking the batch sizes above the previous one (graph_lower_bound: a batch of 5
-    runs the graph of 6, padded). The backend captures graphs at load only for these specs and replays one only for
-    a batch whose shapes it covers; without specs it captures the profile's optimal sequence length alone.
+    """TensorRT CUDA graphs for every bucket the tokenizer pads to at every size of graph_batch_sizes, each taking
+    the batch sizes above the previous one (graph_lower_bound: a batch of 5 replays the graph of 6, padded). Read in
+    tensorrt_backend (InitializeGraphSpecs, FindClosestCudaGraph): graphs are captured at load for the specs alone,
+    and a batch replays one only if the specs' shapes cover it; a backbone with dynamic batching and no specs
+    captures batch 1 and max_batch_size at the profile's optimal sequence length only. The sizes are not made the
+    dynamic batcher's preferred batch sizes: a preferred size is sent at once (Triton core, GetDynamicBatch), which
+    would turn the queue delay off for every batch that reaches one; whether that trade pays is for a GPU to show.
     `inputs`: each input's dims after the batch, -1 standing for the bucket's length."""
-    pb = _pb()
-    sizes = sorted({b for b in (1, 2, 3, 4, 6, 8, 12, 16) if b < options.max_batch_size} | {options.max_batch_size})
+    sizes = graph_batch_sizes(options.max_batch_size)
     for seq in (b for b in options.buckets if b <= max_seq):
         for lower, size in zip([1] + [s + 1 for s in sizes], sizes):
             spec = config.optimization.cuda.graph_spec.add(batch_size=size)
@@ -122,7 +137,9 @@ def _backbone(name: str, aot: bool, target: str, info: dict, options: ServingOpt
                                target_name=[io.AOT_ROW_OFFSETS], data_type=pb.TYPE_INT32,
                                source_input=[io.AOT_ROWS])
     # TensorRT replays CUDA graphs only for the shapes captured at load: the bucketed shapes of the vanilla and dense
-    # graphs. The ragged rows' length changes with every batch's distinct tokens, so no graph would ever match.
+    # graphs. The backend can key a graph on a ragged input's total length too, but a padded replay of the rows graph
+    # would gather the padded slots' rows through stale aot_index values, possibly past the rows given: until a GPU
+    # shows that is safe, the rows backbone runs without graphs.
     if options.engine == "tensorrt" and not python and (dense or not aot):
         _graph_specs(config, {i.name: list(i.dims) for i in config.input}, options, info["max_seq"])
     config.output.append(_tensor(pb.ModelOutput, io.POOLED_HIDDEN, [len(io.POOLINGS), info["hidden_size"]]))

@@ -271,8 +271,8 @@ def test_every_config_parses_and_is_consistent(uses_tt, engine, interface):
             assert backbone.platform == ("tensorrt_plan" if engine == "tensorrt" else "onnxruntime_onnx")
             assert backbone.instance_group[0].kind == backbone.instance_group[0].KIND_GPU
             assert steps == ["tokenizer", "aot_lookup", "backbone", "head"]
-            # TensorRT: CUDA graphs for every bucket within the profile x Triton's default batch sizes, for the graphs
-            # whose shapes are fixed per bucket (vanilla, dense); none for ragged rows (no shape would ever match)
+            # TensorRT: CUDA graphs for every bucket within the profile x graph_batch_sizes, for the graphs whose
+            # shapes are fixed per bucket (vanilla, dense); none for ragged rows (a padded replay reads stale indices)
             for config, fixed in ((backbone, interface == "dense"), (configs["backbone_vanilla"], True)):
                 cuda = config.optimization.cuda
                 if engine != "tensorrt" or not fixed:
@@ -454,12 +454,65 @@ def test_dense_tensorrt_repository_and_its_cuda_graph_specs(tmp_path, tiny_model
     broken(lambda specs: specs[0].input.pop(io.AOT_BIAS), "expected every input")
     broken(lambda specs: setattr(specs[3], "batch_size", 5), "<= max_batch_size 4")
     broken(lambda specs: specs[1].input[io.AOT_BIAS].dim.append(1), "does not fit its dims")
-    broken(lambda specs: specs[1].input[io.INPUT_IDS].dim.__setitem__(0, -1), "does not fit its dims")
+    broken(lambda specs: specs[1].input[io.INPUT_IDS].dim.__setitem__(0, -1), "below 0")
     broken(lambda specs: specs[2].graph_lower_bound.input[io.INPUT_IDS].dim.__setitem__(0, 99), "needs a lower bound")
     with pytest.raises(RepositoryError, match="--bias-interface dense applies to --format onnx and tensorrt"):
         export_backbone(str(tiny_models["bert"]), tmp_path / "t", ServingOptions(engine="torch", bias_interface="dense"))
     with pytest.raises(RepositoryError, match="bias interface 'sparse': expected one of rows, dense"):
         ServingOptions(bias_interface="sparse")
+
+
+def test_graph_batch_sizes_bound_the_padding():
+    """A batch replays the graph of the next size up: steps of at most 1.5x above 4 (Triton's own default list jumps
+    from 16 to max_batch_size, so at 32 a batch of 17 would compute 32 sequences)."""
+    from exporter.configs import graph_batch_sizes
+
+    assert graph_batch_sizes(32) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
+    assert graph_batch_sizes(100) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 100]
+    assert graph_batch_sizes(5) == [1, 2, 3, 4, 5] and graph_batch_sizes(1) == [1]
+    for top in range(1, 130):
+        sizes = graph_batch_sizes(top)
+        assert sizes[0] == 1 and sizes[-1] == top
+        assert all(b / a <= 1.5 for a, b in zip(sizes, sizes[1:]) if a >= 4)
+
+
+def test_graph_spec_checks_follow_the_tensorrt_backend():
+    """The spec checks accept what tensorrt_backend accepts (a spec without a lower bound; a ragged input's 1-D
+    shape, with the batch input's) and name what it refuses or never captures."""
+    from exporter.config_checks import _check_graph_specs
+
+    info = {"uses_token_type_ids": False, "hidden_size": 48, "num_layers": 3, "max_seq": 128}
+    options = ServingOptions(engine="tensorrt", bias_interface="rows", buckets=(16, 128), max_batch_size=8)
+    rows = model_configs(info, options, "gpu")["backbone"]
+    assert not rows.optimization.cuda.graph_spec and _check_graph_specs("backbone", rows) == []
+    spec = rows.optimization.cuda.graph_spec.add(batch_size=4)  # no lower bound: the spec is its own
+    shapes = {io.INPUT_IDS: [16], io.ATTENTION_MASK: [16], io.AOT_INDEX: [16], io.AOT_ROWS: [4 * 16 * 3 * 48],
+              io.AOT_ROW_OFFSETS: [5]}
+    for tensor, dims in shapes.items():
+        spec.input[tensor].dim.extend(dims)
+    assert _check_graph_specs("backbone", rows) == []
+
+    def problems(edit) -> list[str]:
+        bad = type(rows)()
+        bad.CopyFrom(rows)
+        edit(bad.optimization.cuda.graph_spec[0])
+        return _check_graph_specs("backbone", bad)
+
+    assert "expected every input" in problems(lambda g: g.input.pop(io.AOT_ROW_OFFSETS))[0]
+    assert "needs one dimension" in problems(lambda g: g.input[io.AOT_ROWS].dim.append(1))[0]
+    assert "below 0" in problems(lambda g: g.input[io.AOT_INDEX].dim.__setitem__(0, -2))[0]
+    assert "<= max_batch_size 8" in problems(lambda g: setattr(g, "batch_size", 9))[0]
+
+    def lower(g, batch, rows_dim):
+        g.graph_lower_bound.batch_size = batch
+        for tensor, dims in shapes.items():
+            g.graph_lower_bound.input[tensor].dim.extend(dims)
+        g.graph_lower_bound.input[io.AOT_ROWS].dim[0] = rows_dim
+
+    assert problems(lambda g: lower(g, 3, 0)) == []
+    assert "below 0" in problems(lambda g: lower(g, 3, -1))[0]  # the backend refuses a negative lower bound too
+    assert "lower bound batch 5 <= batch" in problems(lambda g: lower(g, 5, 0))[0]
+    assert "needs a lower bound" in problems(lambda g: lower(g, 3, 10**6))[0]
 
 
 def test_onnx_gpu_config_runs_the_fp16_graph_where_parity_allows(tmp_path, tiny_models):
