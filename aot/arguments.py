@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 
 def _int_at_least(minimum: int, what: str):
@@ -56,3 +57,25 @@ def ints(text: str) -> list[int]:
 
 def names(text: str) -> list[str]:
     return [v for v in text.split(",") if v]
+
+
+def add_dataclass_arguments(parser: argparse.ArgumentParser, cls) -> None:
+    """One flag for each field of the dataclass `cls` whose metadata names one (`flag`, `help`, and `minimum` or
+    `choices`), with the field's default: the options class stays the one source of names, defaults and limits.
+    The parsed value lands under the field's name; a tuple of integers is read as comma-separated integers."""
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        if "flag" not in meta:
+            continue
+        default = f.default
+        kwargs = {"dest": f.name, "default": default, "help": meta["help"],
+                  "metavar": meta["flag"].lstrip("-").upper().replace("-", "_")}
+        if "choices" in meta:
+            del kwargs["metavar"]  # argparse lists the choices instead
+            kwargs["choices"] = list(meta["choices"])
+        elif isinstance(default, tuple):
+            kwargs["type"] = ints
+            kwargs["default"] = list(default)
+        else:
+            kwargs["type"] = _int_at_least(meta["minimum"], "positive" if meta["minimum"] else "non-negative")
+        parser.add_argument(meta["flag"], **kwargs)

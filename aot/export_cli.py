@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
+from dataclasses import asdict, fields
 
-from aot.arguments import ints, non_negative_int, positive_int
-from serving.protocol import BIAS_INTERFACES
+from aot.arguments import add_dataclass_arguments, positive_int
+from serving.repository import ServingOptions
 
 
 def add_export(sub) -> None:
@@ -23,36 +23,12 @@ def add_export(sub) -> None:
                                      "and an empty task store.")
     b.add_argument("--model", required=True, help="local Hugging Face model folder or 'minilm'")
     b.add_argument("--repo", required=True, help="model repository folder to create")
-    b.add_argument("--format", choices=["onnx", "tensorrt", "torch"], default="onnx",
-                   help="engine of the backbone: onnx (the NGC image's onnxruntime backend; locally ONNX Runtime on "
-                        "CPU), tensorrt (a TensorRT plan, built here if tensorrt is importable, else by the "
-                        "engine-builder service of docker-compose.yml), or torch (PyTorch in a "
-                        "python step, fp16 + CUDA graphs on a GPU: `aot serve --device cuda` serves it with the "
-                        "local tritonserver)")
     b.add_argument("--precision", choices=["fp32", "fp16"], default=None,
                    help="precision of the GPU backbone (CPU configs always run fp32). Default: fp16 for onnx where "
                         "the fp16 graph keeps parity with PyTorch (within 5e-2 on the pooled states; else fp32, "
                         "with a note), fp32 for tensorrt (fp16: trtexec --fp16, checked by Polygraphy on the GPU); "
                         "the torch engine takes none (fp16 on CUDA)")
-    b.add_argument("--max-batch-size", type=positive_int, default=32, help="Triton max_batch_size of every step")
-    b.add_argument("--queue-delay-us", type=non_negative_int, default=500,
-                   help="backbone dynamic-batching queue delay (µs)")
-    b.add_argument("--cpu-threads", type=non_negative_int, default=0,
-                   help="ONNX Runtime threads of the CPU backbone (0: all)")
-    b.add_argument("--buckets", type=ints, default=[16, 32, 64, 128, 256, 512],
-                   help="GPU: sequence lengths token tensors are padded to, so that requests batch together "
-                        "(lengths past what the encoder accepts are replaced by its limit)")
-    b.add_argument("--bias-interface", choices=list(BIAS_INTERFACES), default="rows",
-                   help="native GPU backends (onnx, tensorrt): how the lookup step hands each request's bias to the "
-                        "backbone: rows (the rows of its distinct tokens + each token's index: fewest bytes, ragged "
-                        "shapes) or dense (an fp16 bias per token of the bucketed sequence: fixed shapes per bucket, "
-                        "so TensorRT replays CUDA graphs captured for them). docs/benchmarks.md section 5 compares "
-                        "them")
-    b.add_argument("--pool-bytes", type=non_negative_int, default=1 << 30,
-                   help="task pool: memory for rows of P kept in RAM by the lookup (0: none; `aot serve "
-                        "--pool-bytes` overrides it)")
-    b.add_argument("--max-text-bytes", type=positive_int, default=65536,
-                   help="longest TEXT a request may send (UTF-8 bytes); longer ones are refused at once")
+    add_dataclass_arguments(b, ServingOptions)
     b.add_argument("--opt-batch", type=positive_int, default=8, help="TensorRT profile: optimal batch")
     b.add_argument("--opt-seq", type=positive_int, default=128, help="TensorRT profile: optimal sequence length")
     b.add_argument("--overwrite", action="store_true", help="replace an existing repository's backbone (tasks kept)")
@@ -85,15 +61,10 @@ def add_export(sub) -> None:
 def run_export_backbone(args) -> int:
     from exporter.backbone_export import export_backbone
     from exporter.tensorrt import Profile
-    from serving.repository import ServingOptions
 
-    buckets = tuple(sorted(args.buckets))
-    options = ServingOptions(max_batch_size=args.max_batch_size, backbone_queue_delay_us=args.queue_delay_us,
-                             cpu_threads=args.cpu_threads, buckets=buckets, engine=args.format,
-                             max_text_bytes=args.max_text_bytes, pool_bytes=args.pool_bytes,
-                             bias_interface=args.bias_interface)
-    profile = Profile(opt_batch=min(args.opt_batch, args.max_batch_size), max_batch=args.max_batch_size,
-                      opt_seq=min(args.opt_seq, max(buckets)), max_seq=max(buckets))
+    options = ServingOptions(**{f.name: getattr(args, f.name) for f in fields(ServingOptions)})
+    profile = Profile(opt_batch=min(args.opt_batch, options.max_batch_size), max_batch=options.max_batch_size,
+                      opt_seq=min(args.opt_seq, max(options.buckets)), max_seq=max(options.buckets))
     report = export_backbone(args.model, args.repo, options, args.precision, profile, args.overwrite)
     print(json.dumps(asdict(report)))
     return 0

@@ -20,6 +20,7 @@ vanilla is taken round by round and its median reported, so that drift of the ma
 from __future__ import annotations
 
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -478,23 +479,26 @@ def run_torch(config: OverheadConfig, progress: bool = True, on_size: Callable[[
 
 # --- ONNX Runtime: the exported graphs a server runs --------------------------------------------------------------
 
-def _ort_graphs(backbone, folder: Path, methods: list[str], device: torch.device) -> dict[str, Path]:
-    """The exporter's graphs the methods need: vanilla, AoT in the rows interface, AoT in the dense interface. On
-    CUDA their fp16 twins, what the NGC image's onnxruntime backend runs (the fp32 graph where the twin misses
-    parity)."""
+def _ort_graphs(backbone, folder: Path, methods: list[str], device: torch.device) -> tuple[dict[str, Path], str]:
+    """The exporter's graphs the methods need (vanilla, AoT in the rows interface, AoT in the dense interface) and
+    their dtype. On CUDA their fp16 twins, what the NGC image's onnxruntime backend runs, if every twin keeps parity;
+    else all in fp32, so that no ratio compares an fp16 graph with an fp32 one."""
     from exporter.onnx_export import export_backbone_graph, export_fp16_graph
 
     wanted = {"vanilla": (False, "rows"), "aot": (True, "rows"), "aot-dense": (True, "dense")}
     need = {"vanilla"} | ({"aot"} if {"aot-fused", "aot-factored"} & set(methods) else set()) | (
         {"aot-dense"} & set(methods))
-    graphs = {}
-    for name in sorted(need):
-        aot, interface = wanted[name]
-        graph = export_backbone_graph(backbone, folder / name, aot=aot, interface=interface).optimized
-        if device.type == "cuda":
-            graph = export_fp16_graph(backbone, graph, aot, interface)[0] or graph
-        graphs[name] = graph
-    return graphs
+    graphs = {name: export_backbone_graph(backbone, folder / name, aot=wanted[name][0],
+                                          interface=wanted[name][1]).optimized for name in sorted(need)}
+    if device.type != "cuda":
+        return graphs, "float32"
+    twins = {name: export_fp16_graph(backbone, graph, *wanted[name])[0] for name, graph in graphs.items()}
+    missed = sorted(name for name, twin in twins.items() if twin is None)
+    if missed:
+        print(f"overhead: the fp16 twin of {', '.join(missed)} misses parity: every graph runs in fp32",
+              file=sys.stderr, flush=True)
+        return graphs, "float32"
+    return twins, "float16"
 
 
 _NUMPY_TYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float16: np.float16, torch.float32: np.float32}
@@ -527,10 +531,9 @@ class BoundSession:
         _sync(self.device)  # inputs written on torch's stream before ONNX Runtime reads them on its own
         binding = self.session.io_binding()
         kind, index = self.device.type, self.device.index or 0
-        for name, tensor in feeds.items():
-            if name in self.inputs:
-                t = tensor.contiguous()
-                binding.bind_input(name, kind, index, _NUMPY_TYPES[t.dtype], tuple(t.shape), t.data_ptr())
+        bound = {name: tensor.contiguous() for name, tensor in feeds.items() if name in self.inputs}  # alive to the end
+        for name, t in bound.items():
+            binding.bind_input(name, kind, index, _NUMPY_TYPES[t.dtype], tuple(t.shape), t.data_ptr())
         out = torch.empty((feeds[io.INPUT_IDS].shape[0], len(io.POOLINGS), hidden), dtype=torch.float32,
                           device=self.device)
         binding.bind_output(io.POOLED_HIDDEN, kind, index, np.float32, tuple(out.shape), out.data_ptr())
@@ -540,16 +543,24 @@ class BoundSession:
 
 
 def device_bias_feeds(case: Case, table: torch.Tensor, interface: str) -> dict[str, torch.Tensor]:
-    """What the GPU lookup step hands the native backbone for this batch, computed on the device from the resident
-    table [V, L, d]: the rows of the batch's distinct tokens + index (every sequence's rows starting at row 0 of
-    one block), or each token's row."""
+    """What the GPU ensemble hands the native backbone for this batch, built as the server builds it: per request,
+    its distinct tokens and index on the host (serving.tasks.token_index, what the lookup step computes), its rows
+    gathered from the table resident on the device, then the requests' tensors concatenated as Triton's batcher
+    concatenates them into the backbone's inputs: every request's rows + index + the accumulated row offsets, or
+    every request's dense bias (serving.protocol.dense_bias)."""
+    from serving.tasks import token_index
+
+    rows, index = [], []
+    for ids, mask in zip(case.ids_host, case.mask.cpu().numpy()):
+        unique, local = token_index(ids, mask)
+        rows.append(table[torch.from_numpy(unique).to(table.device)])
+        index.append(local)
     if interface == "dense":
-        return {io.AOT_BIAS: table[case.ids]}
-    unique, inverse = torch.unique(case.ids, return_inverse=True)
-    rows = table[unique]
-    offsets = torch.zeros(case.batch + 1, dtype=torch.int32, device=case.device)
-    offsets[-1] = rows.numel()
-    return {io.AOT_ROWS: rows.reshape(-1), io.AOT_INDEX: inverse.int(), io.AOT_ROW_OFFSETS: offsets}
+        return {io.AOT_BIAS: torch.stack([io.dense_bias(r, i) for r, i in zip(rows, index)])}
+    offsets = np.concatenate([[0], np.cumsum([r.numel() for r in rows])]).astype(io.INDEX_DTYPE)
+    return {io.AOT_ROWS: torch.cat([r.reshape(-1) for r in rows]),
+            io.AOT_INDEX: torch.from_numpy(np.stack(index)).to(table.device),
+            io.AOT_ROW_OFFSETS: torch.from_numpy(offsets).to(table.device)}
 
 
 def run_onnxruntime(config: OverheadConfig, progress: bool = True,
@@ -577,7 +588,7 @@ def run_onnxruntime(config: OverheadConfig, progress: bool = True,
         backbone = Backbone(model_name, encoder, None, "bench")
         L, d, V = backbone.num_layers, backbone.hidden_size, encoder.config.vocab_size
         table = fused_table(V, L, d, scratch)
-        graphs = _ort_graphs(backbone, scratch / model_name, config.methods, device)
+        graphs, graph_dtype = _ort_graphs(backbone, scratch / model_name, config.methods, device)
         if device.type == "cuda":
             sessions = {k: BoundSession(g, device) for k, g in graphs.items()}
             resident = torch.from_numpy(np.array(table)).to(device)
@@ -628,7 +639,7 @@ def run_onnxruntime(config: OverheadConfig, progress: bool = True,
                                           "computed by the lookup step, not the graph)"
             times = time_methods(methods, config.warmup, config.repeats, device)
             common = {"model": model_name, "batch": batch, "seq": seq, "engine": "onnxruntime", "device": device.type,
-                      "dtype": "float16" if device.type == "cuda" else "float32", "cuda_graphs": False,
+                      "dtype": graph_dtype, "cuda_graphs": False,
                       "repeats": config.repeats}
             records += size_records(config.methods, times, skipped, common)
             on_size(records)
@@ -694,6 +705,9 @@ def run_overhead(config: OverheadConfig, progress: bool = True) -> dict:
         raise ValueError("--cuda-graphs needs --device cuda")
     if config.cuda_graphs and config.engine != "torch":
         raise ValueError("--cuda-graphs applies to --engine torch")
+    if config.dtype != "auto" and config.engine != "torch":
+        raise ValueError(f"--dtype {config.dtype} applies to --engine torch; --engine onnxruntime runs the exported "
+                         "graphs a server runs (fp16 twins on cuda where all keep parity, fp32 on cpu)")
     runner = run_torch if config.engine == "torch" else run_onnxruntime
     out = Path(config.out)
     graphs = " + CUDA graphs" if config.cuda_graphs else ""

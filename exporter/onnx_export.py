@@ -91,7 +91,7 @@ def example_inputs(backbone: Backbone, aot: bool, batch: int, seq: int, seed: in
             index.append(local)
             offsets.append(offsets[-1] + rows[-1].numel())
         if interface == "dense":
-            feeds[io.AOT_BIAS] = torch.stack([r.reshape(-1, L, d)[i.long()] for r, i in zip(rows, index)])
+            feeds[io.AOT_BIAS] = torch.stack([io.dense_bias(r.reshape(-1, L, d), i) for r, i in zip(rows, index)])
         else:
             feeds[io.AOT_ROWS] = torch.cat(rows)
             feeds[io.AOT_INDEX] = torch.stack(index)

@@ -39,7 +39,7 @@ class BackboneRunner:
             bias = np.zeros((len(requests), longest, *self.row_shape), protocol.ROWS_DTYPE)
             for b, r in enumerate(requests):
                 index = r[protocol.AOT_INDEX]
-                bias[b, :len(index)] = r[protocol.AOT_ROWS].reshape(-1, *self.row_shape)[index]
+                bias[b, :len(index)] = protocol.dense_bias(r[protocol.AOT_ROWS].reshape(-1, *self.row_shape), index)
             feeds[protocol.AOT_BIAS] = bias
         elif self.aot:
             feeds[protocol.AOT_INDEX] = np.stack([np.pad(r[protocol.AOT_INDEX], (0, longest - len(r[protocol.AOT_INDEX])))

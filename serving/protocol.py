@@ -95,6 +95,17 @@ def bias_inputs(interface: str) -> list[str]:
     return [AOT_ROWS, AOT_INDEX, AOT_ROW_OFFSETS] if interface == "rows" else [AOT_BIAS]
 
 
+def dense_bias(rows, index):
+    """The dense interface's aot_bias of one request: each token's row, rows[index], from its distinct tokens' rows
+    [U, L, d] and its index [S]. numpy arrays, or a torch tensor of rows with the index taken to its device (the GPU
+    lookup's gather stays in device memory; torch is imported only then)."""
+    if isinstance(rows, np.ndarray):
+        return rows[index]
+    import torch
+
+    return rows[torch.as_tensor(index, device=rows.device).long()]
+
+
 def lookup_bytes(unique_tokens: int, seq_len: int, num_layers: int, hidden: int) -> int:
     return unique_tokens * num_layers * hidden * ROWS_DTYPE.itemsize + seq_len * INDEX_DTYPE.itemsize
 

@@ -32,29 +32,42 @@ class RepositoryError(ValueError):
 
 @dataclass
 class ServingOptions:
-    """Knobs of the served steps and their generated configs (recorded in the repository, docs/formats.md)."""
+    """Knobs of the served steps and their generated configs (recorded in the repository, docs/formats.md). Each
+    field's metadata is the one source of its `aot export backbone` flag: `flag`, `help`, and `minimum` (integers)
+    or `choices`."""
 
-    max_batch_size: int = field(default=32, metadata={"help": "Triton max_batch_size of every step"})
-    backbone_queue_delay_us: int = field(default=500, metadata={"help": "backbone dynamic-batching queue delay (µs)"})
-    cpu_threads: int = field(default=0, metadata={"help": "ONNX Runtime threads of the CPU backbone (0: all cores)"})
+    max_batch_size: int = field(default=32, metadata={
+        "flag": "--max-batch-size", "minimum": 1, "help": "Triton max_batch_size of every step"})
+    backbone_queue_delay_us: int = field(default=500, metadata={
+        "flag": "--queue-delay-us", "minimum": 0, "help": "backbone dynamic-batching queue delay (µs)"})
+    cpu_threads: int = field(default=0, metadata={
+        "flag": "--cpu-threads", "minimum": 0, "help": "ONNX Runtime threads of the CPU backbone (0: all cores)"})
     buckets: tuple[int, ...] = field(default=DEFAULT_BUCKETS, metadata={
-        "help": "GPU: sequence lengths token tensors are padded to, so that requests batch together"})
+        "flag": "--buckets", "help": "GPU: sequence lengths token tensors are padded to, so that requests batch "
+                                     "together (lengths past what the encoder accepts are replaced by its limit)"})
     engine: str = field(default="onnx", metadata={
-        "help": "backbone engine: onnx (GPU: onnxruntime_onnx; CPU: ONNX Runtime in a python step), tensorrt (GPU: "
-                "tensorrt_plan; CPU: as onnx), or torch (PyTorch in a python step on CPU or CUDA, the task pool on "
-                "the same device: what `aot serve --device cuda` serves)"})
+        "flag": "--format", "choices": ENGINES,
+        "help": "engine of the backbone: onnx (the NGC image's onnxruntime backend; locally ONNX Runtime in a python "
+                "step on CPU), tensorrt (a TensorRT plan, built here if tensorrt is importable, else by the "
+                "engine-builder service of docker-compose.yml; locally as onnx), or torch (PyTorch in a python step "
+                "on CPU or CUDA, fp16 + CUDA graphs on a GPU, the task pool on the same device: `aot serve --device "
+                "cuda` serves it with the local tritonserver)"})
     bias_interface: str = field(default="rows", metadata={
+        "flag": "--bias-interface", "choices": protocol.BIAS_INTERFACES,
         "help": "native GPU backends (onnx, tensorrt): how the lookup step hands each request's bias to the "
                 "backbone: rows (the rows of its distinct tokens + each token's index: fewest bytes, but a ragged "
                 "shape that changes with every batch) or dense (an fp16 bias per token of the bucketed sequence: "
-                "more bytes, fixed shapes per bucket, so TensorRT replays CUDA graphs captured for them). CPU "
-                "configs and the torch engine look rows up inside the backbone step and take either"})
+                "more bytes, fixed shapes per bucket, so TensorRT replays CUDA graphs captured for them). The CPU "
+                "configs' backbone step looks rows up itself and runs the graph of either; the torch engine has no "
+                "lookup step and takes rows only. docs/benchmarks.md section 5 compares them"})
     pool_bytes: int = field(default=1 << 30, metadata={
-        "help": "memory of the task pool, the rows of P kept in RAM by the lookup (bytes; 0: no pool, fused tables "
-                "are read through their memory maps and factored rows computed per request). Every task is fully "
-                "resident while all fit; beyond that the pool caches the most recently used rows. `aot serve "
-                "--pool-bytes` overrides it"})
+        "flag": "--pool-bytes", "minimum": 0,
+        "help": "memory of the task pool, the rows of P kept by the lookup (bytes; 0: no pool, fused tables are read "
+                "through their memory maps and factored rows computed per request). Every task is fully resident "
+                "while all fit; beyond that the pool caches the most recently used rows. `aot serve --pool-bytes` "
+                "overrides it"})
     max_text_bytes: int = field(default=65536, metadata={
+        "flag": "--max-text-bytes", "minimum": 1,
         "help": "longest TEXT (and TEXT_PAIR) a request may send, in UTF-8 bytes; longer ones are refused at once "
                 "(texts are truncated to at most 512 tokens anyway)"})
 
@@ -62,19 +75,15 @@ class ServingOptions:
         self.buckets = tuple(sorted(int(b) for b in self.buckets))
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "engine":
-                if value not in ENGINES:
-                    raise RepositoryError(f"engine {value!r}: expected one of {', '.join(ENGINES)}")
-            elif f.name == "bias_interface":
-                if value not in protocol.BIAS_INTERFACES:
-                    raise RepositoryError(f"bias interface {value!r}: expected one of "
-                                          f"{', '.join(protocol.BIAS_INTERFACES)}")
+            if "choices" in f.metadata:
+                if value not in f.metadata["choices"]:
+                    what = f.name.replace("_", " ")
+                    raise RepositoryError(f"{what} {value!r}: expected one of {', '.join(f.metadata['choices'])}")
             elif f.name == "buckets":
                 if not value or min(value) < 1:
                     raise RepositoryError(f"buckets {list(value)}: expected positive lengths")
-            elif not isinstance(value, int) or isinstance(value, bool) or value < (0 if f.name in (
-                    "cpu_threads", "backbone_queue_delay_us", "pool_bytes") else 1):
-                kind = "non-negative" if f.name in ("cpu_threads", "backbone_queue_delay_us", "pool_bytes") else "positive"
+            elif not isinstance(value, int) or isinstance(value, bool) or value < f.metadata["minimum"]:
+                kind = "non-negative" if f.metadata["minimum"] == 0 else "positive"
                 raise RepositoryError(f"serving option {f.name} = {value!r}: expected a {kind} integer")
 
     def to_json(self) -> dict:

@@ -34,7 +34,8 @@ def test_overhead_tiny(tmp_path, tiny_models, engine, capsys):
 
 def test_bound_session_equals_a_plain_run(tmp_path, tiny_models):
     """The onnxruntime engine's GPU path (inputs bound in place, the lookup on the device) on the CPU device: both
-    bias interfaces give the states of the server's own lookup and batching (serving.engine.BackboneRunner)."""
+    bias interfaces give the states of the server's own lookup and batching (serving.engine.BackboneRunner), with
+    each request's own rows laid out as Triton's batcher concatenates them (a padded request included)."""
     import numpy as np
     import torch
 
@@ -48,12 +49,19 @@ def test_bound_session_equals_a_plain_run(tmp_path, tiny_models):
     L, d, V = backbone.num_layers, backbone.hidden_size, backbone.embeddings.shape[0]
     table = torch.from_numpy((np.random.default_rng(0).standard_normal((V, L, d)) * 0.5).astype(np.float16))
     case = make_case(backbone.encoder, 3, 10, torch.device("cpu"), torch.float32)
+    lengths = [10, 10, 7]
+    case.mask[2, 7:] = 0
     tokens = {io.INPUT_IDS: case.ids, io.ATTENTION_MASK: case.mask, io.TOKEN_TYPE_IDS: case.token_types}
-    requests = []
-    for b in range(3):
-        unique, index = np.unique(case.ids[b].numpy(), return_inverse=True)
-        requests.append({**{k: v[b].numpy() for k, v in tokens.items()}, io.AOT_ROWS: table.numpy()[unique],
+    requests, distinct = [], []
+    for b, n in enumerate(lengths):
+        unique, index = np.unique(case.ids[b, :n].numpy(), return_inverse=True)
+        distinct.append(len(unique))
+        requests.append({**{k: v[b, :n].numpy() for k, v in tokens.items()}, io.AOT_ROWS: table.numpy()[unique],
                          io.AOT_INDEX: index.astype(np.int32)})
+    rows_feeds = device_bias_feeds(case, table, "rows")
+    assert rows_feeds[io.AOT_ROW_OFFSETS].tolist() == [0, *np.cumsum(distinct) * L * d]
+    assert rows_feeds[io.AOT_ROWS].shape == (sum(distinct) * L * d,) and rows_feeds[io.AOT_INDEX].shape == (3, 10)
+    assert device_bias_feeds(case, table, "dense")[io.AOT_BIAS].shape == (3, 10, L, d)
     states = {}
     for interface in io.BIAS_INTERFACES:
         graph = export_backbone_graph(backbone, tmp_path / interface, aot=True, interface=interface).optimized
@@ -67,6 +75,8 @@ def test_bound_session_equals_a_plain_run(tmp_path, tiny_models):
 def test_overhead_rejects_unknown_method(tmp_path, capsys):
     assert main(["bench", "overhead", "--methods", "vanilla,magic", "--out", str(tmp_path)]) == 2
     assert "unknown method(s) ['magic']" in capsys.readouterr().err
+    assert main(["bench", "overhead", "--engine", "onnxruntime", "--dtype", "bf16", "--out", str(tmp_path)]) == 2
+    assert "--dtype bf16 applies to --engine torch" in capsys.readouterr().err
 
 
 @pytest.mark.server

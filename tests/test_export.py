@@ -462,6 +462,26 @@ def test_dense_tensorrt_repository_and_its_cuda_graph_specs(tmp_path, tiny_model
         ServingOptions(bias_interface="sparse")
 
 
+def test_export_backbone_flags_come_from_the_serving_options():
+    """`aot export backbone`'s serving flags are generated from ServingOptions' fields: the same defaults, the
+    option's limits as one-line usage errors, values landing in the options."""
+    from dataclasses import fields
+
+    from aot.cli import build_parser
+
+    def options(*flags):
+        args = build_parser().parse_args(["export", "backbone", "--model", "m", "--repo", "r", *flags])
+        return ServingOptions(**{f.name: getattr(args, f.name) for f in fields(ServingOptions)})
+
+    assert options() == ServingOptions()
+    assert options("--queue-delay-us", "0", "--buckets", "64,16", "--format", "torch", "--pool-bytes", "0") == \
+        ServingOptions(backbone_queue_delay_us=0, buckets=(16, 64), engine="torch", pool_bytes=0)
+    for flag, value in (("--max-batch-size", "0"), ("--cpu-threads", "-1"), ("--bias-interface", "sparse"),
+                        ("--buckets", "16,x")):
+        with pytest.raises(SystemExit):
+            options(flag, value)
+
+
 def test_graph_batch_sizes_bound_the_padding():
     """A batch replays the graph of the next size up: steps of at most 1.5x above 4 (Triton's own default list jumps
     from 16 to max_batch_size, so at 32 a batch of 17 would compute 32 sequences)."""

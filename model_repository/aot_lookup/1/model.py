@@ -48,16 +48,8 @@ class TritonPythonModel:
         pool does not hold come from storage."""
         rows = self.step.tasks.rows_many([(task, unique) for task, unique, _ in batch])
         if self.dense:  # each token's row, gathered where the rows are (the device pool's gather stays on the GPU)
-            return [self._gather(r, i)[None] for r, (_, _, i) in zip(rows, batch)]
+            return [protocol.dense_bias(r, i)[None] for r, (_, _, i) in zip(rows, batch)]
         return [(r.reshape(1, -1), i[None, :]) for r, (_, _, i) in zip(rows, batch)]
-
-    @staticmethod
-    def _gather(rows, index):
-        if isinstance(rows, np.ndarray):
-            return rows[index]
-        import torch
-
-        return rows[torch.from_numpy(index).to(rows.device, torch.long)]
 
     def _tensor(self, name: str, value):
         """Host arrays as they are; a torch tensor (the device pool's gather) through DLPack, without a copy. The
