@@ -184,7 +184,8 @@ def test_lookup_step_serves_the_bias_from_a_host_or_a_torch_pool(tmp_path, tiny_
     """The native GPU ensemble's aot_lookup step, through the real server: with its pool in host memory (the CPU
     config), then in torch memory with the bias handed out through DLPack (the GPU config's path, on the CPU device:
     DLPack tensors exist there too). Rows and index (or, dense, each token's row) equal the task's own, for fused
-    and factored tasks. The repository's AoT graph takes the same interface, and its ensemble answers as predict."""
+    and factored tasks, on bucket-padded tokens. The repository's AoT graph takes the same interface, and its ensemble
+    answers as predict."""
     import tritonclient.grpc as grpcclient
     from google.protobuf.json_format import MessageToJson
 
@@ -199,7 +200,8 @@ def test_lookup_step_serves_the_bias_from_a_host_or_a_torch_pool(tmp_path, tiny_
     info = read_repository(repo)
     assert BackboneRunner(info.backbone_onnx).dense == (interface == "dense")
     served = TaskRegistry(info.store_root, parts="all").served()
-    tokens = Tokenization(info.tokenizer_dir, info.uses_token_type_ids)
+    # token tensors padded to buckets, as the GPU tokenizer step sends them: padding takes row 0
+    tokens = Tokenization(info.tokenizer_dir, info.uses_token_type_ids, buckets=info.options.buckets)
     gpu = parse_pbtxt((repo / "models" / "aot_lookup" / "config.pbtxt").read_text())
     assert gpu.parameters["pool_storage"].string_value == "torch" and gpu.instance_group[0].kind == gpu.instance_group[0].KIND_GPU
     with LocalServer(repo, extra_args=["--load-model=aot_lookup"]) as server:
@@ -222,6 +224,7 @@ def test_lookup_step_serves_the_bias_from_a_host_or_a_torch_pool(tmp_path, tiny_
                         inputs.append(t)
                     result = client.infer("aot_lookup", inputs)
                     unique, index = token_index(enc[io.INPUT_IDS], enc[io.ATTENTION_MASK])
+                    assert not enc[io.ATTENTION_MASK].all() and not index[~enc[io.ATTENTION_MASK].astype(bool)].any()
                     if interface == "dense":
                         np.testing.assert_array_equal(result.as_numpy(io.AOT_BIAS), task.rows(unique)[index][None])
                         assert result.get_output(io.AOT_INDEX) is None
