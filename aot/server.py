@@ -1,8 +1,10 @@
 """A real local Triton server (the `tritonserver` binary of the nvidia-pytriton wheel), no Docker.
 
 Set-up that the binary needs (../shared notes, docs/formats.md): a backends folder whose python/ links the wheel's
-python backend and the stub for this Python; this interpreter's bin/ first on PATH (the stub runs `python3`, which
-must have numpy<2 and this project); LD_LIBRARY_PATH with this interpreter's libpython.
+python backend and the stub for the steps' Python; that Python's bin/ first on PATH (the stub runs `python3`, which
+must have numpy<2 and this project); LD_LIBRARY_PATH with its libpython. The steps' Python is the one running aot,
+or the one AOT_STEP_PYTHON names (a client environment with numpy 2 can serve through a numpy<2 environment beside
+it); it is probed before the server starts, so that a wrong one fails with its reason rather than in the stubs.
 
 Lifetime: the server runs in its own process group and dies with the process that started it (parent-death
 signal), so `kill -9` of `aot serve` leaves no server behind. A supervisor (serving.supervisor) repairs a step whose
@@ -21,7 +23,6 @@ import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
@@ -44,6 +45,7 @@ MAX_RESTARTS = 3
 # with one thread; vanilla 85-98 either way).
 SINGLE_THREADED_BLAS = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 RESTART_WINDOW = 60.0
+STEP_PYTHON_ENV = "AOT_STEP_PYTHON"
 
 
 def _die_with_parent() -> None:
@@ -65,10 +67,47 @@ def triton_home() -> Path:
     return home
 
 
-def backends_folder(root: Path) -> Path:
-    """`root/backends/python/` with links to the wheel's python backend and the stub for this Python."""
+@dataclass(frozen=True)
+class StepPython:
+    """The Python the python-backend stubs run: the `python3` beside it on PATH, its version and libpython's folder."""
+
+    bin_dir: Path
+    version: str
+    libdir: str
+
+
+_PROBE = ("import sys, sysconfig, numpy, serving; print(f'{sys.version_info[0]}.{sys.version_info[1]}'); "
+          "print(sysconfig.get_config_var('LIBDIR') or ''); print(numpy.__version__)")
+
+
+def step_python() -> StepPython:
+    """AOT_STEP_PYTHON, else the Python running aot, checked as the stubs need it: a `python3` in its folder (what
+    the stub runs), numpy<2 (the stub is built against numpy 1's ABI: with numpy 2 its BYTES inputs crash and its
+    outputs come back empty) and this project's `serving` package."""
+    chosen = os.environ.get(STEP_PYTHON_ENV) or sys.executable
+    python3 = Path(chosen).parent / "python3"
+    where = f"{chosen} (the Python the steps run; {STEP_PYTHON_ENV} names another)"
+    if not python3.is_file():
+        raise ServerError(f"{where}: no python3 beside it, which the tritonserver python stub runs")
+    try:
+        # from a neutral folder: the current one on sys.path could make `serving` importable where the stub's is not
+        out = subprocess.run([str(python3), "-c", _PROBE], capture_output=True, text=True, timeout=120,
+                             cwd=tempfile.gettempdir())
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ServerError(f"{where}: could not be run: {exc}") from None
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ServerError(f"{where}: cannot import numpy and this project's serving package: {last}")
+    version, libdir, numpy_version = out.stdout.splitlines()[-3:]
+    if int(numpy_version.split(".")[0]) >= 2:
+        raise ServerError(f"{where} has numpy {numpy_version}; the tritonserver python stub needs numpy<2: install "
+                          f"numpy<2 there, or point {STEP_PYTHON_ENV} at a Python that has it")
+    return StepPython(python3.parent, version, libdir)
+
+
+def backends_folder(root: Path, version: str) -> Path:
+    """`root/backends/python/` with links to the wheel's python backend and the stub for Python `version`."""
     home = triton_home()
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
     stub = home / "python_backend_stubs" / version / "triton_python_backend_stub"
     if not stub.is_file():
         raise ServerError(f"the tritonserver wheel has no python backend stub for Python {version}")
@@ -133,6 +172,14 @@ class LocalServer:
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
         self.log_path = Path(self.log_path or self._workdir / "tritonserver.log")
+        self._python: StepPython | None = None
+
+    @property
+    def python(self) -> StepPython:
+        """The steps' Python (step_python), probed once per server."""
+        if self._python is None:
+            self._python = step_python()
+        return self._python
 
     @property
     def grpc_url(self) -> str:
@@ -144,7 +191,7 @@ class LocalServer:
 
     def command(self) -> list[str]:
         return [str(triton_home() / "bin" / "tritonserver"), f"--model-repository={self.repo / 'models'}",
-                f"--backend-directory={backends_folder(self._workdir)}", *self.device_args(),
+                f"--backend-directory={backends_folder(self._workdir, self.python.version)}", *self.device_args(),
                 f"--http-address={self.host}", f"--http-port={self.http_port}",
                 f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
                 f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}", "--exit-timeout-secs=5",
@@ -172,9 +219,8 @@ class LocalServer:
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
-        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-        libdir = sysconfig.get_config_var("LIBDIR") or ""
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
+        env["PATH"] = f"{self.python.bin_dir}{os.pathsep}{env.get('PATH', '')}"
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (self.python.libdir, env.get("LD_LIBRARY_PATH", "")) if p)
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         env.setdefault("HF_HUB_OFFLINE", "1")
         for key, value in SINGLE_THREADED_BLAS.items():  # a value the user set explicitly wins

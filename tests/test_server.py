@@ -333,6 +333,24 @@ def test_serve_command_port_taken_and_missing_repo(tmp_path, repo):
     assert proc.returncode == 2 and "not an AoT model repository" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("probe,message", [
+    ("printf '3.11\\n/usr/lib\\n2.1.0\\n'", "has numpy 2.1.0; the tritonserver python stub needs numpy<2"),
+    ("echo \"ModuleNotFoundError: No module named 'serving'\" >&2; exit 1",
+     "cannot import numpy and this project's serving package: ModuleNotFoundError: No module named 'serving'"),
+])
+def test_serve_command_checks_the_python_the_steps_run(tmp_path, repo, probe, message):
+    """AOT_STEP_PYTHON names the Python the stubs run (the `python3` in its folder); one they could not run the
+    steps with is refused before tritonserver starts, in one line naming it and why."""
+    python3 = tmp_path / "bin" / "python3"
+    python3.parent.mkdir()
+    python3.write_text(f"#!/bin/sh\n{probe}\n")
+    python3.chmod(0o755)
+    proc = _aot("serve", "--repo", str(repo), env={**os.environ, "AOT_STEP_PYTHON": str(python3)})
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"aot: error: {python3} (the Python the steps run; AOT_STEP_PYTHON names another)" in err and message in err
+
+
 def test_tasks_command_lists_what_the_server_serves(server, repo):
     """`aot tasks` and Client.tasks() read the server (its task store view), not a disk the client has."""
     with Client(server.grpc_url) as c:
