@@ -7,6 +7,7 @@ import json
 
 from aot.arguments import ints as _ints
 from aot.arguments import names as _names
+from aot.arguments import non_negative_int as _non_negative_int
 from aot.arguments import positive_int as _positive_int
 from serving.protocol import POOLINGS
 
@@ -60,6 +61,9 @@ def add_bench(sub) -> None:
     s.add_argument("--engine", choices=["onnx", "torch"], default="onnx",
                    help="backbone engine of the repository the bench exports (ignored for an existing --repo)")
     s.add_argument("--device", default="cpu", help="aot serve --device: cpu, or cuda (torch engine)")
+    s.add_argument("--pool-bytes", type=_non_negative_int, default=None,
+                   help="aot serve --pool-bytes: the task pool's budget (default: the repository's); below the tasks' "
+                        "tables, the 8 mixed tasks are served from a pool that cannot hold them all")
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(run=run_serve)
 
@@ -154,7 +158,8 @@ def run_serve(args) -> int:
         raise ValueError(f"unknown storage {bad}: expected fused and/or factored")
     config = ServeBenchConfig(task=args.task, out=args.out, repo=args.repo, task_counts=tuple(args.tasks),
                               concurrency=tuple(args.concurrency), storages=tuple(args.storage),
-                              requests=args.requests, engine=args.engine, device=args.device)
+                              requests=args.requests, engine=args.engine, device=args.device,
+                              pool_bytes=args.pool_bytes)
     print(json.dumps(run_serve_bench(config, progress=not args.no_progress)))
     return 0
 

@@ -43,6 +43,7 @@ class ServeBenchConfig:
     mixed_tasks: int = 8
     engine: str = "onnx"  # the backbone engine of a repository the bench exports (serving.repository.ENGINES)
     device: str = "cpu"  # aot serve --device: cuda needs engine torch
+    pool_bytes: int | None = None  # aot serve --pool-bytes (None: the repository's)
 
 
 def _texts(n: int) -> list[str]:
@@ -192,10 +193,11 @@ def run_serve_bench(config: ServeBenchConfig, progress: bool = True) -> dict:
     def save():
         write_reports(records, out, f"{config.device}, {read_repository(repo).options.engine} engine")
 
+    pool_bytes = read_repository(repo).options.pool_bytes if config.pool_bytes is None else config.pool_bytes
     for storage in config.storages:
         for n in config.task_counts:
             names = store.set(storage, n)
-            with LocalServer(repo, device=config.device) as server:
+            with LocalServer(repo, device=config.device, pool_bytes=config.pool_bytes) as server:
                 with Client(server.grpc_url) as client:
                     for name in names:
                         client.infer(name, texts[0])
@@ -206,7 +208,7 @@ def run_serve_bench(config: ServeBenchConfig, progress: bool = True) -> dict:
             bar.update(1)
         names = store.set(storage, max(config.mixed_tasks, 1))
         ours, dense = _lookup_bytes(repo, texts, max_length)
-        with LocalServer(repo, device=config.device) as server:
+        with LocalServer(repo, device=config.device, pool_bytes=config.pool_bytes) as server:
             with Client(server.grpc_url) as client:  # warm every step once
                 for name in names:
                     client.infer(name, texts[0])
@@ -224,7 +226,8 @@ def run_serve_bench(config: ServeBenchConfig, progress: bool = True) -> dict:
                     before = _memory_fallbacks(server.log_path)
                     result = _closed_loop(server.grpc_url, model, items, concurrency)
                     records.append({"kind": "latency", "model": model, "storage": storage, "tasks_in_flight": mix,
-                                    "concurrency": concurrency, "requests": len(items), **result,
+                                    "concurrency": concurrency, "requests": len(items), "pool_bytes": pool_bytes,
+                                    **result,
                                     "memory_fallbacks": _memory_fallbacks(server.log_path) - before,
                                     "lookup_bytes_per_request": None if model == "vanilla" else round(ours),
                                     "dense_bias_bytes_per_request": None if model == "vanilla" else round(dense)})

@@ -84,8 +84,10 @@ def test_overhead_rejects_unknown_method(tmp_path, capsys):
 def test_serve_bench_tiny(tmp_path, tiny_models, sentiment_dir, engine):
     task = train_tiny_task(tiny_models["bert"], sentiment_dir, tmp_path / "task", "fc", epochs=1)
     out = tmp_path / "bench"
+    # the torch engine's pool holds a few hundred rows, not the 8 tasks' tables: served from a pool they overflow
+    pool = ["--pool-bytes", "60000"] if engine == "torch" else []
     assert main(["bench", "serve", "--task", str(task), "--out", str(out), "--tasks", "1,2", "--concurrency", "2",
-                 "--storage", "fused", "--requests", "12", "--engine", engine, "--no-progress"]) == 0
+                 "--storage", "fused", "--requests", "12", "--engine", engine, "--no-progress", *pool]) == 0
     records = json.loads((out / "serve.json").read_text())
     memory = [r for r in records if r["kind"] == "memory"]
     latency = [r for r in records if r["kind"] == "latency"]
@@ -95,6 +97,7 @@ def test_serve_bench_tiny(tmp_path, tiny_models, sentiment_dir, engine):
     for r in latency:
         assert r["errors"] == 0 and r["throughput_rps"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0
         assert isinstance(r["memory_fallbacks"], int)  # counted from the server log (test_memory_fallbacks_...)
+        assert r["pool_bytes"] == (60000 if pool else 1 << 30)
         if r["model"] == "aot":
             assert 0 < r["lookup_bytes_per_request"] < r["dense_bias_bytes_per_request"]
     parity = [r for r in records if r["kind"] == "parity"]
