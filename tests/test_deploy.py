@@ -82,3 +82,28 @@ def test_compose_env_of_a_repository_sizes_the_memory_pools(tmp_path, tiny_model
     assert f"--pinned-memory-pool-byte-size={pools['pinned']}" in triton["command"]
     volumes = [v if isinstance(v, str) else f"{v['source']}:{v['target']}" for v in triton["volumes"]]
     assert any(v.startswith(f"{repo.resolve()}:/repo") for v in volumes), volumes
+
+
+def _gpu_check(*stages, **env):
+    import os
+
+    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check.sh"), *stages], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=60)
+
+
+def test_gpu_check_refuses_what_it_cannot_run(tmp_path):
+    """scripts/gpu-check.sh (the GPU run, docs/benchmarks.md section 5) names what is wrong before it sets anything
+    up: no stage (its usage), an unknown stage, no kit, a kit for another Python."""
+    out = _gpu_check(OUT=str(tmp_path / "out"))
+    assert out.returncode == 2 and "smoke" in out.stderr and "overhead" in out.stderr
+    out = _gpu_check("smoke", "warp", OUT=str(tmp_path / "out"))
+    assert out.returncode == 2 and "unknown stage 'warp': expected smoke, serve, pool or overhead" in out.stderr
+    out = _gpu_check("smoke", AOT_GPU_KIT=str(tmp_path / "no-kit"), OUT=str(tmp_path / "out"))
+    assert out.returncode == 2 and "no-kit: run bash scripts/gpu-kit.sh" in out.stderr
+    kit = tmp_path / "kit"
+    kit.mkdir()
+    (kit / "python-version").write_text("2.7\n")
+    out = _gpu_check("smoke", AOT_GPU_KIT=str(kit), OUT=str(tmp_path / "out"), AOT_GPU_WORK=str(tmp_path / "work"))
+    assert out.returncode == 2 and "the kit is for 2.7" in out.stdout  # from here on, the log has it too
+    assert "the kit is for 2.7" in (tmp_path / "out" / "gpu-check.log").read_text()
+    assert not (tmp_path / "work" / "client").exists()

@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# The GPU serving check (issue 12), on a machine with a CUDA GPU, Python with PyTorch (CUDA), transformers,
+# tokenizers, safetensors, peft, scikit-learn, psutil and matplotlib, and no network: .gpu-kit/ (scripts/gpu-kit.sh,
+# run where the package index is reachable) brings the rest. Served on the local tritonserver with the torch engine,
+# a random-weight encoder of MiniLM's shape (speed and parity need no trained weights; no accuracy is measured).
+#
+#   bash scripts/gpu-check.sh STAGE...     stages, two to a call of the device tool (10 minutes at most):
+#     smoke     served answers vs `aot predict`, one task, concurrency 1 and 8 (the path works at all)
+#     serve     throughput and p50/p99 at concurrency 1, 8, 32: vanilla vs AoT with 1 and 8 mixed tasks, fused and
+#               factored; start-up and memory with 1 and 8 tasks
+#     pool      8 mixed fused tasks served from a pool of 4 tables (more tasks than fit resident)
+#     overhead  the backbone alone, AoT vs vanilla, CUDA graphs, sequence 128 and 384, batch 1, 16, 64
+#
+# Results: $OUT/<stage>/ (the device tool's folder; else runs/gpu-check), written as they are measured: serve.json,
+# serve.md, serve.png (overhead.*), and $OUT/gpu-check.log. Environment: PYTHON (default python3), AOT_GPU_DEVICE
+# (cuda; cpu rehearses the stages on a machine without one), AOT_GPU_KIT (.gpu-kit), AOT_GPU_WORK (/tmp/aot-gpu),
+# AOT_GPU_REQUESTS (2000 per serve and pool measurement).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+kit=${AOT_GPU_KIT:-$root/.gpu-kit}
+py=${PYTHON:-python3}
+device=${AOT_GPU_DEVICE:-cuda}
+work=${AOT_GPU_WORK:-/tmp/aot-gpu}
+requests=${AOT_GPU_REQUESTS:-2000}
+out=${OUT:-$root/runs/gpu-check}
+[ $# -gt 0 ] || { awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0" >&2; exit 2; }  # no stage: the comment above
+for stage in "$@"; do
+  case $stage in smoke|serve|pool|overhead) ;;
+    *) echo "gpu-check: unknown stage '$stage': expected smoke, serve, pool or overhead" >&2; exit 2 ;;
+  esac
+done
+[ -d "$kit" ] || { echo "gpu-check: no $kit: run bash scripts/gpu-kit.sh where the package index is reachable" >&2; exit 2; }
+mkdir -p "$out" "$work"
+exec > >(tee -a "$out/gpu-check.log") 2>&1
+
+# --- the environment (again on every call: a lent machine starts bare) -----------------------------------------
+kit_python=$(cat "$kit/python-version")
+have=$("$py" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+[ "$have" = "$kit_python" ] || { echo "gpu-check: $py is Python $have, the kit is for $kit_python" >&2; exit 2; }
+base_site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+# aot itself runs this Python (its numpy may be 2), with the client wheels and tritonserver first on its path
+if [ ! -f "$work/client/.done" ]; then
+  rm -rf "$work/client"
+  "$py" -m pip install -q --no-index --no-deps --no-compile --target "$work/client" "$kit"/wheels/*.whl
+  tar -xJf "$kit/tritonserver.tar.xz" -C "$work/client"
+  touch "$work/client/.done"
+fi
+# the python steps run an environment of their own: numpy<2 first, then this project, then this Python's packages
+if [ ! -f "$work/step/.done" ]; then
+  rm -rf "$work/step"
+  "$py" -m venv --without-pip "$work/step"
+  step_site=$("$work/step/bin/python3" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  "$py" -m pip install -q --no-index --no-deps --no-compile --target "$step_site" "$kit"/step-wheels/*.whl
+  echo "$root" > "$step_site/aot-project.pth"
+  echo "import site; site.addsitedir('$base_site')" > "$step_site/zz-base-packages.pth"
+  touch "$work/step/.done"
+fi
+export PYTHONPATH="$work/client:$kit/data:$root${PYTHONPATH:+:$PYTHONPATH}"
+export AOT_STEP_PYTHON=$work/step/bin/python3 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+aot() { "$py" -m aot "$@"; }
+
+echo "== gpu-check $(date -u +%FT%TZ): device $device, stages: $*"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+"$py" -c 'import numpy, torch, transformers; print(f"aot python: torch {torch.__version__} (cuda {torch.version.cuda}, available {torch.cuda.is_available()}), transformers {transformers.__version__}, numpy {numpy.__version__}")'
+"$AOT_STEP_PYTHON" -c 'import numpy, torch, serving; print(f"step python: numpy {numpy.__version__}, torch {torch.__version__}")'
+stub=$(ls "$work"/client/pytriton/tritonserver/python_backend_stubs/*/triton_python_backend_stub)
+libdir=$("$AOT_STEP_PYTHON" -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR") or "")')
+LD_LIBRARY_PATH=$libdir ldd "$stub" | grep -E 'libpython|libcudart|not found' || true
+
+# --- what the stages serve: a random encoder of MiniLM's shape and a task trained on it -------------------------
+model=$work/minilm-random
+if [ ! -f "$model/model.safetensors" ]; then
+  "$py" - "$kit/minilm" "$model" <<'PY'
+import shutil, sys
+import torch
+from transformers import AutoConfig, AutoModel
+src, dst = sys.argv[1:3]
+shutil.copytree(src, dst, dirs_exist_ok=True)
+torch.manual_seed(0)
+AutoModel.from_config(AutoConfig.from_pretrained(src)).save_pretrained(dst)
+PY
+fi
+task=$work/task
+if [ ! -f "$task/config.json" ]; then
+  echo "== train: FC on the random encoder, Rotten Tomatoes, 2,000 reviews, 1 epoch, 128 tokens"
+  aot train --model "$model" --data rotten_tomatoes --method fc --out "$task" --epochs 1 --max-length 128 \
+    --max-train-samples 2000 --device "$device" --no-progress
+fi
+serve_bench() {  # NAME ARGS...: aot bench serve into $out/NAME
+  local name=$1; shift
+  local start=$SECONDS
+  aot bench serve --task "$task" --engine torch --device "$device" --out "$out/$name" --no-progress "$@"
+  echo "== $name: $((SECONDS - start)) s"
+}
+table_bytes=$("$py" -c 'import json, sys; c = json.load(open(sys.argv[1])); print(c["vocab_size"] * c["num_hidden_layers"] * c["hidden_size"] * 2)' "$model/config.json")
+
+for stage in "$@"; do
+  case $stage in
+    smoke)
+      serve_bench smoke --tasks 1 --concurrency 1,8 --storage fused --requests 200 ;;
+    serve)
+      serve_bench serve --tasks 1,8 --concurrency 1,8,32 --storage fused,factored --requests "$requests" ;;
+    pool)
+      serve_bench pool --tasks 8 --concurrency 8,32 --storage fused --requests "$requests" \
+        --pool-bytes $((4 * table_bytes)) ;;
+    overhead)
+      start=$SECONDS
+      graphs=$([ "$device" = cpu ] || echo --cuda-graphs)
+      aot bench overhead --models "$model,roberta-base" --device "$device" $graphs --seq 128,384 --batch 1,16,64 \
+        --methods aot-fused --out "$out/overhead" --no-progress
+      echo "== overhead: $((SECONDS - start)) s" ;;
+  esac
+done
