@@ -312,13 +312,22 @@ class TaskRegistry:
             out[i] = s
         return out
 
-    def rows_many(self, requests: list[tuple[ServedTask, np.ndarray]]) -> list:
+    def rows_many(self, requests: list[tuple[ServedTask, np.ndarray]],
+                  indexes: list[np.ndarray] | None = None) -> list:
         """Rows for a batch's (task, sorted distinct token ids), [U, L, d] fp16 each: gathered where the pool keeps
-        them (a numpy array, or a tensor on the pool's device), or read or computed from storage (numpy)."""
+        them (a numpy array, or a tensor on the pool's device), or read or computed from storage (numpy). With
+        `indexes` (each request's token_index), each token's row instead, [S, L, d]: the dense bias, gathered from
+        the pool's slots in one step."""
         with self._lock:
             slots = self.pool_slots(requests)
-            return [self.pool.gather(s) if s is not None else task.rows(ids)
-                    for s, (task, ids) in zip(slots, requests)]
+            out = []
+            for s, (task, ids), index in zip(slots, requests, indexes or [None] * len(requests)):
+                if s is not None:
+                    out.append(self.pool.gather(s if index is None else s[index]))
+                else:
+                    rows = task.rows(ids)
+                    out.append(rows if index is None else protocol.dense_bias(rows, index))
+            return out
 
 
 def token_index(input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -117,6 +117,28 @@ def test_task_parity_fused_and_factored(tmp_path, tiny_models, tasks, arch):
         assert np.abs(fused).max() > 0  # trained rows, not zeros
 
 
+def test_dense_rows_gathered_from_the_pool_slots_equal_rows_by_index(tmp_path, tiny_models, tasks):
+    """TaskRegistry.rows_many with indexes (the dense lookup step): each token's row, gathered straight from the
+    pool's slots (resident and cache mode) or from storage without a pool, is rows[index], fused and factored."""
+    from serving.pool import RowPool
+
+    repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"f": (tasks[("bert", "fc")], "fused"),
+                                                                    "k": (tasks[("bert", "kron")], "factored")})
+    info = read_repository(repo)
+    L, d, V = info.num_layers, info.hidden_size, info.vocab_size
+    rng = np.random.default_rng(0)
+    ids = [np.sort(rng.choice(V, 7, replace=False)) for _ in range(2)]
+    indexes = [rng.integers(0, 7, 12).astype(io.INDEX_DTYPE) for _ in range(2)]
+    for pool in (None, RowPool(2 * V * L * d * 2, L, d, V), RowPool(20 * L * d * 2, L, d, V)):
+        registry = TaskRegistry(info.store_root, pool=pool)
+        wanted = [(registry.resolve("f"), ids[0]), (registry.resolve("k"), ids[1])]
+        for (task, unique), index, bias in zip(wanted, indexes, registry.rows_many(wanted, indexes=indexes)):
+            assert bias.shape == (12, L, d)
+            np.testing.assert_allclose(bias, task.rows(unique)[index], atol=1e-3)
+        if pool is not None:
+            assert all(pool.holds(task.version) for task, _ in wanted)
+
+
 def test_factored_storage_is_small(tmp_path, sentiment_dir):
     """With a realistic vocabulary the factors are a sliver of the fused table (< 2 %)."""
     import torch

@@ -45,10 +45,13 @@ class TritonPythonModel:
 
     def _run(self, batch):
         """The batch's rows in one pool call (its misses filled together), gathered on the pool's device; rows the
-        pool does not hold come from storage."""
-        rows = self.step.tasks.rows_many([(task, unique) for task, unique, _ in batch])
-        if self.dense:  # each token's row, gathered where the rows are (the device pool's gather stays on the GPU)
-            return [protocol.dense_bias(r, i)[None] for r, (_, _, i) in zip(rows, batch)]
+        pool does not hold come from storage. Dense: each token's row, gathered straight from the pool's slots (on
+        the GPU for the device pool)."""
+        wanted = [(task, unique) for task, unique, _ in batch]
+        if self.dense:
+            bias = self.step.tasks.rows_many(wanted, indexes=[index for _, _, index in batch])
+            return [b[None] for b in bias]
+        rows = self.step.tasks.rows_many(wanted)
         return [(r.reshape(1, -1), i[None, :]) for r, (_, _, i) in zip(rows, batch)]
 
     def _tensor(self, name: str, value):
