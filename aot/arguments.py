@@ -79,3 +79,8 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls) -> None:
         else:
             kwargs["type"] = _int_at_least(meta["minimum"], "positive" if meta["minimum"] else "non-negative")
         parser.add_argument(meta["flag"], **kwargs)
+
+
+def dataclass_from_arguments(cls, args: argparse.Namespace):
+    """The dataclass `cls` built from what add_dataclass_arguments parsed (fields without a flag keep defaults)."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if "flag" in f.metadata})

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, fields
+from dataclasses import asdict
 
-from aot.arguments import add_dataclass_arguments, positive_int
+from aot.arguments import add_dataclass_arguments, dataclass_from_arguments, positive_int
 from serving.repository import ServingOptions
 
 
@@ -62,7 +62,7 @@ def run_export_backbone(args) -> int:
     from exporter.backbone_export import export_backbone
     from exporter.tensorrt import Profile
 
-    options = ServingOptions(**{f.name: getattr(args, f.name) for f in fields(ServingOptions)})
+    options = dataclass_from_arguments(ServingOptions, args)
     profile = Profile(opt_batch=min(args.opt_batch, options.max_batch_size), max_batch=options.max_batch_size,
                       opt_seq=min(args.opt_seq, max(options.buckets)), max_seq=max(options.buckets))
     report = export_backbone(args.model, args.repo, options, args.precision, profile, args.overwrite)

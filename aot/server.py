@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -76,7 +77,10 @@ class StepPython:
     libdir: str
 
 
-_PROBE = ("import sys, sysconfig, numpy, serving; print(f'{sys.version_info[0]}.{sys.version_info[1]}'); "
+# `-c` puts the current folder first on sys.path, where the stub (an embedded interpreter) has nothing: drop it, so
+# that `serving` is found the way the stub finds it (PYTHONPATH, relative entries included, site-packages, .pth)
+_PROBE = ("import sys; sys.path.pop(0); import sysconfig, numpy, serving; "
+          "print(f'{sys.version_info[0]}.{sys.version_info[1]}'); "
           "print(sysconfig.get_config_var('LIBDIR') or ''); print(numpy.__version__)")
 
 
@@ -85,14 +89,14 @@ def step_python() -> StepPython:
     the stub runs), numpy<2 (the stub is built against numpy 1's ABI: with numpy 2 its BYTES inputs crash and its
     outputs come back empty) and this project's `serving` package."""
     chosen = os.environ.get(STEP_PYTHON_ENV) or sys.executable
-    python3 = Path(chosen).parent / "python3"
+    if os.sep not in chosen:  # a bare name, as on a command line
+        chosen = shutil.which(chosen) or chosen
+    python3 = Path(chosen).absolute().parent / "python3"
     where = f"{chosen} (the Python the steps run; {STEP_PYTHON_ENV} names another)"
     if not python3.is_file():
         raise ServerError(f"{where}: no python3 beside it, which the tritonserver python stub runs")
     try:
-        # from a neutral folder: the current one on sys.path could make `serving` importable where the stub's is not
-        out = subprocess.run([str(python3), "-c", _PROBE], capture_output=True, text=True, timeout=120,
-                             cwd=tempfile.gettempdir())
+        out = subprocess.run([str(python3), "-c", _PROBE], capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise ServerError(f"{where}: could not be run: {exc}") from None
     if out.returncode != 0:
@@ -259,9 +263,10 @@ class LocalServer:
         return self
 
     def _launch(self, timeout: float, mode: str = "a") -> None:
+        command, env = self.command(), self.environment()  # the steps' Python probed here, not timed below
         start = time.monotonic()
         log = open(self.log_path, mode)
-        self.process = subprocess.Popen(self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT,
+        self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True,
                                         preexec_fn=_die_with_parent)
         log.close()

@@ -528,10 +528,10 @@ class BoundSession:
 
     def run(self, feeds: dict[str, torch.Tensor], hidden: int) -> torch.Tensor:
         """The pooled states [B, P, d] (fp32, on the device) of `feeds` (the graph's inputs, on the device)."""
-        _sync(self.device)  # inputs written on torch's stream before ONNX Runtime reads them on its own
+        bound = {name: tensor.contiguous() for name, tensor in feeds.items() if name in self.inputs}  # alive to the end
+        _sync(self.device)  # inputs written on torch's stream (copies included) before ONNX Runtime reads them
         binding = self.session.io_binding()
         kind, index = self.device.type, self.device.index or 0
-        bound = {name: tensor.contiguous() for name, tensor in feeds.items() if name in self.inputs}  # alive to the end
         for name, t in bound.items():
             binding.bind_input(name, kind, index, _NUMPY_TYPES[t.dtype], tuple(t.shape), t.data_ptr())
         out = torch.empty((feeds[io.INPUT_IDS].shape[0], len(io.POOLINGS), hidden), dtype=torch.float32,

@@ -7,19 +7,22 @@ factored storage) and measures, each on a fresh server:
                 after one request to every task (fused tables are memory-mapped: only touched rows count)
     latency     the AoT ensemble (1 task, or 8 tasks mixed request by request) against the vanilla ensemble (same
                 tokenizer and head steps, backbone without bias inputs, 1 task) at each concurrency: throughput,
-                p50/p99 latency, errors, and the bytes the lookup moves to the backbone per request (and the dense
-                per-token bias it replaces)
+                p50/p99 latency, errors, the task pool's hit rate (its counters on the metrics port; each AoT pass
+                costs a second's wait and one request to publish them), and the bytes the lookup moves to the
+                backbone per request (and the dense per-token bias it replaces)
 
 Clients are closed-loop threads on the same machine as the server (they share its cores).
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import statistics
 import tempfile
 import threading
 import time
+import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -142,6 +145,27 @@ def _closed_loop(url: str, model: str, items: list[tuple[str, str]], concurrency
             "mean_ms": round(statistics.fmean(latencies), 2)}
 
 
+def _pool_counters(metrics_url: str) -> tuple[float, float]:
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+
+    def total(name):
+        return sum(float(v) for v in re.findall(rf"^{name}\{{[^}}]*\}} (\S+)", text, re.M))
+
+    return total("aot_pool_hits_total"), total("aot_pool_misses_total")
+
+
+def _published_counters(url: str, metrics_url: str, task: str, text: str) -> tuple[float, float]:
+    """The pool counters once the steps have published them: they publish at most once a second, after a batch,
+    so wait that long and send one request (it is counted too: one request in a measured pass of hundreds)."""
+    from aot.client import Client
+    from serving.steps import StepMetrics
+
+    time.sleep(StepMetrics.FLUSH_SECONDS + 0.2)
+    with Client(url) as client:
+        client.infer(task, text)
+    return _pool_counters(metrics_url)
+
+
 def _lookup_bytes(repo: Path, texts: list[str], max_length: int) -> tuple[float, float]:
     """Mean bytes per request from lookup to backbone on a GPU in each bias interface: rows of the distinct tokens +
     index, and the dense fp16 bias of the bucketed sequence."""
@@ -220,14 +244,22 @@ def run_serve_bench(config: ServeBenchConfig, progress: bool = True) -> dict:
                                 "same_label": float(np.mean(served.argmax(1) == expected.argmax(1)))})
                 client.model = "vanilla"
                 client.infer(names[0], texts[0])
+            metrics = f"http://{server.host}:{server.metrics_port}/metrics"
+            counters = _published_counters(server.grpc_url, metrics, names[0], texts[0])
             for concurrency in config.concurrency:
                 for model, mix in (("vanilla", 1), ("aot", 1), ("aot", config.mixed_tasks)):
                     items = [(names[i % mix], text) for i, text in enumerate(texts)]
                     before = _memory_fallbacks(server.log_path)
                     result = _closed_loop(server.grpc_url, model, items, concurrency)
+                    hit_rate = None
+                    if model == "aot" and pool_bytes:  # rows found in the pool, of those the pass looked up
+                        now = _published_counters(server.grpc_url, metrics, names[0], texts[0])
+                        lookups = sum(now) - sum(counters)
+                        hit_rate = round((now[0] - counters[0]) / lookups, 4) if lookups else None
+                        counters = now
                     records.append({"kind": "latency", "model": model, "storage": storage, "tasks_in_flight": mix,
                                     "concurrency": concurrency, "requests": len(items), "pool_bytes": pool_bytes,
-                                    **result,
+                                    "pool_hit_rate": hit_rate, **result,
                                     "memory_fallbacks": _memory_fallbacks(server.log_path) - before,
                                     "lookup_bytes_per_request": None if model == "vanilla" else round(ours),
                                     "dense_bias_bytes_per_request": None if model == "vanilla" else round(dense)})
@@ -258,11 +290,11 @@ def write_reports(records: list[dict], out: Path, device: str = "CPU") -> None:
         if base and r["model"] == "aot":
             r["ratio"] = f"{r['throughput_rps'] / base[0]['throughput_rps']:.3f}"
     text += markdown_table(latency, ["storage", "model", "tasks_in_flight", "concurrency", "throughput_rps", "ratio",
-                                     "p50_ms", "p99_ms", "errors", "memory_fallbacks", "lookup_bytes_per_request",
-                                     "dense_bias_bytes_per_request"],
+                                     "p50_ms", "p99_ms", "errors", "pool_hit_rate", "memory_fallbacks",
+                                     "lookup_bytes_per_request", "dense_bias_bytes_per_request"],
                            ["storage", "ensemble", "tasks", "concurrency", "req/s", "× vanilla (1 task)", "p50 ms",
-                            "p99 ms", "errors", "memory pool fallbacks (log)", "lookup→backbone bytes/req",
-                            "dense bias bytes/req"])
+                            "p99 ms", "errors", "task pool hit rate", "memory pool fallbacks (log)",
+                            "lookup→backbone bytes/req", "dense bias bytes/req"])
     write_text(out / "serve.md", text)
     if latency:
         fig, ax = new_figure()

@@ -22,18 +22,16 @@ second half (steady state) and the pool's bookkeeping time per request.
 
 from __future__ import annotations
 
-import re
 import shutil
 import tempfile
 import time
-import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from benchmarks.report import markdown_table, new_figure, save_figure, write_json, write_text
-from benchmarks.serve import _closed_loop, _server_rss_mb, _texts
+from benchmarks.serve import _closed_loop, _published_counters, _server_rss_mb, _texts
 from exporter.task_store import TaskStore
 from serving import protocol
 from serving.pool import POLICIES, RowPool
@@ -103,27 +101,6 @@ class DerivedTasks:
                 (folder / "task.json").write_text(json.dumps({**meta, "storage": "fused"}))
             self.store.publish(name, folder, storage)
         return names
-
-
-def _pool_counters(metrics_url: str) -> tuple[float, float]:
-    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-
-    def total(name):
-        return sum(float(v) for v in re.findall(rf"^{name}\{{[^}}]*\}} (\S+)", text, re.M))
-
-    return total("aot_pool_hits_total"), total("aot_pool_misses_total")
-
-
-def _published_counters(url: str, metrics_url: str, task: str, text: str) -> tuple[float, float]:
-    """The pool counters once the steps have published them: they publish at most once a second, after a batch,
-    so wait that long and send one request (it is counted too: one request in a measured pass of hundreds)."""
-    from aot.client import Client
-    from serving.steps import StepMetrics
-
-    time.sleep(StepMetrics.FLUSH_SECONDS + 0.2)
-    with Client(url) as client:
-        client.infer(task, text)
-    return _pool_counters(metrics_url)
 
 
 def _picks(popularity: str, tasks: int, n: int, seed: int) -> np.ndarray:

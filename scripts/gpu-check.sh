@@ -5,7 +5,8 @@
 # a random-weight encoder of MiniLM's shape (speed and parity need no trained weights; no accuracy is measured).
 #
 #   bash scripts/gpu-check.sh STAGE...     stages, two to a call of the device tool (10 minutes at most):
-#     smoke     served answers vs `aot predict`, one task, concurrency 1 and 8 (the path works at all)
+#     smoke     served answers vs `aot predict`; vanilla vs AoT (1 and 8 mixed tasks) at concurrency 1 and 8, 200
+#               requests each (the path works at all)
 #     serve     throughput and p50/p99 at concurrency 1, 8, 32: vanilla vs AoT with 1 and 8 mixed tasks, fused and
 #               factored; start-up and memory with 1 and 8 tasks
 #     pool      8 mixed fused tasks served from a pool of 4 tables (more tasks than fit resident)
@@ -33,12 +34,13 @@ done
 [ -d "$kit" ] || { echo "gpu-check: no $kit: run bash scripts/gpu-kit.sh where the package index is reachable" >&2; exit 2; }
 mkdir -p "$out" "$work"
 exec > >(tee -a "$out/gpu-check.log") 2>&1
+tee_pid=$!
+trap 'exec >&- 2>&-; wait "$tee_pid" 2>/dev/null || true' EXIT  # the log is whole before $OUT is collected
 
 # --- the environment (again on every call: a lent machine starts bare) -----------------------------------------
 kit_python=$(cat "$kit/python-version")
 have=$("$py" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
 [ "$have" = "$kit_python" ] || { echo "gpu-check: $py is Python $have, the kit is for $kit_python" >&2; exit 2; }
-base_site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 # aot itself runs this Python (its numpy may be 2), with the client wheels and tritonserver first on its path
 if [ ! -f "$work/client/.done" ]; then
   rm -rf "$work/client"
@@ -46,14 +48,20 @@ if [ ! -f "$work/client/.done" ]; then
   tar -xJf "$kit/tritonserver.tar.xz" -C "$work/client"
   touch "$work/client/.done"
 fi
-# the python steps run an environment of their own: numpy<2 first, then this project, then this Python's packages
+# the python steps run an environment of their own: numpy<2 first, then this project (a .pth: the stub may not read
+# PYTHONPATH), then every site-packages folder of this Python (its venv's, the system's, the user's)
 if [ ! -f "$work/step/.done" ]; then
   rm -rf "$work/step"
   "$py" -m venv --without-pip "$work/step"
   step_site=$("$work/step/bin/python3" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   "$py" -m pip install -q --no-index --no-deps --no-compile --target "$step_site" "$kit"/step-wheels/*.whl
   echo "$root" > "$step_site/aot-project.pth"
-  echo "import site; site.addsitedir('$base_site')" > "$step_site/zz-base-packages.pth"
+  "$py" - "$step_site/zz-base-packages.pth" <<'PY'
+import sys
+folders = [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
+# one line, no comprehension: site.py exec()s it in a scope that a nested one would not see
+open(sys.argv[1], "w").write(f"import site; list(map(site.addsitedir, {folders!r}))\n")
+PY
   touch "$work/step/.done"
 fi
 export PYTHONPATH="$work/client:$kit/data:$root${PYTHONPATH:+:$PYTHONPATH}"

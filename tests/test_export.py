@@ -487,13 +487,12 @@ def test_dense_tensorrt_repository_and_its_cuda_graph_specs(tmp_path, tiny_model
 def test_export_backbone_flags_come_from_the_serving_options():
     """`aot export backbone`'s serving flags are generated from ServingOptions' fields: the same defaults, the
     option's limits as one-line usage errors, values landing in the options."""
-    from dataclasses import fields
-
+    from aot.arguments import dataclass_from_arguments
     from aot.cli import build_parser
 
     def options(*flags):
         args = build_parser().parse_args(["export", "backbone", "--model", "m", "--repo", "r", *flags])
-        return ServingOptions(**{f.name: getattr(args, f.name) for f in fields(ServingOptions)})
+        return dataclass_from_arguments(ServingOptions, args)
 
     assert options() == ServingOptions()
     assert options("--queue-delay-us", "0", "--buckets", "64,16", "--format", "torch", "--pool-bytes", "0") == \

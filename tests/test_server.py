@@ -351,6 +351,23 @@ def test_serve_command_checks_the_python_the_steps_run(tmp_path, repo, probe, me
     assert f"aot: error: {python3} (the Python the steps run; AOT_STEP_PYTHON names another)" in err and message in err
 
 
+def test_step_python_is_found_as_the_stub_finds_it(tmp_path, monkeypatch):
+    """AOT_STEP_PYTHON relative to the current folder works (the server's PATH gets its absolute folder); one with
+    no python3 beside it (what the stub runs) is refused naming it."""
+    from aot.server import ServerError, step_python
+
+    monkeypatch.setenv("AOT_STEP_PYTHON", os.path.relpath(sys.executable))
+    found = step_python()
+    assert found.bin_dir.is_absolute() and (found.bin_dir / "python3").is_file()
+    assert found.version == f"{sys.version_info[0]}.{sys.version_info[1]}"
+    lonely = tmp_path / "bin" / "python"
+    lonely.parent.mkdir()
+    lonely.symlink_to(sys.executable)
+    monkeypatch.setenv("AOT_STEP_PYTHON", str(lonely))
+    with pytest.raises(ServerError, match="no python3 beside it"):
+        step_python()
+
+
 def test_tasks_command_lists_what_the_server_serves(server, repo):
     """`aot tasks` and Client.tasks() read the server (its task store view), not a disk the client has."""
     with Client(server.grpc_url) as c:
