@@ -79,7 +79,7 @@ class StepPython:
 
 # `-c` puts the current folder first on sys.path, where the stub (an embedded interpreter) has nothing: drop it, so
 # that `serving` is found the way the stub finds it (PYTHONPATH, relative entries included, site-packages, .pth)
-_PROBE = ("import sys; sys.path.pop(0); import sysconfig, numpy, serving; "
+_PROBE = ("import sys; sys.path[:1] = [p for p in sys.path[:1] if p]; import sysconfig, numpy, serving; "
           "print(f'{sys.version_info[0]}.{sys.version_info[1]}'); "
           "print(sysconfig.get_config_var('LIBDIR') or ''); print(numpy.__version__)")
 

@@ -320,7 +320,8 @@ def test_serve_command_restarts_a_killed_tritonserver_and_cleans_up_after_it(rep
                     return time.monotonic() - since
                 except Exception:  # noqa: BLE001 - down until the restart is ready
                     time.sleep(0.1)
-            raise AssertionError("aot serve did not bring the server back")
+            why = proc.stderr.read() if proc.poll() is not None else "still running"  # read only once it exited
+            raise AssertionError(f"aot serve did not bring the server back (exit code {proc.poll()}): {why}")
 
         os.kill(triton, signal.SIGKILL)
         took = serving_again(time.monotonic())
