@@ -245,7 +245,7 @@ def run_serve_bench(config: ServeBenchConfig, progress: bool = True) -> dict:
                 client.model = "vanilla"
                 client.infer(names[0], texts[0])
             metrics = f"http://{server.host}:{server.metrics_port}/metrics"
-            counters = _published_counters(server.grpc_url, metrics, names[0], texts[0])
+            counters = _published_counters(server.grpc_url, metrics, names[0], texts[0]) if pool_bytes else None
             for concurrency in config.concurrency:
                 for model, mix in (("vanilla", 1), ("aot", 1), ("aot", config.mixed_tasks)):
                     items = [(names[i % mix], text) for i, text in enumerate(texts)]
