@@ -18,7 +18,9 @@ def add_serve(sub) -> None:
                                    "configs (--device cpu) or, for a repository exported with --format torch, on "
                                    "its GPU configs with memory pools sized from the repository (--device cuda), "
                                    "wait until it is ready, print the endpoints, and stop it cleanly on Ctrl-C or "
-                                   "SIGTERM.")
+                                   "SIGTERM. Its python steps run the Python running aot, which needs numpy<2 (the "
+                                   "Triton 2.51 stub's ABI), or the one the environment variable AOT_STEP_PYTHON "
+                                   "names; it is checked before the server starts.")
     p.add_argument("--repo", required=True, help="model repository (from `aot export backbone`)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--grpc-port", type=positive_int, default=8001)

@@ -86,8 +86,7 @@ def _check_graph_specs(name: str, config) -> list[str]:
     engine_inputs = set(inputs) | {b.target_name[0] for b in config.batch_input if len(b.target_name) == 1}
     for k, spec in enumerate(config.optimization.cuda.graph_spec):
         where = f"{name}: graph_spec {k} (batch {spec.batch_size})"
-        bounded = spec.HasField("graph_lower_bound")
-        lower = spec.graph_lower_bound if bounded else spec
+        lower = spec.graph_lower_bound if spec.HasField("graph_lower_bound") else spec
         if not 1 <= lower.batch_size <= spec.batch_size <= config.max_batch_size:
             problems.append(f"{where}: expected 1 <= lower bound batch {lower.batch_size} <= batch <= "
                             f"max_batch_size {config.max_batch_size}")

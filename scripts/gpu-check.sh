@@ -41,16 +41,18 @@ trap 'exec >&- 2>&-; wait "$tee_pid" 2>/dev/null || true' EXIT  # the log is who
 kit_python=$(cat "$kit/python-version")
 have=$("$py" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
 [ "$have" = "$kit_python" ] || { echo "gpu-check: $py is Python $have, the kit is for $kit_python" >&2; exit 2; }
+# what the environments below were made from: a rebuilt kit, another Python or another checkout makes them again
+stamp=$(cd "$kit" && { ls -l --time-style=full-iso python-version tritonserver.tar.xz wheels step-wheels; echo "$py $root"; } | cksum)
 # aot itself runs this Python (its numpy may be 2), with the client wheels and tritonserver first on its path
-if [ ! -f "$work/client/.done" ]; then
+if [ "$(cat "$work/client/.done" 2>/dev/null)" != "$stamp" ]; then
   rm -rf "$work/client"
   "$py" -m pip install -q --no-index --no-deps --no-compile --target "$work/client" "$kit"/wheels/*.whl
   tar -xJf "$kit/tritonserver.tar.xz" -C "$work/client"
-  touch "$work/client/.done"
+  echo "$stamp" > "$work/client/.done"
 fi
 # the python steps run an environment of their own: numpy<2 first, then this project (a .pth: the stub may not read
 # PYTHONPATH), then every site-packages folder of this Python (its venv's, the system's, the user's)
-if [ ! -f "$work/step/.done" ]; then
+if [ "$(cat "$work/step/.done" 2>/dev/null)" != "$stamp" ]; then
   rm -rf "$work/step"
   "$py" -m venv --without-pip "$work/step"
   step_site=$("$work/step/bin/python3" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
@@ -62,7 +64,7 @@ folders = [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))
 # one line, no comprehension: site.py exec()s it in a scope that a nested one would not see
 open(sys.argv[1], "w").write(f"import site; list(map(site.addsitedir, {folders!r}))\n")
 PY
-  touch "$work/step/.done"
+  echo "$stamp" > "$work/step/.done"
 fi
 export PYTHONPATH="$work/client:$kit/data:$root${PYTHONPATH:+:$PYTHONPATH}"
 export AOT_STEP_PYTHON=$work/step/bin/python3 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
