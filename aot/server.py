@@ -39,6 +39,10 @@ class ServerError(RuntimeError):
     pass
 
 
+class ServerExited(ServerError):
+    """tritonserver exited by itself before it was ready."""
+
+
 _PR_SET_PDEATHSIG = 1
 MAX_RESTARTS = 3
 # numpy's BLAS computes factored rows in the steps: a few small matmuls per batch. Its default thread pool spins on
@@ -272,7 +276,7 @@ class LocalServer:
         log.close()
         while time.monotonic() - start < timeout:
             if self.process.poll() is not None:
-                raise ServerError(f"tritonserver exited with code {self.process.returncode} before it was ready:\n"
+                raise ServerExited(f"tritonserver exited with code {self.process.returncode} before it was ready:\n"
                                   f"{self.log_tail()}")
             if self.is_ready():
                 self.ready_seconds = time.monotonic() - start
@@ -285,7 +289,9 @@ class LocalServer:
 
     def _watch(self) -> None:
         """Start tritonserver again when it died (a crash, or a step the supervisor could not reload): at most
-        MAX_RESTARTS times in RESTART_WINDOW seconds, then give up (`failed` says why; `aot serve` exits)."""
+        MAX_RESTARTS times in RESTART_WINDOW seconds, then give up (`failed` says why; `aot serve` exits). A restart
+        that dies before it is ready is one more death, counted on the next pass, not the end: it may have died just
+        as it became ready, of the same cause as the others."""
         while not self._stopping.wait(0.5):
             if self.process.poll() is None:
                 if self.supervisor is not None and self.supervisor.failed:
@@ -302,6 +308,8 @@ class LocalServer:
             self._log(f"tritonserver exited with code {code}; restarting it")
             try:
                 self._launch(120)
+            except ServerExited:
+                continue
             except ServerError as exc:
                 self.failed = f"tritonserver could not be restarted: {exc}"
                 return
