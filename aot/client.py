@@ -11,6 +11,7 @@ One request per text, sent concurrently (Triton batches them, across tasks, on t
 from __future__ import annotations
 
 import json
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterable
@@ -31,12 +32,22 @@ def _message(exc) -> str:
 
 
 class Client:
-    def __init__(self, url: str = "127.0.0.1:8001", model: str = "aot", timeout: float = 60.0):
+    def __init__(self, url: str = "127.0.0.1:8001", model: str = "aot", timeout: float = 60.0, *,
+                 tls: bool = False, ca: str | None = None, cert: str | None = None, key: str | None = None):
+        """`tls`: gRPC over TLS, trusting the system's CAs or the PEM file `ca`; `cert` + `key`: this client's
+        certificate for a server that asks for one (mutual TLS). Giving `ca` or `cert` implies `tls`."""
         import tritonclient.grpc as grpcclient
 
         self._grpc = grpcclient
         self.url, self.model, self.timeout = url, model, timeout
-        self._client = grpcclient.InferenceServerClient(url)
+        if (cert is None) != (key is None):
+            raise ValueError("a client certificate needs its key: give cert and key together")
+        for what, path in (("ca", ca), ("cert", cert), ("key", key)):
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{what} {path}: no such file")
+        tls = tls or ca is not None or cert is not None
+        self._client = grpcclient.InferenceServerClient(url, ssl=tls, root_certificates=ca, private_key=key,
+                                                        certificate_chain=cert)
 
     def close(self) -> None:
         self._client.close()

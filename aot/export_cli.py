@@ -53,9 +53,17 @@ def add_export(sub) -> None:
     r.add_argument("--name", required=True)
     r.set_defaults(run=run_export_remove)
 
-    ls = kinds.add_parser("list", help="list the tasks of a repository")
+    ls = kinds.add_parser("list", help="list the tasks of a repository",
+                          description="List the task store's tasks; removes what killed exports left behind.")
     ls.add_argument("--repo", required=True)
     ls.set_defaults(run=run_export_list)
+
+    v = kinds.add_parser("verify", help="check every task of a repository against its published digests",
+                         description="Offline: hash every file of every task version and compare with the sha256 "
+                                     "digests the manifest published at export, and load each version as the "
+                                     "server does. Prints one line per task; exits 1 if any task is damaged.")
+    v.add_argument("--repo", required=True, help="model repository (from `aot export backbone`)")
+    v.set_defaults(run=run_export_verify)
 
 
 def run_export_backbone(args) -> int:
@@ -87,10 +95,38 @@ def run_export_remove(args) -> int:
     return 0
 
 
+def _clean(store) -> None:
+    """Remove the temporary folders of exports that were killed; say so (a read-only store is left as it is)."""
+    import sys
+
+    try:
+        removed = store.clean()
+    except OSError as exc:
+        print(f"aot: warning: could not clean {store.root}: {exc.strerror}", file=sys.stderr)
+        return
+    if removed:
+        print(f"aot: removed {len(removed)} folder(s) left by killed exports: {', '.join(removed)}", file=sys.stderr)
+
+
 def run_export_list(args) -> int:
     from exporter.task_store import TaskStore
     from serving.repository import read_repository
 
-    for entry in TaskStore(read_repository(args.repo).store_root).entries().values():
-        print(json.dumps(asdict(entry)))
+    store = TaskStore(read_repository(args.repo).store_root)
+    _clean(store)
+    for entry in store.entries().values():
+        print(json.dumps({"name": entry.name, "folder": entry.folder, "storage": entry.storage,
+                          "verified": entry.digests is not None}))
     return 0
+
+
+def run_export_verify(args) -> int:
+    from exporter.task_store import TaskStore
+    from serving.repository import read_repository
+
+    store = TaskStore(read_repository(args.repo).store_root)
+    _clean(store)
+    found = store.verify()
+    for name, problem in found.items():
+        print(json.dumps({"name": name, "ok": problem is None, **({"error": problem} if problem else {})}))
+    return 1 if any(found.values()) else 0

@@ -20,12 +20,23 @@ def add_serve(sub) -> None:
                                    "wait until it is ready, print the endpoints, and stop it cleanly on Ctrl-C or "
                                    "SIGTERM. Its python steps run the Python running aot, which needs numpy<2 (the "
                                    "Triton 2.51 stub's ABI), or the one the environment variable AOT_STEP_PYTHON "
-                                   "names; it is checked before the server starts.")
+                                   "names; it is checked before the server starts. The model-control, "
+                                   "config, shared-memory, statistics, trace and logging APIs answer only requests "
+                                   "with the header aot-admin-key: the key of AOT_ADMIN_KEY, or of the file "
+                                   "AOT_ADMIN_KEY_FILE names, else one generated for this server and written to "
+                                   "the 0600 file printed at start-up (README: Security model).")
     p.add_argument("--repo", required=True, help="model repository (from `aot export backbone`)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--grpc-port", type=positive_int, default=8001)
     p.add_argument("--http-port", type=positive_int, default=8000)
-    p.add_argument("--metrics-port", type=positive_int, default=8002)
+    p.add_argument("--metrics-port", type=positive_int, default=8002,
+                   help="Prometheus metrics (per-task series name every task: keep it off public interfaces)")
+    p.add_argument("--health-port", type=positive_int, default=8003,
+                   help="GET /ready (200 only when every model is loaded and answering) and /live")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate: serve gRPC over TLS (with --tls-key)")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-ca", default=None,
+                   help="PEM CA: require client certificates signed by it (mutual TLS; with --tls-cert)")
     p.add_argument("--log", default=None, help="server log file (default: a temporary file)")
     p.add_argument("--device", default="cpu",
                    help="cpu, or cuda (cuda:N): the torch engine on a GPU, fp16 with CUDA graphs (a repository "
@@ -50,8 +61,9 @@ def run_serve(args) -> int:
     for error in errors.values():
         print(f"aot: warning: {error} (its requests will fail; the other tasks serve)", file=sys.stderr)
     pool_bytes = repo.options.pool_bytes if args.pool_bytes is None else args.pool_bytes
-    server = LocalServer(repo.path, args.host, args.http_port, args.grpc_port, args.metrics_port, args.log,
-                         pool_bytes=pool_bytes, device=args.device)
+    server = LocalServer(repo.path, args.host, args.http_port, args.grpc_port, args.metrics_port,
+                         health_port=args.health_port, log_path=args.log, pool_bytes=pool_bytes, device=args.device,
+                         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -59,7 +71,9 @@ def run_serve(args) -> int:
     try:
         tasks = sorted(set(registry.served()) - set(errors))
         print(json.dumps({"grpc": server.grpc_url, "http": server.http_url, "device": args.device,
-                          "metrics": f"{args.host}:{server.metrics_port}", "ready_seconds": round(server.ready_seconds, 2),
+                          "metrics": f"{args.host}:{server.metrics_port}", "health": server.health_url,
+                          "tls": server.tls_cert is not None, "admin_key_file": str(server.admin_key_path),
+                          "ready_seconds": round(server.ready_seconds, 2),
                           "tasks": tasks, "pool_bytes": pool_bytes,
                           "memory_pools": None if args.device == "cpu" else memory_pool_bytes(repo),
                           "log": str(server.log_path)}), flush=True)

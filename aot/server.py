@@ -6,6 +6,12 @@ must have numpy<2 and this project); LD_LIBRARY_PATH with its libpython. The ste
 or the one AOT_STEP_PYTHON names (a client environment with numpy 2 can serve through a numpy<2 environment beside
 it); it is probed before the server starts, so that a wrong one fails with its reason rather than in the stubs.
 
+Security (README "Security model"): every API a client does not need (model repository, model config, shared
+memory, statistics, trace, logging) is restricted to the deployment's admin key: AOT_ADMIN_KEY or the file
+AOT_ADMIN_KEY_FILE names, else a key generated per server and written to a 0600 file in its work folder
+(`admin_key_path`); the supervisor authenticates its reloads with it; it is never logged. Readiness that tells the
+truth is the supervisor's `/ready` on the health port (`health_url`), not Triton's /v2/health/ready.
+
 Lifetime: the server runs in its own process group and dies with the process that started it (parent-death
 signal), so `kill -9` of `aot serve` leaves no server behind. A supervisor (serving.supervisor) repairs a step whose
 stub died; when tritonserver itself dies (Triton 2.51's python backend can abort when a stub is killed under load),
@@ -32,7 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from serving.repository import POOL_BYTES_ENV, memory_pool_bytes, read_repository
-from serving.supervisor import Supervisor, reap
+from serving.supervisor import (HealthServer, Supervisor, admin_key_from_environment, check_admin_key,
+                                generate_admin_key, reap, restriction_args)
 
 
 class ServerError(RuntimeError):
@@ -159,6 +166,12 @@ class LocalServer:
     http_port: int = 0
     grpc_port: int = 0
     metrics_port: int = 0
+    health_port: int = 0  # the supervisor's /ready and /live (0: a free port)
+    # None: AOT_ADMIN_KEY / AOT_ADMIN_KEY_FILE, else generated for this server; never in a repr or a log
+    admin_key: str | None = field(default=None, repr=False)
+    tls_cert: str | None = None  # PEM files: gRPC over TLS (cert + key), mutual when tls_ca is given
+    tls_key: str | None = None
+    tls_ca: str | None = None
     log_path: Path | None = None
     extra_args: list[str] = field(default_factory=list)
     supervise: bool = True
@@ -176,11 +189,41 @@ class LocalServer:
         self.http_port = self.http_port or free_port(self.host)
         self.grpc_port = self.grpc_port or free_port(self.host)
         self.metrics_port = self.metrics_port or free_port(self.host)
+        self.health_port = self.health_port or free_port(self.host)
+        self._check_tls()
+        if self.admin_key is not None:
+            self.admin_key = check_admin_key(self.admin_key, "admin key")
+        self.admin_key = self.admin_key or admin_key_from_environment() or generate_admin_key()
         self._workdir = Path(tempfile.mkdtemp(prefix="aot-triton-"))
+        self.admin_key_path = self._workdir / "admin-key"  # 0600: what an operator sends as the aot-admin-key header
+        fd = os.open(self.admin_key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.admin_key + "\n")
+        self._health: HealthServer | None = None
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
         self.log_path = Path(self.log_path or self._workdir / "tritonserver.log")
         self._python: StepPython | None = None
+
+    def _check_tls(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ServerError("--tls-cert and --tls-key go together: give both, or neither")
+        if self.tls_ca is not None and self.tls_cert is None:
+            raise ServerError("--tls-ca (client certificates) needs --tls-cert and --tls-key")
+        for flag, value in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key), ("--tls-ca", self.tls_ca)):
+            if value is not None:
+                if not Path(value).is_file():
+                    raise ServerError(f"{flag} {value}: no such file")
+                setattr(self, flag[2:].replace("-", "_"), str(Path(value).resolve()))
+
+    def tls_args(self) -> list[str]:
+        """gRPC over TLS (Triton serves HTTP in the clear: put HTTPS in a proxy in front of it)."""
+        if self.tls_cert is None:
+            return []
+        args = ["--grpc-use-ssl=true", f"--grpc-server-cert={self.tls_cert}", f"--grpc-server-key={self.tls_key}"]
+        if self.tls_ca is not None:
+            args += [f"--grpc-root-cert={self.tls_ca}", "--grpc-use-ssl-mutual=true"]
+        return args
 
     @property
     def python(self) -> StepPython:
@@ -197,6 +240,10 @@ class LocalServer:
     def http_url(self) -> str:
         return f"{self.host}:{self.http_port}"
 
+    @property
+    def health_url(self) -> str:
+        return f"{self.host}:{self.health_port}"
+
     def command(self) -> list[str]:
         return [str(triton_home() / "bin" / "tritonserver"), f"--model-repository={self.repo / 'models'}",
                 f"--backend-directory={backends_folder(self._workdir, self.python.version)}", *self.device_args(),
@@ -206,6 +253,8 @@ class LocalServer:
                 "--disable-auto-complete-config", "--log-info=true",
                 "--model-control-mode=explicit",  # the supervisor reloads what died
                 *(f"--load-model={m}" for m in self.models()),
+                *restriction_args(self.admin_key),  # the control API: the admin key only
+                *self.tls_args(),
                 *self.extra_args]
 
     def device_args(self) -> list[str]:
@@ -240,7 +289,8 @@ class LocalServer:
         return env
 
     def check_ports(self) -> None:
-        ports = (("--http-port", self.http_port), ("--grpc-port", self.grpc_port), ("--metrics-port", self.metrics_port))
+        ports = (("--http-port", self.http_port), ("--grpc-port", self.grpc_port), ("--metrics-port", self.metrics_port),
+                 ("--health-port", self.health_port))
         for i, (flag, port) in enumerate(ports):
             for other, same in ports[:i]:
                 if same == port:
@@ -260,7 +310,13 @@ class LocalServer:
         if not (self.repo / "models").is_dir():
             raise ServerError(f"{self.repo} has no models/ folder: not a model repository from `aot export backbone`")
         self.check_ports()
-        self._launch(timeout, mode="w")
+        self._health = HealthServer(self._current_supervisor, self.host, self.health_port).start()
+        try:
+            self._launch(timeout, mode="w")
+        except BaseException:
+            self._health.stop()
+            self._health = None
+            raise
         if self.restart:
             self._watcher = threading.Thread(target=self._watch, name="aot-server-watch", daemon=True)
             self._watcher.start()
@@ -281,11 +337,19 @@ class LocalServer:
             if self.is_ready():
                 self.ready_seconds = time.monotonic() - start
                 if self.supervise:
-                    self.supervisor = Supervisor(self.process.pid, self.http_url, log=self._log).start()
+                    self.supervisor = Supervisor(self.process.pid, self.http_url, self.admin_key,
+                                                 log=self._log).start()
                 return
             time.sleep(0.05)
         self._stop_process()
         raise ServerError(f"tritonserver was not ready after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def _current_supervisor(self) -> Supervisor | None:
+        """The supervisor of the running tritonserver (None while it starts or restarts): what /ready asks."""
+        process, supervisor = self.process, self.supervisor
+        if process is None or process.poll() is not None or supervisor is None:
+            return None
+        return supervisor if supervisor.server_pid == process.pid else None
 
     def _watch(self) -> None:
         """Start tritonserver again when it died (a crash, or a step the supervisor could not reload): at most
@@ -329,6 +393,9 @@ class LocalServer:
         self._stopping.set()
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(timeout=150)
+        if self._health is not None:
+            self._health.stop()
+            self._health = None
         if self.process is None:
             return None
         return self._stop_process(timeout)

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from exporter.compose_env import write_compose_env
+from exporter.compose_env import write_admin_key, write_compose_env
 from exporter.config_checks import check_configs
 from exporter.configs import CPU_CONFIG, PYTHON_MODELS, TEMPLATES, write_configs
 from exporter.onnx_export import FP16_FILE, FP16_TOLERANCE, example_inputs, export_backbone_graph, export_fp16_graph
@@ -168,6 +168,7 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
                   "parity_max_abs_diff": report.max_abs_diff}
         write_json(tmp / RECORD, record)
         write_compose_env(tmp, RepositoryInfo(tmp, record), repo)
+        write_admin_key(tmp, repo if Path(repo).is_dir() else None)
         report.sizes = {p.relative_to(tmp).as_posix(): p.stat().st_size
                         for pattern in ("*.onnx", f"{ENCODER_DIR}/*.safetensors") for p in tmp.rglob(pattern)}
         report.sizes["tasks/embeddings.npy"] = (tmp / STORE_DIR / "embeddings.npy").stat().st_size

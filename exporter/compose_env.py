@@ -1,20 +1,36 @@
 """REPO/compose.env: what docker-compose.yml needs to know of one repository (`docker compose --env-file
-REPO/compose.env up`): where it is, and tritonserver's CUDA and pinned memory pools sized from its largest batch
-(serving.repository.memory_pool_bytes: smaller pools make tensors between steps fall back to host memory)."""
+REPO/compose.env up`): where it is, tritonserver's CUDA and pinned memory pools sized from its largest batch
+(serving.repository.memory_pool_bytes: smaller pools make tensors between steps fall back to host memory), and
+the deployment's admin key file REPO/admin-key (0600; a compose secret: the only key the server's control API
+accepts, README "Security model"), generated at the first export and kept by later ones."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from serving.atomic import write_atomic
 from serving.repository import RepositoryInfo, memory_pool_bytes
+from serving.supervisor import check_admin_key, generate_admin_key
 
 COMPOSE_ENV = "compose.env"
+ADMIN_KEY_FILE = "admin-key"
 
 
 def compose_env(info: RepositoryInfo, repo_path: Path) -> dict[str, str]:
     pools = memory_pool_bytes(info)
-    return {"AOT_REPO": str(Path(repo_path).resolve()), "AOT_CUDA_POOL_BYTES": str(pools["cuda"]), "AOT_PINNED_POOL_BYTES": str(pools["pinned"])}
+    repo = Path(repo_path).resolve()
+    return {"AOT_REPO": str(repo), "AOT_CUDA_POOL_BYTES": str(pools["cuda"]),
+            "AOT_PINNED_POOL_BYTES": str(pools["pinned"]), "AOT_ADMIN_KEY_FILE": str(repo / ADMIN_KEY_FILE)}
+
+
+def write_admin_key(folder: Path, previous: Path | None) -> None:
+    """`folder`/admin-key, mode 0600: the key of `previous` (a repository being re-exported) or a new one."""
+    old = None if previous is None else Path(previous) / ADMIN_KEY_FILE
+    key = check_admin_key(old.read_text(), str(old)) if old is not None and old.is_file() else generate_admin_key()
+    fd = os.open(Path(folder) / ADMIN_KEY_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
 
 
 def write_compose_env(folder: Path, info: RepositoryInfo, repo_path: Path) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from serving.atomic import fsync_dir, fsync_tree, pid_alive, write_atomic, write_json
+from serving.digests import folder_digests
 from serving.store import (EMBEDDINGS, MANIFEST, STORAGES, STORE_FORMAT, STORE_VERSION, StoreError, StoreReader,
                            TaskEntry, check_task_name, task_of)
 
@@ -74,16 +75,17 @@ class TaskStore(StoreReader):
         if storage not in STORAGES:
             raise StoreError(f"unknown storage {storage!r}: expected one of {', '.join(STORAGES)}")
         fsync_tree(folder)
+        digests = folder_digests(folder)
         final = self.root / self.version_name(folder)
         with self.locked():
             data = self.manifest_data()
             folder.rename(final)
             fsync_dir(self.root)
             old = data["tasks"].get(name)
-            data["tasks"][name] = {"folder": final.name, "storage": storage}
+            data["tasks"][name] = {"folder": final.name, "storage": storage, "digests": digests}
             self._retire(data, old)
             self._commit(data)
-        return TaskEntry(name, final.name, storage)
+        return TaskEntry(name, final.name, storage, digests)
 
     def remove(self, name: str) -> None:
         with self.locked():
@@ -96,9 +98,49 @@ class TaskStore(StoreReader):
 
     @staticmethod
     def _retire(data: dict, entry) -> None:
+        """Keep a replaced or removed version (and its digests) for requests pinned to it."""
         retired = data.setdefault("retired", {})
         if isinstance(entry, dict) and isinstance(entry.get("folder"), str):
             retired[entry["folder"]] = time.time()
+            if isinstance(entry.get("digests"), dict):
+                data.setdefault("retired_digests", {})[entry["folder"]] = entry["digests"]
+
+    def clean(self) -> list[str]:
+        """Remove the `.tmp-<pid>-*` folders of writers that died (a killed `aot export task` leaves one, up to the
+        size of a fused table); a live writer's folder is left alone. Returns the names removed."""
+        removed = []
+        with self.locked():
+            for path in self.root.iterdir():
+                if path.is_dir() and path.name.startswith(".tmp-") and not _writer_alive(path.name):
+                    shutil.rmtree(path, ignore_errors=True)
+                    removed.append(path.name)
+        return sorted(removed)
+
+    def verify(self) -> dict[str, str | None]:
+        """Check every current task version offline: each file against the digest the manifest publishes, and the
+        whole version loadable as the server loads it. Task name -> what is wrong (None: sound)."""
+        from serving.digests import DigestError, verify_file
+        from serving.tasks import load_task_version
+
+        manifest = self.manifest()
+        found: dict[str, str | None] = dict(manifest.errors)
+        for name, entry in sorted(manifest.entries.items()):
+            folder = self.version_folder(entry.folder)
+            try:
+                if entry.digests is None:
+                    raise DigestError(f"{entry.folder}: published without digests (exported by an older aot): "
+                                      "re-export it to have it verified")
+                on_disk = {p.name for p in folder.iterdir() if p.is_file()}
+                if on_disk != set(entry.digests):
+                    raise DigestError(f"{entry.folder}: files {sorted(on_disk)} differ from the published "
+                                      f"{sorted(entry.digests)}")
+                for file in sorted(entry.digests):
+                    verify_file(folder / file, entry.digests, entry.folder)
+                load_task_version(folder, entry.folder, self.root, "all", entry.digests).check_table()
+                found[name] = None
+            except (OSError, ValueError) as exc:
+                found[name] = str(exc).replace(str(self.root) + "/", "")
+        return found
 
     def _commit(self, data: dict) -> None:
         """Under the lock: write the manifest, then remove what nothing may read any more."""
@@ -106,6 +148,7 @@ class TaskStore(StoreReader):
         live = {e["folder"] for e in data["tasks"].values() if isinstance(e, dict)}
         retired = {v: t for v, t in data.get("retired", {}).items() if v not in live}
         data["retired"] = {v: t for v, t in retired.items() if now - t < RETIRED_GRACE}
+        data["retired_digests"] = {v: d for v, d in data.get("retired_digests", {}).items() if v in data["retired"]}
         write_json(self.manifest_path, data)
         keep = live | set(data["retired"])
         for path in self.root.iterdir():

@@ -1,6 +1,18 @@
-"""Errors a served step returns to one request's client."""
+"""Errors a served step returns to one request's client, with the status a client expects."""
+
+# RequestError.kind -> the TritonError code (HTTP status / gRPC status) a step answers with
+KINDS = {"invalid": "INVALID_ARG",  # 400 / INVALID_ARGUMENT: the request itself is wrong
+         "not_found": "NOT_FOUND",  # 404 / NOT_FOUND: an unknown task or task version
+         "unavailable": "UNAVAILABLE"}  # 503 / UNAVAILABLE: the task exists but cannot be served (damaged)
 
 
 class RequestError(ValueError):
     """Bad input in one request, or a task it cannot be served with: the message goes back to that request's
-    client alone (no server path, no traceback); the other requests of the batch are served."""
+    client alone (no server path, no traceback); the other requests of the batch are served. `kind` (KINDS) chooses
+    the status the client sees."""
+
+    def __init__(self, message: str, kind: str = "invalid"):
+        if kind not in KINDS:
+            raise ValueError(f"unknown RequestError kind {kind!r}: expected one of {', '.join(KINDS)}")
+        super().__init__(message)
+        self.kind = kind

@@ -6,7 +6,12 @@ Rules every step follows (a client must never be able to hurt another client's r
   message that names the problem and no server internals (tracebacks go to the server log only);
 - every response gets its own TritonError object: one error object shared between responses is freed once per
   response by the python backend, which corrupts the server's memory (a crash seen with batches of 2+);
-- a batch that fails as a whole is retried request by request, so one request cannot fail the others.
+- a batch that fails as a whole is retried request by request, so one request cannot fail the others;
+- a client mistake answers 400 (gRPC INVALID_ARGUMENT), an unknown task or version 404 (NOT_FOUND), a task that
+  cannot be served 503 (UNAVAILABLE), a fault of the server 500 (serving.errors);
+- metric labels come only from task versions the store holds (a client's string never becomes a label);
+- a request with the parameter `aot_probe` is a liveness probe (serving.supervisor): answered at once with no
+  outputs, never counted in the metrics. It proves the step's process runs its `execute`.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from serving import protocol
-from serving.errors import RequestError
+from serving.errors import KINDS, RequestError
 from serving.repository import RepositoryInfo, repository_of_model
 from serving.store import check_task_name
 from serving.pool import RowPool
@@ -29,6 +34,7 @@ from serving.tasks import TaskRegistry
 __all__ = ["RequestError", "Step"]
 
 _TOKEN_NAMES = (protocol.INPUT_IDS, protocol.ATTENTION_MASK, protocol.TOKEN_TYPE_IDS)
+PROBE_PARAMETER = "aot_probe"
 
 
 def model_parameters(args: dict) -> dict[str, str]:
@@ -71,6 +77,9 @@ class StepMetrics:
             "pool_resident_bytes": pb_utils.MetricFamily("aot_pool_resident_bytes",
                                                          "Bytes of a task version's rows held in the pool",
                                                          pb_utils.MetricFamily.GAUGE),
+            "task_errors": pb_utils.MetricFamily("aot_task_errors_total",
+                                                 "Task versions found damaged or failing to load (refused until "
+                                                 "re-exported)", counter),
             "manifest_errors": pb_utils.MetricFamily("aot_store_manifest_errors_total",
                                                      "Task store manifests that could not be read (the last good "
                                                      "one stays in use)", counter),
@@ -95,6 +104,10 @@ class StepMetrics:
         self._add("duration", seconds * 1e6, **labels)
         if not ok:
             self._add("failures", 1, **labels)
+
+    def task_error(self, version: str) -> None:
+        self._add("task_errors", 1, task=version.rsplit("@", 1)[0], version=version)
+        self.flush(force=True)
 
     def manifest_error(self) -> None:
         self._add("manifest_errors", 1)
@@ -154,15 +167,18 @@ class Step:
                                     f"{self.pool.slots // self.repo.vocab_size} tasks fully resident)")
         self.metrics = StepMetrics(pb_utils, name, self.pool)
         if tasks != "none":
-            self.tasks = TaskRegistry(self.repo.store_root, parts=tasks,
-                                      on_manifest_error=self._manifest_error, pool=self.pool)
-            for error in self.tasks.errors().values():
-                self.pb.Logger.log_warn(f"{self.step}: {error}")
+            self.tasks = TaskRegistry(self.repo.store_root, parts=tasks, on_manifest_error=self._manifest_error,
+                                      pool=self.pool, on_task_error=self._task_error)
 
     def refresh(self) -> None:
         """Before each batch: pick up a changed manifest (a stat when nothing changed)."""
         if self.tasks is not None:
             self.tasks.refresh()
+
+    def _task_error(self, version: str, message: str) -> None:
+        """A version that does not load or was found damaged: refused (its requests alone), logged, counted."""
+        self.pb.Logger.log_error(f"{self.step}: {message}")
+        self.metrics.task_error(version)
 
     def _manifest_error(self, message: str) -> None:
         self.pb.Logger.log_error(f"{self.step}: {message}; serving the last good manifest")
@@ -211,10 +227,12 @@ class Step:
             raise RequestError(f"unknown task: {exc}") from None
 
     def task_version(self, request, ctx: dict):
-        """The task version the first step pinned for this request, loaded (fails the request if it is gone)."""
-        version = self.text(request, protocol.TASK_VERSION)
-        ctx["version"] = version[:200]
-        return self.tasks.version(version)
+        """The task version the first step pinned for this request, loaded (fails the request if it is gone). Only
+        a version the store holds becomes the request's metric label: a client calling a step directly with
+        made-up versions must not grow the metrics without bound."""
+        task = self.tasks.version(self.text(request, protocol.TASK_VERSION))
+        ctx["version"] = task.version
+        return task
 
     def sequence(self, request, name: str) -> np.ndarray:
         """A [1, S] (or [S]) tensor of one sequence, as 1-D."""
@@ -248,16 +266,38 @@ class Step:
 
     # --- responses ---------------------------------------------------------------------------------------------
 
-    def error_response(self, message: str):
-        return self.pb.InferenceResponse(error=self.pb.TritonError(message))  # a new error object per response
+    def error_response(self, message: str, kind: str | None = None):
+        """A new error object per response; `kind` (serving.errors.KINDS) a client's fault, None the server's."""
+        code = getattr(self.pb.TritonError, KINDS[kind]) if kind else self.pb.TritonError.INTERNAL
+        return self.pb.InferenceResponse(error=self.pb.TritonError(message, code))
+
+    def request_error(self, exc: RequestError):
+        return self.error_response(str(exc), exc.kind)
 
     def internal_error(self, exc: BaseException):
         self.pb.Logger.log_error(f"{self.step}: {''.join(traceback.format_exception(exc))}")
         return self.error_response(f"{self.step}: internal error ({type(exc).__name__}); the server log has the "
                                    "details")
 
+    @staticmethod
+    def is_probe(request) -> bool:
+        """A liveness probe (PROBE_PARAMETER among the request's parameters, a JSON object)."""
+        parameters = request.parameters()
+        return PROBE_PARAMETER in parameters and PROBE_PARAMETER in json.loads(parameters)
+
+    def _with_probes(self, requests, respond: Callable) -> list:
+        """`respond` answers the real requests; each probe gets an empty response of its own."""
+        probes = [self.is_probe(r) for r in requests]
+        if not any(probes):
+            return respond(requests)
+        answers = iter(respond([r for r, probe in zip(requests, probes) if not probe]))
+        return [self.pb.InferenceResponse([]) if probe else next(answers) for probe in probes]
+
     def respond_each(self, requests, handle: Callable) -> list:
         """`handle(request, ctx) -> output tensors`, one request at a time; ctx["version"] names its task version."""
+        return self._with_probes(requests, lambda real: self._respond_each(real, handle))
+
+    def _respond_each(self, requests, handle: Callable) -> list:
         responses = []
         for request in requests:
             ctx: dict = {"version": ""}
@@ -266,7 +306,7 @@ class Step:
                 responses.append(self.pb.InferenceResponse(handle(request, ctx)))
                 ok = True
             except RequestError as exc:
-                responses.append(self.error_response(str(exc)))
+                responses.append(self.request_error(exc))
                 ok = False
             except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
                 responses.append(self.internal_error(exc))
@@ -278,6 +318,9 @@ class Step:
     def respond_batch(self, requests, prepare: Callable, run: Callable, outputs: Callable) -> list:
         """A batched step: `prepare(request, ctx)` checks each request; `run(prepared list)` computes the batch;
         `outputs(result, k)` is request k's tensors. A failing batch is retried request by request."""
+        return self._with_probes(requests, lambda real: self._respond_batch(real, prepare, run, outputs))
+
+    def _respond_batch(self, requests, prepare: Callable, run: Callable, outputs: Callable) -> list:
         start = time.perf_counter()
         responses, ready, contexts = [None] * len(requests), [], []
         for i, request in enumerate(requests):
@@ -286,7 +329,7 @@ class Step:
             try:
                 ready.append((i, prepare(request, ctx)))
             except RequestError as exc:
-                responses[i] = self.error_response(str(exc))
+                responses[i] = self.request_error(exc)
             except Exception as exc:  # noqa: BLE001
                 responses[i] = self.internal_error(exc)
         ok = [False] * len(requests)

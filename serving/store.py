@@ -6,6 +6,10 @@
     REPO/tasks/rows/<formula>.onnx the rows graphs factored tasks are computed with (fc-<activation>, kron)
     REPO/tasks/<name>@<id>/        one immutable version of a task (see serving.tasks)
 
+A manifest entry {"folder", "storage", "digests"} carries the sha256 of every file of its version (serving.digests);
+`retired_digests` keeps them for retired versions while requests pinned to them may still load them. Entries
+written before digests existed have none and are served unverified.
+
 The writer is exporter.task_store. A reader validates each manifest entry on its own: a bad entry fails only its
 task; a manifest that cannot be read at all is reported and the last good one stays in use (serving.tasks).
 """
@@ -17,6 +21,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from serving.digests import DigestError, check_digests
 from serving.formats import FormatError, check_keys, read_versioned_json
 
 STORE_FORMAT = "aot-task-store"
@@ -68,6 +73,7 @@ class TaskEntry:
     name: str
     folder: str
     storage: str
+    digests: dict[str, str] | None = field(default=None, compare=False)  # file name -> sha256 (None: unverified)
 
 
 @dataclass
@@ -78,6 +84,14 @@ class Manifest:
     entries: dict[str, TaskEntry]
     errors: dict[str, str] = field(default_factory=dict)
     retired: dict[str, float] = field(default_factory=dict)
+    retired_digests: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def digests(self, version: str) -> dict[str, str] | None:
+        """The published digests of a current or retired version (None: exported before digests existed)."""
+        for entry in self.entries.values():
+            if entry.folder == version:
+                return entry.digests
+        return self.retired_digests.get(version)
 
 
 def parse_entry(name: str, entry, where: str) -> TaskEntry:
@@ -91,9 +105,10 @@ def parse_entry(name: str, entry, where: str) -> TaskEntry:
             raise StoreError(f"folder {entry['folder']!r} belongs to task {task_of(entry['folder'])!r}")
         if entry["storage"] not in STORAGES:
             raise StoreError(f"unknown storage {entry['storage']!r}: expected one of {', '.join(STORAGES)}")
-    except ValueError as exc:
+        digests = check_digests(entry["digests"], "entry") if "digests" in entry else None
+    except (ValueError, DigestError) as exc:
         raise StoreError(f"{where}: bad entry for task {name[:80]!r}: {exc}") from None
-    return TaskEntry(name, entry["folder"], entry["storage"])
+    return TaskEntry(name, entry["folder"], entry["storage"], digests)
 
 
 class StoreReader:
@@ -130,7 +145,13 @@ class StoreReader:
                 errors[name] = str(exc)
         retired = {v: float(t) for v, t in data.get("retired", {}).items()
                    if isinstance(t, (int, float)) and _VERSION.fullmatch(v)}
-        return Manifest(data["backbone"], entries, errors, retired)
+        retired_digests = {}
+        for version, digests in data.get("retired_digests", {}).items():
+            try:
+                retired_digests[version] = check_digests(digests, f"{MANIFEST} retired {version[:80]!r}")
+            except DigestError:
+                retired_digests[version] = {}  # no file of it matches: the version is refused, not read unverified
+        return Manifest(data["backbone"], entries, errors, retired, retired_digests)
 
     def entries(self) -> dict[str, TaskEntry]:
         return self.manifest().entries

@@ -15,6 +15,7 @@ a task is published.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -25,12 +26,13 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from serving import protocol
+from serving.digests import DigestError, verify_file
 from serving.errors import RequestError
 from serving.formats import FormatError, check_keys, read_json
 from serving.labels import label_for
 from serving.pool import RowPool
-from serving.store import (EMBEDDINGS, ROWS_DIR, STORAGES, StoreError, StoreReader, check_version, rows_graph_name,
-                           task_of)
+from serving.store import (EMBEDDINGS, ROWS_DIR, STORAGES, Manifest, StoreError, StoreReader, check_version,
+                           rows_graph_name, task_of)
 
 _TASK_KEYS = {"labels": (list, type(None)), "max_length": int, "storage": str, "method": dict, "num_layers": int,
               "hidden_size": int, "vocab_size": int}
@@ -72,17 +74,31 @@ class FactoredRows:
         self.feeds = {n: np.ascontiguousarray(factors[n], dtype=np.float32) for n in names if n in factors}
         self.embeddings = None
         if "e" in names:
-            embeddings_path = Path(store_root) / EMBEDDINGS
-            st = embeddings_path.stat()
-            self.embeddings = shared_embeddings(embeddings_path, (st.st_ino, st.st_mtime_ns))
+            self.embeddings_path = Path(store_root) / EMBEDDINGS
+            st = self.embeddings_path.stat()
+            self.embeddings = shared_embeddings(self.embeddings_path, (st.st_ino, st.st_mtime_ns))
+            self.embeddings_bytes = st.st_size
 
     def __call__(self, token_ids: np.ndarray) -> np.ndarray:
         feeds = dict(self.feeds)
         if self.embeddings is not None:
+            guard_mapped(self.embeddings_path, self.embeddings_bytes, EMBEDDINGS)
             feeds["e"] = np.asarray(self.embeddings[token_ids], dtype=np.float32)
         else:
             feeds["token_ids"] = np.asarray(token_ids, dtype=np.int64)
         return self.session.run(None, feeds)[0]
+
+
+def guard_mapped(path: Path, size: int, what: str) -> None:
+    """Before touching a memory map: a file truncated under it would kill the process with SIGBUS (every task of
+    the step failing), so a file shorter than when it was mapped is refused first (one stat, ~2 us)."""
+    try:
+        now = os.stat(path).st_size
+    except OSError:
+        now = -1
+    if now < size:
+        raise StoreError(f"{what} is {max(now, 0)} bytes, {size} when it was mapped: truncated or removed under the "
+                         "server")
 
 
 @dataclass
@@ -99,13 +115,39 @@ class ServedTask:
     meta: dict = field(default_factory=dict)  # task.json: source, metric, dev score, method, ...
     table: np.ndarray | None = None  # fused: memory-mapped [V, L, d]
     compute_rows: Callable[[np.ndarray], np.ndarray] | None = None  # factored
+    digests: dict[str, str] | None = None  # published digests (None: exported before digests, unverified)
+    table_path: Path | None = None
+    table_bytes: int = 0
+    table_stamp: tuple | None = None  # (inode, size, mtime) of table.npy when it last matched its digest
 
     def rows(self, token_ids: np.ndarray) -> np.ndarray:
         """Rows of P for sorted distinct token ids, [U, L, d] fp16, from the task's own storage (no pool).
         Fused: only these rows are read from disk; factored: computed in one matmul per layer stack."""
         if self.table is not None:
+            guard_mapped(self.table_path, self.table_bytes, f"{self.version}/table.npy")
             return np.ascontiguousarray(self.table[token_ids], dtype=protocol.ROWS_DTYPE)
         return self.compute_rows(token_ids)
+
+    def check_table(self) -> None:
+        """Before a request reads the fused table: it is the file that was published. The digest is computed on
+        the first request and again only when the file changes on disk (a stat per request otherwise)."""
+        if self.table is None:
+            return
+        try:
+            st = os.stat(self.table_path)
+        except OSError:
+            raise StoreError(f"{self.version}: table.npy is missing") from None
+        stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+        if stamp == self.table_stamp:
+            return
+        if st.st_size != self.table_bytes:
+            raise StoreError(f"{self.version}: table.npy is {st.st_size} bytes, expected {self.table_bytes} "
+                             "(truncated or replaced)")
+        try:
+            verify_file(self.table_path, self.digests, self.version)
+        except DigestError as exc:
+            raise StoreError(str(exc)) from None
+        self.table_stamp = stamp
 
     @property
     def pooling(self) -> str:
@@ -127,18 +169,29 @@ class ServedTask:
         method = self.meta.get("method", {})
         return {"name": self.name, "version": self.version, "storage": self.storage, "labels": self.labels,
                 "max_length": self.max_length, "method": method.get("method"), "metric": self.meta.get("metric"),
-                "dev": self.meta.get("dev"), "source": self.meta.get("source")}
+                "dev": self.meta.get("dev"), "source": self.meta.get("source"),
+                "verified": self.digests is not None}
 
 
 PARTS = ("meta", "head", "rows", "all")
 
 
-def load_task_version(folder: Path, version: str, store_root: Path, parts: str = "all") -> ServedTask:
+def load_task_version(folder: Path, version: str, store_root: Path, parts: str = "all",
+                      digests: dict[str, str] | None = None) -> ServedTask:
     """Load a version folder (`folder` may still be an export's temporary; `version` is the name it will have).
     `parts`: what a step needs: "meta" (the tokenizer, task_list), "head" (the head step), "rows" (the lookup: the
-    table or factors, not the head), "all". With 1,000 tasks a head is 0.6 MB (MiniLM) a step need not hold."""
+    table or factors, not the head), "all". With 1,000 tasks a head is 0.6 MB (MiniLM) a step need not hold.
+    `digests` (the manifest's): every file read is checked against them; the fused table on its first use
+    (ServedTask.check_table), so that loading many tasks does not hash every table at once."""
+    def verified(name: str) -> Path:
+        try:
+            verify_file(folder / name, digests, version)
+        except DigestError as exc:
+            raise StoreError(str(exc)) from None
+        return folder / name
+
     try:
-        meta = check_keys(read_json(folder / "task.json"), _TASK_KEYS, f"{version}/task.json")
+        meta = check_keys(read_json(verified("task.json")), _TASK_KEYS, f"{version}/task.json")
     except FormatError as exc:
         raise StoreError(str(exc).replace(str(folder), version)) from None
     if meta["storage"] not in STORAGES:
@@ -147,21 +200,23 @@ def load_task_version(folder: Path, version: str, store_root: Path, parts: str =
         protocol.pooling_row(meta.get("pooling", protocol.POOLING_BEFORE_V3))
     except ValueError as exc:
         raise StoreError(f"{version}: {exc}") from None
-    head = load_file(folder / "head.safetensors") if parts in ("head", "all") else {}
+    head = load_file(verified("head.safetensors")) if parts in ("head", "all") else {}
     task = ServedTask(task_of(version), version, meta["labels"], meta["max_length"], meta["storage"],
-                      meta["num_layers"], meta["hidden_size"], meta["vocab_size"], head, meta)
+                      meta["num_layers"], meta["hidden_size"], meta["vocab_size"], head, meta, digests=digests)
     if parts not in ("rows", "all"):
         return task
     shape = (task.vocab_size, task.num_layers, task.hidden_size)
     if task.storage == "fused":
-        task.table = np.load(folder / "table.npy", mmap_mode="r")  # refuses a file shorter than its header says
+        task.table_path = folder / "table.npy"
+        task.table = np.load(task.table_path, mmap_mode="r")  # refuses a file shorter than its header says
         if task.table.shape != shape or task.table.dtype != protocol.ROWS_DTYPE:
             raise StoreError(f"{version}: table.npy is {task.table.dtype} {task.table.shape}, expected fp16 {shape}")
+        task.table_bytes = task.table_path.stat().st_size
     else:
         method = meta["method"]
         if method.get("method") not in ("fc", "kron"):
             raise StoreError(f"{version}: method {method.get('method')!r} cannot be served from factors")
-        task.compute_rows = FactoredRows(store_root, method, load_file(folder / "factors.safetensors"))
+        task.compute_rows = FactoredRows(store_root, method, load_file(verified("factors.safetensors")))
         probe = task.compute_rows(np.array([0], dtype=np.int64))
         if probe.shape != (1,) + shape[1:]:
             raise StoreError(f"{version}: factors give rows of shape {probe.shape[1:]}, expected {shape[1:]}")
@@ -179,19 +234,24 @@ class TaskRegistry:
     """
 
     def __init__(self, store_root: str | Path, parts: str = "all", grace: float = 120.0,
-                 on_manifest_error: Callable[[str], None] | None = None, pool: RowPool | None = None):
+                 on_manifest_error: Callable[[str], None] | None = None, pool: RowPool | None = None,
+                 on_task_error: Callable[[str, str], None] | None = None):
         """`pool`: keep the rows of the current versions in this pool (serving.pool); versions that leave the
-        manifest are detached from it at once (a request still pinned to one reads its storage directly)."""
+        manifest are detached from it at once (a request still pinned to one reads its storage directly).
+        `on_task_error(version, message)`: a version failed to load or was found damaged (log it, count it)."""
         self.store = StoreReader(store_root)
         self.pool = pool
         if parts not in PARTS:
             raise ValueError(f"parts={parts!r}: expected one of {', '.join(PARTS)}")
         self.parts, self.grace = parts, grace
         self.on_manifest_error = on_manifest_error
+        self.on_task_error = on_task_error
         self.manifest_error: str | None = None
         self._stamp = None
+        self._manifest = Manifest({}, {})
         self._entries: dict = {}
         self._entry_errors: dict[str, str] = {}
+        self._audit: dict[str, tuple[tuple, str | None]] = {}  # version -> (files' stamps, damage found by audit())
         self._versions: dict[str, ServedTask | StoreError] = {}
         self._last_used: dict[str, float] = {}
         self._lock = threading.RLock()
@@ -211,6 +271,7 @@ class TaskRegistry:
                     self.on_manifest_error(self.manifest_error)
                 return
             self._entries, self._entry_errors, self._stamp = manifest.entries, manifest.errors, stamp
+            self._manifest = manifest
             self.manifest_error = None
             current = {e.folder for e in self._entries.values()}
             now = time.monotonic()
@@ -242,25 +303,65 @@ class TaskRegistry:
     def _load(self, version: str, parts: str | None = None, keep: bool = True) -> ServedTask | StoreError:
         try:
             task: ServedTask | StoreError = load_task_version(self.store.version_folder(version), version,
-                                                              self.store.root, parts or self.parts)
+                                                              self.store.root, parts or self.parts,
+                                                              self._manifest.digests(version))
         except Exception as exc:  # noqa: BLE001 - a corrupt task must not take the others down
-            detail = str(exc).replace(str(self.store.root) + "/", "")
-            task = StoreError(f"task {task_of(version)!r} ({version}) is corrupt: {type(exc).__name__}: {detail}")
+            task = self._damaged(version, exc)
         if keep:
             self._versions[version] = task
         return task
+
+    def _damaged(self, version: str, exc: BaseException) -> StoreError:
+        detail = str(exc).replace(str(self.store.root) + "/", "")
+        error = StoreError(f"task {task_of(version)!r} ({version}) is corrupt: {type(exc).__name__}: {detail}")
+        if self.on_task_error is not None:
+            self.on_task_error(version, str(error))
+        return error
+
+    def known(self, version: str) -> bool:
+        """A version the manifest names, current or retired (a request may be pinned to it)."""
+        return version in self._manifest.retired or any(e.folder == version for e in self._entries.values())
+
+    def audit(self) -> dict[str, str]:
+        """Check every file of every current version against its digest, again only when a file changed on disk
+        (stats otherwise): the task_list step runs it in the background, so `aot tasks` names a damaged task
+        before a request meets it. Returns task name -> damage."""
+        found = {}
+        for name, entry in list(self._entries.items()):
+            folder = self.store.version_folder(entry.folder)
+            try:
+                stamps = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.iterdir()))
+            except OSError as exc:
+                stamps = (str(exc),)
+            seen = self._audit.get(entry.folder)
+            if seen is None or seen[0] != stamps:
+                damage = None
+                if entry.digests is not None:
+                    try:
+                        for file in sorted(entry.digests):
+                            verify_file(folder / file, entry.digests, entry.folder)
+                    except DigestError as exc:
+                        damage = f"task {name!r} ({entry.folder}) is corrupt: {exc}"
+                seen = (stamps, damage)
+                self._audit[entry.folder] = seen
+            if seen[1]:
+                found[name] = seen[1]
+        return found
 
     def names(self) -> list[str]:
         """Every task the manifest names, loadable or not."""
         return sorted(set(self._entries) | set(self._entry_errors))
 
     def errors(self) -> dict[str, str]:
-        """Task name -> why its requests fail (a bad manifest entry or a version that does not load)."""
+        """Task name -> why its requests fail (a bad manifest entry, a version that does not load, or a file that
+        audit() found damaged)."""
         errors = dict(self._entry_errors)
         for name, entry in self._entries.items():
             loaded = self._versions.get(entry.folder)
             if isinstance(loaded, StoreError):
                 errors[name] = str(loaded)
+            elif entry.folder in self._audit and self._audit[entry.folder][1]:
+                errors[name] = self._audit[entry.folder][1]
         return errors
 
     def served(self) -> dict[str, ServedTask]:
@@ -272,9 +373,9 @@ class TaskRegistry:
         entry = self._entries.get(name)
         if entry is None:
             if name in self._entry_errors:
-                raise RequestError(self._entry_errors[name])
+                raise RequestError(self._entry_errors[name], "unavailable")
             known = ", ".join(sorted(self.served())) or "(none)"
-            raise RequestError(f"unknown task {name[:200]!r}; known tasks: {known}")
+            raise RequestError(f"unknown task {name[:200]!r}; known tasks: {known}", "not_found")
         return self.version(entry.folder)
 
     def version(self, version: str) -> ServedTask:
@@ -286,12 +387,20 @@ class TaskRegistry:
         with self._lock:
             task = self._versions.get(version)
             if task is None:
-                if not self.store.version_folder(version).is_dir():
-                    raise RequestError(f"task version {version!r} is not in the store (removed, or never exported)")
+                if not self.known(version) or not self.store.version_folder(version).is_dir():
+                    raise RequestError(f"task version {version!r} is not in the store (removed, or never exported)",
+                                       "not_found")
                 task = self._load(version)
+            if isinstance(task, ServedTask) and task.table is not None:
+                try:
+                    task.check_table()
+                except StoreError as exc:  # damaged under the server: refused from now on, its pool rows dropped
+                    task = self._versions[version] = self._damaged(version, exc)
+                    if self.pool is not None:
+                        self.pool.detach(version)
             self._last_used[version] = time.monotonic()
         if isinstance(task, StoreError):
-            raise RequestError(str(task))
+            raise RequestError(str(task), "unavailable")
         return task
 
 

@@ -8,6 +8,7 @@ truncation side; tests check the ids equal transformers' for every architecture.
 
 from __future__ import annotations
 
+import unicodedata
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,12 @@ import numpy as np
 from serving import protocol
 from serving.errors import RequestError
 from serving.formats import read_json
+
+
+def is_blank(text: str) -> bool:
+    """Nothing to read: only whitespace, control characters (NUL...) or invisible format characters (zero-width
+    space, joiners, BOM). Such a text is refused like an empty one, by the server and by `aot predict` alike."""
+    return all(unicodedata.category(ch)[0] in "CZ" for ch in text)
 
 
 def bucket_length(length: int, buckets: tuple[int, ...]) -> int:
@@ -43,8 +50,8 @@ class Tokenization:
         self.buckets = tuple(sorted(buckets))
 
     def encode(self, text: str, pair: str | None, max_length: int) -> dict[str, np.ndarray]:
-        if not text.strip():
-            raise RequestError("TEXT is empty")
+        if is_blank(text):
+            raise RequestError("TEXT is empty (or only whitespace, control or zero-width characters)")
         self.tokenizer.enable_truncation(max_length, strategy="longest_first", direction=self.truncation_side)
         enc = self.tokenizer.encode(text, pair or None)
         n = len(enc.ids)

@@ -17,30 +17,37 @@ from aot.client import Client, InferenceError
 from exporter.task_export import export_task
 from exporter.task_store import TaskStore
 from serving.repository import read_repository
+from serving.supervisor import GRPC_ADMIN_HEADER
 from tests.helpers import make_repository, serve_for_tests, train_tiny_task
+from tests.tiny import write_sentiment_folder
 from training.predict import Predictor
 
 pytestmark = pytest.mark.server
 
 TEXTS = ["good w1 w2", "w3 awful w4 w5", "the movie was superb", "dull plot", "w7",
          " ".join(["w9 great"] * 40)]  # longer than max_length 32: truncated exactly as in training
+PAIRS = ["w5 w6", "w7", "w1 w2 w3", "great", "awful w8", "w2 " * 30]
 
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory, tiny_models, sentiment_dir):
     root = tmp_path_factory.mktemp("artifacts")
     # Served tasks pool both ways (beta, gamma: mean), so one batch mixes poolings on the one backbone.
-    return {name: train_tiny_task(tiny_models["bert"], sentiment_dir, root / name, method, seed=seed, pooling=pooling)
-            for name, method, seed, pooling in (("alpha", "fc", 0, "cls"), ("beta", "kron", 1, "mean"),
-                                                ("gamma", "fc", 2, "mean"), ("delta", "fc", 3, "cls"),
-                                                ("epsilon", "kron", 4, "cls"))}
+    tasks = {name: train_tiny_task(tiny_models["bert"], sentiment_dir, root / name, method, seed=seed, pooling=pooling)
+             for name, method, seed, pooling in (("alpha", "fc", 0, "cls"), ("beta", "kron", 1, "mean"),
+                                                 ("gamma", "fc", 2, "mean"), ("delta", "fc", 3, "cls"),
+                                                 ("epsilon", "kron", 4, "cls"))}
+    pairs = write_sentiment_folder(root / "pair-data", pair=True)
+    tasks["zeta"] = train_tiny_task(tiny_models["bert"], pairs, root / "zeta", "fc", seed=5)  # a sentence-pair task
+    return tasks
 
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory, tiny_models, artifacts):
     return make_repository(tiny_models["bert"], tmp_path_factory.mktemp("served") / "repo",
                            {"alpha": (artifacts["alpha"], "fused"), "beta": (artifacts["beta"], "fused"),
-                            "gamma": (artifacts["gamma"], "factored")}, max_batch_size=64, backbone_queue_delay_us=2000)
+                            "gamma": (artifacts["gamma"], "factored"), "zeta": (artifacts["zeta"], "fused")},
+                           max_batch_size=64, backbone_queue_delay_us=2000)
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +60,8 @@ def expected(artifacts):
     """PyTorch logits (aot predict) for every task and text."""
     out = {}
     for name in ("alpha", "beta", "gamma", "delta", "epsilon"):
-        predictor = Predictor.load(artifacts[name])
-        out[name] = predictor.logits(TEXTS).numpy()
-        out[(name, "pair")] = predictor.logits(TEXTS[:2], ["w5 w6", "w7"]).numpy()
+        out[name] = Predictor.load(artifacts[name]).logits(TEXTS).numpy()
+    out[("zeta", "pair")] = Predictor.load(artifacts["zeta"]).logits(TEXTS, PAIRS).numpy()
     return out
 
 
@@ -65,8 +71,9 @@ def client(server):
         yield c
 
 
-def _stats(client, model):
-    stats = client._client.get_inference_statistics(model).model_stats[0]
+def _stats(client, model, server):
+    """Triton's statistics API: restricted to the admin key."""
+    stats = client._client.get_inference_statistics(model, headers={GRPC_ADMIN_HEADER: server.admin_key}).model_stats[0]
     return stats.inference_count, stats.execution_count
 
 
@@ -76,16 +83,30 @@ def test_served_logits_equal_predict(client, expected):
             got = client.infer(name, text)
             np.testing.assert_allclose(got["logits"], expected[name][i], atol=1e-3)
             assert got["label"] == ["negative", "positive"][int(np.argmax(expected[name][i]))]
-        for i, (text, pair) in enumerate(zip(TEXTS[:2], ["w5 w6", "w7"])):
-            np.testing.assert_allclose(client.infer(name, text, pair)["logits"], expected[(name, "pair")][i], atol=1e-3)
+    for i, (text, pair) in enumerate(zip(TEXTS, PAIRS)):  # pairs truncated longest-first, as in training
+        np.testing.assert_allclose(client.infer("zeta", text, pair)["logits"], expected[("zeta", "pair")][i], atol=1e-3)
 
 
-def test_mixed_tasks_batch_into_one_backbone_execution(client):
-    before = _stats(client, "backbone")
+def test_pair_mismatch_is_refused_per_request(client, expected):
+    """A pair sent to a task trained on single texts (or none to a pair task) would silently change the answer:
+    each such request is refused with 400 / INVALID_ARGUMENT, and the others in its batch are served."""
+    items = [{"task": "alpha", "text": TEXTS[0], "text_pair": "w5 w6"}, {"task": "zeta", "text": TEXTS[0]},
+             {"task": "alpha", "text": TEXTS[0]}, {"task": "zeta", "text": TEXTS[0], "text_pair": PAIRS[0]},
+             {"task": "zeta", "text": TEXTS[0], "text_pair": "\u200b\x00"}]  # an invisible pair is no pair
+    answers = client.infer_many(items)
+    assert answers[0]["error"].endswith("task 'alpha' was trained on single texts: send no TEXT_PAIR")
+    assert answers[1]["error"].endswith("task 'zeta' was trained on text pairs: send TEXT_PAIR too")
+    assert answers[4]["error"].endswith("task 'zeta' was trained on text pairs: send TEXT_PAIR too")
+    np.testing.assert_allclose(answers[2]["logits"], expected["alpha"][0], atol=1e-3)
+    np.testing.assert_allclose(answers[3]["logits"], expected[("zeta", "pair")][0], atol=1e-3)
+
+
+def test_mixed_tasks_batch_into_one_backbone_execution(server, client):
+    before = _stats(client, "backbone", server)
     items = [{"task": ("alpha", "beta", "gamma")[i % 3], "text": TEXTS[i % len(TEXTS)]} for i in range(60)]
     answers = client.infer_many(items, concurrency=60)
     assert all("error" not in a for a in answers)
-    after = _stats(client, "backbone")
+    after = _stats(client, "backbone", server)
     requests, executions = after[0] - before[0], after[1] - before[1]
     assert requests == 60
     assert executions < requests, f"{executions} backbone executions for {requests} requests of 3 tasks"
@@ -298,7 +319,7 @@ def test_serve_command_corrupt_task_and_clean_stop(tmp_path, repo):
         line = proc.stdout.readline()
         assert line, proc.stderr.read()
         info = json.loads(line)
-        assert info["tasks"] == ["alpha", "gamma"]
+        assert info["tasks"] == ["alpha", "gamma", "zeta"]
         with Client(info["grpc"]) as c:
             assert c.infer("alpha", "good w1")["label"] in ("positive", "negative")
             with pytest.raises(InferenceError, match=r"task 'beta' \(beta@[0-9a-f]+\) is corrupt"):

@@ -89,10 +89,11 @@ def sentiment_examples(n: int, seed: int, pair: bool = False) -> list[dict]:
     return rows
 
 
-def write_sentiment_folder(folder: Path, n_train: int = 400, n_dev: int = 100, fmt: str = "jsonl") -> Path:
+def write_sentiment_folder(folder: Path, n_train: int = 400, n_dev: int = 100, fmt: str = "jsonl",
+                           pair: bool = False) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     for split, n, seed in (("train", n_train, 1), ("dev", n_dev, 2)):
-        rows = sentiment_examples(n, seed)
+        rows = sentiment_examples(n, seed, pair)
         path = folder / f"{split}.{fmt}"
         if fmt == "jsonl":
             path.write_text("".join(json.dumps(r) + "\n" for r in rows))
