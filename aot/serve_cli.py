@@ -109,19 +109,35 @@ def _check_device(device: str, engine: str) -> None:
         raise ValueError(f"--{exc}") from None
 
 
+def add_connection_arguments(p) -> None:
+    """How a client command reaches the server: its gRPC address and, for a TLS server, the CA and a client
+    certificate (aot.Client's tls, ca, cert, key)."""
+    p.add_argument("--url", default="127.0.0.1:8001", help="gRPC address of the server")
+    p.add_argument("--tls", action="store_true", help="gRPC over TLS, trusting the system's CAs (or --ca)")
+    p.add_argument("--ca", default=None, help="PEM CA that signed the server's certificate (implies --tls)")
+    p.add_argument("--cert", default=None, help="PEM client certificate, for a server that asks for one")
+    p.add_argument("--key", default=None, help="PEM private key of --cert")
+
+
+def connect(args, **kwargs):
+    from aot.client import Client
+
+    return Client(args.url, tls=args.tls, ca=args.ca, cert=args.cert, key=args.key, **kwargs)
+
+
 def add_tasks(sub) -> None:
     p = sub.add_parser("tasks", help="list the tasks a running server serves (read from the server)",
                        description="One JSON line per served task: name, version, storage, labels, max length, "
                                    "method, metric, dev score and source artifact; then one line per task whose "
                                    "requests fail, with the reason.")
-    p.add_argument("--url", default="127.0.0.1:8001", help="gRPC address of the server")
+    add_connection_arguments(p)
     p.set_defaults(run=run_tasks)
 
 
 def run_tasks(args) -> int:
-    from aot.client import Client, InferenceError
+    from aot.client import InferenceError
 
-    with Client(args.url) as client:
+    with connect(args) as client:
         try:
             client.check_ready()
             listing = client.tasks()
@@ -139,7 +155,7 @@ def add_infer(sub) -> None:
                        description='Prints {"label": ..., "logits": [...]} per TEXT (like `aot predict`), or, with '
                                    '--input, answers a JSONL file of {"task", "text", "text_pair"} lines '
                                    "concurrently, in input order.")
-    p.add_argument("--url", default="127.0.0.1:8001", help="gRPC address of the server")
+    add_connection_arguments(p)
     p.add_argument("--task", default=None, help="task id (for TEXT arguments)")
     p.add_argument("--pair", default=None, help="second text for every TEXT")
     p.add_argument("--input", default=None, help="JSONL file of requests (mixed tasks allowed)")
@@ -173,7 +189,7 @@ def _read_requests(path: str) -> list[dict]:
 def run_infer(args) -> int:
     from tqdm.auto import tqdm
 
-    from aot.client import Client, InferenceError
+    from aot.client import InferenceError
 
     if args.input and args.texts:
         raise ValueError("give either TEXT arguments or --input, not both")
@@ -183,7 +199,7 @@ def run_infer(args) -> int:
         if not args.texts or not args.task:
             raise ValueError("give --task and at least one TEXT (or --input FILE.jsonl)")
         items = [{"task": args.task, "text": t, "text_pair": args.pair} for t in args.texts]
-    with Client(args.url, model=args.model) as client:
+    with connect(args, model=args.model) as client:
         client.check_ready()
         if len(items) == 1:
             try:

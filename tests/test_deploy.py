@@ -25,8 +25,11 @@ def test_compose_serves_the_local_binary_release_on_a_gpu():
     assert builder["image"] == "nvcr.io/nvidia/tensorrt:24.10-py3"  # trtexec of Triton 2.51's TensorRT
     assert "tritonserver:24.10-py3" in (ROOT / "docker" / "Dockerfile").read_text()  # = the wheel's binary
     assert triton["restart"] == "on-failure:3"  # a model that fails to load is reported, not restarted forever
-    assert set(triton["ports"]) == {"8000:8000", "8001:8001", "8002:8002"}
-    assert "/v2/health/ready" in " ".join(triton["healthcheck"]["test"])
+    # inference public; metrics (they name every task) and the supervisor's health port on loopback only
+    assert set(triton["ports"]) == {"8000:8000", "8001:8001", "127.0.0.1:8002:8002", "127.0.0.1:8003:8003"}
+    assert "localhost:8003/ready" in " ".join(triton["healthcheck"]["test"])  # the truthful readiness
+    assert triton["secrets"] == ["aot_admin_key"] and spec["secrets"]["aot_admin_key"]["file"]
+    assert triton["environment"]["AOT_ADMIN_KEY_FILE"] == "/run/secrets/aot_admin_key"
     assert triton["depends_on"]["engine-builder"]["condition"] == "service_completed_successfully"
     for service in (triton, builder):
         devices = service["deploy"]["resources"]["reservations"]["devices"]

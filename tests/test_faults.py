@@ -28,7 +28,7 @@ from exporter.task_export import export_task
 from exporter.task_store import TaskStore
 from serving.atomic import write_json
 from serving.repository import read_repository
-from serving.supervisor import SHM, STUB, stubs_of
+from serving.supervisor import GRPC_ADMIN_HEADER, SHM, STUB, stubs_of
 from serving.tasks import TaskRegistry
 from tests.helpers import make_repository, serve_for_tests, train_tiny_task
 from training.predict import Predictor
@@ -223,8 +223,8 @@ def _kill_quietly(pid: int) -> None:
 def _backbone_stats(srv) -> dict:
     import tritonclient.grpc as grpcclient
 
-    with grpcclient.InferenceServerClient(srv.grpc_url) as c:
-        stats = c.get_inference_statistics("backbone").model_stats[0]
+    with grpcclient.InferenceServerClient(srv.grpc_url) as c:  # statistics: the admin key's
+        stats = c.get_inference_statistics("backbone", headers={GRPC_ADMIN_HEADER: srv.admin_key}).model_stats[0]
     return {"failed": stats.inference_stats.fail.count, "executions": stats.execution_count}
 
 

@@ -16,6 +16,7 @@ from exporter.configs import parse_pbtxt
 from serving import protocol as io
 from serving.pool import RowPool
 from serving.repository import ServingOptions, largest_batch_bytes, memory_pool_bytes, read_repository
+from serving.supervisor import GRPC_ADMIN_HEADER
 from serving_torch.engine import DeviceRows, Prepared, TorchBackbone
 from tests.helpers import make_repository, serve_for_tests, train_tiny_task
 from training.predict import Predictor
@@ -117,13 +118,12 @@ def repo(tmp_path_factory, tiny_models, artifacts):
 
 @pytest.fixture(scope="module")
 def expected(artifacts):
-    return {n: (Predictor.load(a).logits(TEXTS).numpy(), Predictor.load(a).logits(TEXTS[:2], ["w5", "w6 w7"]).numpy())
-            for n, a in artifacts.items()}
+    return {n: Predictor.load(a).logits(TEXTS).numpy() for n, a in artifacts.items()}
 
 
 @pytest.mark.server
 def test_served_torch_engine_equals_predict_with_and_without_a_pool(request, repo, expected):
-    """Concurrent mixed tasks (fused, FC and Kron factored), pairs, long texts; then with no pool (rows brought per
+    """Concurrent mixed tasks (fused, FC and Kron factored), long texts; then with no pool (rows brought per
     request, the eager path)."""
     from aot.server import LocalServer
 
@@ -133,12 +133,9 @@ def test_served_torch_engine_equals_predict_with_and_without_a_pool(request, rep
             answers = client.infer_many(items, concurrency=12)
             for item, k, answer in zip(items, range(45), answers):
                 assert "error" not in answer, answer
-                np.testing.assert_allclose(answer["logits"], expected[item["task"]][0][k % len(TEXTS)], atol=1e-3)
-            for name in "abc":
-                for i, pair in enumerate(["w5", "w6 w7"]):
-                    got = client.infer(name, TEXTS[i], pair)["logits"]
-                    np.testing.assert_allclose(got, expected[name][1][i], atol=1e-3)
-            stats = client._client.get_inference_statistics("backbone").model_stats[0]
+                np.testing.assert_allclose(answer["logits"], expected[item["task"]][k % len(TEXTS)], atol=1e-3)
+            stats = client._client.get_inference_statistics(
+                "backbone", headers={GRPC_ADMIN_HEADER: server.admin_key}).model_stats[0]
             assert stats.execution_count < stats.inference_count, "requests of mixed tasks must batch together"
 
 
@@ -210,8 +207,10 @@ def test_lookup_step_serves_the_bias_from_a_host_or_a_torch_pool(tmp_path, tiny_
             if storage == "torch":
                 config = parse_pbtxt((repo / "models" / "aot_lookup" / "configs" / "cpu.pbtxt").read_text())
                 config.parameters["pool_storage"].string_value = "torch"
-                client.load_model("aot_lookup", config=MessageToJson(config, preserving_proto_field_name=True))
-                loaded = client.get_model_config("aot_lookup").config
+                admin = {GRPC_ADMIN_HEADER: server.admin_key}
+                client.load_model("aot_lookup", config=MessageToJson(config, preserving_proto_field_name=True),
+                                  headers=admin)
+                loaded = client.get_model_config("aot_lookup", headers=admin).config
                 assert loaded.parameters["pool_storage"].string_value == "torch"
             for name, task in served.items():
                 for text in TEXTS[:3]:
@@ -235,7 +234,7 @@ def test_lookup_step_serves_the_bias_from_a_host_or_a_torch_pool(tmp_path, tiny_
         with Client(server.grpc_url) as aot_client:  # the repository's AoT graph, in this interface
             for name in "ab":
                 answers = aot_client.infer_many([{"task": name, "text": t} for t in TEXTS], concurrency=4)
-                np.testing.assert_allclose([a["logits"] for a in answers], expected[name][0], atol=1e-3)
+                np.testing.assert_allclose([a["logits"] for a in answers], expected[name], atol=1e-3)
         log = server.log_path.read_text()
     assert "aot_lookup: task pool rows in host memory" in log
     assert "aot_lookup: task pool rows in torch memory on cpu, out through DLPack" in log
