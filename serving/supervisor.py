@@ -309,11 +309,22 @@ class Supervisor:
                 if cause == "hung":
                     self._kill(model, stubs)
                 self._repair(model, cause)
-            for model in sorted(self.models - set(broken)):
-                if not self.model_ready(model) and self._failures.get(model, 0) < MAX_ATTEMPTS:
+            for model in self.unready(exclude=set(broken)):
+                if self._failures.get(model, 0) < MAX_ATTEMPTS:
                     self._repair(model, "not ready", unload=False)
                     broken[model] = "not ready"
             return sorted(broken)
+
+    def unready(self, exclude: set[str] = frozenset()) -> list[str]:
+        """The needed models that are not loaded and ready now (one repository-index call for all of them)."""
+        needed = sorted(self.models - set(exclude))
+        if not needed:
+            return []
+        try:
+            states = {m["name"]: m.get("state") for m in self._index()}
+        except (urllib.error.URLError, OSError, ValueError):
+            return needed
+        return [m for m in needed if states.get(m) != "READY"]
 
     def _kill(self, model: str, stubs: dict[str, Stub]) -> None:
         """SIGKILL a hung model's stubs (a stopped process dies too), so the reload never waits on them."""
@@ -380,8 +391,8 @@ class Supervisor:
         reasons = [f"model {m!r} could not be repaired" for m in self.failed]
         if self.repairing:
             reasons.append(f"model {self.repairing!r} is being repaired")
-        reasons += [f"model {m!r} is not loaded or not ready" for m in sorted(self.models)
-                    if m != self.repairing and not self.model_ready(m)]  # asked now, not at the last check
+        reasons += [f"model {m!r} is not loaded or not ready"  # asked now, not at the last check
+                    for m in self.unready(exclude={self.repairing} if self.repairing else set())]
         reasons += [f"model {m!r} answered no probe for {self.silent_for(m):.1f} s" for m in sorted(self._answered)
                     if self.silent_for(m) > self.hung_seconds]
         return not reasons, reasons
