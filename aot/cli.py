@@ -22,11 +22,24 @@ EXTRA_OF_MODULE = {"torch": "train", "training": "train", "peft": "train", "tran
                    "onnxruntime": "serve", "tokenizers": "serve", "tritonclient": "client", "tqdm": "client"}
 
 
+# Packages whose warnings speak to the user (training.data.DataWarning): printed as `aot: warning: ...`.
+OWN_PACKAGES = ("training.", "exporter.", "serving.", "aot.")
+
+
 def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)
+    library_warning = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if category.__module__.startswith(OWN_PACKAGES):  # ours, for the user: one line like the errors
+            print(f"aot: warning: {message}", file=sys.stderr)
+        else:
+            library_warning(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
     try:
         from transformers.utils import logging as hf_logging
     except ImportError:  # a client-only install has no transformers
@@ -39,6 +52,7 @@ def _quiet_libraries() -> None:
 
 def add_train(sub) -> None:
     try:
+        from training.data import PROBLEMS
         from training.methods.base import METHODS, method_spec, option_types
 
         method_spec("fc")  # fills the registry
@@ -90,7 +104,10 @@ def add_train(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--labels", default=None, help="comma-separated label set (plain folders without task.json)")
     p.add_argument("--metric", default=None, help="accuracy, f1, acc_f1, mcc or pearson_spearman")
-    p.add_argument("--device", default="auto", help="cpu, cuda, or auto")
+    p.add_argument("--problem", choices=PROBLEMS, default=None,
+                   help="regression: one score per input (labels are numbers); default: what task.json declares, "
+                        "else classification")
+    p.add_argument("--device", default="auto", help="cpu, cuda (cuda:N), or auto: CUDA where PyTorch sees it")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(run=run_train)
 
@@ -107,7 +124,7 @@ def run_train(args) -> int:
                         max_train_samples=args.max_train_samples, time_budget=args.time_budget,
                         max_steps=args.max_steps, pooling=args.pooling, seed=args.seed,
                         labels=args.labels.split(",") if args.labels else None, metric=args.metric,
-                        device=args.device, progress=not args.no_progress)
+                        device=args.device, progress=not args.no_progress, problem=args.problem)
     print(json.dumps(result))
     return 0
 
