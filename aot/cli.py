@@ -26,20 +26,22 @@ EXTRA_OF_MODULE = {"torch": "train", "training": "train", "peft": "train", "tran
 OWN_PACKAGES = ("training.", "exporter.", "serving.", "aot.")
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings of this project print as one line like its errors; other libraries' as they would."""
+    if category.__module__.startswith(OWN_PACKAGES):
+        print(f"aot: warning: {message}", file=sys.stderr)
+    else:
+        _show_warning.library(message, category, filename, lineno, file, line)
+
+
 def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)
-    library_warning = warnings.showwarning
-
-    def show(message, category, filename, lineno, file=None, line=None):
-        if category.__module__.startswith(OWN_PACKAGES):  # ours, for the user: one line like the errors
-            print(f"aot: warning: {message}", file=sys.stderr)
-        else:
-            library_warning(message, category, filename, lineno, file, line)
-
-    warnings.showwarning = show
+    if warnings.showwarning is not _show_warning:
+        _show_warning.library = warnings.showwarning
+        warnings.showwarning = _show_warning
     try:
         from transformers.utils import logging as hf_logging
     except ImportError:  # a client-only install has no transformers
@@ -133,7 +135,8 @@ def run_train(args) -> int:
 
 def add_predict(sub) -> None:
     p = sub.add_parser("predict", help="run a trained task in PyTorch; one JSON line per input",
-                       description='Prints {"label": ..., "logits": [...]} for each TEXT, in order.')
+                       description='Prints {"label", "logits", "probabilities"} (a regression task: {"score"}) '
+                                   "for each TEXT, in order.")
     p.add_argument("--task", required=True, help="task artifact folder")
     p.add_argument("--pair", default=None, help="second text, paired with every TEXT (pair tasks)")
     p.add_argument("--model", default=None, help="backbone location, if it moved since training")
@@ -150,6 +153,25 @@ def run_predict(args) -> int:
     pairs = [args.pair] * len(args.texts) if args.pair is not None else None
     for row in predictor.predict(args.texts, pairs):
         print(json.dumps(row))
+    return 0
+
+
+def add_evaluate(sub) -> None:
+    p = sub.add_parser("evaluate", help="score a trained task on a labelled file with the task's metric (PyTorch)",
+                       description="Predicts every row of a JSONL, CSV or TSV file with the columns training reads "
+                                   "(text, optional text_pair, label) in PyTorch, offline, and prints "
+                                   '{"task", "metric", "score", "examples", "data"}.')
+    p.add_argument("--task", required=True, help="task artifact folder")
+    p.add_argument("--model", default=None, help="backbone location, if it moved since training")
+    p.add_argument("data", metavar="FILE", help="labelled .jsonl, .csv or .tsv file")
+    p.set_defaults(run=run_evaluate)
+
+
+def run_evaluate(args) -> int:
+    from training.backbone import load_backbone
+    from training.evaluate import evaluate_file
+
+    print(json.dumps(evaluate_file(args.task, args.data, load_backbone(args.model) if args.model else None)))
     return 0
 
 
@@ -183,8 +205,8 @@ def run_inspect(args) -> int:
 
 # --- entry point ---------------------------------------------------------------------------------------------------
 
-SUBCOMMANDS = (add_train, add_predict, add_inspect, export_cli.add_export, serve_cli.add_serve, serve_cli.add_tasks,
-               serve_cli.add_infer, bench_cli.add_bench)
+SUBCOMMANDS = (add_train, add_predict, add_evaluate, add_inspect, export_cli.add_export, serve_cli.add_serve,
+               serve_cli.add_tasks, serve_cli.add_infer, bench_cli.add_bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

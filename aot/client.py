@@ -2,7 +2,7 @@
 
     from aot import Client
     with Client("127.0.0.1:8001") as client:
-        client.infer("sentiment", "A fine film.")           # {"label": "positive", "logits": [...]}
+        client.infer("sentiment", "A fine film.")   # {"label": "positive", "logits": [...], "probabilities": [...]}
         client.infer_many([{"task": "sentiment", "text": "..."}, ...])   # concurrent, in input order
 
 One request per text, sent concurrently (Triton batches them, across tasks, on the server).
@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from serving import protocol as io
+from serving.labels import answer
 from serving.store import MAX_NAME_LENGTH
 
 
@@ -66,8 +67,7 @@ class Client:
     def _decode(result) -> dict:
         logits = result.as_numpy(io.LOGITS).reshape(-1)
         label = result.as_numpy(io.LABEL).reshape(-1)[0]
-        label = label.decode("utf-8") if isinstance(label, bytes) else str(label)
-        return {"label": label, "logits": [float(v) for v in logits]}
+        return answer(label.decode("utf-8") if isinstance(label, bytes) else str(label), logits)
 
     def check_ready(self) -> None:
         from tritonclient.utils import InferenceServerException

@@ -122,14 +122,19 @@ def run_tasks(args) -> int:
 
 def add_infer(sub) -> None:
     p = sub.add_parser("infer", help="call a served task over gRPC; one JSON line per input",
-                       description='Prints {"label": ..., "logits": [...]} per TEXT (like `aot predict`), or, with '
-                                   '--input, answers a JSONL file of {"task", "text", "text_pair"} lines '
-                                   "concurrently, in input order.")
+                       description='Prints {"label", "logits", "probabilities"} (a regression task: {"score"}) per '
+                                   "TEXT, like `aot predict`; or, with --input, answers JSON lines "
+                                   '{"task", "text", "text_pair"?, "id"?} concurrently, in input order, each answer '
+                                   "echoing the line's task and id. Lines whose request fails are answered "
+                                   '{"error": ...} and counted on stderr; the exit code is 2 when every line failed, '
+                                   "or any with --strict, else 0.")
     p.add_argument("--url", default="127.0.0.1:8001", help="gRPC address of the server")
-    p.add_argument("--task", default=None, help="task id (for TEXT arguments)")
+    p.add_argument("--task", default=None, help="task id: for TEXT arguments, and for --input lines without one")
     p.add_argument("--pair", default=None, help="second text for every TEXT")
-    p.add_argument("--input", default=None, help="JSONL file of requests (mixed tasks allowed)")
+    p.add_argument("--input", default=None, metavar="FILE",
+                   help="JSONL requests (mixed tasks allowed), or - for standard input")
     p.add_argument("--output", default=None, help="write answers here instead of stdout")
+    p.add_argument("--strict", action="store_true", help="exit 2 if any --input line fails (default: only if all do)")
     p.add_argument("--concurrency", type=positive_int, default=16, help="requests in flight")
     p.add_argument("--model", default="aot", help="ensemble to call (aot, or vanilla for comparisons)")
     p.add_argument("--no-progress", action="store_true")
@@ -137,23 +142,29 @@ def add_infer(sub) -> None:
     p.set_defaults(run=run_infer)
 
 
-def _read_requests(path: str) -> list[dict]:
-    """JSONL requests; an error names the file and line."""
-    items = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: invalid JSON ({exc.msg})") from None
-            if not isinstance(record, dict) or not all(isinstance(record.get(k), str) for k in ("task", "text")):
-                raise ValueError(f'{path}:{number}: expected {{"task": "...", "text": "..."}}')
-            items.append(record)
+def _read_requests(path: str, task: str | None) -> tuple[list[dict], list[int]]:
+    """JSONL requests (`-`: standard input) and their line numbers; a line without a task takes `task`. An error
+    names the file and line, before anything is sent."""
+    name = "<stdin>" if path == "-" else path
+    items, lines = [], []
+    text = sys.stdin.buffer.read() if path == "-" else open(path, "rb").read()
+    for number, line in enumerate(text.decode("utf-8-sig").split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name}:{number}: invalid JSON ({exc.msg})") from None
+        if isinstance(record, dict) and task is not None:
+            record.setdefault("task", task)
+        if not isinstance(record, dict) or not all(isinstance(record.get(k), str) for k in ("task", "text")):
+            raise ValueError(f'{name}:{number}: expected {{"task": "...", "text": "..."}}'
+                             + ("" if task else " (or --task for lines without one)"))
+        items.append(record)
+        lines.append(number)
     if not items:
-        raise ValueError(f"{path}: no requests")
-    return items
+        raise ValueError(f"{name}: no requests")
+    return items, lines
 
 
 def run_infer(args) -> int:
@@ -164,14 +175,14 @@ def run_infer(args) -> int:
     if args.input and args.texts:
         raise ValueError("give either TEXT arguments or --input, not both")
     if args.input:
-        items = _read_requests(args.input)
+        items, lines = _read_requests(args.input, args.task)
     else:
         if not args.texts or not args.task:
             raise ValueError("give --task and at least one TEXT (or --input FILE.jsonl)")
         items = [{"task": args.task, "text": t, "text_pair": args.pair} for t in args.texts]
     with Client(args.url, model=args.model) as client:
         client.check_ready()
-        if len(items) == 1:
+        if len(items) == 1 and not args.input:
             try:
                 answers = [client.infer(items[0]["task"], items[0]["text"], items[0].get("text_pair"))]
             except InferenceError as exc:
@@ -180,15 +191,25 @@ def run_infer(args) -> int:
             bar = tqdm(total=len(items), disable=args.no_progress or not args.input, unit="req", desc="infer")
             answers = client.infer_many(items, args.concurrency, on_done=lambda i, r: bar.update(1))
             bar.close()
-    lines = "".join(json.dumps(a) + "\n" for a in answers)
+    if args.input:  # each answer says which line it answers
+        answers = [{k: item[k] for k in ("id", "task") if k in item} | a for item, a in zip(items, answers)]
+    text = "".join(json.dumps(a) + "\n" for a in answers)
     if args.output:
         from serving.atomic import write_atomic
 
-        write_atomic(args.output, lines)
+        write_atomic(args.output, text)
     else:
-        sys.stdout.write(lines)
-    failed = [a for a in answers if "error" in a]
-    if failed and not args.input:
-        print(f"aot: error: {failed[0]['error']}", file=sys.stderr)
+        sys.stdout.write(text)
+    failed = [i for i, a in enumerate(answers) if "error" in a]
+    if not failed:
+        return 0
+    if not args.input:
+        print(f"aot: error: {answers[failed[0]]['error']}", file=sys.stderr)
         return 2
-    return 1 if failed else 0
+    first = f"line {lines[failed[0]]}: {answers[failed[0]]['error']}"
+    if len(failed) == len(answers) or args.strict:
+        print(f"aot: error: {len(failed)} of {len(answers)} requests failed (first: {first})", file=sys.stderr)
+        return 2
+    print(f"aot: warning: {len(failed)} of {len(answers)} requests failed, answered {{\"error\": ...}} "
+          f"(first: {first}); --strict makes that exit 2", file=sys.stderr)
+    return 0

@@ -117,7 +117,132 @@ def test_numeric_labels_warn_and_problem_decides(tmp_path, recwarn):
     assert not [w for w in recwarn if w.category is DataWarning]
 
 
+def test_numeric_labels_warning_is_one_line(tmp_path, capsys):
+    data = _folder(tmp_path / "data", SCORES)
+    assert main(_train(data, tmp_path / "t")) == 2  # the model does not exist: the data was read first
+    warning, error = capsys.readouterr().err.strip().splitlines()
+    assert warning.startswith(f"aot: warning: {data}/train.csv: every label is a number (1, 2.5, 4): ")
+    assert error.startswith("aot: error: model '/no/model'")
+
+
 def test_builtin_data_keeps_its_problem(capsys):
     assert main(["train", "--model", "/no/model", "--data", "rotten_tomatoes", "--method", "fc", "--out", "/no/out",
                  "--problem", "regression"]) == 2
     assert _one_line_error(capsys) == "aot: error: --problem regression: rotten_tomatoes is a classification task"
+
+
+# --- 3. and 6. answers: scores, probabilities, batch scoring, evaluation -------------------------------------------
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory, tiny_models, sentiment_dir):
+    """A classification task and a regression one (1.0 for positive texts, 0.0 for negative), trained on tiny BERT."""
+    from tests.helpers import train_tiny_task
+    from tests.tiny import sentiment_examples
+
+    root = tmp_path_factory.mktemp("tasks")
+    scores = root / "scores"
+    scores.mkdir()
+    for split, n, seed in (("train", 200, 1), ("dev", 50, 2)):
+        rows = [{"text": r["text"], "label": float(r["label"] == "positive")} for r in sentiment_examples(n, seed)]
+        (scores / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"sentiment": train_tiny_task(tiny_models["bert"], sentiment_dir, root / "sentiment"),
+            "score": train_tiny_task(tiny_models["bert"], scores, root / "score", problem="regression")}
+
+
+@pytest.fixture(scope="module")
+def server(request, tmp_path_factory, tiny_models, tasks):
+    from tests.helpers import make_repository, serve_for_tests
+
+    repo = make_repository(tiny_models["bert"], tmp_path_factory.mktemp("served") / "repo",
+                           {name: (path, "fused") for name, path in tasks.items()})
+    yield from serve_for_tests(request, repo)
+
+
+def _json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines()]
+
+
+@pytest.mark.server
+def test_regression_answers_a_score_everywhere(tasks, server, capsys):
+    from aot.client import Client
+
+    assert main(["predict", "--task", str(tasks["score"]), "good w1", "w2 awful"]) == 0
+    predicted = _json_lines(capsys.readouterr().out)
+    assert [list(a) for a in predicted] == [["score"], ["score"]]
+    assert predicted[0]["score"] > predicted[1]["score"]
+    assert main(["infer", "--url", server.grpc_url, "--task", "score", "good w1", "w2 awful"]) == 0
+    inferred = _json_lines(capsys.readouterr().out)
+    with Client(server.grpc_url) as client:
+        answers = [client.infer("score", "good w1"), *client.infer_many([{"task": "score", "text": "w2 awful"}])]
+    for p, i, c in zip(predicted, inferred, answers):
+        assert list(i) == list(c) == ["score"] and abs(p["score"] - i["score"]) < 1e-3 and i == c
+
+
+@pytest.mark.server
+def test_classification_answers_probabilities(tasks, server, capsys):
+    from aot.client import Client
+
+    assert main(["predict", "--task", str(tasks["sentiment"]), "good w1"]) == 0
+    [predicted] = _json_lines(capsys.readouterr().out)
+    with Client(server.grpc_url) as client:
+        served = client.infer("sentiment", "good w1")
+    for answer in (predicted, served):
+        assert list(answer) == ["label", "logits", "probabilities"] and answer["label"] == "positive"
+        assert abs(sum(answer["probabilities"]) - 1) < 1e-6 and answer["probabilities"][1] > 0.5
+        expected = torch.softmax(torch.tensor(answer["logits"], dtype=torch.float64), 0).tolist()
+        assert answer["probabilities"] == pytest.approx(expected, abs=1e-9)
+
+
+REQUESTS = [{"id": 7, "text": "good w1"}, {"id": "b", "task": "nope", "text": "w3"}, {"task": "score", "text": "w4"}]
+
+
+@pytest.mark.server
+def test_infer_input_answers_what_it_can(tmp_path, server, capsys, monkeypatch):
+    """A line without a task takes --task; each answer echoes the line's id and task; a failed line is counted on
+    stderr and fails the run only with --strict (or when every line failed)."""
+    import io
+
+    path = tmp_path / "requests.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in REQUESTS))
+    argv = ["infer", "--url", server.grpc_url, "--task", "sentiment", "--no-progress", "--input"]
+    assert main([*argv, str(path)]) == 0
+    captured = capsys.readouterr()
+    answers = _json_lines(captured.out)
+    assert [(a.get("id"), a["task"]) for a in answers] == [(7, "sentiment"), ("b", "nope"), (None, "score")]
+    assert answers[0]["label"] == "positive" and "score" in answers[2] and "unknown task 'nope'" in answers[1]["error"]
+    warning = captured.err.strip()
+    assert len(warning.splitlines()) == 1
+    assert warning.startswith("aot: warning: 1 of 3 requests failed, answered {\"error\": ...} (first: line 2: ")
+    assert warning.endswith("); --strict makes that exit 2")
+    assert main([*argv, str(path), "--strict"]) == 2
+    assert _one_line_error(capsys).startswith("aot: error: 1 of 3 requests failed (first: line 2: ")
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b'{"task": "nope", "text": "w1"}\n\n{"task": '
+                                                                 b'"nope", "text": "w2"}\n')))
+    assert main([*argv, "-"]) == 2
+    assert _one_line_error(capsys) == ("aot: error: 2 of 2 requests failed (first: line 1: in ensemble 'aot', unknown "
+                                       "task 'nope'; known tasks: score, sentiment)")
+
+
+def test_infer_input_needs_a_task(tmp_path, capsys):
+    path = tmp_path / "requests.jsonl"
+    path.write_text('{"text": "good"}\n')
+    assert main(["infer", "--input", str(path)]) == 2
+    assert _one_line_error(capsys) == (f'aot: error: {path}:1: expected {{"task": "...", "text": "..."}} (or --task '
+                                       "for lines without one)")
+
+
+def test_evaluate_scores_a_labelled_file(tasks, sentiment_dir, tmp_path, capsys):
+    """On the dev split, the score training reported for the weights it kept."""
+    dev = sentiment_dir / "dev.jsonl"
+    assert main(["evaluate", "--task", str(tasks["sentiment"]), str(dev)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    metrics = json.loads((tasks["sentiment"] / "metrics.json").read_text())
+    assert report == {"task": "sentiment", "metric": "accuracy", "score": metrics["dev"], "examples": 100,
+                      "data": str(dev)}
+    assert main(["evaluate", "--task", str(tasks["score"]), str(tasks["score"].parent / "scores" / "dev.jsonl")]) == 0
+    assert json.loads(capsys.readouterr().out)["metric"] == "pearson_spearman"
+    bad = tmp_path / "test.csv"
+    bad.write_text("text,label\ngood w1,positive\nw2,neutral\n")
+    assert main(["evaluate", "--task", str(tasks["sentiment"]), str(bad)]) == 2
+    assert _one_line_error(capsys) == (f"aot: error: {bad}:3: label 'neutral' is not one of the task's labels "
+                                       "['negative', 'positive']")

@@ -190,18 +190,24 @@ def load_folder(folder: Path, labels: list[str] | None = None, metric: str | Non
             if split != "test":
                 raise DataError(f"{folder}: no {split}.jsonl, {split}.csv or {split}.tsv")
             continue
-        pairs = []
-        for rec in read_records(path, required=("text", "label")):
-            text = _text(rec, "text")
-            pair = _text(rec, "text_pair", required=False) if "text_pair" in rec.fields else None
-            label = _label_value(rec.get("label"), rec.where(), regression)
-            pairs.append((Example(text, label, pair or None), rec.where()))
-        if not pairs:
-            raise DataError(f"{path} has no data rows")
+        pairs = read_examples(path, regression)
         rows[split] = pairs
         if split == "train" and declared is None and labels is None:
             _warn_if_numeric(path, [ex.label for ex, _ in pairs])
     return finalize(meta.get("name", folder.name), rows, metric, labels, regression, str(folder))
+
+
+def read_examples(path: Path, regression: bool) -> list[tuple[Example, str]]:
+    """A plain file's examples (columns text, optional text_pair, label), each with where it was read."""
+    pairs = []
+    for rec in read_records(path, required=("text", "label")):
+        text = _text(rec, "text")
+        pair = _text(rec, "text_pair", required=False) if "text_pair" in rec.fields else None
+        label = _label_value(rec.get("label"), rec.where(), regression)
+        pairs.append((Example(text, label, pair or None), rec.where()))
+    if not pairs:
+        raise DataError(f"{path} has no data rows")
+    return pairs
 
 
 # What task.json may say: key -> (check, what it must be).
