@@ -246,3 +246,26 @@ def test_evaluate_scores_a_labelled_file(tasks, sentiment_dir, tmp_path, capsys)
     assert main(["evaluate", "--task", str(tasks["sentiment"]), str(bad)]) == 2
     assert _one_line_error(capsys) == (f"aot: error: {bad}:3: label 'neutral' is not one of the task's labels "
                                        "['negative', 'positive']")
+
+
+# --- 4. model names ------------------------------------------------------------------------------------------------
+
+def test_packaged_model_name_ignores_case():
+    from training.backbone import canonical_model, resolve_model_path
+
+    assert canonical_model("MiniLM") == "minilm" and resolve_model_path("MiniLM") == resolve_model_path("minilm")
+
+
+@pytest.mark.parametrize("model,message", [
+    ("minlm", "model 'minlm' is not a folder: did you mean 'minilm' (the packaged all-MiniLM-L6-v2)?"),
+    ("someone/no-such-model", "hub model 'someone/no-such-model' is not in the local Hugging Face cache and the hub "
+                              "cannot be reached (HF_HUB_OFFLINE is set): pass a local model folder or 'minilm'"),
+])
+def test_model_typo_or_offline_hub_fails_at_once(tmp_path, capsys, model, message):
+    import time
+
+    data = _folder(tmp_path / "data", {"train.csv": "text,label\na,x\nb,y\n", "dev.csv": DEV})
+    start = time.perf_counter()
+    assert main(["train", "--model", model, "--data", str(data), "--method", "fc", "--out", str(tmp_path / "t")]) == 2
+    assert time.perf_counter() - start < 5  # no download retries
+    assert _one_line_error(capsys) == f"aot: error: {message}"
