@@ -80,7 +80,7 @@ def add_train(sub) -> None:
     p.add_argument("--option", action="append", default=None, metavar="NAME=VALUE",
                    help="set one of the method's hyperparameters (repeatable); "
                         + "; ".join(f"{n}: {', '.join(option_types(n))}" for n in METHODS if option_types(n))
-                        + " (README, 'Method options')")
+                        + " (docs/training.md, 'Method options')")
     p.add_argument("--lr", type=_positive_float, default=None, help="learning rate (default: the method's)")
     p.add_argument("--head-lr", type=_positive_float, default=None, help="the task head's learning rate (default: --lr)")
     p.add_argument("--warmup", type=_fraction, default=0.1,

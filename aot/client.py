@@ -1,9 +1,9 @@
 """Calling a served repository over gRPC with a task id.
 
     from aot import Client
-    with Client("127.0.0.1:8001") as client:
+    with Client() as client:   # $AOT_URL, else 127.0.0.1:8001
         client.infer("sentiment", "A fine film.")   # {"label": "positive", "logits": [...], "probabilities": [...]}
-        client.infer_many([{"task": "sentiment", "text": "..."}, ...])   # concurrent, in input order
+        client.infer_many([{"task": "sentiment", "text": "...", "text_pair": None}, ...])   # concurrent, in order
 
 One request per text, sent concurrently (Triton batches them, across tasks, on the server).
 """
@@ -11,6 +11,7 @@ One request per text, sent concurrently (Triton batches them, across tasks, on t
 from __future__ import annotations
 
 import json
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterable
@@ -20,6 +21,15 @@ import numpy as np
 from serving import protocol as io
 from serving.labels import answer
 from serving.store import MAX_NAME_LENGTH
+
+
+DEFAULT_URL = "127.0.0.1:8001"
+
+
+def server_url(url: str | None = None) -> str:
+    """The server's gRPC address: `url`, else the environment variable AOT_URL, else the local default (what
+    `aot serve` binds), so a non-default address is said once."""
+    return url or os.environ.get("AOT_URL") or DEFAULT_URL
 
 
 class InferenceError(RuntimeError):
@@ -32,12 +42,13 @@ def _message(exc) -> str:
 
 
 class Client:
-    def __init__(self, url: str = "127.0.0.1:8001", model: str = "aot", timeout: float = 60.0):
+    def __init__(self, url: str | None = None, model: str = "aot", timeout: float = 60.0):
+        """`url`: see server_url."""
         import tritonclient.grpc as grpcclient
 
         self._grpc = grpcclient
-        self.url, self.model, self.timeout = url, model, timeout
-        self._client = grpcclient.InferenceServerClient(url)
+        self.url, self.model, self.timeout = server_url(url), model, timeout
+        self._client = grpcclient.InferenceServerClient(self.url)
 
     def close(self) -> None:
         self._client.close()
@@ -91,12 +102,14 @@ class Client:
             raise InferenceError(_message(exc)) from None
         return json.loads(result.as_numpy(io.TASKS).reshape(-1)[0])
 
-    def infer(self, task: str, text: str, pair: str | None = None) -> dict:
+    def infer(self, task: str, text: str, text_pair: str | None = None, *, pair: str | None = None) -> dict:
+        """One answer (serving.labels.answer). `text_pair` is named as in infer_many's items and training data;
+        `pair=` is its older spelling."""
         from tritonclient.utils import InferenceServerException
 
         try:
-            result = self._client.infer(self.model, self._inputs(task, text, pair), outputs=self._outputs(),
-                                        client_timeout=self.timeout)
+            result = self._client.infer(self.model, self._inputs(task, text, text_pair if pair is None else pair),
+                                        outputs=self._outputs(), client_timeout=self.timeout)
         except InferenceServerException as exc:
             raise InferenceError(_message(exc)) from None
         return self._decode(result)

@@ -100,7 +100,7 @@ def add_tasks(sub) -> None:
                        description="One JSON line per served task: name, version, storage, labels, max length, "
                                    "method, metric, dev score and source artifact; then one line per task whose "
                                    "requests fail, with the reason.")
-    p.add_argument("--url", default="127.0.0.1:8001", help="gRPC address of the server")
+    add_url_argument(p)
     p.set_defaults(run=run_tasks)
 
 
@@ -120,6 +120,12 @@ def run_tasks(args) -> int:
     return 0
 
 
+def add_url_argument(p: argparse.ArgumentParser) -> None:
+    """How `aot tasks` and `aot infer` reach the server (aot.client.server_url)."""
+    p.add_argument("--url", default=None,
+                   help="gRPC address of the server (default: the environment variable AOT_URL, else 127.0.0.1:8001)")
+
+
 def add_infer(sub) -> None:
     p = sub.add_parser("infer", help="call a served task over gRPC; one JSON line per input",
                        description='Prints {"label", "logits", "probabilities"} (a regression task: {"score"}) per '
@@ -128,7 +134,7 @@ def add_infer(sub) -> None:
                                    "echoing the line's task and id. Lines whose request fails are answered "
                                    '{"error": ...} and counted on stderr; the exit code is 2 when every line failed, '
                                    "or any with --strict, else 0.")
-    p.add_argument("--url", default="127.0.0.1:8001", help="gRPC address of the server")
+    add_url_argument(p)
     p.add_argument("--task", default=None, help="task id: for TEXT arguments, and for --input lines without one")
     p.add_argument("--pair", default=None, help="second text for every TEXT")
     p.add_argument("--input", default=None, metavar="FILE",

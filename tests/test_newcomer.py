@@ -269,3 +269,21 @@ def test_model_typo_or_offline_hub_fails_at_once(tmp_path, capsys, model, messag
     assert main(["train", "--model", model, "--data", str(data), "--method", "fc", "--out", str(tmp_path / "t")]) == 2
     assert time.perf_counter() - start < 5  # no download retries
     assert _one_line_error(capsys) == f"aot: error: {message}"
+
+
+@pytest.mark.server
+def test_client_spellings_and_address_from_the_environment(server, capsys, monkeypatch):
+    """`text_pair` (as in infer_many and the data) and the older `pair=` send the same request; AOT_URL is the
+    address of aot tasks, aot infer and Client() when none is given."""
+    from aot.client import Client
+
+    monkeypatch.setenv("AOT_URL", server.grpc_url)
+    with Client() as client:
+        paired = client.infer("sentiment", "good w1", "w2 w3")
+        assert client.infer("sentiment", "good w1", pair="w2 w3") == paired
+        assert client.infer_many([{"task": "sentiment", "text": "good w1", "text_pair": "w2 w3"}]) == [paired]
+        assert client.infer("sentiment", "good w1") != paired
+    assert main(["tasks"]) == 0
+    assert sorted(t["name"] for t in _json_lines(capsys.readouterr().out)) == ["score", "sentiment"]
+    assert main(["infer", "--task", "sentiment", "--pair", "w2 w3", "good w1"]) == 0
+    assert _json_lines(capsys.readouterr().out) == [paired]

@@ -20,7 +20,8 @@ def train_task(model: str, data: str, method: str, out: str, rank: int | None = 
                max_steps: int | None = None, pooling: str | None = None, head_lr: float | None = None,
                warmup: float = TrainConfig.warmup, decay: str = TrainConfig.decay,
                seed: int = 0, labels: list[str] | None = None, metric: str | None = None, device: str = "auto",
-               progress: bool = True, problem: str | None = None, backbone: Backbone | None = None, task_data: TaskData | None = None) -> dict:
+               progress: bool = True, problem: str | None = None, backbone: Backbone | None = None,
+               task_data: TaskData | None = None) -> dict:
     """Train and save; returns the summary that metrics.json holds. `options`: the method's config fields to set
     (training.methods.base.option_types). `pooling` None: the backbone's own. `problem`: classification or
     regression (None: what the data declares, classification for a plain folder without task.json)."""
