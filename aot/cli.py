@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from aot import bench_cli, export_cli, serve_cli
 from aot.arguments import fraction as _fraction
@@ -74,7 +75,8 @@ def add_train(sub) -> None:
                         "with columns text[, text_pair], label; or a GLUE (TSV) / SuperGLUE (JSONL) task folder")
     p.add_argument("--method", required=True, choices=list(METHODS),
                    help="; ".join(f"{n}: {s.description}" for n, s in METHODS.items()))
-    p.add_argument("--out", required=True, help="artifact folder to write (replaced atomically if it exists)")
+    p.add_argument("--out", required=True, help="artifact folder to write (atomically)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it already holds something")
     p.add_argument("--rank", type=_positive_int, default=None,
                    help="fc/kron/lora rank, adapter bottleneck, or prefix/prompt length p (default: the method's)")
     p.add_argument("--option", action="append", default=None, metavar="NAME=VALUE",
@@ -118,6 +120,9 @@ def run_train(args) -> int:
     from training.api import train_task
     from training.methods.base import parse_options
 
+    out = Path(args.out)
+    if not args.overwrite and (out.is_file() or (out.is_dir() and any(out.iterdir()))):
+        raise ValueError(f"--out {out} already exists; pass --overwrite to replace it")
     result = train_task(model=args.model, data=args.data, method=args.method, out=args.out, rank=args.rank,
                         options=parse_options(args.method, args.option or []),
                         lr=args.lr, head_lr=args.head_lr, warmup=args.warmup, decay=args.decay,

@@ -287,3 +287,12 @@ def test_client_spellings_and_address_from_the_environment(server, capsys, monke
     assert sorted(t["name"] for t in _json_lines(capsys.readouterr().out)) == ["score", "sentiment"]
     assert main(["infer", "--task", "sentiment", "--pair", "w2 w3", "good w1"]) == 0
     assert _json_lines(capsys.readouterr().out) == [paired]
+
+
+def test_train_does_not_replace_an_artifact_unasked(tmp_path, capsys):
+    out = tmp_path / "task"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    assert main(_train(tmp_path / "data", out)) == 2
+    assert _one_line_error(capsys) == f"aot: error: --out {out} already exists; pass --overwrite to replace it"
+    assert (out / "config.json").read_text() == "{}"

@@ -1,4 +1,5 @@
-"""Every code block of README.md runs as written (bash blocks line by line, python blocks whole).
+"""Every code block of README.md and docs/getting-started.md runs as written (bash blocks line by line, python
+blocks whole).
 
 Against a tiny setup, so that it takes seconds: `minilm` stands for a tiny random BERT folder and `rotten_tomatoes`
 for a tiny sentiment folder (the real ones take minutes: tests/test_main_job.py runs them), and `aot serve` is given
@@ -17,14 +18,15 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+DOCUMENTS = ("README.md", "docs/getting-started.md")
 BLOCK = re.compile(r"(?:<!-- readme-test: skip: (?P<skip>[^\n]*?) -->\n)?```(?P<lang>[\w-]*)\n(?P<code>.*?)^```",
                    re.S | re.M)
 
 
-def blocks(path: Path = README) -> list[tuple[str, str, str | None]]:
+def blocks(document: str) -> list[tuple[str, str, str | None]]:
     """(language, code, reason it is not run or None) of every fenced block."""
-    return [(m["lang"], m["code"], m["skip"]) for m in BLOCK.finditer(path.read_text(encoding="utf-8"))]
+    return [(m["lang"], m["code"], m["skip"]) for m in BLOCK.finditer((ROOT / document).read_text(encoding="utf-8"))]
 
 
 def commands(code: str) -> list[str]:
@@ -33,17 +35,19 @@ def commands(code: str) -> list[str]:
     return [line for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
-def test_every_block_runs_or_says_why():
-    found = blocks()
+@pytest.mark.parametrize("document", DOCUMENTS)
+def test_every_block_runs_or_says_why(document):
+    found = blocks(document)
     assert len(found) >= 5
     for lang, code, skip in found:
-        assert lang in ("bash", "python", "text"), f"a block without a known language: {code[:60]!r}"
-        assert skip is None or skip.strip(), f"a skipped block must say why: {code[:60]!r}"
+        assert lang in ("bash", "python", "text"), f"{document}: a block without a known language: {code[:60]!r}"
+        assert skip is None or skip.strip(), f"{document}: a skipped block must say why: {code[:60]!r}"
     assert sum(skip is None and lang != "text" for lang, _, skip in found) >= 4
 
 
 @pytest.mark.server
-def test_readme_blocks_run(tmp_path, tiny_models, sentiment_dir):
+@pytest.mark.parametrize("document", DOCUMENTS)
+def test_blocks_run(tmp_path, tiny_models, sentiment_dir, document):
     from aot.server import free_port
 
     ports = {flag: free_port() for flag in ("--grpc-port", "--http-port", "--metrics-port")}
@@ -56,13 +60,13 @@ def test_readme_blocks_run(tmp_path, tiny_models, sentiment_dir):
 
     server = None
     try:
-        for lang, code, skip in blocks():
+        for lang, code, skip in blocks(document):
             if skip is not None or lang == "text":
                 continue
             if lang == "python":
                 run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
                                      text=True, timeout=120)
-                assert run.returncode == 0, f"{code}\n{run.stderr}"
+                assert run.returncode == 0, f"{document}: {code}\n{run.stderr}"
                 continue
             for command in commands(code):
                 if command.startswith("aot serve"):
@@ -72,7 +76,7 @@ def test_readme_blocks_run(tmp_path, tiny_models, sentiment_dir):
                     continue
                 run = subprocess.run(["bash", "-c", tiny(command)], cwd=tmp_path, env=env, capture_output=True,
                                      text=True, timeout=300)
-                assert run.returncode == 0, f"{command}\n{run.stderr}"
+                assert run.returncode == 0, f"{document}: {command}\n{run.stderr}"
     finally:
         if server is not None:
             server.terminate()
