@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from aot import bench_cli, export_cli, serve_cli
+from aot.arguments import Parser
 from aot.arguments import fraction as _fraction
 from aot.arguments import positive_float as _positive_float
 from aot.arguments import positive_int as _positive_int
@@ -66,8 +67,7 @@ def add_train(sub) -> None:
         return
     p = sub.add_parser("train", help="train a task on a frozen encoder and write a task artifact",
                        description="Train one task with AoT P-Tuning (fc, kron) or a baseline and write the task "
-                                   "artifact (config.json, weights.safetensors, metrics.json) atomically to --out.",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                   "artifact (config.json, weights.safetensors, metrics.json) atomically to --out.")
     p.add_argument("--model", required=True,
                    help="local Hugging Face model folder, 'minilm' (the packaged all-MiniLM-L6-v2), or a hub id")
     p.add_argument("--data", required=True,
@@ -90,8 +90,8 @@ def add_train(sub) -> None:
     p.add_argument("--decay", choices=["linear", "constant"], default="linear",
                    help="linear: down towards 0 over the planned steps (--max-steps, else --epochs); constant: "
                         "the paper's schedule (with --warmup 0)")
-    p.add_argument("--batch-size", type=_positive_int, default=16)
-    p.add_argument("--epochs", type=_positive_int, default=10)
+    p.add_argument("--batch-size", type=_positive_int, default=16, help="examples per optimizer step")
+    p.add_argument("--epochs", type=_positive_int, default=10, help="passes over the train split at most")
     p.add_argument("--patience", type=_positive_int, default=3,
                    help="stop after this many evaluations without a better dev score")
     p.add_argument("--eval-every", type=int, default=0, help="steps between dev evaluations (0: once per epoch)")
@@ -105,7 +105,7 @@ def add_train(sub) -> None:
                    help="what the head reads: the first token's state (cls) or the mean over the tokens (mean); "
                         "default: what a local model folder declares (a sentence-transformers folder's 1_Pooling, "
                         "e.g. mean for minilm), cls otherwise (hub ids included)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the initialization, dropout and batch order")
     p.add_argument("--labels", default=None, help="comma-separated label set (plain folders without task.json)")
     p.add_argument("--metric", default=None, help="accuracy, f1, acc_f1, mcc or pearson_spearman")
     p.add_argument("--problem", choices=PROBLEMS, default=None,
@@ -145,7 +145,7 @@ def add_predict(sub) -> None:
     p.add_argument("--task", required=True, help="task artifact folder")
     p.add_argument("--pair", default=None, help="second text, paired with every TEXT (pair tasks)")
     p.add_argument("--model", default=None, help="backbone location, if it moved since training")
-    p.add_argument("texts", nargs="+", metavar="TEXT")
+    p.add_argument("texts", nargs="+", metavar="TEXT", help="texts to answer, one JSON line each")
     p.set_defaults(run=run_predict)
 
 
@@ -214,10 +214,18 @@ SUBCOMMANDS = (add_train, add_predict, add_evaluate, add_inspect, export_cli.add
                serve_cli.add_tasks, serve_cli.add_infer, bench_cli.add_bench)
 
 
+ENVIRONMENT = ("Environment variables: AOT_URL, the server's gRPC address for aot infer, aot tasks and aot.Client "
+               "(else 127.0.0.1:8001); AOT_DEBUG=1, the full traceback of an error instead of its one line; "
+               "AOT_STEP_PYTHON, the Python that runs the served steps of aot serve (docs/deploy-local.md).")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from aot import __version__
+
+    parser = Parser(
         prog="aot", description="Ahead-of-Time P-Tuning: train tasks, export them to a Triton model repository, "
-                                "serve many tasks on one backbone, and call them with a task id.")
+                                "serve many tasks on one backbone, and call them with a task id.", epilog=ENVIRONMENT)
+    parser.add_argument("--version", action="version", version=f"aot {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in SUBCOMMANDS:
         add(sub)

@@ -15,7 +15,7 @@ def add_export(sub) -> None:
                        description="Write the shared backbone (once) and tasks (any number) into a model repository.")
     kinds = p.add_subparsers(dest="export_command", required=True, metavar="WHAT")
 
-    b = kinds.add_parser("backbone", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    b = kinds.add_parser("backbone",
                          help="export the frozen encoder (AoT and vanilla graphs), tokenizer and serving steps",
                          description="Create a model repository: ONNX graphs of the encoder with and without AoT "
                                      "bias inputs (validated against PyTorch), the tokenizer, lookup and head steps, "
@@ -34,7 +34,7 @@ def add_export(sub) -> None:
     b.add_argument("--overwrite", action="store_true", help="replace an existing repository's backbone (tasks kept)")
     b.set_defaults(run=run_export_backbone)
 
-    t = kinds.add_parser("task", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    t = kinds.add_parser("task",
                          help="fuse a trained AoT task into the repository's task store",
                          description="Fuse P (or keep its factors), write the head, check the served logits against "
                                      "PyTorch, and publish the task atomically (a running server picks it up).")
@@ -45,16 +45,16 @@ def add_export(sub) -> None:
                    help="fused: P as a [V, L, d] fp16 table (the paper); factored: the factors (1-2 %% of a table), "
                         "rows computed when the pool fills; auto: fused while every task of the repository fits "
                         "in its task pool, else factored (the report shows both costs)")
-    t.add_argument("--no-progress", action="store_true")
+    t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     t.set_defaults(run=run_export_task)
 
     r = kinds.add_parser("remove", help="remove a task from the repository's task store")
-    r.add_argument("--repo", required=True)
-    r.add_argument("--name", required=True)
+    r.add_argument("--repo", required=True, help="model repository (from `aot export backbone`)")
+    r.add_argument("--name", required=True, help="task id to remove")
     r.set_defaults(run=run_export_remove)
 
     ls = kinds.add_parser("list", help="list the tasks of a repository")
-    ls.add_argument("--repo", required=True)
+    ls.add_argument("--repo", required=True, help="model repository (from `aot export backbone`)")
     ls.set_defaults(run=run_export_list)
 
 

@@ -12,7 +12,7 @@ from aot.arguments import non_negative_int, positive_int
 
 
 def add_serve(sub) -> None:
-    p = sub.add_parser("serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = sub.add_parser("serve",
                        help="serve a model repository with a local tritonserver on CPU or CUDA (no Docker)",
                        description="Start tritonserver (from the nvidia-pytriton wheel) on the repository's CPU "
                                    "configs (--device cpu) or, for a repository exported with --format torch, on "
@@ -23,10 +23,11 @@ def add_serve(sub) -> None:
                                    "names; it is checked before the server starts.")
     p.add_argument("--repo", required=True, help="model repository (from `aot export backbone`)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
-    p.add_argument("--grpc-port", type=positive_int, default=8001)
-    p.add_argument("--http-port", type=positive_int, default=8000)
-    p.add_argument("--metrics-port", type=positive_int, default=8002)
-    p.add_argument("--log", default=None, help="server log file (default: a temporary file)")
+    p.add_argument("--grpc-port", type=positive_int, default=8001, help="gRPC port (aot infer, aot.Client)")
+    p.add_argument("--http-port", type=positive_int, default=8000, help="HTTP port (health, repository API)")
+    p.add_argument("--metrics-port", type=positive_int, default=8002, help="Prometheus metrics port")
+    p.add_argument("--log", default=None,
+                   help="server log file (default: a temporary file, removed when aot serve stops unless it failed)")
     p.add_argument("--device", default="cpu",
                    help="cpu, or cuda (cuda:N): the torch engine on a GPU, fp16 with CUDA graphs (a repository "
                         "exported with --format torch; the local tritonserver has no native GPU backends)")
@@ -73,6 +74,7 @@ def run_serve(args) -> int:
                 return 1
     finally:
         server.stop()
+    print(f"aot: stopped serving {repo.path}" + (f" (log: {args.log})" if args.log else ""), file=sys.stderr)
     return 0
 
 
@@ -142,9 +144,10 @@ def add_infer(sub) -> None:
     p.add_argument("--output", default=None, help="write answers here instead of stdout")
     p.add_argument("--strict", action="store_true", help="exit 2 if any --input line fails (default: only if all do)")
     p.add_argument("--concurrency", type=positive_int, default=16, help="requests in flight")
-    p.add_argument("--model", default="aot", help="ensemble to call (aot, or vanilla for comparisons)")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("texts", nargs="*", metavar="TEXT")
+    p.add_argument("--ensemble", default="aot", help="ensemble to call (aot, or vanilla for comparisons)")
+    p.add_argument("--model", dest="ensemble", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # its old name
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar of --input")
+    p.add_argument("texts", nargs="*", metavar="TEXT", help="texts for --task, one JSON line each")
     p.set_defaults(run=run_infer)
 
 
@@ -186,7 +189,7 @@ def run_infer(args) -> int:
         if not args.texts or not args.task:
             raise ValueError("give --task and at least one TEXT (or --input FILE.jsonl)")
         items = [{"task": args.task, "text": t, "text_pair": args.pair} for t in args.texts]
-    with Client(args.url, model=args.model) as client:
+    with Client(args.url, model=args.ensemble) as client:
         client.check_ready()
         if len(items) == 1 and not args.input:
             try:

@@ -9,6 +9,7 @@ right after `<!-- readme-test: skip: REASON -->` is not run, and the reason says
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -71,8 +72,9 @@ def test_blocks_run(tmp_path, tiny_models, sentiment_dir, document):
             for command in commands(code):
                 if command.startswith("aot serve"):
                     argv = shlex.split(tiny(command), comments=True) + [str(v) for kv in ports.items() for v in kv]
-                    server = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
-                    assert server.stdout.readline().startswith("{"), f"{command}: did not start"  # ready: endpoints
+                    server = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, text=True)
+                    endpoints = json.loads(server.stdout.readline())  # printed once it is ready
                     continue
                 run = subprocess.run(["bash", "-c", tiny(command)], cwd=tmp_path, env=env, capture_output=True,
                                      text=True, timeout=300)
@@ -81,3 +83,6 @@ def test_blocks_run(tmp_path, tiny_models, sentiment_dir, document):
         if server is not None:
             server.terminate()
             server.wait(timeout=60)
+    if server is not None:  # it says that it stopped, and leaves no temporary folder behind
+        assert server.stderr.read().splitlines()[-1] == "aot: stopped serving runs/repo"
+        assert not Path(endpoints["log"]).parent.exists()
