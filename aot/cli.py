@@ -1,6 +1,7 @@
 """The `aot` command: train, predict, inspect, export, serve, infer, bench.
 
-Each subcommand is a thin layer over the library; bad input ends with one line `aot: error: ...` and exit code 2.
+Each subcommand is a thin layer over the library. Results go to stdout as JSON lines, what people read to stderr
+(aot.output); bad input ends with one line `aot: error: ...` and exit code 2.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from aot import bench_cli, export_cli, serve_cli
 from aot.arguments import Parser
+from aot.output import report
 from aot.arguments import fraction as _fraction
 from aot.arguments import positive_float as _positive_float
 from aot.arguments import positive_int as _positive_int
@@ -118,7 +120,7 @@ def add_train(sub) -> None:
 
 def run_train(args) -> int:
     from training.api import train_task
-    from training.methods.base import parse_options
+    from training.methods.base import method_spec, parse_options
 
     out = Path(args.out)
     if not args.overwrite and (out.is_file() or (out.is_dir() and any(out.iterdir()))):
@@ -132,7 +134,12 @@ def run_train(args) -> int:
                         max_steps=args.max_steps, pooling=args.pooling, seed=args.seed,
                         labels=args.labels.split(",") if args.labels else None, metric=args.metric,
                         device=args.device, progress=not args.no_progress, problem=args.problem)
-    print(json.dumps(result))
+    served = method_spec(args.method).shared_backbone
+    report(result, f"trained {result['task']} ({args.method}) into {out}: dev {result['metric']} "
+                   f"{result['dev']:.4f} after {result['steps']} steps, {result['train_seconds']:.0f} s",
+           f'next: aot predict --task {out} "some text"; aot evaluate --task {out} FILE'
+           + (f"; aot export task --task {out} --repo REPO --name NAME" if served else
+              f" (a {args.method} task runs in PyTorch only: aot export task takes fc and kron)"))
     return 0
 
 
@@ -176,7 +183,9 @@ def run_evaluate(args) -> int:
     from training.backbone import load_backbone
     from training.evaluate import evaluate_file
 
-    print(json.dumps(evaluate_file(args.task, args.data, load_backbone(args.model) if args.model else None)))
+    result = evaluate_file(args.task, args.data, load_backbone(args.model) if args.model else None)
+    report(result, f"{result['task']}: {result['metric']} {result['score']:.4f} on {result['examples']} examples "
+                   f"of {result['data']}")
     return 0
 
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
-import json
 from dataclasses import asdict
 
 from aot.arguments import add_dataclass_arguments, dataclass_from_arguments, positive_int
+from aot.output import report
 from serving.repository import ServingOptions
 
 
@@ -65,25 +64,34 @@ def run_export_backbone(args) -> int:
     options = dataclass_from_arguments(ServingOptions, args)
     profile = Profile(opt_batch=min(args.opt_batch, options.max_batch_size), max_batch=options.max_batch_size,
                       opt_seq=min(args.opt_seq, max(options.buckets)), max_seq=max(options.buckets))
-    report = export_backbone(args.model, args.repo, options, args.precision, profile, args.overwrite)
-    print(json.dumps(asdict(report)))
+    result = export_backbone(args.model, args.repo, options, args.precision, profile, args.overwrite)
+    report(asdict(result), f"exported backbone {args.model} ({options.engine} engine) into {args.repo} in "
+                           f"{result.seconds:.0f} s",
+           f"next: aot export task --task TASK --repo {args.repo} --name NAME, then aot serve --repo {args.repo}")
     return 0
 
 
 def run_export_task(args) -> int:
     from exporter.task_export import export_task
 
-    report = export_task(args.task, args.repo, args.name, args.storage, progress=not args.no_progress)
-    print(json.dumps(asdict(report)))
+    result = export_task(args.task, args.repo, args.name, args.storage, progress=not args.no_progress)
+    report(asdict(result), f"published task {args.name} ({result.storage}, {result.bytes_on_disk / 2**20:.1f} MiB, "
+                           f"version {result.folder}) in {args.repo}: a running server answers it from its next batch",
+           f'next: aot serve --repo {args.repo} (if none runs), then aot infer --task {args.name} "some text"')
     return 0
 
 
 def run_export_remove(args) -> int:
-    from exporter.task_store import TaskStore
+    from exporter.task_store import RETIRED_GRACE, TaskStore
     from serving.repository import read_repository
 
-    TaskStore(read_repository(args.repo).store_root).remove(args.name)
-    print(json.dumps({"removed": args.name}))
+    store = TaskStore(read_repository(args.repo).store_root)
+    entry = store.entries().get(args.name)
+    store.remove(args.name)
+    report({"removed": args.name, "folder": entry.folder},
+           f"removed task {args.name} from {args.repo}: servers stop answering it from their next batch; its version "
+           f"folder {entry.folder} stays on disk for {RETIRED_GRACE / 60:.0f} minutes (requests already pinned to it "
+           "finish), then the first aot export task or remove on this repository deletes it")
     return 0
 
 
@@ -91,6 +99,7 @@ def run_export_list(args) -> int:
     from exporter.task_store import TaskStore
     from serving.repository import read_repository
 
-    for entry in TaskStore(read_repository(args.repo).store_root).entries().values():
-        print(json.dumps(asdict(entry)))
+    entries = [asdict(entry) for entry in TaskStore(read_repository(args.repo).store_root).entries().values()]
+    report(entries, f"{len(entries)} task(s) in {args.repo}" + ("" if entries else
+                    f"; next: aot export task --task TASK --repo {args.repo} --name NAME"))
     return 0

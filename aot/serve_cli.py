@@ -9,6 +9,7 @@ import sys
 import threading
 
 from aot.arguments import non_negative_int, positive_int
+from aot.output import report
 
 
 def add_serve(sub) -> None:
@@ -68,6 +69,8 @@ def run_serve(args) -> int:
         print(f"serving {repo.path} on {args.device}, grpc {server.grpc_url}; task pool {pool_bytes / 2**20:.0f} MiB "
               f"({pool_bytes // (row_bytes * repo.vocab_size)} tasks fully resident) (Ctrl-C stops)",
               file=sys.stderr, flush=True)
+        print(f'aot: next: aot infer --url {server.grpc_url} --task {tasks[0] if tasks else "NAME"} "some text"',
+              file=sys.stderr, flush=True)
         while not stop.wait(0.5):
             if server.failed:
                 print(f"aot: error: {server.failed} (log: {server.log_path})", file=sys.stderr)
@@ -115,10 +118,9 @@ def run_tasks(args) -> int:
             listing = client.tasks()
         except InferenceError as exc:
             raise ValueError(str(exc)) from None
-    for task in listing["tasks"]:
-        print(json.dumps(task))
-    for name, error in listing["errors"].items():
-        print(json.dumps({"name": name, "error": error}))
+    failing = [{"name": name, "error": error} for name, error in listing["errors"].items()]
+    report(listing["tasks"] + failing, f"{len(listing['tasks'])} task(s) served at {client.url}"
+           + (f"; {len(failing)} failing (the lines with an error say why)" if failing else ""))
     return 0
 
 

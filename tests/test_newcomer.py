@@ -235,7 +235,9 @@ def test_evaluate_scores_a_labelled_file(tasks, sentiment_dir, tmp_path, capsys)
     """On the dev split, the score training reported for the weights it kept."""
     dev = sentiment_dir / "dev.jsonl"
     assert main(["evaluate", "--task", str(tasks["sentiment"]), str(dev)]) == 0
-    report = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert captured.err == f"aot: sentiment: accuracy {report['score']:.4f} on 100 examples of {dev}\n"
     metrics = json.loads((tasks["sentiment"] / "metrics.json").read_text())
     assert report == {"task": "sentiment", "metric": "accuracy", "score": metrics["dev"], "examples": 100,
                       "data": str(dev)}
@@ -378,3 +380,47 @@ def test_local_server_removes_its_temporary_folder_unless_it_failed(tmp_path):
     failed.stop()
     assert failed.log_path.parent.is_dir()
     failed.log_path.parent.rmdir()
+
+
+# --- 8. output: JSON on stdout for scripts, a summary and the next step on stderr for people ------------------------
+
+def test_reports_say_what_happened_and_what_is_next(tmp_path, tiny_models, tasks, capsys):
+    repo = tmp_path / "repo"
+    assert main(["export", "backbone", "--model", str(tiny_models["bert"]), "--repo", str(repo)]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["repo"] == str(repo)
+    assert captured.err.splitlines()[-1] == (f"aot: next: aot export task --task TASK --repo {repo} --name NAME, then "
+                                             f"aot serve --repo {repo}")
+    assert main(["export", "task", "--task", str(tasks["sentiment"]), "--repo", str(repo), "--name", "s",
+                 "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    folder = json.loads(captured.out)["folder"]
+    assert captured.err.splitlines()[-1] == f'aot: next: aot serve --repo {repo} (if none runs), then aot infer --task s "some text"'
+    assert main(["export", "list", "--repo", str(repo)]) == 0
+    captured = capsys.readouterr()
+    assert [e["name"] for e in _json_lines(captured.out)] == ["s"] and captured.err == f"aot: 1 task(s) in {repo}\n"
+    assert main(["export", "remove", "--repo", str(repo), "--name", "s"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == {"removed": "s", "folder": folder}
+    assert captured.err == (f"aot: removed task s from {repo}: servers stop answering it from their next batch; its "
+                            f"version folder {folder} stays on disk for 5 minutes (requests already pinned to it "
+                            "finish), then the first aot export task or remove on this repository deletes it\n")
+    assert (repo / "tasks" / folder).is_dir()
+
+
+@pytest.mark.parametrize("method,hint", [
+    ("fc", "; aot export task --task {out} --repo REPO --name NAME"),
+    ("bitfit", " (a bitfit task runs in PyTorch only: aot export task takes fc and kron)"),
+])
+def test_train_says_where_to_go_next(tmp_path, tiny_models, sentiment_dir, capsys, method, hint):
+    out = tmp_path / "t"
+    assert main(["train", "--model", str(tiny_models["bert"]), "--data", str(sentiment_dir), "--method", method,
+                 "--out", str(out), "--epochs", "1", "--max-train-samples", "32", "--max-length", "16",
+                 "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    summary, after = captured.err.splitlines()[-2:]
+    assert summary == (f"aot: trained sentiment ({method}) into {out}: dev accuracy {result['dev']:.4f} after 2 steps, "
+                       f"{result['train_seconds']:.0f} s")
+    assert after == f'aot: next: aot predict --task {out} "some text"; aot evaluate --task {out} FILE' + \
+        hint.format(out=out)
