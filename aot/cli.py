@@ -58,8 +58,8 @@ def _quiet_libraries() -> None:
 
 def add_train(sub) -> None:
     try:
-        from training.data import PROBLEMS
         from training.methods.base import METHODS, method_spec, option_types
+        from training.data import PROBLEMS  # second: a client-only install is told that torch is missing
 
         method_spec("fc")  # fills the registry
     except ImportError as exc:  # a client-only install: `aot train` says what to install
