@@ -7,6 +7,7 @@ import json
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from aot.arguments import non_negative_int, positive_int
 from aot.output import report
@@ -158,7 +159,7 @@ def _read_requests(path: str, task: str | None) -> tuple[list[dict], list[int]]:
     names the file and line, before anything is sent."""
     name = "<stdin>" if path == "-" else path
     items, lines = [], []
-    text = sys.stdin.buffer.read() if path == "-" else open(path, "rb").read()
+    text = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
     for number, line in enumerate(text.decode("utf-8-sig").split("\n"), 1):
         if not line.strip():
             continue
