@@ -6,6 +6,28 @@ import argparse
 import dataclasses
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Each option's default said once, where it says something: not for a switch or a None default, nor when the
+    help already says it (`default: the method's`); a list as it is typed (comma-separated)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or "default:" in text.lower() or action.nargs == 0
+                or any(default is nothing for nothing in (None, False, argparse.SUPPRESS))):
+            return text
+        shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
+class Parser(argparse.ArgumentParser):
+    """The `aot` parsers: every one, subcommands included, formats its help with HelpFormatter."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["formatter_class"] = HelpFormatter
+        super().__init__(*args, **kwargs)
+
+
 def _int_at_least(minimum: int, what: str):
     def parse(text: str) -> int:
         try:

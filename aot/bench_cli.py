@@ -16,7 +16,7 @@ def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: inference overhead, serving, accuracy sweep")
     kinds = p.add_subparsers(dest="bench_command", required=True, metavar="WHAT")
 
-    o = kinds.add_parser("overhead", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    o = kinds.add_parser("overhead",
                          help="inference time of each multi-task method relative to the plain model (paper Fig. 3)",
                          description="Times vanilla, AoT (fused, factored), unfused LoRA, adapters, P-Tuning v1/v2 "
                                      "side by side in one process (rotating order) and writes overhead.json, "
@@ -32,31 +32,31 @@ def add_bench(sub) -> None:
                    help="torch: every method in PyTorch; onnxruntime: the exporter's graphs, AoT as aot-fused (rows + "
                         "index) and aot-dense (dense bias); on cpu through the server's lookup and batching code, "
                         "on cuda the fp16 graphs with the table and inputs in device memory (needs onnxruntime-gpu)")
-    o.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    o.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the models run")
     o.add_argument("--cuda-graphs", action="store_true", help="torch on cuda: replay each method as a CUDA graph")
     o.add_argument("--dtype", choices=["auto", "fp32", "fp16", "bf16"], default="auto", help="auto: fp16 on cuda")
     o.add_argument("--rank", type=_positive_int, default=8, help="LoRA rank (and FC rank of aot-factored)")
-    o.add_argument("--adapter-rank", type=_positive_int, default=64)
+    o.add_argument("--adapter-rank", type=_positive_int, default=64, help="bottleneck width of the adapters")
     o.add_argument("--prompt-length", type=_positive_int, default=20, help="p of P-Tuning v1/v2")
-    o.add_argument("--warmup", type=_positive_int, default=3)
-    o.add_argument("--repeats", type=_positive_int, default=20)
-    o.add_argument("--out", required=True)
-    o.add_argument("--no-progress", action="store_true")
+    o.add_argument("--warmup", type=_positive_int, default=3, help="untimed runs before each measurement")
+    o.add_argument("--repeats", type=_positive_int, default=20, help="timed runs per measurement (median)")
+    o.add_argument("--out", required=True, help="output folder (overhead.json, overhead.md, overhead.png)")
+    o.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     o.set_defaults(run=run_overhead)
 
-    s = kinds.add_parser("serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    s = kinds.add_parser("serve",
                          help="end to end through the local tritonserver: AoT vs vanilla ensembles, memory, latency",
                          description="Builds a repository from one task artifact (or uses a scratch --repo), "
                                      "publishes N copies of the task, and measures start-up, RSS, throughput and "
                                      "p50/p99 latency of the AoT ensemble (1 and 8 mixed tasks) against the vanilla "
                                      "ensemble; writes serve.json, serve.md and serve.png.")
     s.add_argument("--task", required=True, help="an AoT task artifact (fc or kron)")
-    s.add_argument("--out", required=True)
+    s.add_argument("--out", required=True, help="output folder (serve.json, serve.md, serve.png)")
     s.add_argument("--repo", default=None, help="scratch repository to use (its tasks are replaced); default: a "
                                                 "temporary one")
     s.add_argument("--tasks", type=_ints, default=[1, 8, 32], help="task counts for the memory measurement")
-    s.add_argument("--concurrency", type=_ints, default=[1, 8, 32])
-    s.add_argument("--storage", type=_names, default=["fused", "factored"])
+    s.add_argument("--concurrency", type=_ints, default=[1, 8, 32], help="concurrent clients, one measurement each")
+    s.add_argument("--storage", type=_names, default=["fused", "factored"], help="task storages measured")
     s.add_argument("--requests", type=_positive_int, default=200, help="requests per measurement")
     s.add_argument("--engine", choices=["onnx", "torch"], default="onnx",
                    help="backbone engine of the repository the bench exports (ignored for an existing --repo)")
@@ -64,10 +64,10 @@ def add_bench(sub) -> None:
     s.add_argument("--pool-bytes", type=_non_negative_int, default=None,
                    help="aot serve --pool-bytes: the task pool's budget (default: the repository's); below the tasks' "
                         "tables, the 8 mixed tasks are served from a pool that cannot hold them all")
-    s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     s.set_defaults(run=run_serve)
 
-    t = kinds.add_parser("tasks", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    t = kinds.add_parser("tasks",
                          help="serving 1 to 1,000 tasks through the local tritonserver: fused + mmap, factored, pool",
                          description="Derives N tasks from one artifact (independently perturbed factors), publishes "
                                      "them, and measures throughput, p50/p99 latency, server RSS, pool hit rate and "
@@ -83,44 +83,45 @@ def add_bench(sub) -> None:
     t.add_argument("--concurrency", type=_positive_int, default=8, help="concurrent clients")
     t.add_argument("--requests", type=_positive_int, default=400, help="measured requests per run (after as many "
                                                                        "warm-up requests)")
-    t.add_argument("--modes", type=_names, default=["fused-mmap", "factored", "pool"])
+    t.add_argument("--modes", type=_names, default=["fused-mmap", "factored", "pool"], help="storages measured side by side")
     t.add_argument("--repeats", type=_positive_int, default=1,
                    help="runs of each configuration, each on a fresh server, interleaved; the median is reported "
                         "(this machine's run-to-run noise is 3-15 %%)")
     t.add_argument("--policy-requests", type=int, default=20000,
                    help="requests of the trace replayed through the pool per eviction policy (lru, lfu), in-process, "
                         "with the largest task count; 0 skips it")
-    t.add_argument("--out", required=True)
-    t.add_argument("--no-progress", action="store_true")
+    t.add_argument("--out", required=True, help="output folder (tasks.json, tasks.md, tasks.png)")
+    t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     t.set_defaults(run=run_tasks)
 
-    a = kinds.add_parser("accuracy", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    a = kinds.add_parser("accuracy",
                          help="sweep methods over a small grid from the paper's Table 2, then retrain over seeds",
                          description="For each dataset and method: train every grid point (seed 0), pick the best on "
                                      "dev, retrain it with --seeds seeds, report test median ± std. Results are "
                                      "written per run (atomically); a rerun skips finished runs.")
     a.add_argument("--model", required=True, help="local model folder or 'minilm'")
     a.add_argument("--data", required=True, type=_names, help="comma-separated datasets (built-in names or folders)")
-    a.add_argument("--methods", type=_names, default=_names("fc,kron,bitfit,lora,prefix,prompt,adapter,full"))
+    a.add_argument("--methods", type=_names, default=_names("fc,kron,bitfit,lora,prefix,prompt,adapter,full"),
+                   help="methods compared")
     a.add_argument("--seeds", type=_positive_int, default=3, help="seeds for the best setting of each method")
     a.add_argument("--grid", choices=["small", "paper", "defaults"], default="small",
                    help="hyperparameter grid (defaults: each method's default learning rate and rank, batch 16, as `aot "
                         "train` uses them with no flags)")
     a.add_argument("--out", required=True, help="output folder (accuracy.json, accuracy.md, accuracy.png, runs/)")
     a.add_argument("--max-train-samples", type=_positive_int, default=None, help="seeded train subset per dataset")
-    a.add_argument("--max-length", type=_positive_int, default=128)
+    a.add_argument("--max-length", type=_positive_int, default=128, help="tokens per input")
     a.add_argument("--budget", choices=["epochs", "steps"], default="epochs",
                    help="epochs: up to --epochs with early stopping (--patience); steps: exactly --steps optimizer "
                         "steps for every method, no early stopping")
     a.add_argument("--steps", type=_positive_int, default=100, help="the steps budget (--budget steps)")
-    a.add_argument("--epochs", type=_positive_int, default=3)
-    a.add_argument("--patience", type=_positive_int, default=3)
+    a.add_argument("--epochs", type=_positive_int, default=3, help="the epochs budget (--budget epochs)")
+    a.add_argument("--patience", type=_positive_int, default=3, help="early stopping (--budget epochs)")
     a.add_argument("--eval-every", type=int, default=0,
                    help="steps between dev evaluations (0: once per epoch; with --budget steps, steps/10)")
     a.add_argument("--pooling", choices=POOLINGS, default=None,
                    help="what every task's head reads (default: what the model declares, as aot train does)")
     a.add_argument("--workers", type=_positive_int, default=1, help="parallel training processes")
-    a.add_argument("--no-progress", action="store_true")
+    a.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     a.set_defaults(run=run_accuracy)
 
 

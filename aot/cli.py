@@ -1,6 +1,7 @@
 """The `aot` command: train, predict, inspect, export, serve, infer, bench.
 
-Each subcommand is a thin layer over the library; bad input ends with one line `aot: error: ...` and exit code 2.
+Each subcommand is a thin layer over the library. Results go to stdout as JSON lines, what people read to stderr
+(aot.output); bad input ends with one line `aot: error: ...` and exit code 2.
 """
 
 from __future__ import annotations
@@ -9,8 +10,11 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from aot import bench_cli, export_cli, serve_cli
+from aot.arguments import Parser
+from aot.output import report
 from aot.arguments import fraction as _fraction
 from aot.arguments import positive_float as _positive_float
 from aot.arguments import positive_int as _positive_int
@@ -22,11 +26,26 @@ EXTRA_OF_MODULE = {"torch": "train", "training": "train", "peft": "train", "tran
                    "onnxruntime": "serve", "tokenizers": "serve", "tritonclient": "client", "tqdm": "client"}
 
 
+# Packages whose warnings speak to the user (training.data.DataWarning): printed as `aot: warning: ...`.
+OWN_PACKAGES = ("training.", "exporter.", "serving.", "aot.")
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings of this project print as one line like its errors; other libraries' as they would."""
+    if category.__module__.startswith(OWN_PACKAGES):
+        print(f"aot: warning: {message}", file=sys.stderr)
+    else:
+        _show_warning.library(message, category, filename, lineno, file, line)
+
+
 def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)
+    if warnings.showwarning is not _show_warning:
+        _show_warning.library = warnings.showwarning
+        warnings.showwarning = _show_warning
     try:
         from transformers.utils import logging as hf_logging
     except ImportError:  # a client-only install has no transformers
@@ -40,6 +59,7 @@ def _quiet_libraries() -> None:
 def add_train(sub) -> None:
     try:
         from training.methods.base import METHODS, method_spec, option_types
+        from training.data import PROBLEMS  # second: a client-only install is told that torch is missing
 
         method_spec("fc")  # fills the registry
     except ImportError as exc:  # a client-only install: `aot train` says what to install
@@ -49,8 +69,7 @@ def add_train(sub) -> None:
         return
     p = sub.add_parser("train", help="train a task on a frozen encoder and write a task artifact",
                        description="Train one task with AoT P-Tuning (fc, kron) or a baseline and write the task "
-                                   "artifact (config.json, weights.safetensors, metrics.json) atomically to --out.",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                   "artifact (config.json, weights.safetensors, metrics.json) atomically to --out.")
     p.add_argument("--model", required=True,
                    help="local Hugging Face model folder, 'minilm' (the packaged all-MiniLM-L6-v2), or a hub id")
     p.add_argument("--data", required=True,
@@ -58,13 +77,14 @@ def add_train(sub) -> None:
                         "with columns text[, text_pair], label; or a GLUE (TSV) / SuperGLUE (JSONL) task folder")
     p.add_argument("--method", required=True, choices=list(METHODS),
                    help="; ".join(f"{n}: {s.description}" for n, s in METHODS.items()))
-    p.add_argument("--out", required=True, help="artifact folder to write (replaced atomically if it exists)")
+    p.add_argument("--out", required=True, help="artifact folder to write (atomically)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it already holds something")
     p.add_argument("--rank", type=_positive_int, default=None,
                    help="fc/kron/lora rank, adapter bottleneck, or prefix/prompt length p (default: the method's)")
     p.add_argument("--option", action="append", default=None, metavar="NAME=VALUE",
                    help="set one of the method's hyperparameters (repeatable); "
                         + "; ".join(f"{n}: {', '.join(option_types(n))}" for n in METHODS if option_types(n))
-                        + " (README, 'Method options')")
+                        + " (docs/training.md, 'Method options')")
     p.add_argument("--lr", type=_positive_float, default=None, help="learning rate (default: the method's)")
     p.add_argument("--head-lr", type=_positive_float, default=None, help="the task head's learning rate (default: --lr)")
     p.add_argument("--warmup", type=_fraction, default=0.1,
@@ -72,8 +92,8 @@ def add_train(sub) -> None:
     p.add_argument("--decay", choices=["linear", "constant"], default="linear",
                    help="linear: down towards 0 over the planned steps (--max-steps, else --epochs); constant: "
                         "the paper's schedule (with --warmup 0)")
-    p.add_argument("--batch-size", type=_positive_int, default=16)
-    p.add_argument("--epochs", type=_positive_int, default=10)
+    p.add_argument("--batch-size", type=_positive_int, default=16, help="examples per optimizer step")
+    p.add_argument("--epochs", type=_positive_int, default=10, help="passes over the train split at most")
     p.add_argument("--patience", type=_positive_int, default=3,
                    help="stop after this many evaluations without a better dev score")
     p.add_argument("--eval-every", type=int, default=0, help="steps between dev evaluations (0: once per epoch)")
@@ -87,18 +107,24 @@ def add_train(sub) -> None:
                    help="what the head reads: the first token's state (cls) or the mean over the tokens (mean); "
                         "default: what a local model folder declares (a sentence-transformers folder's 1_Pooling, "
                         "e.g. mean for minilm), cls otherwise (hub ids included)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the initialization, dropout and batch order")
     p.add_argument("--labels", default=None, help="comma-separated label set (plain folders without task.json)")
     p.add_argument("--metric", default=None, help="accuracy, f1, acc_f1, mcc or pearson_spearman")
-    p.add_argument("--device", default="auto", help="cpu, cuda, or auto")
+    p.add_argument("--problem", choices=PROBLEMS, default=None,
+                   help="regression: one score per input (labels are numbers); default: what task.json declares, "
+                        "else classification")
+    p.add_argument("--device", default="auto", help="cpu, cuda (cuda:N), or auto: CUDA where PyTorch sees it")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(run=run_train)
 
 
 def run_train(args) -> int:
     from training.api import train_task
-    from training.methods.base import parse_options
+    from training.methods.base import method_spec, parse_options
 
+    out = Path(args.out)
+    if not args.overwrite and (out.is_file() or (out.is_dir() and any(out.iterdir()))):
+        raise ValueError(f"--out {out} already exists; pass --overwrite to replace it")
     result = train_task(model=args.model, data=args.data, method=args.method, out=args.out, rank=args.rank,
                         options=parse_options(args.method, args.option or []),
                         lr=args.lr, head_lr=args.head_lr, warmup=args.warmup, decay=args.decay,
@@ -107,8 +133,13 @@ def run_train(args) -> int:
                         max_train_samples=args.max_train_samples, time_budget=args.time_budget,
                         max_steps=args.max_steps, pooling=args.pooling, seed=args.seed,
                         labels=args.labels.split(",") if args.labels else None, metric=args.metric,
-                        device=args.device, progress=not args.no_progress)
-    print(json.dumps(result))
+                        device=args.device, progress=not args.no_progress, problem=args.problem)
+    served = method_spec(args.method).shared_backbone
+    report(result, f"trained {result['task']} ({args.method}) into {out}: dev {result['metric']} "
+                   f"{result['dev']:.4f} after {result['steps']} steps, {result['train_seconds']:.0f} s",
+           f'next: aot predict --task {out} "some text"; aot evaluate --task {out} FILE'
+           + (f"; aot export task --task {out} --repo REPO --name NAME" if served else
+              f" (a {args.method} task runs in PyTorch only: aot export task takes fc and kron)"))
     return 0
 
 
@@ -116,11 +147,12 @@ def run_train(args) -> int:
 
 def add_predict(sub) -> None:
     p = sub.add_parser("predict", help="run a trained task in PyTorch; one JSON line per input",
-                       description='Prints {"label": ..., "logits": [...]} for each TEXT, in order.')
+                       description='Prints {"label", "logits", "probabilities"} (a regression task: {"score"}) '
+                                   "for each TEXT, in order.")
     p.add_argument("--task", required=True, help="task artifact folder")
     p.add_argument("--pair", default=None, help="second text, paired with every TEXT (pair tasks)")
     p.add_argument("--model", default=None, help="backbone location, if it moved since training")
-    p.add_argument("texts", nargs="+", metavar="TEXT")
+    p.add_argument("texts", nargs="+", metavar="TEXT", help="texts to answer, one JSON line each")
     p.set_defaults(run=run_predict)
 
 
@@ -133,6 +165,27 @@ def run_predict(args) -> int:
     pairs = [args.pair] * len(args.texts) if args.pair is not None else None
     for row in predictor.predict(args.texts, pairs):
         print(json.dumps(row))
+    return 0
+
+
+def add_evaluate(sub) -> None:
+    p = sub.add_parser("evaluate", help="score a trained task on a labelled file with the task's metric (PyTorch)",
+                       description="Predicts every row of a JSONL, CSV or TSV file with the columns training reads "
+                                   "(text, optional text_pair, label) in PyTorch, offline, and prints "
+                                   '{"task", "metric", "score", "examples", "data"}.')
+    p.add_argument("--task", required=True, help="task artifact folder")
+    p.add_argument("--model", default=None, help="backbone location, if it moved since training")
+    p.add_argument("data", metavar="FILE", help="labelled .jsonl, .csv or .tsv file")
+    p.set_defaults(run=run_evaluate)
+
+
+def run_evaluate(args) -> int:
+    from training.backbone import load_backbone
+    from training.evaluate import evaluate_file
+
+    result = evaluate_file(args.task, args.data, load_backbone(args.model) if args.model else None)
+    report(result, f"{result['task']}: {result['metric']} {result['score']:.4f} on {result['examples']} examples "
+                   f"of {result['data']}")
     return 0
 
 
@@ -166,14 +219,22 @@ def run_inspect(args) -> int:
 
 # --- entry point ---------------------------------------------------------------------------------------------------
 
-SUBCOMMANDS = (add_train, add_predict, add_inspect, export_cli.add_export, serve_cli.add_serve, serve_cli.add_tasks,
-               serve_cli.add_infer, bench_cli.add_bench)
+SUBCOMMANDS = (add_train, add_predict, add_evaluate, add_inspect, export_cli.add_export, serve_cli.add_serve,
+               serve_cli.add_tasks, serve_cli.add_infer, bench_cli.add_bench)
+
+
+ENVIRONMENT = ("Environment variables: AOT_URL, the server's gRPC address for aot infer, aot tasks and aot.Client "
+               "(else 127.0.0.1:8001); AOT_DEBUG=1, the full traceback of an error instead of its one line; "
+               "AOT_STEP_PYTHON, the Python that runs the served steps of aot serve (docs/deploy-local.md).")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from aot import __version__
+
+    parser = Parser(
         prog="aot", description="Ahead-of-Time P-Tuning: train tasks, export them to a Triton model repository, "
-                                "serve many tasks on one backbone, and call them with a task id.")
+                                "serve many tasks on one backbone, and call them with a task id.", epilog=ENVIRONMENT)
+    parser.add_argument("--version", action="version", version=f"aot {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in SUBCOMMANDS:
         add(sub)

@@ -1,9 +1,9 @@
 """Calling a served repository over gRPC with a task id.
 
     from aot import Client
-    with Client("127.0.0.1:8001") as client:
-        client.infer("sentiment", "A fine film.")           # {"label": "positive", "logits": [...]}
-        client.infer_many([{"task": "sentiment", "text": "..."}, ...])   # concurrent, in input order
+    with Client() as client:   # $AOT_URL, else 127.0.0.1:8001
+        client.infer("sentiment", "A fine film.")   # {"label": "positive", "logits": [...], "probabilities": [...]}
+        client.infer_many([{"task": "sentiment", "text": "...", "text_pair": None}, ...])   # concurrent, in order
 
 One request per text, sent concurrently (Triton batches them, across tasks, on the server).
 """
@@ -19,7 +19,17 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from serving import protocol as io
+from serving.labels import answer
 from serving.store import MAX_NAME_LENGTH
+
+
+DEFAULT_URL = "127.0.0.1:8001"
+
+
+def server_url(url: str | None = None) -> str:
+    """The server's gRPC address: `url`, else the environment variable AOT_URL, else the local default (what
+    `aot serve` binds), so a non-default address is said once."""
+    return url or os.environ.get("AOT_URL") or DEFAULT_URL
 
 
 class InferenceError(RuntimeError):
@@ -32,21 +42,21 @@ def _message(exc) -> str:
 
 
 class Client:
-    def __init__(self, url: str = "127.0.0.1:8001", model: str = "aot", timeout: float = 60.0, *,
+    def __init__(self, url: str | None = None, model: str = "aot", timeout: float = 60.0, *,
                  tls: bool = False, ca: str | None = None, cert: str | None = None, key: str | None = None):
-        """`tls`: gRPC over TLS, trusting the system's CAs or the PEM file `ca`; `cert` + `key`: this client's
-        certificate for a server that asks for one (mutual TLS). Giving `ca` or `cert` implies `tls`."""
+        """`url`: see server_url. `tls`: gRPC over TLS, trusting the system's CAs or the PEM file `ca`; `cert` +
+        `key`: this client's certificate for a server that asks for one (mutual TLS). `ca` or `cert` imply `tls`."""
         import tritonclient.grpc as grpcclient
 
         self._grpc = grpcclient
-        self.url, self.model, self.timeout = url, model, timeout
+        self.url, self.model, self.timeout = server_url(url), model, timeout
         if (cert is None) != (key is None):
             raise ValueError("a client certificate needs its key: give cert and key together")
         for what, path in (("ca", ca), ("cert", cert), ("key", key)):
             if path is not None and not os.path.isfile(path):
                 raise ValueError(f"{what} {path}: no such file")
         tls = tls or ca is not None or cert is not None
-        self._client = grpcclient.InferenceServerClient(url, ssl=tls, root_certificates=ca, private_key=key,
+        self._client = grpcclient.InferenceServerClient(self.url, ssl=tls, root_certificates=ca, private_key=key,
                                                         certificate_chain=cert)
 
     def close(self) -> None:
@@ -77,8 +87,7 @@ class Client:
     def _decode(result) -> dict:
         logits = result.as_numpy(io.LOGITS).reshape(-1)
         label = result.as_numpy(io.LABEL).reshape(-1)[0]
-        label = label.decode("utf-8") if isinstance(label, bytes) else str(label)
-        return {"label": label, "logits": [float(v) for v in logits]}
+        return answer(label.decode("utf-8") if isinstance(label, bytes) else str(label), logits)
 
     def check_ready(self) -> None:
         from tritonclient.utils import InferenceServerException
@@ -102,12 +111,14 @@ class Client:
             raise InferenceError(_message(exc)) from None
         return json.loads(result.as_numpy(io.TASKS).reshape(-1)[0])
 
-    def infer(self, task: str, text: str, pair: str | None = None) -> dict:
+    def infer(self, task: str, text: str, text_pair: str | None = None, *, pair: str | None = None) -> dict:
+        """One answer (serving.labels.answer). `text_pair` is named as in infer_many's items and training data;
+        `pair=` is its older spelling."""
         from tritonclient.utils import InferenceServerException
 
         try:
-            result = self._client.infer(self.model, self._inputs(task, text, pair), outputs=self._outputs(),
-                                        client_timeout=self.timeout)
+            result = self._client.infer(self.model, self._inputs(task, text, text_pair if pair is None else pair),
+                                        outputs=self._outputs(), client_timeout=self.timeout)
         except InferenceServerException as exc:
             raise InferenceError(_message(exc)) from None
         return self._decode(result)

@@ -1,12 +1,12 @@
-"""`aot export backbone | task | remove | list`."""
+"""`aot export backbone | task | remove | list | verify`."""
 
 from __future__ import annotations
 
-import argparse
-import json
+import sys
 from dataclasses import asdict
 
 from aot.arguments import add_dataclass_arguments, dataclass_from_arguments, positive_int
+from aot.output import report
 from serving.repository import ServingOptions
 
 
@@ -15,7 +15,7 @@ def add_export(sub) -> None:
                        description="Write the shared backbone (once) and tasks (any number) into a model repository.")
     kinds = p.add_subparsers(dest="export_command", required=True, metavar="WHAT")
 
-    b = kinds.add_parser("backbone", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    b = kinds.add_parser("backbone",
                          help="export the frozen encoder (AoT and vanilla graphs), tokenizer and serving steps",
                          description="Create a model repository: ONNX graphs of the encoder with and without AoT "
                                      "bias inputs (validated against PyTorch), the tokenizer, lookup and head steps, "
@@ -34,7 +34,7 @@ def add_export(sub) -> None:
     b.add_argument("--overwrite", action="store_true", help="replace an existing repository's backbone (tasks kept)")
     b.set_defaults(run=run_export_backbone)
 
-    t = kinds.add_parser("task", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    t = kinds.add_parser("task",
                          help="fuse a trained AoT task into the repository's task store",
                          description="Fuse P (or keep its factors), write the head, check the served logits against "
                                      "PyTorch, and publish the task atomically (a running server picks it up).")
@@ -45,17 +45,17 @@ def add_export(sub) -> None:
                    help="fused: P as a [V, L, d] fp16 table (the paper); factored: the factors (1-2 %% of a table), "
                         "rows computed when the pool fills; auto: fused while every task of the repository fits "
                         "in its task pool, else factored (the report shows both costs)")
-    t.add_argument("--no-progress", action="store_true")
+    t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     t.set_defaults(run=run_export_task)
 
     r = kinds.add_parser("remove", help="remove a task from the repository's task store")
-    r.add_argument("--repo", required=True)
-    r.add_argument("--name", required=True)
+    r.add_argument("--repo", required=True, help="model repository (from `aot export backbone`)")
+    r.add_argument("--name", required=True, help="task id to remove")
     r.set_defaults(run=run_export_remove)
 
     ls = kinds.add_parser("list", help="list the tasks of a repository",
                           description="List the task store's tasks; removes what killed exports left behind.")
-    ls.add_argument("--repo", required=True)
+    ls.add_argument("--repo", required=True, help="model repository (from `aot export backbone`)")
     ls.set_defaults(run=run_export_list)
 
     v = kinds.add_parser("verify", help="check every task of a repository against its published digests",
@@ -73,32 +73,39 @@ def run_export_backbone(args) -> int:
     options = dataclass_from_arguments(ServingOptions, args)
     profile = Profile(opt_batch=min(args.opt_batch, options.max_batch_size), max_batch=options.max_batch_size,
                       opt_seq=min(args.opt_seq, max(options.buckets)), max_seq=max(options.buckets))
-    report = export_backbone(args.model, args.repo, options, args.precision, profile, args.overwrite)
-    print(json.dumps(asdict(report)))
+    result = export_backbone(args.model, args.repo, options, args.precision, profile, args.overwrite)
+    report(asdict(result), f"exported backbone {args.model} ({options.engine} engine) into {args.repo} in "
+                           f"{result.seconds:.0f} s",
+           f"next: aot export task --task TASK --repo {args.repo} --name NAME, then aot serve --repo {args.repo}")
     return 0
 
 
 def run_export_task(args) -> int:
     from exporter.task_export import export_task
 
-    report = export_task(args.task, args.repo, args.name, args.storage, progress=not args.no_progress)
-    print(json.dumps(asdict(report)))
+    result = export_task(args.task, args.repo, args.name, args.storage, progress=not args.no_progress)
+    report(asdict(result), f"published task {args.name} ({result.storage}, {result.bytes_on_disk / 2**20:.1f} MiB, "
+                           f"version {result.folder}) in {args.repo}: a running server answers it from its next batch",
+           f'next: aot serve --repo {args.repo} (if none runs), then aot infer --task {args.name} "some text"')
     return 0
 
 
 def run_export_remove(args) -> int:
-    from exporter.task_store import TaskStore
+    from exporter.task_store import RETIRED_GRACE, TaskStore
     from serving.repository import read_repository
 
-    TaskStore(read_repository(args.repo).store_root).remove(args.name)
-    print(json.dumps({"removed": args.name}))
+    store = TaskStore(read_repository(args.repo).store_root)
+    entry = store.entries().get(args.name)
+    store.remove(args.name)
+    report({"removed": args.name, "folder": entry.folder},
+           f"removed task {args.name} from {args.repo}: servers stop answering it from their next batch; its version "
+           f"folder {entry.folder} stays on disk for {RETIRED_GRACE / 60:.0f} minutes (requests already pinned to it "
+           "finish), then the first aot export task or remove on this repository deletes it")
     return 0
 
 
 def _clean(store) -> None:
     """Remove the temporary folders of exports that were killed; say so (a read-only store is left as it is)."""
-    import sys
-
     try:
         removed = store.clean()
     except OSError as exc:
@@ -114,9 +121,10 @@ def run_export_list(args) -> int:
 
     store = TaskStore(read_repository(args.repo).store_root)
     _clean(store)
-    for entry in store.entries().values():
-        print(json.dumps({"name": entry.name, "folder": entry.folder, "storage": entry.storage,
-                          "verified": entry.digests is not None}))
+    entries = [{"name": e.name, "folder": e.folder, "storage": e.storage, "verified": e.digests is not None}
+               for e in store.entries().values()]
+    report(entries, f"{len(entries)} task(s) in {args.repo}" + ("" if entries else
+                    f"; next: aot export task --task TASK --repo {args.repo} --name NAME"))
     return 0
 
 
@@ -127,6 +135,9 @@ def run_export_verify(args) -> int:
     store = TaskStore(read_repository(args.repo).store_root)
     _clean(store)
     found = store.verify()
-    for name, problem in found.items():
-        print(json.dumps({"name": name, "ok": problem is None, **({"error": problem} if problem else {})}))
-    return 1 if any(found.values()) else 0
+    damaged = [name for name, problem in found.items() if problem]
+    report([{"name": name, "ok": problem is None, **({"error": problem} if problem else {})}
+            for name, problem in found.items()],
+           f"{len(found) - len(damaged)} of {len(found)} task(s) sound" +
+           (f"; damaged: {', '.join(damaged)} (re-export them: aot export task ...)" if damaged else ""))
+    return 1 if damaged else 0

@@ -7,12 +7,14 @@ import json
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from aot.arguments import non_negative_int, positive_int
+from aot.output import report
 
 
 def add_serve(sub) -> None:
-    p = sub.add_parser("serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = sub.add_parser("serve",
                        help="serve a model repository with a local tritonserver on CPU or CUDA (no Docker)",
                        description="Start tritonserver (from the nvidia-pytriton wheel) on the repository's CPU "
                                    "configs (--device cpu) or, for a repository exported with --format torch, on "
@@ -27,17 +29,19 @@ def add_serve(sub) -> None:
                                    "the 0600 file printed at start-up (README: Security model).")
     p.add_argument("--repo", required=True, help="model repository (from `aot export backbone`)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
-    p.add_argument("--grpc-port", type=positive_int, default=8001)
-    p.add_argument("--http-port", type=positive_int, default=8000)
+    p.add_argument("--grpc-port", type=positive_int, default=8001, help="gRPC port (aot infer, aot.Client)")
+    p.add_argument("--http-port", type=positive_int, default=8000,
+                   help="HTTP port (health, inference; the control API needs the admin key)")
     p.add_argument("--metrics-port", type=positive_int, default=8002,
-                   help="Prometheus metrics (per-task series name every task: keep it off public interfaces)")
+                   help="Prometheus metrics port (per-task series name every task: keep it off public interfaces)")
     p.add_argument("--health-port", type=positive_int, default=8003,
                    help="GET /ready (200 only when every model is loaded and answering) and /live")
     p.add_argument("--tls-cert", default=None, help="PEM certificate: serve gRPC over TLS (with --tls-key)")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     p.add_argument("--tls-ca", default=None,
                    help="PEM CA: require client certificates signed by it (mutual TLS; with --tls-cert)")
-    p.add_argument("--log", default=None, help="server log file (default: a temporary file)")
+    p.add_argument("--log", default=None,
+                   help="server log file (default: a temporary file, removed when aot serve stops unless it failed)")
     p.add_argument("--device", default="cpu",
                    help="cpu, or cuda (cuda:N): the torch engine on a GPU, fp16 with CUDA graphs (a repository "
                         "exported with --format torch; the local tritonserver has no native GPU backends)")
@@ -81,12 +85,15 @@ def run_serve(args) -> int:
         print(f"serving {repo.path} on {args.device}, grpc {server.grpc_url}; task pool {pool_bytes / 2**20:.0f} MiB "
               f"({pool_bytes // (row_bytes * repo.vocab_size)} tasks fully resident) (Ctrl-C stops)",
               file=sys.stderr, flush=True)
+        print(f'aot: next: aot infer --url {server.grpc_url} --task {tasks[0] if tasks else "NAME"} "some text"',
+              file=sys.stderr, flush=True)
         while not stop.wait(0.5):
             if server.failed:
                 print(f"aot: error: {server.failed} (log: {server.log_path})", file=sys.stderr)
                 return 1
     finally:
         server.stop()
+    print(f"aot: stopped serving {repo.path}" + (f" (log: {args.log})" if args.log else ""), file=sys.stderr)
     return 0
 
 
@@ -109,10 +116,11 @@ def _check_device(device: str, engine: str) -> None:
         raise ValueError(f"--{exc}") from None
 
 
-def add_connection_arguments(p) -> None:
-    """How a client command reaches the server: its gRPC address and, for a TLS server, the CA and a client
-    certificate (aot.Client's tls, ca, cert, key)."""
-    p.add_argument("--url", default="127.0.0.1:8001", help="gRPC address of the server")
+def add_connection_arguments(p: argparse.ArgumentParser) -> None:
+    """How `aot tasks` and `aot infer` reach the server: its gRPC address (aot.client.server_url) and, for a TLS
+    server, the CA and a client certificate (aot.Client's tls, ca, cert, key)."""
+    p.add_argument("--url", default=None,
+                   help="gRPC address of the server (default: the environment variable AOT_URL, else 127.0.0.1:8001)")
     p.add_argument("--tls", action="store_true", help="gRPC over TLS, trusting the system's CAs (or --ca)")
     p.add_argument("--ca", default=None, help="PEM CA that signed the server's certificate (implies --tls)")
     p.add_argument("--cert", default=None, help="PEM client certificate, for a server that asks for one")
@@ -143,47 +151,58 @@ def run_tasks(args) -> int:
             listing = client.tasks()
         except InferenceError as exc:
             raise ValueError(str(exc)) from None
-    for task in listing["tasks"]:
-        print(json.dumps(task))
-    for name, error in listing["errors"].items():
-        print(json.dumps({"name": name, "error": error}))
+    failing = [{"name": name, "error": error} for name, error in listing["errors"].items()]
+    report(listing["tasks"] + failing, f"{len(listing['tasks'])} task(s) served at {client.url}"
+           + (f"; {len(failing)} failing (the lines with an error say why)" if failing else ""))
     return 0
 
 
 def add_infer(sub) -> None:
     p = sub.add_parser("infer", help="call a served task over gRPC; one JSON line per input",
-                       description='Prints {"label": ..., "logits": [...]} per TEXT (like `aot predict`), or, with '
-                                   '--input, answers a JSONL file of {"task", "text", "text_pair"} lines '
-                                   "concurrently, in input order.")
+                       description='Prints {"label", "logits", "probabilities"} (a regression task: {"score"}) per '
+                                   "TEXT, like `aot predict`; or, with --input, answers JSON lines "
+                                   '{"task", "text", "text_pair"?, "id"?} concurrently, in input order, each answer '
+                                   "echoing the line's task and id. Lines whose request fails are answered "
+                                   '{"error": ...} and counted on stderr; the exit code is 2 when every line failed, '
+                                   "or any with --strict, else 0.")
     add_connection_arguments(p)
-    p.add_argument("--task", default=None, help="task id (for TEXT arguments)")
+    p.add_argument("--task", default=None, help="task id: for TEXT arguments, and for --input lines without one")
     p.add_argument("--pair", default=None, help="second text for every TEXT")
-    p.add_argument("--input", default=None, help="JSONL file of requests (mixed tasks allowed)")
+    p.add_argument("--input", default=None, metavar="FILE",
+                   help="JSONL requests (mixed tasks allowed), or - for standard input")
     p.add_argument("--output", default=None, help="write answers here instead of stdout")
+    p.add_argument("--strict", action="store_true", help="exit 2 if any --input line fails (default: only if all do)")
     p.add_argument("--concurrency", type=positive_int, default=16, help="requests in flight")
-    p.add_argument("--model", default="aot", help="ensemble to call (aot, or vanilla for comparisons)")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("texts", nargs="*", metavar="TEXT")
+    p.add_argument("--ensemble", default="aot", help="ensemble to call (aot, or vanilla for comparisons)")
+    p.add_argument("--model", dest="ensemble", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # its old name
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar of --input")
+    p.add_argument("texts", nargs="*", metavar="TEXT", help="texts for --task, one JSON line each")
     p.set_defaults(run=run_infer)
 
 
-def _read_requests(path: str) -> list[dict]:
-    """JSONL requests; an error names the file and line."""
-    items = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: invalid JSON ({exc.msg})") from None
-            if not isinstance(record, dict) or not all(isinstance(record.get(k), str) for k in ("task", "text")):
-                raise ValueError(f'{path}:{number}: expected {{"task": "...", "text": "..."}}')
-            items.append(record)
+def _read_requests(path: str, task: str | None) -> tuple[list[dict], list[int]]:
+    """JSONL requests (`-`: standard input) and their line numbers; a line without a task takes `task`. An error
+    names the file and line, before anything is sent."""
+    name = "<stdin>" if path == "-" else path
+    items, lines = [], []
+    text = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    for number, line in enumerate(text.decode("utf-8-sig").split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name}:{number}: invalid JSON ({exc.msg})") from None
+        if isinstance(record, dict) and task is not None:
+            record.setdefault("task", task)
+        if not isinstance(record, dict) or not all(isinstance(record.get(k), str) for k in ("task", "text")):
+            raise ValueError(f'{name}:{number}: expected {{"task": "...", "text": "..."}}'
+                             + ("" if task else " (or --task for lines without one)"))
+        items.append(record)
+        lines.append(number)
     if not items:
-        raise ValueError(f"{path}: no requests")
-    return items
+        raise ValueError(f"{name}: no requests")
+    return items, lines
 
 
 def run_infer(args) -> int:
@@ -194,14 +213,14 @@ def run_infer(args) -> int:
     if args.input and args.texts:
         raise ValueError("give either TEXT arguments or --input, not both")
     if args.input:
-        items = _read_requests(args.input)
+        items, lines = _read_requests(args.input, args.task)
     else:
         if not args.texts or not args.task:
             raise ValueError("give --task and at least one TEXT (or --input FILE.jsonl)")
         items = [{"task": args.task, "text": t, "text_pair": args.pair} for t in args.texts]
-    with connect(args, model=args.model) as client:
+    with connect(args, model=args.ensemble) as client:
         client.check_ready()
-        if len(items) == 1:
+        if len(items) == 1 and not args.input:
             try:
                 answers = [client.infer(items[0]["task"], items[0]["text"], items[0].get("text_pair"))]
             except InferenceError as exc:
@@ -210,15 +229,25 @@ def run_infer(args) -> int:
             bar = tqdm(total=len(items), disable=args.no_progress or not args.input, unit="req", desc="infer")
             answers = client.infer_many(items, args.concurrency, on_done=lambda i, r: bar.update(1))
             bar.close()
-    lines = "".join(json.dumps(a) + "\n" for a in answers)
+    if args.input:  # each answer says which line it answers
+        answers = [{k: item[k] for k in ("id", "task") if k in item} | a for item, a in zip(items, answers)]
+    text = "".join(json.dumps(a) + "\n" for a in answers)
     if args.output:
         from serving.atomic import write_atomic
 
-        write_atomic(args.output, lines)
+        write_atomic(args.output, text)
     else:
-        sys.stdout.write(lines)
-    failed = [a for a in answers if "error" in a]
-    if failed and not args.input:
-        print(f"aot: error: {failed[0]['error']}", file=sys.stderr)
+        sys.stdout.write(text)
+    failed = [i for i, a in enumerate(answers) if "error" in a]
+    if not failed:
+        return 0
+    if not args.input:
+        print(f"aot: error: {answers[failed[0]]['error']}", file=sys.stderr)
         return 2
-    return 1 if failed else 0
+    first = f"line {lines[failed[0]]}: {answers[failed[0]]['error']}"
+    if len(failed) == len(answers) or args.strict:
+        print(f"aot: error: {len(failed)} of {len(answers)} requests failed (first: {first})", file=sys.stderr)
+        return 2
+    print(f"aot: warning: {len(failed)} of {len(answers)} requests failed, answered {{\"error\": ...}} "
+          f"(first: {first}); --strict makes that exit 2", file=sys.stderr)
+    return 0

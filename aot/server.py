@@ -389,16 +389,18 @@ class LocalServer:
         print(f"aot: {message}", file=sys.stderr, flush=True)
 
     def stop(self, timeout: float = 15) -> int | None:
-        """Stop the server and everything it started; safe to call again, and after the server crashed."""
+        """Stop the server and everything it started, and remove its temporary folder (kept when the server failed:
+        it holds the log that the failure names); safe to call again, and after the server crashed."""
         self._stopping.set()
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(timeout=150)
         if self._health is not None:
             self._health.stop()
             self._health = None
-        if self.process is None:
-            return None
-        return self._stop_process(timeout)
+        code = None if self.process is None else self._stop_process(timeout)
+        if not self.failed:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+        return code
 
     def _stop_process(self, timeout: float = 15) -> int | None:
         if self.supervisor is not None:

@@ -15,8 +15,8 @@ SAMPLES=${AOT_DEMO_SAMPLES:-}
 mkdir -p "$OUT"
 
 echo "== 1/4 train: FC AoT P-Tuning on MiniLM, Rotten Tomatoes (our split), 1 epoch, 64 tokens"
-"$AOT" train --model minilm --data rotten_tomatoes --method fc --out "$OUT/task" --epochs 1 --max-length 64 \
-  --eval-every 160 ${SAMPLES:+--max-train-samples "$SAMPLES"}
+"$AOT" train --model minilm --data rotten_tomatoes --method fc --out "$OUT/task" --overwrite --epochs 1 \
+  --max-length 64 --eval-every 160 ${SAMPLES:+--max-train-samples "$SAMPLES"}
 
 echo "== 2/4 export: the shared backbone (once), then the task"
 "$AOT" export backbone --model minilm --repo "$OUT/repo" --overwrite

@@ -63,6 +63,15 @@ def fsync_tree(root: Path) -> None:
                 os.fsync(f.fileno())
 
 
+def plain_permissions(root: Path) -> None:
+    """Give every file under `root` the mode open() gives (0666 less the umask; execute bits kept): some writers
+    (safetensors) make theirs 0600, which left one file of a folder unreadable to those who can read the rest."""
+    mode = root.stat().st_mode & 0o666  # root was made by mkdir: 0777 less the umask
+    for path in root.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode | (path.stat().st_mode & 0o111 & root.stat().st_mode))
+
+
 def replace_directory(src: Path, dst: Path) -> None:
     """Make `src` appear at `dst` in one step, removing what was at `dst`."""
     if not dst.exists():
@@ -116,6 +125,7 @@ def atomic_directory(target: str | Path) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
+        plain_permissions(tmp)
         fsync_tree(tmp)
         replace_directory(tmp, target)
     except BaseException:

@@ -1,6 +1,9 @@
-"""The answer's label, one rule for `aot predict` and the served head (their JSON lines compare equal)."""
+"""The answer's label and shape, one rule for `aot predict`, the served head and the client (their JSON lines compare
+equal)."""
 
 from __future__ import annotations
+
+import math
 
 
 def label_for(labels, logits) -> str:
@@ -9,3 +12,15 @@ def label_for(labels, logits) -> str:
     if labels is None:
         return f"{values[0]:.6g}"
     return labels[max(range(len(values)), key=values.__getitem__)]
+
+
+def answer(label: str, logits) -> dict:
+    """What predict, infer and the client return: a classification's label, logits and probabilities (softmax), or
+    a regression's score. A regression task has one output and a classification at least two labels, so the
+    logits alone say which (the client sees no label set)."""
+    values = [float(v) for v in logits]
+    if len(values) == 1:
+        return {"score": values[0]}
+    top = max(values)
+    exps = [math.exp(v - top) for v in values]
+    return {"label": label, "logits": values, "probabilities": [e / sum(exps) for e in exps]}

@@ -36,6 +36,6 @@ def serve_for_tests(request, repo: Path):
     failed_before = request.session.testsfailed
     server = LocalServer(repo).start()
     yield server
-    server.stop()
-    if request.session.testsfailed > failed_before:
+    if request.session.testsfailed > failed_before:  # before stop(), which removes a temporary log
         print(f"\n--- tritonserver log ({server.log_path}) ---\n{server.log_tail(80)}")
+    server.stop()

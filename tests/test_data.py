@@ -48,7 +48,7 @@ BAD = [
     ("missing text", {"train.csv": "text,label\na,x\n,y\n", "dev.csv": "text,label\na,x\n"},
      r"train.csv:3: missing column 'text'"),
     ("empty split", {"train.jsonl": '{"text": "a", "label": "x"}\n{"text": "b", "label": "y"}\n', "dev.jsonl": "\n"},
-     r"split 'dev' is empty"),
+     r"dev.jsonl has no data rows"),
     ("no dev file", {"train.jsonl": '{"text": "a", "label": "x"}\n'}, r"no dev.jsonl, dev.csv or dev.tsv"),
     ("unseen dev label", {"train.jsonl": '{"text": "a", "label": "x"}\n{"text": "b", "label": "y"}\n',
                           "dev.jsonl": '{"text": "a", "label": "x"}\n{"text": "a", "label": "z"}\n'},

@@ -180,17 +180,17 @@ def test_bad_method_option_is_one_line(tmp_path, capsys, method, option, message
     assert not out.exists()
 
 
-def test_readme_lists_every_method_option():
+def test_training_guide_lists_every_method_option():
     from pathlib import Path
 
     from training.methods.base import METHODS, option_types
 
-    readme = Path(__file__).resolve().parents[1].joinpath("README.md").read_text(encoding="utf-8")
-    table = readme[readme.index("Method options:"):].split("\n\n")[1]  # the table after that paragraph
+    guide = Path(__file__).resolve().parents[1].joinpath("docs", "training.md").read_text(encoding="utf-8")
+    table = guide[guide.index("Method options:"):].split("\n\n")[1]  # the table after that paragraph
     rows = {line.split("|")[1].strip(" `"): line for line in table.splitlines() if line.startswith("| `")}
     for name in METHODS:
         for option in option_types(name):
-            assert f"`{option}`" in rows.get(name, ""), f"README's method options table lacks {name} {option}"
+            assert f"`{option}`" in rows.get(name, ""), f"docs/training.md's method options table lacks {name} {option}"
 
 
 def test_the_last_step_is_evaluated(tmp_path, sentiment_dir, tiny_models):

@@ -20,9 +20,11 @@ def train_task(model: str, data: str, method: str, out: str, rank: int | None = 
                max_steps: int | None = None, pooling: str | None = None, head_lr: float | None = None,
                warmup: float = TrainConfig.warmup, decay: str = TrainConfig.decay,
                seed: int = 0, labels: list[str] | None = None, metric: str | None = None, device: str = "auto",
-               progress: bool = True, backbone: Backbone | None = None, task_data: TaskData | None = None) -> dict:
+               progress: bool = True, problem: str | None = None, backbone: Backbone | None = None,
+               task_data: TaskData | None = None) -> dict:
     """Train and save; returns the summary that metrics.json holds. `options`: the method's config fields to set
-    (training.methods.base.option_types). `pooling` None: the backbone's own."""
+    (training.methods.base.option_types). `pooling` None: the backbone's own. `problem`: classification or
+    regression (None: what the data declares, classification for a plain folder without task.json)."""
     spec_method = method_spec(method)
     config = make_config(method, rank=rank, **(options or {}))
     # Checked before the data and the backbone load: a bad schedule fails at once.
@@ -31,7 +33,7 @@ def train_task(model: str, data: str, method: str, out: str, rank: int | None = 
                                patience=patience, max_length=max_length, seed=seed, eval_every=eval_every,
                                max_train_samples=max_train_samples, time_budget=time_budget, max_steps=max_steps,
                                device=device)
-    task_data = task_data or load_task_data(data, labels=labels, metric=metric)
+    task_data = task_data or load_task_data(data, labels=labels, metric=metric, problem=problem)
     backbone = backbone or load_backbone(model)
     check_max_length(backbone, max_length)
     seed_everything(seed)  # the method's random init must depend on the seed alone, not on what ran before

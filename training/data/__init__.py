@@ -6,19 +6,27 @@ from pathlib import Path
 
 from training.data.builtin import BUILTIN
 from training.data.files import detect_benchmark, load_benchmark_folder, load_folder
-from training.data.task import DataError, Example, TaskData, TaskSpec
+from training.data.task import PROBLEMS, DataError, DataWarning, Example, TaskData, TaskSpec
 
-__all__ = ["DataError", "Example", "TaskData", "TaskSpec", "load_task_data", "BUILTIN"]
+__all__ = ["DataError", "DataWarning", "Example", "PROBLEMS", "TaskData", "TaskSpec", "load_task_data", "BUILTIN"]
 
 
-def load_task_data(data: str, labels: list[str] | None = None, metric: str | None = None) -> TaskData:
-    """`data` is a built-in dataset name or a folder (plain, GLUE or SuperGLUE)."""
-    if data in BUILTIN:
-        return BUILTIN[data]()
+def load_task_data(data: str, labels: list[str] | None = None, metric: str | None = None,
+                   problem: str | None = None) -> TaskData:
+    """`data` is a built-in dataset name or a folder (plain, GLUE or SuperGLUE). `problem` (classification or
+    regression) decides a plain folder's kind; a built-in or benchmark task has its own, which it must match."""
+    if problem is not None and problem not in PROBLEMS:
+        raise DataError(f"problem {problem!r}: expected one of {', '.join(PROBLEMS)}")
     folder = Path(data)
-    if not folder.is_dir():
+    if data in BUILTIN:
+        task = BUILTIN[data]()
+    elif not folder.is_dir():
         raise DataError(f"data {data!r} is neither a folder nor a built-in dataset ({', '.join(BUILTIN)})")
-    benchmark = detect_benchmark(folder)
-    if benchmark is not None:
-        return load_benchmark_folder(folder, benchmark)
-    return load_folder(folder, labels=labels, metric=metric)
+    elif (benchmark := detect_benchmark(folder)) is not None:
+        task = load_benchmark_folder(folder, benchmark)
+    else:
+        return load_folder(folder, labels=labels, metric=metric, problem=problem)
+    kind = PROBLEMS[task.spec.is_regression]
+    if problem not in (None, kind):
+        raise DataError(f"--problem {problem}: {task.spec.name} is a {kind} task")
+    return task

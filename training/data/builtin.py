@@ -1,7 +1,7 @@
 """Real datasets that ship inside registry packages and work offline.
 
 They come without official splits, so each gets a fixed, seeded, stratified split defined here (and documented in
-the README as "our split"): 80 % train, 10 % dev, 10 % test, seed 13. Results on them are never GLUE numbers.
+docs/training.md as "our split"): 80 % train, 10 % dev, 10 % test, seed 13. Results on them are never GLUE numbers.
 """
 
 from __future__ import annotations

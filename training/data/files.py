@@ -6,12 +6,15 @@ Every record is read with its file and line so that a bad value can be reported 
 from __future__ import annotations
 
 import csv
+import difflib
 import json
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.data.task import DataError, Example, TaskData, TaskSpec
+from training.data.task import PROBLEMS, DataError, DataWarning, Example, TaskData, TaskSpec
+from training.metrics import METRICS
 
 SPLITS = ("train", "dev", "test")
 FORMATS = ("jsonl", "csv", "tsv")
@@ -35,11 +38,14 @@ class Record:
         return value
 
 
-def read_records(path: Path, header: bool = True, fieldnames: list[str] | None = None) -> Iterator[Record]:
-    """Rows of a .jsonl, .csv or .tsv file as dicts."""
+def read_records(path: Path, header: bool = True, fieldnames: list[str] | None = None,
+                 required: tuple[str, ...] = ()) -> Iterator[Record]:
+    """Rows of a .jsonl, .csv or .tsv file as dicts. A byte-order mark is skipped. A CSV/TSV header that lacks a
+    `required` column is reported as a header problem, naming the columns found (and the delimiter the header seems
+    to use when it reads as one column)."""
     suffix = path.suffix.lstrip(".").lower()
     if suffix == "jsonl":
-        with path.open(encoding="utf-8") as f:
+        with path.open(encoding="utf-8-sig") as f:
             for n, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -55,17 +61,35 @@ def read_records(path: Path, header: bool = True, fieldnames: list[str] | None =
         raise DataError(f"{path}: unsupported file type {suffix!r}: expected one of {', '.join(FORMATS)}")
     delimiter = "\t" if suffix == "tsv" else ","
     quoting = csv.QUOTE_NONE if suffix == "tsv" else csv.QUOTE_MINIMAL  # GLUE TSVs contain bare quotes
-    with path.open(encoding="utf-8", newline="") as f:
+    with path.open(encoding="utf-8-sig", newline="") as f:
         reader = csv.reader(f, delimiter=delimiter, quoting=quoting)
         names = fieldnames
         if header:
             names = next(reader, None)
             if names is None:
                 return
+            _check_header(path, names, required)
         for row in reader:
             if not any(cell.strip() for cell in row):
                 continue
             yield Record(dict(zip(names, row)), path, reader.line_num)
+
+
+def _check_header(path: Path, names: list[str], required: tuple[str, ...]) -> None:
+    missing = [c for c in required if c not in names]
+    if not missing:
+        return
+    if len(names) == 1:
+        try:
+            sniffed = csv.Sniffer().sniff(names[0], delimiters=",;\t|").delimiter
+        except csv.Error:
+            sniffed = None
+        if sniffed:
+            raise DataError(f"{path}: header: found one column {names[0]!r}: is the delimiter {sniffed!r}? "
+                            "(.csv files are read with ',', .tsv files with tabs)")
+    found = ", ".join(repr(n) for n in names)
+    raise DataError(f"{path}: header: no column {missing[0]!r} (columns found: {found}; expected "
+                    f"{', '.join(required)})")
 
 
 def _split_file(folder: Path, split: str, extensions=FORMATS) -> Path | None:
@@ -149,18 +173,15 @@ def _text(record: Record, column: str, required: bool = True) -> str | None:
 
 
 def load_folder(folder: Path, labels: list[str] | None = None, metric: str | None = None,
-                regression: bool | None = None) -> TaskData:
-    """Columns `text`, optional `text_pair`, `label`. `task.json` may declare labels, metric and problem type."""
-    meta = {}
-    meta_path = folder / "task.json"
-    if meta_path.is_file():
-        try:
-            meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{meta_path}: invalid JSON ({exc.msg})") from None
+                problem: str | None = None) -> TaskData:
+    """Columns `text`, optional `text_pair`, `label`. `task.json` may declare name, labels, metric and problem;
+    the arguments, when given, take precedence over it."""
+    meta = read_task_json(folder / "task.json")
     labels = labels if labels is not None else meta.get("labels")
-    if regression is None:
-        regression = meta.get("problem", "classification") == "regression"
+    declared = problem or meta.get("problem")
+    regression = declared == "regression"
+    if regression and labels is not None:
+        raise DataError(f"{folder}: a regression task has no label set (labels {labels} declared)")
     metric = metric or meta.get("metric") or ("pearson_spearman" if regression else "accuracy")
     rows: dict[str, list[tuple[Example, str]]] = {}
     for split in SPLITS:
@@ -169,14 +190,65 @@ def load_folder(folder: Path, labels: list[str] | None = None, metric: str | Non
             if split != "test":
                 raise DataError(f"{folder}: no {split}.jsonl, {split}.csv or {split}.tsv")
             continue
-        pairs = []
-        for rec in read_records(path):
-            text = _text(rec, "text")
-            pair = _text(rec, "text_pair", required=False) if "text_pair" in rec.fields else None
-            label = _label_value(rec.get("label"), rec.where(), regression)
-            pairs.append((Example(text, label, pair or None), rec.where()))
+        pairs = read_examples(path, regression)
         rows[split] = pairs
+        if split == "train" and declared is None and labels is None:
+            _warn_if_numeric(path, [ex.label for ex, _ in pairs])
     return finalize(meta.get("name", folder.name), rows, metric, labels, regression, str(folder))
+
+
+def read_examples(path: Path, regression: bool) -> list[tuple[Example, str]]:
+    """A plain file's examples (columns text, optional text_pair, label), each with where it was read."""
+    pairs = []
+    for rec in read_records(path, required=("text", "label")):
+        text = _text(rec, "text")
+        pair = _text(rec, "text_pair", required=False) if "text_pair" in rec.fields else None
+        label = _label_value(rec.get("label"), rec.where(), regression)
+        pairs.append((Example(text, label, pair or None), rec.where()))
+    if not pairs:
+        raise DataError(f"{path} has no data rows")
+    return pairs
+
+
+# What task.json may say: key -> (check, what it must be).
+TASK_JSON = {
+    "name": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+    "labels": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
+    "metric": (lambda v: v in METRICS, f"one of {', '.join(METRICS)}"),
+    "problem": (lambda v: v in PROBLEMS, f"one of {', '.join(PROBLEMS)}"),
+}
+
+
+def read_task_json(path: Path) -> dict:
+    """A plain folder's declarations, checked like any other input: an unknown key or a bad value is refused."""
+    if not path.is_file():
+        return {}
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8-sig"))
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}: invalid JSON ({exc.msg})") from None
+    if not isinstance(meta, dict):
+        raise DataError(f"{path}: expected a JSON object such as {{\"problem\": \"regression\"}}, "
+                        f"got {type(meta).__name__}")
+    for key, value in meta.items():
+        if key not in TASK_JSON:
+            close = difflib.get_close_matches(key, TASK_JSON, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise DataError(f"{path}: unknown key {key!r}{hint}: expected one of {', '.join(TASK_JSON)}")
+        check, expected = TASK_JSON[key]
+        if not check(value):
+            raise DataError(f"{path}: {key} {value!r}: expected {expected}")
+    return meta
+
+
+def _warn_if_numeric(path: Path, labels: list[str]) -> None:
+    """Numbers as class names are often scores meant for regression: say which problem was assumed."""
+    distinct = sorted(set(labels), key=_label_sort_key)
+    if all(_label_sort_key(label)[0] == 0 for label in distinct):
+        shown = ", ".join(distinct[:5]) + (", ..." if len(distinct) > 5 else "")
+        warnings.warn(f"{path}: every label is a number ({shown}): training a {len(distinct)}-class "
+                      "classification; --problem regression (or \"problem\": \"regression\" in task.json) "
+                      "predicts a score instead, --problem classification silences this", DataWarning, stacklevel=2)
 
 
 # ---------------------------------------------------------------------------------------------------------------

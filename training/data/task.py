@@ -11,6 +11,13 @@ class DataError(ValueError):
     """Bad training data; the message names the file, the line and the problem."""
 
 
+class DataWarning(UserWarning):
+    """Data that loads but may not mean what was assumed (`aot` prints it as `aot: warning: ...`)."""
+
+
+PROBLEMS = ("classification", "regression")
+
+
 @dataclass(frozen=True)
 class Example:
     text: str

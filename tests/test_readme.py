@@ -1,0 +1,88 @@
+"""Every code block of README.md and docs/getting-started.md runs as written (bash blocks line by line, python
+blocks whole).
+
+Against a tiny setup, so that it takes seconds: `minilm` stands for a tiny random BERT folder and `rotten_tomatoes`
+for a tiny sentiment folder (the real ones take minutes: tests/test_main_job.py runs them), and `aot serve` is given
+free ports, which the commands after it learn from AOT_URL (so another server on 8001 does not matter). A block
+right after `<!-- readme-test: skip: REASON -->` is not run, and the reason says why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCUMENTS = ("README.md", "docs/getting-started.md")
+BLOCK = re.compile(r"(?:<!-- readme-test: skip: (?P<skip>[^\n]*?) -->\n)?```(?P<lang>[\w-]*)\n(?P<code>.*?)^```",
+                   re.S | re.M)
+
+
+def blocks(document: str) -> list[tuple[str, str, str | None]]:
+    """(language, code, reason it is not run or None) of every fenced block."""
+    return [(m["lang"], m["code"], m["skip"]) for m in BLOCK.finditer((ROOT / document).read_text(encoding="utf-8"))]
+
+
+def commands(code: str) -> list[str]:
+    """The commands of a shell block: one a line, `\\` continues a line, comment lines skipped."""
+    joined = code.replace("\\\n", " ")
+    return [line for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+@pytest.mark.parametrize("document", DOCUMENTS)
+def test_every_block_runs_or_says_why(document):
+    found = blocks(document)
+    assert len(found) >= 5
+    for lang, code, skip in found:
+        assert lang in ("bash", "python", "text"), f"{document}: a block without a known language: {code[:60]!r}"
+        assert skip is None or skip.strip(), f"{document}: a skipped block must say why: {code[:60]!r}"
+    assert sum(skip is None and lang != "text" for lang, _, skip in found) >= 4
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("document", DOCUMENTS)
+def test_blocks_run(tmp_path, tiny_models, sentiment_dir, document):
+    from aot.server import free_port
+
+    ports = {flag: free_port() for flag in ("--grpc-port", "--http-port", "--metrics-port")}
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "AOT_URL": f"127.0.0.1:{ports['--grpc-port']}", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    stand_ins = {"minilm": str(tiny_models["bert"]), "rotten_tomatoes": str(sentiment_dir)}
+
+    def tiny(command: str) -> str:
+        return re.sub(r"\b(minilm|rotten_tomatoes)\b", lambda m: stand_ins[m[1]], command)
+
+    server = None
+    try:
+        for lang, code, skip in blocks(document):
+            if skip is not None or lang == "text":
+                continue
+            if lang == "python":
+                run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
+                                     text=True, timeout=120)
+                assert run.returncode == 0, f"{document}: {code}\n{run.stderr}"
+                continue
+            for command in commands(code):
+                if command.startswith("aot serve"):
+                    argv = shlex.split(tiny(command), comments=True) + [str(v) for kv in ports.items() for v in kv]
+                    server = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, text=True)
+                    endpoints = json.loads(server.stdout.readline())  # printed once it is ready
+                    continue
+                run = subprocess.run(["bash", "-c", tiny(command)], cwd=tmp_path, env=env, capture_output=True,
+                                     text=True, timeout=300)
+                assert run.returncode == 0, f"{document}: {command}\n{run.stderr}"
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=60)
+    if server is not None:  # it says that it stopped, and leaves no temporary folder behind
+        assert server.stderr.read().splitlines()[-1] == "aot: stopped serving runs/repo"
+        assert not Path(endpoints["log"]).parent.exists()
