@@ -398,6 +398,7 @@ class LocalServer:
             self._health.stop()
             self._health = None
         code = None if self.process is None else self._stop_process(timeout)
+        self.admin_key_path.unlink(missing_ok=True)  # a secret outlives no server, failed or not
         if not self.failed:
             shutil.rmtree(self._workdir, ignore_errors=True)
         return code

@@ -279,16 +279,21 @@ def test_client_spellings_and_address_from_the_environment(server, capsys, monke
     address of aot tasks, aot infer and Client() when none is given."""
     from aot.client import Client
 
+    from aot.client import InferenceError
+
     monkeypatch.setenv("AOT_URL", server.grpc_url)
+    refused = "task 'sentiment' was trained on single texts: send no TEXT_PAIR"  # so each spelling sent the pair
     with Client() as client:
-        paired = client.infer("sentiment", "good w1", "w2 w3")
-        assert client.infer("sentiment", "good w1", pair="w2 w3") == paired
-        assert client.infer_many([{"task": "sentiment", "text": "good w1", "text_pair": "w2 w3"}]) == [paired]
-        assert client.infer("sentiment", "good w1") != paired
+        for kwargs in ({"text_pair": "w2 w3"}, {"pair": "w2 w3"}):
+            with pytest.raises(InferenceError, match=refused):
+                client.infer("sentiment", "good w1", **kwargs)
+        assert client.infer_many([{"task": "sentiment", "text": "good w1", "text_pair": "w2 w3"}])[0]["error"] \
+            .endswith(refused)
+        single = client.infer("sentiment", "good w1")
     assert main(["tasks"]) == 0
     assert sorted(t["name"] for t in _json_lines(capsys.readouterr().out)) == ["score", "sentiment"]
-    assert main(["infer", "--task", "sentiment", "--pair", "w2 w3", "good w1"]) == 0
-    assert _json_lines(capsys.readouterr().out) == [paired]
+    assert main(["infer", "--task", "sentiment", "good w1"]) == 0
+    assert _json_lines(capsys.readouterr().out) == [single]
 
 
 def test_train_does_not_replace_an_artifact_unasked(tmp_path, capsys):
