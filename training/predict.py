@@ -1,15 +1,19 @@
-"""Running a trained task in PyTorch: the reference every served answer is compared with."""
+"""Running trained tasks in PyTorch: the reference every served answer is compared with, and `aot predict`."""
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
 from training.artifact import TaskArtifact, load_task
 from training.backbone import Backbone
 from serving.labels import label_for
-from training.data.task import Example
+from training.data.task import Example, TaskSpec
 from training.model import TaskModel
 from training.trainer import encode, predict_logits
 
@@ -33,8 +37,110 @@ class Predictor:
         pad = self.backbone.tokenizer.pad_token_id or 0
         return predict_logits(self.model, encoded, pad, self.device)
 
-    def predict(self, texts: list[str], pairs: list[str | None] | None = None) -> list[dict]:
+    def predict(self, texts: list[str], pairs: list[str | None] | None = None, name: str | None = None) -> list[dict]:
+        """answer() for each text; `name`: the task's name in them (default: the one it was trained as)."""
         spec = self.artifact.spec
-        logits = self.logits(texts, pairs)
-        return [{"label": label_for(spec.labels, row), "logits": [float(v) for v in row]} for row in logits]
+        return [answer(name or spec.name, spec, row) for row in self.logits(texts, pairs)]
+
+
+def answer(name: str, spec: TaskSpec, logits: torch.Tensor) -> dict:
+    """One JSON answer: {"task", "label", "logits"} and, for classification, "probabilities" (softmax)."""
+    values = logits[: spec.num_outputs].float()
+    row = {"task": name, "label": label_for(spec.labels, values.tolist()), "logits": values.tolist()}
+    if not spec.is_regression:
+        row["probabilities"] = torch.softmax(values, -1).tolist()
+    return row
+
+
+# --- aot predict ------------------------------------------------------------------------------------------------------
+
+def task_folders(items: list[str]) -> dict[str, Path]:
+    """`--task` values, `DIR` or `NAME=DIR`, as name -> folder (a bare folder is named after itself)."""
+    tasks: dict[str, Path] = {}
+    for item in items:
+        name, sep, folder = item.partition("=")
+        if not sep or os.path.isdir(item):
+            name, folder = Path(item).resolve().name, item
+        if not name or name in tasks:
+            raise ValueError(f"--task {item!r}: the name {name!r} is empty or given twice: name tasks NAME=DIR")
+        tasks[name] = Path(folder)
+    return tasks
+
+
+Line = tuple[int, dict]  # (line number, {"text", "text_pair", "task"[, "id"]})
+
+
+def read_input_lines(source: str | os.PathLike | BinaryIO | object,
+                     tasks: dict[str, Path]) -> tuple[list[Line], list[tuple[int, str]]]:
+    """The good lines of a JSONL input and, for each bad one, (line number, why). Blank lines are skipped. A file
+    that cannot be opened is one OSError; a line that is not UTF-8, not a JSON object, lacks a string "text" or
+    names no loaded task fails alone."""
+    default = next(iter(tasks)) if len(tasks) == 1 else None
+    good: list[Line] = []
+    bad: list[tuple[int, str]] = []
+    stream = source.buffer if source is sys.stdin else open(source, "rb")
+    try:
+        for number, raw in enumerate(stream, 1):
+            try:
+                good.append((number, _parse_line(raw, tasks, default)))
+            except ValueError as exc:
+                bad.append((number, str(exc)))
+    finally:
+        if stream is not getattr(sys.stdin, "buffer", None):
+            stream.close()
+    good = [(n, item) for n, item in good if item]
+    return good, bad
+
+
+def _parse_line(raw: bytes, tasks: dict[str, Path], default: str | None) -> dict:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8 text") from None
+    if not text.strip():
+        return {}
+    try:
+        item = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"invalid JSON ({exc.msg})") from None
+    if not isinstance(item, dict):
+        raise ValueError(f"expected a JSON object, got {type(item).__name__}")
+    if not isinstance(item.get("text"), str):
+        raise ValueError('expected "text", a string')
+    pair = item.get("text_pair")
+    if pair is not None and not isinstance(pair, str):
+        raise ValueError('"text_pair" must be a string')
+    task = item.get("task", default)
+    if task is None:
+        raise ValueError(f'no "task": with several --task, each line names one of {", ".join(tasks)}')
+    if task not in tasks:
+        raise ValueError(f"unknown task {str(task)[:100]!r}: expected one of {', '.join(tasks)}")
+    return {"text": item["text"], "text_pair": pair, "task": task} | ({"id": item["id"]} if "id" in item else {})
+
+
+def predict_lines(tasks: dict[str, Path], lines: list[Line], errors: list[tuple[int, str]], model: str | None,
+                  batch_size: int = 32) -> tuple[dict[int, dict], list[tuple[int, str]]]:
+    """Answers by line number (with each line's "id" first when it has one). AoT tasks run together in a
+    MultiTaskModel; a task of another method (it changes the encoder) runs alone, in a Predictor."""
+    from training.artifact import read_task
+    from training.backbone import load_backbone
+
+    methods = {name: read_task(folder).method_config.method for name, folder in tasks.items()}
+    if not lines:
+        return {}, errors
+    texts, pairs, names = ([item[k] for _, item in lines] for k in ("text", "text_pair", "task"))
+    if all(m in ("fc", "kron") for m in methods.values()):
+        from training.multitask import MultiTaskModel
+
+        rows = MultiTaskModel.from_pretrained(tasks, model).predict(texts, names, pairs, batch_size)
+    elif len(tasks) == 1:
+        name = next(iter(tasks))
+        predictor = Predictor.load(tasks[name], load_backbone(model) if model else None)
+        rows = [predictor.predict([t], [p], name)[0] for t, p in zip(texts, pairs)]
+    else:
+        other = next(n for n, m in methods.items() if m not in ("fc", "kron"))
+        raise ValueError(f"task {other!r} was trained with method {methods[other]!r}, which changes the encoder: "
+                         f"several tasks run together only if all are AoT (fc, kron); give it alone")
+    answers = {n: ({"id": item["id"]} if "id" in item else {}) | row for (n, item), row in zip(lines, rows)}
+    return answers, errors
 
