@@ -10,6 +10,7 @@ import json
 import re
 import sys
 
+import numpy as np
 import pytest
 import torch
 from transformers import (AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification, GPT2Config,
@@ -46,13 +47,13 @@ def batch(arch, texts=("good w1 w2", "w3 awful w4 w5 w6", "the movie", "superb")
     return dict(out)
 
 
-def perturb(model: AotModel, seed: int = 1) -> AotModel:
+def perturb(model: AotModel, seed: int = 1, scale: float = 0.3) -> AotModel:
     """Trained-looking factors (P is zero at init, which would hide a lost or misplaced row)."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad:
-                p.add_(torch.randn(p.shape, generator=generator) * 0.3)
+                p.add_(torch.randn(p.shape, generator=generator) * scale)
     return model.eval()
 
 
@@ -326,3 +327,30 @@ def test_predict_fails_only_when_every_line_failed(saved_tasks, capsys, monkeypa
     code, out, err = _predict([*argv, "--input", "-"], capsys, stdin, monkeypatch)
     assert code == 2 and out == [] and err[0].startswith(message)
     assert err[-1].startswith("aot: error: every input line failed")
+
+
+# --- export and serve ---------------------------------------------------------------------------------------------
+
+@pytest.mark.server
+def test_saved_task_exports_and_serves_what_predict_answers(tiny_models, tmp_path, capsys):
+    """A DeBERTa-v2 classifier's own head (gelu) trained through get_aot_model: served as `aot predict` answers."""
+    from aot.client import Client
+    from aot.server import LocalServer
+    from tests.helpers import make_repository
+
+    _, model = aot_model(tiny_models, "deberta-v2", "seqcls", "fc", seed=1)  # a head that answers both labels
+    perturb(model, scale=0.1).save_pretrained(tmp_path / "task")  # fp16 rows: logits of a few units, as trained
+    repo = make_repository(tiny_models["deberta-v2"], tmp_path / "repo",
+                           {"fused": (tmp_path / "task", "fused"), "factored": (tmp_path / "task", "factored")})
+    code, predicted, _ = _predict(["--task", str(tmp_path / "task"), *TEXTS], capsys)
+    assert code == 0 and len({row["label"] for row in predicted}) == 2  # both labels occur: the check can fail
+    server = LocalServer(repo).start()
+    try:
+        with Client(server.grpc_url) as client:
+            for name in ("fused", "factored"):
+                for text, row in zip(TEXTS, predicted):
+                    got = client.infer(name, text)
+                    np.testing.assert_allclose(got["logits"], row["logits"], atol=1e-3)
+                    assert got["label"] == row["label"]
+    finally:
+        server.stop()
