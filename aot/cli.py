@@ -151,8 +151,8 @@ def run_predict(args) -> int:
     else:
         if args.pair is not None:
             raise ValueError("--pair applies to TEXT arguments; in --input lines, give text_pair")
-        parsed, errors = read_input_lines(sys.stdin if args.input == "-" else args.input, tasks)
-    answers, errors = predict_lines(tasks, parsed, errors, args.model, args.batch_size)
+        parsed, errors = read_input_lines(args.input, tasks)
+    answers = predict_lines(tasks, parsed, args.model, args.batch_size)
     for _, answer in sorted(answers.items()):
         print(json.dumps(answer))
     for number, message in sorted(errors):

@@ -354,3 +354,17 @@ def test_saved_task_exports_and_serves_what_predict_answers(tiny_models, tmp_pat
                     assert got["label"] == row["label"]
     finally:
         server.stop()
+
+
+def test_predict_runs_a_baseline_task_alone(tiny_models, sentiment_dir, saved_tasks, tmp_path, capsys, monkeypatch):
+    from tests.helpers import train_tiny_task
+
+    task = train_tiny_task(tiny_models["bert"], sentiment_dir, tmp_path / "bitfit", "bitfit", epochs=1)
+    capsys.readouterr()  # what training printed
+    stdin = json.dumps({"text": "good w1", "id": "a"}) + "\n" + json.dumps({"text": "w2", "text_pair": "w3"}) + "\n"
+    code, out, err = _predict(["--task", str(task), "--input", "-"], capsys, stdin, monkeypatch)
+    assert code == 0 and err == [] and out[0]["id"] == "a" and [row["task"] for row in out] == ["bitfit"] * 2
+    code, out, err = _predict(["--task", str(task), "--task", str(saved_tasks["sent"]), "--input", "-"], capsys,
+                              json.dumps({"text": "good", "task": "sent"}) + "\n", monkeypatch)
+    assert code == 2 and err == ["aot: error: task 'bitfit' was trained with method 'bitfit', which changes the "
+                                 "encoder: several tasks run together only if all are AoT (fc, kron); give it alone"]

@@ -21,6 +21,7 @@ from serving_torch.encoder import BiasedEncoder
 from training.artifact import ArtifactError, load_recorded_backbone, load_task, read_task
 from training.backbone import Backbone, load_backbone
 from training.data.task import TaskSpec
+from training.methods.base import method_spec
 from training.peft_model import AotModel
 from training.predict import answer
 
@@ -67,7 +68,7 @@ class MultiTaskModel(nn.Module):
         if name in self.tasks:
             raise ArtifactError(f"task name {name!r} is already loaded: remove_task it first")
         artifact = read_task(path)
-        if artifact.method_config.method not in ("fc", "kron"):
+        if not method_spec(artifact.method_config.method).shared_backbone:
             raise ArtifactError(f"task {path} was trained with method {artifact.method_config.method!r}; "
                                 f"MultiTaskModel runs AoT tasks (fc, kron), which leave the encoder unchanged")
         _, model, _ = load_task(Path(path), self.backbone, copy_encoder=False)

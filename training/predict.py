@@ -10,10 +10,11 @@ from typing import BinaryIO
 
 import torch
 
-from training.artifact import TaskArtifact, load_task
-from training.backbone import Backbone
+from training.artifact import TaskArtifact, load_task, read_task
+from training.backbone import Backbone, load_backbone
 from serving.labels import label_for
 from training.data.task import Example, TaskSpec
+from training.methods.base import method_spec
 from training.model import TaskModel
 from training.trainer import encode, predict_logits
 
@@ -70,35 +71,39 @@ def task_folders(items: list[str]) -> dict[str, Path]:
 Line = tuple[int, dict]  # (line number, {"text", "text_pair", "task"[, "id"]})
 
 
-def read_input_lines(source: str | os.PathLike | BinaryIO | object,
-                     tasks: dict[str, Path]) -> tuple[list[Line], list[tuple[int, str]]]:
-    """The good lines of a JSONL input and, for each bad one, (line number, why). Blank lines are skipped. A file
-    that cannot be opened is one OSError; a line that is not UTF-8, not a JSON object, lacks a string "text" or
-    names no loaded task fails alone."""
+def read_input_lines(path: str, tasks: dict[str, Path]) -> tuple[list[Line], list[tuple[int, str]]]:
+    """The good lines of a JSONL file (`-`: standard input) and, for each bad one, (line number, why). Blank lines
+    are skipped. A file that cannot be opened is one OSError; a line that is not UTF-8, not a JSON object, lacks a
+    string "text" or names no loaded task fails alone."""
+    if path == "-":
+        return _read_lines(sys.stdin.buffer, tasks)
+    with open(path, "rb") as stream:
+        return _read_lines(stream, tasks)
+
+
+def _read_lines(stream: BinaryIO, tasks: dict[str, Path]) -> tuple[list[Line], list[tuple[int, str]]]:
     default = next(iter(tasks)) if len(tasks) == 1 else None
     good: list[Line] = []
     bad: list[tuple[int, str]] = []
-    stream = source.buffer if source is sys.stdin else open(source, "rb")
-    try:
-        for number, raw in enumerate(stream, 1):
-            try:
-                good.append((number, _parse_line(raw, tasks, default)))
-            except ValueError as exc:
-                bad.append((number, str(exc)))
-    finally:
-        if stream is not getattr(sys.stdin, "buffer", None):
-            stream.close()
-    good = [(n, item) for n, item in good if item]
+    for number, raw in enumerate(stream, 1):
+        try:
+            item = _parse_line(raw, tasks, default)
+        except ValueError as exc:
+            bad.append((number, str(exc)))
+            continue
+        if item is not None:
+            good.append((number, item))
     return good, bad
 
 
-def _parse_line(raw: bytes, tasks: dict[str, Path], default: str | None) -> dict:
+def _parse_line(raw: bytes, tasks: dict[str, Path], default: str | None) -> dict | None:
+    """The line as {"text", "text_pair", "task"[, "id"]}; None for a blank line."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise ValueError("not UTF-8 text") from None
     if not text.strip():
-        return {}
+        return None
     try:
         item = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -118,18 +123,16 @@ def _parse_line(raw: bytes, tasks: dict[str, Path], default: str | None) -> dict
     return {"text": item["text"], "text_pair": pair, "task": task} | ({"id": item["id"]} if "id" in item else {})
 
 
-def predict_lines(tasks: dict[str, Path], lines: list[Line], errors: list[tuple[int, str]], model: str | None,
-                  batch_size: int = 32) -> tuple[dict[int, dict], list[tuple[int, str]]]:
+def predict_lines(tasks: dict[str, Path], lines: list[Line], model: str | None,
+                  batch_size: int = 32) -> dict[int, dict]:
     """Answers by line number (with each line's "id" first when it has one). AoT tasks run together in a
     MultiTaskModel; a task of another method (it changes the encoder) runs alone, in a Predictor."""
-    from training.artifact import read_task
-    from training.backbone import load_backbone
-
     methods = {name: read_task(folder).method_config.method for name, folder in tasks.items()}
+    shared = {name: method_spec(method).shared_backbone for name, method in methods.items()}
     if not lines:
-        return {}, errors
+        return {}
     texts, pairs, names = ([item[k] for _, item in lines] for k in ("text", "text_pair", "task"))
-    if all(m in ("fc", "kron") for m in methods.values()):
+    if all(shared.values()):
         from training.multitask import MultiTaskModel
 
         rows = MultiTaskModel.from_pretrained(tasks, model).predict(texts, names, pairs, batch_size)
@@ -138,9 +141,8 @@ def predict_lines(tasks: dict[str, Path], lines: list[Line], errors: list[tuple[
         predictor = Predictor.load(tasks[name], load_backbone(model) if model else None)
         rows = [predictor.predict([t], [p], name)[0] for t, p in zip(texts, pairs)]
     else:
-        other = next(n for n, m in methods.items() if m not in ("fc", "kron"))
+        other = next(n for n, ok in shared.items() if not ok)
         raise ValueError(f"task {other!r} was trained with method {methods[other]!r}, which changes the encoder: "
                          f"several tasks run together only if all are AoT (fc, kron); give it alone")
-    answers = {n: ({"id": item["id"]} if "id" in item else {}) | row for (n, item), row in zip(lines, rows)}
-    return answers, errors
+    return {n: ({"id": item["id"]} if "id" in item else {}) | row for (n, item), row in zip(lines, rows)}
 
