@@ -1,7 +1,8 @@
 """A served task version and the registry each served step keeps, without torch.
 
 A version folder `REPO/tasks/<name>@<id>/` is immutable:
-    task.json               labels, metric, max length, pooling, storage, method config, L, d, V, source, dev
+    task.json               labels, metric, max length, pooling, head_activation, storage, method config, L, d, V,
+                            source, dev
     head.safetensors        dense.weight [k, d], dense.bias, out.weight [n, k], out.bias (k: d, or the head's own
                             width); logits = out(f(dense(h))), f task.json's head_activation (tanh if absent)
     table.npy               fused: P for every token and layer, [V, L, d] fp16, token-major (memory-mapped)

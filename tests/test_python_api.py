@@ -368,3 +368,32 @@ def test_predict_runs_a_baseline_task_alone(tiny_models, sentiment_dir, saved_ta
                               json.dumps({"text": "good", "task": "sent"}) + "\n", monkeypatch)
     assert code == 2 and err == ["aot: error: task 'bitfit' was trained with method 'bitfit', which changes the "
                                  "encoder: several tasks run together only if all are AoT (fc, kron); give it alone"]
+
+
+@pytest.mark.parametrize("activation", [None, "tanh", "gelu", "swish"])
+def test_served_head_computes_the_training_head(tmp_path, activation):
+    """serving.tasks (numpy) against training.model.ClassificationHead (torch), with a head wider than d as
+    DeBERTa-v2's pooler may be; an unknown activation fails that version alone, naming it."""
+    from safetensors.numpy import save_file
+
+    from serving.store import StoreError
+    from serving.tasks import load_task_version
+    from training.model import ClassificationHead
+
+    torch.manual_seed(0)
+    head = ClassificationHead(4, 3, activation=activation if activation in ("tanh", "gelu") else "tanh",
+                              inner_size=6).eval()
+    folder = tmp_path / "t@0123456789ab"
+    folder.mkdir()
+    meta = {"labels": ["a", "b", "c"], "max_length": 8, "storage": "fused", "method": {"method": "fc"},
+            "num_layers": 1, "hidden_size": 4, "vocab_size": 5, "pooling": "mean",
+            **({} if activation is None else {"head_activation": activation})}
+    (folder / "task.json").write_text(json.dumps(meta))
+    save_file({k: v.numpy() for k, v in head.state_dict().items()}, str(folder / "head.safetensors"))
+    if activation == "swish":
+        with pytest.raises(StoreError, match="unknown head_activation 'swish': expected one of tanh, gelu"):
+            load_task_version(folder, folder.name, tmp_path, parts="head")
+        return
+    pooled = torch.randn(5, 2, 4) * 3
+    served = load_task_version(folder, folder.name, tmp_path, parts="head").logits(pooled.numpy())
+    np.testing.assert_allclose(served, head(pooled[:, 1]).detach().numpy(), atol=1e-6)
