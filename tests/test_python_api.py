@@ -176,6 +176,14 @@ def test_version_1_artifacts_still_load(tiny_models, tmp_path):
                                atol=1e-6, rtol=0)
 
 
+def test_every_config_field_carries_its_help():
+    import dataclasses
+
+    helps = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(AotConfig)}
+    assert set(helps) >= {"method", "rank", "labels", "max_length", "base_model_name_or_path"}
+    assert all(len(text) > 20 for text in helps.values()), helps
+
+
 def _gpt2():
     return GPT2Model(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=20))
 

@@ -92,6 +92,7 @@ def test_failed_write_keeps_old_artifact(tmp_path, sentiment_dir, tiny_models, m
     ({"format_version": 99}, "format_version 99 is not supported"),
     ({"task": None}, "key 'task' should be dict"),
     ({"pooling": "max"}, "unknown pooling 'max': expected one of cls, mean"),
+    ({"head": {"activation": "swish"}}, "head {'activation': 'swish'}: expected"),
 ])
 def test_malformed_artifact(tmp_path, sentiment_dir, tiny_models, broken, message):
     out = tmp_path / "task"

@@ -150,7 +150,8 @@ def read_task(path: str | Path) -> TaskArtifact:
     except ValueError as exc:
         raise ArtifactError(f"{config_path}: {exc}") from None
     head = config.get("head", {"activation": "tanh"})
-    if not isinstance(head, dict) or head.get("activation") not in HEAD_ACTIVATIONS:
+    if (not isinstance(head, dict) or head.get("activation") not in HEAD_ACTIVATIONS
+            or not isinstance(head.get("inner_size", 1), int)):
         raise ArtifactError(f"{config_path}: head {head!r}: expected {{\"activation\": one of "
                             f"{', '.join(HEAD_ACTIVATIONS)}, \"inner_size\": int}}")
     method_spec(config["method"].get("method", "?"))
