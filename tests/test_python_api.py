@@ -147,7 +147,7 @@ def test_plain_loop_trains_and_labels_give_the_loss(tiny_models):
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     assert losses[-1] < 0.7 * losses[0]
     logits = model.eval()(**{k: v for k, v in inputs.items() if k != "labels"}).logits
     expected = torch.nn.functional.cross_entropy(logits, inputs["labels"])
