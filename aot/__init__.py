@@ -1,18 +1,28 @@
-"""AoT P-Tuning deployment: the `aot` command, the gRPC client and the local server launcher."""
+"""AoT P-Tuning: the Python API (PEFT-shaped: AotConfig, get_aot_model, AotModel, MultiTaskModel; needs the [train]
+extra), the `aot` command, the gRPC client and the local server launcher."""
 
 __version__ = "0.1.0"
 
+# name -> (module, attribute), imported on first use: `import aot` stays cheap for the CLI and the client.
+_LAZY = {
+    "Client": ("aot.client", "Client"),
+    "InferenceError": ("aot.client", "InferenceError"),
+    "LocalServer": ("aot.server", "LocalServer"),
+    "AotConfig": ("training.methods.aot.config", "AotConfig"),
+    "AotModel": ("training.peft_model", "AotModel"),
+    "get_aot_model": ("training.peft_model", "get_aot_model"),
+    "MultiTaskModel": ("training.multitask", "MultiTaskModel"),
+    "model_path": ("training.backbone", "resolve_model_path"),
+}
 
-def __getattr__(name):  # lazy: `import aot` stays cheap for the CLI
-    if name in ("Client", "InferenceError"):
-        from aot import client
 
-        return getattr(client, name)
-    if name == "LocalServer":
-        from aot.server import LocalServer
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(name)
+    import importlib
 
-        return LocalServer
-    raise AttributeError(name)
+    module, attribute = _LAZY[name]
+    return getattr(importlib.import_module(module), attribute)
 
 
-__all__ = ["Client", "InferenceError", "LocalServer", "__version__"]
+__all__ = [*_LAZY, "__version__"]

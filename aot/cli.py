@@ -145,26 +145,54 @@ def run_train(args) -> int:
 
 # --- predict / inspect ----------------------------------------------------------------------------------------------
 
+PREDICT_DESCRIPTION = """\
+Prints one JSON line per input, in order: {"task", "label", "logits", "probabilities"} (softmax of the logits),
+or {"task", "score"} for a regression task. TEXT arguments run on the one --task. --input FILE (or - for standard input) reads JSON
+lines {"text", "text_pair" (optional), "task" (optional when one --task is given), "id" (optional, echoed)}: each
+line runs on its own task, and lines of different AoT tasks share batches on one encoder (MultiTaskModel). A bad
+line fails alone: "aot: line N: ..." on stderr, the others are answered; a count of the failed lines ends stderr,
+and the exit status is 2 only when every line failed."""
+
+
 def add_predict(sub) -> None:
-    p = sub.add_parser("predict", help="run a trained task in PyTorch; one JSON line per input",
-                       description='Prints {"label", "logits", "probabilities"} (a regression task: {"score"}) '
-                                   "for each TEXT, in order.")
-    p.add_argument("--task", required=True, help="task artifact folder")
+    p = sub.add_parser("predict", help="run trained tasks in PyTorch; one JSON line per input",
+                       description=PREDICT_DESCRIPTION)
+    p.add_argument("--task", action="append", required=True, metavar="[NAME=]DIR",
+                   help="task artifact folder (repeatable); --input lines name it NAME (default: the folder's name)")
+    p.add_argument("--input", default=None, metavar="FILE",
+                   help="JSON lines to score ('-': standard input) instead of TEXT arguments")
     p.add_argument("--pair", default=None, help="second text, paired with every TEXT (pair tasks)")
     p.add_argument("--model", default=None, help="backbone location, if it moved since training")
-    p.add_argument("texts", nargs="+", metavar="TEXT", help="texts to answer, one JSON line each")
+    p.add_argument("--batch-size", type=_positive_int, default=32, help="inputs per forward pass")
+    p.add_argument("texts", nargs="*", metavar="TEXT", help="texts to answer with the one --task, one JSON line each")
     p.set_defaults(run=run_predict)
 
 
 def run_predict(args) -> int:
-    from training.backbone import load_backbone
-    from training.predict import Predictor
+    from training.predict import predict_lines, read_input_lines, task_folders
 
-    backbone = load_backbone(args.model) if args.model else None
-    predictor = Predictor.load(args.task, backbone)
-    pairs = [args.pair] * len(args.texts) if args.pair is not None else None
-    for row in predictor.predict(args.texts, pairs):
-        print(json.dumps(row))
+    tasks = task_folders(args.task)
+    if bool(args.texts) == bool(args.input):
+        raise ValueError("give TEXT arguments or --input FILE (one of them)")
+    if args.texts:
+        if len(tasks) != 1:
+            raise ValueError(f"TEXT arguments run on one --task, got {len(tasks)}: use --input for several")
+        lines = [{"text": t, "text_pair": args.pair, "task": next(iter(tasks))} for t in args.texts]
+        parsed, errors = list(enumerate(lines, 1)), []
+    else:
+        if args.pair is not None:
+            raise ValueError("--pair applies to TEXT arguments; in --input lines, give text_pair")
+        parsed, errors = read_input_lines(args.input, tasks)
+    answers = predict_lines(tasks, parsed, args.model, args.batch_size)
+    for _, answer in sorted(answers.items()):
+        print(json.dumps(answer))
+    for number, message in sorted(errors):
+        print(f"aot: line {number}: {message}", file=sys.stderr)
+    total = len(answers) + len(errors)
+    if errors:
+        print(f"aot: {len(errors)} of {total} lines failed", file=sys.stderr)
+    if not answers:
+        raise ValueError(f"every input line failed ({total})" if total else "no input lines")
     return 0
 
 

@@ -141,7 +141,8 @@ def export_task(task_dir: str | Path, repo_dir: str | Path, name: str, storage: 
     try:
         meta = {"name": name, "labels": None if artifact.spec.labels is None else list(artifact.spec.labels),
                 "metric": artifact.spec.metric, "max_length": artifact.max_length, "pooling": artifact.pooling,
-                "has_pair": artifact.spec.has_pair, "storage": storage,
+                "has_pair": artifact.spec.has_pair, "head_activation": artifact.head["activation"],
+                "storage": storage,
                 "method": artifact.config["method"], "num_layers": L, "hidden_size": d, "vocab_size": V,
                 "source": str(Path(task_dir).resolve()), "backbone_fingerprint": repo.fingerprint,
                 "dev": artifact.metrics().get("dev")}

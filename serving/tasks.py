@@ -1,8 +1,10 @@
 """A served task version and the registry each served step keeps, without torch.
 
 A version folder `REPO/tasks/<name>@<id>/` is immutable:
-    task.json               labels, metric, max length, pooling, storage, method config, L, d, V, source, dev
-    head.safetensors        dense.weight [d, d], dense.bias, out.weight [n, d], out.bias
+    task.json               labels, metric, max length, pooling, head_activation, storage, method config, L, d, V,
+                            source, dev
+    head.safetensors        dense.weight [k, d], dense.bias, out.weight [n, k], out.bias (k: d, or the head's own
+                            width); logits = out(f(dense(h))), f task.json's head_activation (tanh if absent)
     table.npy               fused: P for every token and layer, [V, L, d] fp16, token-major (memory-mapped)
     factors.safetensors     factored: FC w1 [L, d, r], b1 [L, r], w2 [L, r, d], b2 [L, d];
                             Kron w_left [L, a, r], w_mid [L, b, r], w_right [L, r*r, d]
@@ -15,6 +17,7 @@ a task is published.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import threading
 import time
@@ -36,6 +39,11 @@ from serving.store import (EMBEDDINGS, ROWS_DIR, STORAGES, Manifest, StoreError,
 
 _TASK_KEYS = {"labels": (list, type(None)), "max_length": int, "storage": str, "method": dict, "num_layers": int,
               "hidden_size": int, "vocab_size": int}
+
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])  # numpy has no erf; a head's dense output is small
+# The activations a served head applies (training.model.HEAD_ACTIVATIONS, the same functions in torch).
+HEAD_ACTIVATIONS = {"tanh": np.tanh, "gelu": lambda x: 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))}
 
 
 @functools.lru_cache(maxsize=4)
@@ -156,9 +164,10 @@ class ServedTask:
 
     def logits(self, pooled: np.ndarray) -> np.ndarray:
         """The task head (training.model.ClassificationHead in eval mode) on the task's pooling: pooled [B, P, d]
-        (every pooling, protocol.POOLINGS) -> out(tanh(dense(h))) [B, n]."""
+        (every pooling, protocol.POOLINGS) -> out(f(dense(h))) [B, n], f the task's head_activation."""
         chosen = pooled[:, protocol.pooling_row(self.pooling)].astype(np.float32)
-        h = np.tanh(chosen @ self.head["dense.weight"].T + self.head["dense.bias"])
+        activation = HEAD_ACTIVATIONS[self.meta.get("head_activation", "tanh")]
+        h = activation(chosen @ self.head["dense.weight"].T + self.head["dense.bias"]).astype(np.float32)
         return (h @ self.head["out.weight"].T + self.head["out.bias"]).astype(protocol.LOGITS_DTYPE)
 
     def label(self, logits: np.ndarray) -> str:
@@ -200,6 +209,9 @@ def load_task_version(folder: Path, version: str, store_root: Path, parts: str =
         protocol.pooling_row(meta.get("pooling", protocol.POOLING_BEFORE_V3))
     except ValueError as exc:
         raise StoreError(f"{version}: {exc}") from None
+    if meta.get("head_activation", "tanh") not in HEAD_ACTIVATIONS:
+        raise StoreError(f"{version}: unknown head_activation {meta['head_activation']!r}: expected one of "
+                         f"{', '.join(HEAD_ACTIVATIONS)}")
     head = load_file(verified("head.safetensors")) if parts in ("head", "all") else {}
     task = ServedTask(task_of(version), version, meta["labels"], meta["max_length"], meta["storage"],
                       meta["num_layers"], meta["hidden_size"], meta["vocab_size"], head, meta, digests=digests)

@@ -51,7 +51,7 @@ def test_every_block_runs_or_says_why(document):
 def test_blocks_run(tmp_path, tiny_models, sentiment_dir, document):
     from aot.server import free_port
 
-    ports = {flag: free_port() for flag in ("--grpc-port", "--http-port", "--metrics-port")}
+    ports = {flag: free_port() for flag in ("--grpc-port", "--http-port", "--metrics-port", "--health-port")}
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "AOT_URL": f"127.0.0.1:{ports['--grpc-port']}", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     stand_ins = {"minilm": str(tiny_models["bert"]), "rotten_tomatoes": str(sentiment_dir)}
@@ -65,8 +65,8 @@ def test_blocks_run(tmp_path, tiny_models, sentiment_dir, document):
             if skip is not None or lang == "text":
                 continue
             if lang == "python":
-                run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
-                                     text=True, timeout=120)
+                run = subprocess.run([sys.executable, "-c", tiny(code)], cwd=tmp_path, env=env, capture_output=True,
+                                     text=True, timeout=300)
                 assert run.returncode == 0, f"{document}: {code}\n{run.stderr}"
                 continue
             for command in commands(code):

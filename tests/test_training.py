@@ -29,7 +29,7 @@ def test_artifact_round_trip_gives_identical_logits(tmp_path, sentiment_dir, tin
     train_task(model=str(tiny_models["bert"]), data=str(sentiment_dir), method="fc", out=str(out), lr=1e-2,
                **{**FAST, "epochs": 2})
     artifact = read_task(out)
-    assert artifact.config["format"] == "aot-task" and artifact.config["format_version"] == 1
+    assert artifact.config["format"] == "aot-task" and artifact.config["format_version"] == 2
     assert artifact.config["method"]["method"] == "fc" and artifact.spec.labels == ("negative", "positive")
     assert set(artifact.weights()) == {"body.aot.w1", "body.aot.b1", "body.aot.w2", "body.aot.b2", "head.dense.weight",
                                        "head.dense.bias", "head.out.weight", "head.out.bias"}
@@ -92,6 +92,7 @@ def test_failed_write_keeps_old_artifact(tmp_path, sentiment_dir, tiny_models, m
     ({"format_version": 99}, "format_version 99 is not supported"),
     ({"task": None}, "key 'task' should be dict"),
     ({"pooling": "max"}, "unknown pooling 'max': expected one of cls, mean"),
+    ({"head": {"activation": "swish"}}, "head {'activation': 'swish'}: expected"),
 ])
 def test_malformed_artifact(tmp_path, sentiment_dir, tiny_models, broken, message):
     out = tmp_path / "task"
@@ -485,7 +486,7 @@ def test_default_pooling_is_what_the_model_folder_declares(tmp_path, tiny_models
     ids, mask = torch.tensor([[2, 7, 9, 3, 0]]), torch.tensor([[1, 1, 1, 1, 0]])
     with torch.no_grad():
         pooled = task_model.body(ids, mask)
-        torch.testing.assert_close(task_model(ids, mask), task_model.head(pooled[:, ("cls", "mean").index(expected)]))
+        torch.testing.assert_close(task_model.logits(ids, mask), task_model.head(pooled[:, ("cls", "mean").index(expected)]))
 
 
 def test_artifact_without_pooling_reads_the_first_token(tmp_path, sentiment_dir, tiny_models):

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 
-from training.artifact import save_task
+from training.artifact import backbone_identity, save_task
 from training.backbone import Backbone, BackboneError, load_backbone
 from training.data import load_task_data
 from training.data.task import TaskData
 from training.methods.base import make_config, method_spec
 from training.model import build_task_model, trainable_parameter_count
+from training.peft_model import AotModel
 from training.trainer import TrainConfig, encode, predict_logits, resolve_device, score, seed_everything, train
 
 
@@ -37,7 +38,7 @@ def train_task(model: str, data: str, method: str, out: str, rank: int | None = 
     backbone = backbone or load_backbone(model)
     check_max_length(backbone, max_length)
     seed_everything(seed)  # the method's random init must depend on the seed alone, not on what ran before
-    task_model = build_task_model(backbone, config, task_data.spec, pooling)
+    task_model = build_task_model(backbone, config, task_data.spec, pooling, max_length)
     result = train(task_model, task_data, backbone.tokenizer, train_config, progress=progress)
     spec = task_data.spec
     metrics = {"task": spec.name, "method": method, "pooling": task_model.pooling, "metric": spec.metric,
@@ -50,8 +51,11 @@ def train_task(model: str, data: str, method: str, out: str, rank: int | None = 
         pad = backbone.tokenizer.pad_token_id or 0
         metrics["test"] = score(predict_logits(task_model, encoded, pad, resolve_device(device)), encoded, spec)
     task_model.to("cpu")
-    save_task(out, task_model, backbone, config, spec, max_length,
-              {**train_config.to_json(), "data": task_data.source or data, "started": time.time()}, metrics)
+    training = {**train_config.to_json(), "data": task_data.source or data, "started": time.time()}
+    if isinstance(task_model, AotModel):  # built by get_aot_model's constructor: saved as get_aot_model's are
+        task_model.save_pretrained(out, metrics, training)
+    else:
+        save_task(out, task_model, backbone_identity(backbone), config, spec, max_length, training, metrics)
     return {k: v for k, v in metrics.items() if k != "history"} | {"out": str(out)}
 
 

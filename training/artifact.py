@@ -1,8 +1,8 @@
 """The task artifact: what `aot train` writes and every later step reads.
 
-Format `aot-task`, version 1 (documented in docs/formats.md):
+Format `aot-task`, version 2 (documented in docs/formats.md; version 1, without `head`, is still read):
 
-    DIR/config.json         method, hyperparameters, task (labels, metric), max length, pooling, backbone identity
+    DIR/config.json         method, hyperparameters, task (labels, metric), max length, pooling, head, backbone identity
     DIR/weights.safetensors trainable parameters only (method factors + head), names as in TaskModel
     DIR/metrics.json        dev (and test) scores, train time, evaluation history
 
@@ -25,10 +25,11 @@ from serving.protocol import POOLING_BEFORE_V3, pooling_row
 from training.backbone import Backbone, BackboneError, load_backbone
 from training.data.task import TaskSpec
 from training.methods.base import MethodConfig, method_spec
-from training.model import TaskModel, build_task_model
+from training.model import HEAD_ACTIVATIONS, TaskModel, build_task_model
 
 FORMAT = "aot-task"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)  # v1 has no `head` record: its heads are tanh, d x d (what v2 defaults to)
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "weights.safetensors"
 METRICS_FILE = "metrics.json"
@@ -73,6 +74,11 @@ class TaskArtifact:
         return self.config.get("pooling", POOLING_BEFORE_V3)
 
     @property
+    def head(self) -> dict:
+        """{"activation": "tanh" | "gelu", "inner_size": int or absent (d)}; v1 artifacts: tanh."""
+        return self.config.get("head", {"activation": "tanh"})
+
+    @property
     def backbone(self) -> dict:
         return self.config["backbone"]
 
@@ -96,11 +102,14 @@ def backbone_identity(backbone: Backbone) -> dict:
             "hidden_size": backbone.hidden_size, "vocab_size": int(backbone.embeddings.shape[0])}
 
 
-def save_task(out: str | Path, model: TaskModel, backbone: Backbone, method: MethodConfig, spec: TaskSpec,
+def save_task(out: str | Path, model: TaskModel, backbone: dict, method: MethodConfig, spec: TaskSpec,
               max_length: int, training: dict, metrics: dict) -> Path:
+    """`backbone`: its identity (backbone_identity)."""
+    head = model.head
     config = {"format": FORMAT, "format_version": FORMAT_VERSION, "method": method.to_json(),
               "task": spec.to_json(), "max_length": max_length, "pooling": model.pooling,
-              "backbone": backbone_identity(backbone), "training": training}
+              "head": {"activation": head.activation, "inner_size": head.dense.out_features},
+              "backbone": backbone, "training": training}
     out = Path(out)
     with atomic_directory(out) as tmp:
         save_file({k: v.contiguous() for k, v in model.trainable_state().items()}, tmp / WEIGHTS_FILE)
@@ -132,14 +141,19 @@ def read_task(path: str | Path) -> TaskArtifact:
     _check_keys(config, _REQUIRED, str(config_path))
     if config["format"] != FORMAT:
         raise ArtifactError(f"{config_path}: format {config['format']!r} is not {FORMAT!r}")
-    if config["format_version"] != FORMAT_VERSION:
+    if config["format_version"] not in READ_VERSIONS:
         raise ArtifactError(f"{config_path}: format_version {config['format_version']} is not supported "
-                            f"(this version reads {FORMAT_VERSION})")
+                            f"(this version reads {', '.join(map(str, READ_VERSIONS))})")
     _check_keys(config["backbone"], _BACKBONE_REQUIRED, f"{config_path} [backbone]")
     try:
         pooling_row(config.get("pooling", POOLING_BEFORE_V3))
     except ValueError as exc:
         raise ArtifactError(f"{config_path}: {exc}") from None
+    head = config.get("head", {"activation": "tanh"})
+    if (not isinstance(head, dict) or head.get("activation") not in HEAD_ACTIVATIONS
+            or not isinstance(head.get("inner_size", 1), int)):
+        raise ArtifactError(f"{config_path}: head {head!r}: expected {{\"activation\": one of "
+                            f"{', '.join(HEAD_ACTIVATIONS)}, \"inner_size\": int}}")
     method_spec(config["method"].get("method", "?"))
     if not (path / WEIGHTS_FILE).is_file():
         raise ArtifactError(f"{path}: missing {WEIGHTS_FILE}")
@@ -169,14 +183,17 @@ def load_recorded_backbone(artifact: TaskArtifact) -> Backbone:
                             f"download it)") from exc
 
 
-def load_task(path: str | Path, backbone: Backbone | None = None) -> tuple[TaskArtifact, TaskModel, Backbone]:
-    """Rebuild a trained task model in eval mode on its backbone (loaded from the artifact's record if not given)."""
+def load_task(path: str | Path, backbone: Backbone | None = None,
+              copy_encoder: bool = True) -> tuple[TaskArtifact, TaskModel, Backbone]:
+    """Rebuild a trained task model in eval mode on its backbone (loaded from the artifact's record if not given).
+    `copy_encoder` False: an AoT task hooks into the backbone's encoder itself (training.multitask)."""
     artifact = read_task(path)
     weights = artifact.weights()  # a damaged file is reported before the backbone is loaded
     if backbone is None:
         backbone = load_recorded_backbone(artifact)
     check_fingerprint(artifact, backbone.fingerprint, backbone.name)
-    model = build_task_model(backbone, artifact.method_config, artifact.spec, artifact.pooling)
+    model = build_task_model(backbone, artifact.method_config, artifact.spec, artifact.pooling, artifact.max_length,
+                             artifact.head, copy_encoder)
     try:
         model.load_trainable_state(weights)
     except ValueError as exc:

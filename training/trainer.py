@@ -173,7 +173,7 @@ def predict_logits(model: TaskModel, encoded: Encoded, pad_id: int, device: torc
     for start in range(0, len(order), batch_size):
         rows = order[start:start + batch_size]
         with _autocast(device):
-            logits = model(**collate(encoded, rows, pad_id, device))
+            logits = model.logits(**collate(encoded, rows, pad_id, device))
         out[rows] = logits.float().cpu()
     return out
 
@@ -221,7 +221,7 @@ def train(model: TaskModel, data: TaskData, tokenizer, config: TrainConfig, prog
                 rows = order[b * config.batch_size:(b + 1) * config.batch_size]
                 batch = collate(train_enc, rows, pad_id, device)
                 with _autocast(device):
-                    logits = model(**batch)
+                    logits = model.logits(**batch)
                 loss = loss_fn(logits, train_enc.labels[rows].to(device), spec)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()

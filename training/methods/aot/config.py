@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
-from training.methods.base import MethodConfig, MethodError
+from training.methods.base import MethodConfig, MethodError, make_config
 
 ACTIVATIONS = ("tanh", "gelu", "relu", "identity")
 
@@ -61,3 +61,66 @@ class KronConfig(MethodConfig):
         if self.a * self.b < vocab_size:
             raise MethodError(f"kron: a * b = {self.a} * {self.b} = {self.a * self.b} < vocabulary size {vocab_size}")
         return self
+
+
+def _help(text: str, default=None):
+    """A config field that carries its help text, as PEFT's config fields do (`dataclasses.fields(AotConfig)`)."""
+    return field(default=default, metadata={"help": text})
+
+
+@dataclass
+class AotConfig:
+    """What `aot.get_aot_model` needs: the method and its hyperparameters, and what the saved task records for
+    serving. None everywhere means "the method's default" or "what the model says"; `aot train` builds one too."""
+
+    method: str = _help("AoT reparametrization of P: 'fc' (an MLP over the embeddings) or 'kron' (Kronecker "
+                        "factors)", "fc")
+    rank: int | None = _help("fc: MLP width r; kron: factor rank r (None: the method's default, fc 64, kron 10)")
+    activation: str | None = _help("fc only: the MLP's activation, tanh, gelu, relu or identity (None: tanh)")
+    dropout: float | None = _help("dropout on the embedding rows (fc) or the looked-up rows (kron) while "
+                                  "training (None: 0.1)")
+    a: int | None = _help("kron only: rows of the left factor, a * b >= vocabulary size (None: near-square)")
+    b: int | None = _help("kron only: rows of the middle factor (None: near-square)")
+    pooling: str | None = _help("what a new head reads: 'cls' (first token) or 'mean' (None: 'cls', or what a "
+                                "sentence-transformers folder declares). A sequence-classification model's own "
+                                "head reads the first token, so only 'cls' applies to it")
+    num_labels: int | None = _help("outputs of a new head on an AutoModel; 1 is regression (None: "
+                                   "model.config.num_labels). A sequence-classification model keeps its own")
+    labels: list[str] | None = _help("label names in output order (None: model.config.id2label); what serving "
+                                     "answers with")
+    metric: str | None = _help("the task's metric, recorded for reports: accuracy, f1, acc_f1, mcc or "
+                               "pearson_spearman (None: accuracy, or pearson_spearman for regression)")
+    task_name: str = _help("the task's name in the saved artifact", "task")
+    max_length: int | None = _help("tokens per input at serving time (longer inputs are truncated): use the "
+                                   "length you train with (None: 128, or the encoder's limit if lower)")
+    base_model_name_or_path: str | None = _help("the frozen encoder's folder, 'minilm' or hub id, recorded so "
+                                                "that the task loads and exports on it (None: model.name_or_path)")
+
+    def method_config(self, vocab_size: int | None = None) -> MethodConfig:
+        """The method's own config (FCConfig, KronConfig), checked; MethodError names a bad value."""
+        if self.method not in METHOD_OPTIONS:
+            raise MethodError(f"AotConfig: unknown method {self.method!r}: expected one of "
+                              f"{', '.join(METHOD_OPTIONS)}")
+        options = {}
+        for name in ("activation", "dropout", "a", "b"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if name not in METHOD_OPTIONS[self.method]:
+                raise MethodError(f"AotConfig: {name}={value!r} applies to "
+                                  f"{' and '.join(m for m, o in METHOD_OPTIONS.items() if name in o)} only, "
+                                  f"not method {self.method!r}")
+            options[name] = value
+        config = make_config(self.method, rank=self.rank, **options)
+        if isinstance(config, KronConfig) and vocab_size is not None:
+            config.resolve(vocab_size)
+        return config
+
+    @classmethod
+    def from_method(cls, config: MethodConfig, **task) -> "AotConfig":
+        """The AotConfig of a method config (`aot train`, a saved artifact) and the task fields in `task`."""
+        data = config.to_json()
+        return cls(**{k: v for k, v in data.items() if k in {f.name for f in fields(cls)}}, **task)
+
+
+METHOD_OPTIONS = {"fc": ("activation", "dropout"), "kron": ("a", "b", "dropout")}
