@@ -168,7 +168,7 @@ def test_regression_answers_a_score_everywhere(tasks, server, capsys):
 
     assert main(["predict", "--task", str(tasks["score"]), "good w1", "w2 awful"]) == 0
     predicted = _json_lines(capsys.readouterr().out)
-    assert [list(a) for a in predicted] == [["score"], ["score"]]
+    assert [list(a) for a in predicted] == [["task", "score"], ["task", "score"]]  # predict names the task
     assert predicted[0]["score"] > predicted[1]["score"]
     assert main(["infer", "--url", server.grpc_url, "--task", "score", "good w1", "w2 awful"]) == 0
     inferred = _json_lines(capsys.readouterr().out)
@@ -186,6 +186,7 @@ def test_classification_answers_probabilities(tasks, server, capsys):
     [predicted] = _json_lines(capsys.readouterr().out)
     with Client(server.grpc_url) as client:
         served = client.infer("sentiment", "good w1")
+    assert predicted.pop("task") == tasks["sentiment"].name  # predict names the task (many may be given)
     for answer in (predicted, served):
         assert list(answer) == ["label", "logits", "probabilities"] and answer["label"] == "positive"
         assert abs(sum(answer["probabilities"]) - 1) < 1e-6 and answer["probabilities"][1] > 0.5

@@ -50,3 +50,97 @@ def answer(name: str, spec: TaskSpec, logits: torch.Tensor) -> dict:
     values = logits[: spec.num_outputs].float().tolist()  # MultiTaskModel pads narrower tasks' rows
     return {"task": name, **labels.answer(labels.label_for(spec.labels, values), values)}
 
+
+# --- aot predict ------------------------------------------------------------------------------------------------------
+
+def task_folders(items: list[str]) -> dict[str, Path]:
+    """`--task` values, `DIR` or `NAME=DIR`, as name -> folder (a bare folder is named after itself)."""
+    tasks: dict[str, Path] = {}
+    for item in items:
+        name, sep, folder = item.partition("=")
+        if not sep or os.path.isdir(item):
+            name, folder = Path(item).resolve().name, item
+        if not name or name in tasks:
+            raise ValueError(f"--task {item!r}: the name {name!r} is empty or given twice: name tasks NAME=DIR")
+        tasks[name] = Path(folder)
+    return tasks
+
+
+Line = tuple[int, dict]  # (line number, {"text", "text_pair", "task"[, "id"]})
+
+
+def read_input_lines(path: str, tasks: dict[str, Path]) -> tuple[list[Line], list[tuple[int, str]]]:
+    """The good lines of a JSONL file (`-`: standard input) and, for each bad one, (line number, why). Blank lines
+    are skipped. A file that cannot be opened is one OSError; a line that is not UTF-8, not a JSON object, lacks a
+    string "text" or names no loaded task fails alone."""
+    if path == "-":
+        return _read_lines(sys.stdin.buffer, tasks)
+    with open(path, "rb") as stream:
+        return _read_lines(stream, tasks)
+
+
+def _read_lines(stream: BinaryIO, tasks: dict[str, Path]) -> tuple[list[Line], list[tuple[int, str]]]:
+    default = next(iter(tasks)) if len(tasks) == 1 else None
+    good: list[Line] = []
+    bad: list[tuple[int, str]] = []
+    for number, raw in enumerate(stream, 1):
+        try:
+            item = _parse_line(raw, tasks, default)
+        except ValueError as exc:
+            bad.append((number, str(exc)))
+            continue
+        if item is not None:
+            good.append((number, item))
+    return good, bad
+
+
+def _parse_line(raw: bytes, tasks: dict[str, Path], default: str | None) -> dict | None:
+    """The line as {"text", "text_pair", "task"[, "id"]}; None for a blank line."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8 text") from None
+    if not text.strip():
+        return None
+    try:
+        item = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"invalid JSON ({exc.msg})") from None
+    if not isinstance(item, dict):
+        raise ValueError(f"expected a JSON object, got {type(item).__name__}")
+    if not isinstance(item.get("text"), str):
+        raise ValueError('expected "text", a string')
+    pair = item.get("text_pair")
+    if pair is not None and not isinstance(pair, str):
+        raise ValueError('"text_pair" must be a string')
+    task = item.get("task", default)
+    if task is None:
+        raise ValueError(f'no "task": with several --task, each line names one of {", ".join(tasks)}')
+    if task not in tasks:
+        raise ValueError(f"unknown task {str(task)[:100]!r}: expected one of {', '.join(tasks)}")
+    return {"text": item["text"], "text_pair": pair, "task": task} | ({"id": item["id"]} if "id" in item else {})
+
+
+def predict_lines(tasks: dict[str, Path], lines: list[Line], model: str | None,
+                  batch_size: int = 32) -> dict[int, dict]:
+    """Answers by line number (with each line's "id" first when it has one). AoT tasks run together in a
+    MultiTaskModel; a task of another method (it changes the encoder) runs alone, in a Predictor."""
+    methods = {name: read_task(folder).method_config.method for name, folder in tasks.items()}
+    shared = {name: method_spec(method).shared_backbone for name, method in methods.items()}
+    if not lines:
+        return {}
+    texts, pairs, names = ([item[k] for _, item in lines] for k in ("text", "text_pair", "task"))
+    if all(shared.values()):
+        from training.multitask import MultiTaskModel
+
+        rows = MultiTaskModel.from_pretrained(tasks, model).predict(texts, names, pairs, batch_size)
+    elif len(tasks) == 1:
+        name = next(iter(tasks))
+        predictor = Predictor.load(tasks[name], load_backbone(model) if model else None)
+        rows = [predictor.predict([t], [p], name)[0] for t, p in zip(texts, pairs)]
+    else:
+        other = next(n for n, ok in shared.items() if not ok)
+        raise ValueError(f"task {other!r} was trained with method {methods[other]!r}, which changes the encoder: "
+                         f"several tasks run together only if all are AoT (fc, kron); give it alone")
+    return {n: ({"id": item["id"]} if "id" in item else {}) | row for (n, item), row in zip(lines, rows)}
+
