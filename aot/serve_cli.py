@@ -159,14 +159,17 @@ def run_tasks(args) -> int:
 
 def add_infer(sub) -> None:
     p = sub.add_parser("infer", help="call a served task over gRPC; one JSON line per input",
-                       description='Prints {"label", "logits", "probabilities"} (a regression task: {"score"}) per '
-                                   "TEXT, like `aot predict`; or, with --input, answers JSON lines "
+                       description='Prints {"label", "logits", "probabilities", "version"} (a regression task: '
+                                   '{"score", "version"}) per TEXT, like `aot predict` plus the task version that '
+                                   "answered; or, with --input, answers JSON lines "
                                    '{"task", "text", "text_pair"?, "id"?} concurrently, in input order, each answer '
                                    "echoing the line's task and id. Lines whose request fails are answered "
                                    '{"error": ...} and counted on stderr; the exit code is 2 when every line failed, '
                                    "or any with --strict, else 0.")
     add_connection_arguments(p)
-    p.add_argument("--task", default=None, help="task id: for TEXT arguments, and for --input lines without one")
+    p.add_argument("--task", default=None,
+                   help="task id (its latest version), or TASK@VERSION to pin a version the store still holds: for "
+                        "TEXT arguments, and for --input lines without one")
     p.add_argument("--pair", default=None, help="second text for every TEXT")
     p.add_argument("--input", default=None, metavar="FILE",
                    help="JSONL requests (mixed tasks allowed), or - for standard input")
