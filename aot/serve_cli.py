@@ -45,6 +45,11 @@ def add_serve(sub) -> None:
     p.add_argument("--device", default="cpu",
                    help="cpu, or cuda (cuda:N): the torch engine on a GPU, fp16 with CUDA graphs (a repository "
                         "exported with --format torch; the local tritonserver has no native GPU backends)")
+    p.add_argument("--replicas", type=positive_int, default=1,
+                   help="tritonservers on this repository behind HAProxy (a local fleet, docs/deploy-fleet.md): "
+                        "HAProxy takes --grpc-port and --http-port, checks each replica's /ready and retries a "
+                        "request a dead replica did not answer on another; replica i serves metrics on "
+                        "--metrics-port + 2*i and /ready on --health-port + 2*i. 1: one server, no load balancer")
     p.add_argument("--pool-bytes", type=non_negative_int, default=None,
                    help="memory of the task pool (rows of P kept in RAM; 0: none) instead of the repository's "
                         "serving option (printed at start-up)")
@@ -65,31 +70,45 @@ def run_serve(args) -> int:
     for error in errors.values():
         print(f"aot: warning: {error} (its requests will fail; the other tasks serve)", file=sys.stderr)
     pool_bytes = repo.options.pool_bytes if args.pool_bytes is None else args.pool_bytes
-    server = LocalServer(repo.path, args.host, args.http_port, args.grpc_port, args.metrics_port,
-                         health_port=args.health_port, log_path=args.log, pool_bytes=pool_bytes, device=args.device,
-                         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
+    if args.replicas > 1:
+        if args.tls_cert or args.log:
+            raise ValueError(f"--replicas {args.replicas}: {'--tls-cert' if args.tls_cert else '--log'} is for one "
+                             "server (each replica keeps its own log; terminate TLS in front of the fleet)")
+        from aot.fleet import Fleet
+
+        server = Fleet(repo.path, args.replicas, args.host, args.http_port, args.grpc_port, args.metrics_port,
+                       args.health_port, server_options={"pool_bytes": pool_bytes, "device": args.device})
+    else:
+        server = LocalServer(repo.path, args.host, args.http_port, args.grpc_port, args.metrics_port,
+                             health_port=args.health_port, log_path=args.log, pool_bytes=pool_bytes,
+                             device=args.device, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     server.start()
     try:
         tasks = sorted(set(registry.served()) - set(errors))
+        replicas = getattr(server, "servers", [server])
+        endpoints = [{"metrics": f"{r.host}:{r.metrics_port}", "health": r.health_url, "log": str(r.log_path),
+                      "ready_seconds": round(r.ready_seconds, 2)} for r in replicas]
         print(json.dumps({"grpc": server.grpc_url, "http": server.http_url, "device": args.device,
-                          "metrics": f"{args.host}:{server.metrics_port}", "health": server.health_url,
-                          "tls": server.tls_cert is not None, "admin_key_file": str(server.admin_key_path),
-                          "ready_seconds": round(server.ready_seconds, 2),
+                          **(endpoints[0] if args.replicas == 1 else {"replicas": endpoints,
+                                                                      "balancer_log": str(server.log_path)}),
+                          "tls": args.tls_cert is not None, "admin_key_file": str(server.admin_key_path),
                           "tasks": tasks, "pool_bytes": pool_bytes,
-                          "memory_pools": None if args.device == "cpu" else memory_pool_bytes(repo),
-                          "log": str(server.log_path)}), flush=True)
+                          "memory_pools": None if args.device == "cpu" else memory_pool_bytes(repo)}), flush=True)
         row_bytes = repo.num_layers * repo.hidden_size * 2
-        print(f"serving {repo.path} on {args.device}, grpc {server.grpc_url}; task pool {pool_bytes / 2**20:.0f} MiB "
+        print(f"serving {repo.path} on {args.device}"
+              + (f" with {args.replicas} replicas behind HAProxy" if args.replicas > 1 else "")
+              + f", grpc {server.grpc_url}; task pool {pool_bytes / 2**20:.0f} MiB "
               f"({pool_bytes // (row_bytes * repo.vocab_size)} tasks fully resident) (Ctrl-C stops)",
               file=sys.stderr, flush=True)
         print(f'aot: next: aot infer --url {server.grpc_url} --task {tasks[0] if tasks else "NAME"} "some text"',
               file=sys.stderr, flush=True)
         while not stop.wait(0.5):
             if server.failed:
-                print(f"aot: error: {server.failed} (log: {server.log_path})", file=sys.stderr)
+                print(f"aot: error: {server.failed}" + ("" if args.replicas > 1 else f" (log: {server.log_path})"),
+                      file=sys.stderr)
                 return 1
     finally:
         server.stop()
