@@ -68,6 +68,7 @@ defaults
     mode http
     log global
     option httplog
+    option dontlog-normal  # the log keeps failed, retried and redispatched requests, not every answer
     timeout connect 2s
     timeout client 10m
     timeout server 10m
