@@ -72,7 +72,9 @@ defaults
     timeout connect 2s
     timeout client 10m
     timeout server 10m
-    timeout check 2s
+    # a slow /ready is a busy replica, not a broken one (a dead one is refused at once): taking it out would pile
+    # its load onto the others
+    timeout check 5s
     # inference is idempotent: a request a replica did not answer is sent again, to another replica
     retries {RETRIES}
     option redispatch 1

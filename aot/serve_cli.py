@@ -71,9 +71,11 @@ def run_serve(args) -> int:
         print(f"aot: warning: {error} (its requests will fail; the other tasks serve)", file=sys.stderr)
     pool_bytes = repo.options.pool_bytes if args.pool_bytes is None else args.pool_bytes
     if args.replicas > 1:
-        if args.tls_cert or args.log:
-            raise ValueError(f"--replicas {args.replicas}: {'--tls-cert' if args.tls_cert else '--log'} is for one "
-                             "server (each replica keeps its own log; terminate TLS in front of the fleet)")
+        single = [flag for flag, value in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
+                                           ("--tls-ca", args.tls_ca), ("--log", args.log)) if value]
+        if single:
+            raise ValueError(f"--replicas {args.replicas}: {single[0]} is for one server (each replica keeps its own "
+                             "log; terminate TLS in front of the fleet)")
         from aot.fleet import Fleet
 
         server = Fleet(repo.path, args.replicas, args.host, args.http_port, args.grpc_port, args.metrics_port,

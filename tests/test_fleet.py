@@ -103,6 +103,7 @@ class Load:
 
 def test_fleet_answers_as_predict_and_balances(fleet, expected):
     """Through HAProxy: every answer equals aot predict's and names its version; both replicas serve."""
+    fleet.wait_all_up(timeout=30)
     before = [_ensemble_requests(s) for s in fleet.servers]
     items = [{"task": name, "text": text} for name in ("alpha", "beta") for text in TEXTS] * 4
     with Client(fleet.grpc_url) as client:
@@ -111,7 +112,10 @@ def test_fleet_answers_as_predict_and_balances(fleet, expected):
     for item, answer in zip(items, answers):
         np.testing.assert_allclose(answer["logits"], expected[item["task"]][TEXTS.index(item["text"])], atol=ATOL)
         assert answer["version"] == versions[item["task"]]
-    served = [_ensemble_requests(s) - b for s, b in zip(fleet.servers, before)]
+    deadline = time.monotonic() + 10  # Triton counts a request just after its answer is sent
+    while sum(served := [_ensemble_requests(s) - b for s, b in zip(fleet.servers, before)]) < len(items):
+        assert time.monotonic() < deadline, served
+        time.sleep(0.1)
     assert sum(served) == len(items) and min(served) > 0, served
     with urllib.request.urlopen(f"http://{fleet.http_url}/v2/health/ready", timeout=5) as r:  # HTTP through it too
         assert r.status == 200
