@@ -2,7 +2,8 @@
 
     from aot import Client
     with Client() as client:   # $AOT_URL, else 127.0.0.1:8001
-        client.infer("sentiment", "A fine film.")   # {"label": "positive", "logits": [...], "probabilities": [...]}
+        client.infer("sentiment", "A fine film.")   # {"label", "logits", "probabilities", "version": "sentiment@<id>"}
+        client.infer("sentiment@3f2a9c41d0e7", "A fine film.")   # exactly that version, while the store holds it
         client.infer_many([{"task": "sentiment", "text": "...", "text_pair": None}, ...])   # concurrent, in order
 
 One request per text, sent concurrently (Triton batches them, across tasks, on the server).
@@ -39,6 +40,10 @@ class InferenceError(RuntimeError):
 def _message(exc) -> str:
     text = exc.message() if hasattr(exc, "message") and callable(exc.message) else str(exc)
     return " ".join(str(text).split())
+
+
+def _text(value) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
 class Client:
@@ -81,13 +86,13 @@ class Client:
         return tensors
 
     def _outputs(self):
-        return [self._grpc.InferRequestedOutput(io.LOGITS), self._grpc.InferRequestedOutput(io.LABEL)]
+        return [self._grpc.InferRequestedOutput(n) for n in (io.LOGITS, io.LABEL, io.TASK_VERSION)]
 
     @staticmethod
     def _decode(result) -> dict:
         logits = result.as_numpy(io.LOGITS).reshape(-1)
-        label = result.as_numpy(io.LABEL).reshape(-1)[0]
-        return answer(label.decode("utf-8") if isinstance(label, bytes) else str(label), logits)
+        label, version = (_text(result.as_numpy(n).reshape(-1)[0]) for n in (io.LABEL, io.TASK_VERSION))
+        return answer(label, logits, version)
 
     def check_ready(self) -> None:
         from tritonclient.utils import InferenceServerException

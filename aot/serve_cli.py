@@ -45,6 +45,11 @@ def add_serve(sub) -> None:
     p.add_argument("--device", default="cpu",
                    help="cpu, or cuda (cuda:N): the torch engine on a GPU, fp16 with CUDA graphs (a repository "
                         "exported with --format torch; the local tritonserver has no native GPU backends)")
+    p.add_argument("--replicas", type=positive_int, default=1,
+                   help="tritonservers on this repository behind HAProxy (a local fleet, docs/deploy-fleet.md): "
+                        "HAProxy takes --grpc-port and --http-port, checks each replica's /ready and retries a "
+                        "request a dead replica did not answer on another; replica i serves metrics on "
+                        "--metrics-port + 2*i and /ready on --health-port + 2*i. 1: one server, no load balancer")
     p.add_argument("--pool-bytes", type=non_negative_int, default=None,
                    help="memory of the task pool (rows of P kept in RAM; 0: none) instead of the repository's "
                         "serving option (printed at start-up)")
@@ -65,31 +70,47 @@ def run_serve(args) -> int:
     for error in errors.values():
         print(f"aot: warning: {error} (its requests will fail; the other tasks serve)", file=sys.stderr)
     pool_bytes = repo.options.pool_bytes if args.pool_bytes is None else args.pool_bytes
-    server = LocalServer(repo.path, args.host, args.http_port, args.grpc_port, args.metrics_port,
-                         health_port=args.health_port, log_path=args.log, pool_bytes=pool_bytes, device=args.device,
-                         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
+    if args.replicas > 1:
+        single = [flag for flag, value in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
+                                           ("--tls-ca", args.tls_ca), ("--log", args.log)) if value]
+        if single:
+            raise ValueError(f"--replicas {args.replicas}: {single[0]} is for one server (each replica keeps its own "
+                             "log; terminate TLS in front of the fleet)")
+        from aot.fleet import Fleet
+
+        server = Fleet(repo.path, args.replicas, args.host, args.http_port, args.grpc_port, args.metrics_port,
+                       args.health_port, server_options={"pool_bytes": pool_bytes, "device": args.device})
+    else:
+        server = LocalServer(repo.path, args.host, args.http_port, args.grpc_port, args.metrics_port,
+                             health_port=args.health_port, log_path=args.log, pool_bytes=pool_bytes,
+                             device=args.device, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     server.start()
     try:
         tasks = sorted(set(registry.served()) - set(errors))
+        replicas = getattr(server, "servers", [server])
+        endpoints = [{"metrics": f"{r.host}:{r.metrics_port}", "health": r.health_url, "log": str(r.log_path),
+                      "ready_seconds": round(r.ready_seconds, 2)} for r in replicas]
         print(json.dumps({"grpc": server.grpc_url, "http": server.http_url, "device": args.device,
-                          "metrics": f"{args.host}:{server.metrics_port}", "health": server.health_url,
-                          "tls": server.tls_cert is not None, "admin_key_file": str(server.admin_key_path),
-                          "ready_seconds": round(server.ready_seconds, 2),
+                          **(endpoints[0] if args.replicas == 1 else {"replicas": endpoints,
+                                                                      "balancer_log": str(server.log_path)}),
+                          "tls": args.tls_cert is not None, "admin_key_file": str(server.admin_key_path),
                           "tasks": tasks, "pool_bytes": pool_bytes,
-                          "memory_pools": None if args.device == "cpu" else memory_pool_bytes(repo),
-                          "log": str(server.log_path)}), flush=True)
+                          "memory_pools": None if args.device == "cpu" else memory_pool_bytes(repo)}), flush=True)
         row_bytes = repo.num_layers * repo.hidden_size * 2
-        print(f"serving {repo.path} on {args.device}, grpc {server.grpc_url}; task pool {pool_bytes / 2**20:.0f} MiB "
+        print(f"serving {repo.path} on {args.device}"
+              + (f" with {args.replicas} replicas behind HAProxy" if args.replicas > 1 else "")
+              + f", grpc {server.grpc_url}; task pool {pool_bytes / 2**20:.0f} MiB "
               f"({pool_bytes // (row_bytes * repo.vocab_size)} tasks fully resident) (Ctrl-C stops)",
               file=sys.stderr, flush=True)
         print(f'aot: next: aot infer --url {server.grpc_url} --task {tasks[0] if tasks else "NAME"} "some text"',
               file=sys.stderr, flush=True)
         while not stop.wait(0.5):
             if server.failed:
-                print(f"aot: error: {server.failed} (log: {server.log_path})", file=sys.stderr)
+                print(f"aot: error: {server.failed}" + ("" if args.replicas > 1 else f" (log: {server.log_path})"),
+                      file=sys.stderr)
                 return 1
     finally:
         server.stop()
@@ -159,14 +180,17 @@ def run_tasks(args) -> int:
 
 def add_infer(sub) -> None:
     p = sub.add_parser("infer", help="call a served task over gRPC; one JSON line per input",
-                       description='Prints {"label", "logits", "probabilities"} (a regression task: {"score"}) per '
-                                   "TEXT, like `aot predict`; or, with --input, answers JSON lines "
+                       description='Prints {"label", "logits", "probabilities", "version"} (a regression task: '
+                                   '{"score", "version"}) per TEXT, like `aot predict` plus the task version that '
+                                   "answered; or, with --input, answers JSON lines "
                                    '{"task", "text", "text_pair"?, "id"?} concurrently, in input order, each answer '
                                    "echoing the line's task and id. Lines whose request fails are answered "
                                    '{"error": ...} and counted on stderr; the exit code is 2 when every line failed, '
                                    "or any with --strict, else 0.")
     add_connection_arguments(p)
-    p.add_argument("--task", default=None, help="task id: for TEXT arguments, and for --input lines without one")
+    p.add_argument("--task", default=None,
+                   help="task id (its latest version), or TASK@VERSION to pin a version the store still holds: for "
+                        "TEXT arguments, and for --input lines without one")
     p.add_argument("--pair", default=None, help="second text for every TEXT")
     p.add_argument("--input", default=None, metavar="FILE",
                    help="JSONL requests (mixed tasks allowed), or - for standard input")

@@ -150,9 +150,20 @@ def port_is_free(host: str, port: int) -> bool:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct free ports: all held open while they are chosen (one at a time, the kernel may hand the
+    same port out twice)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 @dataclass
@@ -186,10 +197,11 @@ class LocalServer:
 
     def __post_init__(self):
         self.repo = Path(self.repo).resolve()
-        self.http_port = self.http_port or free_port(self.host)
-        self.grpc_port = self.grpc_port or free_port(self.host)
-        self.metrics_port = self.metrics_port or free_port(self.host)
-        self.health_port = self.health_port or free_port(self.host)
+        spare = iter(free_ports(4, self.host))
+        self.http_port = self.http_port or next(spare)
+        self.grpc_port = self.grpc_port or next(spare)
+        self.metrics_port = self.metrics_port or next(spare)
+        self.health_port = self.health_port or next(spare)
         self._check_tls()
         if self.admin_key is not None:
             self.admin_key = check_admin_key(self.admin_key, "admin key")
@@ -392,6 +404,8 @@ class LocalServer:
         """Stop the server and everything it started, and remove its temporary folder (kept when the server failed:
         it holds the log that the failure names); safe to call again, and after the server crashed."""
         self._stopping.set()
+        if self.supervisor is not None:  # first: a server the watcher restarted dies with the watcher's thread
+            self.supervisor.stop()       # (parent-death signal), and its supervisor must not try to repair that
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(timeout=150)
         if self._health is not None:

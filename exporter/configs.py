@@ -154,12 +154,13 @@ def _ensemble(name: str, backbone: str, info: dict, options: ServingOptions, tar
     config.input.append(_tensor(pb.ModelInput, io.TASK, [1]))
     config.output.append(_tensor(pb.ModelOutput, io.LOGITS, [-1]))
     config.output.append(_tensor(pb.ModelOutput, io.LABEL, [1]))
+    config.output.append(_tensor(pb.ModelOutput, io.TASK_VERSION, [1]))  # which version answered (protocol v5)
     tokens = io.token_inputs(info["uses_token_type_ids"])
-    version = f"_{io.TASK_VERSION}"
+    version = io.TASK_VERSION
     steps = config.ensemble_scheduling.step
     tok = steps.add(model_name="tokenizer", model_version=-1)
     tok.input_map.update({io.TEXT: io.TEXT, io.TEXT_PAIR: io.TEXT_PAIR, io.TASK: io.TASK})
-    tok.output_map.update({n: f"_{n}" for n in tokens + [io.TASK_VERSION]})
+    tok.output_map.update({n: f"_{n}" for n in tokens} | {io.TASK_VERSION: version})
     bb_inputs = {n: f"_{n}" for n in tokens}
     if backbone == "backbone" and _in_process_lookup(target, options):
         bb_inputs[io.TASK_VERSION] = version  # the backbone step looks the rows up itself

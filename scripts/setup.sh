@@ -7,12 +7,17 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 VPY=.venv/bin/python
-# docker-compose (Debian's 1.29) validates docker-compose.yml offline in the tests; best effort, needs root + apt.
-if ! command -v docker-compose >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-  apt-get install -y -q docker-compose >/dev/null 2>&1 \
-    || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q docker-compose >/dev/null 2>&1; } \
-    || echo "setup: could not install docker-compose; the compose-file test will fail" >&2
-fi
+# Debian packages, best effort (root + apt): docker-compose (1.29) validates docker-compose.yml offline in the tests;
+# haproxy is the load balancer of `aot serve --replicas N` (aot/fleet.py).
+apt_install() {  # COMMAND PACKAGE WHAT-FAILS
+  if ! command -v "$1" >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    apt-get install -y -q "$2" >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q "$2" >/dev/null 2>&1; } \
+      || echo "setup: could not install $2; $3" >&2
+  fi
+}
+apt_install docker-compose docker-compose "the compose-file test will fail"
+apt_install haproxy haproxy "aot serve --replicas N (N > 1) and the fleet tests will fail"
 stamp=.venv/.aot-setup-$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 if [ -f "$stamp" ]; then
   exit 0

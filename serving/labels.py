@@ -14,13 +14,15 @@ def label_for(labels, logits) -> str:
     return labels[max(range(len(values)), key=values.__getitem__)]
 
 
-def answer(label: str, logits) -> dict:
+def answer(label: str, logits, version: str | None = None) -> dict:
     """What predict, infer and the client return: a classification's label, logits and probabilities (softmax), or
     a regression's score. A regression task has one output and a classification at least two labels, so the
-    logits alone say which (the client sees no label set)."""
+    logits alone say which (the client sees no label set). A served answer ends with the task `version` that
+    produced it (`<name>@<id>`; `aot predict` reads an artifact, not the store, and has none)."""
     values = [float(v) for v in logits]
+    version_key = {} if version is None else {"version": version}
     if len(values) == 1:
-        return {"score": values[0]}
+        return {"score": values[0]} | version_key
     top = max(values)
     exps = [math.exp(v - top) for v in values]
-    return {"label": label, "logits": values, "probabilities": [e / sum(exps) for e in exps]}
+    return {"label": label, "logits": values, "probabilities": [e / sum(exps) for e in exps]} | version_key

@@ -1,10 +1,12 @@
-"""The tensors that flow between the client and the steps of the served ensemble: protocol version 4.
+"""The tensors that flow between the client and the steps of the served ensemble: protocol version 5.
 
 Client -> ensemble `aot`:
     TEXT          BYTES [1]   UTF-8 text (at most the repository's `max_text_bytes`)
     TEXT_PAIR     BYTES [1]   optional second text (pair tasks)
-    TASK          BYTES [1]   task name
+    TASK          BYTES [1]   task name (its latest published version), or `<name>@<id>`: exactly that version
+                              while the store holds it (v5; else 404)
 ensemble -> client:
+    TASK_VERSION  BYTES [1]   the task version `<name>@<id>` that produced the answer (v5)
     LOGITS        FP32  [n]   n = the task's number of labels (1 for regression)
     LABEL         BYTES [1]   the arg-max label name (the score, as text, for regression)
 
@@ -40,7 +42,7 @@ from __future__ import annotations
 
 import numpy as np
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 TEXT, TEXT_PAIR, TASK, TASK_VERSION = "TEXT", "TEXT_PAIR", "TASK", "TASK_VERSION"
 LOGITS, LABEL, TASKS = "LOGITS", "LABEL", "TASKS"

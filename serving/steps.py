@@ -27,7 +27,7 @@ import numpy as np
 from serving import protocol
 from serving.errors import KINDS, RequestError
 from serving.repository import RepositoryInfo, repository_of_model
-from serving.store import check_task_name
+from serving.store import check_task_spec
 from serving.pool import RowPool
 from serving.tasks import TaskRegistry
 
@@ -222,7 +222,7 @@ class Step:
     def task_name(self, request) -> str:
         name = self.text(request, protocol.TASK)
         try:
-            return check_task_name(name)
+            return check_task_spec(name)
         except ValueError as exc:
             raise RequestError(f"unknown task: {exc}") from None
 

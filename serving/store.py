@@ -64,6 +64,13 @@ def check_version(version: str) -> str:
     return version
 
 
+def check_task_spec(spec: str) -> str:
+    """What a client sends as TASK: a task name (its latest published version) or `TASK@VERSION`, a version folder's
+    name as answers report it (that version, while the store still holds it: a caller stays on it during a rollout,
+    or canaries a new one)."""
+    return check_version(spec) if "@" in spec else check_task_name(spec)
+
+
 def task_of(version: str) -> str:
     return version.rsplit("@", 1)[0]
 

@@ -413,8 +413,11 @@ class HealthServer:
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.end_headers()
+                    self.wfile.write(data)
+                except ConnectionError:  # a load balancer's check may hang up once it has read the status line
+                    pass
 
             def log_message(self, *args):  # probes every few seconds would flood the log
                 pass

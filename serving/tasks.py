@@ -381,7 +381,10 @@ class TaskRegistry:
         return {n: t for n, e in self._entries.items() if isinstance(t := self._versions.get(e.folder), ServedTask)}
 
     def resolve(self, name: str) -> ServedTask:
-        """The current version of task `name` (the first step pins it for the request)."""
+        """The current version of task `name`, or exactly the version `name@<id>` names (serving.store
+        check_task_spec) if the manifest still holds it: the first step pins it for the request."""
+        if "@" in name:
+            return self.version(name)
         entry = self._entries.get(name)
         if entry is None:
             if name in self._entry_errors:

@@ -110,3 +110,78 @@ def test_gpu_check_refuses_what_it_cannot_run(tmp_path):
     assert out.returncode == 2 and "the kit is for 2.7" in out.stdout  # from here on, the log has it too
     assert "the kit is for 2.7" in (tmp_path / "out" / "gpu-check.log").read_text()
     assert not (tmp_path / "work" / "client").exists()
+
+
+KUBERNETES = "1.32.0"  # kubectl's version on these machines; the manifests use no API newer than it
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, dict]:
+    """deploy/kubernetes rendered offline by kubectl's Kustomize: kind -> object (the Services by name)."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.fail("kubectl is not installed: it renders deploy/kubernetes (kubectl kustomize)")
+    result = subprocess.run([kubectl, "kustomize", str(ROOT / "deploy" / "kubernetes")], capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+    objects = {}
+    for doc in yaml.safe_load_all(result.stdout):
+        objects[doc["metadata"]["name"] if doc["kind"] == "Service" else doc["kind"]] = doc
+    return objects
+
+
+def test_kubernetes_manifests_validate_against_the_schemas(rendered):
+    import kubernetes_validate
+
+    assert set(rendered) == {"Namespace", "ConfigMap", "aot-triton", "aot-triton-headless", "PersistentVolumeClaim",
+                             "Deployment", "PodDisruptionBudget", "HorizontalPodAutoscaler"}
+    for doc in rendered.values():
+        kubernetes_validate.validate(doc, KUBERNETES, strict=True)  # raises naming the field
+
+
+def test_kubernetes_fleet_serves_the_shared_store_safely(rendered):
+    """The Deployment's promises: the supervisor's truthful probes, non-root on a read-only root, a GPU each, the
+    store read-only on a ReadWriteMany volume, the admin key from a Secret, rolling updates with no replica down,
+    and a new backbone (the repository ConfigMap) a new revision."""
+    deployment = rendered["Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    [triton] = pod["containers"]
+    assert triton["command"] == ["python3", "-m", "serving.supervisor", "tritonserver"]
+    assert triton["image"] == "aot-ptuning-triton:24.10"  # docker/Dockerfile's image, as docker-compose.yml tags it
+    for probe, path in (("startupProbe", "/ready"), ("readinessProbe", "/ready"), ("livenessProbe", "/live")):
+        assert triton[probe]["httpGet"] == {"path": path, "port": "health"}
+    ports = {p["name"]: p["containerPort"] for p in triton["ports"]}
+    assert ports == {"http": 8000, "grpc": 8001, "metrics": 8002, "health": 8003}
+    env = {e["name"]: e.get("value") for e in triton["env"]}
+    assert env["AOT_HEALTH_PORT"] == str(ports["health"]) and env["AOT_ADMIN_KEY_FILE"] == "/run/secrets/aot/admin-key"
+    assert pod["securityContext"]["runAsNonRoot"] is True and triton["securityContext"]["readOnlyRootFilesystem"]
+    assert triton["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert triton["resources"]["limits"]["nvidia.com/gpu"] == 1
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m for m in triton["volumeMounts"]}
+    assert volumes["repository"]["persistentVolumeClaim"]["claimName"] == rendered["PersistentVolumeClaim"]["metadata"]["name"]
+    assert mounts["repository"]["readOnly"] is True and mounts["admin-key"]["readOnly"] is True
+    assert rendered["PersistentVolumeClaim"]["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert volumes["admin-key"]["secret"]["secretName"] == "aot-admin-key"
+    assert volumes["shm"]["emptyDir"]["medium"] == "Memory"
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    configmap = rendered["ConfigMap"]["metadata"]["name"]
+    assert configmap.startswith("aot-repository-") and triton["envFrom"] == [{"configMapRef": {"name": configmap}}]
+    assert "--model-repository=/mnt/aot/$(AOT_REPOSITORY)/models" in triton["args"]
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(ports["metrics"])
+
+
+def test_kubernetes_services_budget_and_autoscaler(rendered):
+    """Inference only behind the Services (metrics name every task), at most one replica disrupted, and the
+    autoscaler on the backbone's queue time per request, not a per-model average."""
+    for name in ("aot-triton", "aot-triton-headless"):
+        assert {p["port"] for p in rendered[name]["spec"]["ports"]} <= {8000, 8001}
+    assert rendered["aot-triton-headless"]["spec"]["clusterIP"] == "None"
+    selector = rendered["Deployment"]["spec"]["selector"]["matchLabels"]
+    assert rendered["PodDisruptionBudget"]["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": selector}}
+    hpa = rendered["HorizontalPodAutoscaler"]["spec"]
+    assert hpa["scaleTargetRef"]["name"] == rendered["Deployment"]["metadata"]["name"]
+    assert hpa["minReplicas"] >= 2  # with one, a disruption or a rollout leaves none
+    [metric] = hpa["metrics"]
+    assert metric["pods"]["metric"]["name"] == "aot_backbone_queue_seconds"

@@ -403,7 +403,9 @@ def test_bad_direct_requests_fail_alone_under_load(server, repo, expected):
         ("tokenizer", {"TEXT": _bytes("good w1", "dull w2"), "TASK": _bytes("alpha", "alpha")}, "TEXT holds 2 values"),
         ("tokenizer", {"TEXT": _bytes("good w1"), "TASK": _bytes("../../../../etc")},
          "invalid task name '../../../../etc'"),
-        ("aot", {"TEXT": _bytes("good w1"), "TASK": _bytes(missing)}, f"invalid task name {missing!r}"),
+        # TASK@VERSION pins only a version the store holds, and never reaches outside the store
+        ("aot", {"TEXT": _bytes("good w1"), "TASK": _bytes(missing)}, f"task version {missing!r} is not in the store"),
+        ("aot", {"TEXT": _bytes("good w1"), "TASK": _bytes(outside)}, f"invalid task version {outside!r}"),
     ]
     stop, failures, checked = threading.Event(), [], [0]
 

@@ -175,7 +175,7 @@ def test_regression_answers_a_score_everywhere(tasks, server, capsys):
     with Client(server.grpc_url) as client:
         answers = [client.infer("score", "good w1"), *client.infer_many([{"task": "score", "text": "w2 awful"}])]
     for p, i, c in zip(predicted, inferred, answers):
-        assert list(i) == list(c) == ["score"] and abs(p["score"] - i["score"]) < 1e-3 and i == c
+        assert list(i) == list(c) == ["score", "version"] and abs(p["score"] - i["score"]) < 1e-3 and i == c
 
 
 @pytest.mark.server
@@ -187,6 +187,7 @@ def test_classification_answers_probabilities(tasks, server, capsys):
     with Client(server.grpc_url) as client:
         served = client.infer("sentiment", "good w1")
     assert predicted.pop("task") == tasks["sentiment"].name  # predict names the task (many may be given)
+    assert served.pop("version").startswith("sentiment@")  # which task version answered; predict reads an artifact
     for answer in (predicted, served):
         assert list(answer) == ["label", "logits", "probabilities"] and answer["label"] == "positive"
         assert abs(sum(answer["probabilities"]) - 1) < 1e-6 and answer["probabilities"][1] > 0.5

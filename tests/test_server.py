@@ -228,6 +228,33 @@ def test_add_swap_and_remove_tasks_while_serving(server, repo, artifacts, expect
     assert failures == [] and served[0] > 0
 
 
+def test_task_at_version_pins_a_version_the_store_holds(server, repo, artifacts, expected):
+    """Every answer names the version that produced it; TASK@VERSION serves exactly that version while the store
+    holds it (current or retired), the bare name the latest; a version the store does not hold is a 404 and a
+    malformed one a 400, each failing alone."""
+    with Client(server.grpc_url) as c:
+        export_task(artifacts["delta"], repo, "eta", progress=False)
+        first = c.infer("eta", TEXTS[0])
+        export_task(artifacts["epsilon"], repo, "eta", "factored", progress=False)
+        latest = c.infer("eta", TEXTS[0])
+        assert first["version"].startswith("eta@") and latest["version"].startswith("eta@")
+        assert first["version"] != latest["version"]
+        np.testing.assert_allclose(latest["logits"], expected["epsilon"][0], atol=1e-3)
+        pinned = c.infer(first["version"], TEXTS[0])
+        assert pinned["version"] == first["version"]
+        np.testing.assert_allclose(pinned["logits"], expected["delta"][0], atol=1e-3)
+        TaskStore(read_repository(repo).store_root).remove("eta")
+        with pytest.raises(InferenceError, match="unknown task 'eta'"):
+            c.infer("eta", TEXTS[0])
+        assert c.infer(latest["version"], TEXTS[0])["version"] == latest["version"]  # retired, still held
+        answers = c.infer_many([{"task": "eta@000000000000", "text": TEXTS[0]}, {"task": "eta@v1", "text": TEXTS[0]},
+                                {"task": "alpha", "text": TEXTS[0]}])
+    assert answers[0]["error"].endswith("task version 'eta@000000000000' is not in the store (removed, or never "
+                                        "exported)")
+    assert "invalid task version 'eta@v1': expected <task name>@<12 hex digits>" in answers[1]["error"]
+    np.testing.assert_allclose(answers[2]["logits"], expected["alpha"][0], atol=1e-3)
+
+
 def test_reexport_under_load_serves_exactly_one_version_per_request(server, repo, artifacts, expected):
     """Re-export a task while 6 clients call it: every answer is the old version's or the new one's, none fails,
     none mixes one version's table with the other's head (the first step pins the version)."""

@@ -156,7 +156,7 @@ def test_protocol_dtypes_have_one_definition():
     assert protocol.triton_type(protocol.INPUT_IDS) == "INT64"
     assert protocol.triton_type(protocol.TASK_VERSION) == "BYTES"
     assert protocol.triton_type(protocol.AOT_BIAS) == "FP16"
-    assert protocol.PROTOCOL_VERSION == 4
+    assert protocol.PROTOCOL_VERSION == 5
     assert protocol.bias_inputs("dense") == [protocol.AOT_BIAS]
     with pytest.raises(ValueError, match="unknown bias interface 'ragged': expected one of rows, dense"):
         protocol.bias_inputs("ragged")

@@ -1,0 +1,251 @@
+"""A local fleet of 2 tritonservers behind the real HAProxy (aot/fleet.py): one fleet for the whole module."""
+
+import os
+import re
+import signal
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+from aot.client import Client, InferenceError
+from aot.fleet import Fleet
+from aot.server import port_is_free
+from exporter.task_export import export_task
+from exporter.task_store import TaskStore
+from serving.repository import read_repository
+from tests.helpers import make_repository, train_tiny_task
+from training.predict import Predictor
+
+pytestmark = [pytest.mark.server, pytest.mark.faults]
+
+TEXTS = ["good w1 w2", "w3 awful w4 w5", "the movie was superb", "dull plot", "w7"]
+ATOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory, tiny_models, sentiment_dir):
+    root = tmp_path_factory.mktemp("artifacts")
+    return {name: train_tiny_task(tiny_models["bert"], sentiment_dir, root / name, method, seed=seed)
+            for name, method, seed in (("alpha", "fc", 0), ("beta", "kron", 1), ("gamma", "fc", 2))}
+
+
+@pytest.fixture(scope="module")
+def expected(artifacts):
+    """aot predict's logits for every artifact and text."""
+    return {name: Predictor.load(path).logits(TEXTS).numpy() for name, path in artifacts.items()}
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory, tiny_models, artifacts):
+    return make_repository(tiny_models["bert"], tmp_path_factory.mktemp("fleet") / "repo",
+                           {"alpha": (artifacts["alpha"], "fused"), "beta": (artifacts["beta"], "factored")},
+                           max_batch_size=16, backbone_queue_delay_us=1000)
+
+
+@pytest.fixture(scope="module")
+def fleet(request, repo):
+    failed_before = request.session.testsfailed
+    with Fleet(repo, replicas=2) as fleet:
+        yield fleet
+        if request.session.testsfailed > failed_before:
+            print(f"\n--- haproxy log ---\n{fleet.log_tail(40)}")
+            for i, server in enumerate(fleet.servers):
+                print(f"\n--- replica {i} log ---\n{server.log_tail(40)}")
+
+
+def _ensemble_requests(server) -> int:
+    """Requests the `aot` ensemble of one replica answered (its Prometheus metrics; 0 after a restart)."""
+    with urllib.request.urlopen(f"http://{server.host}:{server.metrics_port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    match = re.search(r'^nv_inference_request_success\{model="aot",version="1"\} (\d+)', text, re.M)
+    return int(match[1]) if match else 0
+
+
+def _versions(repo) -> dict[str, str]:
+    return {n: e.folder for n, e in TaskStore(read_repository(repo).store_root).entries().items()}
+
+
+def _check(answer: dict, logits: np.ndarray) -> bool:
+    return "logits" in answer and np.abs(np.array(answer["logits"]) - logits).max() <= ATOL
+
+
+class Load:
+    """`threads` clients calling `items` through the fleet until stopped (at most 20,000 answers): `answers` holds
+    (item index, answer), `failures` the messages of failed requests."""
+
+    def __init__(self, url: str, items: list[dict], threads: int = 4):
+        self.url, self.items = url, items
+        self.stop, self.answers, self.failures = threading.Event(), [], []
+        self.threads = [threading.Thread(target=self._run, args=(k,)) for k in range(threads)]
+
+    def _run(self, k: int) -> None:
+        with Client(self.url, timeout=30) as c:
+            while not self.stop.is_set() and len(self.answers) < 20000:
+                i = (k + len(self.answers)) % len(self.items)
+                try:
+                    self.answers.append((i, c.infer(self.items[i]["task"], self.items[i]["text"])))
+                except InferenceError as exc:
+                    self.failures.append(str(exc))
+
+    def __enter__(self) -> "Load":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
+
+
+def test_fleet_answers_as_predict_and_balances(fleet, expected):
+    """Through HAProxy: every answer equals aot predict's and names its version; both replicas serve."""
+    fleet.wait_all_up(timeout=30)
+    before = [_ensemble_requests(s) for s in fleet.servers]
+    items = [{"task": name, "text": text} for name in ("alpha", "beta") for text in TEXTS] * 4
+    with Client(fleet.grpc_url) as client:
+        answers = client.infer_many(items, concurrency=8)
+    versions = _versions(fleet.repo)
+    for item, answer in zip(items, answers):
+        np.testing.assert_allclose(answer["logits"], expected[item["task"]][TEXTS.index(item["text"])], atol=ATOL)
+        assert answer["version"] == versions[item["task"]]
+    deadline = time.monotonic() + 10  # Triton counts a request just after its answer is sent
+    while sum(served := [_ensemble_requests(s) - b for s, b in zip(fleet.servers, before)]) < len(items):
+        assert time.monotonic() < deadline, served
+        time.sleep(0.1)
+    assert sum(served) == len(items) and min(served) > 0, served
+    with urllib.request.urlopen(f"http://{fleet.http_url}/v2/health/ready", timeout=5) as r:  # HTTP through it too
+        assert r.status == 200
+    assert fleet.states() == {"r0": "UP", "r1": "UP"}
+    assert [s.restarts for s in fleet.servers] == [[], []]
+
+
+def test_task_published_after_start_is_served_by_every_replica(fleet, artifacts, expected):
+    """No call to any replica: each serves the new task on its next request (the manifest is polled per batch)."""
+    export_task(artifacts["gamma"], fleet.repo, "late", progress=False)
+    published = time.monotonic()
+    seconds = []
+    for server in fleet.servers:
+        with Client(server.grpc_url) as c:
+            answer = c.infer("late", TEXTS[0])
+        seconds.append(time.monotonic() - published)
+        np.testing.assert_allclose(answer["logits"], expected["gamma"][0], atol=ATOL)
+        assert answer["version"] == _versions(fleet.repo)["late"]
+    with Client(fleet.grpc_url) as c:
+        np.testing.assert_allclose(c.infer("late", TEXTS[1])["logits"], expected["gamma"][1], atol=ATOL)
+    print(f"\npublish -> both replicas serving: {max(seconds) * 1000:.0f} ms (first request of each loads it)")
+
+
+def test_reexport_and_removal_under_load_give_no_wrong_answer(fleet, artifacts, expected):
+    """4 clients through HAProxy on task `swap` while it is re-exported 4 times and then removed: every answer is
+    the aot predict output of the version it names; the only failures are `unknown task` after the removal.
+    TASK@VERSION keeps a caller on the old version on every replica."""
+    sources: dict[str, str] = {}  # version -> artifact
+
+    def publish(source: str) -> str:
+        export_task(artifacts[source], fleet.repo, "swap", "fused" if source == "alpha" else "factored",
+                    progress=False)
+        version = _versions(fleet.repo)["swap"]
+        sources[version] = source
+        return version
+
+    first = publish("alpha")
+    items = [{"task": "swap", "text": t} for t in TEXTS]
+
+    with Load(fleet.grpc_url, items) as load:
+        for source in ("beta", "alpha", "gamma", "alpha"):
+            time.sleep(0.5)
+            publish(source)
+        time.sleep(0.5)
+        removed_after = len(load.answers)
+        TaskStore(read_repository(fleet.repo).store_root).remove("swap")
+        time.sleep(0.5)
+    assert [(i, a) for i, a in load.answers
+            if a["version"] not in sources or not _check(a, expected[sources[a["version"]]][i])] == []
+    assert all("unknown task 'swap'" in f for f in load.failures), set(load.failures)
+    assert len(load.answers) >= removed_after > 0
+    assert len({a["version"] for _, a in load.answers}) >= 3, {a["version"] for _, a in load.answers}
+    for server in fleet.servers:  # retired, still held: pinned callers are served it by every replica
+        with Client(server.grpc_url) as c:
+            answer = c.infer(first, TEXTS[2])
+        assert answer["version"] == first and _check(answer, expected["alpha"][2])
+    print(f"\n{len(load.answers)} answers during 4 re-exports and a removal through the fleet: 0 wrong, "
+          f"{len(load.failures)} 'unknown task' after the removal")
+
+
+def test_kill9_of_a_replica_under_load_fails_no_request(fleet, expected):
+    """kill -9 of replica 1's tritonserver while 4 clients call through HAProxy: no request fails (HAProxy retries
+    what the dead replica did not answer on the other), the replica is restarted, gets no request before its
+    /ready says 200, then serves again, including the task published while it ran (a late replica's view)."""
+    items = [{"task": name, "text": text} for name in ("alpha", "beta") for text in TEXTS]
+
+    victim = fleet.servers[1]
+    with Load(fleet.grpc_url, items) as load:
+        time.sleep(1)
+        old_pid = victim.process.pid
+        killed_at = len(load.answers)
+        os.kill(old_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while not (victim.process.pid != old_pid and _ready(victim)):
+            assert time.monotonic() < deadline, f"replica 1 not ready again: {victim.log_tail()}"
+            time.sleep(0.05)
+        before_up = _ensemble_requests(victim)  # the restarted server, ready, maybe not yet up in HAProxy
+        while fleet.states()["r1"] != "UP" or _ensemble_requests(victim) == 0:
+            assert time.monotonic() < deadline, f"replica 1 gets no traffic again: {fleet.states()}"
+            time.sleep(0.05)
+        restarted_at = len(load.answers)
+        time.sleep(0.5)
+    assert load.failures == []
+    assert [a for i, a in load.answers if not _check(a, expected[items[i]["task"]][i % len(TEXTS)])] == []
+    assert before_up == 0
+    assert len(victim.restarts) == 1 and fleet.servers[0].restarts == []
+    assert restarted_at > killed_at
+    with Client(victim.grpc_url) as c:
+        assert c.infer("late", TEXTS[0])["version"] == _versions(fleet.repo)["late"]
+    print(f"\nkill -9 of a replica under load: {len(load.answers)} answers, 0 failed, 0 wrong; "
+          f"{restarted_at - killed_at} served by the other replica while it restarted")
+
+
+def _ready(server) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{server.health_url}/ready", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def test_serve_command_with_replicas(repo, tmp_path):
+    """`aot serve --replicas 2`: HAProxy on the given ports, replica i's metrics and /ready on the flags' ports +
+    2*i, the answer through it; SIGTERM stops everything (exit 0). A flag for one server alone is refused."""
+    import json
+    import subprocess
+    import sys
+
+    from aot.server import free_ports
+
+    grpc, http, metrics, health = free_ports(4)
+    if not all(port_is_free("127.0.0.1", p) for p in (metrics + 2, health + 2)):
+        pytest.skip("the ports beside the chosen ones are taken")
+    command = [sys.executable, "-m", "aot", "serve", "--repo", str(repo), "--replicas", "2", "--grpc-port",
+               str(grpc), "--http-port", str(http), "--metrics-port", str(metrics), "--health-port", str(health)]
+    refused = subprocess.run(command + ["--log", str(tmp_path / "log")], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--replicas 2: --log is for one server" in refused.stderr, refused.stderr
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        info = json.loads(proc.stdout.readline())
+        assert info["grpc"] == f"127.0.0.1:{grpc}"
+        assert [r["metrics"] for r in info["replicas"]] == [f"127.0.0.1:{metrics}", f"127.0.0.1:{metrics + 2}"]
+        for replica in info["replicas"]:
+            with urllib.request.urlopen(f"http://{replica['health']}/ready", timeout=5) as r:
+                assert json.load(r)["ready"] is True
+        with Client(info["grpc"]) as c:
+            assert c.infer("alpha", TEXTS[0])["version"].startswith("alpha@")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
