@@ -72,7 +72,8 @@ def add_bench(sub) -> None:
                          description="Serves 8 copies of one task on the local tritonserver and measures, at each "
                                      "concurrency, req/s, p50/p99 and the CPU microseconds per request of "
                                      "tritonserver and of each python step (from /proc) for the vanilla ensemble and "
-                                     "AoT with 1 and 8 mixed tasks; beside them the engine alone (the vanilla graph, no server) on "
+                                     "AoT with 1 and 8 mixed tasks, each with text and with token ids tokenized by "
+                                     "the client; beside them the engine alone (the vanilla graph, no server) on "
                                      "the same texts at each batch size, and each process's ceiling on a --cores "
                                      "host. Clients are Python threads in this process; their CPU is reported. "
                                      "Writes tax.json, tax.md and tax.png.")

@@ -7,7 +7,7 @@ In one run, on the same texts (Rotten Tomatoes dev reviews, tokenized to the tas
                 step's own code), no server: sequences/s, p50 per call and CPU microseconds per sequence at each
                 batch size. Its best batch size is the limit the server is measured against.
     served      the vanilla ensemble, the AoT ensemble with 1 task and with 8 tasks mixed request by request (and
-                at each concurrency: req/s, p50/p99, and the
+                each again with token ids tokenized on the client) at each concurrency: req/s, p50/p99, and the
                 CPU microseconds per request of tritonserver and of each python step's stub, read from /proc
                 (the run time of every thread, /proc/<pid>/task/*/schedstat) before and after the pass.
 
@@ -94,13 +94,16 @@ def own_cpu_seconds() -> float:
 
 
 def engine_alone(repo: Path, sequences: list[dict[str, np.ndarray]], batches: tuple[int, ...]) -> list[dict]:
-    """The vanilla graph on the backbone step's code, no server: each batch size over every sequence, in order."""
+    """The vanilla graph on the backbone step's code, no server: each batch size over every sequence, in order;
+    batches split by length as the served step splits them (serving.engine.length_groups), and padded whole to
+    their longest sequence as Triton's native backends pad them."""
     from serving.engine import BackboneRunner
 
     info = read_repository(repo)
     records = []
     onnx, threads = info.models / "backbone_vanilla" / "1" / "model.onnx", info.options.cpu_threads
-    runners = {"padded": BackboneRunner(onnx, threads=threads)}
+    runners = {"by length": BackboneRunner(onnx, threads=threads),
+               "padded": BackboneRunner(onnx, threads=threads, max_padding=None)}
     for (grouping, runner), batch in ((r, b) for b in batches for r in runners.items()):
         if batch == 1 and runner is not next(iter(runners.values())):
             continue  # one sequence: nothing to split
@@ -151,17 +154,20 @@ def run_tax_bench(config: TaxBenchConfig, progress: bool = True) -> dict:
     sequences = _tokenized(repo, texts, max_length)
     records: list[dict] = [{"kind": "load", "loadavg": list(os.getloadavg()), "when": "start"}]
     records += engine_alone(repo, sequences, config.batches)
-    passes = [(m, mix, False) for m, mix in (("vanilla", 1), ("aot", 1), ("aot", config.mixed_tasks))]
+    passes = [(m, mix, ids) for m, mix in (("vanilla", 1), ("aot", 1), ("aot", config.mixed_tasks))
+              for ids in (False, True)]
     bar = tqdm(total=len(config.concurrency) * len(passes), desc="tax bench", disable=not progress)
+    tokenizer = read_repository(repo).tokenizer_dir
     with LocalServer(repo) as server:
         pids = server_processes(server.process.pid)
         for model in ("vanilla", "aot"):  # warm every step and task
-            _closed_loop(server.grpc_url, model, [(n, texts[0]) for n in names], 1)
+            for tok in (None, tokenizer):
+                _closed_loop(server.grpc_url, model, [(n, texts[0]) for n in names], 1, tokenizer=tok)
         for concurrency in config.concurrency:
             for model, mix, ids in passes:
                 items = [(names[i % mix], text) for i, text in enumerate(texts)]
                 load0, before, own0 = os.getloadavg()[0], cpu_seconds(pids), own_cpu_seconds()
-                result = _closed_loop(server.grpc_url, model, items, concurrency)
+                result = _closed_loop(server.grpc_url, model, items, concurrency, tokenizer=tokenizer if ids else None)
                 after, own = cpu_seconds(pids), own_cpu_seconds() - own0
                 done = len(items) - result["errors"]
                 cpu_us = {p: round((after[p] - before[p]) * 1e6 / done, 1) for p in after if p in before}

@@ -4,6 +4,9 @@ Client -> ensemble `aot`:
     TEXT          BYTES [1]   UTF-8 text (at most the repository's `max_text_bytes`)
     TEXT_PAIR     BYTES [1]   optional second text (pair tasks)
     TASK          BYTES [1]   task name
+  or, instead of TEXT (+ TEXT_PAIR), the token ids the client made with the repository's tokenizer (aot.Client(
+  tokenizer=...)), truncated to the task's max_length: the tokenizer step checks them and passes them on
+    input_ids, attention_mask (and token_type_ids where the architecture has them), INT64 [S]
 ensemble -> client:
     LOGITS        FP32  [n]   n = the task's number of labels (1 for regression)
     LABEL         BYTES [1]   the arg-max label name (the score, as text, for regression)
