@@ -198,6 +198,11 @@ def summarize(records: list[dict], cores: int) -> None:
             continue
         engine_us = best["cpu_us_per_sequence"]
         r["tax_us_per_request"] = round(r["server_cpu_us_per_request"] - engine_us, 1)
+        # the two parts of the tax: the backbone step beyond the engine alone (batching, padding, lookup), and every
+        # other process (tritonserver, tokenizer, head: the hops), which the engine's own noise does not blur
+        backbone = sum(us for p, us in r["cpu_us_per_request"].items() if p.startswith("backbone"))
+        r["backbone_over_engine_us"] = round(backbone - engine_us, 1)
+        r["outside_backbone_us"] = round(r["server_cpu_us_per_request"] - backbone, 1)
         r["x_engine"] = round(r["throughput_rps"] / best["throughput_rps"], 3)
         r["p50_over_engine_ms"] = round(r["p50_ms"] - single["p50_ms"], 2)
         base = vanilla.get((r["concurrency"], r["token_ids"]))
@@ -227,9 +232,11 @@ def write_reports(records: list[dict], out: Path, config: TaxBenchConfig) -> Non
     text += "\n## Served (closed loop, clients on the same cores)\n\n"
     text += markdown_table(served, ["ensemble", "concurrency", "throughput_rps", "x_engine", "x_vanilla", "p50_ms",
                                     "p99_ms", "p50_over_engine_ms", "errors", "server_cpu_us_per_request",
-                                    "tax_us_per_request", "client_cpu_us_per_request", "loadavg"],
+                                    "tax_us_per_request", "backbone_over_engine_us", "outside_backbone_us",
+                                    "client_cpu_us_per_request", "loadavg"],
                            ["ensemble", "conc.", "req/s", "x engine (best batch)", "x vanilla", "p50 ms", "p99 ms",
                             "p50 - engine's (ms)", "errors", "server CPU us/req", "tax us/req",
+                            "of which backbone step - engine", "of which outside the backbone step",
                             "load generator CPU us/req", "load average (before, after)"])
     text += "\n## CPU microseconds per request by process\n\n"
     text += markdown_table(served, ["ensemble", "concurrency", *(f"us:{p}" for p in steps)],

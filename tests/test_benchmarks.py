@@ -174,10 +174,10 @@ def test_tax_bench_tiny(tmp_path, tiny_models, sentiment_dir):
     records = json.loads((out / "tax.json").read_text())
     engine = [r for r in records if r["kind"] == "engine"]
     served = [r for r in records if r["kind"] == "served"]
-    assert {r["batch"] for r in engine} == {1, 4}
+    assert sorted((r["batch"], r["grouping"]) for r in engine) == [(1, "by length"), (4, "by length"), (4, "padded")]
     assert all(r["throughput_rps"] > 0 and r["cpu_us_per_sequence"] > 0 for r in engine)
-    assert {(r["model"], r["tasks_in_flight"], r["concurrency"]) for r in served} == {
-        (m, n, c) for m, n in (("vanilla", 1), ("aot", 1), ("aot", 8)) for c in (1, 4)}
+    assert {(r["model"], r["tasks_in_flight"], r["concurrency"], r["token_ids"]) for r in served} == {
+        (m, n, c, ids) for m, n in (("vanilla", 1), ("aot", 1), ("aot", 8)) for c in (1, 4) for ids in (False, True)}
     for r in served:
         assert r["errors"] == 0 and r["throughput_rps"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0
         steps = {"tritonserver", "tokenizer", "head", "backbone" if r["model"] == "aot" else "backbone_vanilla"}
