@@ -24,10 +24,10 @@ MODELS_DIR = "models"
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
 ENGINES = ("onnx", "tensorrt", "torch")
 POOL_BYTES_ENV = "AOT_POOL_BYTES"
-# Tokenizer and head instances on a GPU host: 4 on a 16-core host keep each step's ceiling
-# above 20,000 requests/s at up to 200 us of CPU per request, and leave the other cores to tritonserver and the
-# backbone (docs/benchmarks.md, the serving tax).
-GPU_STEP_INSTANCES = 4
+# Tokenizer and head instances in the GPU configs: each costs 150-300 us of CPU per request (`aot bench tax`,
+# docs/benchmarks.md section 6), so one instance caps a server at 3,000-7,000 requests/s; 6 lift each step's
+# ceiling past 20,000 on a 16-core host, where the server's whole CPU per request bounds the host near that rate.
+GPU_STEP_INSTANCES = 6
 
 
 class RepositoryError(ValueError):
