@@ -49,8 +49,8 @@ class Client:
                  tokenizer: str | os.PathLike | None = None):
         """`url`: see server_url. `tls`: gRPC over TLS, trusting the system's CAs or the PEM file `ca`; `cert` +
         `key`: this client's certificate for a server that asks for one (mutual TLS). `ca` or `cert` imply `tls`.
-        `tokenizer`: the served repository's tokenizer folder (REPO/tokenizer): tokenize here, send token ids
-        (needs the `tokenizers` package)."""
+        `tokenizer`: the served repository's tokenizer folder (REPO/models/tokenizer/1/tokenizer): tokenize here
+        and send token ids (each task's max length is read from tasks() once per task name)."""
         import tritonclient.grpc as grpcclient
 
         self._grpc = grpcclient
