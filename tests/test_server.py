@@ -189,6 +189,8 @@ def _ids(values, name="input_ids"):
     ("id out of range", [_ids([2, 99999, 3]), _ids([1, 1, 1], "attention_mask"), _ids([0, 0, 0], "token_type_ids")],
      "input_ids holds 99999"),
     ("mask missing", [_ids([2, 5, 3]), _ids([0, 0, 0], "token_type_ids")], "missing input attention_mask"),
+    ("a pair to a single-text task", [_ids([2, 5, 3, 6]), _ids([1, 1, 1, 1], "attention_mask"),
+                                      _ids([0, 0, 1, 1], "token_type_ids")], "these token ids hold a second segment"),
 ])
 def test_bad_token_ids_are_refused_alone(server, client, expected, case, inputs, message):
     """Token ids are checked per request like texts (400), in a batch with good requests that are served."""

@@ -39,15 +39,27 @@ class TritonPythonModel:
             if len(tokens[protocol.INPUT_IDS]) > task.max_length:
                 raise RequestError(f"{protocol.INPUT_IDS} has {len(tokens[protocol.INPUT_IDS])} tokens: task "
                                    f"{task.name!r} reads at most {task.max_length}")
+            if protocol.TOKEN_TYPE_IDS in tokens:  # a second segment is the pair (architectures with token types)
+                paired = bool(tokens[protocol.TOKEN_TYPE_IDS].any())
+                if self._pair_mismatch(task, paired):
+                    raise RequestError(f"task {task.name!r} was trained on "
+                                       + ("single texts: these token ids hold a second segment" if paired else
+                                          "text pairs: these token ids hold no second segment (token_type_ids 1)"))
             return task, None, tokens
-        has_pair = task.meta.get("has_pair")  # None: exported before it was recorded
-        if has_pair is False and pair is not None:
-            raise RequestError(f"task {task.name!r} was trained on single texts: send no {protocol.TEXT_PAIR}")
-        if has_pair and pair is None:
-            raise RequestError(f"task {task.name!r} was trained on text pairs: send {protocol.TEXT_PAIR} too")
+        if self._pair_mismatch(task, pair is not None):
+            raise RequestError(f"task {task.name!r} was trained on " + (
+                f"single texts: send no {protocol.TEXT_PAIR}" if pair is not None else
+                f"text pairs: send {protocol.TEXT_PAIR} too"))
         if is_blank(text):
             raise RequestError(f"{protocol.TEXT} is empty (or only whitespace, control or zero-width characters)")
         return task, (text, pair), None
+
+    @staticmethod
+    def _pair_mismatch(task, paired: bool) -> bool:
+        """A pair sent to a task trained on single texts, or none to a pair task, would silently change the answer
+        (`has_pair` None: a version exported before it was recorded accepts both)."""
+        has_pair = task.meta.get("has_pair")
+        return has_pair is not None and has_pair != paired
 
     def _run(self, batch):
         """The texts of the batch in one encode_batch per max length (truncation is the task's); token ids as sent."""
