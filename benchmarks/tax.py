@@ -47,7 +47,6 @@ class TaxBenchConfig:
     batches: tuple[int, ...] = (1, 8, 32)  # the engine alone
     mixed_tasks: int = 8
     cores: int = 16  # the host the ceilings are stated for
-    texts: list[str] | None = None  # default: Rotten Tomatoes dev reviews
 
 
 def server_processes(pid: int) -> dict[str, int]:
@@ -132,13 +131,12 @@ def _tokenized(repo: Path, texts: list[str], max_length: int) -> list[dict[str, 
     return [tokens.encode(t, None, max_length) for t in texts]
 
 
-def ceiling(process: str, us: float, cores: int, instances: int = 1) -> float | None:
-    """Requests/s a process allows on a host of `cores` cores: a python step's `execute` runs on one thread per
-    instance; tritonserver's threads spread over every core."""
+def ceiling(process: str, us: float, cores: int) -> float | None:
+    """Requests/s a process allows on a host of `cores` cores: one instance of a python step runs its `execute` on
+    one thread (n instances: n times this); tritonserver's threads spread over every core."""
     if us <= 0:
         return None
-    threads = cores if process == "tritonserver" else min(instances, cores)
-    return round(threads * 1e6 / us)
+    return round((cores if process == "tritonserver" else 1) * 1e6 / us)
 
 
 def run_tax_bench(config: TaxBenchConfig, progress: bool = True) -> dict:
@@ -152,8 +150,7 @@ def run_tax_bench(config: TaxBenchConfig, progress: bool = True) -> dict:
     repo, masters = _build(ServeBenchConfig(config.task, config.out, config.repo, storages=("fused",)), scratch)
     names = Store(repo, masters).set("fused", max(config.mixed_tasks, 1))
     max_length = read_task(config.task).max_length
-    texts = config.texts or _texts(config.requests)
-    texts = [texts[i % len(texts)] for i in range(config.requests)]
+    texts = _texts(config.requests)
     sequences = _tokenized(repo, texts, max_length)
     records: list[dict] = [{"kind": "load", "loadavg": list(os.getloadavg()), "when": "start"}]
     records += engine_alone(repo, sequences, config.batches)
@@ -172,7 +169,7 @@ def run_tax_bench(config: TaxBenchConfig, progress: bool = True) -> dict:
                 load0, before, own0 = os.getloadavg()[0], cpu_seconds(pids), own_cpu_seconds()
                 result = _closed_loop(server.grpc_url, model, items, concurrency, tokenizer=tokenizer if ids else None)
                 after, own = cpu_seconds(pids), own_cpu_seconds() - own0
-                done = len(items) - result["errors"]
+                done = max(len(items) - result["errors"], 1)
                 cpu_us = {p: round((after[p] - before[p]) * 1e6 / done, 1) for p in after if p in before}
                 records.append({"kind": "served", "model": model, "tasks_in_flight": mix, "token_ids": ids,
                                 "concurrency": concurrency, "requests": len(items), **result,
@@ -185,7 +182,7 @@ def run_tax_bench(config: TaxBenchConfig, progress: bool = True) -> dict:
     summarize(records, config.cores)
     write_reports(records, out, config)
     shutil.rmtree(scratch, ignore_errors=True)
-    return {"out": str(out), "records": len(records), "config": {**asdict(config), "texts": None}}
+    return {"out": str(out), "records": len(records), "config": asdict(config)}
 
 
 def summarize(records: list[dict], cores: int) -> None:
