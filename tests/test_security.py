@@ -434,7 +434,11 @@ def test_made_up_task_versions_add_no_metric_series(scratch):
     time.sleep(1.2)
     with Client(scratch.grpc_url) as c:  # a request after the flush interval makes the head publish
         c.infer("alpha", TEXTS[0])
-    text = _wait(lambda: next((t for t in [page()] if 'step="head"' in t), None), 10, 0.3)
+    # the good request's count is published with the head's next flush (at most once a second, and a liveness
+    # probe may have just flushed): wait for a served version's series, not merely the head's
+    served = _served_versions(scratch)
+    text = _wait(lambda: next((t for t in [page()] if any(f'step="head",task="alpha",version="{v}"' in t
+                                                          for v in served)), None), 10, 0.3)
     versions = set(re.findall(r'^aot_[^{]*\{[^}]*version="([^"]*)"', text, re.M))  # Triton's own say version="1"
     assert versions & _served_versions(scratch), "no aot_ series found: the check below would prove nothing"
     assert versions <= {"", *(_served_versions(scratch))}, sorted(versions)[:5]
