@@ -6,8 +6,8 @@
         client.infer_many([{"task": "sentiment", "text": "...", "text_pair": None}, ...])   # concurrent, in order
 
 One request per text, sent concurrently (Triton batches them, across tasks, on the server). With
-`Client(tokenizer=REPO/tokenizer)` the client tokenizes (truncating to each task's max length, as the server does)
-and sends token ids: the server's tokenizer step then only checks them, which saves its CPU and a little latency.
+`Client(tokenizer=REPO/models/tokenizer/1/tokenizer)` the client tokenizes (truncating to each task's max length,
+as the server does) and sends token ids: the server's tokenizer step then only checks them, which saves its CPU.
 """
 
 from __future__ import annotations
