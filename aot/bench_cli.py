@@ -1,4 +1,4 @@
-"""`aot bench overhead | serve | accuracy`."""
+"""`aot bench overhead | serve | tax | tasks | accuracy`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from serving.protocol import POOLINGS
 
 
 def add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: inference overhead, serving, accuracy sweep")
+    p = sub.add_parser("bench", help="benchmarks: inference overhead, serving, the serving tax, accuracy sweep")
     kinds = p.add_subparsers(dest="bench_command", required=True, metavar="WHAT")
 
     o = kinds.add_parser("overhead",
@@ -66,6 +66,28 @@ def add_bench(sub) -> None:
                         "tables, the 8 mixed tasks are served from a pool that cannot hold them all")
     s.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     s.set_defaults(run=run_serve)
+
+    x = kinds.add_parser("tax",
+                         help="the serving tax: CPU per request of tritonserver and each step vs the engine alone",
+                         description="Serves 8 copies of one task on the local tritonserver and measures, at each "
+                                     "concurrency, req/s, p50/p99 and the CPU microseconds per request of "
+                                     "tritonserver and of each python step (from /proc) for the vanilla ensemble and "
+                                     "AoT with 1 and 8 mixed tasks, each with text and with token ids tokenized by "
+                                     "the client; beside them the engine alone (the vanilla graph, no server) on "
+                                     "the same texts at each batch size, and each process's ceiling on a --cores "
+                                     "host. Clients are Python threads in this process; their CPU is reported. "
+                                     "Writes tax.json, tax.md and tax.png.")
+    x.add_argument("--task", required=True, help="an AoT task artifact (fc or kron)")
+    x.add_argument("--out", required=True, help="output folder (tax.json, tax.md, tax.png)")
+    x.add_argument("--repo", default=None, help="scratch repository to use (its tasks are replaced); default: a "
+                                                "temporary one")
+    x.add_argument("--concurrency", type=_ints, default=[1, 8, 32], help="concurrent clients, one pass each")
+    x.add_argument("--requests", type=_positive_int, default=600, help="requests per pass (and sequences the "
+                                                                       "engine alone runs at each batch size)")
+    x.add_argument("--batch", type=_ints, default=[1, 8, 32], help="batch sizes of the engine alone")
+    x.add_argument("--cores", type=_positive_int, default=16, help="cores of the host the ceilings are stated for")
+    x.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    x.set_defaults(run=run_tax)
 
     t = kinds.add_parser("tasks",
                          help="serving 1 to 1,000 tasks through the local tritonserver: fused + mmap, factored, pool",
@@ -136,6 +158,15 @@ def run_tasks(args) -> int:
                               args.concurrency, args.requests, tuple(args.modes),
                               policy_requests=args.policy_requests, repeats=args.repeats)
     print(json.dumps(run_tasks_bench(config, progress=not args.no_progress)))
+    return 0
+
+
+def run_tax(args) -> int:
+    from benchmarks.tax import TaxBenchConfig, run_tax_bench
+
+    config = TaxBenchConfig(task=args.task, out=args.out, repo=args.repo, concurrency=tuple(args.concurrency),
+                            requests=args.requests, batches=tuple(args.batch), cores=args.cores)
+    print(json.dumps(run_tax_bench(config, progress=not args.no_progress)))
     return 0
 
 

@@ -6,7 +6,9 @@
         client.infer("sentiment@3f2a9c41d0e7", "A fine film.")   # exactly that version, while the store holds it
         client.infer_many([{"task": "sentiment", "text": "...", "text_pair": None}, ...])   # concurrent, in order
 
-One request per text, sent concurrently (Triton batches them, across tasks, on the server).
+One request per text, sent concurrently (Triton batches them, across tasks, on the server). With
+`Client(tokenizer=REPO/models/tokenizer/1/tokenizer)` the client tokenizes (truncating to each task's max length,
+as the server does) and sends token ids: the server's tokenizer step then only checks them, which saves its CPU.
 """
 
 from __future__ import annotations
@@ -48,9 +50,12 @@ def _text(value) -> str:
 
 class Client:
     def __init__(self, url: str | None = None, model: str = "aot", timeout: float = 60.0, *,
-                 tls: bool = False, ca: str | None = None, cert: str | None = None, key: str | None = None):
+                 tls: bool = False, ca: str | None = None, cert: str | None = None, key: str | None = None,
+                 tokenizer: str | os.PathLike | None = None):
         """`url`: see server_url. `tls`: gRPC over TLS, trusting the system's CAs or the PEM file `ca`; `cert` +
-        `key`: this client's certificate for a server that asks for one (mutual TLS). `ca` or `cert` imply `tls`."""
+        `key`: this client's certificate for a server that asks for one (mutual TLS). `ca` or `cert` imply `tls`.
+        `tokenizer`: the served repository's tokenizer folder (REPO/models/tokenizer/1/tokenizer): tokenize here
+        and send token ids (each task's max length is read from tasks() once per task name)."""
         import tritonclient.grpc as grpcclient
 
         self._grpc = grpcclient
@@ -63,6 +68,11 @@ class Client:
         tls = tls or ca is not None or cert is not None
         self._client = grpcclient.InferenceServerClient(self.url, ssl=tls, root_certificates=ca, private_key=key,
                                                         certificate_chain=cert)
+        if tokenizer is not None and not os.path.isfile(os.path.join(tokenizer, "tokenizer.json")):
+            raise ValueError(f"tokenizer {tokenizer}: no tokenizer.json (expected a repository's tokenizer folder)")
+        self._tokenizer_dir = tokenizer
+        self._tokens = None  # serving.tokenization.Tokenization, made on first use
+        self._max_lengths: dict[str, int] = {}
 
     def close(self) -> None:
         self._client.close()
@@ -77,6 +87,12 @@ class Client:
         if len(task) > MAX_NAME_LENGTH:  # checked here: a huge name would fail as a gRPC transport error
             raise InferenceError(f"task name of {len(task)} characters: task names have at most {MAX_NAME_LENGTH}")
         tensors = []
+        if self._tokenizer_dir is not None:
+            for name, array in self._token_ids(task, text, pair).items():
+                t = self._grpc.InferInput(name, [1, len(array)], "INT64")
+                t.set_data_from_numpy(array[None, :])
+                tensors.append(t)
+            text = pair = None
         for name, value in ((io.TEXT, text), (io.TASK, task), (io.TEXT_PAIR, pair)):
             if value is None:
                 continue
@@ -84,6 +100,31 @@ class Client:
             t.set_data_from_numpy(np.array([[value.encode("utf-8")]], dtype=np.object_))
             tensors.append(t)
         return tensors
+
+    def _token_ids(self, task: str, text: str, pair: str | None) -> dict[str, np.ndarray]:
+        """The ids the server's tokenizer step would make: truncated to the task's max length (from tasks(), read
+        again for a task not seen yet); token_type_ids where the served model takes them."""
+        from serving.errors import RequestError
+        from serving.tokenization import Tokenization
+
+        if self._tokens is None:
+            from tritonclient.utils import InferenceServerException
+
+            try:
+                metadata = self._client.get_model_metadata(self.model)
+            except InferenceServerException as exc:
+                raise InferenceError(_message(exc)) from None
+            types = any(i.name == io.TOKEN_TYPE_IDS for i in metadata.inputs)
+            self._tokens = Tokenization(self._tokenizer_dir, types)
+        if task not in self._max_lengths:
+            self._max_lengths.update({t["name"]: t["max_length"] for t in self.tasks()["tasks"]})
+        max_length = self._max_lengths.get(task)
+        if max_length is None:
+            raise InferenceError(f"unknown task {task!r}: the server does not serve it")
+        try:
+            return self._tokens.encode(text, pair, max_length)
+        except RequestError as exc:
+            raise InferenceError(str(exc)) from None
 
     def _outputs(self):
         return [self._grpc.InferRequestedOutput(n) for n in (io.LOGITS, io.LABEL, io.TASK_VERSION)]

@@ -109,8 +109,10 @@ def _build(config: ServeBenchConfig, scratch: Path) -> tuple[Path, dict[str, Pat
     return repo, masters
 
 
-def _closed_loop(url: str, model: str, items: list[tuple[str, str]], concurrency: int) -> dict:
-    """`concurrency` threads, each sending its share of requests one after another; per-request latency."""
+def _closed_loop(url: str, model: str, items: list[tuple[str, str]], concurrency: int,
+                 tokenizer: Path | None = None) -> dict:
+    """`concurrency` threads, each sending its share of requests one after another; per-request latency.
+    `tokenizer`: the clients tokenize and send token ids (aot.Client(tokenizer=...))."""
     from aot.client import Client, InferenceError
 
     latencies, errors, lock = [], [], threading.Lock()
@@ -118,7 +120,7 @@ def _closed_loop(url: str, model: str, items: list[tuple[str, str]], concurrency
     position = [0]
 
     def worker():
-        with Client(url, model=model) as client:
+        with Client(url, model=model, tokenizer=tokenizer) as client:
             while True:
                 with lock:
                     if position[0] >= len(queue):

@@ -51,11 +51,12 @@ def _tensor(kind, name: str, dims: list[int], ragged: bool = False, optional: bo
     return t
 
 
-def _python_model(name: str, options: ServingOptions, params: dict[str, str], queue_delay_us: int = 0):
+def _python_model(name: str, options: ServingOptions, params: dict[str, str], queue_delay_us: int = 0,
+                  instances: int = 1):
     pb = _pb()
     config = pb.ModelConfig(name=name, backend="python", max_batch_size=options.max_batch_size)
     config.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
-    config.instance_group.add(kind=pb.ModelInstanceGroup.KIND_CPU, count=1)
+    config.instance_group.add(kind=pb.ModelInstanceGroup.KIND_CPU, count=instances)
     for key, value in params.items():
         config.parameters[key].string_value = value
     return config
@@ -149,9 +150,7 @@ def _backbone(name: str, aot: bool, target: str, info: dict, options: ServingOpt
 def _ensemble(name: str, backbone: str, info: dict, options: ServingOptions, target: str):
     pb = _pb()
     config = pb.ModelConfig(name=name, platform="ensemble", max_batch_size=options.max_batch_size)
-    config.input.append(_tensor(pb.ModelInput, io.TEXT, [1]))
-    config.input.append(_tensor(pb.ModelInput, io.TEXT_PAIR, [1], optional=True))
-    config.input.append(_tensor(pb.ModelInput, io.TASK, [1]))
+    config.input.extend(_request_inputs(info, ragged=False))
     config.output.append(_tensor(pb.ModelOutput, io.LOGITS, [-1]))
     config.output.append(_tensor(pb.ModelOutput, io.LABEL, [1]))
     config.output.append(_tensor(pb.ModelOutput, io.TASK_VERSION, [1]))  # which version answered (protocol v5)
@@ -159,7 +158,7 @@ def _ensemble(name: str, backbone: str, info: dict, options: ServingOptions, tar
     version = io.TASK_VERSION
     steps = config.ensemble_scheduling.step
     tok = steps.add(model_name="tokenizer", model_version=-1)
-    tok.input_map.update({io.TEXT: io.TEXT, io.TEXT_PAIR: io.TEXT_PAIR, io.TASK: io.TASK})
+    tok.input_map.update({t.name: t.name for t in _request_inputs(info, ragged=False)})
     tok.output_map.update({n: f"_{n}" for n in tokens} | {io.TASK_VERSION: version})
     bb_inputs = {n: f"_{n}" for n in tokens}
     if backbone == "backbone" and _in_process_lookup(target, options):
@@ -179,6 +178,18 @@ def _ensemble(name: str, backbone: str, info: dict, options: ServingOptions, tar
     return config
 
 
+def _request_inputs(info: dict, ragged: bool) -> list:
+    """What a client sends the ensemble (and the ensemble the tokenizer step): TASK and TEXT (+ TEXT_PAIR), or TASK
+    and the token ids it tokenized itself (`ragged`: in the tokenizer step, sequences of any length batch together).
+    All optional: the tokenizer step refuses a request that lacks TASK, or both TEXT and ids, with a 400 naming it
+    (Triton checks only the count of an ensemble's required inputs, and a required one missing would stall the
+    ensemble: "unexpected deadlock")."""
+    pb = _pb()
+    return ([_tensor(pb.ModelInput, n, [1], optional=True) for n in (io.TEXT, io.TEXT_PAIR, io.TASK)]
+            + [_tensor(pb.ModelInput, n, [-1], ragged=ragged, optional=True)
+               for n in io.token_inputs(info["uses_token_type_ids"])])
+
+
 def _lookup_outputs(options: ServingOptions) -> list[str]:
     """What the aot_lookup step sends the native backbone: its graph's bias inputs but the batch input Triton adds."""
     return [n for n in io.bias_inputs(options.bias_interface) if n != io.AOT_ROW_OFFSETS]
@@ -190,9 +201,11 @@ def model_configs(info: dict, options: ServingOptions, target: str) -> dict:
     tokens = io.token_inputs(info["uses_token_type_ids"])
     # Bucketed token tensors for a native backend; a python backbone step pads each batch itself.
     buckets = "" if _in_process_lookup(target, options) else ",".join(str(b) for b in options.buckets)
-    tok = _python_model("tokenizer", options, {"buckets": buckets})
-    tok.input.extend([_tensor(pb.ModelInput, io.TEXT, [1]), _tensor(pb.ModelInput, io.TEXT_PAIR, [1], optional=True),
-                      _tensor(pb.ModelInput, io.TASK, [1])])
+    # Tokenizer and head run one thread per instance: ServingOptions.instances of each (the backbone's engine
+    # threads itself; the lookup stays one instance: each would hold its own task pool in device memory)
+    instances = options.instances(target)
+    tok = _python_model("tokenizer", options, {"buckets": buckets}, instances=instances)
+    tok.input.extend(_request_inputs(info, ragged=True))
     tok.output.extend([_tensor(pb.ModelOutput, n, [-1]) for n in tokens] + [_tensor(pb.ModelOutput, io.TASK_VERSION, [1])])
 
     # The native GPU ensemble's lookup keeps its task pool in device memory (torch) and hands the rows to the
@@ -207,7 +220,7 @@ def model_configs(info: dict, options: ServingOptions, target: str) -> dict:
     dims = {io.AOT_ROWS: [-1], io.AOT_INDEX: [-1], io.AOT_BIAS: [-1, info["num_layers"], info["hidden_size"]]}
     look.output.extend([_tensor(pb.ModelOutput, n, dims[n]) for n in _lookup_outputs(options)])
 
-    head = _python_model("head", options, {})
+    head = _python_model("head", options, {}, instances=instances)
     head.input.extend([_tensor(pb.ModelInput, io.TASK_VERSION, [1]),
                        _tensor(pb.ModelInput, io.POOLED_HIDDEN, [len(io.POOLINGS), info["hidden_size"]])])
     head.output.extend([_tensor(pb.ModelOutput, io.LOGITS, [-1]), _tensor(pb.ModelOutput, io.LABEL, [1])])

@@ -5,6 +5,9 @@ Client -> ensemble `aot`:
     TEXT_PAIR     BYTES [1]   optional second text (pair tasks)
     TASK          BYTES [1]   task name (its latest published version), or `<name>@<id>`: exactly that version
                               while the store holds it (v5; else 404)
+  or, instead of TEXT (+ TEXT_PAIR), the token ids the client made with the repository's tokenizer (aot.Client(
+  tokenizer=...)), truncated to the task's max_length: the tokenizer step checks them and passes them on
+    input_ids, attention_mask (and token_type_ids where the architecture has them), INT64 [S]
 ensemble -> client:
     TASK_VERSION  BYTES [1]   the task version `<name>@<id>` that produced the answer (v5)
     LOGITS        FP32  [n]   n = the task's number of labels (1 for regression)

@@ -24,6 +24,10 @@ MODELS_DIR = "models"
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
 ENGINES = ("onnx", "tensorrt", "torch")
 POOL_BYTES_ENV = "AOT_POOL_BYTES"
+# Tokenizer and head instances in the GPU configs: each costs 150-300 us of CPU per request (`aot bench tax`,
+# docs/benchmarks.md section 6), so one instance caps a server at 3,000-7,000 requests/s; 6 lift each step's
+# ceiling past 20,000 on a 16-core host, where the server's whole CPU per request bounds the host near that rate.
+GPU_STEP_INSTANCES = 6
 
 
 class RepositoryError(ValueError):
@@ -66,6 +70,11 @@ class ServingOptions:
                 "through their memory maps and factored rows computed per request). Every task is fully resident "
                 "while all fit; beyond that the pool caches the most recently used rows. `aot serve --pool-bytes` "
                 "overrides it"})
+    step_instances: int = field(default=0, metadata={
+        "flag": "--step-instances", "minimum": 0,
+        "help": "instances of the tokenizer and head steps: each runs its requests on one "
+                "thread, so one instance caps a server at 1e6 / (its microseconds per request) requests/s (`aot bench "
+                "tax`). 0: 1 in the CPU configs, GPU_STEP_INSTANCES in the GPU configs"})
     max_text_bytes: int = field(default=65536, metadata={
         "flag": "--max-text-bytes", "minimum": 1,
         "help": "longest TEXT (and TEXT_PAIR) a request may send, in UTF-8 bytes; longer ones are refused at once "
@@ -85,6 +94,10 @@ class ServingOptions:
             elif not isinstance(value, int) or isinstance(value, bool) or value < f.metadata["minimum"]:
                 kind = "non-negative" if f.metadata["minimum"] == 0 else "positive"
                 raise RepositoryError(f"serving option {f.name} = {value!r}: expected a {kind} integer")
+
+    def instances(self, target: str) -> int:
+        """Instances of each light python step in the configs of `target` ("cpu" or "gpu")."""
+        return self.step_instances or (1 if target == "cpu" else GPU_STEP_INSTANCES)
 
     def to_json(self) -> dict:
         data = asdict(self)

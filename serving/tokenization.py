@@ -50,15 +50,34 @@ class Tokenization:
         self.buckets = tuple(sorted(buckets))
 
     def encode(self, text: str, pair: str | None, max_length: int) -> dict[str, np.ndarray]:
-        if is_blank(text):
-            raise RequestError("TEXT is empty (or only whitespace, control or zero-width characters)")
+        return self.encode_batch([(text, pair)], max_length)[0]
+
+    def encode_batch(self, items: list[tuple[str, str | None]], max_length: int) -> list[dict[str, np.ndarray]]:
+        """Every (text, pair) of one max length in one call of the Rust tokenizer (a served step encodes a whole
+        `execute` batch so, not one Python round trip per request); each item's own token tensors."""
+        for text, _ in items:
+            if is_blank(text):
+                raise RequestError("TEXT is empty (or only whitespace, control or zero-width characters)")
         self.tokenizer.enable_truncation(max_length, strategy="longest_first", direction=self.truncation_side)
-        enc = self.tokenizer.encode(text, pair or None)
-        n = len(enc.ids)
+        encodings = self.tokenizer.encode_batch([(t, p) if p else t for t, p in items])
+        return [self._tensors(enc) for enc in encodings]
+
+    def to_bucket(self, tokens: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A client's token tensors (one sequence, right-padded) padded up to this step's bucket, as a text's are."""
+        n = len(tokens[protocol.INPUT_IDS])
+        size = bucket_length(n, self.buckets)
+        if size == n:
+            return tokens
+        fill = {protocol.INPUT_IDS: self.pad_id}
+        return {name: np.pad(a, (0, size - n), constant_values=fill.get(name, 0)) for name, a in tokens.items()}
+
+    def _tensors(self, enc) -> dict[str, np.ndarray]:
+        ids = np.asarray(enc.ids, dtype=protocol.TOKEN_DTYPE)
+        n = len(ids)
         size = bucket_length(n, self.buckets)
         out = {protocol.INPUT_IDS: np.full(size, self.pad_id, dtype=protocol.TOKEN_DTYPE),
                protocol.ATTENTION_MASK: np.zeros(size, protocol.TOKEN_DTYPE)}
-        out[protocol.INPUT_IDS][:n] = enc.ids
+        out[protocol.INPUT_IDS][:n] = ids
         out[protocol.ATTENTION_MASK][:n] = 1
         if self.uses_token_type_ids:
             types = np.zeros(size, dtype=protocol.TOKEN_DTYPE)

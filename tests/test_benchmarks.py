@@ -162,3 +162,30 @@ def test_memory_fallbacks_are_counted_from_the_server_log(tmp_path):
                    'W1123 memory.cc:212] "failed to allocate GPU memory from pool, falling back to pinned memory"\n')
     assert _memory_fallbacks(log) == 2
     assert _memory_fallbacks(tmp_path / "missing.log") == 0
+
+
+@pytest.mark.server
+def test_tax_bench_tiny(tmp_path, tiny_models, sentiment_dir):
+    """`aot bench tax` in seconds: every server process's CPU per request is read, the engine alone is the limit."""
+    task = train_tiny_task(tiny_models["bert"], sentiment_dir, tmp_path / "task", "fc", epochs=1)
+    out = tmp_path / "bench"
+    assert main(["bench", "tax", "--task", str(task), "--out", str(out), "--concurrency", "1,4", "--requests", "24",
+                 "--batch", "1,4", "--no-progress"]) == 0
+    records = json.loads((out / "tax.json").read_text())
+    engine = [r for r in records if r["kind"] == "engine"]
+    served = [r for r in records if r["kind"] == "served"]
+    assert sorted((r["batch"], r["grouping"]) for r in engine) == [(1, "by length"), (4, "by length"), (4, "padded")]
+    assert all(r["throughput_rps"] > 0 and r["cpu_us_per_sequence"] > 0 for r in engine)
+    assert {(r["model"], r["tasks_in_flight"], r["concurrency"], r["token_ids"]) for r in served} == {
+        (m, n, c, ids) for m, n in (("vanilla", 1), ("aot", 1), ("aot", 8)) for c in (1, 4) for ids in (False, True)}
+    for r in served:
+        assert r["errors"] == 0 and r["throughput_rps"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0
+        steps = {"tritonserver", "tokenizer", "head", "backbone" if r["model"] == "aot" else "backbone_vanilla"}
+        assert steps <= set(r["cpu_us_per_request"])
+        assert r["server_cpu_us_per_request"] == pytest.approx(sum(r["cpu_us_per_request"].values()), abs=1)
+        assert r["client_cpu_us_per_request"] > 0 and len(r["loadavg"]) == 2
+        assert set(r["ceilings_rps"]) >= {"tritonserver", "tokenizer", "head"}
+        assert r["x_vanilla"] is not None and r["x_engine"] > 0
+    text = (out / "tax.md").read_text()
+    assert text.startswith("# The serving tax") and "Ceiling each process puts on a 16-core host" in text
+    assert (out / "tax.png").stat().st_size > 1000

@@ -20,7 +20,7 @@ from exporter.task_store import StoreError, TaskStore
 from exporter.tensorrt import Profile, build_plan, build_script, trtexec_command
 from serving import protocol as io
 from serving.errors import RequestError
-from serving.repository import RepositoryError, ServingOptions, read_repository
+from serving.repository import GPU_STEP_INSTANCES, RepositoryError, ServingOptions, read_repository
 from serving.tasks import TaskRegistry
 from tests.helpers import make_repository, train_tiny_task
 from tests.tiny import ARCHS, save_tiny_model, tiny_backbone
@@ -314,6 +314,20 @@ def test_every_config_parses_and_is_consistent(uses_tt, engine, interface):
             assert backbone.backend == "python" and not backbone.batch_input
             assert steps == ["tokenizer", "backbone", "head"]
         assert [s.model_name for s in configs["vanilla"].ensemble_scheduling.step] == ["tokenizer", "backbone_vanilla", "head"]
+        # tokenizer and head: one thread per instance, so a GPU host runs several; one lookup (its own device pool)
+        instances = 1 if target == "cpu" else GPU_STEP_INSTANCES
+        assert [configs[m].instance_group[0].count for m in ("tokenizer", "head", "aot_lookup")] == [instances,
+                                                                                                   instances, 1]
+        # a client sends TEXT (+ TEXT_PAIR) or the token ids it tokenized, with TASK: every input optional (the
+        # tokenizer step refuses what is missing), token ids of any length batched together in the tokenizer step
+        requests = [io.TEXT, io.TEXT_PAIR, io.TASK, *io.token_inputs(uses_tt)]
+        for model in ("aot", "vanilla", "tokenizer"):
+            assert [(i.name, i.optional) for i in configs[model].input] == [(n, True) for n in requests]
+        tok = {i.name: i for i in configs["tokenizer"].input}
+        assert all(tok[n].allow_ragged_batch and list(tok[n].dims) == [-1] for n in io.token_inputs(uses_tt))
+        assert set(configs["aot"].ensemble_scheduling.step[0].input_map.items()) == {(n, n) for n in requests}
+    assert [model_configs(info, ServingOptions(step_instances=3), t)["head"].instance_group[0].count
+            for t in ("cpu", "gpu")] == [3, 3]
 
 
 def test_written_repository_configs_parse(tmp_path, tiny_models):

@@ -203,7 +203,9 @@ def test_no_step_can_be_replaced_or_unloaded(served, tmp_path, expected):
     from tritonclient.utils import InferenceServerException
 
     head = (ROOT / "model_repository" / "head" / "1" / "model.py").read_text()
-    evil = head.replace("logits = task.logits(pooled)[0]", "logits = np.array([9.0, -9.0], dtype=np.float32)")
+    evil = head.replace("logits = task.logits(np.concatenate([batch[k][1] for k in ks]))",
+                        "logits = np.array([[9.0, -9.0]] * len(ks), dtype=np.float32)")
+    assert evil != head
     config = {"name": "head", "backend": "python", "max_batch_size": 64,
               "parameters": {"evil": {"string_value": "1"}}}
     body = json.dumps({"parameters": {"config": json.dumps(config),

@@ -146,7 +146,7 @@ def _bytes(value):
      "data-type is 'INT32', but model 'aot' expects 'BYTES'"),
     ("wrong shape", [("TEXT", np.array([[b"a", b"b"]], dtype=np.object_), "BYTES"), ("TASK", _bytes(b"alpha"), "BYTES")],
      "unexpected shape for input 'TEXT'"),
-    ("missing task", [("TEXT", _bytes(b"good"), "BYTES")], "missing required input"),
+    ("missing task", [("TEXT", _bytes(b"good"), "BYTES")], "missing input TASK"),
 ])
 def test_bad_input_is_refused_and_server_keeps_serving(server, client, expected, case, inputs, message):
     from tritonclient.utils import InferenceServerException
@@ -155,6 +155,89 @@ def test_bad_input_is_refused_and_server_keeps_serving(server, client, expected,
         _raw(server, inputs)
     assert message in err.value.message()
     np.testing.assert_allclose(client.infer("alpha", TEXTS[0])["logits"], expected["alpha"][0], atol=1e-3)
+
+
+def test_token_ids_client_gets_the_answers_of_a_text_client(server, repo, client, expected):
+    """A client that tokenizes on its side (Client(tokenizer=REPO/tokenizer)) sends token ids, truncated to each
+    task's max length: every answer equals the text client's (and `aot predict`'s), pairs included."""
+    items = [{"task": n, "text": t} for n in ("alpha", "beta", "gamma") for t in TEXTS]
+    items += [{"task": "zeta", "text": t, "text_pair": p} for t, p in zip(TEXTS, PAIRS)]
+    with Client(server.grpc_url, tokenizer=read_repository(repo).tokenizer_dir) as ids_client:
+        by_ids = ids_client.infer_many(items)
+        np.testing.assert_allclose(ids_client.infer("alpha", TEXTS[-1])["logits"], expected["alpha"][-1], atol=1e-3)
+        with pytest.raises(InferenceError, match="TEXT is empty"):
+            ids_client.infer("alpha", " ")
+        with pytest.raises(InferenceError, match="unknown task 'nope'"):
+            ids_client.infer("nope", TEXTS[0])
+    for item, by_text, by_id in zip(items, client.infer_many(items), by_ids):
+        assert by_id["label"] == by_text["label"], item  # logits alike up to the float rounding of other batches
+        np.testing.assert_allclose(by_id["logits"], by_text["logits"], atol=1e-5)
+        want = expected[("zeta", "pair")] if item["task"] == "zeta" else expected[item["task"]]
+        np.testing.assert_allclose(by_id["logits"], want[TEXTS.index(item["text"])], atol=1e-3)
+
+
+def _ids(values, name="input_ids"):
+    return (name, np.array([values], dtype=np.int64), "INT64")
+
+
+@pytest.mark.parametrize("case,inputs,message", [
+    ("text and ids", [("TEXT", _bytes(b"good"), "BYTES"), _ids([2, 5, 3]), _ids([1, 1, 1], "attention_mask"),
+                      _ids([0, 0, 0], "token_type_ids")], "send either TEXT or input_ids"),
+    ("neither", [], "send either TEXT or input_ids"),
+    ("longer than the task reads", [_ids([2] * 40), _ids([1] * 40, "attention_mask"), _ids([0] * 40, "token_type_ids")],
+     "input_ids has 40 tokens: task 'alpha' reads at most 32"),
+    ("id out of range", [_ids([2, 99999, 3]), _ids([1, 1, 1], "attention_mask"), _ids([0, 0, 0], "token_type_ids")],
+     "input_ids holds 99999"),
+    ("mask missing", [_ids([2, 5, 3]), _ids([0, 0, 0], "token_type_ids")], "missing input attention_mask"),
+    ("a pair to a single-text task", [_ids([2, 5, 3, 6]), _ids([1, 1, 1, 1], "attention_mask"),
+                                      _ids([0, 0, 1, 1], "token_type_ids")], "these token ids hold a second segment"),
+])
+def test_bad_token_ids_are_refused_alone(server, client, expected, case, inputs, message):
+    """Token ids are checked per request like texts (400), in a batch with good requests that are served."""
+    from tritonclient.utils import InferenceServerException
+
+    errors, answers = [], []
+
+    def bad():
+        try:
+            _raw(server, [("TASK", _bytes(b"alpha"), "BYTES"), *inputs])
+        except InferenceServerException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=bad)]
+    threads[0].start()
+    answers = client.infer_many([{"task": "alpha", "text": t} for t in TEXTS] * 4, concurrency=24)
+    threads[0].join()
+    assert len(errors) == 1 and message in errors[0].message() and errors[0].status() == "StatusCode.INVALID_ARGUMENT"
+    for i, answer in enumerate(answers):
+        np.testing.assert_allclose(answer["logits"], expected["alpha"][i % len(TEXTS)], atol=1e-3)
+
+
+def test_batched_steps_give_each_request_its_own_answer(server, client, expected):
+    """Tokenizer and head run each `execute` batch at once (one encode_batch per max length, one head call per task
+    version): with mixed tasks, lengths, pairs and bad requests in the same batches, every request gets exactly its
+    own answer and the bad ones fail alone. Batches of several requests did form in both steps."""
+    items = []
+    for i in range(96):
+        name = ("alpha", "beta", "gamma", "zeta")[i % 4]
+        text = TEXTS[(i * 5) % len(TEXTS)]
+        items.append({"task": name, "text": text, "text_pair": PAIRS[TEXTS.index(text)] if name == "zeta" else None})
+    bad = {7: {"task": "alpha", "text": "\u200b"}, 30: {"task": "nope", "text": TEXTS[0]},
+           55: {"task": "zeta", "text": TEXTS[1]}, 81: {"task": "beta", "text": TEXTS[2], "text_pair": "w1"}}
+    items = [bad.get(i, item) for i, item in enumerate(items)]
+    before = {m: _stats(client, m, server) for m in ("tokenizer", "head")}
+    answers = client.infer_many(items, concurrency=96)
+    for i, (item, answer) in enumerate(zip(items, answers)):
+        if i in bad:
+            assert set(answer) == {"error"}, (i, answer)
+            continue
+        want = expected[("zeta", "pair")] if item["task"] == "zeta" else expected[item["task"]]
+        np.testing.assert_allclose(answer["logits"], want[TEXTS.index(item["text"])], atol=1e-3)
+    assert "TEXT is empty" in answers[7]["error"] and "unknown task 'nope'" in answers[30]["error"]
+    assert "send TEXT_PAIR too" in answers[55]["error"] and "send no TEXT_PAIR" in answers[81]["error"]
+    for model, (requests0, executions0) in before.items():
+        requests, executions = (a - b for a, b in zip(_stats(client, model, server), (requests0, executions0)))
+        assert executions < requests, f"{model}: {executions} executions for {requests} requests"
 
 
 def test_client_error_is_one_line(client):

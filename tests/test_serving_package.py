@@ -242,3 +242,40 @@ assert "torch" not in sys.modules
                                  + f"from aot.cli import main\nmain({command!r})"], capture_output=True, text=True,
                                 cwd=ROOT)
         assert helped.returncode == 0 and "usage: aot" in helped.stdout, helped.stderr
+
+
+def test_length_groups_bound_padding_and_cover_every_request():
+    from serving.engine import length_groups
+
+    lengths = [10, 64, 12, 60, 30, 31, 11, 64, 5]
+    for max_padding in (0.0, 0.125, 0.5):
+        groups = length_groups(lengths, max_padding)
+        assert sorted(k for g in groups for k in g) == list(range(len(lengths)))
+        for g in groups:
+            assert len(g) * max(lengths[k] for k in g) <= (1 + max_padding) * sum(lengths[k] for k in g)
+    assert length_groups([7, 7, 7], 0.0) == [[0, 1, 2]]
+    assert [len(g) for g in length_groups(lengths, 10.0)] == [len(lengths)]
+
+
+def test_backbone_runner_split_by_length_gives_each_request_its_states(tmp_path):
+    """A batch of mixed lengths split into runs (rows interface, AoT): each request's states equal those of the
+    batch padded whole, in the requests' order."""
+    from exporter.onnx_export import export_backbone_graph
+    from serving.engine import BackboneRunner
+    from tests.tiny import tiny_backbone
+
+    backbone = tiny_backbone("bert")
+    L, d, V = backbone.num_layers, backbone.hidden_size, backbone.embeddings.shape[0]
+    rng = np.random.default_rng(0)
+    table = (rng.standard_normal((V, L, d)) * 0.5).astype(np.float16)
+    requests = []
+    for n in (3, 17, 4, 16, 9, 3):
+        ids = rng.integers(5, V, n)
+        unique, index = np.unique(ids, return_inverse=True)
+        requests.append({protocol.INPUT_IDS: ids, protocol.ATTENTION_MASK: np.ones(n, np.int64),
+                         protocol.TOKEN_TYPE_IDS: np.zeros(n, np.int64), protocol.AOT_ROWS: table[unique],
+                         protocol.AOT_INDEX: index.astype(np.int32)})
+    graph = export_backbone_graph(backbone, tmp_path, aot=True, interface="rows").optimized
+    split, whole = BackboneRunner(graph), BackboneRunner(graph, max_padding=None)
+    np.testing.assert_allclose(split.run(requests), whole.run(requests), atol=1e-4)
+    np.testing.assert_allclose(split.run(requests)[1], whole.run(requests[1:2])[0], atol=1e-4)

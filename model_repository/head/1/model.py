@@ -1,5 +1,6 @@
 """Triton python model: each request's own task head (the version the tokenizer pinned) on its task's pooling, so
-a batch may mix tasks."""
+a batch may mix tasks. Requests are checked one by one; then each task version's requests of the batch go through
+its head in one call (ServedTask.logits on the stacked states), not one matmul per request."""
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -13,18 +14,34 @@ class TritonPythonModel:
     def initialize(self, args):
         self.step = Step(args, pb_utils, "head", tasks="head")
 
-    def _one(self, request, ctx):
+    def _prepare(self, request, ctx):
         task = self.step.task_version(request, ctx)
-        pooled = self.step.tensor(request, protocol.POOLED_HIDDEN).astype(np.float32)
+        pooled = self.step.tensor(request, protocol.POOLED_HIDDEN)
         expected = (1, len(protocol.POOLINGS), task.hidden_size)
         # Only the row this task reads must be finite: another pooling's overflow is not this request's failure.
         if pooled.shape != expected or not np.isfinite(pooled[0, protocol.pooling_row(task.pooling)]).all():
             raise RequestError(f"{protocol.POOLED_HIDDEN} must be {expected[1]} x {expected[2]} values with a finite "
                                f"{task.pooling!r} row (the one this task reads), got shape {list(pooled.shape)}")
-        logits = task.logits(pooled)[0]
-        return [self.step.output(protocol.LOGITS, logits[None, :]),
-                self.step.bytes_output(protocol.LABEL, task.label(logits))]
+        return task, pooled
+
+    @staticmethod
+    def _run(batch):
+        """Each request's (logits [1, n], label), its task version's head run once over that version's requests."""
+        groups: dict[str, list[int]] = {}
+        for k, (task, _) in enumerate(batch):
+            groups.setdefault(task.version, []).append(k)
+        out = [None] * len(batch)
+        for ks in groups.values():
+            task = batch[ks[0]][0]
+            logits = task.logits(np.concatenate([batch[k][1] for k in ks]))
+            for k, row in zip(ks, logits):
+                out[k] = (row[None, :], task.label(row))
+        return out
+
+    def _outputs(self, result, k):
+        logits, label = result[k]
+        return [self.step.output(protocol.LOGITS, logits), self.step.bytes_output(protocol.LABEL, label)]
 
     def execute(self, requests):
         self.step.refresh()
-        return self.step.respond_each(requests, self._one)
+        return self.step.respond_batch(requests, self._prepare, self._run, self._outputs)
