@@ -78,7 +78,7 @@ defaults
     # inference is idempotent: a request a replica did not answer is sent again, to another replica
     retries {RETRIES}
     option redispatch 1
-    retry-on conn-failure empty-response 502 503 504
+    retry-on conn-failure empty-response 502 504
     option httpchk GET /ready
     http-check expect status 200
 

@@ -28,7 +28,10 @@ def add_serve(sub) -> None:
                                    "AOT_ADMIN_KEY_FILE names, else one generated for this server and written to "
                                    "the 0600 file printed at start-up (README: Security model).")
     p.add_argument("--repo", required=True, help="model repository (from `aot export backbone`)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--host", default="127.0.0.1", help="address of the HTTP and gRPC ports")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address of the metrics and health ports (they name every task: loopback unless a scraper "
+                        "elsewhere needs them)")
     p.add_argument("--grpc-port", type=positive_int, default=8001, help="gRPC port (aot infer, aot.Client)")
     p.add_argument("--http-port", type=positive_int, default=8000,
                    help="HTTP port (health, inference; the control API needs the admin key)")
@@ -82,8 +85,9 @@ def run_serve(args) -> int:
                        args.health_port, server_options={"pool_bytes": pool_bytes, "device": args.device})
     else:
         server = LocalServer(repo.path, args.host, args.http_port, args.grpc_port, args.metrics_port,
-                             health_port=args.health_port, log_path=args.log, pool_bytes=pool_bytes,
-                             device=args.device, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
+                             health_port=args.health_port, metrics_host=args.metrics_host, log_path=args.log,
+                             pool_bytes=pool_bytes, device=args.device, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                             tls_ca=args.tls_ca)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -91,7 +95,7 @@ def run_serve(args) -> int:
     try:
         tasks = sorted(set(registry.served()) - set(errors))
         replicas = getattr(server, "servers", [server])
-        endpoints = [{"metrics": f"{r.host}:{r.metrics_port}", "health": r.health_url, "log": str(r.log_path),
+        endpoints = [{"metrics": f"{r.metrics_host}:{r.metrics_port}", "health": r.health_url, "log": str(r.log_path),
                       "ready_seconds": round(r.ready_seconds, 2)} for r in replicas]
         print(json.dumps({"grpc": server.grpc_url, "http": server.http_url, "device": args.device,
                           **(endpoints[0] if args.replicas == 1 else {"replicas": endpoints,

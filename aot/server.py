@@ -173,11 +173,12 @@ class LocalServer:
     repository. Use as a context manager or call start()/stop()."""
 
     repo: Path
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # HTTP and gRPC: the ports clients use
     http_port: int = 0
     grpc_port: int = 0
     metrics_port: int = 0
     health_port: int = 0  # the supervisor's /ready and /live (0: a free port)
+    metrics_host: str = "127.0.0.1"  # metrics (they name every task) and health: loopback unless asked
     # None: AOT_ADMIN_KEY / AOT_ADMIN_KEY_FILE, else generated for this server; never in a repr or a log
     admin_key: str | None = field(default=None, repr=False)
     tls_cert: str | None = None  # PEM files: gRPC over TLS (cert + key), mutual when tls_ca is given
@@ -254,14 +255,14 @@ class LocalServer:
 
     @property
     def health_url(self) -> str:
-        return f"{self.host}:{self.health_port}"
+        return f"{self.metrics_host}:{self.health_port}"
 
     def command(self) -> list[str]:
         return [str(triton_home() / "bin" / "tritonserver"), f"--model-repository={self.repo / 'models'}",
                 f"--backend-directory={backends_folder(self._workdir, self.python.version)}", *self.device_args(),
                 f"--http-address={self.host}", f"--http-port={self.http_port}",
                 f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
-                f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}", "--exit-timeout-secs=5",
+                f"--metrics-address={self.metrics_host}", f"--metrics-port={self.metrics_port}", "--exit-timeout-secs=5",
                 "--disable-auto-complete-config", "--log-info=true",
                 "--model-control-mode=explicit",  # the supervisor reloads what died
                 *(f"--load-model={m}" for m in self.models()),
@@ -308,8 +309,9 @@ class LocalServer:
                 if same == port:
                     raise ServerError(f"{other} and {flag} are both {port}: each endpoint needs its own port")
         for flag, port in ports:
-            if not port_is_free(self.host, port):
-                raise ServerError(f"port {self.host}:{port} ({flag}) is already in use; choose another {flag}")
+            host = self.metrics_host if flag in ("--metrics-port", "--health-port") else self.host
+            if not port_is_free(host, port):
+                raise ServerError(f"port {host}:{port} ({flag}) is already in use; choose another {flag}")
 
     def is_ready(self) -> bool:
         try:
@@ -322,7 +324,7 @@ class LocalServer:
         if not (self.repo / "models").is_dir():
             raise ServerError(f"{self.repo} has no models/ folder: not a model repository from `aot export backbone`")
         self.check_ports()
-        self._health = HealthServer(self._current_supervisor, self.host, self.health_port).start()
+        self._health = HealthServer(self._current_supervisor, self.metrics_host, self.health_port).start()
         try:
             self._launch(timeout, mode="w")
         except BaseException:

@@ -1,21 +1,24 @@
 """Writing the task store (format `aot-task-store` v1; serving.store reads it, docs/formats.md).
 
-Publishing a version: write `.tmp-<pid>-<name>@<id>/` and fsync it (no lock held), then, under an exclusive lock on
+Publishing a version: write `.tmp-<pid>.<host>-<name>@<id>/` and fsync it (no lock held), then, under an exclusive lock on
 `tasks/.lock`: rename it into place, point the manifest at it (atomic replace), retire the version it replaces, and
 collect garbage. Everything that reads or changes the set of folders happens under that lock, so two exports at
 once can never delete each other's folders.
 
 A retired version stays on disk for RETIRED_GRACE seconds: a request that the first served step pinned to it a
 moment before the re-export is still served by it. Garbage: retired versions past their grace, folders the manifest
-does not know, and `.tmp-<pid>-*` debris of writers that died (a live writer's folder is left alone).
+does not know, and `.tmp-*` debris of writers that died (a live writer's folder is left alone; one of another host
+is left for an hour).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import os
 import shutil
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,10 +28,13 @@ import numpy as np
 
 from serving.atomic import fsync_dir, fsync_tree, pid_alive, write_atomic, write_json
 from serving.digests import folder_digests
-from serving.store import (EMBEDDINGS, MANIFEST, STORAGES, STORE_FORMAT, STORE_VERSION, StoreError, StoreReader,
-                           TaskEntry, check_task_name, task_of)
+from serving.store import (EMBEDDINGS, MANIFEST, RETIRED_GRACE, STORAGES, STORE_FORMAT, STORE_VERSION, StoreError,
+                           StoreReader, TaskEntry, check_task_name, task_of)
 
-RETIRED_GRACE = 300.0
+
+FOREIGN_DEBRIS_AGE = 3600.0  # seconds before another host's unfinished export folder counts as debris
+# this host, in the names of export folders (pids are per host: a fleet's exports share one volume)
+HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 
 
 class TaskStore(StoreReader):
@@ -61,13 +67,13 @@ class TaskStore(StoreReader):
     def new_version_folder(self, name: str) -> Path:
         """An empty folder to write a task version into (not yet visible to readers)."""
         check_task_name(name)
-        folder = self.root / f".tmp-{os.getpid()}-{name}@{uuid.uuid4().hex[:12]}"
+        folder = self.root / f".tmp-{os.getpid()}.{HOST}-{name}@{uuid.uuid4().hex[:12]}"
         folder.mkdir(parents=True)
         return folder
 
     @staticmethod
     def version_name(folder: Path) -> str:
-        """The version a folder from new_version_folder becomes: `.tmp-<pid>-<name>@<id>` -> `<name>@<id>`."""
+        """The version a folder from new_version_folder becomes: `.tmp-<pid>.<host>-<name>@<id>` -> `<name>@<id>`."""
         return folder.name.split("-", 2)[2]
 
     def publish(self, name: str, folder: Path, storage: str) -> TaskEntry:
@@ -111,7 +117,7 @@ class TaskStore(StoreReader):
         removed = []
         with self.locked():
             for path in self.root.iterdir():
-                if path.is_dir() and path.name.startswith(".tmp-") and not _writer_alive(path.name):
+                if path.is_dir() and path.name.startswith(".tmp-") and not _writer_alive(path):
                     shutil.rmtree(path, ignore_errors=True)
                     removed.append(path.name)
         return sorted(removed)
@@ -155,17 +161,23 @@ class TaskStore(StoreReader):
             if not path.is_dir() or path.name in keep:
                 continue
             if path.name.startswith(".tmp-"):
-                if not _writer_alive(path.name):
+                if not _writer_alive(path):
                     shutil.rmtree(path, ignore_errors=True)
             elif "@" in path.name and task_of(path.name):
                 shutil.rmtree(path, ignore_errors=True)
 
 
-def _writer_alive(debris: str) -> bool:
-    """`.tmp-<pid>-<version>`: is the process that writes it still running?"""
+def _writer_alive(debris: Path) -> bool:
+    """`.tmp-<pid>.<host>-<version>`: is the process that writes it still running? A writer on another host (the
+    store is a shared volume of a fleet) cannot be asked: its folder counts as alive until it is FOREIGN_DEBRIS_AGE
+    seconds old. (`.tmp-<pid>-<version>`: a folder of a writer from before hosts were recorded.)"""
     try:
-        return pid_alive(int(debris.split("-", 2)[1]))
-    except (IndexError, ValueError):
+        writer = debris.name.split("-", 2)[1]
+        pid, _, host = writer.partition(".")
+        if host and host != HOST:
+            return time.time() - debris.stat().st_mtime < FOREIGN_DEBRIS_AGE
+        return pid_alive(int(pid))
+    except (IndexError, ValueError, OSError):
         return False
 
 

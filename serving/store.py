@@ -31,6 +31,7 @@ EMBEDDINGS = "embeddings.npy"
 ROWS_DIR = "rows"
 STORAGES = ("fused", "factored")
 MAX_NAME_LENGTH = 128
+RETIRED_GRACE = 300.0  # seconds a replaced or removed version is still served to requests pinned to it
 _NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
 _VERSION = re.compile(r"(?P<name>[A-Za-z0-9_-][A-Za-z0-9_.-]*)@(?P<id>[0-9a-f]{12})")
 

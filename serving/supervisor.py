@@ -46,7 +46,11 @@ MAX_ATTEMPTS = 3  # failed repairs in a row before a model is given up (and its 
 UNLOAD_TIMEOUT = 10.0  # seconds for an unload (its stub is killed first when it hangs)
 LOAD_TIMEOUT = 20.0  # seconds for a load (the backbone's takes ~1 s)
 PROBE_SECONDS = 1.0  # between two liveness probes of one step
-HUNG_SECONDS = 6.0  # a step that answered no probe for this long is hung (a probe waits behind a running batch)
+HUNG_SECONDS = 6.0  # a step that answered no probe for this long, and used no CPU meanwhile, is hung
+BUSY_HUNG_SECONDS = 60.0  # one still using CPU (working through a long queue, the probe waiting behind it) is hung
+#                            only after this long without an answer
+BUSY_CPU_SECONDS = 0.01  # CPU a step uses between two checks (0.5 s) to count as working, not stuck
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 SHM = Path("/dev/shm")
 
 # The control API: every API a client does not need is restricted to the admin key. Public: health, metadata
@@ -131,7 +135,17 @@ def _alive(pid: int) -> bool:
 
 
 def _stopped(pid: int) -> bool:
-    return _state(pid) in ("T", "t")
+    """Stopped by a signal (SIGSTOP). Not `t`: a debugger or py-spy pauses a process that way while it samples."""
+    return _state(pid) == "T"
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (0 when it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
 def stubs_of(server_pid: int) -> dict[str, Stub]:
@@ -194,6 +208,8 @@ class Supervisor:
         self.models: set[str] = set()  # every model the server had loaded at start (ensembles too)
         self.repairing: str | None = None
         self._answered: dict[str, float] = {}  # python model -> time.monotonic() of its last probe answer
+        self._working: dict[str, tuple[float, float]] = {}  # model -> (its stubs' CPU seconds, when it last grew)
+        self._stopped_seen: set[int] = set()  # stub pids seen stopped at the last check
         self._failures: dict[str, int] = {}  # model -> failed repairs in a row
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="aot-supervisor", daemon=True)
@@ -217,6 +233,10 @@ class Supervisor:
                 thread.start()
         self._thread.start()
         return self
+
+    def stop_watching(self) -> None:
+        """No more checks or repairs from now on (a signal handler's part of stop(): it joins nothing)."""
+        self._stop.set()
 
     def stop(self) -> None:
         self._stop.set()
@@ -294,14 +314,18 @@ class Supervisor:
             stubs = stubs_of(self.server_pid)
             self.regions |= {s.shm_region for s in stubs.values()}
             broken: dict[str, str] = {}
+            stopped = set()
             for instance, model in self.expected.items():
                 stub = stubs.get(instance)
                 if stub is None:
                     broken.setdefault(model, "died")
                 elif _stopped(stub.pid):
-                    broken.setdefault(model, "hung")
+                    stopped.add(stub.pid)
+                    if stub.pid in self._stopped_seen:  # stopped at two checks in a row: not a passing ptrace stop
+                        broken.setdefault(model, "hung")
+            self._stopped_seen = stopped
             for model in self._answered:
-                if model not in broken and self.silent_for(model) > self.hung_seconds:
+                if model not in broken and self._silent_and_idle(model, stubs):
                     broken[model] = "hung"
             for model, cause in sorted(broken.items()):
                 if self._failures.get(model, 0) >= MAX_ATTEMPTS:
@@ -309,21 +333,36 @@ class Supervisor:
                 if cause == "hung":
                     self._kill(model, stubs)
                 self._repair(model, cause)
-            for model in self.unready(exclude=set(broken)):
+            for model in self.unready(exclude=set(broken)) or []:  # None: the index could not be read; next time
                 if self._failures.get(model, 0) < MAX_ATTEMPTS:
                     self._repair(model, "not ready", unload=False)
                     broken[model] = "not ready"
             return sorted(broken)
 
-    def unready(self, exclude: set[str] = frozenset()) -> list[str]:
-        """The needed models that are not loaded and ready now (one repository-index call for all of them)."""
+    def _silent_and_idle(self, model: str, stubs: dict[str, Stub]) -> bool:
+        """Hung: no probe answered for hung_seconds while its stubs used no CPU (deadlocked, asleep, stuck in a
+        wait); or none answered for BUSY_HUNG_SECONDS at all. A step that works through a long queue keeps using
+        CPU while its probe waits in that queue: it is busy, not hung, and killing it would fail the whole queue."""
+        now = time.monotonic()
+        cpu = sum(_cpu_seconds(s.pid) for s in stubs.values() if s.model == model)
+        last_cpu, grew = self._working.get(model, (cpu, now))
+        if cpu - last_cpu > BUSY_CPU_SECONDS:
+            grew = now
+        self._working[model] = (cpu, grew)
+        silent = self.silent_for(model)
+        idle = now - grew
+        return silent > BUSY_HUNG_SECONDS or (silent > self.hung_seconds and idle > self.hung_seconds)
+
+    def unready(self, exclude: set[str] = frozenset()) -> list[str] | None:
+        """The needed models that are not loaded and ready now (one repository-index call for all of them); None
+        when the index cannot be read (a busy server is no reason to reload every model)."""
         needed = sorted(self.models - set(exclude))
         if not needed:
             return []
         try:
             states = {m["name"]: m.get("state") for m in self._index()}
         except (urllib.error.URLError, OSError, ValueError):
-            return needed
+            return None
         return [m for m in needed if states.get(m) != "READY"]
 
     def _kill(self, model: str, stubs: dict[str, Stub]) -> None:
@@ -365,6 +404,8 @@ class Supervisor:
             for other in self._dependents():  # ensembles unloaded with their step come back with it
                 self._post(f"/v2/repository/models/{other}/load", LOAD_TIMEOUT)
         except (urllib.error.URLError, OSError, ValueError) as exc:
+            if model in self._answered:
+                self._answered[model] = time.monotonic()  # a slow load is not a hang: judge its stub afresh
             repair.error = f"{type(exc).__name__}: {exc}"
             self._failures[model] = self._failures.get(model, 0) + 1
             self.log(f"supervisor: reloading {model!r} failed ({self._failures[model]} of {MAX_ATTEMPTS}): "
@@ -391,8 +432,10 @@ class Supervisor:
         reasons = [f"model {m!r} could not be repaired" for m in self.failed]
         if self.repairing:
             reasons.append(f"model {self.repairing!r} is being repaired")
-        reasons += [f"model {m!r} is not loaded or not ready"  # asked now, not at the last check
-                    for m in self.unready(exclude={self.repairing} if self.repairing else set())]
+        unready = self.unready(exclude={self.repairing} if self.repairing else set())  # asked now
+        if unready is None:
+            reasons.append("the server's model index cannot be read")
+        reasons += [f"model {m!r} is not loaded or not ready" for m in unready or []]
         reasons += [f"model {m!r} answered no probe for {self.silent_for(m):.1f} s" for m in sorted(self._answered)
                     if self.silent_for(m) > self.hung_seconds]
         return not reasons, reasons
@@ -418,6 +461,8 @@ class HealthServer:
                     self.wfile.write(data)
                 except ConnectionError:  # a load balancer's check may hang up once it has read the status line
                     pass
+
+            timeout = 5  # seconds a connection may idle: a client cannot pile up handler threads
 
             def log_message(self, *args):  # probes every few seconds would flood the log
                 pass
@@ -478,11 +523,23 @@ def main(argv: list[str] | None = None) -> int:
         command += ["--model-control-mode=explicit", "--load-model=*"]
     port = next((a.split("=", 1)[1] for a in command if a.startswith("--http-port=")), "8000")
     server = subprocess.Popen(command + restriction_args(key))
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda s, _: server.send_signal(s))
     supervisor = None
+    stopping = threading.Event()
+
+    def forward(sig, _frame) -> None:
+        """A stop: the supervisor stops first (the models the server unloads are not dead steps to reload)."""
+        stopping.set()
+        if supervisor is not None:
+            supervisor.stop_watching()
+        server.send_signal(sig)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
     health = HealthServer(lambda: supervisor, os.environ.get("AOT_HEALTH_ADDRESS", "0.0.0.0"), health_port).start()
     while server.poll() is None:
+        if stopping.is_set():
+            time.sleep(0.5)
+            continue
         if supervisor is not None and supervisor.failed:  # exit: the container's restart policy starts anew
             print(f"supervisor: {', '.join(supervisor.failed)} could not be reloaded; stopping tritonserver",
                   file=sys.stderr, flush=True)

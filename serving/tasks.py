@@ -17,6 +17,7 @@ a task is published.
 from __future__ import annotations
 
 import functools
+import heapq
 import math
 import os
 import threading
@@ -34,8 +35,8 @@ from serving.errors import RequestError
 from serving.formats import FormatError, check_keys, read_json
 from serving.labels import label_for
 from serving.pool import RowPool
-from serving.store import (EMBEDDINGS, ROWS_DIR, STORAGES, Manifest, StoreError, StoreReader, check_version,
-                           rows_graph_name, task_of)
+from serving.store import (EMBEDDINGS, RETIRED_GRACE, ROWS_DIR, STORAGES, Manifest, StoreError, StoreReader,
+                           check_version, rows_graph_name, task_of)
 
 _TASK_KEYS = {"labels": (list, type(None)), "max_length": int, "storage": str, "method": dict, "num_layers": int,
               "hidden_size": int, "vocab_size": int}
@@ -183,6 +184,7 @@ class ServedTask:
 
 
 PARTS = ("meta", "head", "rows", "all")
+KNOWN_IN_MESSAGE = 10  # task names an unknown task's 404 suggests
 
 
 def load_task_version(folder: Path, version: str, store_root: Path, parts: str = "all",
@@ -261,6 +263,7 @@ class TaskRegistry:
         self.manifest_error: str | None = None
         self._stamp = None
         self._manifest = Manifest({}, {})
+        self._current: set[str] = set()
         self._entries: dict = {}
         self._entry_errors: dict[str, str] = {}
         self._audit: dict[str, tuple[tuple, str | None]] = {}  # version -> (files' stamps, damage found by audit())
@@ -284,6 +287,7 @@ class TaskRegistry:
                 return
             self._entries, self._entry_errors, self._stamp = manifest.entries, manifest.errors, stamp
             self._manifest = manifest
+            self._current = {e.folder for e in self._entries.values()}
             self.manifest_error = None
             current = {e.folder for e in self._entries.values()}
             now = time.monotonic()
@@ -331,13 +335,17 @@ class TaskRegistry:
         return error
 
     def known(self, version: str) -> bool:
-        """A version the manifest names, current or retired (a request may be pinned to it)."""
-        return version in self._manifest.retired or any(e.folder == version for e in self._entries.values())
+        """A version the manifest names as current, or retired less than RETIRED_GRACE ago (a request may be pinned
+        to it): after that it is gone, even before the next export deletes its folder."""
+        if version in self._current:
+            return True
+        retired = self._manifest.retired.get(version)
+        return retired is not None and time.time() - retired < RETIRED_GRACE
 
     def audit(self) -> dict[str, str]:
-        """Check every file of every current version against its digest, again only when a file changed on disk
-        (stats otherwise): the task_list step runs it in the background, so `aot tasks` names a damaged task
-        before a request meets it. Returns task name -> damage."""
+        """Check the files of every current version against their digests (a fused table only once it changes on
+        disk), again only when a file changed (stats otherwise): the task_list step runs it in the background, so
+        `aot tasks` names a task damaged under the server before a request meets it. Returns task name -> damage."""
         found = {}
         for name, entry in list(self._entries.items()):
             folder = self.store.version_folder(entry.folder)
@@ -347,13 +355,17 @@ class TaskRegistry:
                 stamps = (str(exc),)
             seen = self._audit.get(entry.folder)
             if seen is None or seen[0] != stamps:
+                # First sighting: the small files only (a fused table is hashed by the step that maps it, on its
+                # first use; hashing every table on every replica's start would read the whole store). Any file
+                # that changes afterwards is hashed again, the table included.
+                changed = set(entry.digests or ()) if seen is not None else \
+                    {f for f in entry.digests or () if f != "table.npy"}
                 damage = None
-                if entry.digests is not None:
-                    try:
-                        for file in sorted(entry.digests):
-                            verify_file(folder / file, entry.digests, entry.folder)
-                    except DigestError as exc:
-                        damage = f"task {name!r} ({entry.folder}) is corrupt: {exc}"
+                try:
+                    for file in sorted(changed):
+                        verify_file(folder / file, entry.digests, entry.folder)
+                except (DigestError, OSError) as exc:
+                    damage = f"task {name!r} ({entry.folder}) is corrupt: {exc}"
                 seen = (stamps, damage)
                 self._audit[entry.folder] = seen
             if seen[1]:
@@ -389,7 +401,10 @@ class TaskRegistry:
         if entry is None:
             if name in self._entry_errors:
                 raise RequestError(self._entry_errors[name], "unavailable")
-            known = ", ".join(sorted(self.served())) or "(none)"
+            first = heapq.nsmallest(KNOWN_IN_MESSAGE + 1, self._entries)  # bounded: a client's typo, not a listing
+            known = ", ".join(first[:KNOWN_IN_MESSAGE]) or "(none)"
+            if len(first) > KNOWN_IN_MESSAGE:
+                known += f", ... ({len(self._entries) - KNOWN_IN_MESSAGE} more: aot tasks lists them)"
             raise RequestError(f"unknown task {name[:200]!r}; known tasks: {known}", "not_found")
         return self.version(entry.folder)
 
@@ -401,10 +416,10 @@ class TaskRegistry:
             raise RequestError(str(exc)) from None
         with self._lock:
             task = self._versions.get(version)
+            if not self.known(version) or task is None and not self.store.version_folder(version).is_dir():
+                raise RequestError(f"task version {version!r} is not in the store (removed, or never exported)",
+                                   "not_found")
             if task is None:
-                if not self.known(version) or not self.store.version_folder(version).is_dir():
-                    raise RequestError(f"task version {version!r} is not in the store (removed, or never exported)",
-                                       "not_found")
                 task = self._load(version)
             if isinstance(task, ServedTask) and task.table is not None:
                 try:

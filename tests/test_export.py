@@ -225,7 +225,7 @@ def test_killed_export_leaves_store_loadable(tmp_path, tiny_models, tasks):
     store_root = read_repository(repo).store_root
     registry = TaskRegistry(store_root)
     assert registry.names() == ["keep"] and not registry.errors()
-    assert any(p.name.startswith(f".tmp-{proc.pid}-new@") for p in store_root.iterdir())  # invisible to readers
+    assert any(p.name.startswith(f".tmp-{proc.pid}.") and "-new@" in p.name for p in store_root.iterdir())  # invisible
     export_task(tasks[("bert", "kron")], repo, "new", progress=False)
     registry.refresh()
     assert registry.names() == ["keep", "new"]

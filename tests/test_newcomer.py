@@ -175,7 +175,9 @@ def test_regression_answers_a_score_everywhere(tasks, server, capsys):
     with Client(server.grpc_url) as client:
         answers = [client.infer("score", "good w1"), *client.infer_many([{"task": "score", "text": "w2 awful"}])]
     for p, i, c in zip(predicted, inferred, answers):
-        assert list(i) == list(c) == ["score", "version"] and abs(p["score"] - i["score"]) < 1e-3 and i == c
+        assert list(i) == list(c) == ["score", "version"] and abs(p["score"] - i["score"]) < 1e-3
+        # two served answers of one text agree to float noise (one may have been batched with others), one version
+        assert i["version"] == c["version"] and abs(i["score"] - c["score"]) < 1e-5
 
 
 @pytest.mark.server

@@ -349,8 +349,8 @@ TritonPythonModel.execute = _stuck
         flag.write_text("")
         assert _wait(lambda: _get(server.health_url, "/ready")[0] == 503, 15, 0.05), "a silent step stayed ready"
         detected = time.monotonic() - start
-        flag.unlink()  # the reloaded stub must answer
         repaired = _wait(lambda: [r for r in server.supervisor.repairs if r.cause == "hung" and r.seconds], 30)
+        flag.unlink()  # only now: a stub let go earlier would answer, and there would be nothing to repair
         assert repaired and repaired[0].model == "head", server.supervisor.repairs
         assert _wait(lambda: _get(server.health_url, "/ready")[0] == 200, 30)
         print(f"silent step: unready after {detected:.2f} s (hung_seconds 3)")
