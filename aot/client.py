@@ -116,7 +116,7 @@ class Client:
                 raise InferenceError(_message(exc)) from None
             types = any(i.name == io.TOKEN_TYPE_IDS for i in metadata.inputs)
             self._tokens = Tokenization(self._tokenizer_dir, types)
-        name = task.split("@", 1)[0]  # TASK@VERSION: the versions of a task share its max length
+        name = task.split("@", 1)[0]  # TASK@VERSION: the current version's max length (the server checks the pinned)
         if name not in self._max_lengths:
             self._max_lengths.update({t["name"]: t["max_length"] for t in self.tasks()["tasks"]})
         max_length = self._max_lengths.get(name)
