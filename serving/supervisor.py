@@ -346,7 +346,7 @@ class Supervisor:
         now = time.monotonic()
         cpu = sum(_cpu_seconds(s.pid) for s in stubs.values() if s.model == model)
         last_cpu, grew = self._working.get(model, (cpu, now))
-        if cpu - last_cpu > BUSY_CPU_SECONDS:
+        if cpu - last_cpu > BUSY_CPU_SECONDS or cpu < last_cpu:  # less: a new stub (a repair) starts afresh
             grew = now
         self._working[model] = (cpu, grew)
         silent = self.silent_for(model)
