@@ -401,10 +401,11 @@ class TaskRegistry:
         if entry is None:
             if name in self._entry_errors:
                 raise RequestError(self._entry_errors[name], "unavailable")
-            first = heapq.nsmallest(KNOWN_IN_MESSAGE + 1, self._entries)  # bounded: a client's typo, not a listing
-            known = ", ".join(first[:KNOWN_IN_MESSAGE]) or "(none)"
-            if len(first) > KNOWN_IN_MESSAGE:
-                known += f", ... ({len(self._entries) - KNOWN_IN_MESSAGE} more: aot tasks lists them)"
+            served = self.served()
+            first = heapq.nsmallest(KNOWN_IN_MESSAGE, served)  # bounded: an answer to a typo, not a listing
+            known = ", ".join(first) or "(none)"
+            if len(served) > KNOWN_IN_MESSAGE:
+                known += f", ... ({len(served) - KNOWN_IN_MESSAGE} more: aot tasks lists them)"
             raise RequestError(f"unknown task {name[:200]!r}; known tasks: {known}", "not_found")
         return self.version(entry.folder)
 
