@@ -139,6 +139,14 @@ def backends_folder(root: Path, version: str) -> Path:
     return root / "backends"
 
 
+def _status_ok(url: str, timeout: float) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
 def port_is_free(host: str, port: int) -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -314,11 +322,12 @@ class LocalServer:
                 raise ServerError(f"port {host}:{port} ({flag}) is already in use; choose another {flag}")
 
     def is_ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=1) as r:
-                return r.status == 200
-        except OSError:
-            return False
+        """Triton's own readiness: enough while it starts (the supervisor begins after it)."""
+        return _status_ok(f"http://{self.http_url}/v2/health/ready", 1)
+
+    def serves(self) -> bool:
+        """The supervisor's /ready: every model loaded, ready and answering its probe (what a balancer asks)."""
+        return _status_ok(f"http://{self.health_url}/ready", 2)
 
     def start(self, timeout: float = 120) -> "LocalServer":
         if not (self.repo / "models").is_dir():

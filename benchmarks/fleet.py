@@ -27,7 +27,6 @@ import os
 import signal
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -53,13 +52,6 @@ def _serving(url: str, name: str, version: str, text: str) -> bool:
     except InferenceError:
         return False
 
-
-def _ready(server) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://{server.health_url}/ready", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 def measure_balancer(fleet: Fleet, name: str, texts: list[str], requests: int, rounds: int) -> list[dict]:
@@ -155,7 +147,7 @@ def measure_kill(fleet: Fleet, name: str, texts: list[str], seconds: float = 40)
         time.sleep(3)
         old, killed = victim.process.pid, time.monotonic()
         os.kill(old, signal.SIGKILL)
-        while not (victim.process.pid != old and _ready(victim)):
+        while not (victim.process.pid != old and victim.serves()):
             time.sleep(0.02)
         ready = time.monotonic() - killed
         while fleet.states()["r1"] != "UP":

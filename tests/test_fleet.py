@@ -189,7 +189,7 @@ def test_kill9_of_a_replica_under_load_fails_no_request(fleet, expected):
         killed_at = len(load.answers)
         os.kill(old_pid, signal.SIGKILL)
         deadline = time.monotonic() + 120
-        while not (victim.process.pid != old_pid and _ready(victim)):
+        while not (victim.process.pid != old_pid and victim.serves()):
             assert time.monotonic() < deadline, f"replica 1 not ready again: {victim.log_tail()}"
             time.sleep(0.05)
         before_up = _ensemble_requests(victim)  # the restarted server, ready, maybe not yet up in HAProxy
@@ -208,13 +208,6 @@ def test_kill9_of_a_replica_under_load_fails_no_request(fleet, expected):
     print(f"\nkill -9 of a replica under load: {len(load.answers)} answers, 0 failed, 0 wrong; "
           f"{restarted_at - killed_at} served by the other replica while it restarted")
 
-
-def _ready(server) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://{server.health_url}/ready", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 def test_serve_command_with_replicas(repo, tmp_path):

@@ -22,7 +22,6 @@ from aot.cli import main
 from serving_torch.encoder import pool_states
 from tests.tiny import ARCHS, sentiment_examples, tiny_tokenizer
 from training.artifact import read_task
-from training.methods.base import MethodError
 
 CLASSES = {"auto": AutoModel, "seqcls": AutoModelForSequenceClassification}
 CASES = [(arch, kind, method) for arch in ARCHS for kind in CLASSES for method in ("fc", "kron")]

@@ -18,7 +18,7 @@ from serving.pool import RowPool
 from serving.repository import ServingOptions, largest_batch_bytes, memory_pool_bytes, read_repository
 from serving.supervisor import GRPC_ADMIN_HEADER
 from serving_torch.engine import DeviceRows, Prepared, TorchBackbone
-from tests.helpers import make_repository, serve_for_tests, train_tiny_task
+from tests.helpers import make_repository, train_tiny_task
 from training.predict import Predictor
 
 TEXTS = ["good w1 w2", "w3 awful w4 w5 the movie", "superb plot w7 w8 w9", "dull w10", " ".join(["w9 great"] * 40)]
