@@ -4,7 +4,7 @@
 # and call it over gRPC with its task id (answers are compared with `aot predict`).
 #
 # Environment: AOT_DEMO_DIR (default runs/demo), AOT_DEMO_SAMPLES (train subset, default: all 10,200 reviews),
-# AOT_GRPC_PORT / AOT_HTTP_PORT / AOT_METRICS_PORT (default 8001 / 8000 / 8002).
+# AOT_GRPC_PORT / AOT_HTTP_PORT / AOT_METRICS_PORT / AOT_HEALTH_PORT (default 8001 / 8000 / 8002 / 8003).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -24,7 +24,7 @@ echo "== 2/4 export: the shared backbone (once), then the task"
 
 echo "== 3/4 serve: local tritonserver on CPU"
 "$AOT" serve --repo "$OUT/repo" --grpc-port "${AOT_GRPC_PORT:-8001}" --http-port "${AOT_HTTP_PORT:-8000}" \
-  --metrics-port "${AOT_METRICS_PORT:-8002}" > "$OUT/serve.json" &
+  --metrics-port "${AOT_METRICS_PORT:-8002}" --health-port "${AOT_HEALTH_PORT:-8003}" > "$OUT/serve.json" &
 server=$!
 trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
 for _ in $(seq 1 240); do

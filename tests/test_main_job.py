@@ -19,7 +19,8 @@ def _port():
 @pytest.mark.slow
 def test_demo_script_trains_exports_serves_and_infers(tmp_path):
     env = {**os.environ, "AOT_DEMO_DIR": str(tmp_path / "demo"), "AOT_DEMO_SAMPLES": "320",
-           "AOT_GRPC_PORT": _port(), "AOT_HTTP_PORT": _port(), "AOT_METRICS_PORT": _port()}
+           "AOT_GRPC_PORT": _port(), "AOT_HTTP_PORT": _port(), "AOT_METRICS_PORT": _port(),
+           "AOT_HEALTH_PORT": _port()}
     result = subprocess.run(["bash", str(ROOT / "scripts" / "demo.sh")], env=env, capture_output=True, text=True,
                             timeout=1500)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
