@@ -74,8 +74,9 @@ def add_bench(sub) -> None:
                                      "AoT with 1 and 8 mixed tasks, each with text and with token ids tokenized by "
                                      "the client; beside them the engine alone (the vanilla graph, no server) on "
                                      "the same texts at each batch size, and each process's ceiling on a --cores "
-                                     "host. Clients are Python threads in this process; their CPU is reported. "
-                                     "Writes tax.json, tax.md and tax.png.")
+                                     "host; each --cpu-instances layout on a server of its own. Clients are Python "
+                                     "threads in this process; their CPU is reported. Writes tax.json, tax.md and "
+                                     "tax.png.")
     x.add_argument("--task", required=True, help="an AoT task artifact (fc or kron)")
     x.add_argument("--out", required=True, help="output folder (tax.json, tax.md, tax.png)")
     x.add_argument("--repo", default=None, help="scratch repository to use (its tasks are replaced); default: a "
@@ -85,6 +86,9 @@ def add_bench(sub) -> None:
                                                                        "engine alone runs at each batch size)")
     x.add_argument("--batch", type=_ints, default=[1, 8, 32], help="batch sizes of the engine alone")
     x.add_argument("--cores", type=_positive_int, default=16, help="cores of the host the ceilings are stated for")
+    x.add_argument("--cpu-instances", type=_ints, default=[1, 2],
+                   help="instances of the fused CPU step (aot export backbone --cpu-instances), each layout measured "
+                        "on a server of its own; each instance's engine gets this host's cores divided among them")
     x.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     x.set_defaults(run=run_tax)
 
@@ -164,7 +168,8 @@ def run_tax(args) -> int:
     from benchmarks.tax import TaxBenchConfig, run_tax_bench
 
     config = TaxBenchConfig(task=args.task, out=args.out, repo=args.repo, concurrency=tuple(args.concurrency),
-                            requests=args.requests, batches=tuple(args.batch), cores=args.cores)
+                            requests=args.requests, batches=tuple(args.batch), cores=args.cores,
+                            cpu_instances=tuple(args.cpu_instances))
     print(json.dumps(run_tax_bench(config, progress=not args.no_progress)))
     return 0
 

@@ -37,7 +37,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from serving.repository import POOL_BYTES_ENV, memory_pool_bytes, read_repository
+from serving.repository import CPU_MODELS, POOL_BYTES_ENV, memory_pool_bytes, read_repository
 from serving.supervisor import (HealthServer, Supervisor, admin_key_from_environment, check_admin_key,
                                 generate_admin_key, reap, restriction_args)
 
@@ -198,6 +198,9 @@ class LocalServer:
     restart: bool = True  # start tritonserver again when it dies (serving.supervisor repairs single steps)
     pool_bytes: int | None = None  # overrides the repository's task pool budget (AOT_POOL_BYTES)
     device: str = "cpu"
+    # the models loaded (None: the ones the device's configs serve clients, `models()`); the GPU ensembles' separate
+    # steps have CPU configs too, so that a test can load them on this machine
+    load: tuple[str, ...] | None = None
     process: subprocess.Popen | None = None
     ready_seconds: float | None = None
     supervisor: Supervisor | None = None
@@ -289,9 +292,13 @@ class LocalServer:
                 f"--pinned-memory-pool-byte-size={pools['pinned']}"]
 
     def models(self) -> list[str]:
-        """The models the CPU ensembles use: every model folder but `aot_lookup`, the GPU ensemble's separate lookup
-        step (on CPU the backbone step looks rows up itself; loading it anyway held a second copy of every factored
-        task's factors)."""
+        """The models to load: on CPU the fused `aot` and `vanilla` steps and `task_list` (CPU_MODELS: the GPU
+        ensembles' separate steps would only hold a second engine and task pool); with the GPU configs every model
+        folder but `aot_lookup` (the torch engine's backbone step looks rows up itself)."""
+        if self.load is not None:
+            return sorted(self.load)
+        if self.device == "cpu":
+            return sorted(CPU_MODELS)
         return sorted(p.name for p in (self.repo / "models").iterdir()
                       if (p / "config.pbtxt").is_file() and p.name != "aot_lookup")
 

@@ -34,7 +34,9 @@ from benchmarks.report import markdown_table, new_figure, save_figure, write_jso
 from benchmarks.serve import ServeBenchConfig, Store, _build, _closed_loop, _texts
 from serving.repository import read_repository
 
-STEP_NAMES = ("tokenizer", "backbone", "backbone_vanilla", "head", "aot_lookup", "task_list")
+STEP_NAMES = ("aot", "vanilla", "tokenizer", "backbone", "backbone_vanilla", "head", "aot_lookup", "task_list")
+# the processes that run the encoder: the CPU configs' fused steps, or the GPU ensembles' backbone steps
+ENGINE_STEPS = ("aot", "vanilla", "backbone", "backbone_vanilla")
 
 
 @dataclass
@@ -47,6 +49,7 @@ class TaxBenchConfig:
     batches: tuple[int, ...] = (1, 8, 32)  # the engine alone
     mixed_tasks: int = 8
     cores: int = 16  # the host the ceilings are stated for
+    cpu_instances: tuple[int, ...] = (1, 2)  # instances of the fused step, each layout on a server of its own
 
 
 def server_processes(pid: int) -> dict[str, int]:
@@ -131,6 +134,18 @@ def _tokenized(repo: Path, texts: list[str], max_length: int) -> list[dict[str, 
     return [tokens.encode(t, None, max_length) for t in texts]
 
 
+def set_cpu_instances(repo: Path, instances: int) -> None:
+    """The fused steps' instance count in the scratch repository's CPU configs (what `aot export backbone
+    --cpu-instances` writes), so that layouts are compared on one export."""
+    from exporter.configs import CPU_CONFIG, parse_pbtxt, to_pbtxt
+
+    for model in ("aot", "vanilla"):
+        path = repo / "models" / model / CPU_CONFIG
+        config = parse_pbtxt(path.read_text())
+        config.instance_group[0].count = instances
+        path.write_text(to_pbtxt(config))
+
+
 def ceiling(process: str, us: float, cores: int) -> float | None:
     """Requests/s a process allows on a host of `cores` cores: one instance of a python step runs its `execute` on
     one thread (n instances: n times this); tritonserver's threads spread over every core."""
@@ -142,7 +157,6 @@ def ceiling(process: str, us: float, cores: int) -> float | None:
 def run_tax_bench(config: TaxBenchConfig, progress: bool = True) -> dict:
     from tqdm.auto import tqdm
 
-    from aot.server import LocalServer
     from training.artifact import read_task
 
     out = Path(config.out)
@@ -156,13 +170,31 @@ def run_tax_bench(config: TaxBenchConfig, progress: bool = True) -> dict:
     records += engine_alone(repo, sequences, config.batches)
     passes = [(m, mix, ids) for m, mix in (("vanilla", 1), ("aot", 1), ("aot", config.mixed_tasks))
               for ids in (False, True)]
-    bar = tqdm(total=len(config.concurrency) * len(passes), desc="tax bench", disable=not progress)
+    bar = tqdm(total=len(config.cpu_instances) * len(config.concurrency) * len(passes), desc="tax bench",
+               disable=not progress)
     tokenizer = read_repository(repo).tokenizer_dir
+    for instances in config.cpu_instances:
+        set_cpu_instances(repo, instances)
+        records += served_passes(repo, names, texts, tokenizer, passes, config, instances, bar)
+    bar.close()
+    records.append({"kind": "load", "loadavg": list(os.getloadavg()), "when": "end"})
+    summarize(records, config.cores)
+    write_reports(records, out, config)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return {"out": str(out), "records": len(records), "config": asdict(config)}
+
+
+def served_passes(repo: Path, names: list[str], texts: list[str], tokenizer: Path, passes: list, config: TaxBenchConfig,
+                  instances: int, bar) -> list[dict]:
+    """Every pass at every concurrency on one server whose fused steps run `instances` instances."""
+    from aot.server import LocalServer
+
+    records = []
     with LocalServer(repo) as server:
         pids = server_processes(server.process.pid)
-        for model in ("vanilla", "aot"):  # warm every step and task
+        for model in ("vanilla", "aot"):  # warm every step and task (every instance: one request each at a time)
             for tok in (None, tokenizer):
-                _closed_loop(server.grpc_url, model, [(n, texts[0]) for n in names], 1, tokenizer=tok)
+                _closed_loop(server.grpc_url, model, [(n, t) for n in names for t in texts[:4]], 1, tokenizer=tok)
         for concurrency in config.concurrency:
             for model, mix, ids in passes:
                 items = [(names[i % mix], text) for i, text in enumerate(texts)]
@@ -172,17 +204,12 @@ def run_tax_bench(config: TaxBenchConfig, progress: bool = True) -> dict:
                 done = max(len(items) - result["errors"], 1)
                 cpu_us = {p: round((after[p] - before[p]) * 1e6 / done, 1) for p in after if p in before}
                 records.append({"kind": "served", "model": model, "tasks_in_flight": mix, "token_ids": ids,
-                                "concurrency": concurrency, "requests": len(items), **result,
+                                "cpu_instances": instances, "concurrency": concurrency, "requests": len(items), **result,
                                 "cpu_us_per_request": cpu_us, "server_cpu_us_per_request": round(sum(cpu_us.values()), 1),
                                 "client_cpu_us_per_request": round(own * 1e6 / done, 1),
                                 "loadavg": [round(load0, 2), round(os.getloadavg()[0], 2)]})
                 bar.update(1)
-    bar.close()
-    records.append({"kind": "load", "loadavg": list(os.getloadavg()), "when": "end"})
-    summarize(records, config.cores)
-    write_reports(records, out, config)
-    shutil.rmtree(scratch, ignore_errors=True)
-    return {"out": str(out), "records": len(records), "config": asdict(config)}
+    return records
 
 
 def summarize(records: list[dict], cores: int) -> None:
@@ -191,24 +218,31 @@ def summarize(records: list[dict], cores: int) -> None:
     engine = [r for r in records if r["kind"] == "engine"]
     best = max(engine, key=lambda r: r["throughput_rps"])
     single = next((r for r in engine if r["batch"] == 1), best)
-    vanilla = {(r["concurrency"], r["token_ids"]): r for r in records
+    vanilla = {(r["cpu_instances"], r["concurrency"], r["token_ids"]): r for r in records
                if r["kind"] == "served" and r["model"] == "vanilla"}
     for r in records:
         if r["kind"] != "served":
             continue
         engine_us = best["cpu_us_per_sequence"]
         r["tax_us_per_request"] = round(r["server_cpu_us_per_request"] - engine_us, 1)
-        # the two parts of the tax: the backbone step beyond the engine alone (batching, padding, lookup), and every
-        # other process (tritonserver, tokenizer, head: the hops), which the engine's own noise does not blur
-        backbone = sum(us for p, us in r["cpu_us_per_request"].items() if p.startswith("backbone"))
-        r["backbone_over_engine_us"] = round(backbone - engine_us, 1)
-        r["outside_backbone_us"] = round(r["server_cpu_us_per_request"] - backbone, 1)
+        # the two parts of the tax: the step that runs the encoder beyond the engine alone (the python backend's
+        # machinery, tokenizer and head in the fused step, batching, lookup), and every other process (tritonserver:
+        # gRPC and the hops), which the engine's own noise does not blur
+        engine_step = sum(us for p, us in r["cpu_us_per_request"].items() if p.split("#")[0] in ENGINE_STEPS)
+        r["engine_step_over_engine_us"] = round(engine_step - engine_us, 1)
+        r["outside_engine_step_us"] = round(r["server_cpu_us_per_request"] - engine_step, 1)
         r["x_engine"] = round(r["throughput_rps"] / best["throughput_rps"], 3)
         r["p50_over_engine_ms"] = round(r["p50_ms"] - single["p50_ms"], 2)
-        base = vanilla.get((r["concurrency"], r["token_ids"]))
+        base = vanilla.get((r["cpu_instances"], r["concurrency"], r["token_ids"]))
         r["x_vanilla"] = round(r["throughput_rps"] / base["throughput_rps"], 3) if base else None
         r["ceilings_rps"] = {p: ceiling(p.split("#")[0], us, cores) for p, us in r["cpu_us_per_request"].items()
-                             if not p.startswith("backbone") and p != "task_list"}
+                             if p.split("#")[0] not in ENGINE_STEPS and p != "task_list"}
+
+
+def _label(record: dict) -> str:
+    """`aot x8 (2 inst.)`: the model, the tasks mixed in its pass, the fused step's instances."""
+    mix = f" x{record['tasks_in_flight']}" if record["tasks_in_flight"] > 1 else ""
+    return f"{record['model']}{mix} ({record['cpu_instances']} inst.)"
 
 
 def write_reports(records: list[dict], out: Path, config: TaxBenchConfig) -> None:
@@ -224,44 +258,40 @@ def write_reports(records: list[dict], out: Path, config: TaxBenchConfig) -> Non
                    key=lambda p: (p != "tritonserver", STEP_NAMES.index(p.split("#")[0]) if p != "tritonserver"
                                   else 0, p))
     for r in served:
-        r["ensemble"] = f"{r['model']}{' x' + str(r['tasks_in_flight']) if r['tasks_in_flight'] > 1 else ''}" + (
-            ", ids" if r["token_ids"] else "")
+        r["ensemble"] = _label(r) + (", ids" if r["token_ids"] else "")
         for p in steps:
             r[f"us:{p}"] = r["cpu_us_per_request"].get(p)
             r[f"ceiling:{p}"] = r["ceilings_rps"].get(p)
     text += "\n## Served (closed loop, clients on the same cores)\n\n"
-    text += markdown_table(served, ["ensemble", "concurrency", "throughput_rps", "x_engine", "x_vanilla", "p50_ms",
+    text += markdown_table(served, ["ensemble", "cpu_instances", "concurrency", "throughput_rps", "x_engine", "x_vanilla", "p50_ms",
                                     "p99_ms", "p50_over_engine_ms", "errors", "server_cpu_us_per_request",
-                                    "tax_us_per_request", "backbone_over_engine_us", "outside_backbone_us",
+                                    "tax_us_per_request", "engine_step_over_engine_us", "outside_engine_step_us",
                                     "client_cpu_us_per_request", "loadavg"],
-                           ["ensemble", "conc.", "req/s", "x engine (best batch)", "x vanilla", "p50 ms", "p99 ms",
+                           ["model", "instances", "conc.", "req/s", "x engine (best batch)", "x vanilla", "p50 ms", "p99 ms",
                             "p50 - engine's (ms)", "errors", "server CPU us/req", "tax us/req",
-                            "of which backbone step - engine", "of which outside the backbone step",
+                            "of which the engine's step - engine", "of which outside the engine's step",
                             "load generator CPU us/req", "load average (before, after)"])
     text += "\n## CPU microseconds per request by process\n\n"
-    text += markdown_table(served, ["ensemble", "concurrency", *(f"us:{p}" for p in steps)],
-                           ["ensemble", "conc.", *steps])
+    text += markdown_table(served, ["ensemble", "cpu_instances", "concurrency", *(f"us:{p}" for p in steps)],
+                           ["model", "instances", "conc.", *steps])
     ceilinged = [p for p in steps if any(r[f"ceiling:{p}"] for r in served)]
-    text += (f"\n## Ceiling each process puts on a {config.cores}-core host (req/s; one instance of each python step,"
-             " tritonserver on every core)\n\n")
-    text += markdown_table(served, ["ensemble", "concurrency", *(f"ceiling:{p}" for p in ceilinged)],
-                           ["ensemble", "conc.", *ceilinged])
+    text += (f"\n## Ceiling each process puts on a {config.cores}-core host (req/s; tritonserver on every core; the "
+             "fused steps run the engine, bounded by it, not by one thread)\n\n")
+    text += markdown_table(served, ["ensemble", "cpu_instances", "concurrency", *(f"ceiling:{p}" for p in ceilinged)],
+                           ["model", "instances", "conc.", *ceilinged])
     for r in served:
         for p in steps:
             r.pop(f"us:{p}"), r.pop(f"ceiling:{p}")
         r.pop("ensemble")
     write_text(out / "tax.md", text)
     fig, (left, right) = new_figure(11, 4.5, ncols=2)
-    for model, mix in sorted({(r["model"], r["tasks_in_flight"]) for r in served}):
-        for ids in (False, True):
-            rows = [r for r in served if r["model"] == model and r["tasks_in_flight"] == mix and r["token_ids"] == ids]
-            if rows:
-                label = f"{model}{' x' + str(mix) if mix > 1 else ''}{', ids' if ids else ''}"
-                x = [r["concurrency"] for r in rows]
-                left.plot(x, [r["throughput_rps"] for r in rows], marker="o", linestyle="--" if ids else "-",
-                          label=label)
-                right.plot(x, [r["tax_us_per_request"] for r in rows], marker="o", linestyle="--" if ids else "-",
-                           label=label)
+    for key in sorted({(r["model"], r["tasks_in_flight"], r["cpu_instances"]) for r in served}):
+        rows = [r for r in served if (r["model"], r["tasks_in_flight"], r["cpu_instances"]) == key and not r["token_ids"]]
+        if rows:
+            x = [r["concurrency"] for r in rows]
+            style = dict(marker="o", linestyle="-" if key[2] == 1 else "--", label=_label(rows[0]))
+            left.plot(x, [r["throughput_rps"] for r in rows], **style)
+            right.plot(x, [r["tax_us_per_request"] for r in rows], **style)
     best = max(e["throughput_rps"] for e in engine)
     left.axhline(best, color="k", linewidth=0.8, label="engine alone, best batch")
     for ax, title, unit in ((left, "Throughput", "requests / s"), (right, "Serving tax", "CPU us / request")):

@@ -95,7 +95,7 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
             raise RepositoryError(f"{repo} already exists; pass --overwrite to replace its backbone")
         if not (repo / RECORD).is_file():
             raise RepositoryError(f"{repo} exists and is not an AoT model repository; refusing to replace it")
-        keep_tasks = read_repository(repo)
+        keep_tasks = read_repository(repo, older=True)  # a re-export also upgrades an older repository
     backbone = load_backbone(model)
     identity = backbone_identity(backbone)
     # The longest sequence the repository serves: the encoder's limit, or, for encoders without one (relative

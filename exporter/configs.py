@@ -25,8 +25,11 @@ from serving import protocol as io
 from serving.repository import ServingOptions
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "model_repository"
+# model -> template; `aot` and `vanilla` are ensembles in the GPU configs (their model.py unused there) and the
+# fused step in the CPU configs
 PYTHON_MODELS = {"tokenizer": "tokenizer", "aot_lookup": "aot_lookup", "backbone": "backbone",
-                 "backbone_vanilla": "backbone", "head": "head", "task_list": "task_list"}  # model -> template
+                 "backbone_vanilla": "backbone", "head": "head", "task_list": "task_list", "aot": "fused",
+                 "vanilla": "fused"}
 ENSEMBLES = ("aot", "vanilla")
 CPU_CONFIG = "configs/cpu.pbtxt"  # selected by tritonserver --model-config-name=cpu
 
@@ -108,13 +111,9 @@ def _backbone(name: str, aot: bool, target: str, info: dict, options: ServingOpt
     pb = _pb()
     token_names = io.token_inputs(info["uses_token_type_ids"])
     python = _in_process_lookup(target, options)
-    if options.engine == "torch":
-        params = {"engine": "torch", "device": "cpu" if target == "cpu" else "cuda",
-                  "threads": str(options.cpu_threads)}
-        config = _python_model(name, options, params, options.backbone_queue_delay_us)
-    elif python:
-        params = {"engine": "onnx", "onnx_file": "model.onnx", "threads": str(options.cpu_threads)}
-        config = _python_model(name, options, params, options.backbone_queue_delay_us)
+    if python:
+        config = _python_model(name, options, _engine_parameters(name, target, options),
+                               options.backbone_queue_delay_us)
     else:
         platform = "tensorrt_plan" if options.engine == "tensorrt" else "onnxruntime_onnx"
         # ONNX Runtime on a GPU runs the fp16 twin of the graph when export found it within parity
@@ -147,13 +146,41 @@ def _backbone(name: str, aot: bool, target: str, info: dict, options: ServingOpt
     return config
 
 
-def _ensemble(name: str, backbone: str, info: dict, options: ServingOptions, target: str):
+def _engine_parameters(backbone: str, target: str, options: ServingOptions) -> dict[str, str]:
+    """How a python step runs the encoder of model folder `backbone` (serving.stages.Encoder): ONNX Runtime on its
+    graph, or the torch engine on the target's device."""
+    if options.engine == "torch":
+        return {"engine": "torch", "device": "cpu" if target == "cpu" else "cuda", "threads": str(options.cpu_threads)}
+    return {"engine": "onnx", "onnx_file": f"{backbone}/1/model.onnx", "threads": str(options.cpu_threads)}
+
+
+def _fused(name: str, backbone: str, info: dict, options: ServingOptions):
+    """The CPU configs' `aot` / `vanilla`: one python step doing what the GPU ensemble's steps do (tokenizer, lookup,
+    encoder, head; model_repository/fused), with the client's inputs and the ensemble's outputs. One hop through the
+    server instead of three: docs/benchmarks.md section 6."""
     pb = _pb()
-    config = pb.ModelConfig(name=name, platform="ensemble", max_batch_size=options.max_batch_size)
-    config.input.extend(_request_inputs(info, ragged=False))
+    params = {"aot": "true" if backbone == "backbone" else "false", **_engine_parameters(backbone, "cpu", options)}
+    config = _python_model(name, options, params, options.backbone_queue_delay_us, instances=options.cpu_instances)
+    config.input.extend(_request_inputs(info, ragged=True))
+    _answer_outputs(config)
+    return config
+
+
+def _answer_outputs(config) -> None:
+    """What the client gets back from `aot` / `vanilla` (protocol v5)."""
+    pb = _pb()
     config.output.append(_tensor(pb.ModelOutput, io.LOGITS, [-1]))
     config.output.append(_tensor(pb.ModelOutput, io.LABEL, [1]))
     config.output.append(_tensor(pb.ModelOutput, io.TASK_VERSION, [1]))  # which version answered (protocol v5)
+
+
+def _ensemble(name: str, backbone: str, info: dict, options: ServingOptions, target: str):
+    if target == "cpu":
+        return _fused(name, backbone, info, options)
+    pb = _pb()
+    config = pb.ModelConfig(name=name, platform="ensemble", max_batch_size=options.max_batch_size)
+    config.input.extend(_request_inputs(info, ragged=False))
+    _answer_outputs(config)
     tokens = io.token_inputs(info["uses_token_type_ids"])
     version = io.TASK_VERSION
     steps = config.ensemble_scheduling.step

@@ -1,4 +1,4 @@
-"""The deployment folder's record, as the served steps and the tools read it: format `aot-repository` v2.
+"""The deployment folder's record, as the served steps and the tools read it: format `aot-repository` v3.
 
     REPO/aot_repository.json    backbone identity and limits, protocol version, serving options, where things are
     REPO/tasks/                 the task store (serving.store); its location is the record's `store`
@@ -15,10 +15,10 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from serving import protocol
-from serving.formats import FormatError, read_versioned_json
+from serving.formats import FormatError, read_json, read_versioned_json
 
 REPO_FORMAT = "aot-repository"
-REPO_VERSION = 2
+REPO_VERSION = 3  # 3: the CPU configs serve `aot` / `vanilla` from one fused step
 RECORD = "aot_repository.json"
 MODELS_DIR = "models"
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
@@ -28,6 +28,9 @@ POOL_BYTES_ENV = "AOT_POOL_BYTES"
 # docs/benchmarks.md section 6), so one instance caps a server at 3,000-7,000 requests/s; 6 lift each step's
 # ceiling past 20,000 on a 16-core host, where the server's whole CPU per request bounds the host near that rate.
 GPU_STEP_INSTANCES = 6
+# What a server on the CPU configs loads: `aot` and `vanilla` are each one fused step there (tokenizer, lookup,
+# encoder, head); the GPU ensembles' separate steps are not needed.
+CPU_MODELS = ("aot", "vanilla", "task_list")
 
 
 class RepositoryError(ValueError):
@@ -45,7 +48,9 @@ class ServingOptions:
     backbone_queue_delay_us: int = field(default=500, metadata={
         "flag": "--queue-delay-us", "minimum": 0, "help": "backbone dynamic-batching queue delay (µs)"})
     cpu_threads: int = field(default=0, metadata={
-        "flag": "--cpu-threads", "minimum": 0, "help": "ONNX Runtime threads of the CPU backbone (0: all cores)"})
+        "flag": "--cpu-threads", "minimum": 0,
+        "help": "engine threads of each CPU step that runs the encoder (0: the host's cores divided among its "
+                "instances, --cpu-instances)"})
     buckets: tuple[int, ...] = field(default=DEFAULT_BUCKETS, metadata={
         "flag": "--buckets", "help": "GPU: sequence lengths token tensors are padded to, so that requests batch "
                                      "together (lengths past what the encoder accepts are replaced by its limit)"})
@@ -72,9 +77,16 @@ class ServingOptions:
                 "overrides it"})
     step_instances: int = field(default=0, metadata={
         "flag": "--step-instances", "minimum": 0,
-        "help": "instances of the tokenizer and head steps: each runs its requests on one "
+        "help": "instances of the GPU ensembles' tokenizer and head steps: each runs its requests on one "
                 "thread, so one instance caps a server at 1e6 / (its microseconds per request) requests/s (`aot bench "
-                "tax`). 0: 1 in the CPU configs, GPU_STEP_INSTANCES in the GPU configs"})
+                "tax`). 0: 6 in the GPU configs (1 in their CPU configs, which the local server loads only when asked; "
+                "the CPU configs serve clients from one fused step, --cpu-instances)"})
+    cpu_instances: int = field(default=1, metadata={
+        "flag": "--cpu-instances", "minimum": 1,
+        "help": "instances of the CPU configs' one step (`aot`, `vanilla`: tokenizer, lookup, encoder and head in one "
+                "process): each has its own engine session (of --cpu-threads threads), tokenizer and task pool (the "
+                "pool budget is split between them), so one can run the encoder while another's requests cross the "
+                "server"})
     max_text_bytes: int = field(default=65536, metadata={
         "flag": "--max-text-bytes", "minimum": 1,
         "help": "longest TEXT (and TEXT_PAIR) a request may send, in UTF-8 bytes; longer ones are refused at once "
@@ -220,15 +232,25 @@ def memory_pool_bytes(info: RepositoryInfo) -> dict[str, int]:
     return {"cuda": max(need, 64 * mib), "pinned": max(need, 256 * mib)}
 
 
-def read_repository(path: str | Path) -> RepositoryInfo:
+# The oldest record whose task store a backbone re-export keeps (the store's format has not changed since)
+OLDEST_KEPT_VERSION = 2
+
+
+def read_repository(path: str | Path, older: bool = False) -> RepositoryInfo:
+    """The record of the repository at `path`, of this version; with `older`, of any version since
+    OLDEST_KEPT_VERSION (what `aot export backbone --overwrite` reads to keep the tasks of the one it replaces)."""
     path = Path(path)
     record_path = path / RECORD
     if not record_path.is_file():
         raise RepositoryError(f"{path}: not an AoT model repository (no {RECORD}); run `aot export backbone` first")
+    versions = range(OLDEST_KEPT_VERSION, REPO_VERSION + 1) if older else (REPO_VERSION,)
     try:
-        record = read_versioned_json(record_path, REPO_FORMAT, REPO_VERSION, _REQUIRED)
-    except FormatError as exc:
-        raise RepositoryError(f"{exc}; re-export the backbone with this version (`aot export backbone`)") from None
+        found = read_json(record_path).get("format_version")
+        version = found if found in versions else REPO_VERSION
+        record = read_versioned_json(record_path, REPO_FORMAT, version, _REQUIRED)
+    except (FormatError, AttributeError) as exc:
+        raise RepositoryError(f"{exc}; re-export the backbone with this version (`aot export backbone --repo {path} "
+                              "--overwrite`: it keeps the tasks)") from None
     if record["protocol_version"] != protocol.PROTOCOL_VERSION:
         raise RepositoryError(f"{record_path}: protocol version {record['protocol_version']} is not "
                               f"{protocol.PROTOCOL_VERSION}; re-export the backbone")

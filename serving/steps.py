@@ -43,6 +43,12 @@ def model_parameters(args: dict) -> dict[str, str]:
     return {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
 
 
+def instance_count(args: dict) -> int:
+    """How many instances of this model the server runs (its config's instance groups)."""
+    config = json.loads(args["model_config"])
+    return max(sum(int(g.get("count", 1)) for g in config.get("instance_group", [])), 1)
+
+
 class StepMetrics:
     """Per-task counters on Triton's metrics port (pb_utils.MetricFamily), labelled step, task and version.
 
@@ -149,20 +155,22 @@ class Step:
     """Base of a served python step: the repository record, the task registry, checks and responses."""
 
     def __init__(self, args: dict, pb_utils, name: str, tasks: str = "meta", pool_storage=None):
-        """`tasks`: the part of each task version this step needs (serving.tasks.PARTS: meta, head, rows), or
+        """`tasks`: the part of each task version this step needs (serving.tasks.PARTS: meta, head, rows, all), or
         "none" (the vanilla backbone). `pool_storage`: where the task pool's rows live (host memory by default;
         serving_torch.engine.DeviceRows for the torch engine)."""
         self.step = name
         self.pb = pb_utils
         self.parameters = model_parameters(args)
+        self.instances = instance_count(args)
         self.model_dir = Path(args["model_repository"])
         self.repo: RepositoryInfo = repository_of_model(self.model_dir)
         self.options = self.repo.options
         self.tasks = None
         self.pool = None
-        if tasks == "rows" and self.options.pool_bytes > 0:
-            self.pool = RowPool(self.options.pool_bytes, self.repo.num_layers, self.repo.hidden_size,
-                                self.repo.vocab_size, storage=pool_storage)
+        if tasks in ("rows", "all") and self.options.pool_bytes > 0:
+            # each instance of a step is its own process with its own pool: they share the budget
+            self.pool = RowPool(self.options.pool_bytes // self.instances, self.repo.num_layers,
+                                self.repo.hidden_size, self.repo.vocab_size, storage=pool_storage)
             self.pb.Logger.log_info(f"{name}: task pool of {self.pool.budget_bytes} bytes ({self.pool.slots} rows; "
                                     f"{self.pool.slots // self.repo.vocab_size} tasks fully resident)")
         self.metrics = StepMetrics(pb_utils, name, self.pool)

@@ -29,12 +29,18 @@ def make_repository(model_dir: Path, repo: Path, tasks: dict[str, tuple[Path, st
     return repo
 
 
-def serve_for_tests(request, repo: Path):
-    """A LocalServer for a test module's fixture (yield from it); prints the server's log when a test failed."""
+# Every model of a repository's CPU configs: the fused `aot` / `vanilla` clients call, and the GPU ensembles' separate
+# steps, which a CPU server loads only when asked (tests call them directly: they run the same stages)
+WITH_STEPS = ("aot", "vanilla", "task_list", "tokenizer", "backbone", "backbone_vanilla", "head")
+
+
+def serve_for_tests(request, repo: Path, load: tuple[str, ...] | None = None):
+    """A LocalServer for a test module's fixture (yield from it); prints the server's log when a test failed.
+    `load`: the models to load (default: what the CPU configs serve clients)."""
     from aot.server import LocalServer
 
     failed_before = request.session.testsfailed
-    server = LocalServer(repo).start()
+    server = LocalServer(repo, load=load).start()
     yield server
     if request.session.testsfailed > failed_before:  # before stop(), which removes a temporary log
         print(f"\n--- tritonserver log ({server.log_path}) ---\n{server.log_tail(80)}")

@@ -170,21 +170,23 @@ def test_tax_bench_tiny(tmp_path, tiny_models, sentiment_dir):
     task = train_tiny_task(tiny_models["bert"], sentiment_dir, tmp_path / "task", "fc", epochs=1)
     out = tmp_path / "bench"
     assert main(["bench", "tax", "--task", str(task), "--out", str(out), "--concurrency", "1,4", "--requests", "24",
-                 "--batch", "1,4", "--no-progress"]) == 0
+                 "--batch", "1,4", "--cpu-instances", "1,2", "--no-progress"]) == 0
     records = json.loads((out / "tax.json").read_text())
     engine = [r for r in records if r["kind"] == "engine"]
     served = [r for r in records if r["kind"] == "served"]
     assert sorted((r["batch"], r["grouping"]) for r in engine) == [(1, "by length"), (4, "by length"), (4, "padded")]
     assert all(r["throughput_rps"] > 0 and r["cpu_us_per_sequence"] > 0 for r in engine)
-    assert {(r["model"], r["tasks_in_flight"], r["concurrency"], r["token_ids"]) for r in served} == {
-        (m, n, c, ids) for m, n in (("vanilla", 1), ("aot", 1), ("aot", 8)) for c in (1, 4) for ids in (False, True)}
+    assert sorted((r["model"], r["tasks_in_flight"], r["cpu_instances"], r["concurrency"], r["token_ids"])
+                  for r in served) == sorted((m, n, k, c, ids) for m, n in (("vanilla", 1), ("aot", 1), ("aot", 8))
+                                             for k in (1, 2) for c in (1, 4) for ids in (False, True))
     for r in served:
         assert r["errors"] == 0 and r["throughput_rps"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0
-        steps = {"tritonserver", "tokenizer", "head", "backbone" if r["model"] == "aot" else "backbone_vanilla"}
-        assert steps <= set(r["cpu_us_per_request"])
+        fused = {f"{m}{'' if k == 1 else f'#{k}'}" for m in ("aot", "vanilla") for k in range(1, r["cpu_instances"] + 1)}
+        assert set(r["cpu_us_per_request"]) == {"tritonserver", "task_list"} | fused  # the CPU configs' steps
+        assert r["cpu_us_per_request"][r["model"]] > 0 and r["engine_step_over_engine_us"] is not None
         assert r["server_cpu_us_per_request"] == pytest.approx(sum(r["cpu_us_per_request"].values()), abs=1)
         assert r["client_cpu_us_per_request"] > 0 and len(r["loadavg"]) == 2
-        assert set(r["ceilings_rps"]) >= {"tritonserver", "tokenizer", "head"}
+        assert set(r["ceilings_rps"]) == {"tritonserver"}  # the fused steps run the engine: no one-thread ceiling
         assert r["x_vanilla"] is not None and r["x_engine"] > 0
     text = (out / "tax.md").read_text()
     assert text.startswith("# The serving tax") and "Ceiling each process puts on a 16-core host" in text

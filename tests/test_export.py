@@ -255,6 +255,13 @@ def test_existing_repository_needs_overwrite(tmp_path, tiny_models, tasks):
         export_backbone(str(tiny_models["bert"]), repo)
     export_backbone(str(tiny_models["bert"]), repo, overwrite=True)  # same backbone: tasks are kept
     assert list(TaskStore(read_repository(repo).store_root).entries()) == ["t"]
+    record = json.loads((repo / "aot_repository.json").read_text())  # a repository of the previous format
+    (repo / "aot_repository.json").write_text(json.dumps({**record, "format_version": 2}))
+    with pytest.raises(RepositoryError, match=r"not an aot-repository v3 file .* --overwrite`: it keeps the tasks"):
+        read_repository(repo)
+    export_backbone(str(tiny_models["bert"]), repo, overwrite=True)  # upgraded, its tasks kept
+    assert read_repository(repo).record["format_version"] == 3
+    assert list(TaskStore(read_repository(repo).store_root).entries()) == ["t"]
     with pytest.raises(RepositoryError, match="holds tasks for backbone"):
         export_backbone(str(tiny_models["roberta"]), repo, overwrite=True)
 
@@ -275,6 +282,8 @@ def test_every_config_parses_and_is_consistent(uses_tt, engine, interface):
         backbone = configs["backbone"]
         inputs = {i.name: i for i in backbone.input}
         steps = [s.model_name for s in configs["aot"].ensemble_scheduling.step]
+        outputs = [(o.name, list(o.dims)) for o in configs["aot"].output]
+        assert outputs == [(io.LOGITS, [-1]), (io.LABEL, [1]), (io.TASK_VERSION, [1])]
         if target == "gpu" and interface == "rows":
             # the native backend receives ragged rows and an index; Triton supplies the row offsets
             assert set(inputs) == set(io.token_inputs(uses_tt)) | {io.AOT_ROWS, io.AOT_INDEX}
@@ -309,11 +318,19 @@ def test_every_config_parses_and_is_consistent(uses_tt, engine, interface):
                     if io.AOT_BIAS in g.input:
                         assert list(g.input[io.AOT_BIAS].dim) == list(g.graph_lower_bound.input[io.AOT_BIAS].dim) == [seq, 3, 48]
         else:
-            # the python backbone looks rows up itself: as many steps as the vanilla ensemble
+            # one fused python step per ensemble name (tokenizer, lookup, encoder, head), on the graph of its backbone
+            for model, graph in (("aot", "backbone"), ("vanilla", "backbone_vanilla")):
+                fused = configs[model]
+                assert fused.backend == "python" and not fused.ensemble_scheduling.step
+                assert fused.parameters["aot"].string_value == str(model == "aot").lower()
+                assert fused.parameters["onnx_file"].string_value == f"{graph}/1/model.onnx"
+                assert fused.instance_group[0].count == options.cpu_instances
+            # the separate python backbone (loaded only when asked) looks rows up itself
             assert set(inputs) == set(io.token_inputs(uses_tt)) | {io.TASK_VERSION}
             assert backbone.backend == "python" and not backbone.batch_input
-            assert steps == ["tokenizer", "backbone", "head"]
-        assert [s.model_name for s in configs["vanilla"].ensemble_scheduling.step] == ["tokenizer", "backbone_vanilla", "head"]
+        if target == "gpu":
+            vanilla = [s.model_name for s in configs["vanilla"].ensemble_scheduling.step]
+            assert vanilla == ["tokenizer", "backbone_vanilla", "head"]
         # tokenizer and head: one thread per instance, so a GPU host runs several; one lookup (its own device pool)
         instances = 1 if target == "cpu" else GPU_STEP_INSTANCES
         assert [configs[m].instance_group[0].count for m in ("tokenizer", "head", "aot_lookup")] == [instances,
@@ -325,7 +342,8 @@ def test_every_config_parses_and_is_consistent(uses_tt, engine, interface):
             assert [(i.name, i.optional) for i in configs[model].input] == [(n, True) for n in requests]
         tok = {i.name: i for i in configs["tokenizer"].input}
         assert all(tok[n].allow_ragged_batch and list(tok[n].dims) == [-1] for n in io.token_inputs(uses_tt))
-        assert set(configs["aot"].ensemble_scheduling.step[0].input_map.items()) == {(n, n) for n in requests}
+        if target == "gpu":
+            assert set(configs["aot"].ensemble_scheduling.step[0].input_map.items()) == {(n, n) for n in requests}
     assert [model_configs(info, ServingOptions(step_instances=3), t)["head"].instance_group[0].count
             for t in ("cpu", "gpu")] == [3, 3]
 
@@ -336,7 +354,7 @@ def test_written_repository_configs_parse(tmp_path, tiny_models):
     assert len(files) == 16
     for path in files:
         parse_pbtxt(path.read_text())
-    for model in ("tokenizer", "aot_lookup", "backbone", "backbone_vanilla", "head", "task_list"):
+    for model in ("tokenizer", "aot_lookup", "backbone", "backbone_vanilla", "head", "task_list", "aot", "vanilla"):
         assert (repo / "models" / model / "1" / "model.py").is_file()
     assert (repo / "models" / "backbone" / "1" / "model.onnx").is_file()
 
@@ -583,7 +601,10 @@ def test_onnx_gpu_config_runs_the_fp16_graph_where_parity_allows(tmp_path, tiny_
         assert (models / name / "1" / FP16_FILE).is_file()
         assert parse_pbtxt((models / name / "config.pbtxt").read_text()).default_model_filename == FP16_FILE
         cpu = parse_pbtxt((models / name / "configs" / "cpu.pbtxt").read_text())
-        assert cpu.parameters["onnx_file"].string_value == "model.onnx"
+        assert cpu.parameters["onnx_file"].string_value == f"{name}/1/model.onnx"
+    for name, graph in (("aot", "backbone"), ("vanilla", "backbone_vanilla")):  # the CPU configs' fused steps
+        cpu = parse_pbtxt((models / name / "configs" / "cpu.pbtxt").read_text())
+        assert cpu.parameters["onnx_file"].string_value == f"{graph}/1/model.onnx"
     assert read_repository(tmp_path / "a").record["precision"] == "fp16"
 
     export_backbone(str(tiny_models["bert"]), tmp_path / "b", precision="fp32")

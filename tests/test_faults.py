@@ -30,7 +30,7 @@ from serving.atomic import write_json
 from serving.repository import read_repository
 from serving.supervisor import GRPC_ADMIN_HEADER, SHM, STUB, stubs_of
 from serving.tasks import TaskRegistry
-from tests.helpers import make_repository, serve_for_tests, train_tiny_task
+from tests.helpers import WITH_STEPS, make_repository, serve_for_tests, train_tiny_task
 from training.predict import Predictor
 
 pytestmark = [pytest.mark.server, pytest.mark.faults]
@@ -61,7 +61,8 @@ def repo(tmp_path_factory, tiny_models, artifacts):
 
 @pytest.fixture(scope="module")
 def server(request, repo):
-    yield from serve_for_tests(request, repo)
+    """Clients call the fused `aot`; the GPU ensembles' separate steps are loaded too, for the direct requests."""
+    yield from serve_for_tests(request, repo, load=WITH_STEPS)
 
 
 @pytest.fixture
@@ -118,10 +119,11 @@ def _refusal(url: str, model: str, inputs: dict) -> str:
     raise AssertionError(f"model {model!r} accepted a bad request: {result.get_response()}")
 
 
-def _token_inputs(repo, version: str, ids, mask=None) -> dict:
-    """A direct request to the CPU `backbone` step: TASK_VERSION [1, 1], token tensors INT64 [1, S]."""
+def _token_inputs(repo, version: str, ids, mask=None, task_input: str = "TASK_VERSION") -> dict:
+    """A direct request to the `backbone` step (TASK_VERSION [1, 1]), or with `task_input` TASK a token-id request to
+    `aot`; token tensors INT64 [1, S]."""
     ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
-    inputs = {"TASK_VERSION": _bytes(version), "input_ids": ids,
+    inputs = {task_input: _bytes(version), "input_ids": ids,
               "attention_mask": np.ones_like(ids) if mask is None else np.asarray(mask, dtype=np.int64).reshape(1, -1)}
     if read_repository(repo).uses_token_type_ids:
         inputs["token_type_ids"] = np.zeros_like(ids)
@@ -220,38 +222,38 @@ def _kill_quietly(pid: int) -> None:
         pass
 
 
-def _backbone_stats(srv) -> dict:
+def _aot_stats(srv) -> dict:
     import tritonclient.grpc as grpcclient
 
     with grpcclient.InferenceServerClient(srv.grpc_url) as c:  # statistics: the admin key's
-        stats = c.get_inference_statistics("backbone", headers={GRPC_ADMIN_HEADER: srv.admin_key}).model_stats[0]
+        stats = c.get_inference_statistics("aot", headers={GRPC_ADMIN_HEADER: srv.admin_key}).model_stats[0]
     return {"failed": stats.inference_stats.fail.count, "executions": stats.execution_count}
 
 
 # --- 1. a batch of failing requests ---------------------------------------------------------------------------
 
-def test_batch_of_failing_backbone_requests_does_not_crash_the_server(server, repo, client, expected):
+def test_batch_of_failing_requests_does_not_crash_the_server(server, repo, client, expected):
     vocab = read_repository(repo).vocab_size
     version = _version(repo, "alpha")
     barrier = threading.Barrier(8)
 
     def bad(k):
-        inputs = _token_inputs(repo, version, [2, 10 + k, vocab + 10 * k, 3])
+        inputs = _token_inputs(repo, version, [2, 10 + k, vocab + 10 * k, 3], task_input="TASK")
         barrier.wait()
-        return _refusal(server.grpc_url, "backbone", inputs)
+        return _refusal(server.grpc_url, "aot", inputs)
 
     repairs = len(server.supervisor.repairs)
-    stats_before = _backbone_stats(server)
-    failures_before = _metric(_published_metrics(server, client), "aot_task_failures_total", step="backbone")
+    stats_before = _aot_stats(server)
+    failures_before = _metric(_published_metrics(server, client), "aot_task_failures_total", step="aot")
     with ThreadPoolExecutor(8) as pool:
         messages = list(pool.map(bad, range(8)))
-    stats_after = _backbone_stats(server)
+    stats_after = _aot_stats(server)
     failed, executions = (stats_after[k] - stats_before[k] for k in ("failed", "executions"))
     samples = _published_metrics(server, client)
-    failures = _metric(samples, "aot_task_failures_total", step="backbone")
-    labels = [(lab, v) for n, lab, v in samples if n == "aot_task_failures_total" and lab.get("step") == "backbone"]
-    print(f"\n8 bad requests: {executions} backbone executions (Triton's own failure count grew by {failed}); "
-          f"aot_task_failures_total of the backbone step grew by {failures - failures_before:.0f}: {labels}; "
+    failures = _metric(samples, "aot_task_failures_total", step="aot")
+    labels = [(lab, v) for n, lab, v in samples if n == "aot_task_failures_total" and lab.get("step") == "aot"]
+    print(f"\n8 bad requests: {executions} aot executions (Triton's own failure count grew by {failed}); "
+          f"aot_task_failures_total of the aot step grew by {failures - failures_before:.0f}: {labels}; "
           f"first message {messages[0]!r}")
     assert executions < 8, "the 8 requests were never batched together"
     assert failures - failures_before == 8
@@ -266,9 +268,9 @@ def test_batch_of_failing_backbone_requests_does_not_crash_the_server(server, re
 
 # --- 2. dead processes ------------------------------------------------------------------------------------------
 
-def test_killed_backbone_stub_is_repaired_within_30_s(server, expected):
+def test_killed_aot_stub_is_repaired_within_30_s(server, expected):
     stubs = stubs_of(server.process.pid)
-    old = next(s for s in stubs.values() if s.model == "backbone")
+    old = next(s for s in stubs.values() if s.model == "aot")
     repairs_before = len(server.supervisor.repairs)
     with Client(server.grpc_url, timeout=10) as c:
         np.testing.assert_allclose(c.infer("alpha", TEXTS[0])["logits"], expected["alpha"][0], atol=ATOL)
@@ -292,11 +294,11 @@ def test_killed_backbone_stub_is_repaired_within_30_s(server, expected):
             and time.monotonic() < deadline:
         time.sleep(0.05)
     repairs = server.supervisor.repairs[repairs_before:]
-    assert [r.model for r in repairs] == ["backbone"], repairs
+    assert [r.model for r in repairs] == ["aot"], repairs
     assert repairs[0].error is None and repairs[0].seconds is not None and 0 < repairs[0].seconds < 30, repairs
     new = stubs_of(server.process.pid)[old.instance]
     assert new.pid != old.pid
-    print(f"\nbackbone stub {old.pid} killed: first correct answer after {downtime:.2f} s; supervisor repair "
+    print(f"\naot stub {old.pid} killed: first correct answer after {downtime:.2f} s; supervisor repair "
           f"took {repairs[0].seconds:.2f} s; {len(failures)} failed requests meanwhile: {sorted(set(failures))}")
 
 
@@ -310,7 +312,7 @@ def test_serve_command_restarts_a_killed_tritonserver_and_cleans_up_after_it(rep
         with Client(info["grpc"]) as c:
             assert c.infer("alpha", TEXTS[0])["label"] in ("positive", "negative")
         stubs = stubs_of(triton)
-        assert {s.model for s in stubs.values()} >= {"tokenizer", "backbone", "head"}, stubs
+        assert {s.model for s in stubs.values()} == {"aot", "vanilla", "task_list"}, stubs
         regions = [SHM / s.shm_region.lstrip("/") for s in stubs.values()]
         assert all(r.exists() for r in regions), regions
         def serving_again(since: float) -> float:
@@ -546,7 +548,7 @@ def test_bad_manifest_keeps_the_last_good_one(scratch, expected):
             samples = _metrics(scratch)
             errors = _metric(samples, "aot_store_manifest_errors_total")
             assert errors > errors_before, "aot_store_manifest_errors_total did not grow"
-            for step in ("tokenizer", "backbone", "head"):
+            for step in ("aot",):  # the step the requests went through
                 assert _metric(samples, "aot_store_manifest_errors_total", step=step) > 0, step
 
             bad = json.loads(good)
@@ -657,7 +659,7 @@ def test_metrics_per_task_and_step(server, repo):
         assert all("error" not in a for a in answers), answers
         after = _published_metrics(server, c)
     for name, n in sent.items():
-        for step in ("tokenizer", "backbone", "head"):
+        for step in ("aot",):  # clients' requests go through the fused step alone
             labels = dict(step=step, task=name, version=versions[name])
             total = _metric(after, "aot_task_requests_total", **labels)
             assert total >= n, f"{labels}: {total} < {n}"
@@ -669,7 +671,7 @@ def test_metrics_per_task_and_step(server, repo):
 
 def test_soak_with_reexport_removal_and_a_killed_stub(server, repo, artifacts, expected):
     """16 clients x 200 requests over 3 tasks; meanwhile gamma is re-exported from another artifact (delta), beta is
-    removed, and the backbone stub is killed. Every answer is one version's; failures only where allowed."""
+    removed, and the aot stub (the fused step) is killed. Every answer is one version's; failures only where allowed."""
     threads_n, per_thread = 16, 200
     total = threads_n * per_thread
     records = []  # (task, text index, start, end, logits | None, error | None), time.time()
@@ -708,7 +710,7 @@ def test_soak_with_reexport_removal_and_a_killed_stub(server, repo, artifacts, e
             TaskStore(read_repository(repo).store_root).remove("beta")
             events["removed"] = time.time()
             wait_for(0.55)
-            stub = stubs_of(server.process.pid)["backbone_0_0"]
+            stub = stubs_of(server.process.pid)["aot_0_0"]
             restarts = len(server.restarts)
             events["kill"] = time.time()
             os.kill(stub.pid, signal.SIGKILL)

@@ -32,7 +32,7 @@ from aot.server import LocalServer, backends_folder, free_port, step_python
 from exporter.task_store import TaskStore
 from serving.repository import read_repository
 from serving.supervisor import ADMIN_HEADER, GRPC_ADMIN_HEADER, RESTRICTED_APIS, stubs_of
-from tests.helpers import make_repository, serve_for_tests, train_tiny_task
+from tests.helpers import WITH_STEPS, make_repository, serve_for_tests, train_tiny_task
 from training.predict import Predictor
 
 pytestmark = [pytest.mark.server]
@@ -198,19 +198,22 @@ def test_load_with_file_override_runs_no_code(served, tmp_path, expected):
 
 
 def test_no_step_can_be_replaced_or_unloaded(served, tmp_path, expected):
-    """The head override that made every task answer what the attacker chose, and an unload of every model."""
+    """The head override that made every task answer what the attacker chose (the GPU ensemble's head step, and
+    the CPU configs' fused step that holds the head), and an unload of every model."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
-    head = (ROOT / "model_repository" / "head" / "1" / "model.py").read_text()
-    evil = head.replace("logits = task.logits(np.concatenate([batch[k][1] for k in ks]))",
-                        "logits = np.array([[9.0, -9.0]] * len(ks), dtype=np.float32)")
-    assert evil != head
-    config = {"name": "head", "backend": "python", "max_batch_size": 64,
-              "parameters": {"evil": {"string_value": "1"}}}
-    body = json.dumps({"parameters": {"config": json.dumps(config),
-                                      "file:1/model.py": base64.b64encode(evil.encode()).decode()}}).encode()
-    assert _request(served.http, "/v2/repository/models/head/load", body)[0] == 403
+    for model, template in (("head", "head"), ("aot", "fused")):
+        code = (ROOT / "model_repository" / template / "1" / "model.py").read_text()
+        assert "head_answers(" in code
+        evil = code + ("\n\ndef head_answers(tasks, pooled):  # every task answers what the attacker chose\n"
+                       "    import numpy\n"
+                       "    return [(numpy.array([[9.0, -9.0]], dtype=numpy.float32), 'positive')] * len(tasks)\n")
+        config = {"name": model, "backend": "python", "max_batch_size": 64,
+                  "parameters": {"evil": {"string_value": "1"}}}
+        body = json.dumps({"parameters": {"config": json.dumps(config),
+                                          "file:1/model.py": base64.b64encode(evil.encode()).decode()}}).encode()
+        assert _request(served.http, f"/v2/repository/models/{model}/load", body)[0] == 403
     models = ["aot", "tokenizer", "backbone", "head", "task_list", "vanilla", "backbone_vanilla"]
     client = grpcclient.InferenceServerClient(served.grpc)
     try:
@@ -226,7 +229,7 @@ def test_no_step_can_be_replaced_or_unloaded(served, tmp_path, expected):
 
 @pytest.mark.parametrize("method,path,body", [
     ("POST", "/v2/repository/index", b"{}"),
-    ("GET", "/v2/models/head/config", None),
+    ("GET", "/v2/models/aot/config", None),
     ("GET", "/v2/models/stats", None),
     ("GET", "/v2/logging", None),
     ("POST", "/v2/logging", b'{"log_verbose_level": 1, "log_file": "/tmp/aot-evil.log"}'),
@@ -248,8 +251,8 @@ def test_every_control_api_needs_the_key_over_grpc(served):
 
     client = grpcclient.InferenceServerClient(served.grpc)
     calls = {"model-repository": lambda **kw: client.get_model_repository_index(**kw),
-             "model-config": lambda **kw: client.get_model_config("head", **kw),
-             "statistics": lambda **kw: client.get_inference_statistics("head", **kw),
+             "model-config": lambda **kw: client.get_model_config("aot", **kw),
+             "statistics": lambda **kw: client.get_inference_statistics("aot", **kw),
              "logging": lambda **kw: client.get_log_settings(**kw),
              "trace": lambda **kw: client.get_trace_settings(**kw),
              "shared-memory": lambda **kw: client.get_system_shared_memory_status(**kw)}
@@ -277,10 +280,11 @@ def test_the_key_is_never_logged(served):
 
 @pytest.fixture
 def scratch(request, tmp_path, repo):
-    """A LocalServer of its own on a copy of the repository (the cases below break it on purpose)."""
+    """A LocalServer of its own on a copy of the repository (the cases below break it on purpose), the GPU
+    ensembles' separate steps loaded too."""
     copy = tmp_path / "repo"
     shutil.copytree(repo, copy)
-    yield from serve_for_tests(request, copy)
+    yield from serve_for_tests(request, copy, load=WITH_STEPS)
 
 
 def _wait(condition, timeout: float, step: float = 0.05):
@@ -304,17 +308,18 @@ def test_unloaded_ensemble_is_reported_and_reloaded(scratch, expected):
 
 
 def test_stopped_step_is_detected_killed_and_reloaded_without_crashing_the_server(scratch, expected):
-    """kill -STOP of the backbone stub: /ready says 503 at once, the stub is killed (never resumed: a resumed stub
-    aborted tritonserver), the model reloaded, and the same tritonserver answers exactly again."""
+    """kill -STOP of the stub that serves clients (the fused `aot` step): /ready says 503 at once, the stub is killed
+    (never resumed: a resumed stub aborted tritonserver), the model reloaded, and the same tritonserver answers
+    exactly again."""
     server_pid = scratch.process.pid
-    stub = next(s for s in stubs_of(server_pid).values() if s.model == "backbone")
+    stub = next(s for s in stubs_of(server_pid).values() if s.model == "aot")
     start = time.monotonic()
     os.kill(stub.pid, signal.SIGSTOP)
     unready = _wait(lambda: _get(scratch.health_url, "/ready")[0] == 503, 10, 0.02)
     detected = time.monotonic() - start
     assert unready, "/ready still said 200 with a stopped step"
     repaired = _wait(lambda: [r for r in scratch.supervisor.repairs if r.cause == "hung" and r.seconds], 30)
-    assert repaired and repaired[0].model == "backbone"
+    assert repaired and repaired[0].model == "aot"
     assert _wait(lambda: _get(scratch.health_url, "/ready")[0] == 200, 30)
     print(f"stopped step: unready after {detected:.2f} s, reloaded in {repaired[0].seconds:.2f} s")
     assert scratch.process.poll() is None and scratch.process.pid == server_pid, "tritonserver did not survive"
@@ -324,11 +329,11 @@ def test_stopped_step_is_detected_killed_and_reloaded_without_crashing_the_serve
 def test_silent_step_is_found_by_its_probe(request, tmp_path, repo, expected):
     """A step stuck in a long call (not stopped, so the process table shows nothing): its liveness probe goes
     unanswered, and after hung_seconds it is killed and reloaded. The stuck call is injected into a copy of the
-    head's model file: a batch that arrives while the file `hang` exists never returns."""
+    fused step's model file: a batch that arrives while the file `hang` exists never returns."""
     copy = tmp_path / "repo"
     shutil.copytree(repo, copy)
     flag = tmp_path / "hang"
-    model = copy / "models" / "head" / "1" / "model.py"
+    model = copy / "models" / "aot" / "1" / "model.py"
     model.write_text(model.read_text() + f"""
 
 _execute = TritonPythonModel.execute
@@ -351,7 +356,7 @@ TritonPythonModel.execute = _stuck
         detected = time.monotonic() - start
         repaired = _wait(lambda: [r for r in server.supervisor.repairs if r.cause == "hung" and r.seconds], 30)
         flag.unlink()  # only now: a stub let go earlier would answer, and there would be nothing to repair
-        assert repaired and repaired[0].model == "head", server.supervisor.repairs
+        assert repaired and repaired[0].model == "aot", server.supervisor.repairs
         assert _wait(lambda: _get(server.health_url, "/ready")[0] == 200, 30)
         print(f"silent step: unready after {detected:.2f} s (hung_seconds 3)")
         _answers_unchanged(server.grpc_url, expected)
@@ -373,7 +378,7 @@ def test_damaged_table_is_refused_for_that_task_only(request, tmp_path, repo, ex
     with server:
         with Client(server.grpc_url, timeout=30) as client:
             assert client.infer("alpha", TEXTS[0])["label"]  # mapped and verified
-            backbone = next(s for s in stubs_of(server.process.pid).values() if s.model == "backbone")
+            step = next(s for s in stubs_of(server.process.pid).values() if s.model == "aot")
             with open(table, "r+b") as f:
                 if damage == "flip":
                     f.seek(table.stat().st_size - 4096)
@@ -388,9 +393,9 @@ def test_damaged_table_is_refused_for_that_task_only(request, tmp_path, repo, ex
             listing = _wait(lambda: client.tasks() if "alpha" in client.tasks()["errors"] else None, 15, 0.5)
             assert listing and "table.npy" in listing["errors"]["alpha"]
             assert [t["name"] for t in listing["tasks"]] == ["beta"]
-        assert backbone.pid in {s.pid for s in stubs_of(server.process.pid).values()}, "the backbone stub died"
+        assert step.pid in {s.pid for s in stubs_of(server.process.pid).values()}, "the aot stub died"
         metrics = urllib.request.urlopen(f"http://{server.host}:{server.metrics_port}/metrics").read().decode()
-        assert re.search(r'aot_task_errors_total\{[^}]*step="backbone"[^}]*task="alpha"', metrics)
+        assert re.search(r'aot_task_errors_total\{[^}]*step="aot"[^}]*task="alpha"', metrics)
         _answers_unchanged_beta(server.grpc_url, expected)
     result = subprocess.run([sys.executable, "-m", "aot", "export", "verify", "--repo", str(copy)],
                             capture_output=True, text=True, cwd=ROOT)
@@ -409,8 +414,9 @@ def _answers_unchanged_beta(grpc: str, expected) -> None:
 # --- 4. a client cannot grow the server ----------------------------------------------------------------------------
 
 def test_made_up_task_versions_add_no_metric_series(scratch):
-    """Direct calls to the head with random TASK_VERSION values: each is refused (404 or 400) and none becomes a
-    metric label (before: one series per value, 77,512 series and +110 MB per process)."""
+    """Random task versions, as TASK to `aot` (TASK@VERSION) and as TASK_VERSION in direct calls to the GPU
+    ensemble's head step: each is refused (404 or 400) and none becomes a metric label (before: one series per
+    value, 77,512 series and +110 MB per process)."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
@@ -422,12 +428,17 @@ def test_made_up_task_versions_add_no_metric_series(scratch):
     try:
         for i in range(300):
             version = f"t{rng.getrandbits(40):x}@{rng.getrandbits(48):012x}" if i % 2 else f"x{i}" * 5
-            version_input = grpcclient.InferInput("TASK_VERSION", [1, 1], "BYTES")
+            head = i % 4 < 2
+            version_input = grpcclient.InferInput("TASK_VERSION" if head else "TASK", [1, 1], "BYTES")
             version_input.set_data_from_numpy(np.array([[version.encode()]], dtype=np.object_))
-            pooled = grpcclient.InferInput("pooled_hidden", [1, 2, 32], "FP32")
-            pooled.set_data_from_numpy(np.zeros((1, 2, 32), dtype=np.float32))
+            if head:
+                second = grpcclient.InferInput("pooled_hidden", [1, 2, 32], "FP32")
+                second.set_data_from_numpy(np.zeros((1, 2, 32), dtype=np.float32))
+            else:
+                second = grpcclient.InferInput("TEXT", [1, 1], "BYTES")
+                second.set_data_from_numpy(np.array([[b"good"]], dtype=np.object_))
             with pytest.raises(InferenceServerException) as info:
-                client.infer("head", [version_input, pooled])
+                client.infer("head" if head else "aot", [version_input, second])
             assert info.value.status() in ("StatusCode.NOT_FOUND", "StatusCode.INVALID_ARGUMENT")
     finally:
         client.close()

@@ -101,15 +101,15 @@ def test_pair_mismatch_is_refused_per_request(client, expected):
     np.testing.assert_allclose(answers[3]["logits"], expected[("zeta", "pair")][0], atol=1e-3)
 
 
-def test_mixed_tasks_batch_into_one_backbone_execution(server, client):
-    before = _stats(client, "backbone", server)
+def test_mixed_tasks_batch_into_one_execution(server, client):
+    before = _stats(client, "aot", server)
     items = [{"task": ("alpha", "beta", "gamma")[i % 3], "text": TEXTS[i % len(TEXTS)]} for i in range(60)]
     answers = client.infer_many(items, concurrency=60)
     assert all("error" not in a for a in answers)
-    after = _stats(client, "backbone", server)
+    after = _stats(client, "aot", server)
     requests, executions = after[0] - before[0], after[1] - before[1]
     assert requests == 60
-    assert executions < requests, f"{executions} backbone executions for {requests} requests of 3 tasks"
+    assert executions < requests, f"{executions} executions of the aot step for {requests} requests of 3 tasks"
 
 
 def test_unknown_task_fails_alone(client, expected):
@@ -214,9 +214,9 @@ def test_bad_token_ids_are_refused_alone(server, client, expected, case, inputs,
 
 
 def test_batched_steps_give_each_request_its_own_answer(server, client, expected):
-    """Tokenizer and head run each `execute` batch at once (one encode_batch per max length, one head call per task
-    version): with mixed tasks, lengths, pairs and bad requests in the same batches, every request gets exactly its
-    own answer and the bad ones fail alone. Batches of several requests did form in both steps."""
+    """The fused step runs each `execute` batch at once (one encode_batch per max length, the encoder split by
+    length, one head call per task version): with mixed tasks, lengths, pairs and bad requests in the same batches,
+    every request gets exactly its own answer and the bad ones fail alone. Batches of several requests did form."""
     items = []
     for i in range(96):
         name = ("alpha", "beta", "gamma", "zeta")[i % 4]
@@ -225,7 +225,7 @@ def test_batched_steps_give_each_request_its_own_answer(server, client, expected
     bad = {7: {"task": "alpha", "text": "\u200b"}, 30: {"task": "nope", "text": TEXTS[0]},
            55: {"task": "zeta", "text": TEXTS[1]}, 81: {"task": "beta", "text": TEXTS[2], "text_pair": "w1"}}
     items = [bad.get(i, item) for i, item in enumerate(items)]
-    before = {m: _stats(client, m, server) for m in ("tokenizer", "head")}
+    before = {m: _stats(client, m, server) for m in ("aot",)}
     answers = client.infer_many(items, concurrency=96)
     for i, (item, answer) in enumerate(zip(items, answers)):
         if i in bad:
@@ -238,6 +238,47 @@ def test_batched_steps_give_each_request_its_own_answer(server, client, expected
     for model, (requests0, executions0) in before.items():
         requests, executions = (a - b for a, b in zip(_stats(client, model, server), (requests0, executions0)))
         assert executions < requests, f"{model}: {executions} executions for {requests} requests"
+
+
+@pytest.fixture(scope="module")
+def steps_server(request, repo):
+    """The GPU ensembles' separate steps on their CPU configs (no ensemble chains them here)."""
+    yield from serve_for_tests(request, repo, load=("tokenizer", "backbone", "backbone_vanilla", "head"))
+
+
+def test_gpu_ensemble_steps_chained_by_hand_answer_as_the_fused_step(steps_server, server, expected):
+    """The GPU ensembles run tokenizer -> backbone -> head as three steps; the CPU configs run the same stages
+    (serving.stages) in one. Chained by hand here, in the ensemble's order and tensors, they give the fused step's
+    answers and `aot predict`'s, for the AoT and the vanilla backbone."""
+    import tritonclient.grpc as grpcclient
+
+    def call(c, model, inputs):
+        tensors = []
+        for name, array in inputs.items():
+            dtype = "BYTES" if array.dtype == np.object_ else {"int64": "INT64", "float32": "FP32"}[array.dtype.name]
+            t = grpcclient.InferInput(name, list(array.shape), dtype)
+            t.set_data_from_numpy(array)
+            tensors.append(t)
+        return c.infer(model, tensors)
+
+    fused = {m: Client(server.grpc_url, model=m) for m in ("aot", "vanilla")}
+    with grpcclient.InferenceServerClient(steps_server.grpc_url) as c:
+        for name in ("alpha", "beta", "gamma"):
+            for i, text in enumerate(TEXTS):
+                tokens = call(c, "tokenizer", {"TEXT": _bytes(text.encode()), "TASK": _bytes(name.encode())})
+                version = tokens.as_numpy("TASK_VERSION")
+                ids = {n: tokens.as_numpy(n) for n in ("input_ids", "attention_mask", "token_type_ids")}
+                for backbone, model in (("backbone", "aot"), ("backbone_vanilla", "vanilla")):
+                    inputs = {**ids, **({"TASK_VERSION": version} if backbone == "backbone" else {})}
+                    pooled = call(c, backbone, inputs).as_numpy("pooled_hidden")
+                    logits = call(c, "head", {"TASK_VERSION": version, "pooled_hidden": pooled}).as_numpy("LOGITS")
+                    want = fused[model].infer(name, text)
+                    np.testing.assert_allclose(logits[0], want["logits"], atol=1e-5)
+                    assert version[0, 0].decode() == want["version"]
+                    if backbone == "backbone":
+                        np.testing.assert_allclose(logits[0], expected[name][i], atol=1e-3)
+    for c in fused.values():
+        c.close()
 
 
 def test_client_error_is_one_line(client):

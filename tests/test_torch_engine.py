@@ -40,8 +40,11 @@ def test_export_writes_the_encoder_checked_through_the_engine(tmp_path, tiny_mod
         assert config.parameters["engine"].string_value == "torch"
         assert config.parameters["device"].string_value == device
         assert io.TASK_VERSION in [i.name for i in config.input]
-        ensemble = parse_pbtxt((repo.models / "aot" / name).read_text())
-        assert [s.model_name for s in ensemble.ensemble_scheduling.step] == ["tokenizer", "backbone", "head"]
+    ensemble = parse_pbtxt((repo.models / "aot" / "config.pbtxt").read_text())  # GPU: the steps, chained
+    assert [s.model_name for s in ensemble.ensemble_scheduling.step] == ["tokenizer", "backbone", "head"]
+    fused = parse_pbtxt((repo.models / "aot" / "configs/cpu.pbtxt").read_text())  # CPU: one step, the torch engine
+    assert fused.backend == "python" and fused.parameters["engine"].string_value == "torch"
+    assert fused.parameters["device"].string_value == "cpu" and fused.parameters["aot"].string_value == "true"
 
 
 def _engine_batch(repo, rows_of, names, lengths, seed=0):
@@ -135,7 +138,7 @@ def test_served_torch_engine_equals_predict_with_and_without_a_pool(request, rep
                 assert "error" not in answer, answer
                 np.testing.assert_allclose(answer["logits"], expected[item["task"]][k % len(TEXTS)], atol=1e-3)
             stats = client._client.get_inference_statistics(
-                "backbone", headers={GRPC_ADMIN_HEADER: server.admin_key}).model_stats[0]
+                "aot", headers={GRPC_ADMIN_HEADER: server.admin_key}).model_stats[0]
             assert stats.execution_count < stats.inference_count, "requests of mixed tasks must batch together"
 
 

@@ -1,12 +1,13 @@
 """Triton python model: each request's own task head (the version the tokenizer pinned) on its task's pooling, so
-a batch may mix tasks. Requests are checked one by one; then each task version's requests of the batch go through
-its head in one call (ServedTask.logits on the stacked states), not one matmul per request."""
+a batch may mix tasks (serving.stages.head_answers). Requests are checked one by one; then each task version's
+requests of the batch go through its head in one call, not one matmul per request."""
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from serving import protocol
 from serving.errors import RequestError
+from serving.stages import head_answers
 from serving.steps import Step
 
 
@@ -26,17 +27,7 @@ class TritonPythonModel:
 
     @staticmethod
     def _run(batch):
-        """Each request's (logits [1, n], label), its task version's head run once over that version's requests."""
-        groups: dict[str, list[int]] = {}
-        for k, (task, _) in enumerate(batch):
-            groups.setdefault(task.version, []).append(k)
-        out = [None] * len(batch)
-        for ks in groups.values():
-            task = batch[ks[0]][0]
-            logits = task.logits(np.concatenate([batch[k][1] for k in ks]))
-            for k, row in zip(ks, logits):
-                out[k] = (row[None, :], task.label(row))
-        return out
+        return head_answers([task for task, _ in batch], [pooled for _, pooled in batch])
 
     def _outputs(self, result, k):
         logits, label = result[k]

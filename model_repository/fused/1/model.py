@@ -1,0 +1,41 @@
+"""Triton python model: the whole request in one step, the `aot` and `vanilla` models of the CPU configs: TEXT
+(+ TEXT_PAIR) or token ids, TASK -> LOGITS, LABEL, TASK_VERSION. The three stages of the GPU ensembles' steps
+(serving.stages: TextInputs, Encoder, head_answers) run here in one process, so a request crosses the server once,
+not three times: on a CPU each crossing cost a stub 120-420 us and tritonserver more (`aot bench tax`,
+docs/benchmarks.md section 6).
+
+Parameter `aot`: "true" looks each request's rows of P up and runs the AoT graph; "false" runs the plain encoder
+with the task's head. Each request is checked on its own and fails alone; its task version is resolved once and
+serves every stage.
+"""
+
+import triton_python_backend_utils as pb_utils
+
+from serving import protocol
+from serving.stages import Encoder, TextInputs, head_answers, pool_storage
+from serving.steps import Step, model_parameters
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = model_parameters(args)
+        aot = params.get("aot") == "true"
+        self.step = Step(args, pb_utils, args["model_name"], tasks="all" if aot else "head",
+                         pool_storage=pool_storage(params) if aot else None)
+        self.text = TextInputs(self.step)
+        self.encoder = Encoder(self.step, aot, log=pb_utils.Logger.log_info)
+
+    def _run(self, batch):
+        tasks = [task for task, _, _ in batch]
+        tokens = self.text.encode(batch)
+        pooled = self.encoder.run([self.encoder.prepare(task, t) for task, t in zip(tasks, tokens)])
+        return [(task.version, *answer) for task, answer in zip(tasks, head_answers(tasks, pooled[:, None]))]
+
+    def _outputs(self, answers, k):
+        version, logits, label = answers[k]
+        return [self.step.output(protocol.LOGITS, logits), self.step.bytes_output(protocol.LABEL, label),
+                self.step.bytes_output(protocol.TASK_VERSION, version)]
+
+    def execute(self, requests):
+        self.step.refresh()
+        return self.step.respond_batch(requests, self.text.prepare, self._run, self._outputs)
