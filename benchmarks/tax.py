@@ -3,17 +3,19 @@ spends per sequence, measured through the real local tritonserver.
 
 In one run, on the same texts (Rotten Tomatoes dev reviews, tokenized to the task's max length):
 
-    engine      the exported vanilla graph alone in this process (serving.engine.BackboneRunner, the backbone
-                step's own code), no server: sequences/s, p50 per call and CPU microseconds per sequence at each
-                batch size. Its best batch size is the limit the server is measured against.
-    served      the vanilla ensemble, the AoT ensemble with 1 task and with 8 tasks mixed request by request (and
-                each again with token ids tokenized on the client) at each concurrency: req/s, p50/p99, and the
-                CPU microseconds per request of tritonserver and of each python step's stub, read from /proc
-                (the run time of every thread, /proc/<pid>/task/*/schedstat) before and after the pass.
+    engine      the exported graphs alone in this process (serving.engine.BackboneRunner, the served step's own
+                code), no server: the vanilla graph, and the AoT graph with one task's rows of P; sequences/s, p50
+                per call and CPU microseconds per sequence at each batch size. The vanilla graph's best batch size
+                is the limit the server is measured against (the AoT graph's: what the server adds to the method).
+    served      `vanilla`, `aot` with 1 task and with 8 tasks mixed request by request (and each again with token ids
+                tokenized on the client) at each concurrency, for each --cpu-instances layout of the fused step on
+                a server of its own: req/s, p50/p99, and the CPU microseconds per request of tritonserver and of
+                each python step's stub, read from /proc (the run time of every thread, /proc/<pid>/task/*/
+                schedstat) before and after the pass.
 
 The tax of a pass is the sum over server processes less the engine's CPU per sequence at its best batch size. A
-single-instance python step runs its `execute` on one thread: its ceiling is instances x 1e6 / (its us per
-request) requests/s, on any number of cores; tritonserver's own threads spread over the host's cores
+python step that does not run the engine runs its `execute` on one thread: its ceiling is instances x 1e6 / (its
+us per request) requests/s, on any number of cores; tritonserver's own threads spread over the host's cores
 (cores x 1e6 / us). The load generator is this process's Python threads (aot.client.Client, one gRPC channel
 each) on the same cores: its own CPU per request is measured and reported beside the server's.
 """
@@ -32,6 +34,7 @@ import numpy as np
 
 from benchmarks.report import markdown_table, new_figure, save_figure, write_json, write_text
 from benchmarks.serve import ServeBenchConfig, Store, _build, _closed_loop, _texts
+from serving import protocol
 from serving.repository import read_repository
 
 STEP_NAMES = ("aot", "vanilla", "tokenizer", "backbone", "backbone_vanilla", "head", "aot_lookup", "task_list")
@@ -98,17 +101,28 @@ def own_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def engine_alone(repo: Path, sequences: list[dict[str, np.ndarray]], batches: tuple[int, ...]) -> list[dict]:
-    """The vanilla graph on the backbone step's code, no server: each batch size over every sequence, in order;
-    batches split by length as the served step splits them (serving.engine.length_groups), and padded whole to
-    their longest sequence as Triton's native backends pad them."""
+def engine_alone(repo: Path, sequences: list[dict[str, np.ndarray]], batches: tuple[int, ...], task: str,
+                 graph: str = "vanilla") -> list[dict]:
+    """A graph on the served step's code, no server: each batch size over every sequence, in order; batches split
+    by length as the served step splits them (serving.engine.length_groups), and (vanilla) padded whole to their
+    longest sequence as Triton's native backends pad them. `graph` "aot": the AoT graph, each sequence with its
+    rows of P from task `task` (the limit of the AoT passes: the bias is the method's cost, not the server's)."""
     from serving.engine import BackboneRunner
+    from serving.tasks import TaskRegistry, token_index
 
     info = read_repository(repo)
     records = []
-    onnx, threads = info.models / "backbone_vanilla" / "1" / "model.onnx", info.options.cpu_threads
-    runners = {"by length": BackboneRunner(onnx, threads=threads),
-               "padded": BackboneRunner(onnx, threads=threads, max_padding=None)}
+    onnx = info.models / ("backbone" if graph == "aot" else "backbone_vanilla") / "1" / "model.onnx"
+    threads = info.options.cpu_threads
+    runners = {"by length": BackboneRunner(onnx, threads=threads)}
+    if graph == "vanilla":
+        runners["padded"] = BackboneRunner(onnx, threads=threads, max_padding=None)
+    else:
+        served = TaskRegistry(info.store_root, parts="rows").resolve(task)
+        sequences = [dict(s) for s in sequences]
+        for s in sequences:
+            unique, s[protocol.AOT_INDEX] = token_index(s[protocol.INPUT_IDS], s[protocol.ATTENTION_MASK])
+            s[protocol.AOT_ROWS] = served.rows(unique).reshape(-1)
     for (grouping, runner), batch in ((r, b) for b in batches for r in runners.items()):
         if batch == 1 and runner is not next(iter(runners.values())):
             continue  # one sequence: nothing to split
@@ -119,7 +133,7 @@ def engine_alone(repo: Path, sequences: list[dict[str, np.ndarray]], batches: tu
             runner.run(sequences[i:i + batch])
             calls.append((time.perf_counter() - t) * 1e3)
         wall, cpu = time.perf_counter() - start, own_cpu_seconds() - cpu0
-        records.append({"kind": "engine", "batch": batch, "grouping": grouping, "sequences": len(sequences),
+        records.append({"kind": "engine", "graph": graph, "batch": batch, "grouping": grouping, "sequences": len(sequences),
                         "throughput_rps": round(len(sequences) / wall, 1),
                         "p50_ms": round(float(np.percentile(calls, 50)), 2),
                         "cpu_us_per_sequence": round(cpu * 1e6 / len(sequences), 1)})
@@ -167,7 +181,8 @@ def run_tax_bench(config: TaxBenchConfig, progress: bool = True) -> dict:
     texts = _texts(config.requests)
     sequences = _tokenized(repo, texts, max_length)
     records: list[dict] = [{"kind": "load", "loadavg": list(os.getloadavg()), "when": "start"}]
-    records += engine_alone(repo, sequences, config.batches)
+    records += engine_alone(repo, sequences, config.batches, names[0])
+    records += engine_alone(repo, sequences, config.batches, names[0], graph="aot")
     passes = [(m, mix, ids) for m, mix in (("vanilla", 1), ("aot", 1), ("aot", config.mixed_tasks))
               for ids in (False, True)]
     bar = tqdm(total=len(config.cpu_instances) * len(config.concurrency) * len(passes), desc="tax bench",
@@ -215,9 +230,11 @@ def served_passes(repo: Path, names: list[str], texts: list[str], tokenizer: Pat
 def summarize(records: list[dict], cores: int) -> None:
     """The tax and ratios of each served pass against the engine alone at its best batch size; each process's
     ceiling on a `cores`-core host."""
-    engine = [r for r in records if r["kind"] == "engine"]
+    engine = [r for r in records if r["kind"] == "engine" and r["graph"] == "vanilla"]
     best = max(engine, key=lambda r: r["throughput_rps"])
     single = next((r for r in engine if r["batch"] == 1), best)
+    aot_engine = [r for r in records if r["kind"] == "engine" and r["graph"] == "aot"]
+    best_aot = max(aot_engine, key=lambda r: r["throughput_rps"]) if aot_engine else best
     vanilla = {(r["cpu_instances"], r["concurrency"], r["token_ids"]): r for r in records
                if r["kind"] == "served" and r["model"] == "vanilla"}
     for r in records:
@@ -225,6 +242,9 @@ def summarize(records: list[dict], cores: int) -> None:
             continue
         engine_us = best["cpu_us_per_sequence"]
         r["tax_us_per_request"] = round(r["server_cpu_us_per_request"] - engine_us, 1)
+        # against the engine alone on the served graph: what the server adds to the AoT graph's own cost
+        same = best_aot if r["model"] == "aot" else best
+        r["tax_same_graph_us"] = round(r["server_cpu_us_per_request"] - same["cpu_us_per_sequence"], 1)
         # the two parts of the tax: the step that runs the encoder beyond the engine alone (the python backend's
         # machinery, tokenizer and head in the fused step, batching, lookup), and every other process (tritonserver:
         # gRPC and the hops), which the engine's own noise does not blur
@@ -252,8 +272,10 @@ def write_reports(records: list[dict], out: Path, config: TaxBenchConfig) -> Non
     loads = [r["loadavg"][0] for r in records if r["kind"] == "load"]
     text = (f"# The serving tax (CPU, {os.cpu_count()} cores; load average {loads[0]:.2f} at the start, "
             f"{loads[-1]:.2f} at the end)\n\n## The engine alone (vanilla graph, no server)\n\n")
-    text += markdown_table(engine, ["batch", "grouping", "sequences", "throughput_rps", "p50_ms", "cpu_us_per_sequence"],
-                           ["batch", "batch split", "sequences", "seq/s", "p50 ms per call", "CPU us / sequence"])
+    text += markdown_table(engine, ["graph", "batch", "grouping", "sequences", "throughput_rps", "p50_ms",
+                                    "cpu_us_per_sequence"],
+                           ["graph", "batch", "batch split", "sequences", "seq/s", "p50 ms per call",
+                            "CPU us / sequence"])
     steps = sorted({p for r in served for p in r["cpu_us_per_request"]},
                    key=lambda p: (p != "tritonserver", STEP_NAMES.index(p.split("#")[0]) if p != "tritonserver"
                                   else 0, p))
@@ -265,10 +287,11 @@ def write_reports(records: list[dict], out: Path, config: TaxBenchConfig) -> Non
     text += "\n## Served (closed loop, clients on the same cores)\n\n"
     text += markdown_table(served, ["ensemble", "cpu_instances", "concurrency", "throughput_rps", "x_engine", "x_vanilla", "p50_ms",
                                     "p99_ms", "p50_over_engine_ms", "errors", "server_cpu_us_per_request",
-                                    "tax_us_per_request", "engine_step_over_engine_us", "outside_engine_step_us",
+                                    "tax_us_per_request", "tax_same_graph_us", "engine_step_over_engine_us", "outside_engine_step_us",
                                     "client_cpu_us_per_request", "loadavg"],
                            ["model", "instances", "conc.", "req/s", "x engine (best batch)", "x vanilla", "p50 ms", "p99 ms",
                             "p50 - engine's (ms)", "errors", "server CPU us/req", "tax us/req",
+                            "tax vs the same graph alone",
                             "of which the engine's step - engine", "of which outside the engine's step",
                             "load generator CPU us/req", "load average (before, after)"])
     text += "\n## CPU microseconds per request by process\n\n"
@@ -292,8 +315,8 @@ def write_reports(records: list[dict], out: Path, config: TaxBenchConfig) -> Non
             style = dict(marker="o", linestyle="-" if key[2] == 1 else "--", label=_label(rows[0]))
             left.plot(x, [r["throughput_rps"] for r in rows], **style)
             right.plot(x, [r["tax_us_per_request"] for r in rows], **style)
-    best = max(e["throughput_rps"] for e in engine)
-    left.axhline(best, color="k", linewidth=0.8, label="engine alone, best batch")
+    best = max(e["throughput_rps"] for e in engine if e["graph"] == "vanilla")
+    left.axhline(best, color="k", linewidth=0.8, label="engine alone (vanilla graph), best batch")
     for ax, title, unit in ((left, "Throughput", "requests / s"), (right, "Serving tax", "CPU us / request")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent clients")

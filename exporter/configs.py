@@ -160,7 +160,7 @@ def _fused(name: str, backbone: str, info: dict, options: ServingOptions):
     server instead of three: docs/benchmarks.md section 6."""
     pb = _pb()
     params = {"aot": "true" if backbone == "backbone" else "false", **_engine_parameters(backbone, "cpu", options)}
-    config = _python_model(name, options, params, options.backbone_queue_delay_us, instances=options.cpu_instances)
+    config = _python_model(name, options, params, options.cpu_queue_delay_us, instances=options.cpu_instances)
     config.input.extend(_request_inputs(info, ragged=True))
     _answer_outputs(config)
     return config

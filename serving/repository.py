@@ -46,7 +46,8 @@ class ServingOptions:
     max_batch_size: int = field(default=32, metadata={
         "flag": "--max-batch-size", "minimum": 1, "help": "Triton max_batch_size of every step"})
     backbone_queue_delay_us: int = field(default=500, metadata={
-        "flag": "--queue-delay-us", "minimum": 0, "help": "backbone dynamic-batching queue delay (µs)"})
+        "flag": "--queue-delay-us", "minimum": 0,
+        "help": "dynamic-batching queue delay of the GPU configs' backbone (µs; the CPU configs: --cpu-queue-delay-us)"})
     cpu_threads: int = field(default=0, metadata={
         "flag": "--cpu-threads", "minimum": 0,
         "help": "engine threads of each CPU step that runs the encoder (0: the host's cores divided among its "
@@ -87,6 +88,11 @@ class ServingOptions:
                 "process): each has its own engine session (of --cpu-threads threads), tokenizer and task pool (the "
                 "pool budget is split between them), so one can run the encoder while another's requests cross the "
                 "server"})
+    cpu_queue_delay_us: int = field(default=0, metadata={
+        "flag": "--cpu-queue-delay-us", "minimum": 0,
+        "help": "dynamic-batching queue delay of the CPU configs' fused step (µs): 0 sends whatever is queued as soon "
+                "as an instance is free (requests queue while it is busy anyway, so a delay only adds latency: 0.5 ms "
+                "at concurrency 1 for 500 µs, with no throughput gained, `aot bench tax`)"})
     max_text_bytes: int = field(default=65536, metadata={
         "flag": "--max-text-bytes", "minimum": 1,
         "help": "longest TEXT (and TEXT_PAIR) a request may send, in UTF-8 bytes; longer ones are refused at once "

@@ -174,7 +174,9 @@ def test_tax_bench_tiny(tmp_path, tiny_models, sentiment_dir):
     records = json.loads((out / "tax.json").read_text())
     engine = [r for r in records if r["kind"] == "engine"]
     served = [r for r in records if r["kind"] == "served"]
-    assert sorted((r["batch"], r["grouping"]) for r in engine) == [(1, "by length"), (4, "by length"), (4, "padded")]
+    assert sorted((r["graph"], r["batch"], r["grouping"]) for r in engine) == [
+        ("aot", 1, "by length"), ("aot", 4, "by length"),
+        ("vanilla", 1, "by length"), ("vanilla", 4, "by length"), ("vanilla", 4, "padded")]
     assert all(r["throughput_rps"] > 0 and r["cpu_us_per_sequence"] > 0 for r in engine)
     assert sorted((r["model"], r["tasks_in_flight"], r["cpu_instances"], r["concurrency"], r["token_ids"])
                   for r in served) == sorted((m, n, k, c, ids) for m, n in (("vanilla", 1), ("aot", 1), ("aot", 8))
@@ -184,6 +186,7 @@ def test_tax_bench_tiny(tmp_path, tiny_models, sentiment_dir):
         fused = {f"{m}{'' if k == 1 else f'#{k}'}" for m in ("aot", "vanilla") for k in range(1, r["cpu_instances"] + 1)}
         assert set(r["cpu_us_per_request"]) == {"tritonserver", "task_list"} | fused  # the CPU configs' steps
         assert r["cpu_us_per_request"][r["model"]] > 0 and r["engine_step_over_engine_us"] is not None
+        assert r["tax_same_graph_us"] is not None
         assert r["server_cpu_us_per_request"] == pytest.approx(sum(r["cpu_us_per_request"].values()), abs=1)
         assert r["client_cpu_us_per_request"] > 0 and len(r["loadavg"]) == 2
         assert set(r["ceilings_rps"]) == {"tritonserver"}  # the fused steps run the engine: no one-thread ceiling

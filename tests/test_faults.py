@@ -56,7 +56,7 @@ def artifacts(tmp_path_factory, tiny_models, sentiment_dir):
 def repo(tmp_path_factory, tiny_models, artifacts):
     return make_repository(tiny_models["bert"], tmp_path_factory.mktemp("fault-served") / "repo",
                            {"alpha": (artifacts["alpha"], "fused"), "beta": (artifacts["beta"], "fused"),
-                            "gamma": (artifacts["gamma"], "factored")}, max_batch_size=64, backbone_queue_delay_us=2000)
+                            "gamma": (artifacts["gamma"], "factored")}, max_batch_size=64, cpu_queue_delay_us=2000)
 
 
 @pytest.fixture(scope="module")

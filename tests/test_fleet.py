@@ -42,7 +42,7 @@ def expected(artifacts):
 def repo(tmp_path_factory, tiny_models, artifacts):
     return make_repository(tiny_models["bert"], tmp_path_factory.mktemp("fleet") / "repo",
                            {"alpha": (artifacts["alpha"], "fused"), "beta": (artifacts["beta"], "factored")},
-                           max_batch_size=16, backbone_queue_delay_us=1000)
+                           max_batch_size=16, cpu_queue_delay_us=1000)
 
 
 @pytest.fixture(scope="module")

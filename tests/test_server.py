@@ -47,7 +47,7 @@ def repo(tmp_path_factory, tiny_models, artifacts):
     return make_repository(tiny_models["bert"], tmp_path_factory.mktemp("served") / "repo",
                            {"alpha": (artifacts["alpha"], "fused"), "beta": (artifacts["beta"], "fused"),
                             "gamma": (artifacts["gamma"], "factored"), "zeta": (artifacts["zeta"], "fused")},
-                           max_batch_size=64, backbone_queue_delay_us=2000)
+                           max_batch_size=64, cpu_queue_delay_us=2000)
 
 
 @pytest.fixture(scope="module")

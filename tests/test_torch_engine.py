@@ -116,7 +116,7 @@ def repo(tmp_path_factory, tiny_models, artifacts):
     return make_repository(tiny_models["bert"], tmp_path_factory.mktemp("torch") / "repo",
                            {"a": (artifacts["a"], "fused"), "b": (artifacts["b"], "factored"),
                             "c": (artifacts["c"], "factored")}, engine="torch", max_batch_size=16,
-                           backbone_queue_delay_us=2000)
+                           cpu_queue_delay_us=2000)
 
 
 @pytest.fixture(scope="module")
