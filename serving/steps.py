@@ -175,8 +175,10 @@ class Step:
                                     f"{self.pool.slots // self.repo.vocab_size} tasks fully resident)")
         self.metrics = StepMetrics(pb_utils, name, self.pool)
         if tasks != "none":
+            # several instances on the host: each fused table once, in the page cache, not in every pool
+            pool_fused = self.instances == 1 or pool_storage is not None
             self.tasks = TaskRegistry(self.repo.store_root, parts=tasks, on_manifest_error=self._manifest_error,
-                                      pool=self.pool, on_task_error=self._task_error)
+                                      pool=self.pool, on_task_error=self._task_error, pool_fused=pool_fused)
 
     def refresh(self) -> None:
         """Before each batch: pick up a changed manifest (a stat when nothing changed)."""

@@ -249,12 +249,15 @@ class TaskRegistry:
 
     def __init__(self, store_root: str | Path, parts: str = "all", grace: float = 120.0,
                  on_manifest_error: Callable[[str], None] | None = None, pool: RowPool | None = None,
-                 on_task_error: Callable[[str, str], None] | None = None):
+                 on_task_error: Callable[[str, str], None] | None = None, pool_fused: bool = True):
         """`pool`: keep the rows of the current versions in this pool (serving.pool); versions that leave the
         manifest are detached from it at once (a request still pinned to one reads its storage directly).
+        `pool_fused` False: only factored versions' rows go in the pool, fused tables are read through their memory
+        maps (a step of several instances on CPU: the page cache shares one copy of each table between them, where
+        each instance's pool, holding its share of the budget, would hold a copy of its own).
         `on_task_error(version, message)`: a version failed to load or was found damaged (log it, count it)."""
         self.store = StoreReader(store_root)
-        self.pool = pool
+        self.pool, self.pool_fused = pool, pool_fused
         if parts not in PARTS:
             raise ValueError(f"parts={parts!r}: expected one of {', '.join(PARTS)}")
         self.parts, self.grace = parts, grace
@@ -303,8 +306,9 @@ class TaskRegistry:
                 self._load(version)
             if self.pool is not None:
                 for version in current:
-                    if isinstance(self._versions.get(version), ServedTask):
-                        self.pool.attach(version, self._versions[version].rows)
+                    task = self._versions.get(version)
+                    if isinstance(task, ServedTask) and (self.pool_fused or task.storage != "fused"):
+                        self.pool.attach(version, task.rows)
 
     def check(self) -> dict[str, str]:
         """Load every current version whole (table or factors, head) without keeping it: task name -> why its

@@ -108,7 +108,9 @@ def test_one_batch_larger_than_the_pool_is_refused():
 @pytest.mark.parametrize("engine", ["onnx", "torch"])
 def test_served_through_a_small_pool_equals_predict(tmp_path_factory, tiny_models, sentiment_dir, engine):
     """Cache mode through the real server: a pool of 24 rows for 3 tasks (fused and factored), in host memory
-    (ONNX Runtime step) or beside the torch engine, whose forward gathers from it in place."""
+    (ONNX Runtime step) or beside the torch engine, whose forward gathers from it in place. The fused step runs 2
+    instances, each with half the budget; in host memory the fused table is read through its memory map (shared by
+    the instances through the page cache), only the factored rows are pooled."""
     from aot.client import Client
     from aot.server import LocalServer
     from serving.repository import read_repository
@@ -155,7 +157,9 @@ def test_served_through_a_small_pool_equals_predict(tmp_path_factory, tiny_model
     evictions = sum(float(v) for v in re.findall(r'^aot_pool_evictions_total\{[^}]*\} (\S+)', metrics, re.M))
     hits = sum(float(v) for v in re.findall(r'^aot_pool_hits_total\{[^}]*\} (\S+)', metrics, re.M))
     assert evictions > 0 and hits > 0, [line for line in metrics.splitlines() if "aot_pool" in line]
-    assert re.search(r'aot_pool_resident_bytes\{[^}]*task="a"', metrics)
+    assert re.search(r'aot_pool_resident_bytes\{[^}]*task="b"', metrics)
+    fused_pooled = re.search(r'aot_pool_resident_bytes\{[^}]*task="a"', metrics)
+    assert bool(fused_pooled) == (engine == "torch"), [line for line in metrics.splitlines() if "resident" in line]
 
 
 def test_a_detached_version_never_shifts_the_others():
