@@ -133,7 +133,8 @@ def engine_alone(repo: Path, sequences: list[dict[str, np.ndarray]], batches: tu
             runner.run(sequences[i:i + batch])
             calls.append((time.perf_counter() - t) * 1e3)
         wall, cpu = time.perf_counter() - start, own_cpu_seconds() - cpu0
-        records.append({"kind": "engine", "graph": graph, "batch": batch, "grouping": grouping, "sequences": len(sequences),
+        records.append({"kind": "engine", "graph": graph, "batch": batch, "grouping": grouping,
+                        "sequences": len(sequences),
                         "throughput_rps": round(len(sequences) / wall, 1),
                         "p50_ms": round(float(np.percentile(calls, 50)), 2),
                         "cpu_us_per_sequence": round(cpu * 1e6 / len(sequences), 1)})

@@ -2,14 +2,14 @@
 
     REPO/models/tokenizer/      python: TEXT (+ TEXT_PAIR), TASK -> token ids, TASK_VERSION (tokenizer in 1/tokenizer)
     REPO/models/aot_lookup/     python: TASK_VERSION, token ids -> aot_rows, aot_index or aot_bias (the bias
-                                interface; GPU ensemble; on CPU the backbone step does this lookup in its own
-                                process, one step fewer)
-    REPO/models/backbone/       the AoT graph: onnxruntime_onnx or tensorrt_plan (GPU), python + ONNX Runtime (CPU);
-                                --format torch: python + PyTorch on CPU or CUDA, looking rows up itself (no aot_lookup)
+                                interface; native GPU ensemble only)
+    REPO/models/backbone/       the AoT graph: onnxruntime_onnx or tensorrt_plan (GPU);
+                                --format torch: python + PyTorch, looking rows up itself (no aot_lookup)
     REPO/models/backbone_vanilla/ the same encoder without bias inputs (comparisons, plain models)
     REPO/models/head/           python: TASK_VERSION, pooled_hidden -> LOGITS, LABEL (each request its own task's
                                 head, on its task's pooling)
-    REPO/models/aot/, vanilla/  the ensembles clients call
+    REPO/models/aot/, vanilla/  what clients call: GPU, the ensembles of the steps above; CPU, one fused python step
+                                each (tokenizer, lookup, encoder, head in one process: model_repository/fused)
 
 Each model folder has `config.pbtxt` (GPU, NGC image) and `configs/cpu.pbtxt` (local CPU server, selected with
 --model-config-name=cpu). Both come from `model_configs()`, so they cannot drift apart.
@@ -30,7 +30,6 @@ TEMPLATES = Path(__file__).resolve().parent.parent / "model_repository"
 PYTHON_MODELS = {"tokenizer": "tokenizer", "aot_lookup": "aot_lookup", "backbone": "backbone",
                  "backbone_vanilla": "backbone", "head": "head", "task_list": "task_list", "aot": "fused",
                  "vanilla": "fused"}
-ENSEMBLES = ("aot", "vanilla")
 CPU_CONFIG = "configs/cpu.pbtxt"  # selected by tritonserver --model-config-name=cpu
 
 
@@ -158,7 +157,6 @@ def _fused(name: str, backbone: str, info: dict, options: ServingOptions):
     """The CPU configs' `aot` / `vanilla`: one python step doing what the GPU ensemble's steps do (tokenizer, lookup,
     encoder, head; model_repository/fused), with the client's inputs and the ensemble's outputs. One hop through the
     server instead of three: docs/benchmarks.md section 6."""
-    pb = _pb()
     params = {"aot": "true" if backbone == "backbone" else "false", **_engine_parameters(backbone, "cpu", options)}
     config = _python_model(name, options, params, options.cpu_queue_delay_us, instances=options.cpu_instances)
     config.input.extend(_request_inputs(info, ragged=True))

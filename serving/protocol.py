@@ -17,6 +17,9 @@ model `task_list` (no inputs) -> client:
     TASKS         BYTES [1]   JSON: {"tasks": [{name, version, storage, labels, max_length, method, metric, dev,
                               source}], "errors": {name: why its requests fail}}: what the server serves now
 
+Between the steps of the GPU ensembles (on CPU, `aot` and `vanilla` are each one step: only the client's tensors
+above cross the server):
+
 tokenizer -> later steps:
     TASK_VERSION  BYTES [1]   the exact task version `<name>@<id>` TASK resolved to (v2). The tokenizer is the only
                               step that resolves a name; every later step serves exactly this version or fails the
@@ -24,8 +27,8 @@ tokenizer -> later steps:
                               another's head.
     input_ids, attention_mask (and token_type_ids where the architecture has them), INT64 [S]; S is the
         sequence's own length (CPU) or its length rounded up to a bucket (GPU).
-lookup -> backbone (native GPU backends; on CPU and with the torch engine the python backbone step does the lookup
-itself and takes TASK_VERSION instead), in the repository's bias interface (serving option `bias_interface`, v4):
+lookup -> backbone (native GPU backends; with the torch engine the python backbone step does the lookup itself and
+takes TASK_VERSION instead), in the repository's bias interface (serving option `bias_interface`, v4):
   rows (default):
     aot_rows      FP16  [U*L*d]  the rows of P for the request's U distinct tokens, token-major [U, L, d], flat
     aot_index     INT32 [S]      for each token, which of the U rows it takes (padding takes row 0)

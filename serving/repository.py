@@ -47,7 +47,8 @@ class ServingOptions:
         "flag": "--max-batch-size", "minimum": 1, "help": "Triton max_batch_size of every step"})
     backbone_queue_delay_us: int = field(default=500, metadata={
         "flag": "--queue-delay-us", "minimum": 0,
-        "help": "dynamic-batching queue delay of the GPU configs' backbone (µs; the CPU configs: --cpu-queue-delay-us)"})
+        "help": "dynamic-batching queue delay of the GPU configs' backbone (µs; the CPU configs: "
+                "--cpu-queue-delay-us)"})
     cpu_threads: int = field(default=0, metadata={
         "flag": "--cpu-threads", "minimum": 0,
         "help": "engine threads of each CPU step that runs the encoder (0: the host's cores divided among its "
@@ -68,7 +69,7 @@ class ServingOptions:
                 "backbone: rows (the rows of its distinct tokens + each token's index: fewest bytes, but a ragged "
                 "shape that changes with every batch) or dense (an fp16 bias per token of the bucketed sequence: "
                 "more bytes, fixed shapes per bucket, so TensorRT replays CUDA graphs captured for them). The CPU "
-                "configs' backbone step looks rows up itself and runs the graph of either; the torch engine has no "
+                "configs' fused step looks rows up itself and runs the graph of either; the torch engine has no "
                 "lookup step and takes rows only. docs/benchmarks.md section 5 compares them"})
     pool_bytes: int = field(default=1 << 30, metadata={
         "flag": "--pool-bytes", "minimum": 0,

@@ -98,13 +98,15 @@ def test_serve_bench_tiny(tmp_path, tiny_models, sentiment_dir, engine):
         assert r["errors"] == 0 and r["throughput_rps"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0
         assert isinstance(r["memory_fallbacks"], int)  # counted from the server log (test_memory_fallbacks_...)
         assert r["pool_bytes"] == (60000 if pool else 1 << 30)
-        assert (r["pool_hit_rate"] is None) == (r["model"] == "vanilla")
+        # torch: the pool holds the rows; onnx: the fused step's 2 instances read fused tables through their shared
+        # memory maps, so nothing is looked up in a pool
+        assert (r["pool_hit_rate"] is None) == (r["model"] == "vanilla" or engine == "onnx")
         if r["model"] == "aot":
             assert 0 < r["lookup_bytes_per_request"] < r["dense_bias_bytes_per_request"]
-    # the hit rate is counted by the server's steps: every row of a resident pool is there; a cache misses the rows
-    # the first AoT pass touches first
+    # the hit rate is counted by the server's steps: a cache misses the rows the first AoT pass touches first
     rates = [r["pool_hit_rate"] for r in latency if r["model"] == "aot"]
-    assert all(0 <= h <= 1 for h in rates) and (min(rates) < 1 if pool else rates == [1.0, 1.0]), rates
+    if engine == "torch":
+        assert all(0 <= h <= 1 for h in rates) and min(rates) < 1, rates
     parity = [r for r in records if r["kind"] == "parity"]
     assert len(parity) == 1 and parity[0]["max_abs_logit_diff"] < 1e-3 and parity[0]["same_label"] == 1.0
     assert f"(cpu, {engine} engine)" in (out / "serve.md").read_text()

@@ -223,8 +223,8 @@ def test_infer_input_answers_what_it_can(tmp_path, server, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b'{"task": "nope", "text": "w1"}\n\n{"task": '
                                                                  b'"nope", "text": "w2"}\n')))
     assert main([*argv, "-"]) == 2
-    assert _one_line_error(capsys) == ("aot: error: 2 of 2 requests failed (first: line 1: in ensemble 'aot', unknown "
-                                       "task 'nope'; known tasks: score, sentiment)")
+    assert _one_line_error(capsys) == ("aot: error: 2 of 2 requests failed (first: line 1: unknown task 'nope'; known "
+                                       "tasks: score, sentiment)")
 
 
 def test_infer_input_needs_a_task(tmp_path, capsys):
