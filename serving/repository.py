@@ -89,7 +89,7 @@ class ServingOptions:
                 "process), each with its own engine session (--cpu-threads threads; by default the host's cores "
                 "divided among them), tokenizer and task pool (the pool budget is split between them; fused tables "
                 "are then read through their memory maps, shared by the page cache): one runs the encoder while "
-                "another's requests cross the server. 2 served 1.2-1.4x the requests/s of 1 under load on 2 cores; "
+                "another's requests cross the server. 2 served 1.2-1.35x the requests/s of 1 under load on 2 cores; "
                 "1 has the lowest latency for one request at a time on a small host (all its cores on one request; "
                 "`aot bench tax`)"})
     cpu_queue_delay_us: int = field(default=0, metadata={
