@@ -13,6 +13,17 @@ from aot.arguments import non_negative_int, positive_int
 from aot.output import report
 
 
+def pool_summary(repo, pool_bytes: int, device: str) -> str:
+    """What the task pool holds, as `aot serve` says it at start-up: on CPU each instance of the fused step holds an
+    equal share, and with several instances fused tables are read through their memory maps instead."""
+    tables = repo.num_layers * repo.hidden_size * 2 * repo.vocab_size
+    instances = repo.options.cpu_instances if device == "cpu" else 1
+    share = pool_bytes // instances
+    if instances == 1:
+        return f"task pool {pool_bytes / 2**20:.0f} MiB ({pool_bytes // tables} tasks fully resident)"
+    return (f"task pool {share / 2**20:.0f} MiB in each of {instances} instances ({share // tables} factored tasks "
+            "fully resident each; fused tables read through their memory maps)")
+
 def add_serve(sub) -> None:
     p = sub.add_parser("serve",
                        help="serve a model repository with a local tritonserver on CPU or CUDA (no Docker)",
@@ -103,11 +114,9 @@ def run_serve(args) -> int:
                           "tls": args.tls_cert is not None, "admin_key_file": str(server.admin_key_path),
                           "tasks": tasks, "pool_bytes": pool_bytes,
                           "memory_pools": None if args.device == "cpu" else memory_pool_bytes(repo)}), flush=True)
-        row_bytes = repo.num_layers * repo.hidden_size * 2
         print(f"serving {repo.path} on {args.device}"
               + (f" with {args.replicas} replicas behind HAProxy" if args.replicas > 1 else "")
-              + f", grpc {server.grpc_url}; task pool {pool_bytes / 2**20:.0f} MiB "
-              f"({pool_bytes // (row_bytes * repo.vocab_size)} tasks fully resident) (Ctrl-C stops)",
+              + f", grpc {server.grpc_url}; {pool_summary(repo, pool_bytes, args.device)} (Ctrl-C stops)",
               file=sys.stderr, flush=True)
         print(f'aot: next: aot infer --url {server.grpc_url} --task {tasks[0] if tasks else "NAME"} "some text"',
               file=sys.stderr, flush=True)

@@ -623,7 +623,7 @@ def run_onnxruntime(config: OverheadConfig, progress: bool = True,
                             for b in range(batch)]
 
                 def served_path(task: ServedTask, graph: str):
-                    """What the backbone step of the CPU server does for this batch: lookup, then the graph."""
+                    """What the CPU server's fused step does for this batch: lookup, then the graph."""
                     looked_up = []
                     for t in requests:
                         rows, index = lookup(task, t[io.INPUT_IDS], t[io.ATTENTION_MASK])

@@ -34,6 +34,7 @@ import numpy as np
 
 from benchmarks.report import markdown_table, new_figure, save_figure, write_json, write_text
 from benchmarks.serve import ServeBenchConfig, Store, _build, _closed_loop, _texts
+from exporter.configs import CPU_CONFIG
 from serving import protocol
 from serving.repository import read_repository
 
@@ -152,7 +153,7 @@ def _tokenized(repo: Path, texts: list[str], max_length: int) -> list[dict[str, 
 def set_cpu_instances(repo: Path, instances: int) -> None:
     """The fused steps' instance count in the scratch repository's CPU configs (what `aot export backbone
     --cpu-instances` writes), so that layouts are compared on one export."""
-    from exporter.configs import CPU_CONFIG, parse_pbtxt, to_pbtxt
+    from exporter.configs import parse_pbtxt, to_pbtxt
 
     for model in ("aot", "vanilla"):
         path = repo / "models" / model / CPU_CONFIG
@@ -189,9 +190,14 @@ def run_tax_bench(config: TaxBenchConfig, progress: bool = True) -> dict:
     bar = tqdm(total=len(config.cpu_instances) * len(config.concurrency) * len(passes), desc="tax bench",
                disable=not progress)
     tokenizer = read_repository(repo).tokenizer_dir
-    for instances in config.cpu_instances:
-        set_cpu_instances(repo, instances)
-        records += served_passes(repo, names, texts, tokenizer, passes, config, instances, bar)
+    configs = {p: p.read_text() for p in (repo / "models" / m / CPU_CONFIG for m in ("aot", "vanilla"))}
+    try:
+        for instances in config.cpu_instances:
+            set_cpu_instances(repo, instances)
+            records += served_passes(repo, names, texts, tokenizer, passes, config, instances, bar)
+    finally:  # a --repo given is left with its own configs
+        for path, text in configs.items():
+            path.write_text(text)
     bar.close()
     records.append({"kind": "load", "loadavg": list(os.getloadavg()), "when": "end"})
     summarize(records, config.cores)
@@ -272,7 +278,8 @@ def write_reports(records: list[dict], out: Path, config: TaxBenchConfig) -> Non
     served = [r for r in records if r["kind"] == "served"]
     loads = [r["loadavg"][0] for r in records if r["kind"] == "load"]
     text = (f"# The serving tax (CPU, {os.cpu_count()} cores; load average {loads[0]:.2f} at the start, "
-            f"{loads[-1]:.2f} at the end)\n\n## The engine alone (vanilla graph, no server)\n\n")
+            f"{loads[-1]:.2f} at the end)\n\n## The engine alone (the vanilla graph, and the AoT graph with one "
+            "task's rows; no server)\n\n")
     text += markdown_table(engine, ["graph", "batch", "grouping", "sequences", "throughput_rps", "p50_ms",
                                     "cpu_us_per_sequence"],
                            ["graph", "batch", "batch split", "sequences", "seq/s", "p50 ms per call",

@@ -206,7 +206,8 @@ def _ensemble(name: str, backbone: str, info: dict, options: ServingOptions, tar
 def _request_inputs(info: dict, ragged: bool) -> list:
     """What a client sends the ensemble (and the ensemble the tokenizer step): TASK and TEXT (+ TEXT_PAIR), or TASK
     and the token ids it tokenized itself (`ragged`: in the tokenizer step, sequences of any length batch together).
-    All optional: the tokenizer step refuses a request that lacks TASK, or both TEXT and ids, with a 400 naming it
+    All optional: the first stage (the tokenizer step, or the fused step on CPU) refuses a request that lacks TASK,
+    or both TEXT and ids, with a 400 naming it
     (Triton checks only the count of an ensemble's required inputs, and a required one missing would stall the
     ensemble: "unexpected deadlock")."""
     pb = _pb()

@@ -75,8 +75,10 @@ class ServingOptions:
         "flag": "--pool-bytes", "minimum": 0,
         "help": "memory of the task pool, the rows of P kept by the lookup (bytes; 0: no pool, fused tables are read "
                 "through their memory maps and factored rows computed per request). Every task is fully resident "
-                "while all fit; beyond that the pool caches the most recently used rows. `aot serve --pool-bytes` "
-                "overrides it"})
+                "while all fit; beyond that the pool caches the most recently used rows. On CPU each instance of the "
+                "fused step holds an equal share, and with several instances fused tables are read through their "
+                "memory maps (one copy in the page cache) and the pool caches factored rows. `aot serve "
+                "--pool-bytes` overrides it"})
     step_instances: int = field(default=0, metadata={
         "flag": "--step-instances", "minimum": 0,
         "help": "instances of the GPU ensembles' tokenizer and head steps: each runs its requests on one "
@@ -254,13 +256,17 @@ def read_repository(path: str | Path, older: bool = False) -> RepositoryInfo:
     if not record_path.is_file():
         raise RepositoryError(f"{path}: not an AoT model repository (no {RECORD}); run `aot export backbone` first")
     versions = range(OLDEST_KEPT_VERSION, REPO_VERSION + 1) if older else (REPO_VERSION,)
+    found = None
     try:
-        found = read_json(record_path).get("format_version")
+        data = read_json(record_path)
+        found = data.get("format_version") if isinstance(data, dict) else None
         version = found if found in versions else REPO_VERSION
         record = read_versioned_json(record_path, REPO_FORMAT, version, _REQUIRED)
-    except (FormatError, AttributeError) as exc:
-        raise RepositoryError(f"{exc}; re-export the backbone with this version (`aot export backbone --repo {path} "
-                              "--overwrite`: it keeps the tasks)") from None
+    except FormatError as exc:
+        keeps = isinstance(found, int) and OLDEST_KEPT_VERSION <= found < REPO_VERSION
+        how = (f"`aot export backbone --repo {path} --overwrite`: it keeps the tasks" if keeps else
+               "`aot export backbone` into a new folder, then `aot export task` each task")
+        raise RepositoryError(f"{exc}; re-export the backbone with this version ({how})") from None
     if record["protocol_version"] != protocol.PROTOCOL_VERSION:
         raise RepositoryError(f"{record_path}: protocol version {record['protocol_version']} is not "
                               f"{protocol.PROTOCOL_VERSION}; re-export the backbone")

@@ -172,14 +172,20 @@ class Encoder:
 
 def head_answers(tasks: list[ServedTask], pooled: list[np.ndarray]) -> list[tuple[np.ndarray, str]]:
     """Each request's (logits [1, n], label) from its pooled states [1, P, d]: each task version's head runs once
-    over that version's requests of the batch (ServedTask.logits on the stacked states), on its task's pooling."""
+    over that version's requests of the batch (ServedTask.logits on the stacked states), on its task's pooling.
+    States that are not finite raise (never a NaN answer with a label)."""
     groups: dict[str, list[int]] = {}
     for k, task in enumerate(tasks):
         groups.setdefault(task.version, []).append(k)
     out: list = [None] * len(tasks)
     for ks in groups.values():
         task = tasks[ks[0]]
-        logits = task.logits(np.concatenate([pooled[k] for k in ks]))
+        states = np.concatenate([pooled[k] for k in ks])
+        if not np.isfinite(states[:, protocol.pooling_row(task.pooling)]).all():
+            # the engine overflowed: a server fault; the step retries the batch request by request, so only the
+            # requests whose own states are not finite fail
+            raise FloatingPointError(f"the encoder's {task.pooling!r} states are not finite")
+        logits = task.logits(states)
         for k, row in zip(ks, logits):
             out[k] = (row[None, :], task.label(row))
     return out

@@ -11,7 +11,9 @@ Rules every step follows (a client must never be able to hurt another client's r
   cannot be served 503 (UNAVAILABLE), a fault of the server 500 (serving.errors);
 - metric labels come only from task versions the store holds (a client's string never becomes a label);
 - a request with the parameter `aot_probe` is a liveness probe (serving.supervisor): answered at once with no
-  outputs, never counted in the metrics. It proves the step's process runs its `execute`.
+  outputs, never counted in the metrics. It proves the step's process runs its `execute`; and each instance
+  records when its running `execute` began (serving.watch), so that one stuck instance is found while another
+  answers the probes.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from serving.repository import RepositoryInfo, repository_of_model
 from serving.store import check_task_spec
 from serving.pool import RowPool
 from serving.tasks import TaskRegistry
+from serving.watch import ExecuteWatch
 
 __all__ = ["RequestError", "Step"]
 
@@ -44,7 +47,8 @@ def model_parameters(args: dict) -> dict[str, str]:
 
 
 def instance_count(args: dict) -> int:
-    """How many instances of this model the server runs (its config's instance groups)."""
+    """How many instances of this model its config asks for (the sum of its instance groups' counts; a KIND_GPU
+    group's count is per GPU, and our GPU steps run one GPU each)."""
     config = json.loads(args["model_config"])
     return max(sum(int(g.get("count", 1)) for g in config.get("instance_group", [])), 1)
 
@@ -62,9 +66,11 @@ class StepMetrics:
 
     FLUSH_SECONDS = 1.0
 
-    def __init__(self, pb_utils, step: str, pool: RowPool | None = None):
+    def __init__(self, pb_utils, step: str, pool: RowPool | None = None, instance: str = ""):
+        """`instance`: labels the pool's series (each instance of a step holds a pool of its own; its gauge would
+        overwrite another's under the same labels)."""
         counter = pb_utils.MetricFamily.COUNTER
-        self.step, self.pool = step, pool
+        self.step, self.pool, self.instance = step, pool, instance
         self.families = {
             "requests": pb_utils.MetricFamily("aot_task_requests_total", "Requests per task version and step",
                                               counter),
@@ -136,7 +142,7 @@ class StepMetrics:
     def _pool_counts(self) -> None:
         """The pool's counters of the versions touched since the last flush, as increments."""
         for version in self.pool.drain_touched():
-            labels = {"task": version.rsplit("@", 1)[0], "version": version}
+            labels = {"task": version.rsplit("@", 1)[0], "version": version, "instance": self.instance}
             stats = self.pool.stats.get(version)
             if stats is None:  # detached: its rows are gone
                 self._pending[("pool_resident_bytes", *sorted(labels.items()))] = 0
@@ -162,6 +168,7 @@ class Step:
         self.pb = pb_utils
         self.parameters = model_parameters(args)
         self.instances = instance_count(args)
+        self.watch = ExecuteWatch(args["model_instance_name"])  # the supervisor sees a batch this instance is stuck in
         self.model_dir = Path(args["model_repository"])
         self.repo: RepositoryInfo = repository_of_model(self.model_dir)
         self.options = self.repo.options
@@ -173,7 +180,7 @@ class Step:
                                 self.repo.hidden_size, self.repo.vocab_size, storage=pool_storage)
             self.pb.Logger.log_info(f"{name}: task pool of {self.pool.budget_bytes} bytes ({self.pool.slots} rows; "
                                     f"{self.pool.slots // self.repo.vocab_size} tasks fully resident)")
-        self.metrics = StepMetrics(pb_utils, name, self.pool)
+        self.metrics = StepMetrics(pb_utils, name, self.pool, args["model_instance_name"])
         if tasks != "none":
             # several instances on the host: each fused table once, in the page cache, not in every pool
             pool_fused = self.instances == 1 or pool_storage is not None
@@ -296,12 +303,14 @@ class Step:
         return PROBE_PARAMETER in parameters and PROBE_PARAMETER in json.loads(parameters)
 
     def _with_probes(self, requests, respond: Callable) -> list:
-        """`respond` answers the real requests; each probe gets an empty response of its own."""
-        probes = [self.is_probe(r) for r in requests]
-        if not any(probes):
-            return respond(requests)
-        answers = iter(respond([r for r, probe in zip(requests, probes) if not probe]))
-        return [self.pb.InferenceResponse([]) if probe else next(answers) for probe in probes]
+        """`respond` answers the real requests; each probe gets an empty response of its own. The whole `execute`
+        runs under the instance's watch (serving.watch)."""
+        with self.watch:
+            probes = [self.is_probe(r) for r in requests]
+            if not any(probes):
+                return respond(requests)
+            answers = iter(respond([r for r, probe in zip(requests, probes) if not probe]))
+            return [self.pb.InferenceResponse([]) if probe else next(answers) for probe in probes]
 
     def respond_each(self, requests, handle: Callable) -> list:
         """`handle(request, ctx) -> output tensors`, one request at a time; ctx["version"] names its task version."""

@@ -6,8 +6,10 @@ still report ready. Nor does it notice a stub that stopped answering (SIGSTOP, a
 returns): a stopped process counts as alive. The supervisor watches the stubs of one server (their command line
 names the instance, the model file and the server's pid) and the models the repository needs, and repairs:
 - a model whose stub is gone: unload, then load, through the repository API (--model-control-mode=explicit);
-- a model whose stub is stopped (process state T) or answered no liveness probe for `hung_seconds`: its stubs are
-  killed first (a stopped stub must never resume: its stale IPC state aborted tritonserver), then it is reloaded;
+- a model whose stub is stopped (process state T), answered no liveness probe for `hung_seconds`, or has an
+  instance stuck in one batch (serving.watch: probes go to whichever instance is free, so with several instances
+  the others keep answering them): its stubs are killed first (a stopped stub must never resume: its stale IPC
+  state aborted tritonserver), then it is reloaded;
 - a model that is not loaded or not ready (an unloaded ensemble included): loaded again.
 Each probe is a real inference request to the step with the parameter `aot_probe` (serving.steps answers it at
 once, uncounted), so it proves the step's process runs its `execute`, not only that it exists.
@@ -40,6 +42,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+from serving.watch import busy_since, remove_watches
 
 STUB = "triton_python_backend_stub"
 MAX_ATTEMPTS = 3  # failed repairs in a row before a model is given up (and its owner told: Supervisor.failed)
@@ -177,6 +181,7 @@ def reap(server_pid: int, regions=()) -> None:
     while any(_alive(s.pid) for s in stubs.values()) and time.monotonic() < deadline:
         time.sleep(0.05)
     remove_regions({s.shm_region for s in stubs.values()} | set(regions))
+    remove_watches(server_pid)
 
 
 @dataclass
@@ -209,6 +214,7 @@ class Supervisor:
         self.repairing: str | None = None
         self._answered: dict[str, float] = {}  # python model -> time.monotonic() of its last probe answer
         self._working: dict[str, tuple[float, float]] = {}  # model -> (its stubs' CPU seconds, when it last grew)
+        self._instance_cpu: dict[str, tuple[float, float]] = {}  # instance -> (its CPU seconds, when it last grew)
         self._stopped_seen: set[int] = set()  # stub pids seen stopped at the last check
         self._failures: dict[str, int] = {}  # model -> failed repairs in a row
         self._stop = threading.Event()
@@ -327,6 +333,9 @@ class Supervisor:
             for model in self._answered:
                 if model not in broken and self._silent_and_idle(model, stubs):
                     broken[model] = "hung"
+            for instance, model in self.expected.items():  # one instance stuck while another answers the probes
+                if model not in broken and instance in stubs and self._stuck_in_batch(stubs[instance]):
+                    broken[model] = "hung"
             for model, cause in sorted(broken.items()):
                 if self._failures.get(model, 0) >= MAX_ATTEMPTS:
                     continue
@@ -352,6 +361,21 @@ class Supervisor:
         silent = self.silent_for(model)
         idle = now - grew
         return silent > BUSY_HUNG_SECONDS or (silent > self.hung_seconds and idle > self.hung_seconds)
+
+    def _stuck_in_batch(self, stub: Stub) -> bool:
+        """Hung: in one `execute` (serving.watch) for hung_seconds while its process used no CPU, or for
+        BUSY_HUNG_SECONDS at all."""
+        now = time.monotonic()
+        since = busy_since(self.server_pid, stub.instance)
+        cpu = _cpu_seconds(stub.pid)
+        last_cpu, grew = self._instance_cpu.get(stub.instance, (cpu, now))
+        if cpu - last_cpu > BUSY_CPU_SECONDS or cpu < last_cpu or since is None:
+            grew = now
+        self._instance_cpu[stub.instance] = (cpu, grew)
+        if since is None:
+            return False
+        in_batch, idle = now - since, now - max(grew, since)
+        return in_batch > BUSY_HUNG_SECONDS or (in_batch > self.hung_seconds and idle > self.hung_seconds)
 
     def unready(self, exclude: set[str] = frozenset()) -> list[str] | None:
         """The needed models that are not loaded and ready now (one repository-index call for all of them); None

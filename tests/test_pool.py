@@ -105,12 +105,12 @@ def test_one_batch_larger_than_the_pool_is_refused():
 
 
 @pytest.mark.server
-@pytest.mark.parametrize("engine", ["onnx", "torch"])
-def test_served_through_a_small_pool_equals_predict(tmp_path_factory, tiny_models, sentiment_dir, engine):
+@pytest.mark.parametrize("engine,instances", [("onnx", 1), ("onnx", 2), ("torch", 2)])
+def test_served_through_a_small_pool_equals_predict(tmp_path_factory, tiny_models, sentiment_dir, engine, instances):
     """Cache mode through the real server: a pool of 24 rows for 3 tasks (fused and factored), in host memory
-    (ONNX Runtime step) or beside the torch engine, whose forward gathers from it in place. The fused step runs 2
-    instances, each with half the budget; in host memory the fused table is read through its memory map (shared by
-    the instances through the page cache), only the factored rows are pooled."""
+    (ONNX Runtime step) or beside the torch engine, whose forward gathers from it in place. With 2 instances of the
+    fused step each holds half the budget, and in host memory the fused table is then read through its memory map
+    (shared by the instances through the page cache): only the factored rows are pooled."""
     from aot.client import Client
     from aot.server import LocalServer
     from serving.repository import read_repository
@@ -124,7 +124,7 @@ def test_served_through_a_small_pool_equals_predict(tmp_path_factory, tiny_model
     repo = make_repository(tiny_models["bert"], root / "repo", {"a": (artifacts["a"], "fused"),
                                                                 "b": (artifacts["b"], "factored"),
                                                                 "c": (artifacts["c"], "factored")},
-                           engine=engine)
+                           engine=engine, cpu_instances=instances)
     info = read_repository(repo)
     budget = 24 * info.num_layers * info.hidden_size * 2  # 24 rows for 3 tasks: most tokens get evicted
     texts = ["good w1 w2", "w3 awful w4 w5 the movie", "superb plot w7 w8 w9", "dull w10 w11", "w12 w13 great"]
@@ -159,7 +159,10 @@ def test_served_through_a_small_pool_equals_predict(tmp_path_factory, tiny_model
     assert evictions > 0 and hits > 0, [line for line in metrics.splitlines() if "aot_pool" in line]
     assert re.search(r'aot_pool_resident_bytes\{[^}]*task="b"', metrics)
     fused_pooled = re.search(r'aot_pool_resident_bytes\{[^}]*task="a"', metrics)
-    assert bool(fused_pooled) == (engine == "torch"), [line for line in metrics.splitlines() if "resident" in line]
+    assert bool(fused_pooled) == (engine == "torch" or instances == 1), [
+        line for line in metrics.splitlines() if "resident" in line]
+    instances_seen = set(re.findall(r'^aot_pool_hits_total\{[^}]*instance="(aot_0_\d)"', metrics, re.M))
+    assert instances_seen <= {f"aot_0_{k}" for k in range(instances)} and instances_seen, instances_seen
 
 
 def test_a_detached_version_never_shifts_the_others():

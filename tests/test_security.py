@@ -362,6 +362,56 @@ TritonPythonModel.execute = _stuck
         _answers_unchanged(server.grpc_url, expected)
 
 
+def test_one_instance_stuck_in_a_batch_is_found_while_the_other_answers_the_probes(request, tmp_path, repo,
+                                                                                     expected):
+    """The fused step runs 2 instances; probes go to whichever is free, so a deadlocked one would hold its batch
+    forever behind the other's answers. Each instance records when its running `execute` began (serving.watch):
+    one stuck for hung_seconds without using CPU is killed and the step reloaded. The stuck call is injected into
+    the second instance's batch computation, after the watch began."""
+    copy = tmp_path / "repo"
+    shutil.copytree(repo, copy)
+    flag = tmp_path / "hang"
+    model = copy / "models" / "aot" / "1" / "model.py"
+    model.write_text(model.read_text() + f"""
+
+_initialize, _run = TritonPythonModel.initialize, TritonPythonModel._run
+
+
+def _init(self, args):
+    self.instance_name = args["model_instance_name"]
+    _initialize(self, args)
+
+
+def _stuck(self, batch):
+    import os, time
+    while os.path.exists({str(flag)!r}) and self.instance_name.endswith("_1"):
+        time.sleep(0.1)
+    return _run(self, batch)
+
+
+TritonPythonModel.initialize, TritonPythonModel._run = _init, _stuck
+""")
+    for server in serve_for_tests(request, copy):
+        assert sorted(s.instance for s in stubs_of(server.process.pid).values() if s.model == "aot") == [
+            "aot_0_0", "aot_0_1"]
+        server.supervisor.hung_seconds = 3.0
+        flag.write_text("")
+        start, began = time.monotonic(), time.time()
+        with Client(server.grpc_url, timeout=60) as client:  # traffic, so that the second instance takes a batch
+            answers = client.infer_many([{"task": "alpha", "text": TEXTS[i % len(TEXTS)]} for i in range(40)],
+                                        concurrency=4)
+        took = time.monotonic() - start
+        repaired = _wait(lambda: [r for r in server.supervisor.repairs if r.cause == "hung" and r.seconds], 30)
+        flag.unlink()
+        assert repaired and repaired[0].model == "aot", server.supervisor.repairs
+        assert any("error" not in a for a in answers) and took < 30, (took, answers[:3])
+        assert _wait(lambda: _get(server.health_url, "/ready")[0] == 200, 30)
+        print(f"one stuck instance: found {repaired[0].detected - began:.2f} s after the hang began (hung_seconds "
+              f"3), reloaded in {repaired[0].seconds:.2f} s; {sum('error' in a for a in answers)} of 40 requests "
+              "failed")
+        _answers_unchanged(server.grpc_url, expected)
+
+
 # --- 3. a damaged task fails alone, with a clear error, and is reported ---------------------------------------------
 
 def _table(repo: Path, name: str) -> Path:

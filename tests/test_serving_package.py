@@ -118,6 +118,18 @@ def test_served_head_reads_its_pooling_row(tmp_path, recorded, row):
     task = load_task_version(folder, folder.name, tmp_path, parts="head")
     pooled = np.array([[[0.5, -0.5, 0.0], [-0.25, 0.75, 0.0]]], np.float32)  # [B=1, P=2, d=3]
     np.testing.assert_allclose(task.logits(pooled), np.tanh(pooled[:, row, :2]), rtol=1e-6)
+    # the served stage: its task's row must be finite (the other pooling's overflow is not this request's failure)
+    from serving.stages import head_answers
+
+    other = pooled.copy()
+    other[0, 1 - row] = np.inf
+    (logits, label), = head_answers([task], [other])
+    np.testing.assert_allclose(logits[0], np.tanh(pooled[0, row, :2]), rtol=1e-6)
+    assert label == ["a", "b"][int(np.argmax(logits[0]))]
+    broken = pooled.copy()
+    broken[0, row, 1] = np.nan
+    with pytest.raises(FloatingPointError, match=f"the encoder's {task.pooling!r} states are not finite"):
+        head_answers([task, task], [pooled, broken])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -195,6 +207,30 @@ def test_versioned_json_reader_names_the_problem(tmp_path):
         read_versioned_json(path, "f", 1, {"n": int})
     with pytest.raises(FormatError, match="missing key 'm'"):
         read_versioned_json(path, "f", 1, {"m": int})
+
+
+@pytest.mark.parametrize("groups,count", [([{"count": 2, "kind": "KIND_CPU"}], 2), ([{"kind": "KIND_CPU"}], 1),
+                                          ([{"count": 3}, {"count": 1}], 4), ([], 1)])
+def test_instance_count_reads_the_model_config(groups, count):
+    from serving.steps import instance_count
+
+    assert instance_count({"model_config": json.dumps({"instance_group": groups})}) == count
+
+
+def test_repository_of_another_format_says_how_to_upgrade(tmp_path):
+    """v2 (the task store unchanged since): `--overwrite` re-exports the backbone and keeps the tasks, and
+    read_repository(older=True) reads it for that; anything older or unreadable: export afresh."""
+    from serving.repository import RECORD, RepositoryError, read_repository
+
+    (tmp_path / "models").mkdir()
+    for version, hint in ((2, "--overwrite`: it keeps the tasks"), (1, "into a new folder"), ("x", "into a new folder")):
+        (tmp_path / RECORD).write_text(json.dumps({"format": "aot-repository", "format_version": version}))
+        with pytest.raises(RepositoryError, match="re-export the backbone") as err:
+            read_repository(tmp_path)
+        assert hint in str(err.value), err.value
+    (tmp_path / RECORD).write_text("[]")
+    with pytest.raises(RepositoryError, match="into a new folder"):
+        read_repository(tmp_path, older=True)
 
 
 def test_supervisor_gives_up_a_model_after_three_failed_repairs():
