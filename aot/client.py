@@ -8,7 +8,7 @@
 
 One request per text, sent concurrently (Triton batches them, across tasks, on the server). With
 `Client(tokenizer=REPO/models/tokenizer/1/tokenizer)` the client tokenizes (truncating to each task's max length,
-as the server does) and sends token ids: the server's tokenizer step then only checks them, which saves its CPU.
+as the server does) and sends token ids: the server's first stage then only checks them, which saves its CPU.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class Client:
         return tensors
 
     def _token_ids(self, task: str, text: str, pair: str | None) -> dict[str, np.ndarray]:
-        """The ids the server's tokenizer step would make: truncated to the task's max length (from tasks(), read
+        """The ids the server's first stage would make: truncated to the task's max length (from tasks(), read
         again for a task not seen yet); token_type_ids where the served model takes them."""
         from serving.errors import RequestError
         from serving.tokenization import Tokenization
