@@ -29,6 +29,7 @@ When the server dies, its stubs may outlive it (they ignore SIGTERM by design an
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -56,6 +57,9 @@ BUSY_HUNG_SECONDS = 60.0  # one still using CPU (working through a long queue, t
 BUSY_CPU_SECONDS = 0.01  # CPU a step uses between two checks (0.5 s) to count as working, not stuck
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 SHM = Path("/dev/shm")
+# What a call to the server's HTTP API raises when the server cannot answer it right now (a busy or restarting
+# server: refused, timed out, a connection dropped mid-answer)
+_UNREACHABLE = (urllib.error.URLError, OSError, http.client.HTTPException)
 
 # The control API: every API a client does not need is restricted to the admin key. Public: health, metadata
 # and inference. shared-memory is restricted too: registering a region by name lets a client make the server
@@ -228,7 +232,7 @@ class Supervisor:
         self.regions |= {s.shm_region for s in stubs.values()}
         try:
             self.models = {m["name"] for m in self._index() if m.get("state") == "READY"}
-        except (urllib.error.URLError, OSError, ValueError) as exc:
+        except (*_UNREACHABLE, ValueError) as exc:
             self.log(f"supervisor: could not read the repository index ({exc}); watching the stubs only")
         if probe:
             now = time.monotonic()
@@ -254,7 +258,10 @@ class Supervisor:
         while not self._stop.wait(self.interval):
             if not _alive(self.server_pid):
                 return
-            self.check()
+            try:
+                self.check()
+            except Exception as exc:  # noqa: BLE001 - the watch must go on: one failed check is tried again
+                self.log(f"supervisor: a check failed ({type(exc).__name__}: {exc}); checking again")
 
     # --- the server's HTTP API, authenticated -------------------------------------------------------------------
 
@@ -277,7 +284,7 @@ class Supervisor:
         try:
             self._request(f"/v2/models/{model}/ready", timeout=2)
             return True
-        except (urllib.error.URLError, OSError):
+        except _UNREACHABLE:
             return False
 
     # --- liveness probes ----------------------------------------------------------------------------------------
@@ -303,7 +310,7 @@ class Supervisor:
                 body = body or self._probe_body(model)
                 self._request(f"/v2/models/{model}/infer", body, timeout=self.hung_seconds)
                 self._answered[model] = time.monotonic()
-            except (urllib.error.URLError, OSError, ValueError, KeyError):
+            except (*_UNREACHABLE, ValueError, KeyError):
                 continue  # unanswered: check() decides when that means hung
 
     def silent_for(self, model: str) -> float:
@@ -385,7 +392,7 @@ class Supervisor:
             return []
         try:
             states = {m["name"]: m.get("state") for m in self._index()}
-        except (urllib.error.URLError, OSError, ValueError):
+        except (*_UNREACHABLE, ValueError):
             return None
         return [m for m in needed if states.get(m) != "READY"]
 
@@ -427,7 +434,7 @@ class Supervisor:
             self._post(f"/v2/repository/models/{model}/load", LOAD_TIMEOUT)
             for other in self._dependents():  # ensembles unloaded with their step come back with it
                 self._post(f"/v2/repository/models/{other}/load", LOAD_TIMEOUT)
-        except (urllib.error.URLError, OSError, ValueError) as exc:
+        except (*_UNREACHABLE, ValueError) as exc:
             if model in self._answered:
                 self._answered[model] = time.monotonic()  # a slow load is not a hang: judge its stub afresh
             repair.error = f"{type(exc).__name__}: {exc}"

@@ -733,7 +733,11 @@ def test_soak_with_reexport_removal_and_a_killed_stub(server, repo, artifacts, e
                     except Exception:  # noqa: BLE001
                         pass
                     if server.failed or time.monotonic() > deadline:
-                        raise AssertionError(f"not serving 60 s after the stub was killed: {server.failed}")
+                        watcher = server.supervisor
+                        raise AssertionError(
+                            f"not serving 60 s after the stub was killed: failed {server.failed}; repairs since "
+                            f"{watcher.repairs[repairs:] if watcher is supervisor else 'a restart'}; supervisor "
+                            f"thread alive {watcher._thread.is_alive()}; stubs {sorted(stubs_of(server.process.pid))}")
                     time.sleep(0.05)
             events["repaired"] = time.time()
             events["server_restarted"] = len(server.restarts) > restarts

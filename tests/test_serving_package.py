@@ -252,6 +252,33 @@ def test_supervisor_gives_up_a_model_after_three_failed_repairs():
     assert len(supervisor.repairs) == MAX_ATTEMPTS and all(r.error and r.seconds is None for r in supervisor.repairs)
 
 
+def test_supervisor_keeps_watching_after_a_check_fails():
+    """A check that raises something unforeseen (a dropped connection mid-answer, a bug) must not end the watch:
+    the thread logs it and checks again (a dead supervisor thread repairs nothing, and says nothing)."""
+    import os
+    import threading
+
+    from serving.supervisor import Supervisor
+
+    logged, calls, twice = [], [], threading.Event()
+    supervisor = Supervisor(os.getpid(), "127.0.0.1:9", interval=0.05, log=logged.append)
+
+    def check():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        twice.set()
+        return []
+
+    supervisor.check = check
+    supervisor.start(probe=False)
+    try:
+        assert twice.wait(5), "the supervisor stopped checking after a failed check"
+    finally:
+        supervisor.stop()
+    assert "supervisor: a check failed (RuntimeError: boom); checking again" in logged, logged
+
+
 def test_client_commands_work_without_torch():
     """What `pip install .[client]` gives: with torch, transformers and peft unimportable, `aot infer --help`,
     `aot tasks --help` and aot.Client work, and `aot train` says which extra to install (one line, exit 2)."""
