@@ -119,6 +119,7 @@ class Stub:
     instance: str  # e.g. backbone_0_0
     model: str  # the model folder's name
     shm_region: str
+    started: int = 0  # clock ticks after boot (/proc/<pid>/stat): which of two processes of one instance is newer
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -156,15 +157,33 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
-def stubs_of(server_pid: int) -> dict[str, Stub]:
-    """The live stubs a server started (argv: stub, model.py, shm region, sizes, parent pid, ..., instance)."""
-    found = {}
+def _started(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def stub_processes(server_pid: int) -> list[Stub]:
+    """Every live stub process a server started (argv: stub, model.py, shm region, sizes, parent pid, ...,
+    instance). Two may carry one instance's name for a few seconds after a reload: the unloaded one on its way out,
+    and the new one."""
+    found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
-        argv = _cmdline(int(entry.name))
-        if len(argv) > 8 and argv[0].endswith(STUB) and argv[5] == str(server_pid) and _alive(int(entry.name)):
-            found[argv[8]] = Stub(int(entry.name), argv[8], Path(argv[1]).parents[1].name, argv[2])
+        pid = int(entry.name)
+        argv = _cmdline(pid)
+        if len(argv) > 8 and argv[0].endswith(STUB) and argv[5] == str(server_pid) and _alive(pid):
+            found.append(Stub(pid, argv[8], Path(argv[1]).parents[1].name, argv[2], _started(pid)))
+    return found
+
+
+def stubs_of(server_pid: int) -> dict[str, Stub]:
+    """The live stub of each instance: the newest process of that name (an unloaded one may linger a few seconds)."""
+    found: dict[str, Stub] = {}
+    for stub in sorted(stub_processes(server_pid), key=lambda s: (s.started, s.pid)):
+        found[stub.instance] = stub
     return found
 
 
@@ -175,7 +194,7 @@ def remove_regions(regions) -> None:
 
 def reap(server_pid: int, regions=()) -> None:
     """After the server exited: SIGKILL its stubs and remove their (and `regions`') shared memory."""
-    stubs = stubs_of(server_pid)
+    stubs = {s.pid: s for s in stub_processes(server_pid)}
     for stub in stubs.values():
         try:
             os.kill(stub.pid, signal.SIGKILL)
@@ -214,6 +233,9 @@ class Supervisor:
 
     def __post_init__(self):
         self.expected: dict[str, str] = {}  # instance -> model
+        # instance -> start time of the process watched: an older process of that name left behind by a reload is
+        # not the instance (a killed new stub beside a lingering unloaded one is dead, not alive)
+        self._watched: dict[str, int] = {}
         self.models: set[str] = set()  # every model the server had loaded at start (ensembles too)
         self.repairing: str | None = None
         self._answered: dict[str, float] = {}  # python model -> time.monotonic() of its last probe answer
@@ -229,6 +251,7 @@ class Supervisor:
     def start(self, probe: bool = True) -> "Supervisor":
         stubs = stubs_of(self.server_pid)
         self.expected = {s.instance: s.model for s in stubs.values()}
+        self._watched = {s.instance: s.started for s in stubs.values()}
         self.regions |= {s.shm_region for s in stubs.values()}
         try:
             self.models = {m["name"] for m in self._index() if m.get("state") == "READY"}
@@ -330,9 +353,11 @@ class Supervisor:
             stopped = set()
             for instance, model in self.expected.items():
                 stub = stubs.get(instance)
-                if stub is None:
+                if stub is None or stub.started < self._watched.get(instance, 0):
                     broken.setdefault(model, "died")
-                elif _stopped(stub.pid):
+                    continue
+                self._watched[instance] = stub.started  # a newer process (a reload by an operator) is watched now
+                if _stopped(stub.pid):
                     stopped.add(stub.pid)
                     if stub.pid in self._stopped_seen:  # stopped at two checks in a row: not a passing ptrace stop
                         broken.setdefault(model, "hung")
@@ -447,6 +472,7 @@ class Supervisor:
         self._failures.pop(model, None)
         stubs = stubs_of(self.server_pid)
         self.expected.update({s.instance: s.model for s in stubs.values()})
+        self._watched.update({s.instance: s.started for s in stubs.values()})
         self.regions |= {s.shm_region for s in stubs.values()}
         if model in self._answered:
             self._answered[model] = time.monotonic()  # its new stub gets a full hung_seconds to answer
