@@ -61,7 +61,8 @@ class StepMetrics:
 
     Every Metric call is a round trip to the server process, so counts are summed here and published at most every
     FLUSH_SECONDS, after a batch (measured: publishing per request and per pool version cost up to a third of the
-    throughput with 100+ tasks). A scrape therefore lags by at most that interval plus the time to the next batch.
+    throughput with 100+ tasks). A scrape therefore lags by at most that interval plus the time to the instance's
+    next batch (with several instances, an idle one publishes what it counted at its next request).
     """
 
     FLUSH_SECONDS = 1.0

@@ -643,14 +643,23 @@ def test_serve_command_refuses_bad_setups(tmp_path, repo):
 
 # --- 9. metrics per task ----------------------------------------------------------------------------------------
 
-def _published_metrics(server, client) -> str:
-    """The metrics once every step has published what it counted: steps publish at most once a second, after a
-    batch, so wait that long and send one request (of task gamma) through every step."""
+def _published_metrics(server, client, rounds: int = 12):
+    """The metrics once every instance of every step has published what it counted. Each instance publishes at
+    most once a second, after a batch of its own (so an idle one publishes at its next request): wait that long,
+    send a few requests of task gamma, and read again until two readings agree on every other task's series."""
     from serving.steps import StepMetrics
 
-    time.sleep(StepMetrics.FLUSH_SECONDS + 0.2)
-    client.infer("gamma", TEXTS[0])
-    return _metrics(server)
+    last = None
+    for _ in range(rounds):
+        time.sleep(StepMetrics.FLUSH_SECONDS + 0.2)
+        client.infer_many([{"task": "gamma", "text": TEXTS[0]}] * 4, concurrency=4)
+        samples = _metrics(server)
+        reading = sorted((n, sorted(lab.items()), v) for n, lab, v in samples
+                         if n.startswith("aot_task_") and lab.get("task") != "gamma")
+        if reading == last:
+            return samples
+        last = reading
+    return samples
 
 
 def test_metrics_per_task_and_step(server, repo):
