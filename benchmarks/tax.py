@@ -34,7 +34,7 @@ import numpy as np
 
 from benchmarks.report import markdown_table, new_figure, save_figure, write_json, write_text
 from benchmarks.serve import ServeBenchConfig, Store, _build, _closed_loop, _texts
-from exporter.configs import CPU_CONFIG
+from exporter.configs import CPU_CONFIG, parse_pbtxt, to_pbtxt
 from serving import protocol
 from serving.repository import read_repository
 
@@ -153,8 +153,6 @@ def _tokenized(repo: Path, texts: list[str], max_length: int) -> list[dict[str, 
 def set_cpu_instances(repo: Path, instances: int) -> None:
     """The fused steps' instance count in the scratch repository's CPU configs (what `aot export backbone
     --cpu-instances` writes), so that layouts are compared on one export."""
-    from exporter.configs import parse_pbtxt, to_pbtxt
-
     for model in ("aot", "vanilla"):
         path = repo / "models" / model / CPU_CONFIG
         config = parse_pbtxt(path.read_text())

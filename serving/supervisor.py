@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from serving.watch import busy_since, remove_watches
+from serving.watch import SHM, busy_since, remove_watches
 
 STUB = "triton_python_backend_stub"
 MAX_ATTEMPTS = 3  # failed repairs in a row before a model is given up (and its owner told: Supervisor.failed)
@@ -56,7 +56,6 @@ BUSY_HUNG_SECONDS = 60.0  # one still using CPU (working through a long queue, t
 #                            only after this long without an answer
 BUSY_CPU_SECONDS = 0.01  # CPU a step uses between two checks (0.5 s) to count as working, not stuck
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-SHM = Path("/dev/shm")
 # What a call to the server's HTTP API raises when the server cannot answer it right now (a busy or restarting
 # server: refused, timed out, a connection dropped mid-answer)
 _UNREACHABLE = (urllib.error.URLError, OSError, http.client.HTTPException)
@@ -362,11 +361,12 @@ class Supervisor:
                     if stub.pid in self._stopped_seen:  # stopped at two checks in a row: not a passing ptrace stop
                         broken.setdefault(model, "hung")
             self._stopped_seen = stopped
+            cpu = {s.pid: _cpu_seconds(s.pid) for s in stubs.values()}  # read once, for both hang checks
             for model in self._answered:
-                if model not in broken and self._silent_and_idle(model, stubs):
+                if model not in broken and self._silent_and_idle(model, stubs, cpu):
                     broken[model] = "hung"
             for instance, model in self.expected.items():  # one instance stuck while another answers the probes
-                if model not in broken and instance in stubs and self._stuck_in_batch(stubs[instance]):
+                if model not in broken and instance in stubs and self._stuck_in_batch(stubs[instance], cpu):
                     broken[model] = "hung"
             for model, cause in sorted(broken.items()):
                 if self._failures.get(model, 0) >= MAX_ATTEMPTS:
@@ -380,12 +380,12 @@ class Supervisor:
                     broken[model] = "not ready"
             return sorted(broken)
 
-    def _silent_and_idle(self, model: str, stubs: dict[str, Stub]) -> bool:
+    def _silent_and_idle(self, model: str, stubs: dict[str, Stub], cpu_of: dict[int, float]) -> bool:
         """Hung: no probe answered for hung_seconds while its stubs used no CPU (deadlocked, asleep, stuck in a
         wait); or none answered for BUSY_HUNG_SECONDS at all. A step that works through a long queue keeps using
         CPU while its probe waits in that queue: it is busy, not hung, and killing it would fail the whole queue."""
         now = time.monotonic()
-        cpu = sum(_cpu_seconds(s.pid) for s in stubs.values() if s.model == model)
+        cpu = sum(cpu_of[s.pid] for s in stubs.values() if s.model == model)
         last_cpu, grew = self._working.get(model, (cpu, now))
         if cpu - last_cpu > BUSY_CPU_SECONDS or cpu < last_cpu:  # less: a new stub (a repair) starts afresh
             grew = now
@@ -394,12 +394,12 @@ class Supervisor:
         idle = now - grew
         return silent > BUSY_HUNG_SECONDS or (silent > self.hung_seconds and idle > self.hung_seconds)
 
-    def _stuck_in_batch(self, stub: Stub) -> bool:
+    def _stuck_in_batch(self, stub: Stub, cpu_of: dict[int, float]) -> bool:
         """Hung: in one `execute` (serving.watch) for hung_seconds while its process used no CPU, or for
         BUSY_HUNG_SECONDS at all."""
         now = time.monotonic()
         since = busy_since(self.server_pid, stub.instance)
-        cpu = _cpu_seconds(stub.pid)
+        cpu = cpu_of[stub.pid]
         last_cpu, grew = self._instance_cpu.get(stub.instance, (cpu, now))
         if cpu - last_cpu > BUSY_CPU_SECONDS or cpu < last_cpu or since is None:
             grew = now
