@@ -58,6 +58,10 @@ if [ "$(cat "$work/step/.done" 2>/dev/null)" != "$stamp" ]; then
   step_site=$("$work/step/bin/python3" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   "$py" -m pip install -q --no-index --no-deps --no-compile --target "$step_site" "$kit"/step-wheels/*.whl
   echo "$root" > "$step_site/aot-project.pth"
+  # the machine's scipy (and sklearn, through it) needs numpy>=2: under numpy 1.26 `import transformers.modeling_utils`
+  # fails (np.long). No step uses them, and transformers skips a package that find_spec does not find (None in
+  # sys.modules)
+  echo 'import sys; sys.modules.update(dict.fromkeys(("scipy", "sklearn")))' > "$step_site/aot-hide-numpy2-only.pth"
   "$py" - "$step_site/zz-base-packages.pth" <<'PY'
 import sys
 folders = [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
@@ -73,7 +77,7 @@ aot() { "$py" -m aot "$@"; }
 echo "== gpu-check $(date -u +%FT%TZ): device $device, stages: $*"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 "$py" -c 'import numpy, torch, transformers; print(f"aot python: torch {torch.__version__} (cuda {torch.version.cuda}, available {torch.cuda.is_available()}), transformers {transformers.__version__}, numpy {numpy.__version__}")'
-"$AOT_STEP_PYTHON" -c 'import numpy, torch, serving; print(f"step python: numpy {numpy.__version__}, torch {torch.__version__}")'
+"$AOT_STEP_PYTHON" -c 'import numpy, torch, serving; from transformers import AutoModel; print(f"step python: numpy {numpy.__version__}, torch {torch.__version__}, transformers imports")'
 stub=$(ls "$work"/client/pytriton/tritonserver/python_backend_stubs/*/triton_python_backend_stub)
 libdir=$("$AOT_STEP_PYTHON" -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR") or "")')
 LD_LIBRARY_PATH=$libdir ldd "$stub" | grep -E 'libpython|libcudart|not found' || true
