@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from exporter.compose_env import write_admin_key, write_compose_env
+from exporter.compose_env import ADMIN_KEY_FILE, write_admin_key, write_compose_env
 from exporter.config_checks import check_configs
 from exporter.configs import CPU_CONFIG, PYTHON_MODELS, TEMPLATES, write_configs
 from exporter.onnx_export import FP16_FILE, FP16_TOLERANCE, example_inputs, export_backbone_graph, export_fp16_graph
@@ -112,7 +112,7 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
     info = {"uses_token_type_ids": backbone.uses_token_type_ids, "hidden_size": backbone.hidden_size,
             "num_layers": backbone.num_layers, "max_seq": profile.max_seq}
     report = BackboneExportReport(str(repo), {}, {}, {}, 0.0)
-    with atomic_directory(repo) as tmp:
+    with atomic_directory(repo, private=(ADMIN_KEY_FILE,)) as tmp:  # the key: 0600, the rest one mode
         models = tmp / MODELS_DIR
         trt_models = {}
         if options.engine == "torch":

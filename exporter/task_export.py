@@ -13,6 +13,7 @@ import torch
 from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 
+from exporter.compose_env import keep_admin_key_private
 from exporter.task_store import TaskStore
 from serving import protocol as io
 from serving.engine import BackboneRunner
@@ -161,6 +162,7 @@ def export_task(task_dir: str | Path, repo_dir: str | Path, name: str, storage: 
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
+    keep_admin_key_private(repo.path)
     size = sum(p.stat().st_size for p in (store.root / entry.folder).rglob("*") if p.is_file())
     return TaskExportReport(name, storage, entry.folder, size, V * L * d * 2, diff,
                             round(time.perf_counter() - start, 2), advice)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from serving.atomic import fsync_dir, fsync_tree, pid_alive, write_atomic, write_json
+from serving.atomic import fsync_dir, fsync_tree, pid_alive, plain_permissions, write_atomic, write_json
 from serving.digests import folder_digests
 from serving.store import (EMBEDDINGS, MANIFEST, RETIRED_GRACE, STORAGES, STORE_FORMAT, STORE_VERSION, StoreError,
                            StoreReader, TaskEntry, check_task_name, task_of)
@@ -80,6 +80,7 @@ class TaskStore(StoreReader):
         """Rename a finished version folder into place and point the manifest at it, atomically."""
         if storage not in STORAGES:
             raise StoreError(f"unknown storage {storage!r}: expected one of {', '.join(STORAGES)}")
+        plain_permissions(folder)  # safetensors writes 0600: a server running as another user could not read it
         fsync_tree(folder)
         digests = folder_digests(folder)
         final = self.root / self.version_name(folder)

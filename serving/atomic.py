@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 _RENAME_EXCHANGE = 2
@@ -63,13 +63,15 @@ def fsync_tree(root: Path) -> None:
                 os.fsync(f.fileno())
 
 
-def plain_permissions(root: Path) -> None:
+def plain_permissions(root: Path, private: Collection[str] = ()) -> None:
     """Give every file under `root` the mode open() gives (0666 less the umask; execute bits kept): some writers
-    (safetensors) make theirs 0600, which left one file of a folder unreadable to those who can read the rest."""
+    (safetensors) make theirs 0600, which left one file of a folder unreadable to those who can read the rest. The
+    files named in `private` (paths relative to `root`: secrets) get 0600, their owner's alone."""
     mode = root.stat().st_mode & 0o666  # root was made by mkdir: 0777 less the umask
+    secrets = {root / name for name in private}
     for path in root.rglob("*"):
         if path.is_file() and not path.is_symlink():
-            path.chmod(mode | (path.stat().st_mode & 0o111 & root.stat().st_mode))
+            path.chmod(0o600 if path in secrets else mode | (path.stat().st_mode & 0o111 & root.stat().st_mode))
 
 
 def replace_directory(src: Path, dst: Path) -> None:
@@ -116,8 +118,9 @@ def remove_stale_temporaries(target: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_directory(target: str | Path) -> Iterator[Path]:
-    """Yield an empty temporary folder; on success it replaces `target` atomically, on error it is removed."""
+def atomic_directory(target: str | Path, private: Collection[str] = ()) -> Iterator[Path]:
+    """Yield an empty temporary folder; on success it replaces `target` atomically, on error it is removed. Its
+    files get one mode (plain_permissions), those named in `private` 0600."""
     target = Path(target).absolute()
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(target)
@@ -125,7 +128,7 @@ def atomic_directory(target: str | Path) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
-        plain_permissions(tmp)
+        plain_permissions(tmp, private)
         fsync_tree(tmp)
         replace_directory(tmp, target)
     except BaseException:

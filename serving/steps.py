@@ -32,6 +32,7 @@ from serving.repository import RepositoryInfo, repository_of_model
 from serving.store import check_task_spec
 from serving.pool import RowPool
 from serving.tasks import TaskRegistry
+from serving.shm import make_own_region_private
 from serving.watch import ExecuteWatch
 
 __all__ = ["RequestError", "Step"]
@@ -169,6 +170,7 @@ class Step:
         self.pb = pb_utils
         self.parameters = model_parameters(args)
         self.instances = instance_count(args)
+        make_own_region_private()  # before any request reaches this stub (serving.shm)
         self.watch = ExecuteWatch(args["model_instance_name"])  # the supervisor sees a batch this instance is stuck in
         self.model_dir = Path(args["model_repository"])
         self.repo: RepositoryInfo = repository_of_model(self.model_dir)

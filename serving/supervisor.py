@@ -44,9 +44,9 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from serving.watch import SHM, busy_since, remove_watches
+from serving.shm import STUB, make_private, region_path
+from serving.watch import busy_since, remove_watches
 
-STUB = "triton_python_backend_stub"
 MAX_ATTEMPTS = 3  # failed repairs in a row before a model is given up (and its owner told: Supervisor.failed)
 UNLOAD_TIMEOUT = 10.0  # seconds for an unload (its stub is killed first when it hangs)
 LOAD_TIMEOUT = 20.0  # seconds for a load (the backbone's takes ~1 s)
@@ -188,7 +188,7 @@ def stubs_of(server_pid: int) -> dict[str, Stub]:
 
 def remove_regions(regions) -> None:
     for region in regions:
-        (SHM / region.lstrip("/")).unlink(missing_ok=True)
+        region_path(region).unlink(missing_ok=True)
 
 
 def reap(server_pid: int, regions=()) -> None:
@@ -247,11 +247,17 @@ class Supervisor:
         self._lock = threading.Lock()
         self._probers: list[threading.Thread] = []
 
+    def _see_regions(self, stubs: dict[str, Stub]) -> None:
+        """Remember every stub's region (reap removes them) and make each new one private (serving.shm)."""
+        new = {s.shm_region for s in stubs.values()} - self.regions
+        make_private(new)
+        self.regions |= new
+
     def start(self, probe: bool = True) -> "Supervisor":
         stubs = stubs_of(self.server_pid)
         self.expected = {s.instance: s.model for s in stubs.values()}
         self._watched = {s.instance: s.started for s in stubs.values()}
-        self.regions |= {s.shm_region for s in stubs.values()}
+        self._see_regions(stubs)
         try:
             self.models = {m["name"] for m in self._index() if m.get("state") == "READY"}
         except (*_UNREACHABLE, ValueError) as exc:
@@ -347,7 +353,7 @@ class Supervisor:
         (models given up are not tried again); returns the broken ones."""
         with self._lock:
             stubs = stubs_of(self.server_pid)
-            self.regions |= {s.shm_region for s in stubs.values()}
+            self._see_regions(stubs)
             broken: dict[str, str] = {}
             stopped = set()
             for instance, model in self.expected.items():
@@ -473,7 +479,7 @@ class Supervisor:
         stubs = stubs_of(self.server_pid)
         self.expected.update({s.instance: s.model for s in stubs.values()})
         self._watched.update({s.instance: s.started for s in stubs.values()})
-        self.regions |= {s.shm_region for s in stubs.values()}
+        self._see_regions(stubs)
         if model in self._answered:
             self._answered[model] = time.monotonic()  # its new stub gets a full hung_seconds to answer
         repair.seconds = round(time.monotonic() - start, 3)

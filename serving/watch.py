@@ -14,7 +14,8 @@ import struct
 import time
 from pathlib import Path
 
-SHM = Path("/dev/shm")
+from serving.shm import SHM
+
 PREFIX = "aot-busy-"
 _VALUE = struct.Struct("d")
 

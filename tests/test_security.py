@@ -16,6 +16,7 @@ import random
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -29,9 +30,10 @@ import yaml
 
 from aot.client import Client, InferenceError
 from aot.server import LocalServer, backends_folder, free_port, step_python
+from exporter.task_export import export_task
 from exporter.task_store import TaskStore
 from serving.repository import read_repository
-from serving.supervisor import ADMIN_HEADER, GRPC_ADMIN_HEADER, RESTRICTED_APIS, stubs_of
+from serving.supervisor import ADMIN_HEADER, GRPC_ADMIN_HEADER, RESTRICTED_APIS, stub_processes, stubs_of
 from tests.helpers import WITH_STEPS, make_repository, serve_for_tests, train_tiny_task
 from training.predict import Predictor
 
@@ -65,8 +67,9 @@ def expected(artifacts):
 class Served:
     """What a hostile test needs of a running server: its endpoints, and its admin key for the checks."""
 
-    def __init__(self, http: str, grpc: str, health: str, key: str, log: Path):
+    def __init__(self, http: str, grpc: str, health: str, key: str, log: Path, pid: int):
         self.http, self.grpc, self.health, self.key, self.log = http, grpc, health, key, log
+        self.pid = pid  # the launching process (`aot serve`, or the supervisor of the compose command)
 
 
 def _wait_ready(health: str, timeout: float = 120) -> None:
@@ -123,7 +126,7 @@ def served(request, repo, tmp_path_factory):
             key = key_file.read_text().strip()
         else:
             key = (repo / "admin-key").read_text().strip()
-        yield Served(f"127.0.0.1:{ports['http']}", f"127.0.0.1:{ports['grpc']}", health, key, work)
+        yield Served(f"127.0.0.1:{ports['http']}", f"127.0.0.1:{ports['grpc']}", health, key, work, process.pid)
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         try:
@@ -132,6 +135,58 @@ def served(request, repo, tmp_path_factory):
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
         log.close()
+
+
+# --- private files ----------------------------------------------------------------------------------------------
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_repository_key_is_private_and_task_files_share_one_mode(tmp_path, tiny_models, artifacts):
+    """REPO/admin-key (compose's secret, the Kubernetes Secret's source) stays 0600 through the first export, a
+    task's publish and a backbone re-export; every file of a task version has the one mode the rest of the
+    repository has (safetensors writes 0600: a server running as another user could not read the head)."""
+    repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"alpha": (artifacts["alpha"], "fused"),
+                                                                     "beta": (artifacts["beta"], "factored")})
+    plain = 0o666 & ~_umask()
+    key = (repo / "admin-key").read_text()
+    assert _mode(repo / "admin-key") == 0o600
+    assert _mode(repo / "aot_repository.json") == plain
+    store = read_repository(repo).store_root
+    for name in ("alpha", "beta"):
+        folder = store / TaskStore(store).entries()[name].folder
+        assert {path.name: _mode(path) for path in folder.iterdir()} == {path.name: plain for path in folder.iterdir()}
+    assert "head.safetensors" in {p.name for p in (store / TaskStore(store).entries()["beta"].folder).iterdir()}
+
+    from exporter.backbone_export import export_backbone
+
+    export_backbone(str(tiny_models["bert"]), repo, overwrite=True)
+    assert _mode(repo / "admin-key") == 0o600 and (repo / "admin-key").read_text() == key
+    (repo / "admin-key").chmod(0o644)  # as an export before this fix left it
+    export_task(artifacts["alpha"], repo, "alpha", "factored", progress=False)
+    assert _mode(repo / "admin-key") == 0o600 and (repo / "admin-key").read_text() == key
+
+
+def _stubs_started_by(pid: int) -> list:
+    """The python stubs of the tritonserver that process `pid` started (its child, or itself)."""
+    children = {int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
+    return [stub for server in children | {pid} for stub in stub_processes(server)]
+
+
+def test_shared_memory_regions_are_private(served, expected):
+    """The stubs' /dev/shm regions carry requests' texts and tensors: only the server's user may open them."""
+    _answers_unchanged(served.grpc, expected)
+    stubs = _stubs_started_by(served.pid)
+    assert stubs, "no stub of this server found"
+    regions = {Path("/dev/shm") / stub.shm_region.lstrip("/") for stub in stubs}
+    assert {region.name: _mode(region) for region in regions} == {region.name: 0o600 for region in regions}
 
 
 # --- helpers ----------------------------------------------------------------------------------------------------
