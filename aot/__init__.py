@@ -8,7 +8,7 @@ _LAZY = {
     "Client": ("aot.client", "Client"),
     "InferenceError": ("aot.client", "InferenceError"),
     "LocalServer": ("aot.server", "LocalServer"),
-    "AotConfig": ("training.methods.aot.config", "AotConfig"),
+    "AotConfig": ("training.methods.aot_ptuning.config", "AotConfig"),
     "AotModel": ("training.peft_model", "AotModel"),
     "get_aot_model": ("training.peft_model", "get_aot_model"),
     "MultiTaskModel": ("training.multitask", "MultiTaskModel"),

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from serving import protocol as io
+from serving import protocol
 from serving.labels import answer
 from serving.store import MAX_NAME_LENGTH
 
@@ -93,7 +93,7 @@ class Client:
                 t.set_data_from_numpy(array[None, :])
                 tensors.append(t)
             text = pair = None
-        for name, value in ((io.TEXT, text), (io.TASK, task), (io.TEXT_PAIR, pair)):
+        for name, value in ((protocol.TEXT, text), (protocol.TASK, task), (protocol.TEXT_PAIR, pair)):
             if value is None:
                 continue
             t = self._grpc.InferInput(name, [1, 1], "BYTES")
@@ -114,7 +114,7 @@ class Client:
                 metadata = self._client.get_model_metadata(self.model)
             except InferenceServerException as exc:
                 raise InferenceError(_message(exc)) from None
-            types = any(i.name == io.TOKEN_TYPE_IDS for i in metadata.inputs)
+            types = any(i.name == protocol.TOKEN_TYPE_IDS for i in metadata.inputs)
             self._tokens = Tokenization(self._tokenizer_dir, types)
         name = task.split("@", 1)[0]  # TASK@VERSION: the current version's max length (the server checks the pinned)
         if name not in self._max_lengths:
@@ -128,12 +128,12 @@ class Client:
             raise InferenceError(str(exc)) from None
 
     def _outputs(self):
-        return [self._grpc.InferRequestedOutput(n) for n in (io.LOGITS, io.LABEL, io.TASK_VERSION)]
+        return [self._grpc.InferRequestedOutput(n) for n in (protocol.LOGITS, protocol.LABEL, protocol.TASK_VERSION)]
 
     @staticmethod
     def _decode(result) -> dict:
-        logits = result.as_numpy(io.LOGITS).reshape(-1)
-        label, version = (_text(result.as_numpy(n).reshape(-1)[0]) for n in (io.LABEL, io.TASK_VERSION))
+        logits = result.as_numpy(protocol.LOGITS).reshape(-1)
+        label, version = (_text(result.as_numpy(n).reshape(-1)[0]) for n in (protocol.LABEL, protocol.TASK_VERSION))
         return answer(label, logits, version)
 
     def check_ready(self) -> None:
@@ -152,11 +152,11 @@ class Client:
         from tritonclient.utils import InferenceServerException
 
         try:
-            result = self._client.infer("task_list", [], outputs=[self._grpc.InferRequestedOutput(io.TASKS)],
+            result = self._client.infer("task_list", [], outputs=[self._grpc.InferRequestedOutput(protocol.TASKS)],
                                         client_timeout=self.timeout)
         except InferenceServerException as exc:
             raise InferenceError(_message(exc)) from None
-        return json.loads(result.as_numpy(io.TASKS).reshape(-1)[0])
+        return json.loads(result.as_numpy(protocol.TASKS).reshape(-1)[0])
 
     def infer(self, task: str, text: str, text_pair: str | None = None, *, pair: str | None = None) -> dict:
         """One answer (serving.labels.answer). `text_pair` is named as in infer_many's items and training data;

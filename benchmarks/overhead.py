@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.report import markdown_table, new_figure, save_figure, write_json, write_text
-from serving import protocol as io
+from serving import protocol
 from training.backbone import Architecture, architecture_for, encoder_from_config, load_encoder
-from training.methods.aot.config import FCConfig
-from training.methods.aot.layer import FCPrompt
+from training.methods.aot_ptuning.config import FCConfig
+from training.methods.aot_ptuning.layer import FCPrompt
 from serving_torch.encoder import BiasedEncoder, pool_states
 
 METHODS = ("vanilla", "aot-fused", "aot-dense", "aot-factored", "lora", "adapter", "prompt", "prefix")
@@ -152,7 +152,7 @@ class Vanilla(Method):
         return _encode(self.case)
 
 
-class AoTFused(Method):
+class AotFused(Method):
     """The fused table, then the biased encoder.
 
     CPU: the server's lookup, timed: distinct tokens of the batch, their rows read from the memory-mapped table.
@@ -178,7 +178,7 @@ class AoTFused(Method):
         ids = self.case.ids_host
         unique, inverse = np.unique(ids, return_inverse=True)
         rows = torch.from_numpy(np.ascontiguousarray(self.table[unique]))
-        return rows, torch.from_numpy(inverse.reshape(ids.shape).astype(io.INDEX_DTYPE))
+        return rows, torch.from_numpy(inverse.reshape(ids.shape).astype(protocol.INDEX_DTYPE))
 
     def __call__(self):
         rows, index = self.lookup()
@@ -186,7 +186,7 @@ class AoTFused(Method):
         return self.biased(c.ids, None, c.token_types, rows, index)
 
 
-class AoTFactored(Method):
+class AotFactored(Method):
     name = "aot-factored"
 
     def setup(self):
@@ -320,9 +320,9 @@ class CudaGraph(Method):
     def setup(self):
         self.inner.setup()
         c = self.case
-        if isinstance(self.inner, AoTFused):
+        if isinstance(self.inner, AotFused):
             body = self.inner  # the table is resident: the gather is part of the graph
-        elif isinstance(self.inner, AoTFactored):
+        elif isinstance(self.inner, AotFactored):
             inner = self.inner
             flat = c.ids.reshape(-1)
             positions = torch.arange(flat.numel(), device=c.device).reshape(c.ids.shape)
@@ -348,7 +348,7 @@ class CudaGraph(Method):
         return self.output
 
 
-METHOD_CLASSES = {"vanilla": Vanilla, "aot-fused": AoTFused, "aot-factored": AoTFactored, "lora": LoraUnfused,
+METHOD_CLASSES = {"vanilla": Vanilla, "aot-fused": AotFused, "aot-factored": AotFactored, "lora": LoraUnfused,
                   "adapter": AdapterPerRow, "prompt": PromptV1, "prefix": PrefixV2}
 
 
@@ -356,7 +356,7 @@ def fused_table(vocab: int, layers: int, hidden: int, folder: Path) -> np.ndarra
     """A [V, L, d] fp16 table as served: memory-mapped from disk (a sparse file: its content does not matter)."""
     path = folder / f"table-{vocab}-{layers}-{hidden}.npy"
     if not path.exists():
-        table = np.lib.format.open_memmap(path, mode="w+", dtype=io.ROWS_DTYPE, shape=(vocab, layers, hidden))
+        table = np.lib.format.open_memmap(path, mode="w+", dtype=protocol.ROWS_DTYPE, shape=(vocab, layers, hidden))
         table[:: max(1, vocab // 64)] = 0.01  # touch a few pages so that the file is a real table
         table.flush()
         del table
@@ -449,7 +449,7 @@ def run_torch(config: OverheadConfig, progress: bool = True, on_size: Callable[[
                     skipped[name] = "an input interface of the exported graphs: --engine onnxruntime"
                     continue
                 cls = METHOD_CLASSES[name]
-                method = cls(case, config, table, resident) if cls is AoTFused else cls(case, config)
+                method = cls(case, config, table, resident) if cls is AotFused else cls(case, config)
                 try:
                     if config.cuda_graphs:
                         method = CudaGraph(method)
@@ -535,9 +535,9 @@ class BoundSession:
         kind, index = self.device.type, self.device.index or 0
         for name, t in bound.items():
             binding.bind_input(name, kind, index, _NUMPY_TYPES[t.dtype], tuple(t.shape), t.data_ptr())
-        out = torch.empty((feeds[io.INPUT_IDS].shape[0], len(io.POOLINGS), hidden), dtype=torch.float32,
+        out = torch.empty((feeds[protocol.INPUT_IDS].shape[0], len(protocol.POOLINGS), hidden), dtype=torch.float32,
                           device=self.device)
-        binding.bind_output(io.POOLED_HIDDEN, kind, index, np.float32, tuple(out.shape), out.data_ptr())
+        binding.bind_output(protocol.POOLED_HIDDEN, kind, index, np.float32, tuple(out.shape), out.data_ptr())
         self.session.run_with_iobinding(binding)
         binding.synchronize_outputs()  # ONNX Runtime's stream done: the timer may stop
         return out
@@ -557,11 +557,11 @@ def device_bias_feeds(case: Case, table: torch.Tensor, interface: str) -> dict[s
         rows.append(table[torch.from_numpy(unique).to(table.device)])
         index.append(local)
     if interface == "dense":
-        return {io.AOT_BIAS: torch.stack([io.dense_bias(r, i) for r, i in zip(rows, index)])}
-    offsets = np.concatenate([[0], np.cumsum([r.numel() for r in rows])]).astype(io.INDEX_DTYPE)
-    return {io.AOT_ROWS: torch.cat([r.reshape(-1) for r in rows]),
-            io.AOT_INDEX: torch.from_numpy(np.stack(index)).to(table.device),
-            io.AOT_ROW_OFFSETS: torch.from_numpy(offsets).to(table.device)}
+        return {protocol.AOT_BIAS: torch.stack([protocol.dense_bias(r, i) for r, i in zip(rows, index)])}
+    offsets = np.concatenate([[0], np.cumsum([r.numel() for r in rows])]).astype(protocol.INDEX_DTYPE)
+    return {protocol.AOT_ROWS: torch.cat([r.reshape(-1) for r in rows]),
+            protocol.AOT_INDEX: torch.from_numpy(np.stack(index)).to(table.device),
+            protocol.AOT_ROW_OFFSETS: torch.from_numpy(offsets).to(table.device)}
 
 
 def run_onnxruntime(config: OverheadConfig, progress: bool = True,
@@ -610,24 +610,25 @@ def run_onnxruntime(config: OverheadConfig, progress: bool = True,
         for batch, seq in sizes:
             case = make_case(encoder, batch, seq, device, torch.float32)
             if device.type == "cuda":
-                tokens = {io.INPUT_IDS: case.ids, io.ATTENTION_MASK: case.mask}
+                tokens = {protocol.INPUT_IDS: case.ids, protocol.ATTENTION_MASK: case.mask}
                 if case.token_types is not None:
-                    tokens[io.TOKEN_TYPE_IDS] = case.token_types
+                    tokens[protocol.TOKEN_TYPE_IDS] = case.token_types
                 run = lambda graph, bias=None: sessions[graph].run(  # noqa: E731
                     {**tokens, **(device_bias_feeds(case, resident, bias) if bias else {})}, d)
                 runners = {"vanilla": lambda: run("vanilla"), "aot-fused": lambda: run("aot", "rows"),
                            "aot-dense": lambda: run("aot-dense", "dense")}
             else:
-                requests = [{io.INPUT_IDS: case.ids[b].numpy(), io.ATTENTION_MASK: case.mask[b].numpy()}
-                            | ({io.TOKEN_TYPE_IDS: case.token_types[b].numpy()} if case.token_types is not None else {})
+                requests = [{protocol.INPUT_IDS: case.ids[b].numpy(), protocol.ATTENTION_MASK: case.mask[b].numpy()}
+                            | ({protocol.TOKEN_TYPE_IDS: case.token_types[b].numpy()}
+                               if case.token_types is not None else {})
                             for b in range(batch)]
 
                 def served_path(task: ServedTask, graph: str):
                     """What the CPU server's fused step does for this batch: lookup, then the graph."""
                     looked_up = []
                     for t in requests:
-                        rows, index = lookup(task, t[io.INPUT_IDS], t[io.ATTENTION_MASK])
-                        looked_up.append({**t, io.AOT_ROWS: rows, io.AOT_INDEX: index})
+                        rows, index = lookup(task, t[protocol.INPUT_IDS], t[protocol.ATTENTION_MASK])
+                        looked_up.append({**t, protocol.AOT_ROWS: rows, protocol.AOT_INDEX: index})
                     return runners_by_graph[graph].run(looked_up)
 
                 runners = {"vanilla": lambda: runners_by_graph["vanilla"].run(requests),

@@ -30,7 +30,7 @@ import numpy as np
 
 from benchmarks.report import markdown_table, new_figure, save_figure, write_json, write_text
 from exporter.task_store import TaskStore
-from serving import protocol as io
+from serving import protocol
 from serving.repository import ServingOptions, read_repository
 
 
@@ -182,8 +182,8 @@ def _lookup_bytes(repo: Path, texts: list[str], max_length: int) -> tuple[float,
     for text in texts:
         ids = tokenizer(text, truncation=True, max_length=max_length)["input_ids"]
         padded = bucket_length(len(ids), buckets)  # a GPU tokenizer step pads to the bucket: index and bias alike
-        ours.append(io.lookup_bytes(len(set(ids)), padded, L, d))
-        dense.append(io.dense_bias_bytes(padded, L, d))
+        ours.append(protocol.lookup_bytes(len(set(ids)), padded, L, d))
+        dense.append(protocol.dense_bias_bytes(padded, L, d))
     return statistics.fmean(ours), statistics.fmean(dense)
 
 

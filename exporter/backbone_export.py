@@ -17,7 +17,7 @@ from exporter.rows_export import write_rows_graphs
 from exporter.task_store import TaskStore
 from exporter.tensorrt import Profile, build_plan, build_script, write_parity_data
 from exporter.torch_export import export_torch_encoder
-from serving import protocol as io
+from serving import protocol
 from serving.atomic import atomic_directory, write_json
 from serving.store import ROWS_DIR
 from serving.repository import (MODELS_DIR, RECORD, REPO_FORMAT, REPO_VERSION, RepositoryError, RepositoryInfo,
@@ -121,9 +121,9 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
             graph = export_backbone_graph(backbone, models / name / "1", aot, interface=options.bias_interface)
             report.max_abs_diff[name] = graph.max_abs_diff
             report.fused_ops[name] = graph.fused_ops
-            inputs = io.token_inputs(backbone.uses_token_type_ids)
+            inputs = protocol.token_inputs(backbone.uses_token_type_ids)
             if aot:
-                inputs += io.bias_inputs(options.bias_interface)
+                inputs += protocol.bias_inputs(options.bias_interface)
             trt_models[name] = {"shapes": profile.shapes(inputs, backbone.num_layers, backbone.hidden_size)}
             if options.engine == "tensorrt":
                 feeds = example_inputs(backbone, aot, batch=3, seq=min(13, profile.max_seq), seed=7,
@@ -156,7 +156,7 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
         else:
             TaskStore(tmp / STORE_DIR).create(identity, backbone.embeddings.detach().float().numpy())
         write_rows_graphs(tmp / STORE_DIR, backbone.num_layers, backbone.hidden_size)
-        record = {"format": REPO_FORMAT, "format_version": REPO_VERSION, "protocol_version": io.PROTOCOL_VERSION,
+        record = {"format": REPO_FORMAT, "format_version": REPO_VERSION, "protocol_version": protocol.PROTOCOL_VERSION,
                   "backbone": identity, "uses_token_type_ids": backbone.uses_token_type_ids,
                   "num_layers": backbone.num_layers, "hidden_size": backbone.hidden_size,
                   "vocab_size": int(backbone.embeddings.shape[0]),

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from google.protobuf import text_format
 
-from serving import protocol as io
+from serving import protocol
 from serving.repository import ServingOptions
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "model_repository"
@@ -44,8 +44,8 @@ def _pb():
 def _tensor(kind, name: str, dims: list[int], ragged: bool = False, optional: bool = False):
     """A config input/output whose data type comes from the protocol's one definition."""
     pb = _pb()
-    dtype = io.triton_type(name)
-    t = kind(name=name, data_type=getattr(pb, "TYPE_STRING" if dtype == io.BYTES else f"TYPE_{dtype}"), dims=dims)
+    dtype = protocol.triton_type(name)
+    t = kind(name=name, data_type=getattr(pb, "TYPE_STRING" if dtype == protocol.BYTES else f"TYPE_{dtype}"), dims=dims)
     if ragged:
         t.allow_ragged_batch = True
     if optional:
@@ -108,7 +108,7 @@ def _backbone(name: str, aot: bool, target: str, info: dict, options: ServingOpt
     """The backbone step: a python step (ONNX Runtime on CPU; the torch engine on CPU or CUDA), or the native
     backend on GPU (the bias in the repository's interface: ragged rows + batch input, or the dense bias)."""
     pb = _pb()
-    token_names = io.token_inputs(info["uses_token_type_ids"])
+    token_names = protocol.token_inputs(info["uses_token_type_ids"])
     python = _in_process_lookup(target, options)
     if python:
         config = _python_model(name, options, _engine_parameters(name, target, options),
@@ -123,25 +123,25 @@ def _backbone(name: str, aot: bool, target: str, info: dict, options: ServingOpt
         config.instance_group.add(kind=pb.ModelInstanceGroup.KIND_GPU, count=1)
     # A python step takes ragged inputs (it pads the batch itself); a native backend takes bucketed token tensors.
     if python and aot:  # the lookup runs inside this step: no extra step, no rows between processes
-        config.input.append(_tensor(pb.ModelInput, io.TASK_VERSION, [1]))
+        config.input.append(_tensor(pb.ModelInput, protocol.TASK_VERSION, [1]))
     for n in token_names:
         config.input.append(_tensor(pb.ModelInput, n, [-1], ragged=python))
     dense = aot and not python and options.bias_interface == "dense"
     if dense:
-        config.input.append(_tensor(pb.ModelInput, io.AOT_BIAS, [-1, info["num_layers"], info["hidden_size"]]))
+        config.input.append(_tensor(pb.ModelInput, protocol.AOT_BIAS, [-1, info["num_layers"], info["hidden_size"]]))
     elif aot and not python:
-        config.input.append(_tensor(pb.ModelInput, io.AOT_ROWS, [-1], ragged=True))
-        config.input.append(_tensor(pb.ModelInput, io.AOT_INDEX, [-1]))
+        config.input.append(_tensor(pb.ModelInput, protocol.AOT_ROWS, [-1], ragged=True))
+        config.input.append(_tensor(pb.ModelInput, protocol.AOT_INDEX, [-1]))
         config.batch_input.add(kind=pb.BatchInput.BATCH_ACCUMULATED_ELEMENT_COUNT_WITH_ZERO,
-                               target_name=[io.AOT_ROW_OFFSETS], data_type=pb.TYPE_INT32,
-                               source_input=[io.AOT_ROWS])
+                               target_name=[protocol.AOT_ROW_OFFSETS], data_type=pb.TYPE_INT32,
+                               source_input=[protocol.AOT_ROWS])
     # TensorRT replays CUDA graphs only for the shapes captured at load: the bucketed shapes of the vanilla and dense
     # graphs. The backend can key a graph on a ragged input's total length too, but a padded replay of the rows graph
     # would gather the padded slots' rows through stale aot_index values, possibly past the rows given: until a GPU
     # shows that is safe, the rows backbone runs without graphs.
     if options.engine == "tensorrt" and not python and (dense or not aot):
         _graph_specs(config, {i.name: list(i.dims) for i in config.input}, options, info["max_seq"])
-    config.output.append(_tensor(pb.ModelOutput, io.POOLED_HIDDEN, [len(io.POOLINGS), info["hidden_size"]]))
+    config.output.append(_tensor(pb.ModelOutput, protocol.POOLED_HIDDEN, [len(protocol.POOLINGS), info["hidden_size"]]))
     return config
 
 
@@ -167,9 +167,9 @@ def _fused(name: str, backbone: str, info: dict, options: ServingOptions):
 def _answer_outputs(config) -> None:
     """What the client gets back from `aot` / `vanilla` (protocol v5)."""
     pb = _pb()
-    config.output.append(_tensor(pb.ModelOutput, io.LOGITS, [-1]))
-    config.output.append(_tensor(pb.ModelOutput, io.LABEL, [1]))
-    config.output.append(_tensor(pb.ModelOutput, io.TASK_VERSION, [1]))  # which version answered (protocol v5)
+    config.output.append(_tensor(pb.ModelOutput, protocol.LOGITS, [-1]))
+    config.output.append(_tensor(pb.ModelOutput, protocol.LABEL, [1]))
+    config.output.append(_tensor(pb.ModelOutput, protocol.TASK_VERSION, [1]))  # which version answered (protocol v5)
 
 
 def _ensemble(name: str, backbone: str, info: dict, options: ServingOptions, target: str):
@@ -179,27 +179,27 @@ def _ensemble(name: str, backbone: str, info: dict, options: ServingOptions, tar
     config = pb.ModelConfig(name=name, platform="ensemble", max_batch_size=options.max_batch_size)
     config.input.extend(_request_inputs(info, ragged=False))
     _answer_outputs(config)
-    tokens = io.token_inputs(info["uses_token_type_ids"])
-    version = io.TASK_VERSION
+    tokens = protocol.token_inputs(info["uses_token_type_ids"])
+    version = protocol.TASK_VERSION
     steps = config.ensemble_scheduling.step
     tok = steps.add(model_name="tokenizer", model_version=-1)
     tok.input_map.update({t.name: t.name for t in _request_inputs(info, ragged=False)})
-    tok.output_map.update({n: f"_{n}" for n in tokens} | {io.TASK_VERSION: version})
+    tok.output_map.update({n: f"_{n}" for n in tokens} | {protocol.TASK_VERSION: version})
     bb_inputs = {n: f"_{n}" for n in tokens}
     if backbone == "backbone" and _in_process_lookup(target, options):
-        bb_inputs[io.TASK_VERSION] = version  # the backbone step looks the rows up itself
+        bb_inputs[protocol.TASK_VERSION] = version  # the backbone step looks the rows up itself
     elif backbone == "backbone":
         look = steps.add(model_name="aot_lookup", model_version=-1)
-        look.input_map.update({io.TASK_VERSION: version, **{n: f"_{n}" for n in tokens}})
+        look.input_map.update({protocol.TASK_VERSION: version, **{n: f"_{n}" for n in tokens}})
         bias = _lookup_outputs(options)
         look.output_map.update({n: f"_{n}" for n in bias})
         bb_inputs.update({n: f"_{n}" for n in bias})
     bb = steps.add(model_name=backbone, model_version=-1)
     bb.input_map.update(bb_inputs)
-    bb.output_map.update({io.POOLED_HIDDEN: f"_{io.POOLED_HIDDEN}"})
+    bb.output_map.update({protocol.POOLED_HIDDEN: f"_{protocol.POOLED_HIDDEN}"})
     head = steps.add(model_name="head", model_version=-1)
-    head.input_map.update({io.TASK_VERSION: version, io.POOLED_HIDDEN: f"_{io.POOLED_HIDDEN}"})
-    head.output_map.update({io.LOGITS: io.LOGITS, io.LABEL: io.LABEL})
+    head.input_map.update({protocol.TASK_VERSION: version, protocol.POOLED_HIDDEN: f"_{protocol.POOLED_HIDDEN}"})
+    head.output_map.update({protocol.LOGITS: protocol.LOGITS, protocol.LABEL: protocol.LABEL})
     return config
 
 
@@ -211,20 +211,20 @@ def _request_inputs(info: dict, ragged: bool) -> list:
     (Triton checks only the count of an ensemble's required inputs, and a required one missing would stall the
     ensemble: "unexpected deadlock")."""
     pb = _pb()
-    return ([_tensor(pb.ModelInput, n, [1], optional=True) for n in (io.TEXT, io.TEXT_PAIR, io.TASK)]
+    return ([_tensor(pb.ModelInput, n, [1], optional=True) for n in (protocol.TEXT, protocol.TEXT_PAIR, protocol.TASK)]
             + [_tensor(pb.ModelInput, n, [-1], ragged=ragged, optional=True)
-               for n in io.token_inputs(info["uses_token_type_ids"])])
+               for n in protocol.token_inputs(info["uses_token_type_ids"])])
 
 
 def _lookup_outputs(options: ServingOptions) -> list[str]:
     """What the aot_lookup step sends the native backbone: its graph's bias inputs but the batch input Triton adds."""
-    return [n for n in io.bias_inputs(options.bias_interface) if n != io.AOT_ROW_OFFSETS]
+    return [n for n in protocol.bias_inputs(options.bias_interface) if n != protocol.AOT_ROW_OFFSETS]
 
 
 def model_configs(info: dict, options: ServingOptions, target: str) -> dict:
     """Every model's config for `target` "cpu" (local server) or "gpu" (NGC image)."""
     pb = _pb()
-    tokens = io.token_inputs(info["uses_token_type_ids"])
+    tokens = protocol.token_inputs(info["uses_token_type_ids"])
     # Bucketed token tensors for a native backend; a python backbone step pads each batch itself.
     buckets = "" if _in_process_lookup(target, options) else ",".join(str(b) for b in options.buckets)
     # Tokenizer and head run one thread per instance: ServingOptions.instances of each (the backbone's engine
@@ -232,7 +232,8 @@ def model_configs(info: dict, options: ServingOptions, target: str) -> dict:
     instances = options.instances(target)
     tok = _python_model("tokenizer", options, {"buckets": buckets}, instances=instances)
     tok.input.extend(_request_inputs(info, ragged=True))
-    tok.output.extend([_tensor(pb.ModelOutput, n, [-1]) for n in tokens] + [_tensor(pb.ModelOutput, io.TASK_VERSION, [1])])
+    tok.output.extend([_tensor(pb.ModelOutput, n, [-1]) for n in tokens]
+                      + [_tensor(pb.ModelOutput, protocol.TASK_VERSION, [1])])
 
     # The native GPU ensemble's lookup keeps its task pool in device memory (torch) and hands the rows to the
     # backbone as GPU tensors (DLPack); the CPU config keeps it in host memory.
@@ -241,19 +242,20 @@ def model_configs(info: dict, options: ServingOptions, target: str) -> dict:
                                                   "pool_storage": "torch" if gpu else "host"})
     if gpu:
         look.instance_group[0].kind = pb.ModelInstanceGroup.KIND_GPU
-    look.input.extend([_tensor(pb.ModelInput, io.TASK_VERSION, [1])]
+    look.input.extend([_tensor(pb.ModelInput, protocol.TASK_VERSION, [1])]
                       + [_tensor(pb.ModelInput, n, [-1], ragged=True) for n in tokens])
-    dims = {io.AOT_ROWS: [-1], io.AOT_INDEX: [-1], io.AOT_BIAS: [-1, info["num_layers"], info["hidden_size"]]}
+    dims = {protocol.AOT_ROWS: [-1], protocol.AOT_INDEX: [-1],
+            protocol.AOT_BIAS: [-1, info["num_layers"], info["hidden_size"]]}
     look.output.extend([_tensor(pb.ModelOutput, n, dims[n]) for n in _lookup_outputs(options)])
 
     head = _python_model("head", options, {}, instances=instances)
-    head.input.extend([_tensor(pb.ModelInput, io.TASK_VERSION, [1]),
-                       _tensor(pb.ModelInput, io.POOLED_HIDDEN, [len(io.POOLINGS), info["hidden_size"]])])
-    head.output.extend([_tensor(pb.ModelOutput, io.LOGITS, [-1]), _tensor(pb.ModelOutput, io.LABEL, [1])])
+    head.input.extend([_tensor(pb.ModelInput, protocol.TASK_VERSION, [1]),
+                       _tensor(pb.ModelInput, protocol.POOLED_HIDDEN, [len(protocol.POOLINGS), info["hidden_size"]])])
+    head.output.extend([_tensor(pb.ModelOutput, protocol.LOGITS, [-1]), _tensor(pb.ModelOutput, protocol.LABEL, [1])])
     tasks = _python_model("task_list", options, {})
     tasks.max_batch_size = 0  # no inputs: a model with batching needs one to read the batch size from
     tasks.ClearField("dynamic_batching")
-    tasks.output.append(_tensor(pb.ModelOutput, io.TASKS, [1]))
+    tasks.output.append(_tensor(pb.ModelOutput, protocol.TASKS, [1]))
     configs = {"tokenizer": tok, "aot_lookup": look, "head": head, "task_list": tasks,
                "backbone": _backbone("backbone", True, target, info, options),
                "backbone_vanilla": _backbone("backbone_vanilla", False, target, info, options),

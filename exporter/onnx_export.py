@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from serving import protocol as io
+from serving import protocol
 from training.backbone import Backbone
 from serving_torch.encoder import BiasedEncoder, pool_states
 
@@ -50,8 +50,8 @@ class ExportableBackbone(nn.Module):
             self.biased.remove_hooks()
 
     def input_names(self) -> list[str]:
-        names = io.token_inputs(self.uses_token_type_ids)
-        return names + (io.bias_inputs(self.interface) if self.aot else [])
+        names = protocol.token_inputs(self.uses_token_type_ids)
+        return names + (protocol.bias_inputs(self.interface) if self.aot else [])
 
     def forward(self, input_ids, attention_mask, token_type_ids=None, aot_rows=None, aot_index=None,
                 aot_row_offsets=None, aot_bias=None):
@@ -68,7 +68,8 @@ class ExportableBackbone(nn.Module):
 
 
 def example_inputs(backbone: Backbone, aot: bool, batch: int, seq: int, seed: int,
-                   rows_dtype=getattr(torch, io.ROWS_DTYPE.name), interface: str = "rows") -> dict[str, torch.Tensor]:
+                   rows_dtype=getattr(torch, protocol.ROWS_DTYPE.name),
+                   interface: str = "rows") -> dict[str, torch.Tensor]:
     """Random token inputs with padding, and random non-zero rows laid out exactly as the lookup step sends them in
     `interface` (the same rows for the same seed in both: dense is rows[index])."""
     g = torch.Generator().manual_seed(seed)
@@ -77,9 +78,9 @@ def example_inputs(backbone: Backbone, aot: bool, batch: int, seq: int, seed: in
     lengths[0] = seq
     ids = torch.randint(0, vocab, (batch, seq), generator=g)
     mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()
-    feeds = {io.INPUT_IDS: ids, io.ATTENTION_MASK: mask}
+    feeds = {protocol.INPUT_IDS: ids, protocol.ATTENTION_MASK: mask}
     if backbone.uses_token_type_ids:
-        feeds[io.TOKEN_TYPE_IDS] = (torch.arange(seq)[None, :] >= lengths[:, None] // 2).long() * mask
+        feeds[protocol.TOKEN_TYPE_IDS] = (torch.arange(seq)[None, :] >= lengths[:, None] // 2).long() * mask
     if aot:
         L, d = backbone.num_layers, backbone.hidden_size
         rows, index, offsets = [], [], [0]
@@ -91,11 +92,12 @@ def example_inputs(backbone: Backbone, aot: bool, batch: int, seq: int, seed: in
             index.append(local)
             offsets.append(offsets[-1] + rows[-1].numel())
         if interface == "dense":
-            feeds[io.AOT_BIAS] = torch.stack([io.dense_bias(r.reshape(-1, L, d), i) for r, i in zip(rows, index)])
+            feeds[protocol.AOT_BIAS] = torch.stack([protocol.dense_bias(r.reshape(-1, L, d), i)
+                                                    for r, i in zip(rows, index)])
         else:
-            feeds[io.AOT_ROWS] = torch.cat(rows)
-            feeds[io.AOT_INDEX] = torch.stack(index)
-            feeds[io.AOT_ROW_OFFSETS] = torch.tensor(offsets, dtype=torch.int32)
+            feeds[protocol.AOT_ROWS] = torch.cat(rows)
+            feeds[protocol.AOT_INDEX] = torch.stack(index)
+            feeds[protocol.AOT_ROW_OFFSETS] = torch.tensor(offsets, dtype=torch.int32)
     return feeds
 
 
@@ -104,18 +106,18 @@ def export_onnx(backbone: Backbone, path: Path, aot: bool, interface: str = "row
     module = ExportableBackbone(backbone, aot, interface).eval()
     feeds = example_inputs(backbone, aot, batch=2, seq=8, seed=0, interface=interface)
     names = module.input_names()
-    axes = {n: {0: "batch", 1: "sequence"} for n in io.token_inputs(module.uses_token_type_ids)}
+    axes = {n: {0: "batch", 1: "sequence"} for n in protocol.token_inputs(module.uses_token_type_ids)}
     if aot:
-        axes.update({io.AOT_ROWS: {0: "row_elements"}, io.AOT_INDEX: {0: "batch", 1: "sequence"},
-                     io.AOT_ROW_OFFSETS: {0: "batch_plus_one"}, io.AOT_BIAS: {0: "batch", 1: "sequence"}})
-        axes = {n: a for n, a in axes.items() if n in names + [io.POOLED_HIDDEN]}
-    axes[io.POOLED_HIDDEN] = {0: "batch"}
+        axes.update({protocol.AOT_ROWS: {0: "row_elements"}, protocol.AOT_INDEX: {0: "batch", 1: "sequence"},
+                     protocol.AOT_ROW_OFFSETS: {0: "batch_plus_one"}, protocol.AOT_BIAS: {0: "batch", 1: "sequence"}})
+        axes = {n: a for n, a in axes.items() if n in names + [protocol.POOLED_HIDDEN]}
+    axes[protocol.POOLED_HIDDEN] = {0: "batch"}
     big = sum(p.numel() * p.element_size() for p in backbone.encoder.parameters()) > 1.8e9
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.onnx.export(module, (), str(path), kwargs={n: feeds[n] for n in names}, input_names=names,
-                              output_names=[io.POOLED_HIDDEN], dynamic_axes=axes, opset_version=OPSET,
+                              output_names=[protocol.POOLED_HIDDEN], dynamic_axes=axes, opset_version=OPSET,
                               do_constant_folding=True, dynamo=False)
     finally:
         module.close()
@@ -159,7 +161,7 @@ def _fuse_embed_layer_norm(model, options) -> None:
     if any(n.op_type == "EmbedLayerNormalization" for n in model.model.graph.node):
         return
 
-    class AoTEmbedLayerNormFusion(FusionEmbedLayerNormalization):
+    class AotEmbedLayerNormFusion(FusionEmbedLayerNormalization):
         def check_attention_subgraph(self, layernorm, input_name_to_nodes, is_distil_bert):
             children = input_name_to_nodes.get(layernorm.output[0], [])
             if len(children) == 1 and children[0].op_type == "Add":
@@ -169,7 +171,7 @@ def _fuse_embed_layer_norm(model, options) -> None:
                         return True
             return super().check_attention_subgraph(layernorm, input_name_to_nodes, is_distil_bert)
 
-    AoTEmbedLayerNormFusion(model, options.attention_mask_format == AttentionMaskFormat.MaskIndexEnd).apply()
+    AotEmbedLayerNormFusion(model, options.attention_mask_format == AttentionMaskFormat.MaskIndexEnd).apply()
     model.prune_graph()
     model.remove_unused_constant()
 
@@ -203,7 +205,7 @@ def max_abs_difference(path: Path, backbone: Backbone, aot: bool, interface: str
             feeds = example_inputs(backbone, aot, batch, seq, seed=100 + k, interface=interface)
             with torch.no_grad():
                 expected = module(**feeds).numpy()
-            got = sess.run([io.POOLED_HIDDEN], {n: v.numpy() for n, v in feeds.items() if n in names})[0]
+            got = sess.run([protocol.POOLED_HIDDEN], {n: v.numpy() for n, v in feeds.items() if n in names})[0]
             worst = max(worst, float(np.abs(got - expected).max()))
     finally:
         module.close()

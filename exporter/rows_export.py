@@ -1,5 +1,5 @@
-"""The rows graphs of a task store: training's own row formulas (training.methods.aot.layer) as small ONNX graphs
-whose inputs are the factors, so that serving computes a factored task's rows with ONNX Runtime (one fused GEMM
+"""The rows graphs of a task store: training's own row formulas (training.methods.aot_ptuning.layer) as small ONNX
+graphs whose inputs are the factors, so that serving computes a factored task's rows with ONNX Runtime (one fused GEMM
 pipeline, fp16 output) instead of re-implementing them. One graph per formula serves every task and every rank:
 
     REPO/tasks/rows/fc-<activation>.onnx   e [U, d] fp32, w1, b1, w2, b2 -> rows [U, L, d] fp16
@@ -22,8 +22,8 @@ from exporter.onnx_export import OPSET, ExportError
 from serving import protocol
 from serving.atomic import write_atomic
 from serving.store import ROWS_DIR, rows_graph_name
-from training.methods.aot.config import ACTIVATIONS
-from training.methods.aot.layer import ACTIVATION_MODULES, fc_rows, kron_rows
+from training.methods.aot_ptuning.config import ACTIVATIONS
+from training.methods.aot_ptuning.layer import ACTIVATION_MODULES, fc_rows, kron_rows
 
 _FP16 = getattr(torch, protocol.ROWS_DTYPE.name)
 _FC_INPUTS = ("e", "w1", "b1", "w2", "b2")

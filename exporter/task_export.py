@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from exporter.compose_env import keep_admin_key_private
 from exporter.task_store import TaskStore
-from serving import protocol as io
+from serving import protocol
 from serving.engine import BackboneRunner
 from serving.repository import RepositoryInfo, read_repository
 from serving.store import STORAGES, StoreError, check_task_name
@@ -23,7 +23,7 @@ from serving.tasks import load_task_version, lookup, token_index
 from serving.tokenization import Tokenization
 from training.artifact import check_fingerprint, read_task
 from training.backbone import load_backbone
-from training.methods.aot.model import AoTBody
+from training.methods.aot_ptuning.model import AotBody
 from training.methods.base import method_spec
 from training.model import TaskModel
 from training.predict import Predictor
@@ -54,18 +54,19 @@ def _head_arrays(model: TaskModel) -> dict[str, np.ndarray]:
     return {k: v.detach().float().numpy().copy() for k, v in model.head.state_dict().items()}
 
 
-def _write_fused(body: AoTBody, path: Path, vocab: int, chunk: int = 2048, progress: bool = True) -> None:
+def _write_fused(body: AotBody, path: Path, vocab: int, chunk: int = 2048, progress: bool = True) -> None:
     """P for the whole vocabulary, token-major [V, L, d] fp16, as a .npy written chunk by chunk.
 
     Plain writes, not a memory map of a sparse file: a full disk then fails a write with ENOSPC (a clear error,
     and the caller removes the folder) instead of killing the process with SIGBUS."""
     L, d = body.biased.num_layers, body.biased.hidden_size
-    header = {"descr": np.lib.format.dtype_to_descr(io.ROWS_DTYPE), "fortran_order": False, "shape": (vocab, L, d)}
+    header = {"descr": np.lib.format.dtype_to_descr(protocol.ROWS_DTYPE), "fortran_order": False,
+              "shape": (vocab, L, d)}
     with open(path, "wb") as f, torch.no_grad():
         np.lib.format.write_array_header_2_0(f, header)
         for start in tqdm(range(0, vocab, chunk), desc="fuse P", unit="chunk", disable=not progress):
             ids = torch.arange(start, min(start + chunk, vocab))
-            f.write(body.rows(ids).float().numpy().astype(io.ROWS_DTYPE).tobytes())
+            f.write(body.rows(ids).float().numpy().astype(protocol.ROWS_DTYPE).tobytes())
 
 
 def validate_task(repo: RepositoryInfo, folder: Path, name: str, storage: str, predictor: Predictor,
@@ -81,14 +82,14 @@ def validate_task(repo: RepositoryInfo, folder: Path, name: str, storage: str, p
         engine = TorchBackbone(repo.encoder_dir, repo.uses_token_type_ids, aot=True)
         requests = []
         for enc in encodings:
-            unique, index = token_index(enc[io.INPUT_IDS], enc[io.ATTENTION_MASK])
+            unique, index = token_index(enc[protocol.INPUT_IDS], enc[protocol.ATTENTION_MASK])
             requests.append(Prepared(enc, index=index, rows=served.rows(unique)))
         hidden = engine.run(requests)
     else:
         requests = []
         for enc in encodings:
-            rows, index = lookup(served, enc[io.INPUT_IDS], enc[io.ATTENTION_MASK])
-            requests.append({**enc, io.AOT_ROWS: rows, io.AOT_INDEX: index})
+            rows, index = lookup(served, enc[protocol.INPUT_IDS], enc[protocol.ATTENTION_MASK])
+            requests.append({**enc, protocol.AOT_ROWS: rows, protocol.AOT_INDEX: index})
         hidden = BackboneRunner(repo.backbone_onnx).run(requests)
     got = served.logits(hidden)
     expected = predictor.logits(list(texts)).numpy()
@@ -136,7 +137,8 @@ def export_task(task_dir: str | Path, repo_dir: str | Path, name: str, storage: 
     store = TaskStore(repo.store_root)
     L, d, V = backbone.num_layers, backbone.hidden_size, int(backbone.embeddings.shape[0])
     factors = {k: v.detach().float().numpy().copy() for k, v in model.body.aot.state_dict().items()}
-    advice = storage_advice(repo, name, V * L * d * io.ROWS_DTYPE.itemsize, sum(a.nbytes for a in factors.values()))
+    advice = storage_advice(repo, name, V * L * d * protocol.ROWS_DTYPE.itemsize,
+                            sum(a.nbytes for a in factors.values()))
     storage = advice["auto"] if storage == "auto" else storage
     folder = store.new_version_folder(name)
     try:
@@ -149,7 +151,7 @@ def export_task(task_dir: str | Path, repo_dir: str | Path, name: str, storage: 
                 "dev": artifact.metrics().get("dev")}
         (folder / "task.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         save_file(_head_arrays(model), folder / "head.safetensors")
-        body: AoTBody = model.body
+        body: AotBody = model.body
         if storage == "fused":
             _write_fused(body, folder / "table.npy", V, progress=progress)
         else:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from serving import protocol as io
+from serving import protocol
 
 
 @dataclass(frozen=True)
@@ -36,12 +36,12 @@ class Profile:
     def shapes(self, inputs: list[str], num_layers: int, hidden: int) -> dict[str, tuple[tuple, tuple, tuple]]:
         out = {}
         for name in inputs:
-            if name == io.AOT_ROWS:
+            if name == protocol.AOT_ROWS:
                 per = num_layers * hidden
                 out[name] = ((per,), (self.opt_batch * self.opt_seq * per,), (self.max_batch * self.max_seq * per,))
-            elif name == io.AOT_ROW_OFFSETS:
+            elif name == protocol.AOT_ROW_OFFSETS:
                 out[name] = ((self.min_batch + 1,), (self.opt_batch + 1,), (self.max_batch + 1,))
-            elif name == io.AOT_BIAS:
+            elif name == protocol.AOT_BIAS:
                 out[name] = ((self.min_batch, self.min_seq, num_layers, hidden),
                              (self.opt_batch, self.opt_seq, num_layers, hidden),
                              (self.max_batch, self.max_seq, num_layers, hidden))

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from exporter.onnx_export import ExportableBackbone, ExportError, example_inputs
-from serving import protocol as io
+from serving import protocol
 from serving_torch.encoder import save_encoder
 from serving_torch.engine import Prepared, TorchBackbone
 from training.backbone import Backbone
@@ -17,15 +17,15 @@ from training.backbone import Backbone
 
 def _prepared(feeds: dict[str, torch.Tensor], aot: bool, num_layers: int, hidden: int) -> list[Prepared]:
     """The example batch as the served step hands it to the engine: per request its tokens, index and rows."""
-    names = [n for n in io.token_inputs(io.TOKEN_TYPE_IDS in feeds)]
-    lengths = feeds[io.ATTENTION_MASK].sum(1).tolist()
+    names = [n for n in protocol.token_inputs(protocol.TOKEN_TYPE_IDS in feeds)]
+    lengths = feeds[protocol.ATTENTION_MASK].sum(1).tolist()
     out = []
     for b, n in enumerate(lengths):
         p = Prepared({k: feeds[k][b, :n].numpy() for k in names})
         if aot:
-            lo, hi = feeds[io.AOT_ROW_OFFSETS][b].item(), feeds[io.AOT_ROW_OFFSETS][b + 1].item()
-            p.rows = feeds[io.AOT_ROWS][lo:hi].numpy().reshape(-1, num_layers, hidden)
-            p.index = feeds[io.AOT_INDEX][b, :n].numpy()
+            lo, hi = feeds[protocol.AOT_ROW_OFFSETS][b].item(), feeds[protocol.AOT_ROW_OFFSETS][b + 1].item()
+            p.rows = feeds[protocol.AOT_ROWS][lo:hi].numpy().reshape(-1, num_layers, hidden)
+            p.index = feeds[protocol.AOT_INDEX][b, :n].numpy()
         out.append(p)
     return out
 

@@ -9,7 +9,7 @@ A version folder `REPO/tasks/<name>@<id>/` is immutable:
     factors.safetensors     factored: FC w1 [L, d, r], b1 [L, r], w2 [L, r, d], b2 [L, d];
                             Kron w_left [L, a, r], w_mid [L, b, r], w_right [L, r*r, d]
 
-Factored rows are computed by the store's rows graphs: training's own formulas (training.methods.aot.layer, eval
+Factored rows are computed by the store's rows graphs: training's own formulas (training.methods.aot_ptuning.layer, eval
 mode: no dropout) exported to ONNX and run with ONNX Runtime; export checks served logits against PyTorch before
 a task is published.
 """

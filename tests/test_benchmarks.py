@@ -41,7 +41,7 @@ def test_bound_session_equals_a_plain_run(tmp_path, tiny_models):
 
     from benchmarks.overhead import BoundSession, device_bias_feeds, make_case
     from exporter.onnx_export import export_backbone_graph
-    from serving import protocol as io
+    from serving import protocol
     from serving.engine import BackboneRunner
     from tests.tiny import tiny_backbone
 
@@ -51,19 +51,19 @@ def test_bound_session_equals_a_plain_run(tmp_path, tiny_models):
     case = make_case(backbone.encoder, 3, 10, torch.device("cpu"), torch.float32)
     lengths = [10, 10, 7]
     case.mask[2, 7:] = 0
-    tokens = {io.INPUT_IDS: case.ids, io.ATTENTION_MASK: case.mask, io.TOKEN_TYPE_IDS: case.token_types}
+    tokens = {protocol.INPUT_IDS: case.ids, protocol.ATTENTION_MASK: case.mask, protocol.TOKEN_TYPE_IDS: case.token_types}
     requests, distinct = [], []
     for b, n in enumerate(lengths):
         unique, index = np.unique(case.ids[b, :n].numpy(), return_inverse=True)
         distinct.append(len(unique))
-        requests.append({**{k: v[b, :n].numpy() for k, v in tokens.items()}, io.AOT_ROWS: table.numpy()[unique],
-                         io.AOT_INDEX: index.astype(np.int32)})
+        requests.append({**{k: v[b, :n].numpy() for k, v in tokens.items()}, protocol.AOT_ROWS: table.numpy()[unique],
+                         protocol.AOT_INDEX: index.astype(np.int32)})
     rows_feeds = device_bias_feeds(case, table, "rows")
-    assert rows_feeds[io.AOT_ROW_OFFSETS].tolist() == [0, *np.cumsum(distinct) * L * d]
-    assert rows_feeds[io.AOT_ROWS].shape == (sum(distinct) * L * d,) and rows_feeds[io.AOT_INDEX].shape == (3, 10)
-    assert device_bias_feeds(case, table, "dense")[io.AOT_BIAS].shape == (3, 10, L, d)
+    assert rows_feeds[protocol.AOT_ROW_OFFSETS].tolist() == [0, *np.cumsum(distinct) * L * d]
+    assert rows_feeds[protocol.AOT_ROWS].shape == (sum(distinct) * L * d,) and rows_feeds[protocol.AOT_INDEX].shape == (3, 10)
+    assert device_bias_feeds(case, table, "dense")[protocol.AOT_BIAS].shape == (3, 10, L, d)
     states = {}
-    for interface in io.BIAS_INTERFACES:
+    for interface in protocol.BIAS_INTERFACES:
         graph = export_backbone_graph(backbone, tmp_path / interface, aot=True, interface=interface).optimized
         expected = BackboneRunner(graph).run(requests)
         got = BoundSession(graph, torch.device("cpu")).run({**tokens, **device_bias_feeds(case, table, interface)}, d)

@@ -18,7 +18,7 @@ from exporter.onnx_export import export_backbone_graph
 from exporter.task_export import export_task
 from exporter.task_store import StoreError, TaskStore
 from exporter.tensorrt import Profile, build_plan, build_script, trtexec_command
-from serving import protocol as io
+from serving import protocol
 from serving.errors import RequestError
 from serving.repository import GPU_STEP_INSTANCES, RepositoryError, ServingOptions, read_repository
 from serving.tasks import TaskRegistry
@@ -57,10 +57,10 @@ def test_dense_bias_graph_equals_the_rows_graph(tmp_path, arch):
     dense = export_backbone_graph(backbone, tmp_path / "dense", aot=True, interface="dense")
     assert dense.max_abs_diff < 1e-4 and dense.fused_ops == rows.fused_ops
     graph = onnx.load(str(dense.optimized)).graph
-    bias = next(i for i in graph.input if i.name == io.AOT_BIAS)
+    bias = next(i for i in graph.input if i.name == protocol.AOT_BIAS)
     dims = [d.dim_param or d.dim_value for d in bias.type.tensor_type.shape.dim]
     assert dims == ["batch", "sequence", backbone.num_layers, backbone.hidden_size]
-    assert {i.name for i in graph.input} == set(io.token_inputs(backbone.uses_token_type_ids)) | {io.AOT_BIAS}
+    assert {i.name for i in graph.input} == set(protocol.token_inputs(backbone.uses_token_type_ids)) | {protocol.AOT_BIAS}
     outputs = {}
     for interface, g in (("rows", rows), ("dense", dense)):
         feeds = example_inputs(backbone, True, 3, 11, seed=9, interface=interface)
@@ -80,12 +80,12 @@ def test_aot_graph_uses_the_biases(tmp_path):
     feeds = example_inputs(backbone, True, 2, 9, seed=5)
     sess = session(graph.optimized)
     with_bias = sess.run(None, {k: v.numpy() for k, v in feeds.items()})[0]
-    feeds[io.AOT_ROWS] = torch.zeros_like(feeds[io.AOT_ROWS])
+    feeds[protocol.AOT_ROWS] = torch.zeros_like(feeds[protocol.AOT_ROWS])
     without = sess.run(None, {k: v.numpy() for k, v in feeds.items()})[0]
     assert np.abs(with_bias - without).max() > 0.1
     plain = ExportableBackbone(backbone, aot=False)
     with torch.no_grad():
-        expected = plain(feeds[io.INPUT_IDS], feeds[io.ATTENTION_MASK], feeds.get(io.TOKEN_TYPE_IDS)).numpy()
+        expected = plain(feeds[protocol.INPUT_IDS], feeds[protocol.ATTENTION_MASK], feeds.get(protocol.TOKEN_TYPE_IDS)).numpy()
     assert np.abs(without - expected).max() < 1e-4
 
 
@@ -128,7 +128,7 @@ def test_dense_rows_gathered_from_the_pool_slots_equal_rows_by_index(tmp_path, t
     L, d, V = info.num_layers, info.hidden_size, info.vocab_size
     rng = np.random.default_rng(0)
     ids = [np.sort(rng.choice(V, 7, replace=False)) for _ in range(2)]
-    indexes = [rng.integers(0, 7, 12).astype(io.INDEX_DTYPE) for _ in range(2)]
+    indexes = [rng.integers(0, 7, 12).astype(protocol.INDEX_DTYPE) for _ in range(2)]
     for pool in (None, RowPool(2 * V * L * d * 2, L, d, V), RowPool(20 * L * d * 2, L, d, V)):
         registry = TaskRegistry(info.store_root, pool=pool)
         wanted = [(registry.resolve("f"), ids[0]), (registry.resolve("k"), ids[1])]
@@ -268,7 +268,7 @@ def test_existing_repository_needs_overwrite(tmp_path, tiny_models, tasks):
 
 @pytest.mark.parametrize("uses_tt", [True, False])
 @pytest.mark.parametrize("engine", ["onnx", "tensorrt"])
-@pytest.mark.parametrize("interface", io.BIAS_INTERFACES)
+@pytest.mark.parametrize("interface", protocol.BIAS_INTERFACES)
 def test_every_config_parses_and_is_consistent(uses_tt, engine, interface):
     info = {"uses_token_type_ids": uses_tt, "hidden_size": 48, "num_layers": 3, "max_seq": 256}
     options = ServingOptions(engine=engine, bias_interface=interface, buckets=(16, 128, 512), max_batch_size=8)
@@ -283,22 +283,22 @@ def test_every_config_parses_and_is_consistent(uses_tt, engine, interface):
         inputs = {i.name: i for i in backbone.input}
         steps = [s.model_name for s in configs["aot"].ensemble_scheduling.step]
         outputs = [(o.name, list(o.dims)) for o in configs["aot"].output]
-        assert outputs == [(io.LOGITS, [-1]), (io.LABEL, [1]), (io.TASK_VERSION, [1])]
+        assert outputs == [(protocol.LOGITS, [-1]), (protocol.LABEL, [1]), (protocol.TASK_VERSION, [1])]
         if target == "gpu" and interface == "rows":
             # the native backend receives ragged rows and an index; Triton supplies the row offsets
-            assert set(inputs) == set(io.token_inputs(uses_tt)) | {io.AOT_ROWS, io.AOT_INDEX}
-            assert inputs[io.AOT_ROWS].allow_ragged_batch
-            assert [b.target_name[0] for b in backbone.batch_input] == [io.AOT_ROW_OFFSETS]
+            assert set(inputs) == set(protocol.token_inputs(uses_tt)) | {protocol.AOT_ROWS, protocol.AOT_INDEX}
+            assert inputs[protocol.AOT_ROWS].allow_ragged_batch
+            assert [b.target_name[0] for b in backbone.batch_input] == [protocol.AOT_ROW_OFFSETS]
         elif target == "gpu":
             # one dense bias per token, [S, L, d] after the batch axis: no ragged input, no batch input
-            assert set(inputs) == set(io.token_inputs(uses_tt)) | {io.AOT_BIAS}
-            assert list(inputs[io.AOT_BIAS].dims) == [-1, 3, 48] and not backbone.batch_input
+            assert set(inputs) == set(protocol.token_inputs(uses_tt)) | {protocol.AOT_BIAS}
+            assert list(inputs[protocol.AOT_BIAS].dims) == [-1, 3, 48] and not backbone.batch_input
             assert not any(i.allow_ragged_batch for i in backbone.input)
         if target == "gpu":
             lookup = {o.name: list(o.dims) for o in configs["aot_lookup"].output}
-            assert lookup == ({io.AOT_ROWS: [-1], io.AOT_INDEX: [-1]} if interface == "rows" else {io.AOT_BIAS: [-1, 3, 48]})
+            assert lookup == ({protocol.AOT_ROWS: [-1], protocol.AOT_INDEX: [-1]} if interface == "rows" else {protocol.AOT_BIAS: [-1, 3, 48]})
             step = configs["aot"].ensemble_scheduling.step[1]
-            assert set(step.output_map) == set(lookup) == set(configs["aot"].ensemble_scheduling.step[2].input_map) - set(io.token_inputs(uses_tt))
+            assert set(step.output_map) == set(lookup) == set(configs["aot"].ensemble_scheduling.step[2].input_map) - set(protocol.token_inputs(uses_tt))
             assert backbone.platform == ("tensorrt_plan" if engine == "tensorrt" else "onnxruntime_onnx")
             assert backbone.instance_group[0].kind == backbone.instance_group[0].KIND_GPU
             assert steps == ["tokenizer", "aot_lookup", "backbone", "head"]
@@ -310,13 +310,13 @@ def test_every_config_parses_and_is_consistent(uses_tt, engine, interface):
                     assert not cuda.graphs and not cuda.graph_spec
                     continue
                 assert cuda.graphs
-                specs = [(g.batch_size, g.graph_lower_bound.batch_size, g.input[io.INPUT_IDS].dim[0]) for g in cuda.graph_spec]
+                specs = [(g.batch_size, g.graph_lower_bound.batch_size, g.input[protocol.INPUT_IDS].dim[0]) for g in cuda.graph_spec]
                 assert specs == [(b, lo, seq) for seq in (16, 128) for lo, b in ((1, 1), (2, 2), (3, 3), (4, 4), (5, 6), (7, 8))]
                 for g in cuda.graph_spec:
                     assert set(g.input) == {i.name for i in config.input}
-                    seq = g.input[io.INPUT_IDS].dim[0]
-                    if io.AOT_BIAS in g.input:
-                        assert list(g.input[io.AOT_BIAS].dim) == list(g.graph_lower_bound.input[io.AOT_BIAS].dim) == [seq, 3, 48]
+                    seq = g.input[protocol.INPUT_IDS].dim[0]
+                    if protocol.AOT_BIAS in g.input:
+                        assert list(g.input[protocol.AOT_BIAS].dim) == list(g.graph_lower_bound.input[protocol.AOT_BIAS].dim) == [seq, 3, 48]
         else:
             # one fused python step per ensemble name (tokenizer, lookup, encoder, head), on the graph of its backbone
             for model, graph in (("aot", "backbone"), ("vanilla", "backbone_vanilla")):
@@ -326,7 +326,7 @@ def test_every_config_parses_and_is_consistent(uses_tt, engine, interface):
                 assert fused.parameters["onnx_file"].string_value == f"{graph}/1/model.onnx"
                 assert fused.instance_group[0].count == options.cpu_instances
             # the separate python backbone (loaded only when asked) looks rows up itself
-            assert set(inputs) == set(io.token_inputs(uses_tt)) | {io.TASK_VERSION}
+            assert set(inputs) == set(protocol.token_inputs(uses_tt)) | {protocol.TASK_VERSION}
             assert backbone.backend == "python" and not backbone.batch_input
         if target == "gpu":
             vanilla = [s.model_name for s in configs["vanilla"].ensemble_scheduling.step]
@@ -337,11 +337,11 @@ def test_every_config_parses_and_is_consistent(uses_tt, engine, interface):
                                                                                                    instances, 1]
         # a client sends TEXT (+ TEXT_PAIR) or the token ids it tokenized, with TASK: every input optional (the
         # tokenizer step refuses what is missing), token ids of any length batched together in the tokenizer step
-        requests = [io.TEXT, io.TEXT_PAIR, io.TASK, *io.token_inputs(uses_tt)]
+        requests = [protocol.TEXT, protocol.TEXT_PAIR, protocol.TASK, *protocol.token_inputs(uses_tt)]
         for model in ("aot", "vanilla", "tokenizer"):
             assert [(i.name, i.optional) for i in configs[model].input] == [(n, True) for n in requests]
         tok = {i.name: i for i in configs["tokenizer"].input}
-        assert all(tok[n].allow_ragged_batch and list(tok[n].dims) == [-1] for n in io.token_inputs(uses_tt))
+        assert all(tok[n].allow_ragged_batch and list(tok[n].dims) == [-1] for n in protocol.token_inputs(uses_tt))
         if target == "gpu":
             assert set(configs["aot"].ensemble_scheduling.step[0].input_map.items()) == {(n, n) for n in requests}
     assert [model_configs(info, ServingOptions(step_instances=3), t)["head"].instance_group[0].count
@@ -361,11 +361,11 @@ def test_written_repository_configs_parse(tmp_path, tiny_models):
 
 def test_tensorrt_profiles_and_commands(tmp_path):
     profile = Profile(opt_batch=4, max_batch=16, opt_seq=64, max_seq=256)
-    names = io.token_inputs(True) + [io.AOT_ROWS, io.AOT_INDEX, io.AOT_ROW_OFFSETS]
+    names = protocol.token_inputs(True) + [protocol.AOT_ROWS, protocol.AOT_INDEX, protocol.AOT_ROW_OFFSETS]
     shapes = profile.shapes(names, num_layers=6, hidden=384)
-    assert shapes[io.INPUT_IDS] == ((1, 1), (4, 64), (16, 256))
-    assert shapes[io.AOT_ROWS] == ((6 * 384,), (4 * 64 * 6 * 384,), (16 * 256 * 6 * 384,))
-    assert shapes[io.AOT_ROW_OFFSETS] == ((2,), (5,), (17,))
+    assert shapes[protocol.INPUT_IDS] == ((1, 1), (4, 64), (16, 256))
+    assert shapes[protocol.AOT_ROWS] == ((6 * 384,), (4 * 64 * 6 * 384,), (16 * 256 * 6 * 384,))
+    assert shapes[protocol.AOT_ROW_OFFSETS] == ((2,), (5,), (17,))
     cmd = trtexec_command("a.onnx", "a.plan", shapes, fp16=True)
     assert "--minShapes=input_ids:1x1,attention_mask:1x1" in cmd and "aot_row_offsets:17" in cmd and "--fp16" in cmd
     script = build_script({"backbone": {"shapes": shapes}}, fp16=False)
@@ -382,9 +382,9 @@ def test_tensorrt_profiles_and_commands(tmp_path):
 
 def test_lookup_bytes_against_dense():
     # MiniLM: L=6, d=384; a 128-token sequence with 70 distinct tokens
-    assert io.lookup_bytes(70, 128, 6, 384) == 70 * 6 * 384 * 2 + 128 * 4
-    assert io.dense_bias_bytes(128, 6, 384) == 128 * 6 * 384 * 2  # fp16, like the rows
-    assert io.lookup_bytes(70, 128, 6, 384) < io.dense_bias_bytes(128, 6, 384) * 0.6
+    assert protocol.lookup_bytes(70, 128, 6, 384) == 70 * 6 * 384 * 2 + 128 * 4
+    assert protocol.dense_bias_bytes(128, 6, 384) == 128 * 6 * 384 * 2  # fp16, like the rows
+    assert protocol.lookup_bytes(70, 128, 6, 384) < protocol.dense_bias_bytes(128, 6, 384) * 0.6
 
 
 def test_auto_storage_follows_the_pool_budget(tmp_path, tiny_models, tasks):
@@ -469,11 +469,11 @@ def test_config_checks_find_what_triton_would_refuse(tmp_path, tiny_models):
         (models / "aot" / "config.pbtxt").write_text(text["aot"])
 
     broken_ensemble(lambda steps: setattr(steps["head"], "model_name", "heads"), "step 'heads' is not a model")
-    broken_ensemble(lambda steps: steps["backbone"].input_map.update({io.AOT_INDEX: "_aot_idx"}),
+    broken_ensemble(lambda steps: steps["backbone"].input_map.update({protocol.AOT_INDEX: "_aot_idx"}),
                     "reads '_aot_idx', which nothing before it writes")
-    broken_ensemble(lambda steps: steps["backbone"].input_map.update({io.AOT_ROWS: "_input_ids"}),
+    broken_ensemble(lambda steps: steps["backbone"].input_map.update({protocol.AOT_ROWS: "_input_ids"}),
                     "backbone.aot_rows is TYPE_FP16 but '_input_ids' is TYPE_INT64")
-    broken_ensemble(lambda steps: steps["backbone"].input_map.pop(io.AOT_INDEX),
+    broken_ensemble(lambda steps: steps["backbone"].input_map.pop(protocol.AOT_INDEX),
                     "backbone.aot_index is required and not mapped")
 
 
@@ -493,7 +493,7 @@ def test_dense_tensorrt_repository_and_its_cuda_graph_specs(tmp_path, tiny_model
     assert f"aot_bias:1x1x{L}x{d}" in script and f"aot_bias:4x16x{L}x{d}" in script and "aot_rows" not in script
     assert info.options.bias_interface == "dense"
     config = parse_pbtxt((models / "backbone" / "config.pbtxt").read_text())
-    assert [(g.batch_size, g.input[io.AOT_BIAS].dim[0]) for g in config.optimization.cuda.graph_spec] == [
+    assert [(g.batch_size, g.input[protocol.AOT_BIAS].dim[0]) for g in config.optimization.cuda.graph_spec] == [
         (b, s) for s in (8, 16) for b in (1, 2, 3, 4)]
     text = (models / "backbone" / "config.pbtxt").read_text()
 
@@ -505,11 +505,11 @@ def test_dense_tensorrt_repository_and_its_cuda_graph_specs(tmp_path, tiny_model
         assert any(message in p for p in problems), (message, problems)
         (models / "backbone" / "config.pbtxt").write_text(text)
 
-    broken(lambda specs: specs[0].input.pop(io.AOT_BIAS), "expected every input")
+    broken(lambda specs: specs[0].input.pop(protocol.AOT_BIAS), "expected every input")
     broken(lambda specs: setattr(specs[3], "batch_size", 5), "<= max_batch_size 4")
-    broken(lambda specs: specs[1].input[io.AOT_BIAS].dim.append(1), "does not fit its dims")
-    broken(lambda specs: specs[1].input[io.INPUT_IDS].dim.__setitem__(0, -1), "below 0")
-    broken(lambda specs: specs[2].graph_lower_bound.input[io.INPUT_IDS].dim.__setitem__(0, 99), "needs a lower bound")
+    broken(lambda specs: specs[1].input[protocol.AOT_BIAS].dim.append(1), "does not fit its dims")
+    broken(lambda specs: specs[1].input[protocol.INPUT_IDS].dim.__setitem__(0, -1), "below 0")
+    broken(lambda specs: specs[2].graph_lower_bound.input[protocol.INPUT_IDS].dim.__setitem__(0, 99), "needs a lower bound")
     with pytest.raises(RepositoryError, match="--bias-interface dense applies to --format onnx and tensorrt"):
         export_backbone(str(tiny_models["bert"]), tmp_path / "t", ServingOptions(engine="torch", bias_interface="dense"))
     with pytest.raises(RepositoryError, match="bias interface 'sparse': expected one of rows, dense"):
@@ -559,8 +559,8 @@ def test_graph_spec_checks_follow_the_tensorrt_backend():
     rows = model_configs(info, options, "gpu")["backbone"]
     assert not rows.optimization.cuda.graph_spec and _check_graph_specs("backbone", rows) == []
     spec = rows.optimization.cuda.graph_spec.add(batch_size=4)  # no lower bound: the spec is its own
-    shapes = {io.INPUT_IDS: [16], io.ATTENTION_MASK: [16], io.AOT_INDEX: [16], io.AOT_ROWS: [4 * 16 * 3 * 48],
-              io.AOT_ROW_OFFSETS: [5]}
+    shapes = {protocol.INPUT_IDS: [16], protocol.ATTENTION_MASK: [16], protocol.AOT_INDEX: [16], protocol.AOT_ROWS: [4 * 16 * 3 * 48],
+              protocol.AOT_ROW_OFFSETS: [5]}
     for tensor, dims in shapes.items():
         spec.input[tensor].dim.extend(dims)
     assert _check_graph_specs("backbone", rows) == []
@@ -571,16 +571,16 @@ def test_graph_spec_checks_follow_the_tensorrt_backend():
         edit(bad.optimization.cuda.graph_spec[0])
         return _check_graph_specs("backbone", bad)
 
-    assert "expected every input" in problems(lambda g: g.input.pop(io.AOT_ROW_OFFSETS))[0]
-    assert "needs one dimension" in problems(lambda g: g.input[io.AOT_ROWS].dim.append(1))[0]
-    assert "below 0" in problems(lambda g: g.input[io.AOT_INDEX].dim.__setitem__(0, -2))[0]
+    assert "expected every input" in problems(lambda g: g.input.pop(protocol.AOT_ROW_OFFSETS))[0]
+    assert "needs one dimension" in problems(lambda g: g.input[protocol.AOT_ROWS].dim.append(1))[0]
+    assert "below 0" in problems(lambda g: g.input[protocol.AOT_INDEX].dim.__setitem__(0, -2))[0]
     assert "<= max_batch_size 8" in problems(lambda g: setattr(g, "batch_size", 9))[0]
 
     def lower(g, batch, rows_dim):
         g.graph_lower_bound.batch_size = batch
         for tensor, dims in shapes.items():
             g.graph_lower_bound.input[tensor].dim.extend(dims)
-        g.graph_lower_bound.input[io.AOT_ROWS].dim[0] = rows_dim
+        g.graph_lower_bound.input[protocol.AOT_ROWS].dim[0] = rows_dim
 
     assert problems(lambda g: lower(g, 3, 0)) == []
     assert "below 0" in problems(lambda g: lower(g, 3, -1))[0]  # the backend refuses a negative lower bound too

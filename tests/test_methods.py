@@ -6,7 +6,7 @@ import torch
 from tests.tiny import ARCHS, tiny_backbone
 from training.data.task import TaskSpec
 from training.methods import METHODS, MethodError, make_config
-from training.methods.aot.model import AoTBody
+from training.methods.aot_ptuning.model import AotBody
 from training.methods.finetune import PlainBody
 from training.model import build_task_model
 
@@ -82,7 +82,7 @@ def test_untrained_model_equals_frozen_backbone(method, arch):
 def test_aot_rows_on_the_fly_equal_full_formula(method, arch):
     backbone = tiny_backbone(arch)
     model = build_task_model(backbone, make_config(method, rank=3), SPEC).eval()
-    body: AoTBody = model.body
+    body: AotBody = model.body
     torch.manual_seed(1)
     with torch.no_grad():
         for p in body.aot.parameters():
@@ -148,7 +148,7 @@ def test_unknown_method():
 @pytest.mark.parametrize("embedding_std", [0.02, 0.056, 0.5])
 def test_fc_first_projection_is_of_order_one(embedding_std):
     """W1's init adapts to the scale of E, so that f sees inputs of order one for fresh and pretrained models."""
-    from training.methods.aot.layer import FCPrompt
+    from training.methods.aot_ptuning.layer import FCPrompt
 
     torch.manual_seed(0)
     E = torch.randn(2000, 64) * embedding_std

@@ -16,8 +16,8 @@ from serving.store import EMBEDDINGS, StoreError, check_task_name, check_version
 from serving.tasks import FactoredRows
 from serving.tokenization import Tokenization
 from tests.tiny import ARCHS, tiny_tokenizer
-from training.methods.aot.config import ACTIVATIONS, FCConfig, KronConfig
-from training.methods.aot.layer import FCPrompt, KronPrompt
+from training.methods.aot_ptuning.config import ACTIVATIONS, FCConfig, KronConfig
+from training.methods.aot_ptuning.layer import FCPrompt, KronPrompt
 
 ROOT = Path(__file__).resolve().parent.parent
 

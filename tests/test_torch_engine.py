@@ -13,7 +13,7 @@ import torch
 
 from aot.client import Client
 from exporter.configs import parse_pbtxt
-from serving import protocol as io
+from serving import protocol
 from serving.pool import RowPool
 from serving.repository import ServingOptions, largest_batch_bytes, memory_pool_bytes, read_repository
 from serving.supervisor import GRPC_ADMIN_HEADER
@@ -39,7 +39,7 @@ def test_export_writes_the_encoder_checked_through_the_engine(tmp_path, tiny_mod
         assert config.backend == "python"
         assert config.parameters["engine"].string_value == "torch"
         assert config.parameters["device"].string_value == device
-        assert io.TASK_VERSION in [i.name for i in config.input]
+        assert protocol.TASK_VERSION in [i.name for i in config.input]
     ensemble = parse_pbtxt((repo.models / "aot" / "config.pbtxt").read_text())  # GPU: the steps, chained
     assert [s.model_name for s in ensemble.ensemble_scheduling.step] == ["tokenizer", "backbone", "head"]
     fused = parse_pbtxt((repo.models / "aot" / "configs/cpu.pbtxt").read_text())  # CPU: one step, the torch engine
@@ -54,9 +54,9 @@ def _engine_batch(repo, rows_of, names, lengths, seed=0):
     for n in lengths:
         ids = g.integers(5, repo.vocab_size, n)
         mask = np.ones(n, dtype=np.int64)
-        tokens = {io.INPUT_IDS: ids, io.ATTENTION_MASK: mask}
-        if io.TOKEN_TYPE_IDS in names:
-            tokens[io.TOKEN_TYPE_IDS] = np.zeros(n, dtype=np.int64)
+        tokens = {protocol.INPUT_IDS: ids, protocol.ATTENTION_MASK: mask}
+        if protocol.TOKEN_TYPE_IDS in names:
+            tokens[protocol.TOKEN_TYPE_IDS] = np.zeros(n, dtype=np.int64)
         unique, index = np.unique(ids, return_inverse=True)
         out.append((Prepared(tokens, index=index.astype(np.int32)), unique))
     return out
@@ -71,7 +71,7 @@ def test_engine_pool_slots_rows_and_mixed_batches_agree(tmp_path, tiny_models):
     L, d, V = repo.num_layers, repo.hidden_size, repo.vocab_size
     table = (np.random.default_rng(1).standard_normal((V, L, d)) * 0.3).astype(np.float16)
     engine = TorchBackbone(repo.encoder_dir, repo.uses_token_type_ids, aot=True)
-    names = io.token_inputs(repo.uses_token_type_ids)
+    names = protocol.token_inputs(repo.uses_token_type_ids)
     batch = _engine_batch(repo, table, names, [7, 3, 12])
     for p, unique in batch:
         p.rows = table[unique]
@@ -179,7 +179,7 @@ def test_cuda_server_flags_come_from_the_repository(repo):
 
 
 @pytest.mark.server
-@pytest.mark.parametrize("interface", io.BIAS_INTERFACES)
+@pytest.mark.parametrize("interface", protocol.BIAS_INTERFACES)
 def test_lookup_step_serves_the_bias_from_a_host_or_a_torch_pool(tmp_path, tiny_models, artifacts, expected, interface):
     """The native GPU ensemble's aot_lookup step, through the real server: with its pool in host memory (the CPU
     config), then in torch memory with the bias handed out through DLPack (the GPU config's path, on the CPU device:
@@ -218,21 +218,21 @@ def test_lookup_step_serves_the_bias_from_a_host_or_a_torch_pool(tmp_path, tiny_
             for name, task in served.items():
                 for text in TEXTS[:3]:
                     enc = tokens.encode(text, None, task.max_length)
-                    inputs = [grpcclient.InferInput(io.TASK_VERSION, [1, 1], "BYTES")]
+                    inputs = [grpcclient.InferInput(protocol.TASK_VERSION, [1, 1], "BYTES")]
                     inputs[0].set_data_from_numpy(np.array([[task.version.encode()]], dtype=np.object_))
-                    for n in io.token_inputs(info.uses_token_type_ids):
+                    for n in protocol.token_inputs(info.uses_token_type_ids):
                         t = grpcclient.InferInput(n, [1, len(enc[n])], "INT64")
                         t.set_data_from_numpy(enc[n][None, :].astype(np.int64))
                         inputs.append(t)
                     result = client.infer("aot_lookup", inputs)
-                    unique, index = token_index(enc[io.INPUT_IDS], enc[io.ATTENTION_MASK])
-                    assert not enc[io.ATTENTION_MASK].all() and not index[~enc[io.ATTENTION_MASK].astype(bool)].any()
+                    unique, index = token_index(enc[protocol.INPUT_IDS], enc[protocol.ATTENTION_MASK])
+                    assert not enc[protocol.ATTENTION_MASK].all() and not index[~enc[protocol.ATTENTION_MASK].astype(bool)].any()
                     if interface == "dense":
-                        np.testing.assert_array_equal(result.as_numpy(io.AOT_BIAS), task.rows(unique)[index][None])
-                        assert result.get_output(io.AOT_INDEX) is None
+                        np.testing.assert_array_equal(result.as_numpy(protocol.AOT_BIAS), task.rows(unique)[index][None])
+                        assert result.get_output(protocol.AOT_INDEX) is None
                     else:
-                        np.testing.assert_array_equal(result.as_numpy(io.AOT_ROWS), task.rows(unique).reshape(1, -1))
-                        np.testing.assert_array_equal(result.as_numpy(io.AOT_INDEX), index[None, :])
+                        np.testing.assert_array_equal(result.as_numpy(protocol.AOT_ROWS), task.rows(unique).reshape(1, -1))
+                        np.testing.assert_array_equal(result.as_numpy(protocol.AOT_INDEX), index[None, :])
         client.close()
         with Client(server.grpc_url) as aot_client:  # the repository's AoT graph, in this interface
             for name in "ab":

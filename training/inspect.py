@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from training.methods.aot.model import AoTBody
+from training.methods.aot_ptuning.model import AotBody
 from training.model import TaskModel
 
 
@@ -12,7 +12,7 @@ from training.model import TaskModel
 def row_norms(model: TaskModel, chunk: int = 4096) -> torch.Tensor:
     """||P^i_x|| for every token x and layer i, [V, L], computed chunk by chunk (never the whole table)."""
     body = model.body
-    if not isinstance(body, AoTBody):
+    if not isinstance(body, AotBody):
         raise ValueError("inspect needs an AoT task (method fc or kron)")
     vocab = body.embeddings.shape[0]
     norms = []

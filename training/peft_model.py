@@ -21,8 +21,8 @@ from serving.protocol import pooling_row
 from training.artifact import ArtifactError, backbone_identity, load_task, save_task
 from training.backbone import Backbone, BackboneError, architecture_for, declared_pooling, load_backbone
 from training.data.task import TaskSpec
-from training.methods.aot.config import AotConfig
-from training.methods.aot.model import AoTBody
+from training.methods.aot_ptuning.config import AotConfig
+from training.methods.aot_ptuning.model import AotBody
 from training.methods.base import MethodConfig, MethodError, method_spec
 from training.model import HEAD_ACTIVATIONS, ClassificationHead, TaskModel, init_head_from_pooler
 from training.trainer import loss_fn
@@ -38,7 +38,7 @@ class AotModel(TaskModel):
     the head train. Untrained, it computes exactly what the frozen model computes: P starts at zero.
     """
 
-    def __init__(self, body: AoTBody, head: ClassificationHead, config: AotConfig, method: MethodConfig,
+    def __init__(self, body: AotBody, head: ClassificationHead, config: AotConfig, method: MethodConfig,
                  spec: TaskSpec, identity: dict | None = None):
         super().__init__(body, head, config.pooling)
         self.aot_config, self.method, self.spec = config, method, spec

@@ -14,11 +14,11 @@ import json, sys, tempfile, time
 
 import torch
 
-import training.methods.aot.model as aot_model
+import training.methods.aot_ptuning.model as aot_model
 from training.api import train_task
 from training.backbone import load_backbone
 from training.data import load_task_data
-from training.methods.aot.layer import FCPrompt, fc_rows
+from training.methods.aot_ptuning.layer import FCPrompt, fc_rows
 
 torch.set_num_threads(int(sys.argv[3]) if len(sys.argv) > 3 else 1)
 

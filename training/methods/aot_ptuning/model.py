@@ -7,11 +7,11 @@ from torch import nn
 
 from serving_torch.encoder import BiasedEncoder
 from training.backbone import Backbone
-from training.methods.aot.config import FCConfig, KronConfig
-from training.methods.aot.layer import FCPrompt, KronPrompt
+from training.methods.aot_ptuning.config import FCConfig, KronConfig
+from training.methods.aot_ptuning.layer import FCPrompt, KronPrompt
 
 
-class AoTBody(nn.Module):
+class AotBody(nn.Module):
     """Training-time AoT: rows of P for the batch's unique tokens only, then the biased encoder."""
 
     def __init__(self, backbone: Backbone, prompt: nn.Module):
@@ -32,11 +32,11 @@ class AoTBody(nn.Module):
         return self.biased(input_ids, attention_mask, token_type_ids, self.rows(unique), inverse)
 
 
-def build_fc(backbone: Backbone, config: FCConfig) -> AoTBody:
+def build_fc(backbone: Backbone, config: FCConfig) -> AotBody:
     std = float(backbone.embeddings.detach().float().std())
-    return AoTBody(backbone, FCPrompt(config, backbone.num_layers, backbone.hidden_size, std))
+    return AotBody(backbone, FCPrompt(config, backbone.num_layers, backbone.hidden_size, std))
 
 
-def build_kron(backbone: Backbone, config: KronConfig) -> AoTBody:
+def build_kron(backbone: Backbone, config: KronConfig) -> AotBody:
     config.resolve(backbone.embeddings.shape[0])
-    return AoTBody(backbone, KronPrompt(config, backbone.num_layers, backbone.hidden_size))
+    return AotBody(backbone, KronPrompt(config, backbone.num_layers, backbone.hidden_size))

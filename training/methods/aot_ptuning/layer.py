@@ -10,7 +10,7 @@ import math
 import torch
 from torch import nn
 
-from training.methods.aot.config import FCConfig, KronConfig
+from training.methods.aot_ptuning.config import FCConfig, KronConfig
 
 ACTIVATION_MODULES = {"tanh": nn.Tanh, "gelu": nn.GELU, "relu": nn.ReLU, "identity": nn.Identity}
 
