@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,23 +38,31 @@ class FileBackend:
     def path(self, key: str) -> Path:
         return self.root / key
 
-    def read(self, key: str) -> bytes | None:
-        """The object's bytes; None when it does not exist."""
+    def _open_regular(self, key: str) -> int:
+        """A descriptor of the regular file `key`: a symbolic link, a device or a FIFO is refused before any read
+        (a FIFO would block, /dev/zero never end)."""
         try:
             fd = os.open(self.path(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except FileNotFoundError:
-            return None
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise BackendError(f"{self.path(key)}: a symbolic link, refused") from None
             raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise BackendError(f"{self.path(key)}: not a regular file, refused")
+        return fd
+
+    def read(self, key: str) -> bytes | None:
+        """The object's bytes; None when it does not exist."""
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise BackendError(f"{self.path(key)}: not a regular file, refused")
-            if st.st_size > MAX_OBJECT_BYTES:
-                raise BackendError(f"{self.path(key)}: {st.st_size} bytes, over the {MAX_OBJECT_BYTES} a store object "
-                                   "may have")
+            fd = self._open_regular(key)
+        except FileNotFoundError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            if size > MAX_OBJECT_BYTES:
+                raise BackendError(f"{self.path(key)}: {size} bytes, over the {MAX_OBJECT_BYTES} a store object may "
+                                   "have")
             with os.fdopen(fd, "rb", closefd=False) as f:
                 data = f.read(MAX_OBJECT_BYTES + 1)
         finally:
@@ -95,6 +104,18 @@ class FileBackend:
             tmp.unlink(missing_ok=True)
         fsync_dir(path.parent)
         return True
+
+    def download(self, key: str, path: Path) -> int:
+        """Copy the object `key` to the local file `path` (bytes copied); FileNotFoundError when it is missing."""
+        fd = self._open_regular(key)
+        try:
+            with os.fdopen(fd, "rb", closefd=False) as src, open(path, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+                copied = dst.tell()
+        finally:
+            os.close(fd)
+        self.bytes_read += copied
+        return copied
 
     def write(self, key: str, data: bytes) -> None:
         """Replace the object atomically."""
