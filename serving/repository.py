@@ -25,9 +25,9 @@ MODELS_DIR = "models"
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
 ENGINES = ("onnx", "tensorrt", "torch")
 POOL_BYTES_ENV = "AOT_POOL_BYTES"
-# Tokenizer and head instances in the GPU configs: each costs 150-300 us of CPU per request (`aot bench tax`,
-# docs/benchmarks.md section 6), so one instance caps a server at 3,000-7,000 requests/s; 6 lift each step's
-# ceiling past 20,000 on a 16-core host, where the server's whole CPU per request bounds the host near that rate.
+# Tokenizer and head instances in the GPU configs: each runs its requests on one thread, so one instance caps the
+# server's request rate at what that thread can do; 6 lift each step's ceiling above what the server's own CPU per
+# request allows on a large host (`aot bench tax`; the figures: docs/benchmarks.md section 6).
 GPU_STEP_INSTANCES = 6
 # What a server on the CPU configs loads: `aot` and `vanilla` are each one fused step there (tokenizer, lookup,
 # encoder, head); the GPU ensembles' separate steps are not needed.
