@@ -177,7 +177,7 @@ def _lookup_bytes(repo: Path, texts: list[str], max_length: int) -> tuple[float,
 
     info = read_repository(repo)
     tokenizer = AutoTokenizer.from_pretrained(str(info.tokenizer_dir))
-    L, d, buckets = info.record["num_layers"], info.record["hidden_size"], info.options.buckets
+    L, d, buckets = info.num_layers, info.hidden_size, info.options.buckets
     ours, dense = [], []
     for text in texts:
         ids = tokenizer(text, truncation=True, max_length=max_length)["input_ids"]

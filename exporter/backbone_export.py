@@ -11,8 +11,8 @@ from pathlib import Path
 
 from exporter.compose_env import ADMIN_KEY_FILE, write_admin_key, write_compose_env
 from exporter.config_checks import check_configs
-from exporter.configs import CPU_CONFIG, PYTHON_MODELS, TEMPLATES, write_configs
-from exporter.onnx_export import FP16_FILE, FP16_TOLERANCE, example_inputs, export_backbone_graph, export_fp16_graph
+from exporter.configs import CPU_CONFIG, FP16_FILE, PYTHON_MODELS, TEMPLATES, write_configs
+from exporter.onnx_export import FP16_TOLERANCE, example_inputs, export_backbone_graph, export_fp16_graph
 from exporter.rows_export import write_rows_graphs
 from exporter.task_store import TaskStore
 from exporter.tensorrt import Profile, build_plan, build_script, write_parity_data
@@ -20,10 +20,10 @@ from exporter.torch_export import export_torch_encoder
 from serving import protocol
 from serving.atomic import atomic_directory, write_json
 from serving.store import ROWS_DIR
-from serving.repository import (MODELS_DIR, RECORD, REPO_FORMAT, REPO_VERSION, RepositoryError, RepositoryInfo,
-                                ServingOptions, read_repository)
+from serving.repository import (MODELS_DIR, RECORD, BackboneRecord, RepositoryError, RepositoryInfo, ServingOptions,
+                                read_repository)
 from training.artifact import backbone_identity
-from training.backbone import load_backbone
+from training.backbone import Backbone, load_backbone
 
 STORE_DIR = "tasks"
 ENCODER_DIR = "encoder"  # the torch engine's weights (--format torch)
@@ -70,13 +70,46 @@ def _write_fp16_twins(backbone, models: Path, report: BackboneExportReport, expl
     return "fp16"
 
 
+@dataclass(frozen=True)
+class ExportPlan:
+    """What validation settled before anything is written."""
+
+    repo: Path
+    backbone: Backbone
+    options: ServingOptions  # buckets past the encoder's limit replaced by it
+    precision: str | None  # of the GPU backbone: fp32, fp16, or None (the torch engine)
+    explicit: bool  # the precision was asked for: an fp16 graph out of parity is then an error, not a note
+    profile: Profile  # TensorRT's, its sequences within the buckets
+    longest: int  # the longest sequence the repository serves
+    keep_tasks: RepositoryInfo | None  # the repository replaced by --overwrite, whose task store is kept
+
+
 def export_backbone(model: str, repo: str | Path, options: ServingOptions | None = None, precision: str | None = None,
                     profile: Profile | None = None, overwrite: bool = False) -> BackboneExportReport:
     """`precision` of the GPU backbone: fp32 or fp16. Default: fp16 for ONNX Runtime where the fp16 graph keeps
     parity (else fp32, with a note), fp32 for TensorRT (its fp16 plan is checked on the GPU by build_engines.sh);
-    the torch engine runs fp16 on CUDA anyway. CPU configs always run the fp32 graph."""
+    the torch engine runs fp16 on CUDA anyway. CPU configs always run the fp32 graph.
+
+    Three steps: validate (every refusal that needs no graph), export the graphs, write the repository; the last two
+    into a temporary folder that replaces `repo` only when both succeed."""
     start = time.perf_counter()
-    options = options or ServingOptions()
+    plan = _validate(model, Path(repo), options or ServingOptions(), precision, profile, overwrite)
+    report = BackboneExportReport(str(plan.repo), {}, {}, {}, 0.0)
+    with atomic_directory(plan.repo, private=(ADMIN_KEY_FILE,)) as tmp:  # the key: 0600, the rest one mode
+        precision = _export_graphs(plan, tmp, report)
+        _write_repository(plan, tmp, _record(plan, precision, report))
+        report.sizes = {p.relative_to(tmp).as_posix(): p.stat().st_size
+                        for pattern in ("*.onnx", f"{ENCODER_DIR}/*.safetensors") for p in tmp.rglob(pattern)}
+        report.sizes["tasks/embeddings.npy"] = (tmp / STORE_DIR / "embeddings.npy").stat().st_size
+    report.seconds = round(time.perf_counter() - start, 2)
+    return report
+
+
+def _validate(model: str, repo: Path, options: ServingOptions, precision: str | None, profile: Profile | None,
+              overwrite: bool) -> ExportPlan:
+    """Every refusal that can come before anything is written (the options, the folder, the backbone against the
+    tasks a re-export keeps), and what follows from the backbone: `options.buckets` within its limit, the
+    precision, the TensorRT profile."""
     if precision not in (None, "fp32", "fp16"):
         raise RepositoryError(f"unknown precision {precision!r}: expected fp32 or fp16")
     if precision is not None and options.engine == "torch":
@@ -88,7 +121,6 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
     explicit = precision is not None
     if precision is None:
         precision = {"onnx": "fp16", "tensorrt": "fp32", "torch": None}[options.engine]
-    repo = Path(repo)
     keep_tasks = None
     if repo.exists() and any(repo.iterdir()):
         if not overwrite:
@@ -97,7 +129,6 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
             raise RepositoryError(f"{repo} exists and is not an AoT model repository; refusing to replace it")
         keep_tasks = read_repository(repo, older=True)  # a re-export also upgrades an older repository
     backbone = load_backbone(model)
-    identity = backbone_identity(backbone)
     # The longest sequence the repository serves: the encoder's limit, or, for encoders without one (relative
     # positions), the longest bucket.
     longest = backbone.max_positions or max(options.buckets)
@@ -109,68 +140,77 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
     if keep_tasks is not None and keep_tasks.fingerprint != backbone.fingerprint:
         raise RepositoryError(f"{repo} holds tasks for backbone {keep_tasks.model!r} ({keep_tasks.fingerprint}); "
                               f"{model!r} is {backbone.fingerprint}: export into a new repository")
-    info = {"uses_token_type_ids": backbone.uses_token_type_ids, "hidden_size": backbone.hidden_size,
-            "num_layers": backbone.num_layers, "max_seq": profile.max_seq}
-    report = BackboneExportReport(str(repo), {}, {}, {}, 0.0)
-    with atomic_directory(repo, private=(ADMIN_KEY_FILE,)) as tmp:  # the key: 0600, the rest one mode
-        models = tmp / MODELS_DIR
-        trt_models = {}
-        if options.engine == "torch":
-            report.max_abs_diff["torch"] = export_torch_encoder(backbone, tmp / ENCODER_DIR)
-        for name, aot in GRAPHS if options.engine != "torch" else ():
-            graph = export_backbone_graph(backbone, models / name / "1", aot, interface=options.bias_interface)
-            report.max_abs_diff[name] = graph.max_abs_diff
-            report.fused_ops[name] = graph.fused_ops
-            inputs = protocol.token_inputs(backbone.uses_token_type_ids)
-            if aot:
-                inputs += protocol.bias_inputs(options.bias_interface)
-            trt_models[name] = {"shapes": profile.shapes(inputs, backbone.num_layers, backbone.hidden_size)}
-            if options.engine == "tensorrt":
-                feeds = example_inputs(backbone, aot, batch=3, seq=min(13, profile.max_seq), seed=7,
-                                       interface=options.bias_interface)
-                write_parity_data(graph.raw, {k: v.numpy() for k, v in feeds.items()}, graph.raw.parent)
-                try:
-                    build_plan(graph.raw, graph.raw.with_name("model.plan"), trt_models[name]["shapes"],
-                               precision == "fp16")
-                except RuntimeError as exc:
-                    report.notes.append(f"{name}: {exc}")
-            else:
-                graph.raw.unlink()
+    return ExportPlan(repo, backbone, options, precision, explicit, profile, longest, keep_tasks)
+
+
+def _export_graphs(plan: ExportPlan, tmp: Path, report: BackboneExportReport) -> str | None:
+    """The engine's files into `tmp`: the torch engine's weights, or both backbone graphs (TensorRT: their plans or
+    build_engines.sh; ONNX Runtime in fp16: their fp16 twins), each checked against PyTorch in `report`. Returns the
+    GPU precision the graphs kept (an fp16 twin out of parity falls back to fp32, or refuses when fp16 was asked)."""
+    backbone, options, profile, precision = plan.backbone, plan.options, plan.profile, plan.precision
+    models = tmp / MODELS_DIR
+    trt_models = {}
+    if options.engine == "torch":
+        report.max_abs_diff["torch"] = export_torch_encoder(backbone, tmp / ENCODER_DIR)
+    for name, aot in GRAPHS if options.engine != "torch" else ():
+        graph = export_backbone_graph(backbone, models / name / "1", aot, interface=options.bias_interface)
+        report.max_abs_diff[name] = graph.max_abs_diff
+        report.fused_ops[name] = graph.fused_ops
+        inputs = protocol.token_inputs(backbone.uses_token_type_ids)
+        if aot:
+            inputs += protocol.bias_inputs(options.bias_interface)
+        trt_models[name] = {"shapes": profile.shapes(inputs, backbone.num_layers, backbone.hidden_size)}
         if options.engine == "tensorrt":
-            script = tmp / "build_engines.sh"
-            script.write_text(build_script(trt_models, precision == "fp16"))
-            script.chmod(0o755)
-        if options.engine == "onnx" and precision == "fp16":
-            precision = _write_fp16_twins(backbone, models, report, explicit, options)
-        if options.engine == "onnx" and precision == "fp16":
-            info["gpu_onnx_file"] = FP16_FILE
-        backbone.tokenizer.save_pretrained(tmp / TOKENIZER_DIR)
-        _copy_python_models(models, write_configs(models, info, options))
-        problems = check_configs(models) + check_configs(models, CPU_CONFIG)
-        if problems:
-            raise RepositoryError("the generated configs would not load; nothing was written:\n  " + "\n  ".join(problems))
-        if keep_tasks is not None:
-            # Hard links: no data is copied, and the old store stays whole until the swap succeeds.
-            shutil.copytree(keep_tasks.store_root, tmp / STORE_DIR, copy_function=os.link,
-                            ignore=shutil.ignore_patterns(".tmp-*", ".lock", ROWS_DIR))
+            feeds = example_inputs(backbone, aot, batch=3, seq=min(13, profile.max_seq), seed=7,
+                                   interface=options.bias_interface)
+            write_parity_data(graph.raw, {k: v.numpy() for k, v in feeds.items()}, graph.raw.parent)
+            try:
+                build_plan(graph.raw, graph.raw.with_name("model.plan"), trt_models[name]["shapes"],
+                           precision == "fp16")
+            except RuntimeError as exc:
+                report.notes.append(f"{name}: {exc}")
         else:
-            TaskStore(tmp / STORE_DIR).create(identity, backbone.embeddings.detach().float().numpy())
-        write_rows_graphs(tmp / STORE_DIR, backbone.num_layers, backbone.hidden_size)
-        record = {"format": REPO_FORMAT, "format_version": REPO_VERSION, "protocol_version": protocol.PROTOCOL_VERSION,
-                  "backbone": identity, "uses_token_type_ids": backbone.uses_token_type_ids,
-                  "num_layers": backbone.num_layers, "hidden_size": backbone.hidden_size,
-                  "vocab_size": int(backbone.embeddings.shape[0]),
-                  "type_vocab_size": int(getattr(backbone.encoder.config, "type_vocab_size", 0) or 0),
-                  "max_positions": longest, "store": STORE_DIR, "tokenizer": TOKENIZER_DIR,
-                  "encoder": ENCODER_DIR if options.engine == "torch" else None,
-                  "serving": options.to_json(), "precision": precision,
-                  "tensorrt_profile": profile.__dict__ if options.engine == "tensorrt" else None,
-                  "parity_max_abs_diff": report.max_abs_diff}
-        write_json(tmp / RECORD, record)
-        write_compose_env(tmp, RepositoryInfo(tmp, record), repo)
-        write_admin_key(tmp, repo if Path(repo).is_dir() else None)
-        report.sizes = {p.relative_to(tmp).as_posix(): p.stat().st_size
-                        for pattern in ("*.onnx", f"{ENCODER_DIR}/*.safetensors") for p in tmp.rglob(pattern)}
-        report.sizes["tasks/embeddings.npy"] = (tmp / STORE_DIR / "embeddings.npy").stat().st_size
-    report.seconds = round(time.perf_counter() - start, 2)
-    return report
+            graph.raw.unlink()
+    if options.engine == "tensorrt":
+        script = tmp / "build_engines.sh"
+        script.write_text(build_script(trt_models, precision == "fp16"))
+        script.chmod(0o755)
+    if options.engine == "onnx" and precision == "fp16":
+        precision = _write_fp16_twins(backbone, models, report, plan.explicit, options)
+    return precision
+
+
+def _record(plan: ExportPlan, precision: str | None, report: BackboneExportReport) -> BackboneRecord:
+    """The repository's record, built once here: what every served step and tool reads of it."""
+    backbone, options = plan.backbone, plan.options
+    return BackboneRecord(
+        backbone=backbone_identity(backbone), uses_token_type_ids=backbone.uses_token_type_ids,
+        num_layers=backbone.num_layers, hidden_size=backbone.hidden_size,
+        vocab_size=int(backbone.embeddings.shape[0]),
+        type_vocab_size=int(getattr(backbone.encoder.config, "type_vocab_size", 0) or 0),
+        max_positions=plan.longest, store=STORE_DIR, tokenizer=TOKENIZER_DIR,
+        encoder=ENCODER_DIR if options.engine == "torch" else None, serving=options, precision=precision,
+        tensorrt_profile=dataclasses.asdict(plan.profile) if options.engine == "tensorrt" else None,
+        parity_max_abs_diff=report.max_abs_diff)
+
+
+def _write_repository(plan: ExportPlan, tmp: Path, record: BackboneRecord) -> None:
+    """Everything else of the repository into `tmp`, beside the graphs: the tokenizer, the configs (refused, with
+    nothing written, when one would not load), the task store (the replaced repository's, hard-linked, or a new
+    one), the record, compose.env and the admin key (the replaced repository's, or a new one)."""
+    backbone, models = plan.backbone, tmp / MODELS_DIR
+    backbone.tokenizer.save_pretrained(tmp / record.tokenizer)
+    _copy_python_models(models, write_configs(models, record))
+    problems = check_configs(models) + check_configs(models, CPU_CONFIG)
+    if problems:
+        raise RepositoryError("the generated configs would not load; nothing was written:\n  " + "\n  ".join(problems))
+    if plan.keep_tasks is not None:
+        # Hard links: no data is copied, and the old store stays whole until the swap succeeds.
+        shutil.copytree(plan.keep_tasks.store_root, tmp / record.store, copy_function=os.link,
+                        ignore=shutil.ignore_patterns(".tmp-*", ".lock", ROWS_DIR))
+    else:
+        TaskStore(tmp / record.store).create(record.backbone, backbone.embeddings.detach().float().numpy())
+    write_rows_graphs(tmp / record.store, backbone.num_layers, backbone.hidden_size)
+    write_json(tmp / RECORD, record.to_json())
+    write_compose_env(tmp, RepositoryInfo(tmp, record), plan.repo)
+    write_admin_key(tmp, plan.repo if plan.repo.is_dir() else None)

@@ -22,7 +22,7 @@ from pathlib import Path
 from google.protobuf import text_format
 
 from serving import protocol
-from serving.repository import ServingOptions
+from serving.repository import BackboneRecord, ServingOptions
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "model_repository"
 # model -> template; `aot` and `vanilla` are ensembles in the GPU configs (their model.py unused there) and the
@@ -31,6 +31,7 @@ PYTHON_MODELS = {"tokenizer": "tokenizer", "aot_lookup": "aot_lookup", "backbone
                  "backbone_vanilla": "backbone", "head": "head", "task_list": "task_list", "aot": "fused",
                  "vanilla": "fused"}
 CPU_CONFIG = "configs/cpu.pbtxt"  # selected by tritonserver --model-config-name=cpu
+FP16_FILE = "model.fp16.onnx"  # the fp16 twin of a graph, beside model.onnx, for ONNX Runtime on a GPU
 
 
 # --- config generation: the one source of every config.pbtxt --------------------------------------------------
@@ -104,11 +105,12 @@ def _graph_specs(config, inputs: dict[str, list[int]], options: ServingOptions, 
     config.optimization.cuda.graphs = True
 
 
-def _backbone(name: str, aot: bool, target: str, info: dict, options: ServingOptions):
+def _backbone(name: str, aot: bool, target: str, record: BackboneRecord):
     """The backbone step: a python step (ONNX Runtime on CPU; the torch engine on CPU or CUDA), or the native
     backend on GPU (the bias in the repository's interface: ragged rows + batch input, or the dense bias)."""
     pb = _pb()
-    token_names = protocol.token_inputs(info["uses_token_type_ids"])
+    options = record.serving
+    token_names = protocol.token_inputs(record.uses_token_type_ids)
     python = _in_process_lookup(target, options)
     if python:
         config = _python_model(name, options, _engine_parameters(name, target, options),
@@ -116,7 +118,7 @@ def _backbone(name: str, aot: bool, target: str, info: dict, options: ServingOpt
     else:
         platform = "tensorrt_plan" if options.engine == "tensorrt" else "onnxruntime_onnx"
         # ONNX Runtime on a GPU runs the fp16 twin of the graph when export found it within parity
-        onnx_file = info.get("gpu_onnx_file", "model.onnx")
+        onnx_file = FP16_FILE if record.precision == "fp16" else "model.onnx"
         config = pb.ModelConfig(name=name, platform=platform, max_batch_size=options.max_batch_size,
                                 default_model_filename="model.plan" if options.engine == "tensorrt" else onnx_file)
         config.dynamic_batching.max_queue_delay_microseconds = options.backbone_queue_delay_us
@@ -128,7 +130,7 @@ def _backbone(name: str, aot: bool, target: str, info: dict, options: ServingOpt
         config.input.append(_tensor(pb.ModelInput, n, [-1], ragged=python))
     dense = aot and not python and options.bias_interface == "dense"
     if dense:
-        config.input.append(_tensor(pb.ModelInput, protocol.AOT_BIAS, [-1, info["num_layers"], info["hidden_size"]]))
+        config.input.append(_tensor(pb.ModelInput, protocol.AOT_BIAS, [-1, record.num_layers, record.hidden_size]))
     elif aot and not python:
         config.input.append(_tensor(pb.ModelInput, protocol.AOT_ROWS, [-1], ragged=True))
         config.input.append(_tensor(pb.ModelInput, protocol.AOT_INDEX, [-1]))
@@ -140,8 +142,9 @@ def _backbone(name: str, aot: bool, target: str, info: dict, options: ServingOpt
     # would gather the padded slots' rows through stale aot_index values, possibly past the rows given: until a GPU
     # shows that is safe, the rows backbone runs without graphs.
     if options.engine == "tensorrt" and not python and (dense or not aot):
-        _graph_specs(config, {i.name: list(i.dims) for i in config.input}, options, info["max_seq"])
-    config.output.append(_tensor(pb.ModelOutput, protocol.POOLED_HIDDEN, [len(protocol.POOLINGS), info["hidden_size"]]))
+        _graph_specs(config, {i.name: list(i.dims) for i in config.input}, options,
+                     record.tensorrt_profile["max_seq"])
+    config.output.append(_tensor(pb.ModelOutput, protocol.POOLED_HIDDEN, [len(protocol.POOLINGS), record.hidden_size]))
     return config
 
 
@@ -153,13 +156,14 @@ def _engine_parameters(backbone: str, target: str, options: ServingOptions) -> d
     return {"engine": "onnx", "onnx_file": f"{backbone}/1/model.onnx", "threads": str(options.cpu_threads)}
 
 
-def _fused(name: str, backbone: str, info: dict, options: ServingOptions):
+def _fused(name: str, backbone: str, record: BackboneRecord):
     """The CPU configs' `aot` / `vanilla`: one python step doing what the GPU ensemble's steps do (tokenizer, lookup,
     encoder, head; model_repository/fused), with the client's inputs and the ensemble's outputs. One hop through the
     server instead of three: docs/benchmarks.md section 6."""
+    options = record.serving
     params = {"aot": "true" if backbone == "backbone" else "false", **_engine_parameters(backbone, "cpu", options)}
     config = _python_model(name, options, params, options.cpu_queue_delay_us, instances=options.cpu_instances)
-    config.input.extend(_request_inputs(info, ragged=True))
+    config.input.extend(_request_inputs(record, ragged=True))
     _answer_outputs(config)
     return config
 
@@ -172,18 +176,19 @@ def _answer_outputs(config) -> None:
     config.output.append(_tensor(pb.ModelOutput, protocol.TASK_VERSION, [1]))  # which version answered (protocol v5)
 
 
-def _ensemble(name: str, backbone: str, info: dict, options: ServingOptions, target: str):
+def _ensemble(name: str, backbone: str, record: BackboneRecord, target: str):
     if target == "cpu":
-        return _fused(name, backbone, info, options)
+        return _fused(name, backbone, record)
     pb = _pb()
+    options = record.serving
     config = pb.ModelConfig(name=name, platform="ensemble", max_batch_size=options.max_batch_size)
-    config.input.extend(_request_inputs(info, ragged=False))
+    config.input.extend(_request_inputs(record, ragged=False))
     _answer_outputs(config)
-    tokens = protocol.token_inputs(info["uses_token_type_ids"])
+    tokens = protocol.token_inputs(record.uses_token_type_ids)
     version = protocol.TASK_VERSION
     steps = config.ensemble_scheduling.step
     tok = steps.add(model_name="tokenizer", model_version=-1)
-    tok.input_map.update({t.name: t.name for t in _request_inputs(info, ragged=False)})
+    tok.input_map.update({t.name: t.name for t in _request_inputs(record, ragged=False)})
     tok.output_map.update({n: f"_{n}" for n in tokens} | {protocol.TASK_VERSION: version})
     bb_inputs = {n: f"_{n}" for n in tokens}
     if backbone == "backbone" and _in_process_lookup(target, options):
@@ -203,7 +208,7 @@ def _ensemble(name: str, backbone: str, info: dict, options: ServingOptions, tar
     return config
 
 
-def _request_inputs(info: dict, ragged: bool) -> list:
+def _request_inputs(record: BackboneRecord, ragged: bool) -> list:
     """What a client sends the ensemble (and the ensemble the tokenizer step): TASK and TEXT (+ TEXT_PAIR), or TASK
     and the token ids it tokenized itself (`ragged`: in the tokenizer step, sequences of any length batch together).
     All optional: the first stage (the tokenizer step, or the fused step on CPU) refuses a request that lacks TASK,
@@ -213,7 +218,7 @@ def _request_inputs(info: dict, ragged: bool) -> list:
     pb = _pb()
     return ([_tensor(pb.ModelInput, n, [1], optional=True) for n in (protocol.TEXT, protocol.TEXT_PAIR, protocol.TASK)]
             + [_tensor(pb.ModelInput, n, [-1], ragged=ragged, optional=True)
-               for n in protocol.token_inputs(info["uses_token_type_ids"])])
+               for n in protocol.token_inputs(record.uses_token_type_ids)])
 
 
 def _lookup_outputs(options: ServingOptions) -> list[str]:
@@ -221,17 +226,19 @@ def _lookup_outputs(options: ServingOptions) -> list[str]:
     return [n for n in protocol.bias_inputs(options.bias_interface) if n != protocol.AOT_ROW_OFFSETS]
 
 
-def model_configs(info: dict, options: ServingOptions, target: str) -> dict:
-    """Every model's config for `target` "cpu" (local server) or "gpu" (NGC image)."""
+def model_configs(record: BackboneRecord, target: str) -> dict:
+    """Every model's config for `target` "cpu" (local server) or "gpu" (NGC image), served as `record.serving`
+    says."""
     pb = _pb()
-    tokens = protocol.token_inputs(info["uses_token_type_ids"])
+    options = record.serving
+    tokens = protocol.token_inputs(record.uses_token_type_ids)
     # Bucketed token tensors for a native backend; a python backbone step pads each batch itself.
     buckets = "" if _in_process_lookup(target, options) else ",".join(str(b) for b in options.buckets)
     # Tokenizer and head run one thread per instance: ServingOptions.instances of each (the backbone's engine
     # threads itself; the lookup stays one instance: each would hold its own task pool in device memory)
     instances = options.instances(target)
     tok = _python_model("tokenizer", options, {"buckets": buckets}, instances=instances)
-    tok.input.extend(_request_inputs(info, ragged=True))
+    tok.input.extend(_request_inputs(record, ragged=True))
     tok.output.extend([_tensor(pb.ModelOutput, n, [-1]) for n in tokens]
                       + [_tensor(pb.ModelOutput, protocol.TASK_VERSION, [1])])
 
@@ -245,22 +252,22 @@ def model_configs(info: dict, options: ServingOptions, target: str) -> dict:
     look.input.extend([_tensor(pb.ModelInput, protocol.TASK_VERSION, [1])]
                       + [_tensor(pb.ModelInput, n, [-1], ragged=True) for n in tokens])
     dims = {protocol.AOT_ROWS: [-1], protocol.AOT_INDEX: [-1],
-            protocol.AOT_BIAS: [-1, info["num_layers"], info["hidden_size"]]}
+            protocol.AOT_BIAS: [-1, record.num_layers, record.hidden_size]}
     look.output.extend([_tensor(pb.ModelOutput, n, dims[n]) for n in _lookup_outputs(options)])
 
     head = _python_model("head", options, {}, instances=instances)
     head.input.extend([_tensor(pb.ModelInput, protocol.TASK_VERSION, [1]),
-                       _tensor(pb.ModelInput, protocol.POOLED_HIDDEN, [len(protocol.POOLINGS), info["hidden_size"]])])
+                       _tensor(pb.ModelInput, protocol.POOLED_HIDDEN, [len(protocol.POOLINGS), record.hidden_size])])
     head.output.extend([_tensor(pb.ModelOutput, protocol.LOGITS, [-1]), _tensor(pb.ModelOutput, protocol.LABEL, [1])])
     tasks = _python_model("task_list", options, {})
     tasks.max_batch_size = 0  # no inputs: a model with batching needs one to read the batch size from
     tasks.ClearField("dynamic_batching")
     tasks.output.append(_tensor(pb.ModelOutput, protocol.TASKS, [1]))
     configs = {"tokenizer": tok, "aot_lookup": look, "head": head, "task_list": tasks,
-               "backbone": _backbone("backbone", True, target, info, options),
-               "backbone_vanilla": _backbone("backbone_vanilla", False, target, info, options),
-               "aot": _ensemble("aot", "backbone", info, options, target),
-               "vanilla": _ensemble("vanilla", "backbone_vanilla", info, options, target)}
+               "backbone": _backbone("backbone", True, target, record),
+               "backbone_vanilla": _backbone("backbone_vanilla", False, target, record),
+               "aot": _ensemble("aot", "backbone", record, target),
+               "vanilla": _ensemble("vanilla", "backbone_vanilla", record, target)}
     if options.engine == "torch":  # its backbone step looks rows up on its own device: no lookup step anywhere
         del configs["aot_lookup"]
     return configs
@@ -274,9 +281,10 @@ def parse_pbtxt(text: str):
     return text_format.Parse(text, _pb().ModelConfig())
 
 
-def write_configs(models: Path, info: dict, options: ServingOptions) -> list[str]:
-    """config.pbtxt (GPU) and configs/cpu.pbtxt (CPU) for every model, under REPO/models; returns the models."""
-    gpu, cpu = model_configs(info, options, "gpu"), model_configs(info, options, "cpu")
+def write_configs(models: Path, record: BackboneRecord) -> list[str]:
+    """config.pbtxt (GPU) and configs/cpu.pbtxt (CPU) for every model of the repository `record` describes, under
+    REPO/models; returns the models."""
+    gpu, cpu = model_configs(record, "gpu"), model_configs(record, "cpu")
     for name in gpu:
         folder = models / name
         (folder / "configs").mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from exporter.configs import FP16_FILE
 from serving import protocol
 from training.backbone import Backbone
 from serving_torch.encoder import BiasedEncoder, pool_states
@@ -212,7 +213,6 @@ def max_abs_difference(path: Path, backbone: Backbone, aot: bool, interface: str
     return worst
 
 
-FP16_FILE = "model.fp16.onnx"
 FP16_TOLERANCE = 5e-2  # pooled states of the fp16 graph against PyTorch fp32 (fp32 graphs: 1e-4)
 
 

@@ -4,18 +4,19 @@
     REPO/tasks/                 the task store (serving.store); its location is the record's `store`
     REPO/models/                the Triton model repository (--model-repository=REPO/models)
 
-The exporter writes it (exporter.configs, exporter.backbone_export); a served step finds it from its model folder
-(REPO/models/<model>) and reads every path from it.
+The record is one frozen dataclass, BackboneRecord: `aot export backbone` builds it once (exporter.backbone_export)
+and writes it with `to_json`; a served step finds it from its model folder (REPO/models/<model>), reads it with
+`from_json` (read_repository) and every path from it (RepositoryInfo).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from serving import protocol
-from serving.formats import FormatError, read_json, read_versioned_json
+from serving.formats import FormatError, check_keys, read_json
 
 REPO_FORMAT = "aot-repository"
 REPO_VERSION = 3  # 3: the CPU configs serve `aot` / `vanilla` from one fused step
@@ -24,9 +25,9 @@ MODELS_DIR = "models"
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
 ENGINES = ("onnx", "tensorrt", "torch")
 POOL_BYTES_ENV = "AOT_POOL_BYTES"
-# Tokenizer and head instances in the GPU configs: each costs 150-300 us of CPU per request (`aot bench tax`,
-# docs/benchmarks.md section 6), so one instance caps a server at 3,000-7,000 requests/s; 6 lift each step's
-# ceiling past 20,000 on a 16-core host, where the server's whole CPU per request bounds the host near that rate.
+# Tokenizer and head instances in the GPU configs: each runs its requests on one thread, so one instance caps the
+# server's request rate at what that thread can do; 6 lift each step's ceiling above what the server's own CPU per
+# request allows on a large host (`aot bench tax`; the figures: docs/benchmarks.md section 6).
 GPU_STEP_INSTANCES = 6
 # What a server on the CPU configs loads: `aot` and `vanilla` are each one fused step there (tokenizer, lookup,
 # encoder, head); the GPU ensembles' separate steps are not needed.
@@ -137,51 +138,117 @@ class ServingOptions:
 _REQUIRED = {"protocol_version": int, "backbone": dict, "uses_token_type_ids": bool, "num_layers": int,
              "hidden_size": int, "vocab_size": int, "type_vocab_size": int, "max_positions": int, "serving": dict,
              "store": str, "tokenizer": str}
+# Keys a record may lack (written before they were recorded): checked when present
+_OPTIONAL = {"encoder": (str, type(None)), "precision": (str, type(None)), "tensorrt_profile": (dict, type(None)),
+             "parity_max_abs_diff": dict}
+_PATHS = ("store", "tokenizer", "encoder")  # relative to the repository
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackboneRecord:
+    """What `aot export backbone` records of a repository (REPO/aot_repository.json, docs/formats.md): built once by
+    the export, read by every served step and tool. Fields in the file's order; paths relative to the repository."""
+
+    protocol_version: int = protocol.PROTOCOL_VERSION
+    backbone: dict  # identity: model, model_type, fingerprint, num_layers, hidden_size, vocab_size
+    uses_token_type_ids: bool
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    type_vocab_size: int
+    max_positions: int  # the longest token sequence served: the encoder's limit, or the longest bucket
+    store: str
+    tokenizer: str
+    encoder: str | None = None  # the torch engine's weights (--format torch)
+    serving: ServingOptions
+    precision: str | None = None  # the GPU backbone's: fp32 or fp16 (None: the torch engine)
+    tensorrt_profile: dict | None = None  # exporter.tensorrt.Profile's fields (--format tensorrt)
+    parity_max_abs_diff: dict = field(default_factory=dict)  # graph -> largest difference from PyTorch at export
+
+    @property
+    def model(self) -> str:
+        return self.backbone["model"]
+
+    @property
+    def fingerprint(self) -> str:
+        return self.backbone["fingerprint"]
+
+    def to_json(self) -> dict:
+        data = {"format": REPO_FORMAT, "format_version": REPO_VERSION}
+        data.update((f.name, getattr(self, f.name)) for f in fields(self))
+        data["serving"] = self.serving.to_json()
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict, where: str = RECORD, version: int = REPO_VERSION) -> "BackboneRecord":
+        """The record in `data`, an `aot-repository` v`version` file (`where` names it in errors). A file of another
+        format or version, a missing key or a value of the wrong type: FormatError; another protocol, a path
+        outside the repository or serving options out of range: RepositoryError."""
+        if not isinstance(data, dict):
+            raise FormatError(f"{where}: expected a JSON object, got {type(data).__name__}")
+        if data.get("format") != REPO_FORMAT or data.get("format_version") != version:
+            raise FormatError(f"{where}: not an {REPO_FORMAT} v{version} file (format {data.get('format')!r}, "
+                              f"version {data.get('format_version')!r})")
+        check_keys(data, _REQUIRED, where)
+        check_keys(data, {k: kind for k, kind in _OPTIONAL.items() if k in data}, where)
+        check_keys(data["backbone"], {"model": str, "fingerprint": str}, f"{where}: backbone")
+        if data["protocol_version"] != protocol.PROTOCOL_VERSION:
+            raise RepositoryError(f"{where}: protocol version {data['protocol_version']} is not "
+                                  f"{protocol.PROTOCOL_VERSION}; re-export the backbone")
+        for key in _PATHS:
+            if data.get(key) is not None and (Path(data[key]).is_absolute() or ".." in Path(data[key]).parts):
+                raise RepositoryError(f"{where}: {key!r} must be a path inside the repository, got {data[key]!r}")
+        try:
+            serving = ServingOptions.from_json(data["serving"])
+        except (TypeError, ValueError) as exc:  # RepositoryError included
+            raise RepositoryError(f"{where}: {exc}") from None
+        return cls(**{**{f.name: data[f.name] for f in fields(cls) if f.name in data}, "serving": serving})
 
 
 @dataclass
 class RepositoryInfo:
-    """The parsed aot_repository.json of a repository."""
+    """A repository: where it is, and its record."""
 
     path: Path
-    record: dict
+    record: BackboneRecord
 
+    # The record's fields that served steps and tools read, by their own names
     @property
     def model(self) -> str:
-        return self.record["backbone"]["model"]
+        return self.record.model
 
     @property
     def fingerprint(self) -> str:
-        return self.record["backbone"]["fingerprint"]
+        return self.record.fingerprint
 
     @property
     def uses_token_type_ids(self) -> bool:
-        return self.record["uses_token_type_ids"]
+        return self.record.uses_token_type_ids
 
     @property
     def num_layers(self) -> int:
-        return self.record["num_layers"]
+        return self.record.num_layers
 
     @property
     def hidden_size(self) -> int:
-        return self.record["hidden_size"]
+        return self.record.hidden_size
 
     @property
     def vocab_size(self) -> int:
-        return self.record["vocab_size"]
+        return self.record.vocab_size
 
     @property
     def type_vocab_size(self) -> int:
-        return self.record["type_vocab_size"]
+        return self.record.type_vocab_size
 
     @property
     def max_positions(self) -> int:
         """The longest token sequence the backbone accepts (a task's max length may not exceed it)."""
-        return self.record["max_positions"]
+        return self.record.max_positions
 
     @property
     def tokenizer_dir(self) -> Path:
-        return self.path / self.record["tokenizer"]
+        return self.path / self.record.tokenizer
 
     @property
     def models(self) -> Path:
@@ -194,20 +261,20 @@ class RepositoryInfo:
     @property
     def encoder_dir(self) -> Path:
         """The encoder's config and weights, for the torch engine (`--format torch`)."""
-        if not self.record.get("encoder"):
+        if not self.record.encoder:
             raise RepositoryError(f"{self.path}: no encoder folder (exported with engine "
-                                  f"{self.record['serving'].get('engine')!r}, not torch)")
-        return self.path / self.record["encoder"]
+                                  f"{self.record.serving.engine!r}, not torch)")
+        return self.path / self.record.encoder
 
     @property
     def store_root(self) -> Path:
-        return self.path / self.record["store"]
+        return self.path / self.record.store
 
     @property
     def options(self) -> ServingOptions:
-        """The recorded serving options; `AOT_POOL_BYTES` in the environment (set by `aot serve --pool-bytes`)
-        overrides the pool budget without a re-export."""
-        options = ServingOptions.from_json(self.record["serving"])
+        """The recorded serving options (a copy of the record's); `AOT_POOL_BYTES` in the environment (set by `aot
+        serve --pool-bytes`) overrides the pool budget without a re-export."""
+        options = replace(self.record.serving)
         override = os.environ.get(POOL_BYTES_ENV)
         if override:
             try:
@@ -259,22 +326,13 @@ def read_repository(path: str | Path, older: bool = False) -> RepositoryInfo:
     found = None
     try:
         data = read_json(record_path)
-        found = data.get("format_version") if isinstance(data, dict) else None
-        version = found if found in versions else REPO_VERSION
-        record = read_versioned_json(record_path, REPO_FORMAT, version, _REQUIRED)
+        found = data.get("format_version")
+        record = BackboneRecord.from_json(data, str(record_path), found if found in versions else REPO_VERSION)
     except FormatError as exc:
         keeps = isinstance(found, int) and OLDEST_KEPT_VERSION <= found < REPO_VERSION
         how = (f"`aot export backbone --repo {path} --overwrite`: it keeps the tasks" if keeps else
                "`aot export backbone` into a new folder, then `aot export task` each task")
         raise RepositoryError(f"{exc}; re-export the backbone with this version ({how})") from None
-    if record["protocol_version"] != protocol.PROTOCOL_VERSION:
-        raise RepositoryError(f"{record_path}: protocol version {record['protocol_version']} is not "
-                              f"{protocol.PROTOCOL_VERSION}; re-export the backbone")
-    for key in ("store", "tokenizer", "encoder"):
-        if key not in record or record[key] is None:
-            continue
-        if Path(record[key]).is_absolute() or ".." in Path(record[key]).parts:
-            raise RepositoryError(f"{record_path}: {key!r} must be a path inside the repository, got {record[key]!r}")
     if not (path / MODELS_DIR).is_dir():
         raise RepositoryError(f"{path}: the repository has no {MODELS_DIR}/ folder; re-export the backbone")
     return RepositoryInfo(path, record)

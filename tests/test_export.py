@@ -1,11 +1,13 @@
 """Exporter on tiny BERT / RoBERTa / DeBERTa-v2: parity, fusions, storage, atomicity, configs."""
 
+import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +22,8 @@ from exporter.task_store import StoreError, TaskStore
 from exporter.tensorrt import Profile, build_plan, build_script, trtexec_command
 from serving import protocol
 from serving.errors import RequestError
-from serving.repository import GPU_STEP_INSTANCES, RepositoryError, ServingOptions, read_repository
+from serving.repository import (GPU_STEP_INSTANCES, BackboneRecord, RepositoryError, ServingOptions,
+                                read_repository)
 from serving.tasks import TaskRegistry
 from tests.helpers import make_repository, train_tiny_task
 from tests.tiny import ARCHS, save_tiny_model, tiny_backbone
@@ -260,92 +263,186 @@ def test_existing_repository_needs_overwrite(tmp_path, tiny_models, tasks):
     with pytest.raises(RepositoryError, match=r"not an aot-repository v3 file .* --overwrite`: it keeps the tasks"):
         read_repository(repo)
     export_backbone(str(tiny_models["bert"]), repo, overwrite=True)  # upgraded, its tasks kept
-    assert read_repository(repo).record["format_version"] == 3
+    assert json.loads((repo / "aot_repository.json").read_text())["format_version"] == 3
     assert list(TaskStore(read_repository(repo).store_root).entries()) == ["t"]
     with pytest.raises(RepositoryError, match="holds tasks for backbone"):
         export_backbone(str(tiny_models["roberta"]), repo, overwrite=True)
 
 
-@pytest.mark.parametrize("uses_tt", [True, False])
-@pytest.mark.parametrize("engine", ["onnx", "tensorrt"])
-@pytest.mark.parametrize("interface", protocol.BIAS_INTERFACES)
-def test_every_config_parses_and_is_consistent(uses_tt, engine, interface):
-    info = {"uses_token_type_ids": uses_tt, "hidden_size": 48, "num_layers": 3, "max_seq": 256}
-    options = ServingOptions(engine=engine, bias_interface=interface, buckets=(16, 128, 512), max_batch_size=8)
-    for target in ("cpu", "gpu"):
-        configs = model_configs(info, options, target)
-        assert set(configs) == {"tokenizer", "aot_lookup", "backbone", "backbone_vanilla", "head", "task_list", "aot",
-                                "vanilla"}
-        for name, config in configs.items():
-            parsed = parse_pbtxt(to_pbtxt(config))  # round trip through Triton's own ModelConfig protobuf
-            assert parsed == config and parsed.name == name
-        backbone = configs["backbone"]
-        inputs = {i.name: i for i in backbone.input}
-        steps = [s.model_name for s in configs["aot"].ensemble_scheduling.step]
-        outputs = [(o.name, list(o.dims)) for o in configs["aot"].output]
-        assert outputs == [(protocol.LOGITS, [-1]), (protocol.LABEL, [1]), (protocol.TASK_VERSION, [1])]
-        if target == "gpu" and interface == "rows":
-            # the native backend receives ragged rows and an index; Triton supplies the row offsets
-            assert set(inputs) == set(protocol.token_inputs(uses_tt)) | {protocol.AOT_ROWS, protocol.AOT_INDEX}
-            assert inputs[protocol.AOT_ROWS].allow_ragged_batch
-            assert [b.target_name[0] for b in backbone.batch_input] == [protocol.AOT_ROW_OFFSETS]
-        elif target == "gpu":
-            # one dense bias per token, [S, L, d] after the batch axis: no ragged input, no batch input
-            assert set(inputs) == set(protocol.token_inputs(uses_tt)) | {protocol.AOT_BIAS}
-            assert list(inputs[protocol.AOT_BIAS].dims) == [-1, 3, 48] and not backbone.batch_input
-            assert not any(i.allow_ragged_batch for i in backbone.input)
-        if target == "gpu":
-            lookup = {o.name: list(o.dims) for o in configs["aot_lookup"].output}
-            assert lookup == ({protocol.AOT_ROWS: [-1], protocol.AOT_INDEX: [-1]} if interface == "rows" else {protocol.AOT_BIAS: [-1, 3, 48]})
-            step = configs["aot"].ensemble_scheduling.step[1]
-            assert set(step.output_map) == set(lookup) == set(configs["aot"].ensemble_scheduling.step[2].input_map) - set(protocol.token_inputs(uses_tt))
-            assert backbone.platform == ("tensorrt_plan" if engine == "tensorrt" else "onnxruntime_onnx")
-            assert backbone.instance_group[0].kind == backbone.instance_group[0].KIND_GPU
-            assert steps == ["tokenizer", "aot_lookup", "backbone", "head"]
-            # TensorRT: CUDA graphs for every bucket within the profile x graph_batch_sizes, for the graphs whose
-            # shapes are fixed per bucket (vanilla, dense); none for ragged rows (a padded replay reads stale indices)
-            for config, fixed in ((backbone, interface == "dense"), (configs["backbone_vanilla"], True)):
-                cuda = config.optimization.cuda
-                if engine != "tensorrt" or not fixed:
-                    assert not cuda.graphs and not cuda.graph_spec
-                    continue
-                assert cuda.graphs
-                specs = [(g.batch_size, g.graph_lower_bound.batch_size, g.input[protocol.INPUT_IDS].dim[0]) for g in cuda.graph_spec]
-                assert specs == [(b, lo, seq) for seq in (16, 128) for lo, b in ((1, 1), (2, 2), (3, 3), (4, 4), (5, 6), (7, 8))]
-                for g in cuda.graph_spec:
-                    assert set(g.input) == {i.name for i in config.input}
-                    seq = g.input[protocol.INPUT_IDS].dim[0]
-                    if protocol.AOT_BIAS in g.input:
-                        assert list(g.input[protocol.AOT_BIAS].dim) == list(g.graph_lower_bound.input[protocol.AOT_BIAS].dim) == [seq, 3, 48]
-        else:
-            # one fused python step per ensemble name (tokenizer, lookup, encoder, head), on the graph of its backbone
-            for model, graph in (("aot", "backbone"), ("vanilla", "backbone_vanilla")):
-                fused = configs[model]
-                assert fused.backend == "python" and not fused.ensemble_scheduling.step
-                assert fused.parameters["aot"].string_value == str(model == "aot").lower()
-                assert fused.parameters["onnx_file"].string_value == f"{graph}/1/model.onnx"
-                assert fused.instance_group[0].count == options.cpu_instances
-            # the separate python backbone (loaded only when asked) looks rows up itself
-            assert set(inputs) == set(protocol.token_inputs(uses_tt)) | {protocol.TASK_VERSION}
-            assert backbone.backend == "python" and not backbone.batch_input
-        if target == "gpu":
-            vanilla = [s.model_name for s in configs["vanilla"].ensemble_scheduling.step]
-            assert vanilla == ["tokenizer", "backbone_vanilla", "head"]
-        # tokenizer and head: one thread per instance, so a GPU host runs several; one lookup (its own device pool)
-        instances = 1 if target == "cpu" else GPU_STEP_INSTANCES
-        assert [configs[m].instance_group[0].count for m in ("tokenizer", "head", "aot_lookup")] == [instances,
-                                                                                                   instances, 1]
-        # a client sends TEXT (+ TEXT_PAIR) or the token ids it tokenized, with TASK: every input optional (the
-        # tokenizer step refuses what is missing), token ids of any length batched together in the tokenizer step
-        requests = [protocol.TEXT, protocol.TEXT_PAIR, protocol.TASK, *protocol.token_inputs(uses_tt)]
-        for model in ("aot", "vanilla", "tokenizer"):
-            assert [(i.name, i.optional) for i in configs[model].input] == [(n, True) for n in requests]
-        tok = {i.name: i for i in configs["tokenizer"].input}
-        assert all(tok[n].allow_ragged_batch and list(tok[n].dims) == [-1] for n in protocol.token_inputs(uses_tt))
-        if target == "gpu":
-            assert set(configs["aot"].ensemble_scheduling.step[0].input_map.items()) == {(n, n) for n in requests}
-    assert [model_configs(info, ServingOptions(step_instances=3), t)["head"].instance_group[0].count
-            for t in ("cpu", "gpu")] == [3, 3]
+# --- the generated configs: one table of repositories, each concern checked on every row it applies to ---------
+
+@dataclass(frozen=True)
+class ConfigCase:
+    """A repository the configs are generated for: its engine, bias interface and token types (a BERT-like encoder
+    takes token_type_ids, a RoBERTa-like one does not)."""
+
+    engine: str
+    interface: str
+    uses_tt: bool
+
+    def __str__(self) -> str:
+        return f"{self.engine}-{self.interface}-{'bert' if self.uses_tt else 'roberta'}"
+
+    @property
+    def tokens(self) -> list[str]:
+        return protocol.token_inputs(self.uses_tt)
+
+    @property
+    def requests(self) -> list[str]:
+        """What a client sends: TEXT (+ TEXT_PAIR) or the token ids it tokenized, with TASK."""
+        return [protocol.TEXT, protocol.TEXT_PAIR, protocol.TASK, *self.tokens]
+
+    def configs(self, target: str) -> dict:
+        options = ServingOptions(engine=self.engine, bias_interface=self.interface, buckets=(16, 128, 512),
+                                 max_batch_size=8)
+        return model_configs(_config_record(options, self.uses_tt), target)
+
+
+def _config_record(options: ServingOptions, uses_tt: bool = True, max_seq: int = 256) -> BackboneRecord:
+    """The record of a tiny repository (L=3, d=48; TensorRT's profile up to `max_seq` tokens) served with
+    `options`: what the configs are generated from."""
+    profile = dataclasses.asdict(Profile(max_batch=options.max_batch_size, max_seq=max_seq))
+    return BackboneRecord(backbone={"model": "tiny", "fingerprint": "tiny"}, uses_token_type_ids=uses_tt, num_layers=3,
+                          hidden_size=48, vocab_size=100, type_vocab_size=2 if uses_tt else 0, max_positions=512,
+                          store="tasks", tokenizer="models/tokenizer/1/tokenizer", serving=options,
+                          tensorrt_profile=profile if options.engine == "tensorrt" else None)
+
+
+CONFIG_CASES = [ConfigCase(engine, interface, uses_tt) for engine in ("onnx", "tensorrt")
+                for interface in protocol.BIAS_INTERFACES for uses_tt in (True, False)]
+TARGETS = ("cpu", "gpu")
+MODELS = {"tokenizer", "aot_lookup", "backbone", "backbone_vanilla", "head", "task_list", "aot", "vanilla"}
+# What aot and vanilla answer, on either target
+ANSWER = [(protocol.LOGITS, [-1]), (protocol.LABEL, [1]), (protocol.TASK_VERSION, [1])]
+# Tokenizer and head run one thread per instance, so a GPU host runs several; one lookup (its own device pool)
+LIGHT_STEP_INSTANCES = {"cpu": 1, "gpu": GPU_STEP_INSTANCES}
+# The bias the GPU lookup step sends and the native backbone takes, per interface (dims after the batch axis):
+# ragged rows and an index (Triton adds the row offsets as a batch input), or one dense bias per token, [S, L, d]
+GPU_BIAS = {"rows": {protocol.AOT_ROWS: [-1], protocol.AOT_INDEX: [-1]}, "dense": {protocol.AOT_BIAS: [-1, 3, 48]}}
+GPU_RAGGED = {"rows": {protocol.AOT_ROWS}, "dense": set()}
+GPU_BATCH_INPUTS = {"rows": [protocol.AOT_ROW_OFFSETS], "dense": []}
+GPU_PLATFORMS = {"onnx": "onnxruntime_onnx", "tensorrt": "tensorrt_plan"}
+# TensorRT's graph specs, (batch, lower bound, bucket): every bucket within the profile (16 and 128 of 16, 128, 512;
+# max_seq 256) x graph_batch_sizes(8), each spec taking the batches above the previous one
+GRAPH_SPECS = [(b, lo, seq) for seq in (16, 128) for lo, b in ((1, 1), (2, 2), (3, 3), (4, 4), (5, 6), (7, 8))]
+
+
+def _check_cuda_graphs(config, captured: bool) -> None:
+    """`captured`: CUDA graphs on, one spec per GRAPH_SPECS, each input (and its lower bound) in the bucket's shape;
+    else no graphs and no specs."""
+    cuda = config.optimization.cuda
+    assert cuda.graphs == captured
+    specs = [(g.batch_size, g.graph_lower_bound.batch_size, g.input[protocol.INPUT_IDS].dim[0])
+             for g in cuda.graph_spec]
+    assert specs == (GRAPH_SPECS if captured else [])
+    for g in cuda.graph_spec:
+        seq = g.input[protocol.INPUT_IDS].dim[0]
+        shapes = {i.name: [seq if n == -1 else n for n in i.dims] for i in config.input}
+        assert {name: list(s.dim) for name, s in g.input.items()} == shapes
+        assert {name: list(s.dim) for name, s in g.graph_lower_bound.input.items()} == shapes
+        if protocol.AOT_BIAS in shapes:
+            assert shapes[protocol.AOT_BIAS] == [seq, 3, 48]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("case", CONFIG_CASES, ids=str)
+def test_every_config_round_trips_through_triton_protobuf(case, target):
+    configs = case.configs(target)
+    assert set(configs) == MODELS
+    for name, config in configs.items():
+        parsed = parse_pbtxt(to_pbtxt(config))  # round trip through Triton's own ModelConfig protobuf
+        assert parsed == config and parsed.name == name
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("case", CONFIG_CASES, ids=str)
+def test_clients_send_optional_inputs_and_get_the_answer(case, target):
+    """Every input optional (the first stage refuses what is missing), token ids of any length batched together in
+    the tokenizer step; aot and vanilla answer logits, label and the task version."""
+    configs = case.configs(target)
+    for model in ("aot", "vanilla", "tokenizer"):
+        assert [(i.name, i.optional) for i in configs[model].input] == [(n, True) for n in case.requests]
+    tok = {i.name: i for i in configs["tokenizer"].input}
+    assert all(tok[n].allow_ragged_batch and list(tok[n].dims) == [-1] for n in case.tokens)
+    for model in ("aot", "vanilla"):
+        assert [(o.name, list(o.dims)) for o in configs[model].output] == ANSWER
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("case", CONFIG_CASES, ids=str)
+def test_light_steps_instances(case, target):
+    configs = case.configs(target)
+    instances = LIGHT_STEP_INSTANCES[target]
+    assert [configs[m].instance_group[0].count for m in ("tokenizer", "head", "aot_lookup")] == [instances,
+                                                                                               instances, 1]
+
+
+def test_step_instances_sets_both_targets():
+    assert [model_configs(_config_record(ServingOptions(step_instances=3)), t)["head"].instance_group[0].count
+            for t in TARGETS] == [3, 3]
+
+
+@pytest.mark.parametrize("case", CONFIG_CASES, ids=str)
+def test_gpu_lookup_sends_the_bias_the_backbone_takes(case):
+    configs = case.configs("gpu")
+    backbone = configs["backbone"]
+    inputs = {i.name: i for i in backbone.input}
+    bias = GPU_BIAS[case.interface]
+    assert set(inputs) == set(case.tokens) | set(bias)
+    assert {n: list(inputs[n].dims) for n in bias} == bias
+    assert {n for n, i in inputs.items() if i.allow_ragged_batch} == GPU_RAGGED[case.interface]
+    assert [b.target_name[0] for b in backbone.batch_input] == GPU_BATCH_INPUTS[case.interface]
+    assert {o.name: list(o.dims) for o in configs["aot_lookup"].output} == bias
+
+
+@pytest.mark.parametrize("case", CONFIG_CASES, ids=str)
+def test_gpu_ensembles_chain_the_steps(case):
+    configs = case.configs("gpu")
+    aot = configs["aot"].ensemble_scheduling.step
+    assert [s.model_name for s in aot] == ["tokenizer", "aot_lookup", "backbone", "head"]
+    assert [s.model_name for s in configs["vanilla"].ensemble_scheduling.step] == ["tokenizer", "backbone_vanilla",
+                                                                                   "head"]
+    assert set(aot[0].input_map.items()) == {(n, n) for n in case.requests}
+    lookup = {o.name for o in configs["aot_lookup"].output}
+    assert set(aot[1].output_map) == lookup == set(aot[2].input_map) - set(case.tokens)
+
+
+@pytest.mark.parametrize("case", CONFIG_CASES, ids=str)
+def test_gpu_backbones_run_on_the_native_backend(case):
+    configs = case.configs("gpu")
+    for name in ("backbone", "backbone_vanilla"):
+        assert configs[name].platform == GPU_PLATFORMS[case.engine]
+        assert configs[name].instance_group[0].kind == configs[name].instance_group[0].KIND_GPU
+
+
+@pytest.mark.parametrize("case", CONFIG_CASES, ids=str)
+def test_gpu_cuda_graphs_where_shapes_are_fixed_per_bucket(case):
+    """TensorRT: CUDA graphs for the graphs whose shapes are fixed per bucket (vanilla, dense); none for ragged rows
+    (a padded replay reads stale indices), none for ONNX Runtime."""
+    configs = case.configs("gpu")
+    tensorrt = case.engine == "tensorrt"
+    _check_cuda_graphs(configs["backbone"], captured=tensorrt and case.interface == "dense")
+    _check_cuda_graphs(configs["backbone_vanilla"], captured=tensorrt)
+
+
+@pytest.mark.parametrize("case", CONFIG_CASES, ids=str)
+def test_cpu_aot_and_vanilla_are_one_fused_step_each(case):
+    """Tokenizer, lookup, encoder and head in one python step per name, on the graph of its backbone."""
+    configs = case.configs("cpu")
+    for model, graph in (("aot", "backbone"), ("vanilla", "backbone_vanilla")):
+        fused = configs[model]
+        assert fused.backend == "python" and not fused.ensemble_scheduling.step
+        assert fused.parameters["aot"].string_value == str(model == "aot").lower()
+        assert fused.parameters["onnx_file"].string_value == f"{graph}/1/model.onnx"
+        assert fused.instance_group[0].count == ServingOptions().cpu_instances
+
+
+@pytest.mark.parametrize("case", CONFIG_CASES, ids=str)
+def test_cpu_backbone_looks_rows_up_itself(case):
+    """The separate python backbone (loaded only when asked) takes the task version, not a bias."""
+    backbone = case.configs("cpu")["backbone"]
+    assert {i.name for i in backbone.input} == set(case.tokens) | {protocol.TASK_VERSION}
+    assert backbone.backend == "python" and not backbone.batch_input
 
 
 def test_written_repository_configs_parse(tmp_path, tiny_models):
@@ -554,9 +651,8 @@ def test_graph_spec_checks_follow_the_tensorrt_backend():
     shape, with the batch input's) and name what it refuses or never captures."""
     from exporter.config_checks import _check_graph_specs
 
-    info = {"uses_token_type_ids": False, "hidden_size": 48, "num_layers": 3, "max_seq": 128}
     options = ServingOptions(engine="tensorrt", bias_interface="rows", buckets=(16, 128), max_batch_size=8)
-    rows = model_configs(info, options, "gpu")["backbone"]
+    rows = model_configs(_config_record(options, uses_tt=False, max_seq=128), "gpu")["backbone"]
     assert not rows.optimization.cuda.graph_spec and _check_graph_specs("backbone", rows) == []
     spec = rows.optimization.cuda.graph_spec.add(batch_size=4)  # no lower bound: the spec is its own
     shapes = {protocol.INPUT_IDS: [16], protocol.ATTENTION_MASK: [16], protocol.AOT_INDEX: [16], protocol.AOT_ROWS: [4 * 16 * 3 * 48],
@@ -605,7 +701,7 @@ def test_onnx_gpu_config_runs_the_fp16_graph_where_parity_allows(tmp_path, tiny_
     for name, graph in (("aot", "backbone"), ("vanilla", "backbone_vanilla")):  # the CPU configs' fused steps
         cpu = parse_pbtxt((models / name / "configs" / "cpu.pbtxt").read_text())
         assert cpu.parameters["onnx_file"].string_value == f"{graph}/1/model.onnx"
-    assert read_repository(tmp_path / "a").record["precision"] == "fp16"
+    assert read_repository(tmp_path / "a").record.precision == "fp16"
 
     export_backbone(str(tiny_models["bert"]), tmp_path / "b", precision="fp32")
     assert not list((tmp_path / "b" / "models").rglob(FP16_FILE))

@@ -15,7 +15,8 @@ from aot.client import Client
 from exporter.configs import parse_pbtxt
 from serving import protocol
 from serving.pool import RowPool
-from serving.repository import ServingOptions, largest_batch_bytes, memory_pool_bytes, read_repository
+from serving.repository import (BackboneRecord, ServingOptions, largest_batch_bytes, memory_pool_bytes,
+                                read_repository)
 from serving.supervisor import GRPC_ADMIN_HEADER
 from serving_torch.engine import DeviceRows, Prepared, TorchBackbone
 from tests.helpers import make_repository, train_tiny_task
@@ -167,15 +168,15 @@ def test_cuda_server_flags_come_from_the_repository(repo):
     assert second.environment()["CUDA_VISIBLE_DEVICES"] == "1" and second.device_args() == args
     assert "CUDA_VISIBLE_DEVICES" not in LocalServer(repo).environment() or "CUDA_VISIBLE_DEVICES" in os.environ
     # a RoBERTa-base-sized ONNX repository: the rows between lookup and backbone outgrow the 64 MiB default
-    big = json.loads(json.dumps(info.record))
+    big = json.loads(json.dumps(info.record.to_json()))
     big.update(num_layers=12, hidden_size=768, max_positions=512)
     big["serving"] = {**big["serving"], "engine": "onnx", "max_batch_size": 32, "buckets": [128, 512]}
-    sized = memory_pool_bytes(type(info)(info.path, big))
+    sized = memory_pool_bytes(type(info)(info.path, BackboneRecord.from_json(big)))
     assert sized["cuda"] >= 2 * 32 * 512 * 12 * 768 * 2 and sized["cuda"] % (1 << 20) == 0
     big["serving"]["bias_interface"] = "dense"  # the same bias bytes per token, no index
-    dense = largest_batch_bytes(type(info)(info.path, big))
+    dense = largest_batch_bytes(type(info)(info.path, BackboneRecord.from_json(big)))
     big["serving"]["bias_interface"] = "rows"
-    assert largest_batch_bytes(type(info)(info.path, big)) - dense == 32 * 512 * 4
+    assert largest_batch_bytes(type(info)(info.path, BackboneRecord.from_json(big))) - dense == 32 * 512 * 4
 
 
 @pytest.mark.server
