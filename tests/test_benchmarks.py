@@ -105,7 +105,8 @@ def test_bound_session_equals_a_plain_run(tmp_path, tiny_models):
     import numpy as np
     import torch
 
-    from benchmarks.overhead import BoundSession, device_bias_feeds, make_case
+    from benchmarks.overhead_cases import make_case
+    from benchmarks.overhead_onnxruntime import BoundSession, device_bias_feeds
     from exporter.onnx_export import export_backbone_graph
     from serving import protocol
     from serving.engine import BackboneRunner
