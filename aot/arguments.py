@@ -28,6 +28,12 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
+def add_command_group(sub, name: str, **kwargs) -> argparse._SubParsersAction:
+    """A command whose first argument names one of its own subcommands (`aot export WHAT`, `aot bench WHAT`): its
+    parser made with `kwargs` (help, description), and the subparsers that its subcommands are added to."""
+    return sub.add_parser(name, **kwargs).add_subparsers(dest=f"{name}_command", required=True, metavar="WHAT")
+
+
 def _int_at_least(minimum: int, what: str):
     def parse(text: str) -> int:
         try:

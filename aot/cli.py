@@ -1,7 +1,8 @@
-"""The `aot` command: train, predict, inspect, export, serve, infer, bench.
+"""The `aot` command: train, predict, inspect, export, serve, infer, and commands of other packages (bench).
 
 Each subcommand is a thin layer over the library. Results go to stdout as JSON lines, what people read to stderr
-(aot.output); bad input ends with one line `aot: error: ...` and exit code 2.
+(aot.output); bad input ends with one line `aot: error: ...` and exit code 2. Commands defined elsewhere are plugins
+(entry-point group `aot.commands`): `aot` imports no package above it (`benchmarks` brings `bench`).
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
+from importlib.metadata import entry_points
 from pathlib import Path
 
-from aot import bench_cli, export_cli, serve_cli
+from aot import export_cli, serve_cli
 from aot.arguments import Parser
 from aot.output import report
 from aot.arguments import fraction as _fraction
@@ -248,7 +251,54 @@ def run_inspect(args) -> int:
 # --- entry point ---------------------------------------------------------------------------------------------------
 
 SUBCOMMANDS = (add_train, add_predict, add_evaluate, add_inspect, export_cli.add_export, serve_cli.add_serve,
-               serve_cli.add_tasks, serve_cli.add_infer, bench_cli.add_bench)
+               serve_cli.add_tasks, serve_cli.add_infer)
+
+# Commands of other packages (plugins): each entry point of this group names a function that adds the command's
+# parser(s) to aot's subparsers, each with set_defaults(run=...), as the add_* functions above do.
+PLUGIN_GROUP = "aot.commands"
+# The plugins this project ships, by command, and the extra that installs each: `aot --help` lists them, installed
+# or not, and a missing one answers with what to install.
+SHIPPED_PLUGINS = {"bench": "bench"}
+# Plugins registered in code, which win over the installed entry points of the same name: a checkout run from
+# PYTHONPATH has no entry points (`python -m benchmarks`), nor has an install older than the plugin (the tests).
+REGISTERED: dict[str, Callable] = {}
+
+
+def add_plugins(sub) -> None:
+    """The shipped plugins first (installed or not), then any other."""
+    installed = {entry.name: entry for entry in entry_points(group=PLUGIN_GROUP)}
+    for name in dict.fromkeys([*SHIPPED_PLUGINS, *installed, *REGISTERED]):
+        add = REGISTERED.get(name)
+        if add is None and name in installed:
+            try:
+                add = installed[name].load()
+            except ImportError as exc:  # its metadata is installed, its module is gone
+                _add_unavailable(sub, name, "its plugin does not load",
+                                 lambda args, name=name, error=exc: _missing_plugin(name, error))
+                continue
+        if add is None:
+            _add_unavailable(sub, name, f"not installed: pip install 'aot-ptuning[{SHIPPED_PLUGINS[name]}]'",
+                             lambda args, name=name: _missing_plugin(name))
+        else:
+            add(sub)
+
+
+def _add_unavailable(sub, name: str, summary: str, run: Callable) -> None:
+    """A command that cannot run here: whatever it is given, it answers `run` (what to install)."""
+    p = sub.add_parser(name, help=summary, prefix_chars="\0")
+    p.add_argument("arguments", nargs="*")
+    p.set_defaults(run=run)
+
+
+def _missing_plugin(name: str, error: ImportError | None = None) -> int:
+    """What to install (a shipped plugin), else why the plugin does not load."""
+    if name in SHIPPED_PLUGINS:
+        print(f"aot: error: the {name} command comes from a plugin that is not installed (entry point group "
+              f"{PLUGIN_GROUP}): pip install 'aot-ptuning[{SHIPPED_PLUGINS[name]}]' (in a checkout: bash "
+              "scripts/setup.sh)", file=sys.stderr)
+    else:
+        print(f"aot: error: the plugin of the {name} command does not load: {error}", file=sys.stderr)
+    return 2
 
 
 ENVIRONMENT = ("Environment variables: AOT_URL, the server's gRPC address for aot infer, aot tasks and aot.Client "
@@ -266,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in SUBCOMMANDS:
         add(sub)
+    add_plugins(sub)
     return parser
 
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict
 
-from aot.arguments import add_dataclass_arguments, dataclass_from_arguments, positive_int
+from aot.arguments import add_command_group, add_dataclass_arguments, dataclass_from_arguments, positive_int
 from aot.output import report
 from serving.repository import ServingOptions
 
 
 def add_export(sub) -> None:
-    p = sub.add_parser("export", help="export a backbone or a task into a Triton model repository",
-                       description="Write the shared backbone (once) and tasks (any number) into a model repository.")
-    kinds = p.add_subparsers(dest="export_command", required=True, metavar="WHAT")
+    kinds = add_command_group(sub, "export", help="export a backbone or a task into a Triton model repository",
+                              description="Write the shared backbone (once) and tasks (any number) into a model "
+                                          "repository.")
 
     b = kinds.add_parser("backbone",
                          help="export the frozen encoder (AoT and vanilla graphs), tokenizer and serving steps",

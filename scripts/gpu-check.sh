@@ -72,7 +72,8 @@ PY
 fi
 export PYTHONPATH="$work/client:$kit/data:$root${PYTHONPATH:+:$PYTHONPATH}"
 export AOT_STEP_PYTHON=$work/step/bin/python3 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-aot() { "$py" -m aot "$@"; }
+# this checkout is on PYTHONPATH, not installed: no entry points, so `aot bench` comes registered in code
+aot() { "$py" -m benchmarks "$@"; }
 
 echo "== gpu-check $(date -u +%FT%TZ): device $device, stages: $*"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true

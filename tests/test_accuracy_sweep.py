@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.accuracy import RECORD_FIELDS, SweepConfig, curves, grid_points, run_sweep
+from benchmarks.accuracy import run_sweep
+from benchmarks.accuracy_plan import RECORD_FIELDS, SweepConfig, grid_points
+from benchmarks.accuracy_report import curves
 from training.data import DataError
 from training.methods import MethodError
 
@@ -150,7 +152,7 @@ def test_defaults_grid_is_what_aot_train_runs_without_flags():
 
 
 def test_run_ids_change_with_pooling(tiny_models, with_test_dir, tmp_path):
-    from benchmarks.accuracy import Run, run_id
+    from benchmarks.accuracy_plan import Run, run_id
 
     base = SweepConfig(model=str(tiny_models["bert"]), datasets=[str(with_test_dir)], methods=["fc"],
                        out=str(tmp_path / "out"), **TINY)

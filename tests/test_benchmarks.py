@@ -1,12 +1,78 @@
-"""The benchmark commands in a tiny configuration: they run and their JSON has the documented fields.
+"""The benchmark commands in a tiny configuration: they run and their JSON has the documented fields; `aot bench`
+comes from the benchmarks package as a plugin of `aot`.
 (Speed numbers are never asserted in tests; they are measured side by side in one run by the benchmarks.)"""
 
 import json
+import sys
+import tomllib
+from pathlib import Path
 
 import pytest
 
+from aot import cli
 from aot.cli import main
+from benchmarks.cli import add_bench
 from tests.helpers import train_tiny_task
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def bench_plugin(monkeypatch):
+    """This checkout's `bench`, registered in code: an install older than the plugin's entry point does not declare
+    it, and the entry point names the same function (test_bench_plugin_is_the_declared_entry_point)."""
+    monkeypatch.setitem(cli.REGISTERED, "bench", add_bench)
+
+
+def test_bench_plugin_is_the_declared_entry_point():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["entry-points"]["aot.commands"] == {"bench": "benchmarks.cli:add_bench"}
+    assert cli.SHIPPED_PLUGINS == {"bench": "bench"} and "bench" in project["optional-dependencies"]
+
+
+def test_commands_come_from_installed_entry_points(tmp_path, monkeypatch, capsys):
+    """A plugin found through the entry-point group as an installed distribution declares it (here one on sys.path),
+    listed in `aot --help` and run like the commands aot defines; one whose module is gone says what is missing."""
+    (tmp_path / "hello_plugin.py").write_text(
+        "def add(sub):\n"
+        "    p = sub.add_parser('hello', help='says hello')\n"
+        "    p.add_argument('--name', default='world')\n"
+        "    p.set_defaults(run=lambda args: print(f'hello {args.name}'))\n")
+    info = tmp_path / "hello_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: hello-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[aot.commands]\nhello = hello_plugin:add\ngone = gone_plugin:add\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "hello_plugin", raising=False)
+    text = cli.build_parser().format_help()
+    assert "says hello" in text and "bench" in text
+    assert main(["hello", "--name", "aot"]) == 0 and capsys.readouterr().out == "hello aot\n"
+    assert main(["gone", "--anything"]) == 2
+    assert capsys.readouterr().err == "aot: error: the plugin of the gone command does not load: No module named " \
+                                      "'gone_plugin'\n"
+
+
+def test_python_m_benchmarks_is_aot_with_bench_from_a_checkout():
+    """`python -m benchmarks` (scripts/gpu-check.sh): `aot` with `bench` for a checkout on PYTHONPATH, installed or
+    not."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "bench", "--help"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: aot bench") and "overhead" in done.stdout
+
+
+def test_missing_plugin_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.delitem(cli.REGISTERED, "bench")
+    monkeypatch.setattr(cli, "entry_points", lambda group: [])
+    assert "bench" in cli.build_parser().format_help()  # listed, installed or not
+    for argv in (["bench", "overhead", "--out", "x"], ["bench", "--help"]):
+        assert main(argv) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1
+        assert captured.err.startswith("aot: error: the bench command comes from a plugin that is not installed")
+        assert "pip install 'aot-ptuning[bench]'" in captured.err
 
 OVERHEAD_FIELDS = {"model", "method", "batch", "seq", "median_ms", "ratio_to_vanilla", "engine", "device"}
 
@@ -39,7 +105,8 @@ def test_bound_session_equals_a_plain_run(tmp_path, tiny_models):
     import numpy as np
     import torch
 
-    from benchmarks.overhead import BoundSession, device_bias_feeds, make_case
+    from benchmarks.overhead_cases import make_case
+    from benchmarks.overhead_onnxruntime import BoundSession, device_bias_feeds
     from exporter.onnx_export import export_backbone_graph
     from serving import protocol
     from serving.engine import BackboneRunner

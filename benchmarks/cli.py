@@ -1,9 +1,12 @@
-"""`aot bench overhead | serve | tax | tasks | accuracy`."""
+"""`aot bench overhead | serve | tax | tasks | accuracy`: a command that this package brings to `aot` as a plugin
+(entry point `bench` of the group `aot.commands` in pyproject.toml; aot.cli loads it), so that imports flow one way:
+benchmarks -> aot, never back."""
 
 from __future__ import annotations
 
 import json
 
+from aot.arguments import add_command_group
 from aot.arguments import ints as _ints
 from aot.arguments import names as _names
 from aot.arguments import non_negative_int as _non_negative_int
@@ -11,9 +14,30 @@ from aot.arguments import positive_int as _positive_int
 from serving.protocol import POOLINGS
 
 
+TASK_HELP = "an AoT task artifact (fc or kron)"
+
+
+def _add_out(parser, stem: str) -> None:
+    parser.add_argument("--out", required=True, help=f"output folder ({stem}.json, {stem}.md, {stem}.png)")
+
+
+def _add_served_task(parser, stem: str) -> None:
+    """What the benches through the local tritonserver start from: a task, their outputs, a scratch repository."""
+    parser.add_argument("--task", required=True, help=TASK_HELP)
+    _add_out(parser, stem)
+    parser.add_argument("--repo", default=None, help="scratch repository to use (its tasks are replaced); default: a "
+                                                     "temporary one")
+
+
+def _finish(parser, run) -> None:
+    """Every bench ends alike: --no-progress, then the function that runs it."""
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.set_defaults(run=run)
+
+
 def add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: inference overhead, serving, the serving tax, accuracy sweep")
-    kinds = p.add_subparsers(dest="bench_command", required=True, metavar="WHAT")
+    kinds = add_command_group(sub, "bench",
+                              help="benchmarks: inference overhead, serving, the serving tax, accuracy sweep")
 
     o = kinds.add_parser("overhead",
                          help="inference time of each multi-task method relative to the plain model (paper Fig. 3)",
@@ -39,9 +63,8 @@ def add_bench(sub) -> None:
     o.add_argument("--prompt-length", type=_positive_int, default=20, help="p of P-Tuning v1/v2")
     o.add_argument("--warmup", type=_positive_int, default=3, help="untimed runs before each measurement")
     o.add_argument("--repeats", type=_positive_int, default=20, help="timed runs per measurement (median)")
-    o.add_argument("--out", required=True, help="output folder (overhead.json, overhead.md, overhead.png)")
-    o.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    o.set_defaults(run=run_overhead)
+    _add_out(o, "overhead")
+    _finish(o, run_overhead)
 
     s = kinds.add_parser("serve",
                          help="end to end through the local tritonserver: AoT vs vanilla ensembles, memory, latency",
@@ -49,10 +72,7 @@ def add_bench(sub) -> None:
                                      "publishes N copies of the task, and measures start-up, RSS, throughput and "
                                      "p50/p99 latency of the AoT ensemble (1 and 8 mixed tasks) against the vanilla "
                                      "ensemble; writes serve.json, serve.md and serve.png.")
-    s.add_argument("--task", required=True, help="an AoT task artifact (fc or kron)")
-    s.add_argument("--out", required=True, help="output folder (serve.json, serve.md, serve.png)")
-    s.add_argument("--repo", default=None, help="scratch repository to use (its tasks are replaced); default: a "
-                                                "temporary one")
+    _add_served_task(s, "serve")
     s.add_argument("--tasks", type=_ints, default=[1, 8, 32], help="task counts for the memory measurement")
     s.add_argument("--concurrency", type=_ints, default=[1, 8, 32], help="concurrent clients, one measurement each")
     s.add_argument("--storage", type=_names, default=["fused", "factored"], help="task storages measured")
@@ -63,8 +83,7 @@ def add_bench(sub) -> None:
     s.add_argument("--pool-bytes", type=_non_negative_int, default=None,
                    help="aot serve --pool-bytes: the task pool's budget (default: the repository's); below the tasks' "
                         "tables, the 8 mixed tasks are served from a pool that cannot hold them all")
-    s.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    s.set_defaults(run=run_serve)
+    _finish(s, run_serve)
 
     x = kinds.add_parser("tax",
                          help="the serving tax: CPU per request of tritonserver and each step vs the engine alone",
@@ -77,10 +96,7 @@ def add_bench(sub) -> None:
                                      "host; each --cpu-instances layout on a server of its own. Clients are Python "
                                      "threads in this process; their CPU is reported. Writes tax.json, tax.md and "
                                      "tax.png.")
-    x.add_argument("--task", required=True, help="an AoT task artifact (fc or kron)")
-    x.add_argument("--out", required=True, help="output folder (tax.json, tax.md, tax.png)")
-    x.add_argument("--repo", default=None, help="scratch repository to use (its tasks are replaced); default: a "
-                                                "temporary one")
+    _add_served_task(x, "tax")
     x.add_argument("--concurrency", type=_ints, default=[1, 8, 32], help="concurrent clients, one pass each")
     x.add_argument("--requests", type=_positive_int, default=600, help="requests per pass (and sequences the "
                                                                        "engine alone runs at each batch size)")
@@ -89,8 +105,7 @@ def add_bench(sub) -> None:
     x.add_argument("--cpu-instances", type=_ints, default=[1, 2],
                    help="instances of the fused CPU step (aot export backbone --cpu-instances), each layout measured "
                         "on a server of its own; each instance's engine gets this host's cores divided among them")
-    x.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    x.set_defaults(run=run_tax)
+    _finish(x, run_tax)
 
     t = kinds.add_parser("tasks",
                          help="serving 1 to 1,000 tasks through the local tritonserver: fused + mmap, factored, pool",
@@ -99,7 +114,7 @@ def add_bench(sub) -> None:
                                      "start-up of three storages side by side, each on a fresh server: fused-mmap, "
                                      "factored (rows per request), pool (factored rows cached in the task pool). "
                                      "Writes tasks.json, tasks.md and tasks.png.")
-    t.add_argument("--task", required=True, help="an AoT task artifact (fc or kron)")
+    t.add_argument("--task", required=True, help=TASK_HELP)
     t.add_argument("--counts", type=_ints, default=[1, 10, 100, 1000], help="numbers of tasks served")
     t.add_argument("--popularity", type=_names, default=["zipf", "uniform"],
                    help="how requests pick tasks: zipf (task k with probability ~1/k) and/or uniform")
@@ -115,9 +130,8 @@ def add_bench(sub) -> None:
     t.add_argument("--policy-requests", type=int, default=20000,
                    help="requests of the trace replayed through the pool per eviction policy (lru, lfu), in-process, "
                         "with the largest task count; 0 skips it")
-    t.add_argument("--out", required=True, help="output folder (tasks.json, tasks.md, tasks.png)")
-    t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    t.set_defaults(run=run_tasks)
+    _add_out(t, "tasks")
+    _finish(t, run_tasks)
 
     a = kinds.add_parser("accuracy",
                          help="sweep methods over a small grid from the paper's Table 2, then retrain over seeds",
@@ -146,8 +160,7 @@ def add_bench(sub) -> None:
     a.add_argument("--pooling", choices=POOLINGS, default=None,
                    help="what every task's head reads (default: what the model declares, as aot train does)")
     a.add_argument("--workers", type=_positive_int, default=1, help="parallel training processes")
-    a.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    a.set_defaults(run=run_accuracy)
+    _finish(a, run_accuracy)
 
 
 def run_tasks(args) -> int:
