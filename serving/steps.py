@@ -10,8 +10,8 @@ Rules every step follows (a client must never be able to hurt another client's r
 - a client mistake answers 400 (gRPC INVALID_ARGUMENT), an unknown task or version 404 (NOT_FOUND), a task that
   cannot be served 503 (UNAVAILABLE), a fault of the server 500 (serving.errors);
 - metric labels come only from task versions the store holds (a client's string never becomes a label);
-- a request with the parameter `aot_probe` is a liveness probe (serving.supervisor): answered at once with no
-  outputs, never counted in the metrics. It proves the step's process runs its `execute`; and each instance
+- a request with the parameter protocol.PROBE_PARAMETER is a liveness probe (serving.supervisor): answered at
+  once with no outputs, never counted in the metrics. It proves the step's process runs its `execute`; and each instance
   records when its running `execute` began (serving.watch), so that one stuck instance is found while another
   answers the probes.
 """
@@ -36,9 +36,6 @@ from serving.shm import make_own_region_private
 from serving.watch import ExecuteWatch
 
 __all__ = ["RequestError", "Step"]
-
-_TOKEN_NAMES = (protocol.INPUT_IDS, protocol.ATTENTION_MASK, protocol.TOKEN_TYPE_IDS)
-PROBE_PARAMETER = "aot_probe"
 
 
 def model_parameters(args: dict) -> dict[str, str]:
@@ -301,9 +298,9 @@ class Step:
 
     @staticmethod
     def is_probe(request) -> bool:
-        """A liveness probe (PROBE_PARAMETER among the request's parameters, a JSON object)."""
+        """A liveness probe (protocol.PROBE_PARAMETER among the request's parameters, a JSON object)."""
         parameters = request.parameters()
-        return PROBE_PARAMETER in parameters and PROBE_PARAMETER in json.loads(parameters)
+        return protocol.PROBE_PARAMETER in parameters and protocol.PROBE_PARAMETER in json.loads(parameters)
 
     def _with_probes(self, requests, respond: Callable) -> list:
         """`respond` answers the real requests; each probe gets an empty response of its own. The whole `execute`
