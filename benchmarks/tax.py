@@ -109,7 +109,8 @@ def engine_alone(repo: Path, sequences: list[dict[str, np.ndarray]], batches: tu
     longest sequence as Triton's native backends pad them. `graph` "aot": the AoT graph, each sequence with its
     rows of P from task `task` (the limit of the AoT passes: the bias is the method's cost, not the server's)."""
     from serving.engine import BackboneRunner
-    from serving.tasks import TaskRegistry, token_index
+    from serving.task_registry import TaskRegistry
+    from serving.tasks import token_index
 
     info = read_repository(repo)
     records = []

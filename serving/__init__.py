@@ -8,7 +8,8 @@ only this package's extra (`.[serve]`). Training and export build on it (they wr
     formats      the one reader of versioned JSON files (every format carries a name and a version)
     store        the task store reader: manifest, entries, version folders
     repository   the repository record reader and the serving options
-    tasks        a served task version (fused table or factors, head) and the registry a step keeps
+    tasks        a served task version: its folder loaded and verified, its rows (fused table or factors), its head
+    task_registry  the task versions of the store as a step sees them: names resolved, versions kept, rows pooled
     tokenization text -> token ids, as in training (the `tokenizers` library, no transformers/torch)
     engine       the ONNX Runtime backbone runner (the torch engine builds on this package: serving_torch)
     pool         the task pool: rows of P in one preallocated buffer, resident or cached

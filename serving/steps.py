@@ -31,7 +31,7 @@ from serving.errors import KINDS, RequestError
 from serving.repository import RepositoryInfo, repository_of_model
 from serving.store import check_task_spec
 from serving.pool import RowPool
-from serving.tasks import TaskRegistry
+from serving.task_registry import TaskRegistry
 from serving.shm import make_own_region_private
 from serving.watch import ExecuteWatch
 

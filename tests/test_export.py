@@ -21,7 +21,7 @@ from exporter.tensorrt import Profile, build_plan, build_script, trtexec_command
 from serving import protocol
 from serving.errors import RequestError
 from serving.repository import GPU_STEP_INSTANCES, RepositoryError, ServingOptions, read_repository
-from serving.tasks import TaskRegistry
+from serving.task_registry import TaskRegistry
 from tests.helpers import make_repository, train_tiny_task
 from tests.tiny import ARCHS, save_tiny_model, tiny_backbone
 from training.artifact import FingerprintMismatch

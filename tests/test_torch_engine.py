@@ -191,7 +191,8 @@ def test_lookup_step_serves_the_bias_from_a_host_or_a_torch_pool(tmp_path, tiny_
 
     from aot.server import LocalServer
     from serving.engine import BackboneRunner
-    from serving.tasks import TaskRegistry, token_index
+    from serving.task_registry import TaskRegistry
+    from serving.tasks import token_index
     from serving.tokenization import Tokenization
 
     repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"a": (artifacts["a"], "fused"),
