@@ -37,10 +37,10 @@ from serving import protocol
 
 EVICT_FRACTION = 16  # evict 1/16 of the buffer when it is full: one argpartition per many fills
 FILL_CHUNK = 1024  # a resident fill computes its V rows this many at a time: ONNX Runtime keeps its peak working
-# memory, which for all of MiniLM's rows at once cost 745 MB of RSS more than in chunks (1,044 vs 299 MB, measured)
+# memory, so one run over all of a table's rows would keep several times the RSS of chunks (docs/benchmarks.md §4.1)
 POLICIES = ("lru", "lfu")
 AGING_TURNOVERS = 8  # lfu: use counts halve once AGING_TURNOVERS x the buffer's rows were filled
-DEFAULT_POLICY = "lfu"  # measured: hit rates up to 19 points above lru, at most 0.21 below (docs/benchmarks.md §4.1)
+DEFAULT_POLICY = "lfu"  # the higher hit rates of the two in the replayed traces (docs/benchmarks.md §4.1)
 
 
 class RowStorage(Protocol):

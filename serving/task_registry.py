@@ -147,8 +147,9 @@ class TaskRegistry:
             if seen is None or seen[0] != stamps:
                 # First sighting: task.json only, what this step reads. The head, factors and table are hashed by
                 # the steps that load them (the fused step, or the head and backbone steps, when they load or first
-                # map them); hashing them here too read every head twice at each start (0.57 MB a task: 5.7 GB for
-                # 10,000 tasks). Any file that changes afterwards is hashed again here, whichever it is.
+                # map them); hashing them here too read every head twice at each start, gigabytes with many tasks
+                # (docs/benchmarks.md section 6, "Figures behind the serving code"). Any file that changes
+                # afterwards is hashed again here, whichever it is.
                 changed = set(entry.digests or ()) if seen is not None else {"task.json"} & set(entry.digests or ())
                 damage = None
                 try:

@@ -95,7 +95,8 @@ class FactoredRows:
 
 def guard_mapped(path: Path, size: int, what: str) -> None:
     """Before touching a memory map: a file truncated under it would kill the process with SIGBUS (every task of
-    the step failing), so a file shorter than when it was mapped is refused first (one stat, ~2 us)."""
+    the step failing), so a file shorter than when it was mapped is refused first (one stat: cheap beside the read,
+    docs/benchmarks.md section 6, "Figures behind the serving code")."""
     try:
         now = os.stat(path).st_size
     except OSError:
@@ -185,7 +186,8 @@ def load_task_version(folder: Path, version: str, store_root: Path, parts: str =
                       digests: dict[str, str] | None = None) -> ServedTask:
     """Load a version folder (`folder` may still be an export's temporary; `version` is the name it will have).
     `parts`: what a step needs: "meta" (the tokenizer, task_list), "head" (the head step), "rows" (the lookup: the
-    table or factors, not the head), "all". With 1,000 tasks a head is 0.6 MB (MiniLM) a step need not hold.
+    table or factors, not the head), "all": with many tasks the heads alone are a large memory a step that does not
+    read them need not hold (docs/benchmarks.md section 6, "Figures behind the serving code").
     `digests` (the manifest's): every file read is checked against them; the fused table on its first use
     (ServedTask.check_table), so that loading many tasks does not hash every table at once."""
     def verified(name: str) -> Path:

@@ -1,8 +1,8 @@
 """Triton python model: the whole request in one step, the `aot` and `vanilla` models of the CPU configs: TEXT
 (+ TEXT_PAIR) or token ids, TASK -> LOGITS, LABEL, TASK_VERSION. The three stages of the GPU ensembles' steps
 (serving.stages: TextInputs, Encoder, head_answers) run here in one process, so a request crosses the server once,
-not three times: on a CPU each crossing costs a stub and tritonserver more than the step's own work outside the
-engine (`aot bench tax`, docs/benchmarks.md section 6).
+not three times: on a CPU each crossing costs a python stub and tritonserver CPU time of their own (`aot bench tax`,
+docs/benchmarks.md section 6).
 
 Parameter `aot`: "true" looks each request's rows of P up and runs the AoT graph; "false" runs the plain encoder
 with the task's head. Parameter `engine: torch` runs the torch engine (serving_torch.engine, imported here: importing
