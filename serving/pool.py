@@ -15,8 +15,9 @@ factored tasks compute rows from their factors; the pool keeps rows in memory so
   measured best (docs/benchmarks.md, section 4).
 
 The pool hands out slots (`slots_many`): a request's rows are `buffer[slots]`. The buffer lives where the backbone
-runs: host memory (`HostRows`, numpy) for the ONNX Runtime step; device memory for the torch engine
-(serving_torch.engine.DeviceRows), whose captured graph gathers from the buffer itself. Bookkeeping is the same.
+runs: host memory (`HostRows`, numpy) for the ONNX Runtime step; for an engine that keeps rows on its device, the
+storage it registers (serving.engine.Engine.storage: the torch engine's device memory, whose captured graph gathers
+from the buffer itself). Bookkeeping is the same.
 
 A version that is removed or replaced is detached and its rows are dropped at once; keys carry the version, so
 rows of one version are never served for another. Counters per version: hits, misses, evictions, fill seconds,
@@ -78,7 +79,7 @@ class PoolStats:
 class RowPool:
     def __init__(self, budget_bytes: int, num_layers: int, hidden_size: int, vocab_size: int,
                  policy: str = DEFAULT_POLICY, storage: RowStorage | None = None):
-        """`storage`: where the rows live (HostRows by default; serving_torch.engine.DeviceRows on a GPU)."""
+        """`storage`: where the rows live (HostRows by default; an engine's own, serving.engine.Engine.storage)."""
         if policy not in POLICIES:
             raise ValueError(f"pool policy {policy!r}: expected one of {', '.join(POLICIES)}")
         self.policy = policy
