@@ -73,7 +73,7 @@ def add_serve(sub) -> None:
 def run_serve(args) -> int:
     from aot.server import LocalServer
     from serving.repository import memory_pool_bytes, read_repository
-    from serving.tasks import TaskRegistry
+    from serving.task_registry import TaskRegistry
 
     repo = read_repository(args.repo)
     _check_device(args.device, repo.options.engine)

@@ -119,7 +119,7 @@ def run_onnxruntime(config: OverheadConfig, progress: bool = True,
     --engine torch."""
     from tqdm.auto import tqdm
 
-    from serving.engine import BackboneRunner
+    from serving.engine import BackboneRunner, Prepared
     from exporter.rows_export import write_rows_graphs
     from serving.store import EMBEDDINGS
     from serving.tasks import FactoredRows, ServedTask, lookup
@@ -164,17 +164,18 @@ def run_onnxruntime(config: OverheadConfig, progress: bool = True,
                 runners = {"vanilla": lambda: run("vanilla"), "aot-fused": lambda: run("aot", "rows"),
                            "aot-dense": lambda: run("aot-dense", "dense")}
             else:
-                requests = [{protocol.INPUT_IDS: case.ids[b].numpy(), protocol.ATTENTION_MASK: case.mask[b].numpy()}
-                            | ({protocol.TOKEN_TYPE_IDS: case.token_types[b].numpy()}
-                               if case.token_types is not None else {})
+                requests = [Prepared({protocol.INPUT_IDS: case.ids[b].numpy(),
+                                      protocol.ATTENTION_MASK: case.mask[b].numpy()}
+                                     | ({protocol.TOKEN_TYPE_IDS: case.token_types[b].numpy()}
+                                        if case.token_types is not None else {}))
                             for b in range(batch)]
 
                 def served_path(task: ServedTask, graph: str):
                     """What the CPU server's fused step does for this batch: lookup, then the graph."""
                     looked_up = []
                     for t in requests:
-                        rows, index = lookup(task, t[protocol.INPUT_IDS], t[protocol.ATTENTION_MASK])
-                        looked_up.append({**t, protocol.AOT_ROWS: rows, protocol.AOT_INDEX: index})
+                        rows, index = lookup(task, t.tokens[protocol.INPUT_IDS], t.tokens[protocol.ATTENTION_MASK])
+                        looked_up.append(Prepared(t.tokens, index=index, rows=rows))
                     return runners_by_graph[graph].run(looked_up)
 
                 runners = {"vanilla": lambda: runners_by_graph["vanilla"].run(requests),

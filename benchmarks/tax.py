@@ -35,7 +35,6 @@ import numpy as np
 from benchmarks.report import markdown_table, new_figure, save_figure, write_json, write_text
 from benchmarks.serve import ServeBenchConfig, Store, _build, _closed_loop, _texts
 from exporter.configs import CPU_CONFIG, parse_pbtxt, to_pbtxt
-from serving import protocol
 from serving.repository import read_repository
 
 STEP_NAMES = ("aot", "vanilla", "tokenizer", "backbone", "backbone_vanilla", "head", "aot_lookup", "task_list")
@@ -108,8 +107,8 @@ def engine_alone(repo: Path, sequences: list[dict[str, np.ndarray]], batches: tu
     by length as the served step splits them (serving.engine.length_groups), and (vanilla) padded whole to their
     longest sequence as Triton's native backends pad them. `graph` "aot": the AoT graph, each sequence with its
     rows of P from task `task` (the limit of the AoT passes: the bias is the method's cost, not the server's)."""
-    from serving.engine import BackboneRunner
-    from serving.tasks import TaskRegistry, token_index
+    from serving.engine import BackboneRunner, Prepared
+    from serving.task_registry import TaskRegistry
 
     info = read_repository(repo)
     records = []
@@ -118,12 +117,12 @@ def engine_alone(repo: Path, sequences: list[dict[str, np.ndarray]], batches: tu
     runners = {"by length": BackboneRunner(onnx, threads=threads)}
     if graph == "vanilla":
         runners["padded"] = BackboneRunner(onnx, threads=threads, max_padding=None)
+        sequences = [Prepared(s) for s in sequences]
     else:
         served = TaskRegistry(info.store_root, parts="rows").resolve(task)
-        sequences = [dict(s) for s in sequences]
+        sequences = [Prepared.for_task(s, served) for s in sequences]
         for s in sequences:
-            unique, s[protocol.AOT_INDEX] = token_index(s[protocol.INPUT_IDS], s[protocol.ATTENTION_MASK])
-            s[protocol.AOT_ROWS] = served.rows(unique).reshape(-1)
+            s.rows = served.rows(s.unique)
     for (grouping, runner), batch in ((r, b) for b in batches for r in runners.items()):
         if batch == 1 and runner is not next(iter(runners.values())):
             continue  # one sequence: nothing to split

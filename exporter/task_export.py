@@ -16,10 +16,10 @@ from tqdm.auto import tqdm
 from exporter.compose_env import keep_admin_key_private
 from exporter.task_store import TaskStore
 from serving import protocol
-from serving.engine import BackboneRunner
+from serving.engine import BackboneRunner, Prepared
 from serving.repository import RepositoryInfo, read_repository
 from serving.store import STORAGES, StoreError, check_task_name
-from serving.tasks import load_task_version, lookup, token_index
+from serving.tasks import load_task_version
 from serving.tokenization import Tokenization
 from training.artifact import check_fingerprint, read_task
 from training.backbone import load_backbone
@@ -75,21 +75,14 @@ def validate_task(repo: RepositoryInfo, folder: Path, name: str, storage: str, p
     |logit difference|."""
     served = load_task_version(folder, TaskStore.version_name(folder), repo.store_root)
     tokens = Tokenization(repo.tokenizer_dir, repo.uses_token_type_ids)
-    encodings = [tokens.encode(text, None, served.max_length) for text in texts]
+    requests = [Prepared.for_task(tokens.encode(text, None, served.max_length), served) for text in texts]
+    for r in requests:
+        r.rows = served.rows(r.unique)
     if repo.options.engine == "torch":
-        from serving_torch.engine import Prepared, TorchBackbone
+        from serving_torch.engine import TorchBackbone
 
-        engine = TorchBackbone(repo.encoder_dir, repo.uses_token_type_ids, aot=True)
-        requests = []
-        for enc in encodings:
-            unique, index = token_index(enc[protocol.INPUT_IDS], enc[protocol.ATTENTION_MASK])
-            requests.append(Prepared(enc, index=index, rows=served.rows(unique)))
-        hidden = engine.run(requests)
+        hidden = TorchBackbone(repo.encoder_dir, repo.uses_token_type_ids, aot=True).run(requests)
     else:
-        requests = []
-        for enc in encodings:
-            rows, index = lookup(served, enc[protocol.INPUT_IDS], enc[protocol.ATTENTION_MASK])
-            requests.append({**enc, protocol.AOT_ROWS: rows, protocol.AOT_INDEX: index})
         hidden = BackboneRunner(repo.backbone_onnx).run(requests)
     got = served.logits(hidden)
     expected = predictor.logits(list(texts)).numpy()

@@ -10,8 +10,9 @@ import torch
 
 from exporter.onnx_export import ExportableBackbone, ExportError, example_inputs
 from serving import protocol
+from serving.engine import Prepared
 from serving_torch.encoder import save_encoder
-from serving_torch.engine import Prepared, TorchBackbone
+from serving_torch.engine import TorchBackbone
 from training.backbone import Backbone
 
 

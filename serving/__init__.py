@@ -8,9 +8,12 @@ only this package's extra (`.[serve]`). Training and export build on it (they wr
     formats      the one reader of versioned JSON files (every format carries a name and a version)
     store        the task store reader: manifest, entries, version folders
     repository   the repository record reader and the serving options
-    tasks        a served task version (fused table or factors, head) and the registry a step keeps
+    tasks        a served task version: its folder loaded and verified, its rows (fused table or factors), its head
+    task_registry  the task versions of the store as a step sees them: names resolved, versions kept, rows pooled
     tokenization text -> token ids, as in training (the `tokenizers` library, no transformers/torch)
-    engine       the ONNX Runtime backbone runner (the torch engine builds on this package: serving_torch)
+    engine       the backbone engines by name (a registry other packages fill: serving_torch registers `torch` when
+                 imported), the request data they take (Prepared), and ONNX Runtime's runner (`onnx`)
     pool         the task pool: rows of P in one preallocated buffer, resident or cached
     steps        what every Triton python step shares: input checks, one response per request, metrics
+    stages       what the served steps compute: TextInputs, Encoder, head_answers
 """

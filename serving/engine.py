@@ -1,12 +1,90 @@
-"""The backbone on ONNX Runtime, batched exactly as Triton's native backend batches single-sequence requests."""
+"""The backbone engines a served step runs: the registry that finds one by name, the request data every engine
+takes (Prepared), and the ground floor's own engine, ONNX Runtime (`onnx`), batched exactly as Triton's native
+backend batches single-sequence requests.
+
+A step's model config names its engine (parameter `engine`; serving.stages.Encoder). An engine that needs more than
+this package registers itself when its package is imported: the torch engine (serving_torch.engine) registers
+`torch`, and the model files that run it import it first. So this package never imports an engine's package.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
 from serving import protocol
+from serving.pool import RowStorage
+from serving.tasks import ServedTask, token_index
+
+
+@dataclass
+class Prepared:
+    """One request as an engine takes it: its token tensors (1-D, protocol.token_inputs) and, for AoT, what its bias
+    is made of: its task version, its sorted distinct tokens (`unique`) and each token's row among them (`index`,
+    padding: row 0); then either the pool slots that hold those rows (`slots`: an engine that gathers from the pool
+    on its own device) or the rows themselves (`rows`, [U, L, d] fp16)."""
+
+    tokens: dict[str, np.ndarray]
+    task: ServedTask | None = None
+    unique: np.ndarray | None = None
+    index: np.ndarray | None = None
+    slots: np.ndarray | None = None
+    rows: np.ndarray | None = None
+
+    @classmethod
+    def for_task(cls, tokens: dict[str, np.ndarray], task: ServedTask) -> Prepared:
+        """An AoT request of `task`: its distinct tokens and each token's row among them, its rows still to come."""
+        unique, index = token_index(tokens[protocol.INPUT_IDS], tokens[protocol.ATTENTION_MASK])
+        return cls(tokens, task, unique, index)
+
+
+class Backbone(Protocol):
+    """What an engine builds for a step: the encoder on a batch of prepared requests."""
+
+    def run(self, requests: list[Prepared]) -> np.ndarray:
+        """The pooled states [B, P, d] (fp32) of the batch, in its order."""
+        ...
+
+
+@dataclass(frozen=True)
+class Engine:
+    """A backbone engine a step can run.
+
+    `build(step, aot, threads, log)`: the backbone of a served step (serving.steps.Step: its repository, parameters
+    and task pool), with `threads` CPU threads; `log` reports what start-up did. `storage(device)`: where the step's
+    task pool keeps its rows for this engine (None: host memory). `gathers_slots`: the backbone reads each request's
+    rows from the pool's slots itself (Prepared.slots); otherwise the step hands it the rows (Prepared.rows)."""
+
+    name: str
+    build: Callable[..., Backbone]
+    storage: Callable[[str], RowStorage] | None = None
+    gathers_slots: bool = False
+
+
+_ENGINES: dict[str, Engine] = {}
+# Engines that are not part of this package, and what provides each: named when one is asked for unregistered.
+PLUGINS = {"torch": "the torch engine (package serving_torch, the [serve-torch] extra): install it, and have the step "
+                    "load serving_torch.engine before it builds its backbone (the backbone and fused model files do "
+                    "when their parameter `engine` is torch)"}
+
+
+def register_engine(engine: Engine) -> None:
+    """Make `engine` available to every step of this process under its name (a package registers its own on import)."""
+    _ENGINES[engine.name] = engine
+
+
+def find_engine(name: str) -> Engine:
+    """The engine registered under `name`; an unregistered one fails naming it and what provides it."""
+    engine = _ENGINES.get(name)
+    if engine is not None:
+        return engine
+    if name in PLUGINS:
+        raise LookupError(f"engine {name!r} is not registered in this process: it is {PLUGINS[name]}")
+    raise LookupError(f"unknown engine {name!r}: expected one of {', '.join(sorted({*_ENGINES, *PLUGINS}))}")
 
 
 def length_groups(lengths: list[int], max_padding: float) -> list[list[int]]:
@@ -43,8 +121,8 @@ class BackboneRunner:
             options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
         # Idle intra-op threads sleep instead of spinning: the served backbone shares its cores with tritonserver, the
-        # other steps and often the clients, and spinning threads burned half the backbone's CPU on the 2-core
-        # machine (12,500-17,500 us of CPU per sequence against 5,300-6,600 without, at 2x the throughput).
+        # other steps and often the clients, and spinning threads burned the CPU the backbone itself needed
+        # (docs/benchmarks.md section 6, "Figures behind the serving code").
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = ort.InferenceSession(str(onnx_path), options,
                                             providers=providers or ["CPUExecutionProvider"])
@@ -56,12 +134,12 @@ class BackboneRunner:
             self.row_shape = tuple(int(n) for n in shape[2:])
         self.max_padding = max_padding
 
-    def run(self, requests: list[dict[str, np.ndarray]]) -> np.ndarray:
-        """Each request: 1-D token tensors (and aot_rows, aot_index for AoT). Returns the pooled states [B, P, d] in
+    def run(self, requests: list[Prepared]) -> np.ndarray:
+        """Each request: 1-D token tensors (and for AoT its rows and index). Returns the pooled states [B, P, d] in
         the requests' order."""
         if self.max_padding is None or len(requests) == 1:
             return self._run(requests)
-        groups = length_groups([len(r[protocol.INPUT_IDS]) for r in requests], self.max_padding)
+        groups = length_groups([len(r.tokens[protocol.INPUT_IDS]) for r in requests], self.max_padding)
         if len(groups) == 1:
             return self._run(requests)
         pooled = None
@@ -72,22 +150,29 @@ class BackboneRunner:
             pooled[group] = out
         return pooled
 
-    def _run(self, requests: list[dict[str, np.ndarray]]) -> np.ndarray:
-        longest = max(len(r[protocol.INPUT_IDS]) for r in requests)
+    def _run(self, requests: list[Prepared]) -> np.ndarray:
+        longest = max(len(r.tokens[protocol.INPUT_IDS]) for r in requests)
         feeds = {}
         for name in protocol.token_inputs(protocol.TOKEN_TYPE_IDS in self.inputs):
-            feeds[name] = np.stack([np.pad(r[name], (0, longest - len(r[name]))) for r in requests])
+            feeds[name] = np.stack([np.pad(r.tokens[name], (0, longest - len(r.tokens[name]))) for r in requests])
         if self.dense:
             bias = np.zeros((len(requests), longest, *self.row_shape), protocol.ROWS_DTYPE)
             for b, r in enumerate(requests):
-                index = r[protocol.AOT_INDEX]
-                bias[b, :len(index)] = protocol.dense_bias(r[protocol.AOT_ROWS].reshape(-1, *self.row_shape), index)
+                bias[b, :len(r.index)] = protocol.dense_bias(r.rows.reshape(-1, *self.row_shape), r.index)
             feeds[protocol.AOT_BIAS] = bias
         elif self.aot:
-            feeds[protocol.AOT_INDEX] = np.stack([np.pad(r[protocol.AOT_INDEX], (0, longest - len(r[protocol.AOT_INDEX])))
+            feeds[protocol.AOT_INDEX] = np.stack([np.pad(r.index, (0, longest - len(r.index)))
                                                   for r in requests]).astype(protocol.INDEX_DTYPE)
-            rows = [r[protocol.AOT_ROWS].reshape(-1) for r in requests]
+            rows = [r.rows.reshape(-1) for r in requests]
             feeds[protocol.AOT_ROWS] = np.concatenate(rows).astype(protocol.ROWS_DTYPE, copy=False)
             feeds[protocol.AOT_ROW_OFFSETS] = np.concatenate([[0], np.cumsum([len(x) for x in rows])]).astype(
                 protocol.INDEX_DTYPE)
         return self.session.run([protocol.POOLED_HIDDEN], feeds)[0]
+
+
+def _onnx_backbone(step, aot: bool, threads: int, log: Callable[[str], None] | None = None) -> BackboneRunner:
+    """A step's ONNX Runtime backbone: the graph its parameter `onnx_file` names under the models folder."""
+    return BackboneRunner(Path(step.repo.models) / step.parameters["onnx_file"], threads=threads)
+
+
+register_engine(Engine("onnx", _onnx_backbone))

@@ -15,8 +15,9 @@ factored tasks compute rows from their factors; the pool keeps rows in memory so
   measured best (docs/benchmarks.md, section 4).
 
 The pool hands out slots (`slots_many`): a request's rows are `buffer[slots]`. The buffer lives where the backbone
-runs: host memory (`HostRows`, numpy) for the ONNX Runtime step; device memory for the torch engine
-(serving_torch.engine.DeviceRows), whose captured graph gathers from the buffer itself. Bookkeeping is the same.
+runs: host memory (`HostRows`, numpy) for the ONNX Runtime step; for an engine that keeps rows on its device, the
+storage it registers (serving.engine.Engine.storage: the torch engine's device memory, whose captured graph gathers
+from the buffer itself). Bookkeeping is the same.
 
 A version that is removed or replaced is detached and its rows are dropped at once; keys carry the version, so
 rows of one version are never served for another. Counters per version: hits, misses, evictions, fill seconds,
@@ -37,10 +38,10 @@ from serving import protocol
 
 EVICT_FRACTION = 16  # evict 1/16 of the buffer when it is full: one argpartition per many fills
 FILL_CHUNK = 1024  # a resident fill computes its V rows this many at a time: ONNX Runtime keeps its peak working
-# memory, which for all of MiniLM's rows at once cost 745 MB of RSS more than in chunks (1,044 vs 299 MB, measured)
+# memory, so one run over all of a table's rows would keep several times the RSS of chunks (docs/benchmarks.md §4.1)
 POLICIES = ("lru", "lfu")
 AGING_TURNOVERS = 8  # lfu: use counts halve once AGING_TURNOVERS x the buffer's rows were filled
-DEFAULT_POLICY = "lfu"  # measured: hit rates up to 19 points above lru, at most 0.21 below (docs/benchmarks.md §4.1)
+DEFAULT_POLICY = "lfu"  # the higher hit rates of the two in the replayed traces (docs/benchmarks.md §4.1)
 
 
 class RowStorage(Protocol):
@@ -78,7 +79,7 @@ class PoolStats:
 class RowPool:
     def __init__(self, budget_bytes: int, num_layers: int, hidden_size: int, vocab_size: int,
                  policy: str = DEFAULT_POLICY, storage: RowStorage | None = None):
-        """`storage`: where the rows live (HostRows by default; serving_torch.engine.DeviceRows on a GPU)."""
+        """`storage`: where the rows live (HostRows by default; an engine's own, serving.engine.Engine.storage)."""
         if policy not in POLICIES:
             raise ValueError(f"pool policy {policy!r}: expected one of {', '.join(POLICIES)}")
         self.policy = policy

@@ -1,15 +1,16 @@
-"""The tensors that flow between the client and the steps of the served ensemble: protocol version 5.
+"""The tensors that flow between the client and the steps of the served ensemble: protocol version 5 (what each
+version changed: docs/formats.md, "Protocol history").
 
 Client -> ensemble `aot`:
     TEXT          BYTES [1]   UTF-8 text (at most the repository's `max_text_bytes`)
     TEXT_PAIR     BYTES [1]   optional second text (pair tasks)
     TASK          BYTES [1]   task name (its latest published version), or `<name>@<id>`: exactly that version
-                              while the store holds it (v5; else 404)
+                              while the store holds it (else 404)
   or, instead of TEXT (+ TEXT_PAIR), the token ids the client made with the repository's tokenizer (aot.Client(
   tokenizer=...)), truncated to the task's max_length: the tokenizer step checks them and passes them on
     input_ids, attention_mask (and token_type_ids where the architecture has them), INT64 [S]
 ensemble -> client:
-    TASK_VERSION  BYTES [1]   the task version `<name>@<id>` that produced the answer (v5)
+    TASK_VERSION  BYTES [1]   the task version `<name>@<id>` that produced the answer
     LOGITS        FP32  [n]   n = the task's number of labels (1 for regression)
     LABEL         BYTES [1]   the arg-max label name (the score, as text, for regression)
 
@@ -21,14 +22,14 @@ Between the steps of the GPU ensembles (on CPU, `aot` and `vanilla` are each one
 above cross the server):
 
 tokenizer -> later steps:
-    TASK_VERSION  BYTES [1]   the exact task version `<name>@<id>` TASK resolved to (v2). The tokenizer is the only
+    TASK_VERSION  BYTES [1]   the exact task version `<name>@<id>` TASK resolved to. The tokenizer is the only
                               step that resolves a name; every later step serves exactly this version or fails the
                               request, so a re-export between two steps never pairs one version's table with
                               another's head.
     input_ids, attention_mask (and token_type_ids where the architecture has them), INT64 [S]; S is the
         sequence's own length (CPU) or its length rounded up to a bucket (GPU).
 lookup -> backbone (native GPU backends; with the torch engine the python backbone step does the lookup itself and
-takes TASK_VERSION instead), in the repository's bias interface (serving option `bias_interface`, v4):
+takes TASK_VERSION instead), in the repository's bias interface (serving option `bias_interface`):
   rows (default):
     aot_rows      FP16  [U*L*d]  the rows of P for the request's U distinct tokens, token-major [U, L, d], flat
     aot_index     INT32 [S]      for each token, which of the U rows it takes (padding takes row 0)
@@ -38,8 +39,11 @@ takes TASK_VERSION instead), in the repository's bias interface (serving option 
     aot_bias      FP16  [S, L, d]  each token's row (aot_rows[aot_index]; padding takes row 0), S the bucketed
                                    length: fixed shapes per bucket, so TensorRT replays a captured CUDA graph
 backbone -> head:
-    pooled_hidden FP32  [P, d]   the final hidden states pooled each way in POOLINGS (v3): row 0 the first token's,
-                                 row 1 the mean over the attention mask; the head reads its task's row
+    pooled_hidden FP32  [P, d]   the final hidden states pooled each way in POOLINGS: row 0 the first token's, row 1
+                                 the mean over the attention mask; the head reads its task's row
+
+A request whose parameters (a JSON object) hold PROBE_PARAMETER is the supervisor's liveness probe: every python
+step answers it at once with no outputs and counts it nowhere.
 
 Per request the rows interface moves U*L*d*2 + S*4 bytes; the dense one S*L*d*2 (U <= S distinct tokens).
 """
@@ -55,6 +59,7 @@ LOGITS, LABEL, TASKS = "LOGITS", "LABEL", "TASKS"
 INPUT_IDS, ATTENTION_MASK, TOKEN_TYPE_IDS = "input_ids", "attention_mask", "token_type_ids"
 AOT_ROWS, AOT_INDEX, AOT_ROW_OFFSETS = "aot_rows", "aot_index", "aot_row_offsets"
 AOT_BIAS = "aot_bias"
+PROBE_PARAMETER = "aot_probe"  # a request parameter: marks the supervisor's liveness probe (see above)
 # How the lookup hands a request's bias to a native backbone (see above): what the AoT graph's inputs are.
 BIAS_INTERFACES = ("rows", "dense")
 POOLED_HIDDEN = "pooled_hidden"

@@ -18,24 +18,39 @@ length, one head call per task version).
 from __future__ import annotations
 
 import os
-from pathlib import Path
+from dataclasses import dataclass
 
 import numpy as np
 
 from serving import protocol
+from serving.engine import Engine, Prepared, find_engine
 from serving.errors import RequestError
-from serving.tasks import ServedTask, token_index
+from serving.pool import RowStorage
+from serving.steps import RequestContext
+from serving.tasks import ServedTask
 from serving.tokenization import Tokenization, is_blank
 
 
-def pool_storage(parameters: dict[str, str]):
-    """Where a step's task pool keeps its rows: host memory (None), or torch memory on the torch engine's device
-    (serving_torch is imported only then)."""
-    if parameters.get("engine", "onnx") != "torch":
-        return None
-    from serving_torch.engine import DeviceRows
+def step_engine(parameters: dict[str, str]) -> Engine:
+    """The engine a step's config names (parameter `engine`, ONNX Runtime if absent), registered (serving.engine)."""
+    return find_engine(parameters.get("engine", "onnx"))
 
-    return DeviceRows(parameters["device"])
+
+def pool_storage(parameters: dict[str, str]) -> RowStorage | None:
+    """Where a step's task pool keeps its rows: where its engine wants them (None: host memory)."""
+    engine = step_engine(parameters)
+    return None if engine.storage is None else engine.storage(parameters["device"])
+
+
+@dataclass
+class TextRequest:
+    """One request as the first stage checked it: its task version, and either its text (+ pair) to tokenize or
+    the token tensors the client sent (`tokens`, checked)."""
+
+    task: ServedTask
+    text: str | None = None
+    pair: str | None = None
+    tokens: dict[str, np.ndarray] | None = None
 
 
 class TextInputs:
@@ -48,8 +63,8 @@ class TextInputs:
         self.step = step
         self.tokens = Tokenization(step.repo.tokenizer_dir, step.repo.uses_token_type_ids, buckets)
 
-    def prepare(self, request, ctx) -> tuple[ServedTask, tuple[str, str | None] | None, dict | None]:
-        """(task, (text, pair), None) or (task, None, the client's token tensors), checked."""
+    def prepare(self, request, ctx: RequestContext) -> TextRequest:
+        """The request's task version (pinned in `ctx`) and its text or token ids, checked."""
         step = self.step
         text = step.text(request, protocol.TEXT, required=False)
         ids = step.tensor(request, protocol.INPUT_IDS, required=False)
@@ -59,7 +74,7 @@ class TextInputs:
         pair = step.text(request, protocol.TEXT_PAIR, required=False)
         pair = None if pair is None or is_blank(pair) else pair
         task = step.tasks.resolve(step.task_name(request))
-        ctx["version"] = task.version
+        ctx.version = task.version
         if ids is not None:
             if pair is not None:
                 raise RequestError(f"send {protocol.TEXT_PAIR} with {protocol.TEXT}: token ids already hold the pair")
@@ -73,14 +88,14 @@ class TextInputs:
                     raise RequestError(f"task {task.name!r} was trained on "
                                        + ("single texts: these token ids hold a second segment" if paired else
                                           "text pairs: these token ids hold no second segment (token_type_ids 1)"))
-            return task, None, tokens
+            return TextRequest(task, tokens=tokens)
         if self._pair_mismatch(task, pair is not None):
             raise RequestError(f"task {task.name!r} was trained on " + (
                 f"single texts: send no {protocol.TEXT_PAIR}" if pair is not None else
                 f"text pairs: send {protocol.TEXT_PAIR} too"))
         if is_blank(text):
             raise RequestError(f"{protocol.TEXT} is empty (or only whitespace, control or zero-width characters)")
-        return task, (text, pair), None
+        return TextRequest(task, text, pair)
 
     @staticmethod
     def _pair_mismatch(task: ServedTask, paired: bool) -> bool:
@@ -89,85 +104,57 @@ class TextInputs:
         has_pair = task.meta.get("has_pair")
         return has_pair is not None and has_pair != paired
 
-    def encode(self, batch: list[tuple]) -> list[dict[str, np.ndarray]]:
+    def encode(self, batch: list[TextRequest]) -> list[dict[str, np.ndarray]]:
         """Each prepared request's token tensors: the texts of the batch in one encode_batch per max length (the
         truncation is each task's), token ids as sent (padded to the bucket)."""
-        out = [tokens if tokens is None else self.tokens.to_bucket(tokens) for _, _, tokens in batch]
+        out = [r.tokens if r.tokens is None else self.tokens.to_bucket(r.tokens) for r in batch]
         by_length: dict[int, list[int]] = {}
-        for k, (task, texts, _) in enumerate(batch):
-            if texts is not None:
-                by_length.setdefault(task.max_length, []).append(k)
+        for k, r in enumerate(batch):
+            if r.tokens is None:
+                by_length.setdefault(r.task.max_length, []).append(k)
         for max_length, ks in by_length.items():
-            for k, encoded in zip(ks, self.tokens.encode_batch([batch[k][1] for k in ks], max_length)):
+            texts = [(batch[k].text, batch[k].pair) for k in ks]
+            for k, encoded in zip(ks, self.tokens.encode_batch(texts, max_length)):
                 out[k] = encoded
         return out
 
 
 class Encoder:
-    """The backbone by the repository's engine, on one batch of token tensors; for AoT it also looks each request's
-    rows of P up (its task pool, or the task's storage) in this process, so no rows cross between processes.
+    """The backbone by the step's engine (serving.engine: parameter `engine`), on one batch of token tensors; for AoT
+    it also looks each request's rows of P up (its task pool, or the task's storage) in this process, so no rows
+    cross between processes.
 
     - engine `onnx` (and `tensorrt` served locally): ONNX Runtime (serving.engine.BackboneRunner), the batch split
       into runs of similar length; parameter `onnx_file`, the graph's path under the models folder.
-    - engine `torch`: PyTorch (serving_torch.engine.TorchBackbone) with the task pool on the same device, the gather
-      inside the encoder's forward (CUDA graphs per bucket on a GPU); parameter `device`.
+    - engine `torch` (registered by serving_torch.engine, which the model file imports): PyTorch with the task pool
+      on the same device, the gather inside the encoder's forward (CUDA graphs per bucket on a GPU); parameter
+      `device`.
     `threads` (parameter): the engine's CPU threads (0: this host's cores shared among the step's instances)."""
 
     def __init__(self, step, aot: bool, log=None):
         self.step, self.aot = step, aot
         params = step.parameters
-        self.torch = params.get("engine", "onnx") == "torch"
+        self.engine = step_engine(params)
         threads = int(params.get("threads", "0")) or max(len(os.sched_getaffinity(0)) // step.instances, 1)
-        if self.torch:
-            from serving_torch.engine import TorchBackbone
+        self.runner = self.engine.build(step, aot, threads, log)
 
-            repo, options = step.repo, step.options
-            self.runner = TorchBackbone(repo.encoder_dir, repo.uses_token_type_ids, aot, params["device"], threads,
-                                        options.buckets, options.max_batch_size)
-            if step.pool is not None:
-                self.runner.pool_rows = step.pool.buffer
-            eager = self.runner.capture_all()  # CUDA: every bucket's graph now, not on live requests
-            if self.runner.graphs and log is not None:
-                log(f"{step.step}: {len(self.runner.captured())} CUDA graphs captured"
-                    + (f"; buckets run eagerly: {eager}" if eager else ""))
-        else:
-            from serving.engine import BackboneRunner
-
-            self.runner = BackboneRunner(Path(step.repo.models) / params["onnx_file"], threads=threads)
-
-    def prepare(self, task: ServedTask | None, tokens: dict[str, np.ndarray]) -> dict:
+    def prepare(self, task: ServedTask | None, tokens: dict[str, np.ndarray]) -> Prepared:
         """One request as the engine takes it: its token tensors, and for AoT its task and the request's distinct
         tokens with each token's row among them."""
-        request = dict(tokens)
-        if self.aot:
-            request["task"] = task
-            request["unique"], request[protocol.AOT_INDEX] = token_index(tokens[protocol.INPUT_IDS],
-                                                                         tokens[protocol.ATTENTION_MASK])
-        return request
+        return Prepared.for_task(tokens, task) if self.aot else Prepared(tokens)
 
-    def run(self, batch: list[dict]) -> np.ndarray:
-        """The pooled states [B, P, d] of the batch, in its order: its rows (or pool slots) in one pool call, its
-        misses filled together; then the encoder."""
-        if self.torch:
-            return self._run_torch(batch)
+    def run(self, batch: list[Prepared]) -> np.ndarray:
+        """The pooled states [B, P, d] of the batch, in its order: its rows (or pool slots, for an engine that
+        gathers from the pool itself) in one pool call, its misses filled together; then the encoder."""
         if self.aot:
-            rows = self.step.tasks.rows_many([(r["task"], r["unique"]) for r in batch])
-            for r, rows_of in zip(batch, rows):
-                r[protocol.AOT_ROWS] = rows_of.reshape(-1)
+            requests = [(p.task, p.unique) for p in batch]
+            if self.engine.gathers_slots:
+                for p, slots in zip(batch, self.step.tasks.pool_slots(requests)):
+                    p.slots, p.rows = slots, p.task.rows(p.unique) if slots is None else None
+            else:
+                for p, rows in zip(batch, self.step.tasks.rows_many(requests)):
+                    p.rows = rows
         return self.runner.run(batch)
-
-    def _run_torch(self, batch: list[dict]) -> np.ndarray:
-        from serving_torch.engine import Prepared
-
-        names = protocol.token_inputs(self.step.repo.uses_token_type_ids)
-        prepared = [Prepared({n: r[n] for n in names}) for r in batch]
-        if self.aot:
-            requests = [(r["task"], r["unique"]) for r in batch]
-            for p, r, slots in zip(prepared, batch, self.step.tasks.pool_slots(requests)):
-                p.index, p.slots = r[protocol.AOT_INDEX], slots
-                if slots is None:
-                    p.rows = r["task"].rows(r["unique"])
-        return self.runner.run(prepared)
 
 
 def head_answers(tasks: list[ServedTask], pooled: list[np.ndarray]) -> list[tuple[np.ndarray, str]]:

@@ -10,10 +10,10 @@ Rules every step follows (a client must never be able to hurt another client's r
 - a client mistake answers 400 (gRPC INVALID_ARGUMENT), an unknown task or version 404 (NOT_FOUND), a task that
   cannot be served 503 (UNAVAILABLE), a fault of the server 500 (serving.errors);
 - metric labels come only from task versions the store holds (a client's string never becomes a label);
-- a request with the parameter `aot_probe` is a liveness probe (serving.supervisor): answered at once with no
-  outputs, never counted in the metrics. It proves the step's process runs its `execute`; and each instance
-  records when its running `execute` began (serving.watch), so that one stuck instance is found while another
-  answers the probes.
+- a request with the parameter protocol.PROBE_PARAMETER is a liveness probe (serving.supervisor): answered at
+  once with no outputs, never counted in the metrics. It proves the step's process runs its `execute`; and each
+  instance records when its running `execute` began (serving.watch), so that one stuck instance is found while
+  another answers the probes.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import json
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,16 +30,13 @@ import numpy as np
 from serving import protocol
 from serving.errors import KINDS, RequestError
 from serving.repository import RepositoryInfo, repository_of_model
-from serving.store import check_task_spec
+from serving.store import check_task_spec, task_of
 from serving.pool import RowPool
-from serving.tasks import TaskRegistry
+from serving.task_registry import TaskRegistry
 from serving.shm import make_own_region_private
 from serving.watch import ExecuteWatch
 
-__all__ = ["RequestError", "Step"]
-
-_TOKEN_NAMES = (protocol.INPUT_IDS, protocol.ATTENTION_MASK, protocol.TOKEN_TYPE_IDS)
-PROBE_PARAMETER = "aot_probe"
+__all__ = ["RequestContext", "RequestError", "Step"]
 
 
 def model_parameters(args: dict) -> dict[str, str]:
@@ -54,6 +52,14 @@ def instance_count(args: dict) -> int:
     return max(sum(int(g.get("count", 1)) for g in config.get("instance_group", [])), 1)
 
 
+@dataclass
+class RequestContext:
+    """What a step learns of one request while it serves it, for its metrics: the task version that serves it
+    ("" until the request names one the store holds)."""
+
+    version: str = ""
+
+
 class StepMetrics:
     """Per-task counters on Triton's metrics port (pb_utils.MetricFamily), labelled step, task and version.
 
@@ -61,9 +67,10 @@ class StepMetrics:
     duration over rate() of the requests is the mean time a task's requests spend in a step.
 
     Every Metric call is a round trip to the server process, so counts are summed here and published at most every
-    FLUSH_SECONDS, after a batch (measured: publishing per request and per pool version cost up to a third of the
-    throughput with 100+ tasks). A scrape therefore lags by at most that interval plus the time to the instance's
-    next batch (with several instances, an idle one publishes what it counted at its next request).
+    FLUSH_SECONDS, after a batch (publishing per request and per pool version cost much of the throughput with many
+    tasks: docs/benchmarks.md section 6, "Figures behind the serving code"). A scrape therefore lags by at most that
+    interval plus the time to the instance's next batch (with several instances, an idle one publishes what it
+    counted at its next request).
     """
 
     FLUSH_SECONDS = 1.0
@@ -113,14 +120,14 @@ class StepMetrics:
         self._pending[key] = self._pending.get(key, 0.0) + amount
 
     def request(self, version: str, ok: bool, seconds: float) -> None:
-        labels = {"task": version.rsplit("@", 1)[0] if version else "", "version": version}
+        labels = {"task": task_of(version), "version": version}
         self._add("requests", 1, **labels)
         self._add("duration", seconds * 1e6, **labels)
         if not ok:
             self._add("failures", 1, **labels)
 
     def task_error(self, version: str) -> None:
-        self._add("task_errors", 1, task=version.rsplit("@", 1)[0], version=version)
+        self._add("task_errors", 1, task=task_of(version), version=version)
         self.flush(force=True)
 
     def manifest_error(self) -> None:
@@ -144,7 +151,7 @@ class StepMetrics:
     def _pool_counts(self) -> None:
         """The pool's counters of the versions touched since the last flush, as increments."""
         for version in self.pool.drain_touched():
-            labels = {"task": version.rsplit("@", 1)[0], "version": version, "instance": self.instance}
+            labels = {"task": task_of(version), "version": version, "instance": self.instance}
             stats = self.pool.stats.get(version)
             if stats is None:  # detached: its rows are gone
                 self._pending[("pool_resident_bytes", *sorted(labels.items()))] = 0
@@ -162,11 +169,11 @@ class StepMetrics:
 class Step:
     """Base of a served python step: the repository record, the task registry, checks and responses."""
 
-    def __init__(self, args: dict, pb_utils, name: str, tasks: str = "meta", pool_storage=None):
-        """`tasks`: the part of each task version this step needs (serving.tasks.PARTS: meta, head, rows, all), or
-        "none" (the vanilla backbone). `pool_storage`: where the task pool's rows live (host memory by default;
-        serving_torch.engine.DeviceRows for the torch engine)."""
-        self.step = name
+    def __init__(self, args: dict, pb_utils, name: str, parts: str = "meta", pool_storage=None):
+        """`parts`: the parts of each task version this step needs (serving.tasks.PARTS: meta, head, rows, all), or
+        "none" (the vanilla backbone). `pool_storage`: where the task pool's rows live (host memory by default; the
+        engine's storage, serving.engine.Engine.storage, for an engine that keeps them on its device)."""
+        self.name = name
         self.pb = pb_utils
         self.parameters = model_parameters(args)
         self.instances = instance_count(args)
@@ -177,17 +184,17 @@ class Step:
         self.options = self.repo.options
         self.tasks = None
         self.pool = None
-        if tasks in ("rows", "all") and self.options.pool_bytes > 0:
+        if parts in ("rows", "all") and self.options.pool_bytes > 0:
             # each instance of a step is its own process with its own pool: they share the budget
             self.pool = RowPool(self.options.pool_bytes // self.instances, self.repo.num_layers,
                                 self.repo.hidden_size, self.repo.vocab_size, storage=pool_storage)
             self.pb.Logger.log_info(f"{name}: task pool of {self.pool.budget_bytes} bytes ({self.pool.slots} rows; "
                                     f"{self.pool.slots // self.repo.vocab_size} tasks fully resident)")
         self.metrics = StepMetrics(pb_utils, name, self.pool, args["model_instance_name"])
-        if tasks != "none":
+        if parts != "none":
             # several instances on the host: each fused table once, in the page cache, not in every pool
             pool_fused = self.instances == 1 or pool_storage is not None
-            self.tasks = TaskRegistry(self.repo.store_root, parts=tasks, on_manifest_error=self._manifest_error,
+            self.tasks = TaskRegistry(self.repo.store_root, parts=parts, on_manifest_error=self._manifest_error,
                                       pool=self.pool, on_task_error=self._task_error, pool_fused=pool_fused)
 
     def refresh(self) -> None:
@@ -197,11 +204,11 @@ class Step:
 
     def _task_error(self, version: str, message: str) -> None:
         """A version that does not load or was found damaged: refused (its requests alone), logged, counted."""
-        self.pb.Logger.log_error(f"{self.step}: {message}")
+        self.pb.Logger.log_error(f"{self.name}: {message}")
         self.metrics.task_error(version)
 
     def _manifest_error(self, message: str) -> None:
-        self.pb.Logger.log_error(f"{self.step}: {message}; serving the last good manifest")
+        self.pb.Logger.log_error(f"{self.name}: {message}; serving the last good manifest")
         self.metrics.manifest_error()
 
     # --- reading one request's inputs ---------------------------------------------------------------------------
@@ -246,12 +253,12 @@ class Step:
         except ValueError as exc:
             raise RequestError(f"unknown task: {exc}") from None
 
-    def task_version(self, request, ctx: dict):
+    def task_version(self, request, ctx: RequestContext):
         """The task version the first step pinned for this request, loaded (fails the request if it is gone). Only
         a version the store holds becomes the request's metric label: a client calling a step directly with
         made-up versions must not grow the metrics without bound."""
         task = self.tasks.version(self.text(request, protocol.TASK_VERSION))
-        ctx["version"] = task.version
+        ctx.version = task.version
         return task
 
     def sequence(self, request, name: str) -> np.ndarray:
@@ -295,15 +302,15 @@ class Step:
         return self.error_response(str(exc), exc.kind)
 
     def internal_error(self, exc: BaseException):
-        self.pb.Logger.log_error(f"{self.step}: {''.join(traceback.format_exception(exc))}")
-        return self.error_response(f"{self.step}: internal error ({type(exc).__name__}); the server log has the "
+        self.pb.Logger.log_error(f"{self.name}: {''.join(traceback.format_exception(exc))}")
+        return self.error_response(f"{self.name}: internal error ({type(exc).__name__}); the server log has the "
                                    "details")
 
     @staticmethod
     def is_probe(request) -> bool:
-        """A liveness probe (PROBE_PARAMETER among the request's parameters, a JSON object)."""
+        """A liveness probe (protocol.PROBE_PARAMETER among the request's parameters, a JSON object)."""
         parameters = request.parameters()
-        return PROBE_PARAMETER in parameters and PROBE_PARAMETER in json.loads(parameters)
+        return protocol.PROBE_PARAMETER in parameters and protocol.PROBE_PARAMETER in json.loads(parameters)
 
     def _with_probes(self, requests, respond: Callable) -> list:
         """`respond` answers the real requests; each probe gets an empty response of its own. The whole `execute`
@@ -316,13 +323,14 @@ class Step:
             return [self.pb.InferenceResponse([]) if probe else next(answers) for probe in probes]
 
     def respond_each(self, requests, handle: Callable) -> list:
-        """`handle(request, ctx) -> output tensors`, one request at a time; ctx["version"] names its task version."""
+        """`handle(request, ctx) -> output tensors`, one request at a time; ctx (a RequestContext) names its task
+        version."""
         return self._with_probes(requests, lambda real: self._respond_each(real, handle))
 
     def _respond_each(self, requests, handle: Callable) -> list:
         responses = []
         for request in requests:
-            ctx: dict = {"version": ""}
+            ctx = RequestContext()
             start = time.perf_counter()
             try:
                 responses.append(self.pb.InferenceResponse(handle(request, ctx)))
@@ -333,20 +341,21 @@ class Step:
             except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
                 responses.append(self.internal_error(exc))
                 ok = False
-            self.metrics.request(ctx["version"], ok, time.perf_counter() - start)
+            self.metrics.request(ctx.version, ok, time.perf_counter() - start)
         self.metrics.flush()
         return responses
 
     def respond_batch(self, requests, prepare: Callable, run: Callable, outputs: Callable) -> list:
-        """A batched step: `prepare(request, ctx)` checks each request; `run(prepared list)` computes the batch;
-        `outputs(result, k)` is request k's tensors. A failing batch is retried request by request."""
+        """A batched step: `prepare(request, ctx)` checks each request (ctx: its RequestContext); `run(prepared
+        list)` computes the batch; `outputs(result, k)` is request k's tensors. A failing batch is retried request
+        by request."""
         return self._with_probes(requests, lambda real: self._respond_batch(real, prepare, run, outputs))
 
     def _respond_batch(self, requests, prepare: Callable, run: Callable, outputs: Callable) -> list:
         start = time.perf_counter()
         responses, ready, contexts = [None] * len(requests), [], []
         for i, request in enumerate(requests):
-            ctx: dict = {"version": ""}
+            ctx = RequestContext()
             contexts.append(ctx)
             try:
                 ready.append((i, prepare(request, ctx)))
@@ -371,7 +380,7 @@ class Step:
                 responses[i], ok[i] = self.pb.InferenceResponse(tensors), True
         seconds = (time.perf_counter() - start) / max(len(requests), 1)
         for i, ctx in enumerate(contexts):
-            self.metrics.request(ctx["version"], ok[i], seconds)
+            self.metrics.request(ctx.version, ok[i], seconds)
         self.metrics.flush()
         return responses
 

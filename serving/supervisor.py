@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from serving import protocol
 from serving.shm import STUB, make_private, region_path
 from serving.watch import busy_since, remove_watches
 
@@ -329,7 +330,7 @@ class Supervisor:
                 count *= d
             value = "" if spec["datatype"] == "BYTES" else 0
             inputs.append({"name": spec["name"], "shape": shape, "datatype": spec["datatype"], "data": [value] * count})
-        return json.dumps({"inputs": inputs, "parameters": {"aot_probe": True}}).encode()
+        return json.dumps({"inputs": inputs, "parameters": {protocol.PROBE_PARAMETER: True}}).encode()
 
     def _prober(self, model: str) -> None:
         body = None

@@ -6,5 +6,6 @@ added).
 
     encoder     the frozen encoder with P^i[x] added before every layer (BiasedEncoder), and loading it
     engine      the served backbone: bias gather + add + encoder on CPU or CUDA (fp16, CUDA graphs per bucket),
-                with the task pool's rows in device memory
+                with the task pool's rows in device memory; importing it registers the engine `torch` with the
+                serving floor (serving.engine), which never imports this package
 """

@@ -8,19 +8,23 @@ CPU it runs eagerly in fp32 (what `aot predict` runs), padded to the batch's lon
 
 A request the pool does not hold (no pool, a version that left the manifest, a batch larger than the pool) brings
 its own rows; such a batch runs eagerly on a rows tensor assembled for it.
+
+Importing this module registers the engine as `torch` (serving.engine.find_engine), with its pool storage
+(DeviceRows): the model files that run `engine: torch` import it before they build their step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from serving import protocol
+from serving.engine import Engine, Prepared, register_engine
 from serving_torch.encoder import BiasedEncoder, load_encoder
 
 DEVICES = ("cpu", "cuda")
@@ -58,17 +62,6 @@ class DeviceRows:
 
     def _index(self, slots: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(self.device)
-
-
-@dataclass
-class Prepared:
-    """One request as the engine takes it: token tensors (1-D), and for AoT each token's row among the request's
-    distinct tokens (`index`) with either their pool slots or their rows."""
-
-    tokens: dict[str, np.ndarray]
-    index: np.ndarray | None = None
-    slots: np.ndarray | None = None
-    rows: np.ndarray | None = None
 
 
 def _bucket(value: int, buckets: tuple[int, ...]) -> int | None:
@@ -232,3 +225,21 @@ class TorchBackbone:
     def captured(self) -> list[tuple[int, int]]:
         """The (batch, sequence) buckets captured so far."""
         return sorted(self._captured)
+
+
+def _torch_backbone(step, aot: bool, threads: int, log: Callable[[str], None] | None = None) -> TorchBackbone:
+    """A served step's torch backbone (serving.stages.Encoder) on its parameter `device`, reading the step's task pool
+    in place; every bucket's CUDA graph is captured now, not on live requests."""
+    repo, options = step.repo, step.options
+    backbone = TorchBackbone(repo.encoder_dir, repo.uses_token_type_ids, aot, step.parameters["device"], threads,
+                             options.buckets, options.max_batch_size)
+    if step.pool is not None:
+        backbone.pool_rows = step.pool.buffer
+    eager = backbone.capture_all()
+    if backbone.graphs and log is not None:
+        log(f"{step.name}: {len(backbone.captured())} CUDA graphs captured"
+            + (f"; buckets run eagerly: {eager}" if eager else ""))
+    return backbone
+
+
+register_engine(Engine("torch", _torch_backbone, storage=DeviceRows, gathers_slots=True))

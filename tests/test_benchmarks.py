@@ -109,7 +109,7 @@ def test_bound_session_equals_a_plain_run(tmp_path, tiny_models):
     from benchmarks.overhead_onnxruntime import BoundSession, device_bias_feeds
     from exporter.onnx_export import export_backbone_graph
     from serving import protocol
-    from serving.engine import BackboneRunner
+    from serving.engine import BackboneRunner, Prepared
     from tests.tiny import tiny_backbone
 
     backbone = tiny_backbone("bert")
@@ -123,8 +123,8 @@ def test_bound_session_equals_a_plain_run(tmp_path, tiny_models):
     for b, n in enumerate(lengths):
         unique, index = np.unique(case.ids[b, :n].numpy(), return_inverse=True)
         distinct.append(len(unique))
-        requests.append({**{k: v[b, :n].numpy() for k, v in tokens.items()}, protocol.AOT_ROWS: table.numpy()[unique],
-                         protocol.AOT_INDEX: index.astype(np.int32)})
+        requests.append(Prepared({k: v[b, :n].numpy() for k, v in tokens.items()}, rows=table.numpy()[unique],
+                                 index=index.astype(np.int32)))
     rows_feeds = device_bias_feeds(case, table, "rows")
     assert rows_feeds[protocol.AOT_ROW_OFFSETS].tolist() == [0, *np.cumsum(distinct) * L * d]
     assert rows_feeds[protocol.AOT_ROWS].shape == (sum(distinct) * L * d,) and rows_feeds[protocol.AOT_INDEX].shape == (3, 10)

@@ -24,7 +24,7 @@ from serving import protocol
 from serving.errors import RequestError
 from serving.repository import (GPU_STEP_INSTANCES, BackboneRecord, RepositoryError, ServingOptions,
                                 read_repository)
-from serving.tasks import TaskRegistry
+from serving.task_registry import TaskRegistry
 from tests.helpers import make_repository, train_tiny_task
 from tests.tiny import ARCHS, save_tiny_model, tiny_backbone
 from training.artifact import FingerprintMismatch

@@ -30,7 +30,7 @@ from serving.atomic import write_json
 from serving.repository import read_repository
 from serving.shm import SHM, STUB
 from serving.supervisor import GRPC_ADMIN_HEADER, stubs_of
-from serving.tasks import TaskRegistry
+from serving.task_registry import TaskRegistry
 from tests.helpers import WITH_STEPS, make_repository, serve_for_tests, train_tiny_task
 from training.predict import Predictor
 

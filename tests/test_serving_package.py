@@ -324,7 +324,7 @@ def test_backbone_runner_split_by_length_gives_each_request_its_states(tmp_path)
     """A batch of mixed lengths split into runs (rows interface, AoT): each request's states equal those of the
     batch padded whole, in the requests' order."""
     from exporter.onnx_export import export_backbone_graph
-    from serving.engine import BackboneRunner
+    from serving.engine import BackboneRunner, Prepared
     from tests.tiny import tiny_backbone
 
     backbone = tiny_backbone("bert")
@@ -335,10 +335,28 @@ def test_backbone_runner_split_by_length_gives_each_request_its_states(tmp_path)
     for n in (3, 17, 4, 16, 9, 3):
         ids = rng.integers(5, V, n)
         unique, index = np.unique(ids, return_inverse=True)
-        requests.append({protocol.INPUT_IDS: ids, protocol.ATTENTION_MASK: np.ones(n, np.int64),
-                         protocol.TOKEN_TYPE_IDS: np.zeros(n, np.int64), protocol.AOT_ROWS: table[unique],
-                         protocol.AOT_INDEX: index.astype(np.int32)})
+        requests.append(Prepared({protocol.INPUT_IDS: ids, protocol.ATTENTION_MASK: np.ones(n, np.int64),
+                                  protocol.TOKEN_TYPE_IDS: np.zeros(n, np.int64)},
+                                 rows=table[unique], index=index.astype(np.int32)))
     graph = export_backbone_graph(backbone, tmp_path, aot=True, interface="rows").optimized
     split, whole = BackboneRunner(graph), BackboneRunner(graph, max_padding=None)
     np.testing.assert_allclose(split.run(requests), whole.run(requests), atol=1e-4)
     np.testing.assert_allclose(split.run(requests)[1], whole.run(requests[1:2])[0], atol=1e-4)
+
+
+def test_engines_are_found_by_name_and_an_unregistered_one_says_what_provides_it(monkeypatch):
+    """The ground floor never imports an engine's package: ONNX Runtime is its own, the torch engine registers itself
+    when serving_torch.engine is imported (in a fresh interpreter); an engine asked for before it was registered, or
+    unknown, fails naming it and what to install or import."""
+    from serving import engine
+
+    script = ("import serving.engine as e; before = sorted(e._ENGINES); import serving_torch.engine; "
+              "print(before, sorted(e._ENGINES), e.find_engine('torch').gathers_slots)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['onnx'] ['onnx', 'torch'] True"
+    monkeypatch.delitem(engine._ENGINES, "torch", raising=False)
+    with pytest.raises(LookupError, match=r"engine 'torch' is not registered .*\[serve-torch\].*serving_torch\.engine"):
+        engine.find_engine("torch")
+    with pytest.raises(LookupError, match="unknown engine 'tpu': expected one of onnx, torch"):
+        engine.find_engine("tpu")

@@ -15,10 +15,11 @@ from aot.client import Client
 from exporter.configs import parse_pbtxt
 from serving import protocol
 from serving.pool import RowPool
+from serving.engine import Prepared
 from serving.repository import (BackboneRecord, ServingOptions, largest_batch_bytes, memory_pool_bytes,
                                 read_repository)
 from serving.supervisor import GRPC_ADMIN_HEADER
-from serving_torch.engine import DeviceRows, Prepared, TorchBackbone
+from serving_torch.engine import DeviceRows, TorchBackbone
 from tests.helpers import make_repository, train_tiny_task
 from training.predict import Predictor
 
@@ -192,7 +193,8 @@ def test_lookup_step_serves_the_bias_from_a_host_or_a_torch_pool(tmp_path, tiny_
 
     from aot.server import LocalServer
     from serving.engine import BackboneRunner
-    from serving.tasks import TaskRegistry, token_index
+    from serving.task_registry import TaskRegistry
+    from serving.tasks import token_index
     from serving.tokenization import Tokenization
 
     repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"a": (artifacts["a"], "fused"),

@@ -11,8 +11,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from serving import protocol
-from serving.steps import Step, model_parameters
-from serving.tasks import token_index
+from serving.engine import Prepared
+from serving.steps import RequestContext, Step, model_parameters
 
 
 class TritonPythonModel:
@@ -32,27 +32,25 @@ class TritonPythonModel:
                 # instance per GPU).
                 torch.cuda.set_device(self.device)
             storage = DeviceRows(self.device)
-        self.step = Step(args, pb_utils, "aot_lookup", tasks="rows", pool_storage=storage)
+        self.step = Step(args, pb_utils, "aot_lookup", parts="rows", pool_storage=storage)
         self.dense = self.step.options.bias_interface == "dense"
         where = f"torch memory on {self.device}, out through DLPack" if self.device else "host memory"
         pb_utils.Logger.log_info(f"aot_lookup: task pool rows in {where}")
 
-    def _prepare(self, request, ctx):
+    def _prepare(self, request, ctx: RequestContext) -> Prepared:
         task = self.step.task_version(request, ctx)
-        tokens = self.step.tokens(request)
-        unique, index = token_index(tokens[protocol.INPUT_IDS], tokens[protocol.ATTENTION_MASK])
-        return task, unique, index
+        return Prepared.for_task(self.step.tokens(request), task)
 
-    def _run(self, batch):
+    def _run(self, batch: list[Prepared]):
         """The batch's rows in one pool call (its misses filled together), gathered on the pool's device; rows the
         pool does not hold come from storage. Dense: each token's row, gathered straight from the pool's slots (on
         the GPU for the device pool)."""
-        wanted = [(task, unique) for task, unique, _ in batch]
+        wanted = [(p.task, p.unique) for p in batch]
         if self.dense:
-            bias = self.step.tasks.rows_many(wanted, indexes=[index for _, _, index in batch])
+            bias = self.step.tasks.rows_many(wanted, indexes=[p.index for p in batch])
             return [b[None] for b in bias]
         rows = self.step.tasks.rows_many(wanted)
-        return [(r.reshape(1, -1), i[None, :]) for r, (_, _, i) in zip(rows, batch)]
+        return [(r.reshape(1, -1), p.index[None, :]) for r, p in zip(rows, batch)]
 
     def _tensor(self, name: str, value):
         """Host arrays as they are; a torch tensor (the device pool's gather) through DLPack, without a copy. The

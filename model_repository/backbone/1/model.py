@@ -3,29 +3,34 @@ tritonserver, which has no native backends: serving.stages.Encoder.
 
 - `engine: onnx` (an ONNX/TensorRT repository): ONNX Runtime, each batch split into runs of similar length.
 - `engine: torch` (`aot export backbone --format torch`, CPU or CUDA by the `device` parameter): PyTorch
-  (serving_torch.engine.TorchBackbone) with the task pool on the same device; the bias gather runs inside the
-  encoder's forward (on CUDA: inside a captured CUDA graph per bucket).
+  (serving_torch.engine.TorchBackbone, imported here: importing it registers the engine) with the task pool on the
+  same device; the bias gather runs inside the encoder's forward (on CUDA: inside a captured CUDA graph per bucket).
 
 The AoT variant also does the lookup (TASK_VERSION + token ids -> rows of P) here, in this process: a separate
-lookup step would only add an IPC hop and a stub's CPU time per request (measured on CPU: 0.87x of the vanilla
-ensemble's throughput with it). Each request is checked on its own and fails alone.
+lookup step would only add an IPC hop and a stub's CPU time per request (docs/benchmarks.md section 6, "Figures
+behind the serving code"). Each request is checked on its own and fails alone.
 """
 
 import triton_python_backend_utils as pb_utils
 
 from serving import protocol
+from serving.engine import Prepared
 from serving.stages import Encoder, pool_storage
-from serving.steps import Step, model_parameters
+from serving.steps import RequestContext, Step, model_parameters
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        params = model_parameters(args)
+        if params.get("engine") == "torch":
+            import serving_torch.engine  # noqa: F401 - registers the torch engine
+
         aot = args["model_name"] == "backbone"
-        self.step = Step(args, pb_utils, args["model_name"], tasks="rows" if aot else "none",
-                         pool_storage=pool_storage(model_parameters(args)))
+        self.step = Step(args, pb_utils, args["model_name"], parts="rows" if aot else "none",
+                         pool_storage=pool_storage(params))
         self.encoder = Encoder(self.step, aot, log=pb_utils.Logger.log_info)
 
-    def _prepare(self, request, ctx) -> dict:
+    def _prepare(self, request, ctx: RequestContext) -> Prepared:
         task = self.step.task_version(request, ctx) if self.encoder.aot else None  # first: metrics
         return self.encoder.prepare(task, self.step.tokens(request))
 

@@ -1,32 +1,36 @@
 """Triton python model: the whole request in one step, the `aot` and `vanilla` models of the CPU configs: TEXT
 (+ TEXT_PAIR) or token ids, TASK -> LOGITS, LABEL, TASK_VERSION. The three stages of the GPU ensembles' steps
 (serving.stages: TextInputs, Encoder, head_answers) run here in one process, so a request crosses the server once,
-not three times: on a CPU each crossing cost a stub 120-420 us and tritonserver more (`aot bench tax`,
+not three times: on a CPU each crossing costs a python stub and tritonserver CPU time of their own (`aot bench tax`,
 docs/benchmarks.md section 6).
 
 Parameter `aot`: "true" looks each request's rows of P up and runs the AoT graph; "false" runs the plain encoder
-with the task's head. Each request is checked on its own and fails alone; its task version is resolved once and
+with the task's head. Parameter `engine: torch` runs the torch engine (serving_torch.engine, imported here: importing
+it registers the engine). Each request is checked on its own and fails alone; its task version is resolved once and
 serves every stage.
 """
 
 import triton_python_backend_utils as pb_utils
 
 from serving import protocol
-from serving.stages import Encoder, TextInputs, head_answers, pool_storage
+from serving.stages import Encoder, TextInputs, TextRequest, head_answers, pool_storage
 from serving.steps import Step, model_parameters
 
 
 class TritonPythonModel:
     def initialize(self, args):
         params = model_parameters(args)
+        if params.get("engine") == "torch":
+            import serving_torch.engine  # noqa: F401 - registers the torch engine
+
         aot = params.get("aot") == "true"
-        self.step = Step(args, pb_utils, args["model_name"], tasks="all" if aot else "head",
+        self.step = Step(args, pb_utils, args["model_name"], parts="all" if aot else "head",
                          pool_storage=pool_storage(params) if aot else None)
         self.text = TextInputs(self.step)
         self.encoder = Encoder(self.step, aot, log=pb_utils.Logger.log_info)
 
-    def _run(self, batch):
-        tasks = [task for task, _, _ in batch]
+    def _run(self, batch: list[TextRequest]):
+        tasks = [r.task for r in batch]
         tokens = self.text.encode(batch)
         pooled = self.encoder.run([self.encoder.prepare(task, t) for task, t in zip(tasks, tokens)])
         return [(task.version, *answer) for task, answer in zip(tasks, head_answers(tasks, pooled[:, None]))]

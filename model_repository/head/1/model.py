@@ -8,14 +8,14 @@ import triton_python_backend_utils as pb_utils
 from serving import protocol
 from serving.errors import RequestError
 from serving.stages import head_answers
-from serving.steps import Step
+from serving.steps import RequestContext, Step
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.step = Step(args, pb_utils, "head", tasks="head")
+        self.step = Step(args, pb_utils, "head", parts="head")
 
-    def _prepare(self, request, ctx):
+    def _prepare(self, request, ctx: RequestContext):
         task = self.step.task_version(request, ctx)
         pooled = self.step.tensor(request, protocol.POOLED_HIDDEN)
         expected = (1, len(protocol.POOLINGS), task.hidden_size)

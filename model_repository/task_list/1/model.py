@@ -10,7 +10,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from serving import protocol
-from serving.steps import Step
+from serving.steps import RequestContext, Step
 
 AUDIT_SECONDS = 5.0
 
@@ -33,7 +33,7 @@ class TritonPythonModel:
             if self._stop.wait(AUDIT_SECONDS):
                 return
 
-    def _one(self, request, ctx):
+    def _one(self, request, ctx: RequestContext):
         tasks = self.step.tasks
         errors = tasks.errors()
         listing = {"tasks": [t.describe() for n, t in sorted(tasks.served().items()) if n not in errors],

@@ -9,7 +9,7 @@ on. Each request is checked on its own; the texts of a batch are then tokenized 
 import triton_python_backend_utils as pb_utils
 
 from serving import protocol
-from serving.stages import TextInputs
+from serving.stages import TextInputs, TextRequest
 from serving.steps import Step
 
 
@@ -20,8 +20,8 @@ class TritonPythonModel:
         self.text = TextInputs(self.step, buckets)
         self.outputs = protocol.token_inputs(self.step.repo.uses_token_type_ids)
 
-    def _run(self, batch):
-        return [(task.version, tensors) for (task, _, _), tensors in zip(batch, self.text.encode(batch))]
+    def _run(self, batch: list[TextRequest]):
+        return [(r.task.version, tensors) for r, tensors in zip(batch, self.text.encode(batch))]
 
     def _outputs(self, encoded, k):
         version, tensors = encoded[k]
