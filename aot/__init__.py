@@ -9,8 +9,8 @@ _LAZY = {
     "InferenceError": ("aot.client", "InferenceError"),
     "LocalServer": ("aot.server", "LocalServer"),
     "AotConfig": ("training.methods.aot_ptuning.config", "AotConfig"),
-    "AotModel": ("training.peft_model", "AotModel"),
-    "get_aot_model": ("training.peft_model", "get_aot_model"),
+    "AotModel": ("training.methods.aot_ptuning.peft_model", "AotModel"),
+    "get_aot_model": ("training.methods.aot_ptuning.peft_model", "get_aot_model"),
     "MultiTaskModel": ("training.multitask", "MultiTaskModel"),
     "model_path": ("training.backbone", "resolve_model_path"),
 }

@@ -232,8 +232,8 @@ def add_inspect(sub) -> None:
 
 
 def run_inspect(args) -> int:
-    from training.artifact import load_task
     from training.backbone import load_backbone
+    from training.factory import load_task
     from training.inspect import top_tokens
 
     backbone = load_backbone(args.model) if args.model else None

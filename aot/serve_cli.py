@@ -7,10 +7,10 @@ import json
 import signal
 import sys
 import threading
-from pathlib import Path
 
 from aot.arguments import non_negative_int, positive_int
 from aot.output import report
+from serving.formats import read_json_lines
 
 
 def pool_summary(repo, pool_bytes: int, device: str) -> str:
@@ -222,21 +222,15 @@ def _read_requests(path: str, task: str | None) -> tuple[list[dict], list[int]]:
     names the file and line, before anything is sent."""
     name = "<stdin>" if path == "-" else path
     items, lines = [], []
-    text = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
-    for number, line in enumerate(text.decode("utf-8-sig").split("\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{name}:{number}: invalid JSON ({exc.msg})") from None
-        if isinstance(record, dict) and task is not None:
+    for line in read_json_lines(path):
+        record = line.item
+        if task is not None:
             record.setdefault("task", task)
-        if not isinstance(record, dict) or not all(isinstance(record.get(k), str) for k in ("task", "text")):
-            raise ValueError(f'{name}:{number}: expected {{"task": "...", "text": "..."}}'
+        if not all(isinstance(record.get(k), str) for k in ("task", "text")):
+            raise ValueError(f'{line.where}: expected {{"task": "...", "text": "..."}}'
                              + ("" if task else " (or --task for lines without one)"))
         items.append(record)
-        lines.append(number)
+        lines.append(line.number)
     if not items:
         raise ValueError(f"{name}: no requests")
     return items, lines

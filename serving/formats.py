@@ -1,4 +1,5 @@
-"""The one reader of the project's versioned JSON files (task artifact, repository record, task store).
+"""The one reader of the project's JSON files: the versioned ones (task artifact, repository record, task store) and
+JSON lines (training data, `aot predict` and `aot infer` input).
 
 Every format carries `format` and `format_version`; a reader names the file and what is wrong with it: missing,
 not JSON, another format or version, a missing key or a value of the wrong type. No schema library: the checks are
@@ -7,8 +8,13 @@ a dict of required keys and types per format, shorter than a JSON Schema and wit
 
 from __future__ import annotations
 
+import codecs
 import json
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 
 class FormatError(ValueError):
@@ -21,16 +27,17 @@ def _type_name(kind) -> str:
                         bool: "boolean", type(None): "null"}.get(k, k.__name__) for k in kinds)
 
 
-def check_keys(data: dict, required: dict, where: str) -> dict:
-    """`required`: key -> type (or tuple of types). Raises FormatError naming `where` and the key."""
+def check_keys(data: dict, required: dict, where: str, error: type[ValueError] = FormatError) -> dict:
+    """`required`: key -> type (or tuple of types). Raises `error` (a reader's own error type) naming `where` and
+    the key."""
     for key, kind in required.items():
         if key not in data:
-            raise FormatError(f"{where}: missing key {key!r}")
+            raise error(f"{where}: missing key {key!r}")
         value = data[key]
         if isinstance(value, bool) and kind in (int, float):
-            raise FormatError(f"{where}: {key!r} must be {_type_name(kind)}, got {value!r}")
+            raise error(f"{where}: {key!r} must be {_type_name(kind)}, got {value!r}")
         if not isinstance(value, kind):
-            raise FormatError(f"{where}: {key!r} must be {_type_name(kind)}, got {type(value).__name__}")
+            raise error(f"{where}: {key!r} must be {_type_name(kind)}, got {type(value).__name__}")
     return data
 
 
@@ -56,3 +63,56 @@ def read_versioned_json(path: str | Path, fmt: str, version: int, required: dict
         raise FormatError(f"{path}: not an {fmt} v{version} file (format {data.get('format')!r}, "
                           f"version {data.get('format_version')!r})")
     return check_keys(data, required or {}, str(path))
+
+
+@dataclass(frozen=True)
+class JsonLine:
+    """One non-blank line of a JSON-lines file: the object it holds, or why it holds none."""
+
+    source: str  # the file as messages name it: its path, or <stdin>
+    number: int  # 1-based, blank lines counted
+    item: dict | None
+    error: str | None = None  # "not UTF-8 text", "invalid JSON (...)" or "expected a JSON object, got list"
+
+    @property
+    def where(self) -> str:
+        return f"{self.source}:{self.number}"
+
+
+def json_lines(path: str | Path) -> Iterator[JsonLine]:
+    """Every non-blank line of a JSON-lines file (`-`: standard input), read as UTF-8 (a byte-order mark skipped),
+    line by line: a bad line is yielded with its error, not raised, so that a caller may skip it (`aot predict`) or
+    stop there (read_json_lines). A file that cannot be opened is an OSError."""
+    if path == "-":
+        yield from _json_lines(sys.stdin.buffer, "<stdin>")
+        return
+    with open(path, "rb") as stream:
+        yield from _json_lines(stream, str(path))
+
+
+def _json_lines(stream: BinaryIO, source: str) -> Iterator[JsonLine]:
+    for number, raw in enumerate(stream, 1):
+        try:
+            text = (raw.removeprefix(codecs.BOM_UTF8) if number == 1 else raw).decode("utf-8")
+        except UnicodeDecodeError:
+            yield JsonLine(source, number, None, "not UTF-8 text")
+            continue
+        if not text.strip():
+            continue
+        try:
+            item = json.loads(text)
+        except json.JSONDecodeError as exc:
+            yield JsonLine(source, number, None, f"invalid JSON ({exc.msg})")
+            continue
+        if not isinstance(item, dict):
+            yield JsonLine(source, number, None, f"expected a JSON object, got {type(item).__name__}")
+            continue
+        yield JsonLine(source, number, item)
+
+
+def read_json_lines(path: str | Path, error: type[ValueError] = FormatError) -> Iterator[JsonLine]:
+    """json_lines, stopped at the first bad line: `error` (a reader's own error type) names the file and line."""
+    for line in json_lines(path):
+        if line.item is None:
+            raise error(f"{line.where}: {line.error}")
+        yield line

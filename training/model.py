@@ -1,17 +1,16 @@
-"""A trainable task model: a method's body plus a classification (or regression) head."""
+"""A trainable task model: a method's body plus a classification (or regression) head, and its loss.
+
+Below the methods (training.methods.aot_ptuning's AotModel is a TaskModel); training.factory builds one by method.
+"""
 
 from __future__ import annotations
-
-import copy
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from serving.protocol import pooling_row
-from training.backbone import Backbone
 from training.data.task import TaskSpec
-from training.methods.base import MethodConfig, method_spec
 
 
 HEAD_ACTIVATIONS = {"tanh": torch.tanh, "gelu": F.gelu}  # serving.tasks.HEAD_ACTIVATIONS computes the same
@@ -74,34 +73,6 @@ class TaskModel(nn.Module):
                 params[name].copy_(value)
 
 
-def build_task_model(backbone: Backbone, config: MethodConfig, spec: TaskSpec, pooling: str | None = None,
-                     max_length: int | None = None, head: dict | None = None,
-                     copy_encoder: bool = True) -> TaskModel:
-    """Build on a private copy of the encoder: methods hook into it or unfreeze it, the caller's stays pristine.
-
-    `pooling`: which pooled state the head reads; None takes the one the backbone declares (Backbone.pooling).
-    AoT methods build an AotModel (training.peft_model, what get_aot_model returns); `max_length` and `head` (an
-    artifact's head record) are recorded there. `copy_encoder` False: AoT only, hook into the caller's encoder."""
-    pooling = pooling or backbone.pooling
-    if copy_encoder:
-        backbone = Backbone(backbone.name, copy.deepcopy(backbone.encoder), backbone.tokenizer, backbone.fingerprint,
-                            backbone.pooling)
-    backbone.encoder.requires_grad_(False)
-    if method_spec(config.method).shared_backbone:
-        from training.peft_model import aot_task_model
-
-        return aot_task_model(backbone, config, spec, pooling, max_length, head)
-    if not copy_encoder:
-        raise ValueError(f"method {config.method!r} changes the encoder: it cannot share the caller's")
-    body = method_spec(config.method).build(backbone, config)
-    head_config = head or {}
-    head_module = ClassificationHead(backbone.hidden_size, spec.num_outputs,
-                                     activation=head_config.get("activation", "tanh"),
-                                     inner_size=head_config.get("inner_size"))
-    init_head_from_pooler(head_module, backbone.encoder)
-    return TaskModel(body, head_module, pooling)
-
-
 def init_head_from_pooler(head: ClassificationHead, encoder: nn.Module) -> None:
     """BERT's pretrained pooler is a better start for the head's dense layer than a random one."""
     dense = getattr(getattr(encoder, "pooler", None), "dense", None)
@@ -109,6 +80,13 @@ def init_head_from_pooler(head: ClassificationHead, encoder: nn.Module) -> None:
         with torch.no_grad():
             head.dense.weight.copy_(dense.weight)
             head.dense.bias.copy_(dense.bias)
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor, spec: TaskSpec) -> torch.Tensor:
+    """Cross-entropy; mean squared error for a regression task (one output)."""
+    if spec.is_regression:
+        return F.mse_loss(logits.squeeze(-1).float(), labels)
+    return F.cross_entropy(logits.float(), labels)
 
 
 def trainable_parameter_count(model: nn.Module) -> int:

@@ -18,12 +18,13 @@ from torch import nn
 
 from serving.protocol import pooling_row
 from serving_torch.encoder import BiasedEncoder
-from training.artifact import ArtifactError, load_recorded_backbone, load_task, read_task
+from training.answer import answer
+from training.artifact import ArtifactError, load_recorded_backbone, read_task
 from training.backbone import Backbone, load_backbone
 from training.data.task import TaskSpec
+from training.factory import load_task
+from training.methods.aot_ptuning.peft_model import AotModel
 from training.methods.base import method_spec
-from training.peft_model import AotModel
-from training.predict import answer
 
 
 @dataclass
@@ -87,7 +88,7 @@ class MultiTaskModel(nn.Module):
                 token_type_ids: torch.Tensor | None = None, task_names: Sequence[str] = ()):
         """`task_names`: one per row. Returns a SequenceClassifierOutput whose logits are [B, n] with n the widest
         head's output count; a task with fewer outputs fills the rest of its rows with -inf."""
-        from transformers.modeling_outputs import SequenceClassifierOutput
+        from transformers.modeling_outputs import SequenceClassifierOutput  # on first use: seconds to import
 
         self._check_names(task_names, input_ids.shape[0])
         if attention_mask is None:
@@ -112,7 +113,7 @@ class MultiTaskModel(nn.Module):
 
     def predict(self, texts: Sequence[str], task_names: Sequence[str], pairs: Sequence[str | None] | None = None,
                 batch_size: int = 32) -> list[dict]:
-        """One answer per text, in order (training.predict.answer: task, label, logits, probabilities).
+        """One answer per text, in order (training.answer.answer: task, label, logits, probabilities).
         Each text is tokenized as its task was trained (its max length), then rows of similar length share a batch
         whatever their tasks."""
         self._check_names(task_names, len(texts))

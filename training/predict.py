@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 from pathlib import Path
-from typing import BinaryIO
 
 import torch
 
-from training.artifact import TaskArtifact, load_task, read_task
+from serving.formats import JsonLine, json_lines
+from training.answer import answer
+from training.artifact import TaskArtifact, read_task
 from training.backbone import Backbone, load_backbone
-from serving import labels
-from training.data.task import Example, TaskSpec
+from training.data.task import Example
+from training.factory import load_task
 from training.methods.base import method_spec
 from training.model import TaskModel
+from training.multitask import MultiTaskModel
 from training.trainer import encode, predict_logits
 
 
@@ -44,13 +44,6 @@ class Predictor:
         return [answer(name or spec.name, spec, row) for row in self.logits(texts, pairs)]
 
 
-def answer(name: str, spec: TaskSpec, logits: torch.Tensor) -> dict:
-    """One JSON answer, the same rule as the served one (serving.labels.answer: a classification's label, logits and
-    probabilities, a regression's score), with the task's name first."""
-    values = logits[: spec.num_outputs].float().tolist()  # MultiTaskModel pads narrower tasks' rows
-    return {"task": name, **labels.answer(labels.label_for(spec.labels, values), values)}
-
-
 # --- aot predict ------------------------------------------------------------------------------------------------------
 
 def task_folders(items: list[str]) -> dict[str, Path]:
@@ -73,41 +66,22 @@ def read_input_lines(path: str, tasks: dict[str, Path]) -> tuple[list[Line], lis
     """The good lines of a JSONL file (`-`: standard input) and, for each bad one, (line number, why). Blank lines
     are skipped. A file that cannot be opened is one OSError; a line that is not UTF-8, not a JSON object, lacks a
     string "text" or names no loaded task fails alone."""
-    if path == "-":
-        return _read_lines(sys.stdin.buffer, tasks)
-    with open(path, "rb") as stream:
-        return _read_lines(stream, tasks)
-
-
-def _read_lines(stream: BinaryIO, tasks: dict[str, Path]) -> tuple[list[Line], list[tuple[int, str]]]:
     default = next(iter(tasks)) if len(tasks) == 1 else None
     good: list[Line] = []
     bad: list[tuple[int, str]] = []
-    for number, raw in enumerate(stream, 1):
+    for line in json_lines(path):
         try:
-            item = _parse_line(raw, tasks, default)
+            good.append((line.number, _request(line, tasks, default)))
         except ValueError as exc:
-            bad.append((number, str(exc)))
-            continue
-        if item is not None:
-            good.append((number, item))
+            bad.append((line.number, str(exc)))
     return good, bad
 
 
-def _parse_line(raw: bytes, tasks: dict[str, Path], default: str | None) -> dict | None:
-    """The line as {"text", "text_pair", "task"[, "id"]}; None for a blank line."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ValueError("not UTF-8 text") from None
-    if not text.strip():
-        return None
-    try:
-        item = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"invalid JSON ({exc.msg})") from None
-    if not isinstance(item, dict):
-        raise ValueError(f"expected a JSON object, got {type(item).__name__}")
+def _request(line: JsonLine, tasks: dict[str, Path], default: str | None) -> dict:
+    """The line as {"text", "text_pair", "task"[, "id"]}."""
+    item = line.item
+    if item is None:
+        raise ValueError(line.error)
     if not isinstance(item.get("text"), str):
         raise ValueError('expected "text", a string')
     pair = item.get("text_pair")
@@ -131,8 +105,6 @@ def predict_lines(tasks: dict[str, Path], lines: list[Line], model: str | None,
         return {}
     texts, pairs, names = ([item[k] for _, item in lines] for k in ("text", "text_pair", "task"))
     if all(shared.values()):
-        from training.multitask import MultiTaskModel
-
         rows = MultiTaskModel.from_pretrained(tasks, model).predict(texts, names, pairs, batch_size)
     elif len(tasks) == 1:
         name = next(iter(tasks))

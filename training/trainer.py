@@ -18,12 +18,11 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from training.data.task import Example, TaskData, TaskSpec
 from training.metrics import compute_metric
-from training.model import TaskModel
+from training.model import TaskModel, loss_fn
 
 
 @dataclass
@@ -150,12 +149,6 @@ def collate(encoded: Encoded, rows, pad_id: int, device: torch.device) -> dict[s
             types[k, : len(seq)] = torch.tensor(encoded.token_type_ids[i])
     batch = {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
     return {k: v.to(device) for k, v in batch.items()}
-
-
-def loss_fn(logits: torch.Tensor, labels: torch.Tensor, spec: TaskSpec) -> torch.Tensor:
-    if spec.is_regression:
-        return F.mse_loss(logits.squeeze(-1).float(), labels)
-    return F.cross_entropy(logits.float(), labels)
 
 
 def _autocast(device: torch.device):

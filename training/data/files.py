@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from serving.formats import read_json_lines
 from training.data.task import PROBLEMS, DataError, DataWarning, Example, TaskData, TaskSpec
 from training.metrics import METRICS
 
@@ -45,17 +46,8 @@ def read_records(path: Path, header: bool = True, fieldnames: list[str] | None =
     to use when it reads as one column)."""
     suffix = path.suffix.lstrip(".").lower()
     if suffix == "jsonl":
-        with path.open(encoding="utf-8-sig") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{path}:{n}: invalid JSON ({exc.msg})") from None
-                if not isinstance(row, dict):
-                    raise DataError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
-                yield Record(row, path, n)
+        for line in read_json_lines(path, DataError):
+            yield Record(line.item, path, line.number)
         return
     if suffix not in ("csv", "tsv"):
         raise DataError(f"{path}: unsupported file type {suffix!r}: expected one of {', '.join(FORMATS)}")

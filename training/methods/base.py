@@ -4,6 +4,9 @@ A builder takes the frozen backbone and the method's config and returns a *body*
 (input_ids, attention_mask, token_type_ids) to the final hidden states pooled each way in
 serving.protocol.POOLINGS, [B, P, d] (serving_torch.encoder.pool_states). The task head sits on top of any body and
 reads the row of its task's pooling (training.model.TaskModel). Only the parameters a method makes trainable have requires_grad.
+
+Methods register on import: importing this module runs the package's __init__ first, which imports every method,
+and each registers itself. So the registry is full for whoever imports it, and it imports no method itself.
 """
 
 from __future__ import annotations
@@ -70,8 +73,6 @@ def register(spec: MethodSpec) -> MethodSpec:
 
 
 def method_spec(name: str) -> MethodSpec:
-    import training.methods  # noqa: F401  (fills the registry)
-
     if name not in METHODS:
         raise MethodError(f"unknown method {name!r}: expected one of {', '.join(METHODS)}")
     return METHODS[name]

@@ -3,6 +3,9 @@
 PEFT builds and owns the trainable parameters; the forward pass is called here so that token type ids reach the
 encoder (PEFT's feature-extraction wrapper drops them) and pooling reads the real tokens under the real mask, not
 the virtual ones.
+
+peft is imported where a body is built, not with the module: it takes seconds to import (more than transformers),
+and registering these methods, which every `aot` command that trains or loads a task does, must not pay for it.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ def _extra(backbone_uses_tt: bool, token_type_ids):
 class LoraBody(nn.Module):
     def __init__(self, backbone: Backbone, config: LoraConfig):
         super().__init__()
-        from peft import LoraConfig as PeftLoraConfig, get_peft_model
+        from peft import LoraConfig as PeftLoraConfig, get_peft_model  # on first use: see the module's docstring
 
         peft_config = PeftLoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
                                      target_modules=list(backbone.architecture.lora_targets),
@@ -83,7 +86,7 @@ class _PromptLearningBody(nn.Module):
 
     def __init__(self, backbone: Backbone, peft_config):
         super().__init__()
-        from peft import get_peft_model
+        from peft import get_peft_model  # on first use: see the module's docstring
 
         self.peft = get_peft_model(backbone.encoder, peft_config)
         self.encoder = backbone.encoder
@@ -104,7 +107,7 @@ class _PromptLearningBody(nn.Module):
 
 class PrefixBody(_PromptLearningBody):
     def __init__(self, backbone: Backbone, config: PrefixConfig):
-        from peft import PrefixTuningConfig
+        from peft import PrefixTuningConfig  # on first use: see the module's docstring
 
         if backbone.architecture.model_type == "deberta-v2":
             raise MethodError("prefix tuning is not supported for deberta-v2 (its encoder takes no key/value cache)")
@@ -120,7 +123,7 @@ class PrefixBody(_PromptLearningBody):
 
 class PromptBody(_PromptLearningBody):
     def __init__(self, backbone: Backbone, config: PromptConfig):
-        from peft import PromptEncoderConfig
+        from peft import PromptEncoderConfig  # on first use: see the module's docstring
 
         super().__init__(backbone, PromptEncoderConfig(task_type="FEATURE_EXTRACTION",
                                                        num_virtual_tokens=config.length,

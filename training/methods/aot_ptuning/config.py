@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
@@ -49,8 +50,6 @@ class KronConfig(MethodConfig):
     dropout: float = 0.1
 
     def resolve(self, vocab_size: int) -> "KronConfig":
-        import math
-
         if self.a is None and self.b is None:
             self.a = math.isqrt(vocab_size - 1) + 1
             self.b = -(-vocab_size // self.a)

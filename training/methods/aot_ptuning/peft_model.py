@@ -1,10 +1,12 @@
 """AoT P-Tuning in PEFT's shape: `get_aot_model(model, AotConfig(...))` wraps a transformers encoder, the result
 trains in any loop (transformers.Trainer, accelerate, plain PyTorch) and `save_pretrained` writes the task artifact
 that `aot export task` and `aot predict` read. `aot train` builds its AoT tasks with the same code
-(training.model.build_task_model -> aot_task_model), so both write the same artifact.
+(training.factory.build_task_model -> aot_task_model), so both write the same artifact.
 
 PEFT cannot register a method from an outside package, so this mirrors its API rather than plugging into it
-(docs/python-api.md maps one to the other).
+(docs/python-api.md maps one to the other). The package's __init__ does not import this module: it needs
+training.artifact, which imports the method registry (training.methods), so that would be a circle; training.factory
+and the `aot` API import it.
 """
 
 from __future__ import annotations
@@ -18,14 +20,13 @@ import torch
 from torch import nn
 
 from serving.protocol import pooling_row
-from training.artifact import ArtifactError, backbone_identity, load_task, save_task
+from training.artifact import ArtifactError, backbone_identity, read_task, restore, save_task, task_backbone
 from training.backbone import Backbone, BackboneError, architecture_for, declared_pooling, load_backbone
 from training.data.task import TaskSpec
 from training.methods.aot_ptuning.config import AotConfig
 from training.methods.aot_ptuning.model import AotBody
 from training.methods.base import MethodConfig, MethodError, method_spec
-from training.model import HEAD_ACTIVATIONS, ClassificationHead, TaskModel, init_head_from_pooler
-from training.trainer import loss_fn
+from training.model import HEAD_ACTIVATIONS, ClassificationHead, TaskModel, init_head_from_pooler, loss_fn
 
 DEFAULT_MAX_LENGTH = 128  # AotConfig.max_length None: this, or the encoder's limit if lower
 
@@ -51,7 +52,7 @@ class AotModel(TaskModel):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None):
-        from transformers.modeling_outputs import SequenceClassifierOutput
+        from transformers.modeling_outputs import SequenceClassifierOutput  # on first use: seconds to import
 
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
@@ -101,11 +102,15 @@ class AotModel(TaskModel):
         """Load a task artifact (saved here or by `aot train`) on the backbone it records, or on `base_model`
         (a folder, 'minilm' or a hub id) if that moved; in eval mode, on the CPU."""
         backbone = load_backbone(base_model) if base_model else None
-        artifact, model, _ = load_task(path, backbone)
-        if not isinstance(model, AotModel):
-            raise ArtifactError(f"task {path} was trained with method {artifact.method_config.method!r}; "
+        artifact = read_task(path)
+        method = artifact.method_config
+        if not method_spec(method.method).shared_backbone:
+            raise ArtifactError(f"task {path} was trained with method {method.method!r}; "
                                 f"AotModel loads AoT tasks (fc, kron)")
-        return model
+        weights = artifact.weights()  # a damaged file is reported before the backbone is loaded
+        backbone = task_backbone(artifact, backbone)
+        model = aot_task_model(backbone, method, artifact.spec, artifact.pooling, artifact.max_length, artifact.head)
+        return restore(artifact, model, weights)
 
 
 def _checked_identity(encoder: nn.Module, name: str | None) -> dict:
@@ -140,7 +145,7 @@ def get_aot_model(model: nn.Module, config: AotConfig) -> AotModel:
     modules_to_save trains it). The encoder is frozen in place (requires_grad False) and shared, not copied.
     Bad input raises one ValueError line naming the value.
     """
-    from transformers import PreTrainedModel
+    from transformers import PreTrainedModel  # on first use: transformers takes seconds to import
 
     if not isinstance(model, PreTrainedModel):
         raise MethodError(f"get_aot_model takes a transformers model (AutoModel or "
