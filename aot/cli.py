@@ -61,7 +61,7 @@ def _quiet_libraries() -> None:
 
 def add_train(sub) -> None:
     try:
-        from training.methods.base import METHODS, method_spec, option_types
+        from training.method_registry import METHODS, method_spec, option_types
         from training.data import PROBLEMS  # second: a client-only install is told that torch is missing
 
         method_spec("fc")  # fills the registry
@@ -123,7 +123,7 @@ def add_train(sub) -> None:
 
 def run_train(args) -> int:
     from training.api import train_task
-    from training.methods.base import method_spec, parse_options
+    from training.method_registry import method_spec, parse_options
 
     out = Path(args.out)
     if not args.overwrite and (out.is_file() or (out.is_dir() and any(out.iterdir()))):

@@ -24,7 +24,7 @@ from serving.tokenization import Tokenization
 from training.artifact import check_fingerprint, read_task
 from training.backbone import load_backbone
 from training.methods.aot_ptuning.model import AotBody
-from training.methods.base import method_spec
+from training.method_registry import method_spec
 from training.model import TaskModel
 from training.predict import Predictor
 

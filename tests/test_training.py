@@ -185,7 +185,7 @@ def test_bad_method_option_is_one_line(tmp_path, capsys, method, option, message
 def test_training_guide_lists_every_method_option():
     from pathlib import Path
 
-    from training.methods.base import METHODS, option_types
+    from training.method_registry import METHODS, option_types
 
     guide = Path(__file__).resolve().parents[1].joinpath("docs", "training.md").read_text(encoding="utf-8")
     table = guide[guide.index("Method options:"):].split("\n\n")[1]  # the table after that paragraph

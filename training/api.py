@@ -10,7 +10,7 @@ from training.data import load_task_data
 from training.data.task import TaskData
 from training.factory import build_task_model
 from training.methods.aot_ptuning.peft_model import AotModel
-from training.methods.base import make_config, method_spec
+from training.method_registry import make_config, method_spec
 from training.model import trainable_parameter_count
 from training.trainer import TrainConfig, encode, predict_logits, resolve_device, score, seed_everything, train
 
@@ -25,7 +25,7 @@ def train_task(model: str, data: str, method: str, out: str, rank: int | None = 
                progress: bool = True, problem: str | None = None, backbone: Backbone | None = None,
                task_data: TaskData | None = None) -> dict:
     """Train and save; returns the summary that metrics.json holds. `options`: the method's config fields to set
-    (training.methods.base.option_types). `pooling` None: the backbone's own. `problem`: classification or
+    (training.method_registry.option_types). `pooling` None: the backbone's own. `problem`: classification or
     regression (None: what the data declares, classification for a plain folder without task.json)."""
     spec_method = method_spec(method)
     config = make_config(method, rank=rank, **(options or {}))

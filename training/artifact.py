@@ -25,7 +25,7 @@ from serving.formats import check_keys
 from serving.protocol import POOLING_BEFORE_V3, pooling_row
 from training.backbone import Backbone, BackboneError, load_backbone
 from training.data.task import TaskSpec
-from training.methods.base import MethodConfig, method_spec
+from training.method_registry import MethodConfig, method_spec
 from training.model import HEAD_ACTIVATIONS, TaskModel
 
 FORMAT = "aot-task"

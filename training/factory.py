@@ -13,7 +13,7 @@ from training.artifact import TaskArtifact, read_task, restore, task_backbone
 from training.backbone import Backbone
 from training.data.task import TaskSpec
 from training.methods.aot_ptuning.peft_model import aot_task_model
-from training.methods.base import MethodConfig, method_spec
+from training.method_registry import MethodConfig, method_spec
 from training.model import ClassificationHead, TaskModel, init_head_from_pooler
 
 

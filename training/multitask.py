@@ -24,7 +24,7 @@ from training.backbone import Backbone, load_backbone
 from training.data.task import TaskSpec
 from training.factory import load_task
 from training.methods.aot_ptuning.peft_model import AotModel
-from training.methods.base import method_spec
+from training.method_registry import method_spec
 
 
 @dataclass

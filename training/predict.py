@@ -13,7 +13,7 @@ from training.artifact import TaskArtifact, read_task
 from training.backbone import Backbone, load_backbone
 from training.data.task import Example
 from training.factory import load_task
-from training.methods.base import method_spec
+from training.method_registry import method_spec
 from training.model import TaskModel
 from training.multitask import MultiTaskModel
 from training.trainer import encode, predict_logits

@@ -9,7 +9,7 @@ from torch import nn
 
 from serving_torch.encoder import pool_states
 from training.backbone import Backbone
-from training.methods.base import MethodConfig, MethodSpec, register
+from training.method_registry import MethodConfig, MethodSpec, register
 
 
 class PlainBody(nn.Module):

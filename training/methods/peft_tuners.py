@@ -18,7 +18,7 @@ from torch import nn
 
 from serving_torch.encoder import pool_states
 from training.backbone import Backbone
-from training.methods.base import MethodConfig, MethodError, MethodSpec, register
+from training.method_registry import MethodConfig, MethodError, MethodSpec, register
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 from training.methods.adapter.config import AdapterConfig
 from training.methods.adapter.model import AdapterBody, build_adapter
-from training.methods.base import MethodSpec, register
+from training.method_registry import MethodSpec, register
 
 register(MethodSpec("adapter", AdapterConfig, build_adapter, "Houlsby adapters", 5e-4))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from training.methods.base import MethodConfig
+from training.method_registry import MethodConfig
 
 
 @dataclass

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
-from training.methods.base import MethodConfig, MethodError, make_config
+from training.method_registry import MethodConfig, MethodError, make_config
 
 ACTIVATIONS = ("tanh", "gelu", "relu", "identity")
 

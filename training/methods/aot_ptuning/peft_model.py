@@ -25,7 +25,7 @@ from training.backbone import Backbone, BackboneError, architecture_for, declare
 from training.data.task import TaskSpec
 from training.methods.aot_ptuning.config import AotConfig
 from training.methods.aot_ptuning.model import AotBody
-from training.methods.base import MethodConfig, MethodError, method_spec
+from training.method_registry import MethodConfig, MethodError, method_spec
 from training.model import HEAD_ACTIVATIONS, ClassificationHead, TaskModel, init_head_from_pooler, loss_fn
 
 DEFAULT_MAX_LENGTH = 128  # AotConfig.max_length None: this, or the encoder's limit if lower

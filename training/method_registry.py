@@ -5,8 +5,9 @@ A builder takes the frozen backbone and the method's config and returns a *body*
 serving.protocol.POOLINGS, [B, P, d] (serving_torch.encoder.pool_states). The task head sits on top of any body and
 reads the row of its task's pooling (training.model.TaskModel). Only the parameters a method makes trainable have requires_grad.
 
-Methods register on import: importing this module runs the package's __init__ first, which imports every method,
-and each registers itself. So the registry is full for whoever imports it, and it imports no method itself.
+Methods register on import: importing any module of `training` runs the package's __init__ first, which imports
+training.methods, and each method registers itself. So the registry is full for whoever imports it, and it imports no
+method itself: the methods sit above it (and above training.artifact, which reads their configs).
 """
 
 from __future__ import annotations
