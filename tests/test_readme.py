@@ -2,7 +2,7 @@
 blocks whole).
 
 Against a tiny setup, so that it takes seconds: `minilm` stands for a tiny random BERT folder and `rotten_tomatoes`
-for a tiny sentiment folder (the real ones take minutes: tests/test_main_job.py runs them), and `aot serve` is given
+for a tiny sentiment folder (the real ones take minutes: tests/test_demo_end_to_end.py runs them), and `aot serve` is given
 free ports, which the commands after it learn from AOT_URL (so another server on 8001 does not matter). A block
 right after `<!-- readme-test: skip: REASON -->` is not run, and the reason says why.
 """
