@@ -1,8 +1,15 @@
-"""Shared set-up for export and serving tests: tiny tasks and repositories."""
+"""Shared set-up for export and serving tests: tiny tasks and repositories, a load of clients, the CLI's errors."""
 
 from __future__ import annotations
 
+import itertools
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
+
+import numpy as np
 
 from exporter.backbone_export import export_backbone
 from exporter.task_export import export_task
@@ -45,3 +52,73 @@ def serve_for_tests(request, repo: Path, load: tuple[str, ...] | None = None):
     if request.session.testsfailed > failed_before:  # before stop(), which removes a temporary log
         print(f"\n--- tritonserver log ({server.log_path}) ---\n{server.log_tail(80)}")
     server.stop()
+
+
+def one_line_error(capsys) -> str:
+    """What the CLI wrote on stderr, which must be one line."""
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+@dataclass
+class Outcome:
+    """One request of a Load: its task, the index of its text, when it was sent and answered (time.time()), and the
+    answer's logits or the error."""
+
+    task: str
+    text: int
+    start: float
+    end: float
+    logits: np.ndarray | None
+    error: str | None
+
+
+class Load:
+    """`clients` threads, each with a Client of its own, send request j of client k, `pick(k, j)` -> (task, index in
+    `texts`), `requests` times each or, with requests=None, until stopped; every Outcome is recorded.
+
+    A context manager: its block runs while they send; at its end they are joined, stopped first when the block
+    raised or when they have no request count."""
+
+    def __init__(self, url: str, texts: list[str], clients: int, pick: Callable[[int, int], tuple[str, int]],
+                 requests: int | None = None, timeout: float = 60.0):
+        self.url, self.texts, self.pick, self.requests, self.timeout = url, texts, pick, requests, timeout
+        self.outcomes: list[Outcome] = []  # appended by every client (list.append is atomic)
+        self._stop = threading.Event()
+        self._clients = [threading.Thread(target=self._send, args=(k,)) for k in range(clients)]
+
+    def _send(self, k: int) -> None:
+        from aot.client import Client, InferenceError
+
+        with Client(self.url, timeout=self.timeout) as client:
+            for j in range(self.requests) if self.requests is not None else itertools.count():
+                if self._stop.is_set():
+                    return
+                task, i = self.pick(k, j)
+                start = time.time()
+                try:
+                    logits, error = np.array(client.infer(task, self.texts[i])["logits"]), None
+                except InferenceError as exc:
+                    logits, error = None, str(exc)
+                self.outcomes.append(Outcome(task, i, start, time.time(), logits, error))
+
+    def wait_for(self, count: float) -> None:
+        """Until `count` outcomes are recorded, or the clients stopped sending."""
+        while len(self.outcomes) < count and not self._stop.is_set() and any(t.is_alive() for t in self._clients):
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        """No client sends another request (those under way finish)."""
+        self._stop.set()
+
+    def __enter__(self) -> "Load":
+        for thread in self._clients:
+            thread.start()
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None or self.requests is None:
+            self.stop()
+        for thread in self._clients:
+            thread.join()

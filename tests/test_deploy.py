@@ -10,12 +10,21 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _installed(program: str, why: str) -> str:
+    """The path of `program`; the test fails (not skips) without it, saying `why` it is needed."""
+    path = shutil.which(program)
+    if path is None:
+        pytest.fail(f"{program} is not installed: {why}")
+    return path
+
+
+def _compose() -> str:
+    return _installed("docker-compose", "scripts/setup.sh installs Debian's docker-compose package")
+
+
 def test_compose_file_is_valid():
-    compose = shutil.which("docker-compose")
-    if compose is None:
-        pytest.fail("docker-compose is not installed: scripts/setup.sh installs Debian's docker-compose package")
-    result = subprocess.run([compose, "-f", str(ROOT / "docker-compose.yml"), "config", "-q"], capture_output=True,
-                            text=True)
+    result = subprocess.run([_compose(), "-f", str(ROOT / "docker-compose.yml"), "config", "-q"],
+                            capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
 
@@ -72,11 +81,8 @@ def test_compose_env_of_a_repository_sizes_the_memory_pools(tmp_path, tiny_model
     from tests.helpers import make_repository
 
     repo = make_repository(tiny_models["bert"], tmp_path / "repo", {}, engine=engine)
-    compose = shutil.which("docker-compose")
-    if compose is None:
-        pytest.fail("docker-compose is not installed: scripts/setup.sh installs Debian's docker-compose package")
-    result = subprocess.run([compose, "--env-file", str(repo / "compose.env"), "-f", str(ROOT / "docker-compose.yml"),
-                             "config"], capture_output=True, text=True)
+    result = subprocess.run([_compose(), "--env-file", str(repo / "compose.env"), "-f",
+                             str(ROOT / "docker-compose.yml"), "config"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     spec = yaml.safe_load(result.stdout)
     triton = spec["services"]["triton"]
@@ -94,15 +100,21 @@ def _gpu_check(*stages, **env):
                           env={**os.environ, **env}, timeout=60)
 
 
-def test_gpu_check_refuses_what_it_cannot_run(tmp_path):
+@pytest.mark.parametrize("stages,kit,said", [
+    pytest.param((), None, ("smoke", "overhead"), id="no stage: its usage"),
+    pytest.param(("smoke", "warp"), None, ("unknown stage 'warp': expected smoke, serve, pool or overhead",),
+                 id="unknown stage"),
+    pytest.param(("smoke",), "no-kit", ("no-kit: run bash scripts/gpu-kit.sh",), id="no kit"),
+])
+def test_gpu_check_refuses_what_it_cannot_run(tmp_path, stages, kit, said):
     """scripts/gpu-check.sh (the GPU run, docs/benchmarks.md section 5) names what is wrong before it sets anything
-    up: no stage (its usage), an unknown stage, no kit, a kit for another Python."""
-    out = _gpu_check(OUT=str(tmp_path / "out"))
-    assert out.returncode == 2 and "smoke" in out.stderr and "overhead" in out.stderr
-    out = _gpu_check("smoke", "warp", OUT=str(tmp_path / "out"))
-    assert out.returncode == 2 and "unknown stage 'warp': expected smoke, serve, pool or overhead" in out.stderr
-    out = _gpu_check("smoke", AOT_GPU_KIT=str(tmp_path / "no-kit"), OUT=str(tmp_path / "out"))
-    assert out.returncode == 2 and "no-kit: run bash scripts/gpu-kit.sh" in out.stderr
+    up."""
+    out = _gpu_check(*stages, OUT=str(tmp_path / "out"), **({"AOT_GPU_KIT": str(tmp_path / kit)} if kit else {}))
+    assert out.returncode == 2 and all(words in out.stderr for words in said)
+
+
+def test_gpu_check_refuses_a_kit_for_another_python(tmp_path):
+    """A kit built for another Python is refused before anything is set up (no work folder), in the log too."""
     kit = tmp_path / "kit"
     kit.mkdir()
     (kit / "python-version").write_text("2.7\n")
@@ -118,9 +130,7 @@ KUBERNETES = "1.32.0"  # kubectl's version on these machines; the manifests use 
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, dict]:
     """deploy/kubernetes rendered offline by kubectl's Kustomize: kind -> object (the Services by name)."""
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.fail("kubectl is not installed: it renders deploy/kubernetes (kubectl kustomize)")
+    kubectl = _installed("kubectl", "it renders deploy/kubernetes (kubectl kustomize)")
     result = subprocess.run([kubectl, "kustomize", str(ROOT / "deploy" / "kubernetes")], capture_output=True,
                             text=True)
     assert result.returncode == 0, result.stderr

@@ -18,6 +18,7 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +32,7 @@ from serving.repository import read_repository
 from serving.shm import SHM, STUB
 from serving.supervisor import GRPC_ADMIN_HEADER, stubs_of
 from serving.task_registry import TaskRegistry
-from tests.helpers import WITH_STEPS, make_repository, serve_for_tests, train_tiny_task
+from tests.helpers import WITH_STEPS, Load, Outcome, make_repository, serve_for_tests, train_tiny_task
 from training.predict import Predictor
 
 pytestmark = [pytest.mark.server, pytest.mark.faults]
@@ -416,29 +417,9 @@ def test_bad_direct_requests_fail_alone_under_load(server, repo, expected):
         ("aot", {"TEXT": _bytes("good w1"), "TASK": _bytes(missing)}, f"task version {missing!r} is not in the store"),
         ("aot", {"TEXT": _bytes("good w1"), "TASK": _bytes(outside)}, f"invalid task version {outside!r}"),
     ]
-    stop, failures, checked = threading.Event(), [], [0]
-
-    def traffic(k):
-        with Client(server.grpc_url, timeout=30) as c:
-            j = 0
-            while not stop.is_set():
-                name, i = TASKS[(k + j) % 3], (k + j) % len(TEXTS)
-                j += 1
-                try:
-                    got = c.infer(name, TEXTS[i])["logits"]
-                except InferenceError as exc:
-                    failures.append(f"{name}/{i}: {exc}")
-                    continue
-                if np.abs(np.array(got) - expected[name][i]).max() > ATOL:
-                    failures.append(f"{name}/{i}: wrong logits {got}")
-                checked[0] += 1
-
     repairs = len(server.supervisor.repairs)
-    threads = [threading.Thread(target=traffic, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
     problems, seen = [], {}
-    try:
+    with Load(server.grpc_url, TEXTS, 4, lambda k, j: (TASKS[(k + j) % 3], (k + j) % len(TEXTS)), timeout=30) as load:
         time.sleep(0.3)
         for _ in range(2):  # every bad request twice, interleaved with the legitimate traffic
             for model, inputs, message in cases:
@@ -448,15 +429,15 @@ def test_bad_direct_requests_fail_alone_under_load(server, repo, expected):
                     problems.append(f"{model}: expected {message!r}, got {got!r}")
                 _assert_clean(got, repo)
         time.sleep(0.3)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join()
+    checked = [o for o in load.outcomes if o.error is None]
+    failures = [f"{o.task}/{o.text}: {o.error}" for o in load.outcomes if o.error is not None] + \
+        [f"{o.task}/{o.text}: wrong logits {o.logits.tolist()}" for o in checked
+         if np.abs(o.logits - expected[o.task][o.text]).max() > ATOL]
     assert problems == []
     assert failures == [], failures[:5]
-    assert checked[0] > 20, f"only {checked[0]} legitimate answers"
+    assert len(checked) > 20, f"only {len(checked)} legitimate answers"
     assert server.supervisor.repairs[repairs:] == [], "a stub died"
-    print(f"\n{2 * len(cases)} bad requests refused; {checked[0]} legitimate answers meanwhile, all correct")
+    print(f"\n{2 * len(cases)} bad requests refused; {len(checked)} legitimate answers meanwhile, all correct")
     for (model, _), got in seen.items():
         print(f"  {model}: {got}")
 
@@ -685,128 +666,127 @@ def test_metrics_per_task_and_step(server, repo):
 
 # --- 10. soak -----------------------------------------------------------------------------------------------------
 
+SOAK_CLIENTS, SOAK_REQUESTS = 16, 200  # requests per client
+SOURCES = {"alpha": ("alpha",), "beta": ("beta",), "gamma": ("gamma", "delta")}  # artifacts a task may answer from
+VERDICTS = ("ok", "wrong", "stale", "stub downtime", "removed task", "unexpected")
+
+
+@dataclass
+class Disruptions:
+    """When the soak broke something (time.time()): gamma re-exported from delta, beta removed, the aot stub killed,
+    the step serving again (reloaded by the supervisor, or tritonserver restarted by LocalServer)."""
+
+    reexported: float
+    remove: float
+    removed: float
+    kill: float
+    repaired: float
+    server_restarted: bool
+
+
+def _wait_until_serving(server, supervisor, repairs: int, restarts: int, seconds: float = 60) -> None:
+    """Until the killed aot step serves again: the supervisor reloads it (the other instance answers meanwhile, the
+    killed one's requests fail), or, when Triton 2.51's python backend aborts the whole server (boost
+    lock_exception, seen in ~1 of 3 runs with 16 clients), LocalServer restarts it; then a request is answered."""
+    deadline = time.monotonic() + seconds
+    with Client(server.grpc_url, timeout=10) as probe:
+        while True:
+            try:
+                if _repaired(server, "aot", supervisor, repairs, restarts):
+                    probe.infer("alpha", TEXTS[0])
+                    return
+            except Exception:  # noqa: BLE001
+                pass
+            if server.failed or time.monotonic() > deadline:
+                watcher = server.supervisor
+                raise AssertionError(
+                    f"not serving {seconds:.0f} s after the stub was killed: failed {server.failed}; repairs since "
+                    f"{watcher.repairs[repairs:] if watcher is supervisor else 'a restart'}; supervisor health "
+                    f"{watcher.health()}; stubs {sorted(stubs_of(server.process.pid))}")
+            time.sleep(0.05)
+
+
+def _disrupt(server, repo, artifacts, load: Load, total: int) -> Disruptions:
+    """Once 20 % of the requests are answered, re-export gamma from delta; at 40 %, remove beta; at 55 %, kill the
+    aot stub (one of the fused step's two instances) and wait until the step serves again."""
+    load.wait_for(0.2 * total)
+    export_task(artifacts["delta"], repo, "gamma", "fused", progress=False)
+    reexported = time.time()
+    load.wait_for(0.4 * total)
+    remove = time.time()
+    TaskStore(read_repository(repo).store_root).remove("beta")
+    removed = time.time()
+    load.wait_for(0.55 * total)
+    stub = stubs_of(server.process.pid)["aot_0_0"]
+    supervisor, repairs, restarts = server.supervisor, len(server.supervisor.repairs), len(server.restarts)
+    kill = time.time()
+    os.kill(stub.pid, signal.SIGKILL)
+    _wait_until_serving(server, supervisor, repairs, restarts)
+    return Disruptions(reexported, remove, removed, kill, time.time(), len(server.restarts) > restarts)
+
+
+def _verdict(outcome: Outcome, disruptions: Disruptions, expected) -> str:
+    """An answer is ok when it is one version's logits (wrong otherwise), stale when gamma's old version answered a
+    request sent after the re-export; a failure is allowed during the stub's downtime (sent before the step served
+    again + 1 s, answered after the kill) or for the removed task (answered after its removal, naming beta when sent
+    after it); any other failure is unexpected."""
+    o, d = outcome, disruptions
+    if o.error is None:
+        matches = [v for v in SOURCES[o.task] if np.abs(o.logits - expected[v][o.text]).max() <= ATOL]
+        if not matches:
+            return "wrong"
+        return "stale" if o.task == "gamma" and o.start > d.reexported and matches != ["delta"] else "ok"
+    if o.start <= d.repaired + 1.0 and o.end >= d.kill:
+        return "stub downtime"
+    if o.task == "beta" and o.end >= d.remove and (o.start <= d.removed or "unknown task 'beta'" in o.error):
+        return "removed task"
+    return "unexpected"
+
+
+def _classify(outcomes: list[Outcome], disruptions: Disruptions, expected) -> dict[str, list[Outcome]]:
+    """Every outcome under its verdict (each of VERDICTS a key)."""
+    verdicts = {verdict: [] for verdict in VERDICTS}
+    for outcome in outcomes:
+        verdicts[_verdict(outcome, disruptions, expected)].append(outcome)
+    return verdicts
+
+
+def _soak_summary(load: Load, verdicts: dict[str, list[Outcome]], d: Disruptions, seconds: float, began: float) -> str:
+    """One line for the log: throughput, each verdict's count, and how long the stub's downtime was felt."""
+    total = len(load.outcomes)
+    first_ok = min((o.end for o in load.outcomes if o.start >= d.kill and o.error is None), default=float("nan"))
+    down = [o for o in load.outcomes if o.error is not None and "unknown task 'beta'" not in o.error]
+    return (f"soak: {total} requests by {SOAK_CLIENTS} clients in {seconds:.1f} s ({total / seconds:.0f} req/s); "
+            f"{', '.join(f'{len(found)} {verdict}' for verdict, found in verdicts.items())}; stub killed at "
+            f"+{d.kill - began:.1f} s; serving again {d.repaired - d.kill:.2f} s after the kill "
+            f"({'tritonserver aborted and was restarted' if d.server_restarted else 'step reloaded'}); first correct "
+            f"answer of a request sent after the kill {first_ok - d.kill:.2f} s after it; last failure "
+            f"{max((o.end - d.kill for o in down), default=0.0):.2f} s after it; failure messages "
+            f"{sorted({o.error for o in down})}")
+
+
 def test_soak_with_reexport_removal_and_a_killed_stub(server, repo, artifacts, expected):
     """16 clients x 200 requests over 3 tasks; meanwhile gamma is re-exported from another artifact (delta), beta is
     removed, and the aot stub (the fused step) is killed. Every answer is one version's; failures only where allowed."""
-    threads_n, per_thread = 16, 200
-    total = threads_n * per_thread
-    records = []  # (task, text index, start, end, logits | None, error | None), time.time()
-    done = [0]
-    lock = threading.Lock()
-    events: dict[str, float] = {}
-    abort = threading.Event()  # the server died or was not repaired: stop sending (the test then fails)
-
-    def worker(k):
-        with Client(server.grpc_url, timeout=20) as c:
-            for j in range(per_thread):
-                if abort.is_set():
-                    return
-                name, i = TASKS[(k + j) % 3], (k * 7 + j) % len(TEXTS)
-                start = time.time()
-                try:
-                    got, error = np.array(c.infer(name, TEXTS[i])["logits"]), None
-                except InferenceError as exc:
-                    got, error = None, str(exc)
-                with lock:
-                    records.append((name, i, start, time.time(), got, error))
-                    done[0] += 1
-
-    def wait_for(fraction):
-        while done[0] < fraction * total and not abort.is_set():
-            time.sleep(0.02)
-
-    def controller():
-        try:
-            wait_for(0.2)
-            events["reexport_start"] = time.time()
-            export_task(artifacts["delta"], repo, "gamma", "fused", progress=False)
-            events["reexport_end"] = time.time()
-            wait_for(0.4)
-            events["remove"] = time.time()
-            TaskStore(read_repository(repo).store_root).remove("beta")
-            events["removed"] = time.time()
-            wait_for(0.55)
-            stub = stubs_of(server.process.pid)["aot_0_0"]
-            supervisor, repairs, restarts = server.supervisor, len(server.supervisor.repairs), len(server.restarts)
-            events["kill"] = time.time()
-            os.kill(stub.pid, signal.SIGKILL)
-            # Serving again: the supervisor reloads the step (the other instance answers meanwhile, the killed one's
-            # requests fail), or, when Triton 2.51's python backend aborts the whole server (boost lock_exception,
-            # seen in ~1 of 3 runs with 16 clients), LocalServer restarts it.
-            deadline = time.monotonic() + 60
-            with Client(server.grpc_url, timeout=10) as probe:
-                while True:
-                    try:
-                        if _repaired(server, "aot", supervisor, repairs, restarts):
-                            probe.infer("alpha", TEXTS[0])
-                            break
-                    except Exception:  # noqa: BLE001
-                        pass
-                    if server.failed or time.monotonic() > deadline:
-                        watcher = server.supervisor
-                        raise AssertionError(
-                            f"not serving 60 s after the stub was killed: failed {server.failed}; repairs since "
-                            f"{watcher.repairs[repairs:] if watcher is supervisor else 'a restart'}; supervisor "
-                            f"thread alive {watcher._thread.is_alive()}; stubs {sorted(stubs_of(server.process.pid))}")
-                    time.sleep(0.05)
-            events["repaired"] = time.time()
-            events["server_restarted"] = len(server.restarts) > restarts
-        except BaseException as exc:
-            control_errors.append(f"{type(exc).__name__}: {exc}")
-            abort.set()
-
-    began = time.monotonic()
-    began_wall = time.time()
-    workers = [threading.Thread(target=worker, args=(k,)) for k in range(threads_n)]
+    total = SOAK_CLIENTS * SOAK_REQUESTS
+    began, began_wall = time.monotonic(), time.time()
     control_errors = []
-    control = threading.Thread(target=controller)
-    for t in workers + [control]:
-        t.start()
-    for t in workers + [control]:
-        t.join()
+    with Load(server.grpc_url, TEXTS, SOAK_CLIENTS, lambda k, j: (TASKS[(k + j) % 3], (k * 7 + j) % len(TEXTS)),
+              requests=SOAK_REQUESTS, timeout=20) as load:
+        try:
+            disruptions = _disrupt(server, repo, artifacts, load, total)
+        except Exception as exc:  # noqa: BLE001 - the server died or was not repaired: stop sending (the test fails)
+            control_errors.append(f"{type(exc).__name__}: {exc}")
+            load.stop()
     seconds = time.monotonic() - began
     crash = [line for line in server.log_path.read_text(errors="replace").splitlines()
              if "lock_exception" in line or "Signal (" in line and "Signal (15)" not in line]
-    assert control_errors == [], f"{control_errors}; {len(records)} of {total} requests sent; server log: {crash}"
-    assert len(records) == total
-
-    versions = {"alpha": ["alpha"], "beta": ["beta"], "gamma": ["gamma", "delta"]}
-    wrong, stale, unexpected = [], [], []
-    failed = {"removed task": 0, "stub downtime": 0}
-    ok = 0
-    down_from, down_to = events["kill"], events["repaired"] + 1.0
-    for name, i, start, end, got, error in records:
-        if error is None:
-            ok += 1
-            matches = [v for v in versions[name] if np.abs(got - expected[v][i]).max() <= ATOL]
-            if not matches:
-                wrong.append((name, i, got.tolist()))
-            elif name == "gamma" and start > events["reexport_end"] and matches != ["delta"]:
-                stale.append((name, i, start - events["reexport_end"]))
-        elif start <= down_to and end >= down_from:  # sent before the step served again, answered after the kill
-            failed["stub downtime"] += 1
-        elif name == "beta" and end >= events["remove"]:
-            failed["removed task"] += 1
-            if start > events["removed"] and "unknown task 'beta'" not in error:
-                unexpected.append((name, error))
-        else:
-            unexpected.append((name, round(start - events["kill"], 2), error))
-    first_ok = min((r[3] for r in records if r[2] >= events["kill"] and r[5] is None), default=float("nan")) \
-        - events["kill"]
-    down = [(round(start - events["kill"], 2), round(end - events["kill"], 2), error)
-            for name, i, start, end, got, error in records
-            if error is not None and "unknown task 'beta'" not in error]
-    last_down = max((d[1] for d in down), default=0.0)
-    messages = sorted({d[2] for d in down})
-    print(f"\nsoak: {total} requests by {threads_n} clients in {seconds:.1f} s ({total / seconds:.0f} req/s); "
-          f"{ok} answered, {len(wrong)} wrong, {failed['removed task']} failed for the removed task, "
-          f"{failed['stub downtime']} failed during the stub downtime, {len(unexpected)} other failures; "
-          f"stub killed at +{events['kill'] - began_wall:.1f} s; serving again "
-          f"{events['repaired'] - events['kill']:.2f} s after the kill "
-          f"({'tritonserver aborted and was restarted' if events['server_restarted'] else 'step reloaded'}); "
-          f"first correct answer of a request sent after the kill "
-          f"{first_ok:.2f} s after it; last failure {last_down:.2f} s after it; failure messages {messages}")
-    assert wrong == [], wrong[:5]
-    assert stale == [], stale[:5]
-    assert unexpected == [], unexpected[:5]
-    assert ok + sum(failed.values()) == total
+    assert control_errors == [], f"{control_errors}; {len(load.outcomes)} of {total} requests sent; server log: {crash}"
+    assert len(load.outcomes) == total
+    verdicts = _classify(load.outcomes, disruptions, expected)
+    print("\n" + _soak_summary(load, verdicts, disruptions, seconds, began_wall))
+    assert verdicts["wrong"] == [], verdicts["wrong"][:5]
+    assert verdicts["stale"] == [], verdicts["stale"][:5]
+    assert verdicts["unexpected"] == [], verdicts["unexpected"][:5]
+    answered = sum(len(verdicts[verdict]) for verdict in ("ok", "wrong", "stale"))
+    assert answered + len(verdicts["stub downtime"]) + len(verdicts["removed task"]) == total

@@ -2,9 +2,9 @@
 blocks whole).
 
 Against a tiny setup, so that it takes seconds: `minilm` stands for a tiny random BERT folder and `rotten_tomatoes`
-for a tiny sentiment folder (the real ones take minutes: tests/test_main_job.py runs them), and `aot serve` is given
-free ports, which the commands after it learn from AOT_URL (so another server on 8001 does not matter). A block
-right after `<!-- readme-test: skip: REASON -->` is not run, and the reason says why.
+for a tiny sentiment folder (the real ones take minutes: tests/test_demo_end_to_end.py runs them), and `aot serve`
+is given free ports, which the commands after it learn from AOT_URL (so another server on 8001 does not matter). A
+block right after `<!-- readme-test: skip: REASON -->` is not run, and the reason says why.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import re
 import shlex
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -25,9 +26,19 @@ BLOCK = re.compile(r"(?:<!-- readme-test: skip: (?P<skip>[^\n]*?) -->\n)?```(?P<
                    re.S | re.M)
 
 
-def blocks(document: str) -> list[tuple[str, str, str | None]]:
-    """(language, code, reason it is not run or None) of every fenced block."""
-    return [(m["lang"], m["code"], m["skip"]) for m in BLOCK.finditer((ROOT / document).read_text(encoding="utf-8"))]
+@dataclass(frozen=True)
+class Block:
+    """A fenced block of a document."""
+
+    lang: str
+    code: str
+    skip: str | None  # why it is not run (None: it runs)
+
+
+def blocks(document: str) -> list[Block]:
+    """Every fenced block of `document`."""
+    text = (ROOT / document).read_text(encoding="utf-8")
+    return [Block(m["lang"], m["code"], m["skip"]) for m in BLOCK.finditer(text)]
 
 
 def commands(code: str) -> list[str]:
@@ -40,10 +51,12 @@ def commands(code: str) -> list[str]:
 def test_every_block_runs_or_says_why(document):
     found = blocks(document)
     assert len(found) >= 5
-    for lang, code, skip in found:
-        assert lang in ("bash", "python", "text"), f"{document}: a block without a known language: {code[:60]!r}"
-        assert skip is None or skip.strip(), f"{document}: a skipped block must say why: {code[:60]!r}"
-    assert sum(skip is None and lang != "text" for lang, _, skip in found) >= 4
+    for block in found:
+        assert block.lang in ("bash", "python", "text"), \
+            f"{document}: a block without a known language: {block.code[:60]!r}"
+        assert block.skip is None or block.skip.strip(), \
+            f"{document}: a skipped block must say why: {block.code[:60]!r}"
+    assert sum(block.skip is None and block.lang != "text" for block in found) >= 4
 
 
 @pytest.mark.server
@@ -61,15 +74,15 @@ def test_blocks_run(tmp_path, tiny_models, sentiment_dir, document):
 
     server = None
     try:
-        for lang, code, skip in blocks(document):
-            if skip is not None or lang == "text":
+        for block in blocks(document):
+            if block.skip is not None or block.lang == "text":
                 continue
-            if lang == "python":
-                run = subprocess.run([sys.executable, "-c", tiny(code)], cwd=tmp_path, env=env, capture_output=True,
-                                     text=True, timeout=300)
-                assert run.returncode == 0, f"{document}: {code}\n{run.stderr}"
+            if block.lang == "python":
+                run = subprocess.run([sys.executable, "-c", tiny(block.code)], cwd=tmp_path, env=env,
+                                     capture_output=True, text=True, timeout=300)
+                assert run.returncode == 0, f"{document}: {block.code}\n{run.stderr}"
                 continue
-            for command in commands(code):
+            for command in commands(block.code):
                 if command.startswith("aot serve"):
                     argv = shlex.split(tiny(command), comments=True) + [str(v) for kv in ports.items() for v in kv]
                     server = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE,

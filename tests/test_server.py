@@ -382,31 +382,16 @@ def test_task_at_version_pins_a_version_the_store_holds(server, repo, artifacts,
 def test_reexport_under_load_serves_exactly_one_version_per_request(server, repo, artifacts, expected):
     """Re-export a task while 6 clients call it: every answer is the old version's or the new one's, none fails,
     none mixes one version's table with the other's head (the first step pins the version)."""
-    stop, answers, failures = threading.Event(), [], []
+    from tests.helpers import Load
 
-    def traffic(k):
-        with Client(server.grpc_url) as c:
-            while not stop.is_set():
-                i = k % len(TEXTS)
-                try:
-                    answers.append((i, np.array(c.infer("alpha", TEXTS[i])["logits"])))
-                except InferenceError as exc:
-                    failures.append(str(exc))
-
-    threads = [threading.Thread(target=traffic, args=(k,)) for k in range(6)]
-    for t in threads:
-        t.start()
-    try:
+    with Load(server.grpc_url, TEXTS, 6, lambda k, j: ("alpha", k % len(TEXTS))) as load:
         for source in ("gamma", "alpha", "gamma", "alpha"):
             time.sleep(0.5)
             export_task(artifacts[source], repo, "alpha", "factored" if source == "gamma" else "fused",
                         progress=False)
         time.sleep(0.5)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join()
-    assert failures == []
+    answers = [(o.text, o.logits) for o in load.outcomes if o.error is None]
+    assert [o.error for o in load.outcomes if o.error is not None] == []
     versions = {"alpha": 0, "gamma": 0}
     for i, logits in answers:
         matches = [n for n in versions if np.abs(logits - expected[n][i]).max() <= 1e-3]
