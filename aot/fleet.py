@@ -8,7 +8,7 @@ The load balancer is HAProxy (Debian's package, installed by scripts/setup.sh), 
 - gRPC (HTTP/2, balanced per request, not per connection) and HTTP on the usual ports; the replicas listen on
   loopback ports of their own, their metrics on --metrics-port + 2*i and their /ready, /live on --health-port + 2*i
   (replica 0 keeps today's ports);
-- active health checks on each replica's supervisor `/ready` (serving.supervisor: 200 only when every model is
+- active health checks on each replica's supervisor `/ready` (serving.health: 200 only when every model is
   loaded and answering and no repair runs), so a replica that starts, restarts or repairs a step gets no traffic;
   a connection error marks a replica down at once (observe layer4), before its next check;
 - L7 retries on another replica (`retry-on` + `option redispatch`): inference is idempotent, so a request that a
@@ -31,9 +31,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aot.server import LocalServer, ServerError, _die_with_parent, free_ports, port_is_free
+from aot.server import Endpoints, LocalServer, ServerError, free_ports, port_is_free
+from serving.admin_key import resolve_admin_key
+from serving.lifecycle import die_with_parent
 from serving.repository import read_repository
-from serving.supervisor import admin_key_from_environment, check_admin_key, generate_admin_key
 
 PORT_STRIDE = 2  # replica i: metrics on --metrics-port + 2*i, health on --health-port + 2*i (8002/8003, 8004/8005, ...)
 CHECK_INTERVAL_MS = 500  # HAProxy's /ready checks: a replica is down after 2 failed ones, up after 2 good ones
@@ -101,7 +102,7 @@ backend http
 
 
 @dataclass
-class Fleet:
+class Fleet(Endpoints):
     """`replicas` LocalServers on `repo` behind HAProxy on host:grpc_port and host:http_port. Use as a context
     manager or call start()/stop(). `server_options` go to every LocalServer (pool_bytes, device, ...)."""
 
@@ -127,9 +128,7 @@ class Fleet:
         # every port chosen at once, so that no two collide: the LB's two, and four per replica (loopback)
         spare = iter(free_ports(2, self.host) + free_ports(4 * self.replicas))
         self.grpc_port, self.http_port = self.grpc_port or next(spare), self.http_port or next(spare)
-        if self.admin_key is not None:
-            self.admin_key = check_admin_key(self.admin_key, "admin key")
-        self.admin_key = self.admin_key or admin_key_from_environment() or generate_admin_key()
+        self.admin_key = resolve_admin_key(self.admin_key)
         self._workdir = Path(tempfile.mkdtemp(prefix="aot-fleet-"))
         self.log_path = self._workdir / "haproxy.log"
         self.socket_path = self._workdir / "haproxy.sock"
@@ -143,14 +142,6 @@ class Fleet:
         """Replica i's port for a flag's `base` (0: a free one)."""
         chosen = next(spare)
         return base + PORT_STRIDE * i if base else chosen
-
-    @property
-    def grpc_url(self) -> str:
-        return f"{self.host}:{self.grpc_port}"
-
-    @property
-    def http_url(self) -> str:
-        return f"{self.host}:{self.http_port}"
 
     @property
     def admin_key_path(self) -> Path:
@@ -189,7 +180,7 @@ class Fleet:
             with open(self.log_path, "w") as log:
                 self.balancer = subprocess.Popen([self.haproxy, "-db", "-f", str(self.config_path)], stdout=log,
                                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                                 start_new_session=True, preexec_fn=_die_with_parent)
+                                                 start_new_session=True, preexec_fn=die_with_parent)
             self.wait_all_up(timeout=30)
         except BaseException:
             self.stop()

@@ -12,60 +12,42 @@ AOT_ADMIN_KEY_FILE names, else a key generated per server and written to a 0600 
 (`admin_key_path`); the supervisor authenticates its reloads with it; it is never logged. Readiness that tells the
 truth is the supervisor's `/ready` on the health port (`health_url`), not Triton's /v2/health/ready.
 
-Lifetime: the server runs in its own process group and dies with the process that started it (parent-death
-signal), so `kill -9` of `aot serve` leaves no server behind. A supervisor (serving.supervisor) repairs a step whose
-stub died; when tritonserver itself dies (Triton 2.51's python backend can abort when a stub is killed under load),
-its stubs and shared memory are removed and it is started again, at most 3 times a minute. Stopping sends SIGTERM to the group, then SIGKILL to the server alone (its stubs then remove their
-shared memory), then SIGKILL to the group and removes what stubs left in /dev/shm: also when the server had already
-exited (crashed) by itself.
+Lifetime (serving.lifecycle, which the container's entry point runs too): the server runs in its own process group
+and dies with the process that started it (parent-death signal), so `kill -9` of `aot serve` leaves no server
+behind. A supervisor (serving.repairs) repairs a step whose stub died; when tritonserver itself dies (Triton 2.51's
+python backend can abort when a stub is killed under load), its stubs and shared memory are removed and it is
+started again, at most 3 times a minute. Stopping sends SIGTERM to the group, then SIGKILL to the server alone (its
+stubs then remove their shared memory), then SIGKILL to the group and removes what stubs left in /dev/shm: also
+when the server had already exited (crashed) by itself.
 """
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from serving.admin_key import resolve_admin_key
+from serving.health import HealthServer
+from serving.lifecycle import ServerError, ServerExited, ServerLifecycle, http_ok, log_tail
+from serving.repairs import Supervisor
 from serving.repository import CPU_MODELS, POOL_BYTES_ENV, memory_pool_bytes, read_repository
-from serving.supervisor import (HealthServer, Supervisor, admin_key_from_environment, check_admin_key,
-                                generate_admin_key, reap, restriction_args)
 
-
-class ServerError(RuntimeError):
-    pass
-
-
-class ServerExited(ServerError):
-    """tritonserver exited by itself before it was ready."""
-
-
-_PR_SET_PDEATHSIG = 1
 MAX_RESTARTS = 3
 # numpy's BLAS computes factored rows in the steps: a few small matmuls per batch. Its default thread pool spins on
-# every core against ONNX Runtime's threads (measured, MiniLM factored, concurrency 8: 46-51 req/s with it, 80-86
-# with one thread; vanilla 85-98 either way).
+# every core against ONNX Runtime's threads, and factored serving lost much of its throughput to it (measured:
+# docs/benchmarks.md section 4, "What moved the numbers").
 SINGLE_THREADED_BLAS = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 RESTART_WINDOW = 60.0
 STEP_PYTHON_ENV = "AOT_STEP_PYTHON"
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the process that started it dies (Linux prctl)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except OSError:
-        pass
 
 
 def triton_home() -> Path:
@@ -139,14 +121,6 @@ def backends_folder(root: Path, version: str) -> Path:
     return root / "backends"
 
 
-def _status_ok(url: str, timeout: float) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
 def port_is_free(host: str, port: int) -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -174,8 +148,21 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
+class Endpoints:
+    """What clients reach, a server's or a fleet's load balancer's: gRPC and HTTP on `host` (the class sets host,
+    grpc_port and http_port)."""
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+
 @dataclass
-class LocalServer:
+class LocalServer(Endpoints):
     """tritonserver on REPO/models with the CPU configs (`device` "cpu"), or with the GPU configs of a torch-engine
     repository (`device` "cuda": the local binary has only the python backend) and memory pools sized from the
     repository. Use as a context manager or call start()/stop()."""
@@ -195,15 +182,12 @@ class LocalServer:
     log_path: Path | None = None
     extra_args: list[str] = field(default_factory=list)
     supervise: bool = True
-    restart: bool = True  # start tritonserver again when it dies (serving.supervisor repairs single steps)
+    restart: bool = True  # start tritonserver again when it dies (serving.repairs repairs single steps)
     pool_bytes: int | None = None  # overrides the repository's task pool budget (AOT_POOL_BYTES)
     device: str = "cpu"
     # the models loaded (None: the ones the device's configs serve clients, `models()`); the GPU ensembles' separate
     # steps have CPU configs too, so that a test can load them on this machine
     load: tuple[str, ...] | None = None
-    process: subprocess.Popen | None = None
-    ready_seconds: float | None = None
-    supervisor: Supervisor | None = None
     failed: str | None = None  # why the server is down for good (restarts exhausted)
     restarts: list[float] = field(default_factory=list)
 
@@ -215,9 +199,7 @@ class LocalServer:
         self.metrics_port = self.metrics_port or next(spare)
         self.health_port = self.health_port or next(spare)
         self._check_tls()
-        if self.admin_key is not None:
-            self.admin_key = check_admin_key(self.admin_key, "admin key")
-        self.admin_key = self.admin_key or admin_key_from_environment() or generate_admin_key()
+        self.admin_key = resolve_admin_key(self.admin_key)
         self._workdir = Path(tempfile.mkdtemp(prefix="aot-triton-"))
         self.admin_key_path = self._workdir / "admin-key"  # 0600: what an operator sends as the aot-admin-key header
         fd = os.open(self.admin_key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -228,6 +210,8 @@ class LocalServer:
         self._watcher: threading.Thread | None = None
         self.log_path = Path(self.log_path or self._workdir / "tritonserver.log")
         self._python: StepPython | None = None
+        self._server = ServerLifecycle(self.http_url, self.admin_key, self.supervise, log=self._log,
+                                       log_path=self.log_path, own_group=True)
 
     def _check_tls(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -257,18 +241,27 @@ class LocalServer:
         return self._python
 
     @property
-    def grpc_url(self) -> str:
-        return f"{self.host}:{self.grpc_port}"
+    def process(self) -> subprocess.Popen | None:
+        """The tritonserver process: the running one, or the last."""
+        return self._server.process
 
     @property
-    def http_url(self) -> str:
-        return f"{self.host}:{self.http_port}"
+    def supervisor(self) -> Supervisor | None:
+        """The supervisor of the last tritonserver that became ready."""
+        return self._server.supervisor
+
+    @property
+    def ready_seconds(self) -> float | None:
+        """How long the last tritonserver took from its start to ready."""
+        return self._server.ready_seconds
 
     @property
     def health_url(self) -> str:
         return f"{self.metrics_host}:{self.health_port}"
 
     def command(self) -> list[str]:
+        """tritonserver and its flags (the lifecycle adds the API restrictions: the control API takes the admin key
+        only)."""
         return [str(triton_home() / "bin" / "tritonserver"), f"--model-repository={self.repo / 'models'}",
                 f"--backend-directory={backends_folder(self._workdir, self.python.version)}", *self.device_args(),
                 f"--http-address={self.host}", f"--http-port={self.http_port}",
@@ -277,7 +270,6 @@ class LocalServer:
                 "--disable-auto-complete-config", "--log-info=true",
                 "--model-control-mode=explicit",  # the supervisor reloads what died
                 *(f"--load-model={m}" for m in self.models()),
-                *restriction_args(self.admin_key),  # the control API: the admin key only
                 *self.tls_args(),
                 *self.extra_args]
 
@@ -330,19 +322,19 @@ class LocalServer:
 
     def is_ready(self) -> bool:
         """Triton's own readiness: enough while it starts (the supervisor begins after it)."""
-        return _status_ok(f"http://{self.http_url}/v2/health/ready", 1)
+        return self._server.triton_ready()
 
     def serves(self) -> bool:
         """The supervisor's /ready: every model loaded, ready and answering its probe (what a balancer asks)."""
-        return _status_ok(f"http://{self.health_url}/ready", 2)
+        return http_ok(f"http://{self.health_url}/ready", 2)
 
     def start(self, timeout: float = 120) -> "LocalServer":
         if not (self.repo / "models").is_dir():
             raise ServerError(f"{self.repo} has no models/ folder: not a model repository from `aot export backbone`")
         self.check_ports()
-        self._health = HealthServer(self._current_supervisor, self.metrics_host, self.health_port).start()
+        self._health = HealthServer(self._server.current_supervisor, self.metrics_host, self.health_port).start()
         try:
-            self._launch(timeout, mode="w")
+            self._launch(timeout)
         except BaseException:
             self._health.stop()
             self._health = None
@@ -352,48 +344,17 @@ class LocalServer:
             self._watcher.start()
         return self
 
-    def _launch(self, timeout: float, mode: str = "a") -> None:
-        command, env = self.command(), self.environment()  # the steps' Python probed here, not timed below
-        start = time.monotonic()
-        log = open(self.log_path, mode)
-        self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True,
-                                        preexec_fn=_die_with_parent)
-        log.close()
-        while time.monotonic() - start < timeout:
-            if self.process.poll() is not None:
-                raise ServerExited(f"tritonserver exited with code {self.process.returncode} before it was ready:\n"
-                                  f"{self.log_tail()}")
-            if self.is_ready():
-                self.ready_seconds = time.monotonic() - start
-                if self.supervise:
-                    self.supervisor = Supervisor(self.process.pid, self.http_url, self.admin_key,
-                                                 log=self._log).start()
-                return
-            time.sleep(0.05)
-        self._stop_process()
-        raise ServerError(f"tritonserver was not ready after {timeout:.0f} s:\n{self.log_tail()}")
-
-    def _current_supervisor(self) -> Supervisor | None:
-        """The supervisor of the running tritonserver (None while it starts or restarts): what /ready asks."""
-        process, supervisor = self.process, self.supervisor
-        if process is None or process.poll() is not None or supervisor is None:
-            return None
-        return supervisor if supervisor.server_pid == process.pid else None
+    def _launch(self, timeout: float) -> None:
+        self._server.start(self.command(), self.environment())  # the steps' Python probed before, not timed
+        self._server.wait_ready(timeout)
 
     def _watch(self) -> None:
-        """Start tritonserver again when it died (a crash, or a step the supervisor could not reload): at most
-        MAX_RESTARTS times in RESTART_WINDOW seconds, then give up (`failed` says why; `aot serve` exits). A restart
-        that dies before it is ready is one more death, counted on the next pass, not the end: it may have died just
-        as it became ready, of the same cause as the others."""
-        while not self._stopping.wait(0.5):
-            if self.process.poll() is None:
-                if self.supervisor is not None and self.supervisor.failed:
-                    self._log(f"{', '.join(self.supervisor.failed)} could not be reloaded; restarting tritonserver")
-                    self._stop_process()
-                continue
-            code = self.process.returncode
-            self._stop_process()  # reaps the stubs and their shared memory
+        """Start tritonserver again when it died (a crash, or a step the supervisor could not reload: the lifecycle
+        stops it): at most MAX_RESTARTS times in RESTART_WINDOW seconds, then give up (`failed` says why; `aot serve`
+        exits). A restart that dies before it is ready is one more death, counted on the next pass, not the end: it
+        may have died just as it became ready, of the same cause as the others."""
+        while (code := self._server.watch(until=self._stopping)) is not None:
+            self._server.stop()  # reaps the stubs and their shared memory
             now = time.monotonic()
             self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW] + [now]
             if len(self.restarts) > MAX_RESTARTS:
@@ -409,11 +370,7 @@ class LocalServer:
                 return
 
     def log_tail(self, lines: int = 40) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(text[-lines:])
+        return log_tail(self.log_path, lines)
 
     def _log(self, message: str) -> None:
         print(f"aot: {message}", file=sys.stderr, flush=True)
@@ -429,30 +386,11 @@ class LocalServer:
         if self._health is not None:
             self._health.stop()
             self._health = None
-        code = None if self.process is None else self._stop_process(timeout)
+        code = self._server.stop(timeout)
         self.admin_key_path.unlink(missing_ok=True)  # a secret outlives no server, failed or not
         if not self.failed:
             shutil.rmtree(self._workdir, ignore_errors=True)
         return code
-
-    def _stop_process(self, timeout: float = 15) -> int | None:
-        if self.supervisor is not None:
-            self.supervisor.stop()
-        group = self.process.pid  # start_new_session: the server leads its own group
-        if self.process.poll() is None:
-            os.killpg(group, signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.kill(self.process.pid, signal.SIGKILL)  # alone first: the stubs then clean their shared memory
-                self.process.wait()
-                time.sleep(2)
-        reap(self.process.pid, self.supervisor.regions if self.supervisor else ())
-        try:
-            os.killpg(group, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        return self.process.returncode
 
     def __enter__(self) -> "LocalServer":
         return self.start()

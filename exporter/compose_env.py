@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from serving.admin_key import check_admin_key, generate_admin_key
 from serving.atomic import write_atomic
 from serving.repository import RepositoryInfo, memory_pool_bytes
-from serving.supervisor import check_admin_key, generate_admin_key
 
 COMPOSE_ENV = "compose.env"
 ADMIN_KEY_FILE = "admin-key"

@@ -48,3 +48,9 @@ def make_own_region_private() -> None:
     region = own_region()
     if region is not None:
         make_private([region])
+
+
+def remove_regions(regions: Iterable[str]) -> None:
+    """After the server exited: the regions its stubs left behind (a killed stub cannot remove its own)."""
+    for region in regions:
+        region_path(region).unlink(missing_ok=True)

@@ -10,7 +10,7 @@ Rules every step follows (a client must never be able to hurt another client's r
 - a client mistake answers 400 (gRPC INVALID_ARGUMENT), an unknown task or version 404 (NOT_FOUND), a task that
   cannot be served 503 (UNAVAILABLE), a fault of the server 500 (serving.errors);
 - metric labels come only from task versions the store holds (a client's string never becomes a label);
-- a request with the parameter protocol.PROBE_PARAMETER is a liveness probe (serving.supervisor): answered at
+- a request with the parameter protocol.PROBE_PARAMETER is a liveness probe (serving.repairs): answered at
   once with no outputs, never counted in the metrics. It proves the step's process runs its `execute`; and each
   instance records when its running `execute` began (serving.watch), so that one stuck instance is found while
   another answers the probes.

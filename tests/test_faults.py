@@ -27,10 +27,11 @@ import pytest
 from aot.client import Client, InferenceError
 from exporter.task_export import export_task
 from exporter.task_store import TaskStore
+from serving.admin_key import GRPC_ADMIN_HEADER
 from serving.atomic import write_json
+from serving.procfs import stubs_of
 from serving.repository import read_repository
 from serving.shm import SHM, STUB
-from serving.supervisor import GRPC_ADMIN_HEADER, stubs_of
 from serving.task_registry import TaskRegistry
 from tests.helpers import WITH_STEPS, Load, Outcome, make_repository, serve_for_tests, train_tiny_task
 from training.predict import Predictor

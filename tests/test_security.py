@@ -32,8 +32,9 @@ from aot.client import Client, InferenceError
 from aot.server import LocalServer, backends_folder, free_port, step_python
 from exporter.task_export import export_task
 from exporter.task_store import TaskStore
+from serving.admin_key import ADMIN_HEADER, GRPC_ADMIN_HEADER, RESTRICTED_APIS
+from serving.procfs import stub_processes, stubs_of
 from serving.repository import read_repository
-from serving.supervisor import ADMIN_HEADER, GRPC_ADMIN_HEADER, RESTRICTED_APIS, stub_processes, stubs_of
 from tests.helpers import WITH_STEPS, make_repository, serve_for_tests, train_tiny_task
 from training.predict import Predictor
 

@@ -16,8 +16,8 @@ import pytest
 from aot.client import Client, InferenceError
 from exporter.task_export import export_task
 from exporter.task_store import TaskStore
+from serving.admin_key import GRPC_ADMIN_HEADER
 from serving.repository import read_repository
-from serving.supervisor import GRPC_ADMIN_HEADER
 from tests.helpers import make_repository, serve_for_tests, train_tiny_task
 from tests.tiny import write_sentiment_folder
 from training.predict import Predictor

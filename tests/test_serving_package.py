@@ -239,7 +239,7 @@ def test_supervisor_gives_up_a_model_after_three_failed_repairs():
     import os
     import socket
 
-    from serving.supervisor import MAX_ATTEMPTS, Supervisor
+    from serving.repairs import MAX_ATTEMPTS, Supervisor
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -258,7 +258,7 @@ def test_supervisor_keeps_watching_after_a_check_fails():
     import os
     import threading
 
-    from serving.supervisor import Supervisor
+    from serving.repairs import Supervisor
 
     logged, calls, twice = [], [], threading.Event()
     supervisor = Supervisor(os.getpid(), "127.0.0.1:9", interval=0.05, log=logged.append)

@@ -14,11 +14,11 @@ import torch
 from aot.client import Client
 from exporter.configs import parse_pbtxt
 from serving import protocol
+from serving.admin_key import GRPC_ADMIN_HEADER
 from serving.pool import RowPool
 from serving.engine import Prepared
 from serving.repository import (BackboneRecord, ServingOptions, largest_batch_bytes, memory_pool_bytes,
                                 read_repository)
-from serving.supervisor import GRPC_ADMIN_HEADER
 from serving_torch.engine import DeviceRows, TorchBackbone
 from tests.helpers import make_repository, train_tiny_task
 from training.predict import Predictor
