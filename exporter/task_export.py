@@ -16,12 +16,13 @@ from tqdm.auto import tqdm
 from exporter.compose_env import keep_admin_key_private
 from exporter.task_store import TaskStore
 from serving import protocol
+from serving.answers import READS_TOKENS
 from serving.engine import BackboneRunner, Prepared
 from serving.repository import RepositoryInfo, read_repository
 from serving.store import STORAGES, StoreError, check_task_name
 from serving.tasks import load_task_version
 from serving.tokenization import Tokenization
-from training.artifact import check_fingerprint, read_task
+from training.artifact import TaskArtifact, check_fingerprint, read_task
 from training.backbone import load_backbone
 from training.methods.aot_ptuning.model import AotBody
 from training.method_registry import method_spec
@@ -50,8 +51,37 @@ class TaskExportReport:
 
 
 def _head_arrays(model: TaskModel) -> dict[str, np.ndarray]:
-    """The head in the served format: names as in ClassificationHead, fp32."""
+    """The head in the served format: names as in ClassificationHead or TokenHead, fp32 (an embedding task's has
+    none)."""
     return {k: v.detach().float().numpy().copy() for k, v in model.head.state_dict().items()}
+
+
+def task_record(artifact: TaskArtifact, name: str, storage: str, shape: tuple[int, int, int], source: str,
+                fingerprint: str) -> dict:
+    """task.json of a version (docs/formats.md): what every served step reads of the task, by its kind; `shape`
+    is (L, d, V)."""
+    spec = artifact.spec
+    L, d, V = shape
+    meta = {"name": name, "kind": spec.kind, "labels": None if spec.labels is None else list(spec.labels),
+            "metric": spec.metric, "max_length": artifact.max_length, "pooling": artifact.pooling,
+            "has_pair": spec.has_pair}
+    if "activation" in artifact.head:  # a classification head's (tokens and embedding have no activation)
+        meta["head_activation"] = artifact.head["activation"]
+    if spec.kind == "multilabel":
+        meta["threshold"] = spec.threshold
+    if spec.kind == "embedding":
+        meta["normalize"] = spec.normalize
+    return meta | {"storage": storage, "method": artifact.config["method"], "num_layers": L, "hidden_size": d,
+                   "vocab_size": V, "source": source, "backbone_fingerprint": fingerprint,
+                   "dev": artifact.metrics().get("dev")}
+
+
+def _served_outputs(served, hidden: np.ndarray, requests: list[Prepared]) -> list[np.ndarray]:
+    """What the served head computes from the engine's states, by the task's kind: a pooled kind's logits (an
+    embedding's vector) per text, or a token task's logits of each token."""
+    if served.kind in READS_TOKENS:
+        return [served.token_logits(r.states) for r in requests]
+    return list(served.embeddings(hidden) if served.kind == "embedding" else served.logits(hidden))
 
 
 def _write_fused(body: AotBody, path: Path, vocab: int, chunk: int = 2048, progress: bool = True) -> None:
@@ -72,21 +102,26 @@ def _write_fused(body: AotBody, path: Path, vocab: int, chunk: int = 2048, progr
 def validate_task(repo: RepositoryInfo, folder: Path, name: str, storage: str, predictor: Predictor,
                   texts=VALIDATION_TEXTS) -> float:
     """Served path (tokenizer, lookup, the repository's backbone engine, head) against the PyTorch task: max
-    |logit difference|."""
+    |difference| of what the head computes (logits, an embedding's vector, a token task's logits per token)."""
     served = load_task_version(folder, TaskStore.version_name(folder), repo.store_root)
     tokens = Tokenization(repo.tokenizer_dir, repo.uses_token_type_ids)
-    requests = [Prepared.for_task(tokens.encode(text, None, served.max_length), served) for text in texts]
+    if served.kind in READS_TOKENS:
+        encoded = [t for t, _, _ in tokens.encode_words(list(texts), served.max_length)]
+    else:
+        encoded = [tokens.encode(text, None, served.max_length) for text in texts]
+    requests = [Prepared.for_task(t, served) for t in encoded]
     for r in requests:
         r.rows = served.rows(r.unique)
+        r.want_states = served.kind in READS_TOKENS
     if repo.options.engine == "torch":
         from serving_torch.engine import TorchBackbone
 
         hidden = TorchBackbone(repo.encoder_dir, repo.uses_token_type_ids, aot=True).run(requests)
     else:
         hidden = BackboneRunner(repo.backbone_onnx).run(requests)
-    got = served.logits(hidden)
-    expected = predictor.logits(list(texts)).numpy()
-    return float(np.abs(got - expected).max())
+    expected = predictor.logits(list(texts))
+    return max(float(np.abs(got - want.numpy()).max())
+               for got, want in zip(_served_outputs(served, hidden, requests), expected))
 
 
 def storage_advice(repo: RepositoryInfo, name: str, fused_bytes: int, factored_bytes: int) -> dict:
@@ -135,15 +170,10 @@ def export_task(task_dir: str | Path, repo_dir: str | Path, name: str, storage: 
     storage = advice["auto"] if storage == "auto" else storage
     folder = store.new_version_folder(name)
     try:
-        meta = {"name": name, "labels": None if artifact.spec.labels is None else list(artifact.spec.labels),
-                "metric": artifact.spec.metric, "max_length": artifact.max_length, "pooling": artifact.pooling,
-                "has_pair": artifact.spec.has_pair, "head_activation": artifact.head["activation"],
-                "storage": storage,
-                "method": artifact.config["method"], "num_layers": L, "hidden_size": d, "vocab_size": V,
-                "source": str(Path(task_dir).resolve()), "backbone_fingerprint": repo.fingerprint,
-                "dev": artifact.metrics().get("dev")}
+        meta = task_record(artifact, name, storage, (L, d, V), str(Path(task_dir).resolve()), repo.fingerprint)
         (folder / "task.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        save_file(_head_arrays(model), folder / "head.safetensors")
+        if artifact.kind != "embedding":  # an embedding task's vector is its pooled state: no head
+            save_file(_head_arrays(model), folder / "head.safetensors")
         body: AotBody = model.body
         if storage == "fused":
             _write_fused(body, folder / "table.npy", V, progress=progress)
