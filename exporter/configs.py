@@ -265,9 +265,10 @@ def model_configs(record: BackboneRecord, target: str) -> dict:
     head = _python_model("head", options, {}, instances=instances)
     head.input.extend([_tensor(pb.ModelInput, protocol.TASK_VERSION, [1]),
                        _tensor(pb.ModelInput, protocol.POOLED_HIDDEN, [len(protocol.POOLINGS), record.hidden_size]),
-                       _tensor(pb.ModelInput, protocol.TOKEN_HIDDEN, [-1, record.hidden_size]),
-                       _tensor(pb.ModelInput, protocol.WORD_INDEX, [-1]),
-                       _tensor(pb.ModelInput, protocol.WORD_TEXT, [1])])
+                       # what a token task's head reads (the ensemble always sends them; a pooled kind needs none)
+                       _tensor(pb.ModelInput, protocol.TOKEN_HIDDEN, [-1, record.hidden_size], optional=True),
+                       _tensor(pb.ModelInput, protocol.WORD_INDEX, [-1], optional=True),
+                       _tensor(pb.ModelInput, protocol.WORD_TEXT, [1], optional=True)])
     head.output.extend([_tensor(pb.ModelOutput, n, [-1] if n == protocol.LOGITS else [1])
                         for n in (protocol.ANSWER, protocol.LOGITS, protocol.LABEL)])
     tasks = _python_model("task_list", options, {})
