@@ -88,8 +88,9 @@ class AotConfig:
                                 "multilabel for a sequence classifier of problem_type multi_label_classification, "
                                 "regression for num_labels 1, else classification). An AutoModel takes any; "
                                 "embedding is an AutoModel's only")
-    num_labels: int | None = _help("outputs of a new head on an AutoModel; 1 is regression (None: "
-                                   "model.config.num_labels). A classifier of sequences or tokens keeps its own")
+    num_labels: int | None = _help("outputs of a new head on an AutoModel; 1 is regression (None: as many as "
+                                   "`labels`, else model.config.num_labels). A classifier of sequences or tokens "
+                                   "keeps its own")
     labels: list[str] | None = _help("label names in output order (None: model.config.id2label); what serving "
                                      "answers with")
     metric: str | None = _help("the task's metric, recorded for reports: accuracy, f1, acc_f1, mcc or "

@@ -181,7 +181,8 @@ def get_aot_model(model: nn.Module, config: AotConfig) -> AotModel:
     else:
         local = name is not None and os.path.isdir(name)
         pooling = config.pooling or (declared_pooling(name) if local else "cls")
-    num_labels = config.num_labels or model.config.num_labels
+    num_labels = config.num_labels or (len(config.labels) if config.labels and not own_head else 0) \
+        or model.config.num_labels
     labels = config.labels
     if labels is None and problem not in ("regression", "embedding"):
         id2label = getattr(model.config, "id2label", None) or {}
