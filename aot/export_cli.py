@@ -87,7 +87,20 @@ def run_export_task(args) -> int:
     report(asdict(result), f"published task {args.name} ({result.storage}, {result.bytes_on_disk / 2**20:.1f} MiB, "
                            f"version {result.folder}) in {args.repo}: a running server answers it from its next batch",
            f'next: aot serve --repo {args.repo} (if none runs), then aot infer --task {args.name} "some text"')
+    if args.storage == "auto" and result.storage == "factored":
+        print(f"aot: warning: {auto_storage_note(args.name, result.storage_advice)}", file=sys.stderr)
     return 0
+
+
+def auto_storage_note(name: str, advice: dict) -> str:
+    """Why `--storage auto` stored a task factored (exporter.task_export.storage_advice): said at every such export,
+    since the store's tasks no longer fit the pool and the choice differs from the tasks exported before."""
+    mib = 2**20
+    return (f"--storage auto stored {name} factored ({advice['factored_bytes'] / mib:.1f} MiB, its rows computed as "
+            f"they are used), not fused ({advice['fused_bytes'] / mib:.1f} MiB): the store holds "
+            f"{advice['tasks_in_store']} tasks and the task pool ({advice['pool_bytes'] / mib:.0f} MiB) keeps "
+            f"{advice['tasks_resident_in_pool']} fused tables resident. Tasks exported before keep their storage; "
+            "--storage fused keeps a task fused (docs/serving.md, the task pool)")
 
 
 def run_export_remove(args) -> int:
