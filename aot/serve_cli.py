@@ -335,20 +335,12 @@ def _top_k(answers: list[dict], listing: dict, k: int) -> list[dict]:
     return out
 
 
-def run_infer(args) -> int:
+def _send(args, items: list[dict]) -> list[dict]:
+    """The answers of `items`, in order: one request (a failure is the command's error), or many concurrently."""
     from tqdm.auto import tqdm
 
     from aot.client import InferenceError
 
-    if args.input and args.texts:
-        raise ValueError("give either TEXT arguments or --input, not both")
-    if args.input:
-        lines = _read_requests(args.input, args.task)
-        items = [line.request for line in lines if line.request is not None]
-    else:
-        if not args.texts or not args.task:
-            raise ValueError("give --task and at least one TEXT (or --input FILE.jsonl)")
-        items = [{"task": args.task, "text": t, "text_pair": args.pair} for t in args.texts]
     with connect(args, model=args.ensemble) as client:
         client.check_ready()
         if len(items) == 1 and not args.input:
@@ -358,10 +350,24 @@ def run_infer(args) -> int:
                 raise ValueError(str(exc)) from None
         else:
             bar = tqdm(total=len(items), disable=args.no_progress or not args.input, unit="req", desc="infer")
-            answers = client.infer_many(items, args.concurrency, on_done=lambda i, r: bar.update(1)) if items else []
+            answers = client.infer_many(items, args.concurrency, on_done=lambda i, r: bar.update(1))
             bar.close()
         if args.top_k is not None:
             answers = _top_k(answers, client.tasks(), args.top_k)
+    return answers
+
+
+def run_infer(args) -> int:
+    if args.input and args.texts:
+        raise ValueError("give either TEXT arguments or --input, not both")
+    if args.input:
+        lines = _read_requests(args.input, args.task)
+        items = [line.request for line in lines if line.request is not None]
+    else:
+        if not args.texts or not args.task:
+            raise ValueError("give --task and at least one TEXT (or --input FILE.jsonl)")
+        items = [{"task": args.task, "text": t, "text_pair": args.pair} for t in args.texts]
+    answers = _send(args, items) if items else []  # every --input line bad: nothing to send
     if args.input:  # each answer says which line it answers; bad lines are answered where they stood
         sent = iter(answers)
         answers = [line.answer or {k: line.request[k] for k in ("id", "task") if k in line.request} | next(sent)
