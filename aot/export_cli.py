@@ -95,12 +95,18 @@ def run_export_task(args) -> int:
 def auto_storage_note(name: str, advice: dict) -> str:
     """Why `--storage auto` stored a task factored (exporter.task_export.storage_advice): said at every such export,
     since the store's tasks no longer fit the pool and the choice differs from the tasks exported before."""
-    mib = 2**20
-    return (f"--storage auto stored {name} factored ({advice['factored_bytes'] / mib:.1f} MiB, its rows computed as "
-            f"they are used), not fused ({advice['fused_bytes'] / mib:.1f} MiB): the store holds "
-            f"{advice['tasks_in_store']} tasks and the task pool ({advice['pool_bytes'] / mib:.0f} MiB) keeps "
-            f"{advice['tasks_resident_in_pool']} fused tables resident. Tasks exported before keep their storage; "
-            "--storage fused keeps a task fused (docs/serving.md, the task pool)")
+    return (f"--storage auto stored {name} factored ({_size(advice['factored_bytes'])}, its rows computed as they are "
+            f"used), not fused ({_size(advice['fused_bytes'])}): the store holds {advice['tasks_in_store']} tasks and "
+            f"the task pool ({_size(advice['pool_bytes'])}) keeps {advice['tasks_resident_in_pool']} fused tables "
+            "resident. Tasks exported before keep their storage; --storage fused keeps a task fused (docs/serving.md, "
+            "the task pool)")
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
 
 
 def run_export_remove(args) -> int:
