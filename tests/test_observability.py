@@ -270,3 +270,14 @@ def test_grafana_dashboard_queries_parse_and_read_served_series(server, client):
     assert "rate(aot_task_requests_total" in read and "rate(aot_task_failures_total" in read
     assert "histogram_quantile(0.5, sum by (le, task)" in read and "histogram_quantile(0.99, sum by (le, task)" in read
     assert {v["name"] for v in dashboard["templating"]["list"]} == {"datasource", "step", "task"}
+
+
+def test_infer_top_k_names_the_labels_from_the_server(server, client, capsys):
+    from aot.cli import main
+
+    assert main(["infer", "--url", server.grpc_url, "--task", "alpha", "--top-k", "1", "good w1"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    full = client.infer("alpha", "good w1")
+    assert answer == {"label": full["label"], "top": [{"label": full["label"],
+                                                       "probability": max(full["probabilities"])}],
+                      "version": full["version"]}
