@@ -149,13 +149,13 @@ def run_train(args) -> int:
 # --- predict / inspect ----------------------------------------------------------------------------------------------
 
 PREDICT_DESCRIPTION = """\
-Prints one JSON line per input, in order: {"task", "label", "logits", "probabilities"} (softmax of the logits),
-or {"task", "score"} for a regression task; with --top-k K, {"task", "label", "top": [{"label", "probability"},
-...]}: the K most probable labels, named, in place of the logits and probabilities. TEXT arguments run on the one --task. --input FILE (or - for standard input) reads JSON
-lines {"text", "text_pair" (optional), "task" (optional when one --task is given), "id" (optional, echoed)}: each
-line runs on its own task, and lines of different AoT tasks share batches on one encoder (MultiTaskModel). A bad
-line fails alone: "aot: line N: ..." on stderr, the others are answered; a count of the failed lines ends stderr,
-and the exit status is 2 only when every line failed."""
+Prints one JSON line per input, in order: {"task", "label", "logits", "probabilities"} (softmax of the logits), or
+{"task", "score"} for a regression task; with --top-k K, {"task", "label", "top": [{"label", "probability"}, ...]}:
+the K most probable labels, named, in place of the logits and probabilities. TEXT arguments run on the one --task.
+--input FILE (or - for standard input) reads JSON lines {"text", "text_pair" (optional), "task" (optional when one
+--task is given), "id" (optional, echoed)}: each line runs on its own task, and lines of different AoT tasks share
+batches on one encoder (MultiTaskModel). A bad line fails alone: "aot: line N: ..." on stderr, the others are
+answered; a count of the failed lines ends stderr, and the exit status is 2 only when every line failed."""
 
 
 def add_predict(sub) -> None:

@@ -286,9 +286,8 @@ class LocalServer(Endpoints):
 
     def models(self) -> list[str]:
         """The models to load: on CPU the fused `aot` step and `task_list` (CPU_MODELS: the GPU ensembles' separate
-        steps would only hold a second engine and task pool); with the GPU configs every model folder but
-        `aot_lookup` (the torch engine's backbone step looks rows up itself). The plain encoder (`vanilla`, and
-        `backbone_vanilla` on a GPU) only with `vanilla`: it serves comparisons, not tasks."""
+        steps would only hold a second engine and task pool); with the GPU configs every model folder but `aot_lookup`
+        (the torch engine's backbone looks rows up itself). The plain encoder (VANILLA_MODELS) only with `vanilla`."""
         if self.load is not None:
             return sorted(self.load)
         if self.device == "cpu":

@@ -48,7 +48,8 @@ class RequestLogSettings:
         try:
             sample = float(environ.get(SAMPLE_ENV) or 1.0)
         except ValueError:
-            raise ValueError(f"{SAMPLE_ENV}={environ[SAMPLE_ENV]!r}: expected a share of requests from 0 to 1") from None
+            raise ValueError(f"{SAMPLE_ENV}={environ[SAMPLE_ENV]!r}: expected a share of requests from 0 to 1") \
+                from None
         return cls(path, sample, environ.get(TEXT_ENV, "") not in ("", "0", "false"))
 
     def as_environment(self) -> dict[str, str]:
