@@ -10,7 +10,7 @@ layer, the gather and add of BiasedEncoder (PEFT's mixed-adapter batches need a 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,22 +139,26 @@ class MultiTaskModel(nn.Module):
         return SequenceClassifierOutput(logits=logits)
 
     def predict(self, texts: Sequence[str], task_names: Sequence[str], pairs: Sequence[str | None] | None = None,
-                batch_size: int = 32) -> list[dict]:
+                batch_size: int = 32, on_batch: Callable[[int], None] | None = None) -> list[dict]:
         """One answer per text, in order: the task's name and its kind's answer (serving.answers). Each text is
         tokenized as its task was trained (its max length; a token task's words as in serving.words), then rows of
-        similar length share a batch whatever their tasks and kinds."""
+        similar length share a batch whatever their tasks and kinds, on the device the model is on. `on_batch(n)`:
+        after each batch of n texts (progress)."""
         self._check_names(task_names, len(texts))
         pairs = list(pairs) if pairs is not None else [None] * len(texts)
         encoded = [self._encode(t, p, self.tasks[n]) for t, p, n in zip(texts, pairs, task_names)]
         pad = self.backbone.tokenizer.pad_token_id or 0
+        device = next(self.biased.parameters()).device
         order = sorted(range(len(texts)), key=lambda i: len(encoded[i].ids["input_ids"]))
         answers: list[dict] = [{}] * len(texts)
         for start in range(0, len(order), batch_size):
             rows = order[start:start + batch_size]
-            batch = _pad([encoded[i].ids for i in rows], pad)
+            batch = {k: v.to(device) for k, v in _pad([encoded[i].ids for i in rows], pad).items()}
             outputs = self._outputs(**batch, task_names=[task_names[i] for i in rows])
             for i, output in zip(rows, outputs):
                 answers[i] = {"task": task_names[i], **self._answer(self.tasks[task_names[i]], encoded[i], output)}
+            if on_batch is not None:
+                on_batch(len(rows))
         return answers
 
     def _encode(self, text: str, pair: str | None, task: _Task) -> _Text:
