@@ -1,4 +1,4 @@
-"""`aot bench overhead | serve | tax | tasks | kinds | accuracy`: a command that this package brings to `aot` as a plugin
+"""`aot bench overhead | serve | tax | tasks | kinds | accuracy`: a command this package brings to `aot` as a plugin
 (entry point `bench` of the group `aot.commands` in pyproject.toml; aot.cli loads it), so that imports flow one way:
 benchmarks -> aot, never back."""
 
