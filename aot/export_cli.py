@@ -35,12 +35,17 @@ def add_export(sub) -> None:
     b.set_defaults(run=run_export_backbone)
 
     t = kinds.add_parser("task",
-                         help="fuse a trained AoT task into the repository's task store",
+                         help="fuse a trained AoT task (or a batch of them) into the repository's task store",
                          description="Fuse P (or keep its factors), write the head, check the served logits against "
-                                     "PyTorch, and publish the task atomically (a running server picks it up).")
-    t.add_argument("--task", required=True, help="task artifact folder (from `aot train`, method fc or kron)")
+                                     "PyTorch, and publish the task atomically (a running server picks it up). With "
+                                     "--batch FILE, every task FILE names, the backbone loaded once, published in one "
+                                     "change: a server sees all of them or, if anything fails, none.")
+    t.add_argument("--task", help="task artifact folder (from `aot train`, method fc or kron)")
     t.add_argument("--repo", required=True, help="model repository (from `aot export backbone`)")
-    t.add_argument("--name", required=True, help="task id clients use")
+    t.add_argument("--name", help="task id clients use")
+    t.add_argument("--batch", default=None,
+                   help='instead of --task/--name: a JSON-lines file of {"task": DIR, "name": NAME}, one task a line '
+                        "(bad lines are named by line number before anything is written)")
     t.add_argument("--storage", choices=["auto", "fused", "factored"], default="auto",
                    help="fused: P as a [V, L, d] fp16 table (the paper); factored: the factors (1-2 %% of a table), "
                         "rows computed when the pool fills; auto: fused while every task of the repository fits "
@@ -60,7 +65,7 @@ def add_export(sub) -> None:
 
     v = kinds.add_parser("verify", help="check every task of a repository against its published digests",
                          description="Offline: hash every file of every task version and compare with the sha256 "
-                                     "digests the manifest published at export, and load each version as the "
+                                     "digests the store's index published at export, and load each version as the "
                                      "server does. Prints one line per task; exits 1 if any task is damaged.")
     v.add_argument("--repo", required=True, help="model repository (from `aot export backbone`)")
     v.set_defaults(run=run_export_verify)
@@ -81,6 +86,12 @@ def run_export_backbone(args) -> int:
 
 
 def run_export_task(args) -> int:
+    if args.batch is not None:
+        if args.task or args.name:
+            raise ValueError("--batch FILE names the tasks and their names: give it without --task and --name")
+        return _run_export_batch(args)
+    if not args.task or not args.name:
+        raise ValueError("give --task DIR and --name NAME (or --batch FILE for many tasks)")
     from exporter.task_export import export_task
 
     result = export_task(args.task, args.repo, args.name, args.storage, progress=not args.no_progress)
@@ -90,13 +101,23 @@ def run_export_task(args) -> int:
     return 0
 
 
+def _run_export_batch(args) -> int:
+    from exporter.batch_export import export_batch
+
+    result = export_batch(args.repo, args.batch, args.storage, progress=not args.no_progress)
+    report([asdict(r) for r in result.tasks],
+           f"published {len(result.tasks)} task(s) in one change of {args.repo} in {result.seconds:.1f} s "
+           f"({result.tasks_per_second:.1f} tasks/s): a running server answers them from its next batch",
+           f"next: aot tasks --match NAME (on a running server), or aot serve --repo {args.repo}")
+    return 0
+
+
 def run_export_remove(args) -> int:
     from exporter.task_store import RETIRED_GRACE, TaskStore
     from serving.repository import read_repository
 
     store = TaskStore(read_repository(args.repo).store_root)
-    entry = store.entries().get(args.name)
-    store.remove(args.name)
+    entry = store.remove(args.name)
     report({"removed": args.name, "folder": entry.folder},
            f"removed task {args.name} from {args.repo}: servers stop answering it from their next batch; its version "
            f"folder {entry.folder} stays on disk for {RETIRED_GRACE / 60:.0f} minutes (requests already pinned to it "

@@ -206,10 +206,11 @@ def _write_repository(plan: ExportPlan, tmp: Path, record: BackboneRecord) -> No
         raise RepositoryError("the generated configs would not load; nothing was written:\n  " + "\n  ".join(problems))
     if plan.keep_tasks is not None:
         # Hard links: no data is copied, and the old store stays whole until the swap succeeds.
+        # Its objects are never changed in place, only replaced or created, so the links stay the old store's.
         shutil.copytree(plan.keep_tasks.store_root, tmp / record.store, copy_function=os.link,
                         ignore=shutil.ignore_patterns(".tmp-*", ".lock", ROWS_DIR))
-    else:
-        TaskStore(tmp / record.store).create(record.backbone, backbone.embeddings.detach().float().numpy())
+    # a new store, or the kept one (upgraded from format v1 if it is one)
+    TaskStore(tmp / record.store).create(record.backbone, backbone.embeddings.detach().float().numpy())
     write_rows_graphs(tmp / record.store, backbone.num_layers, backbone.hidden_size)
     write_json(tmp / RECORD, record.to_json())
     write_compose_env(tmp, RepositoryInfo(tmp, record), plan.repo)

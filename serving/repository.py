@@ -19,7 +19,7 @@ from serving import protocol
 from serving.formats import FormatError, check_keys, read_json
 
 REPO_FORMAT = "aot-repository"
-REPO_VERSION = 3  # 3: the CPU configs serve `aot` / `vanilla` from one fused step
+REPO_VERSION = 4  # 3: the CPU configs serve `aot` / `vanilla` from one fused step; 4: the task store v2 (a log)
 RECORD = "aot_repository.json"
 MODELS_DIR = "models"
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
@@ -100,6 +100,15 @@ class ServingOptions:
         "help": "dynamic-batching queue delay of the CPU configs' fused step (µs): 0 sends whatever is queued as soon "
                 "as an instance is free (requests queue while it is busy anyway, so a delay only adds latency: 0.5 ms "
                 "at concurrency 1 for 500 µs, with no throughput gained, `aot bench tax`)"})
+    task_cache_bytes: int = field(default=256 << 20, metadata={
+        "flag": "--task-cache-bytes", "minimum": 0,
+        "help": "memory of the task versions each served step process keeps loaded (heads, factors; bytes): a "
+                "version is loaded on its first request and the least recently used ones are dropped past this "
+                "(the task pool, --pool-bytes, holds rows apart from it); `aot serve` states both"})
+    audit_bytes_per_second: int = field(default=32 << 20, metadata={
+        "flag": "--audit-bytes-per-second", "minimum": 0,
+        "help": "how fast the task_list step checks every task version's files against their published digests in "
+                "the background (bytes hashed per second; 0: no audit); `aot tasks` reports its progress"})
     max_text_bytes: int = field(default=65536, metadata={
         "flag": "--max-text-bytes", "minimum": 1,
         "help": "longest TEXT (and TEXT_PAIR) a request may send, in UTF-8 bytes; longer ones are refused at once "
