@@ -32,6 +32,11 @@ def add_export(sub) -> None:
     b.add_argument("--opt-batch", type=positive_int, default=8, help="TensorRT profile: optimal batch")
     b.add_argument("--opt-seq", type=positive_int, default=128, help="TensorRT profile: optimal sequence length")
     b.add_argument("--overwrite", action="store_true", help="replace an existing repository's backbone (tasks kept)")
+    b.add_argument("--store", default=None,
+                   help="s3://BUCKET/PREFIX: keep the tasks in S3-compatible object storage instead of the repository "
+                        "(a fleet with no shared volume: each replica fetches a task on its first request into a local "
+                        "cache). Credentials, endpoint and region from AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+                        "AWS_ENDPOINT_URL, AWS_REGION or ~/.aws files (docs/deploy-fleet.md)")
     b.set_defaults(run=run_export_backbone)
 
     t = kinds.add_parser("task",
@@ -78,7 +83,7 @@ def run_export_backbone(args) -> int:
     options = dataclass_from_arguments(ServingOptions, args)
     profile = Profile(opt_batch=min(args.opt_batch, options.max_batch_size), max_batch=options.max_batch_size,
                       opt_seq=min(args.opt_seq, max(options.buckets)), max_seq=max(options.buckets))
-    result = export_backbone(args.model, args.repo, options, args.precision, profile, args.overwrite)
+    result = export_backbone(args.model, args.repo, options, args.precision, profile, args.overwrite, args.store)
     report(asdict(result), f"exported backbone {args.model} ({options.engine} engine) into {args.repo} in "
                            f"{result.seconds:.0f} s",
            f"next: aot export task --task TASK --repo {args.repo} --name NAME, then aot serve --repo {args.repo}")
@@ -116,7 +121,7 @@ def run_export_remove(args) -> int:
     from exporter.task_store import RETIRED_GRACE, TaskStore
     from serving.repository import read_repository
 
-    store = TaskStore(read_repository(args.repo).store_root)
+    store = TaskStore.of(read_repository(args.repo))
     entry = store.remove(args.name)
     report({"removed": args.name, "folder": entry.folder},
            f"removed task {args.name} from {args.repo}: servers stop answering it from their next batch; its version "
@@ -140,7 +145,7 @@ def run_export_list(args) -> int:
     from exporter.task_store import TaskStore
     from serving.repository import read_repository
 
-    store = TaskStore(read_repository(args.repo).store_root)
+    store = TaskStore.of(read_repository(args.repo))
     _clean(store)
     entries = [{"name": e.name, "folder": e.folder, "storage": e.storage, "verified": e.digests is not None}
                for e in store.entries().values()]
@@ -153,7 +158,7 @@ def run_export_verify(args) -> int:
     from exporter.task_store import TaskStore
     from serving.repository import read_repository
 
-    store = TaskStore(read_repository(args.repo).store_root)
+    store = TaskStore.of(read_repository(args.repo))
     _clean(store)
     found = store.verify()
     damaged = [name for name, problem in found.items() if problem]

@@ -77,7 +77,7 @@ def run_serve(args) -> int:
 
     repo = read_repository(args.repo)
     _check_device(args.device, repo.options.engine)
-    registry = TaskRegistry(repo.store_root, parts="meta")  # the index only: no task version is read at start
+    registry = TaskRegistry(repo.store_root, parts="meta", url=repo.store_url)  # the index only: no task version is read at start
     if registry.index_error:
         print(f"aot: warning: {registry.index_error} (no task serves until it is fixed)",
               file=sys.stderr)

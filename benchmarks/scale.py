@@ -214,7 +214,7 @@ def run_scale_bench(config: ScaleBenchConfig, progress: bool = True) -> dict:
     try:
         repo = scratch / "repo"
         export_backbone(read_task(config.task).backbone["model"], repo)
-        store = TaskStore(read_repository(repo).store_root)
+        store = TaskStore.of(read_repository(repo))
         report = export_task(config.task, repo, "master", "factored", progress=False)
         master = scratch / "master"
         shutil.copytree(store.root / report.folder, master)

@@ -103,7 +103,7 @@ def storage_advice(repo: RepositoryInfo, name: str, fused_bytes: int, factored_b
     pool = repo.options.pool_bytes
     resident = pool // fused_bytes if fused_bytes else 0
     if tasks_in_store is None:
-        tasks_in_store = len([n for n in TaskStore(repo.store_root).entries() if n != name]) + 1
+        tasks_in_store = len([n for n in TaskStore.of(repo).entries() if n != name]) + 1
     fits = tasks_in_store <= resident
     return {"fused_bytes": fused_bytes, "factored_bytes": factored_bytes, "pool_bytes": pool,
             "tasks_resident_in_pool": int(resident), "tasks_in_store": tasks_in_store,
@@ -129,6 +129,7 @@ class WrittenTask:
     max_abs_logit_diff: float
     seconds: float
     advice: dict
+    bytes_on_disk: int
 
 
 class TaskExporter:
@@ -136,7 +137,7 @@ class TaskExporter:
 
     def __init__(self, repo_dir: str | Path, progress: bool = True):
         self.repo = read_repository(repo_dir)
-        self.store = TaskStore(self.repo.store_root)
+        self.store = TaskStore.of(self.repo)
         self.store.identity()
         self.progress = progress
         self._backbone = None
@@ -217,7 +218,8 @@ class TaskExporter:
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
-        return WrittenTask(name, folder, storage, fused_bytes, diff, time.perf_counter() - start, advice)
+        size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+        return WrittenTask(name, folder, storage, fused_bytes, diff, time.perf_counter() - start, advice, size)
 
     @staticmethod
     def discard(written: WrittenTask) -> None:
@@ -237,8 +239,6 @@ class TaskExporter:
         share = (time.perf_counter() - start) / max(len(written), 1)
         reports = []
         for w, entry in zip(written, entries):
-            folder = self.store.root / entry.folder
-            size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
-            reports.append(TaskExportReport(w.name, w.storage, entry.folder, size, w.fused_bytes,
+            reports.append(TaskExportReport(w.name, w.storage, entry.folder, w.bytes_on_disk, w.fused_bytes,
                                             w.max_abs_logit_diff, round(w.seconds + share, 2), w.advice))
         return reports

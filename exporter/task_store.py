@@ -76,8 +76,16 @@ class TaskStore(StoreReader):
 
     def create(self, backbone: dict, embeddings: np.ndarray) -> None:
         """A new, empty store for a backbone (keeps an existing one whose backbone is the same; a v1 store is
-        upgraded: its tasks become the first change of the index)."""
+        upgraded: its tasks become the first change of the index). The embeddings stay in the local folder."""
         with self.locked():
+            if self.remote:
+                write_atomic(self.root / EMBEDDINGS, _npy_bytes(embeddings.astype(np.float32)))
+                if not self.backend.create(STORE_FILE, self._identity_bytes(backbone)):
+                    current = self.identity()
+                    if current["backbone"].get("fingerprint") != backbone["fingerprint"]:
+                        raise StoreError(f"{self.location} holds tasks for backbone "
+                                         f"{current['backbone'].get('fingerprint')}, not {backbone['fingerprint']}")
+                return
             if (self.root / STORE_FILE).exists() or (self.root / V1_MANIFEST).exists():
                 current = self._identity_or_v1()
                 if current["backbone"].get("fingerprint") != backbone["fingerprint"]:
@@ -100,9 +108,13 @@ class TaskStore(StoreReader):
             raise StoreError(f"{self.root / V1_MANIFEST}: not a task store manifest (no 'backbone' or 'tasks')")
         return data
 
+    @staticmethod
+    def _identity_bytes(backbone: dict) -> bytes:
+        return (json.dumps({"format": STORE_FORMAT, "format_version": STORE_VERSION, "backbone": backbone},
+                           indent=2) + "\n").encode()
+
     def _write_identity(self, backbone: dict) -> None:
-        write_atomic(self.root / STORE_FILE, json.dumps({"format": STORE_FORMAT, "format_version": STORE_VERSION,
-                                                         "backbone": backbone}, indent=2) + "\n")
+        write_atomic(self.root / STORE_FILE, self._identity_bytes(backbone))
 
     def _upgrade_v1(self, manifest: dict) -> None:
         """Under the lock: the v1 manifest's tasks and retired versions become the index's first change; meta is
@@ -153,9 +165,15 @@ class TaskStore(StoreReader):
                                "digests": folder_digests(p.folder), "meta": index_meta(p.folder)}
         with self.locked():
             self.identity()
-            for p in publications:
-                p.folder.rename(self.root / self.version_name(p.folder))
-            fsync_dir(self.root)
+            if self.remote:  # the version's objects first, the change that names them last
+                for p in publications:
+                    version = self.version_name(p.folder)
+                    for file in sorted(entries[p.name]["digests"]):
+                        self.backend.upload(p.folder / file, f"{version}/{file}")
+            else:
+                for p in publications:
+                    p.folder.rename(self.root / self.version_name(p.folder))
+                fsync_dir(self.root)
 
             def change(state: StoreState) -> Change:
                 retired = {}
@@ -163,8 +181,11 @@ class TaskStore(StoreReader):
                     retired.update(_retire(state.tasks.get(name)))
                 return Change(tasks=dict(entries), retired={**retired, **_expired(state)})
 
-            state, _ = self.log.commit(change)
-            self._collect(state)
+            state, committed = self.log.commit(change)
+            if self.remote:
+                for p in publications:
+                    shutil.rmtree(p.folder, ignore_errors=True)
+            self._collect(state, committed)
         return [parse_entry(name, entry, "publish") for name, entry in entries.items()]
 
     def remove(self, name: str) -> TaskEntry:
@@ -180,8 +201,8 @@ class TaskStore(StoreReader):
                 removed[:] = [parse_entry(name, state.tasks[name], "the store's index")]
                 return Change(tasks={name: None}, retired={**_retire(state.tasks[name]), **_expired(state)})
 
-            state, _ = self.log.commit(change)
-            self._collect(state)
+            state, committed = self.log.commit(change)
+            self._collect(state, committed)
         return removed[0]
 
     def clean(self) -> list[str]:
@@ -204,12 +225,12 @@ class TaskStore(StoreReader):
         index = self.index()
         found: dict[str, str | None] = dict(index.errors)
         for name, entry in sorted(index.entries.items()):
-            folder = self.version_folder(entry.folder)
             try:
+                folder = self.version_folder(entry.folder, entry.digests)  # a remote one fetched and checked
                 if entry.digests is None:
                     raise DigestError(f"{entry.folder}: published without digests (exported by an older aot): "
                                       "re-export it to have it verified")
-                on_disk = {p.name for p in folder.iterdir() if p.is_file()}
+                on_disk = {p.name for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")}
                 if on_disk != set(entry.digests):
                     raise DigestError(f"{entry.folder}: files {sorted(on_disk)} differ from the published "
                                       f"{sorted(entry.digests)}")
@@ -221,9 +242,18 @@ class TaskStore(StoreReader):
                 found[name] = str(exc).replace(str(self.root) + "/", "")
         return found
 
-    def _collect(self, state: StoreState) -> None:
+    def _collect(self, state: StoreState, change: Change) -> None:
         """Under the lock, after a change: remove the version folders nothing may read any more."""
         keep = {e["folder"] for e in state.tasks.values() if isinstance(e, dict)} | set(state.retired)
+        if self.remote:
+            # versions the change dropped at once; others unknown to the index (a killed publisher's uploads) after
+            # FOREIGN_DEBRIS_AGE: a publisher elsewhere may be uploading one now, to name it in its next change
+            gone = {v for v, info in change.retired.items() if info is None}
+            now = time.time()
+            for name, modified in self.backend.folders().items():
+                if "@" in name and name not in keep and (name in gone or now - modified > FOREIGN_DEBRIS_AGE):
+                    self.backend.delete_folder(name)
+            return
         for path in self.root.iterdir():
             if not path.is_dir() or path.name in keep:
                 continue

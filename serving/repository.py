@@ -149,7 +149,7 @@ _REQUIRED = {"protocol_version": int, "backbone": dict, "uses_token_type_ids": b
              "store": str, "tokenizer": str}
 # Keys a record may lack (written before they were recorded): checked when present
 _OPTIONAL = {"encoder": (str, type(None)), "precision": (str, type(None)), "tensorrt_profile": (dict, type(None)),
-             "parity_max_abs_diff": dict}
+             "parity_max_abs_diff": dict, "task_store_url": (str, type(None))}
 _PATHS = ("store", "tokenizer", "encoder")  # relative to the repository
 
 
@@ -173,6 +173,8 @@ class BackboneRecord:
     precision: str | None = None  # the GPU backbone's: fp32 or fp16 (None: the torch engine)
     tensorrt_profile: dict | None = None  # exporter.tensorrt.Profile's fields (--format tensorrt)
     parity_max_abs_diff: dict = field(default_factory=dict)  # graph -> largest difference from PyTorch at export
+    # the tasks in object storage (s3://BUCKET/PREFIX; None: in `store`, which keeps the embeddings and rows graphs)
+    task_store_url: str | None = None
 
     @property
     def model(self) -> str:
@@ -204,6 +206,9 @@ class BackboneRecord:
         if data["protocol_version"] != protocol.PROTOCOL_VERSION:
             raise RepositoryError(f"{where}: protocol version {data['protocol_version']} is not "
                                   f"{protocol.PROTOCOL_VERSION}; re-export the backbone")
+        url = data.get("task_store_url")
+        if url is not None and not url.startswith("s3://"):
+            raise RepositoryError(f"{where}: 'task_store_url' must be s3://BUCKET/PREFIX, got {url!r}")
         for key in _PATHS:
             if data.get(key) is not None and (Path(data[key]).is_absolute() or ".." in Path(data[key]).parts):
                 raise RepositoryError(f"{where}: {key!r} must be a path inside the repository, got {data[key]!r}")
@@ -278,6 +283,11 @@ class RepositoryInfo:
     @property
     def store_root(self) -> Path:
         return self.path / self.record.store
+
+    @property
+    def store_url(self) -> str | None:
+        """Where the tasks live when not in store_root: an S3 URL (aot export backbone --store)."""
+        return self.record.task_store_url
 
     @property
     def options(self) -> ServingOptions:

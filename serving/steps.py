@@ -195,6 +195,7 @@ class Step:
             # several instances on the host: each fused table once, in the page cache, not in every pool
             pool_fused = self.instances == 1 or pool_storage is not None
             self.tasks = TaskRegistry(self.repo.store_root, parts=parts, on_index_error=self._index_error,
+                                      url=self.repo.store_url,
                                       pool=self.pool, on_task_error=self._task_error, pool_fused=pool_fused,
                                       cache_bytes=self.options.task_cache_bytes)
             self.pb.Logger.log_info(f"{name}: task versions loaded on first use, at most "

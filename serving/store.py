@@ -19,6 +19,8 @@ at every publish) is upgraded by `aot export backbone --overwrite`, which keeps 
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -36,6 +38,9 @@ EMBEDDINGS = "embeddings.npy"
 ROWS_DIR = "rows"
 STORAGES = ("fused", "factored")
 MAX_NAME_LENGTH = 128
+CACHE_DIR_ENV = "AOT_TASK_CACHE_DIR"
+CACHE_BYTES_ENV = "AOT_TASK_CACHE_BYTES"
+DEFAULT_CACHE_DISK_BYTES = 20 << 30
 RETIRED_GRACE = 300.0  # seconds a replaced or removed version is still served to requests pinned to it
 _NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
 _VERSION = re.compile(r"(?P<name>[A-Za-z0-9_-][A-Za-z0-9_.-]*)@(?P<id>[0-9a-f]{12})")
@@ -164,13 +169,58 @@ def parse_entry(name: str, entry, where: str) -> TaskEntry:
     return TaskEntry(name, entry["folder"], entry["storage"], digests, meta)
 
 
-class StoreReader:
-    """Reads REPO/tasks: its identity, its index, its version folders."""
+def default_cache_dir(url: str) -> Path:
+    """Where a replica keeps the versions it fetched from a remote store: AOT_TASK_CACHE_DIR, else a folder per store
+    under ~/.cache/aot/task-versions."""
+    if os.environ.get(CACHE_DIR_ENV):
+        return Path(os.environ[CACHE_DIR_ENV])
+    digest = hashlib.sha256(url.encode()).hexdigest()[:16]
+    return Path.home() / ".cache" / "aot" / "task-versions" / digest
 
-    def __init__(self, root: str | Path):
+
+def default_cache_bytes() -> int:
+    value = os.environ.get(CACHE_BYTES_ENV)
+    if value is None:
+        return DEFAULT_CACHE_DISK_BYTES
+    if not value.isdigit():
+        raise StoreError(f"{CACHE_BYTES_ENV}={value!r}: expected a number of bytes")
+    return int(value)
+
+
+class StoreReader:
+    """Reads a task store: its identity, its index, its version folders.
+
+    `root` is the repository's local store folder (REPO/tasks): the embeddings and rows graphs of its backbone, and,
+    for a store on the file system, everything. `url` (s3://BUCKET/PREFIX): the tasks live in object storage
+    (serving.s3), and a version's files are fetched on first use into a bounded local cache (serving.version_cache;
+    AOT_TASK_CACHE_DIR, AOT_TASK_CACHE_BYTES)."""
+
+    def __init__(self, root: str | Path, url: str | None = None):
         self.root = Path(root)
-        self.backend = FileBackend(self.root)
+        self.url = url
+        self.cache = None
+        if url:
+            from serving.s3 import S3Backend  # obstore: only for a store in object storage
+            from serving.version_cache import VersionCache
+
+            self.backend = S3Backend(url)
+            self.cache = VersionCache(self.backend, default_cache_dir(url), default_cache_bytes())
+        else:
+            self.backend = FileBackend(self.root)
         self.log = ChangeLog(self.backend)
+
+    @classmethod
+    def of(cls, repo):
+        """The store of a repository (serving.repository.RepositoryInfo)."""
+        return cls(repo.store_root, repo.store_url)
+
+    @property
+    def location(self) -> str:
+        return self.url or str(self.root)
+
+    @property
+    def remote(self) -> bool:
+        return self.url is not None
 
     @property
     def embeddings_path(self) -> Path:
@@ -181,14 +231,15 @@ class StoreReader:
         try:
             data = self.backend.read(STORE_FILE)
         except (BackendError, OSError) as exc:
-            raise StoreError(f"{self.root}: cannot read {STORE_FILE}: {exc}") from None
+            raise StoreError(f"{self.location}: cannot read {STORE_FILE}: {exc}") from None
         if data is None:
-            if (self.root / V1_MANIFEST).is_file():
+            if not self.remote and (self.root / V1_MANIFEST).is_file():
                 raise StoreError(f"{self.root} is a task store of format v1 (one manifest.json): re-export the "
                                  "backbone with `aot export backbone --overwrite` to upgrade it; it keeps the tasks")
-            raise StoreError(f"{self.root}: no task store here ({STORE_FILE} missing); run `aot export backbone`")
+            raise StoreError(f"{self.location}: no task store here ({STORE_FILE} missing); run `aot export backbone`")
         try:
-            return parse_versioned_json(data, self.root / STORE_FILE, STORE_FORMAT, STORE_VERSION, {"backbone": dict})
+            return parse_versioned_json(data, f"{self.location}/{STORE_FILE}", STORE_FORMAT, STORE_VERSION,
+                                        {"backbone": dict})
         except FormatError as exc:
             raise StoreError(str(exc)) from None
 
@@ -198,7 +249,7 @@ class StoreReader:
         try:
             return self.log.read_state()
         except (FormatError, BackendError, OSError) as exc:
-            raise StoreError(f"{self.root}: the index cannot be read: {exc}") from None
+            raise StoreError(f"{self.location}: the index cannot be read: {exc}") from None
 
     def index(self) -> StoreIndex:
         index = StoreIndex()
@@ -208,8 +259,15 @@ class StoreReader:
     def entries(self) -> dict[str, TaskEntry]:
         return self.index().entries
 
-    def version_folder(self, version: str) -> Path:
-        return self.root / check_version(version)
+    def version_folder(self, version: str, digests: dict[str, str] | None = None) -> Path:
+        """The local folder of a version: in the store's folder, or fetched from the remote store into the cache
+        (every file checked against `digests`, which a remote version must have)."""
+        check_version(version)
+        if self.cache is None:
+            return self.root / version
+        if not digests:
+            raise StoreError(f"{version}: a version in object storage is served only with its published digests")
+        return self.cache.folder(version, digests)
 
 
 class StoreView:

@@ -87,7 +87,12 @@ class TaskAudit:
         """Hash the files of `version` that changed since they were last checked; the bytes hashed."""
         if not digests:
             return 0
-        folder = self.store.version_folder(version)
+        if self.store.remote:  # what this replica keeps of it: its cached copy, if it fetched one
+            folder = self.store.cache.root / version
+            if not folder.is_dir():
+                return 0
+        else:
+            folder = self.store.version_folder(version)
         with self._lock:
             checked = self._checked.setdefault(version, _Checked())
         hashed = 0

@@ -21,14 +21,22 @@ from pathlib import Path
 import numpy as np
 
 from serving import protocol
+from serving.digests import DigestError
 from serving.errors import RequestError
 from serving.pool import RowPool
 from serving.store import RETIRED_GRACE, StoreError, StoreReader, StoreView, TaskEntry, check_version, task_of
+from serving.store_backend import BackendError
 from serving.task_audit import TaskAudit
 from serving.tasks import PARTS, ServedTask, load_task_version
 
 KNOWN_IN_MESSAGE = 10  # task names an unknown task's 404 suggests
 DEFAULT_CACHE_BYTES = 256 << 20
+REMOTE_POLL_SECONDS = 1.0  # how often a step looks at an object store's generation hint (one conditional GET)
+RETRY_FETCH_SECONDS = 2.0  # a version that could not be fetched fails its requests at once this long, then is retried
+
+
+class FetchError(OSError):
+    """A version could not be fetched from a remote store (unreachable, or an object that failed its digest)."""
 
 
 class TaskRegistry:
@@ -37,16 +45,19 @@ class TaskRegistry:
     def __init__(self, store_root: str | Path, parts: str = "all", grace: float = 120.0,
                  on_index_error: Callable[[str], None] | None = None, pool: RowPool | None = None,
                  on_task_error: Callable[[str, str], None] | None = None, pool_fused: bool = True,
-                 cache_bytes: int = DEFAULT_CACHE_BYTES):
+                 cache_bytes: int = DEFAULT_CACHE_BYTES, url: str | None = None):
         """`pool`: keep the rows of the loaded current versions in this pool (serving.pool); a version that leaves
         the index or the loaded set is detached from it (a request still pinned to one reads its storage directly).
         `pool_fused` False: only factored versions' rows go in the pool, fused tables are read through their memory
         maps (a step of several instances on CPU: the page cache shares one copy of each table between them).
         `grace`: seconds a version that left the index stays loaded after it last served a request.
-        `on_task_error(version, message)`: a version failed to load or was found damaged (log it, count it)."""
+        `on_task_error(version, message)`: a version failed to load or was found damaged (log it, count it).
+        `url`: the tasks live in object storage (serving.s3): the index is followed by a thread of its own every
+        REMOTE_POLL_SECONDS, so that no request waits on the bucket, and a version not cached on disk is fetched on
+        its first request (a store that cannot be reached fails that request alone, 503, and it is tried again)."""
         if parts not in PARTS:
             raise ValueError(f"parts={parts!r}: expected one of {', '.join(PARTS)}")
-        self.store = StoreReader(store_root)
+        self.store = StoreReader(store_root, url)
         self.view = StoreView(self.store)
         self.pool, self.pool_fused = pool, pool_fused
         self.parts, self.grace, self.cache_bytes = parts, grace, cache_bytes
@@ -60,8 +71,19 @@ class TaskRegistry:
         self._loading: dict[str, threading.Event] = {}
         self._last_used: dict[str, float] = {}
         self._reported_error: str | None = None
+        self._unreachable: dict[str, tuple[float, str]] = {}  # version -> (until when, why): not retried sooner
         self._lock = threading.RLock()
-        self.refresh()
+        self._refresh()
+        self._stop = threading.Event()
+        if self.store.remote:
+            threading.Thread(target=self._follow_remote, name="aot-store-watch", daemon=True).start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _follow_remote(self) -> None:
+        while not self._stop.wait(REMOTE_POLL_SECONDS):
+            self._refresh()
 
     # --- the index -------------------------------------------------------------------------------------------------
 
@@ -72,7 +94,11 @@ class TaskRegistry:
 
     def refresh(self) -> None:
         """Before each batch (and in the audit's thread): apply what changed in the index (a stat when nothing
-        did)."""
+        did; nothing for a store in object storage, which a thread of its own follows)."""
+        if not self.store.remote:
+            self._refresh()
+
+    def _refresh(self) -> None:
         with self._lock:
             changed = self.view.refresh()
             if self.view.error and self.view.error != self._reported_error and self.on_index_error is not None:
@@ -157,9 +183,12 @@ class TaskRegistry:
             if task is not None:
                 self._versions.move_to_end(version)
         if task is None:
-            if not self.known(version) or not self.store.version_folder(version).is_dir():
+            if not self.known(version) or not self.store.remote and not self.store.version_folder(version).is_dir():
                 raise RequestError(f"task version {version!r} is not in the store (removed, or never exported)",
                                    "not_found")
+            unreachable = self._unreachable.get(version)
+            if unreachable is not None and time.monotonic() < unreachable[0]:
+                raise RequestError(unreachable[1], "unavailable")
             task = self._load_once(version)
         if isinstance(task, ServedTask) and task.table is not None:
             try:
@@ -189,22 +218,38 @@ class TaskRegistry:
         if not mine:
             loading.wait()
             with self._lock:
-                return self._versions.get(version) or self._damaged(version, RuntimeError("its load was abandoned"))
+                task = self._versions.get(version)
+            if task is None:  # the load it waited for could not fetch the version
+                raise RequestError(self._unreachable.get(version, (0, f"{version}: not loaded"))[1], "unavailable")
+            return task
         task: ServedTask | StoreError = StoreError(f"{version}: not loaded")
         try:
             task = self._load(version)
-        finally:
+        except FetchError as exc:  # the store: not kept, tried again after a pause (the others serve meanwhile)
             with self._lock:
-                self._keep(version, task)
                 del self._loading[version]
                 loading.set()
+                self._unreachable[version] = (time.monotonic() + RETRY_FETCH_SECONDS, str(exc))
+            raise RequestError(str(exc), "unavailable") from None
+        finally:
+            with self._lock:
+                if version in self._loading:
+                    self._keep(version, task)
+                    del self._loading[version]
+                    loading.set()
+        self._unreachable.pop(version, None)
         return task
 
     def _load(self, version: str) -> ServedTask | StoreError:
         self.loads += 1
+        digests = self.view.index.digests(version)
         try:
-            return load_task_version(self.store.version_folder(version), version, self.store.root, self.parts,
-                                     self.view.index.digests(version))
+            folder = self.store.version_folder(version, digests)
+        except (BackendError, DigestError, OSError) as exc:  # unreachable, or an object damaged on its way
+            raise FetchError(f"task {task_of(version)!r} ({version}) cannot be fetched from the task store "
+                             f"{self.store.location}: {exc}") from None
+        try:
+            return load_task_version(folder, version, self.store.root, self.parts, digests)
         except Exception as exc:  # noqa: BLE001 - a corrupt task must not take the others down
             return self._damaged(version, exc)
 

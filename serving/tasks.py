@@ -222,7 +222,10 @@ def load_task_version(folder: Path, version: str, store_root: Path, parts: str =
             check_regular(task.table_path)
         except DigestError as exc:
             raise StoreError(f"{version}: {exc}") from None
-        task.table = np.load(task.table_path, mmap_mode="r")  # refuses a file shorter than its header says
+        try:
+            task.table = np.load(task.table_path, mmap_mode="r")  # refuses a file shorter than its header says
+        except (ValueError, OSError) as exc:
+            raise StoreError(f"{version}: table.npy cannot be mapped ({exc}): truncated or not a table") from None
         if task.table.shape != shape or task.table.dtype != protocol.ROWS_DTYPE:
             raise StoreError(f"{version}: table.npy is {task.table.dtype} {task.table.shape}, expected fp16 {shape}")
         task.table_bytes = file_stamp(task.table_path)[1]
