@@ -62,7 +62,9 @@ def index_meta(folder: Path) -> dict:
 
 
 class TaskStore(StoreReader):
-    """Reads and writes REPO/tasks."""
+    """Reads and writes a task store (the repository's folder, or object storage: StoreReader)."""
+
+    REMOTE_TIMEOUT = 120.0  # a publisher uploads whole tables
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:

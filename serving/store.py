@@ -195,6 +195,8 @@ class StoreReader:
     (serving.s3), and a version's files are fetched on first use into a bounded local cache (serving.version_cache;
     AOT_TASK_CACHE_DIR, AOT_TASK_CACHE_BYTES)."""
 
+    REMOTE_TIMEOUT = 5.0  # seconds a request to the object store may take: a serving step waits no longer
+
     def __init__(self, root: str | Path, url: str | None = None):
         self.root = Path(root)
         self.url = url
@@ -203,7 +205,7 @@ class StoreReader:
             from serving.s3 import S3Backend  # obstore: only for a store in object storage
             from serving.version_cache import VersionCache
 
-            self.backend = S3Backend(url)
+            self.backend = S3Backend(url, timeout=self.REMOTE_TIMEOUT)
             self.cache = VersionCache(self.backend, default_cache_dir(url), default_cache_bytes())
         else:
             self.backend = FileBackend(self.root)

@@ -35,8 +35,16 @@ REMOTE_POLL_SECONDS = 1.0  # how often a step looks at an object store's generat
 RETRY_FETCH_SECONDS = 2.0  # a version that could not be fetched fails its requests at once this long, then is retried
 
 
+STORE = ""  # the key of _unreachable that pauses every fetch: the store did not answer
+
+
 class FetchError(OSError):
-    """A version could not be fetched from a remote store (unreachable, or an object that failed its digest)."""
+    """A version could not be fetched from a remote store: unreachable (then every cold version waits
+    RETRY_FETCH_SECONDS before the store is asked again), or one object failed its digest (that version waits)."""
+
+    def __init__(self, message: str, unreachable: bool):
+        super().__init__(message)
+        self.unreachable = unreachable
 
 
 class TaskRegistry:
@@ -186,7 +194,7 @@ class TaskRegistry:
             if not self.known(version) or not self.store.remote and not self.store.version_folder(version).is_dir():
                 raise RequestError(f"task version {version!r} is not in the store (removed, or never exported)",
                                    "not_found")
-            unreachable = self._unreachable.get(version)
+            unreachable = self._unreachable.get(version) or self._unreachable.get(STORE)
             if unreachable is not None and time.monotonic() < unreachable[0]:
                 raise RequestError(unreachable[1], "unavailable")
             task = self._load_once(version)
@@ -220,7 +228,8 @@ class TaskRegistry:
             with self._lock:
                 task = self._versions.get(version)
             if task is None:  # the load it waited for could not fetch the version
-                raise RequestError(self._unreachable.get(version, (0, f"{version}: not loaded"))[1], "unavailable")
+                why = self._unreachable.get(version) or self._unreachable.get(STORE) or (0, f"{version}: not loaded")
+                raise RequestError(why[1], "unavailable")
             return task
         task: ServedTask | StoreError = StoreError(f"{version}: not loaded")
         try:
@@ -229,7 +238,8 @@ class TaskRegistry:
             with self._lock:
                 del self._loading[version]
                 loading.set()
-                self._unreachable[version] = (time.monotonic() + RETRY_FETCH_SECONDS, str(exc))
+                until = (time.monotonic() + RETRY_FETCH_SECONDS, str(exc))
+                self._unreachable[STORE if exc.unreachable else version] = until
             raise RequestError(str(exc), "unavailable") from None
         finally:
             with self._lock:
@@ -238,6 +248,7 @@ class TaskRegistry:
                     del self._loading[version]
                     loading.set()
         self._unreachable.pop(version, None)
+        self._unreachable.pop(STORE, None)
         return task
 
     def _load(self, version: str) -> ServedTask | StoreError:
@@ -247,7 +258,7 @@ class TaskRegistry:
             folder = self.store.version_folder(version, digests)
         except (BackendError, DigestError, OSError) as exc:  # unreachable, or an object damaged on its way
             raise FetchError(f"task {task_of(version)!r} ({version}) cannot be fetched from the task store "
-                             f"{self.store.location}: {exc}") from None
+                             f"{self.store.location}: {exc}", unreachable=isinstance(exc, BackendError)) from None
         try:
             return load_task_version(folder, version, self.store.root, self.parts, digests)
         except Exception as exc:  # noqa: BLE001 - a corrupt task must not take the others down
