@@ -26,6 +26,7 @@ import socket
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from serving.store import (EMBEDDINGS, RETIRED_GRACE, STORAGES, STORE_FORMAT, ST
                            StoreError, StoreReader, TaskEntry, check_task_name, parse_entry, task_of)
 from serving.store_log import STORE_FILE, Change, StoreState
 
+UPLOADS_AT_ONCE = 8  # objects a publisher uploads in parallel to a remote store
 FOREIGN_DEBRIS_AGE = 3600.0  # seconds before another host's unfinished export folder counts as debris
 # this host, in the names of export folders (pids are per host: a fleet's exports share one volume)
 HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
@@ -168,10 +170,10 @@ class TaskStore(StoreReader):
         with self.locked():
             self.identity()
             if self.remote:  # the version's objects first, the change that names them last
-                for p in publications:
-                    version = self.version_name(p.folder)
-                    for file in sorted(entries[p.name]["digests"]):
-                        self.backend.upload(p.folder / file, f"{version}/{file}")
+                uploads = [(p.folder / file, f"{self.version_name(p.folder)}/{file}")
+                           for p in publications for file in sorted(entries[p.name]["digests"])]
+                with ThreadPoolExecutor(UPLOADS_AT_ONCE) as pool:  # a batch's many small objects: latency-bound
+                    list(pool.map(lambda upload: self.backend.upload(*upload), uploads))
             else:
                 for p in publications:
                     p.folder.rename(self.root / self.version_name(p.folder))
