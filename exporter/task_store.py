@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from serving.atomic import fsync_dir, fsync_tree, pid_alive, plain_permissions, write_atomic
+from serving.atomic import fsync_dir, fsync_trees, pid_alive, plain_permissions, write_atomic
 from serving.digests import folder_digests
 from serving.formats import FormatError, read_json
 from serving.store import (EMBEDDINGS, RETIRED_GRACE, STORAGES, STORE_FORMAT, STORE_VERSION, V1_MANIFEST,
@@ -164,9 +164,9 @@ class TaskStore(StoreReader):
             if p.storage not in STORAGES:
                 raise StoreError(f"unknown storage {p.storage!r}: expected one of {', '.join(STORAGES)}")
             plain_permissions(p.folder)  # safetensors writes 0600: a server running as another user could not read it
-            fsync_tree(p.folder)
             entries[p.name] = {"folder": self.version_name(p.folder), "storage": p.storage,
                                "digests": folder_digests(p.folder), "meta": index_meta(p.folder)}
+        fsync_trees([p.folder for p in publications])
         with self.locked():
             self.identity()
             if self.remote:  # the version's objects first, the change that names them last
