@@ -158,7 +158,8 @@ class TaskStore(StoreReader):
         """Publish finished version folders in one change of the index: readers see all of them, or none."""
         names = [p.name for p in publications]
         if len(set(names)) != len(names):
-            raise StoreError(f"a batch publishes each task once; repeated: {sorted({n for n in names if names.count(n) > 1})}")
+            repeated = sorted({n for n in names if names.count(n) > 1})
+            raise StoreError(f"a batch publishes each task once; repeated: {repeated}")
         entries = {}
         for p in publications:
             if p.storage not in STORAGES:
