@@ -83,44 +83,40 @@ def add_export(sub) -> None:
 
 
 def add_tenant_and_version_commands(kinds) -> None:
-    tenant = kinds.add_parser("tenant", help="create, rotate or delete a tenant (a namespace of tasks TENANT/TASK)",
-                              description="A tenant's tasks (named TENANT/TASK) answer only requests that carry its "
-                                          "key (request parameter aot-tenant-key; aot infer --tenant-key, "
-                                          "AOT_TENANT_KEY). create and rotate print {\"tenant\", \"key\"} once: the "
-                                          "store keeps only the key's sha256. rotate stops the old key from the "
-                                          "servers' next batch; delete removes the tenant and all its tasks.")
-    tenant.add_argument("action", choices=["create", "rotate", "delete"])
-    tenant.add_argument("tenant", metavar="TENANT", help="tenant name (letters, digits, '_', '-', '.')")
-    tenant.add_argument("--repo", required=True, help="model repository (from `aot export backbone`)")
-    tenant.set_defaults(run=run_export_tenant)
+    _store_command(kinds, "tenant", run_export_tenant,
+                   "create, rotate or delete a tenant (a namespace of tasks TENANT/TASK)",
+                   "A tenant's tasks (named TENANT/TASK) answer only requests that carry its key (request parameter "
+                   "aot-tenant-key; aot infer --tenant-key, AOT_TENANT_KEY). create and rotate print {\"tenant\", "
+                   "\"key\"} once: the store keeps only the key's sha256. rotate stops the old key from the servers' "
+                   "next batch; delete removes the tenant and all its tasks.",
+                   ("action", {"choices": ["create", "rotate", "delete"], "help": "what to do to the tenant"}),
+                   ("tenant", {"metavar": "TENANT", "help": "tenant name (letters, digits, '_', '-', '.')"}))
+    _store_command(kinds, "versions", run_export_versions, "list the versions of a task the store serves",
+                   "One JSON line per version, newest first: the current one, the kept ones (servable as NAME@ID and "
+                   "rollback targets) and retired ones still in their grace; with a route, each routed version's "
+                   "share.", ("name", {"metavar": "NAME", "help": "task name"}))
+    _store_command(kinds, "rollback", run_export_rollback, "make a kept version of a task its current version again",
+                   "NAME answers VERSION (NAME@ID, as answers and `aot export versions` name it) from the servers' "
+                   "next batch; the version it replaces is kept. Clears a route.",
+                   ("name", {"metavar": "NAME", "help": "task name"}),
+                   ("version", {"metavar": "VERSION", "help": "a kept version, NAME@ID"}))
+    _store_command(kinds, "route", run_export_route, "split a task's requests between its kept versions (canaries)",
+                   "Each request for the bare NAME is answered by one version drawn by weight (one draw per request); "
+                   "every answer names its version. `route NAME CURRENT=1` (the current version alone) clears the "
+                   "route; so do a new export and a rollback.",
+                   ("name", {"metavar": "NAME", "help": "task name"}),
+                   ("weights", {"nargs": "+", "metavar": "VERSION=WEIGHT",
+                                "help": "a kept version (NAME@ID) and its weight, a positive number (shares are "
+                                        "weight / sum)"}))
 
-    versions = kinds.add_parser("versions", help="list the versions of a task the store serves",
-                                description="One JSON line per version, newest first: the current one, the kept "
-                                            "ones (servable as NAME@ID and rollback targets) and retired ones still "
-                                            "in their grace; with a route, each routed version's share.")
-    versions.add_argument("name", metavar="NAME", help="task name")
-    versions.add_argument("--repo", required=True, help="model repository (from `aot export backbone`)")
-    versions.set_defaults(run=run_export_versions)
 
-    rollback = kinds.add_parser("rollback", help="make a kept version of a task its current version again",
-                                description="NAME answers VERSION (NAME@ID, as answers and `aot export versions` name "
-                                            "it) from the servers' next batch; the version it replaces is kept. "
-                                            "Clears a route.")
-    rollback.add_argument("name", metavar="NAME", help="task name")
-    rollback.add_argument("version", metavar="VERSION", help="a kept version, NAME@ID")
-    rollback.add_argument("--repo", required=True, help="model repository (from `aot export backbone`)")
-    rollback.set_defaults(run=run_export_rollback)
-
-    route = kinds.add_parser("route", help="split a task's requests between its kept versions (canaries)",
-                             description="Each request for the bare NAME is answered by one version drawn by weight "
-                                         "(one draw per request); every answer names its version. `route NAME "
-                                         "CURRENT=1` (the current version alone) clears the route; so do a new "
-                                         "export and a rollback.")
-    route.add_argument("name", metavar="NAME", help="task name")
-    route.add_argument("weights", nargs="+", metavar="VERSION=WEIGHT",
-                       help="a kept version (NAME@ID) and its weight, a positive number (shares are weight / sum)")
-    route.add_argument("--repo", required=True, help="model repository (from `aot export backbone`)")
-    route.set_defaults(run=run_export_route)
+def _store_command(kinds, command: str, run, help: str, description: str, *positionals: tuple[str, dict]) -> None:
+    """A subcommand that changes or reads a repository's task store: its positionals, then --repo."""
+    p = kinds.add_parser(command, help=help, description=description)
+    for name, options in positionals:
+        p.add_argument(name, **options)
+    p.add_argument("--repo", required=True, help="model repository (from `aot export backbone`)")
+    p.set_defaults(run=run)
 
 
 def run_export_backbone(args) -> int:

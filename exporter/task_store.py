@@ -197,7 +197,8 @@ class TaskStore(StoreReader):
                                "digests": folder_digests(p.folder), "meta": index_meta(p.folder)}
         with self.locked():
             self.upgrade_identity()
-            self.check_tenants(entries)
+            if any(tenant_of(name) for name in entries):  # before anything is renamed or uploaded
+                self.check_tenants(entries)
             if self.remote:  # the version's objects first, the change that names them last
                 for p in publications:
                     version = folder_name(self.version_name(p.folder))

@@ -4,16 +4,14 @@ caller may call, and the store keeps only the key's sha256."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
+import time
 import urllib.error
 import urllib.request
 
 import numpy as np
 import pytest
 
-from aot.cli import main
 from aot.client import Client, InferenceError, TaskNotFound
 from exporter.task_export import export_task
 from exporter.task_store import TaskStore
@@ -21,7 +19,7 @@ from serving.repository import read_repository
 from serving.store import StoreError
 from serving.task_registry import TaskRegistry
 from serving.tenants import TENANT_KEY_PARAMETER, key_digest
-from tests.helpers import make_repository, serve_for_tests, train_tiny_task
+from tests.helpers import make_repository, run_cli, serve_for_tests, train_tiny_task
 
 pytestmark = pytest.mark.server
 
@@ -29,11 +27,7 @@ TEXT = "good w1 w2"
 
 
 def _cli(*argv: str) -> list[dict]:
-    """Run `aot ...` in this process; its JSON lines on stdout."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-        assert main(list(argv)) == 0
-    return [json.loads(line) for line in out.getvalue().splitlines()]
+    return run_cli(*argv)[0]
 
 
 @pytest.fixture(scope="module")
@@ -184,3 +178,15 @@ def test_require_tenant_keys_closes_the_public_tasks(repo, keys):
     assert registry.resolve("public", keys["acme"]).name == "public"
     assert registry.visible(registry.caller(keys["bahn"])) == ["bahn/intent", "public"]
     assert registry.visible(registry.caller("aotk_wrong")) == []
+
+
+def test_a_tenants_requests_are_labelled_by_tenant(server, keys):
+    with Client(server.grpc_url, tenant_key=keys["acme"]) as client:
+        client.infer("acme/intent", TEXT)
+        time.sleep(1.1)  # a step publishes its counts at most once a second, after a batch
+        client.infer("acme/intent", TEXT)
+    with urllib.request.urlopen(f"http://{server.host}:{server.metrics_port}/metrics", timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    mine = [line for line in lines if line.startswith("aot_task_requests_total{") and 'task="acme/intent"' in line]
+    assert mine and all('tenant="acme"' in line for line in mine)
+    assert any(line.startswith("aot_task_latency_seconds_bucket{") and 'tenant="acme"' in line for line in lines)

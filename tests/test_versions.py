@@ -4,22 +4,19 @@ within 5 points; a store of format v2 is still read."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import time
 from collections import Counter
 
 import pytest
 
-from aot.cli import main
 from aot.client import Client, TaskNotFound
 from exporter.task_export import export_task
 from exporter.task_store import TaskStore
 from serving.repository import read_repository
 from serving.store import RETIRED_GRACE
 from serving.store_log import Change
-from tests.helpers import make_repository, serve_for_tests, train_tiny_task
+from tests.helpers import make_repository, run_cli, serve_for_tests, train_tiny_task
 
 pytestmark = pytest.mark.server
 
@@ -27,18 +24,12 @@ TEXT = "good w1 w2"
 
 
 def _cli(*argv: str) -> list[dict]:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-        assert main(list(argv)) == 0
-    return [json.loads(line) for line in out.getvalue().splitlines()]
+    return run_cli(*argv)[0]
 
 
 def _cli_error(*argv: str) -> str:
-    """Run `aot ...`, which must fail (exit 2); its one-line error."""
-    err = io.StringIO()
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-        assert main(list(argv)) == 2
-    return err.getvalue().strip()
+    """`aot ...`, which must fail (exit 2): its one-line error."""
+    return run_cli(*argv, exit_code=2)[1]
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +129,7 @@ def test_a_90_10_route_splits_1000_requests(repo, versions, client):
     counts = Counter(a["version"] for a in answers)
     assert set(counts) == {current, canary}
     assert abs(counts[canary] / 1000 - 0.10) <= 0.05, counts
+    print(f"\n90/10 route over 1,000 requests: current {counts[current]}, canary {counts[canary]}")
     listed = {v["version"]: v["route_share"] for v in _cli("export", "versions", "sent", "--repo", str(repo))}
     assert listed[current] == 0.9 and listed[canary] == 0.1
     [cleared] = _cli("export", "route", "sent", f"{current}=1", "--repo", str(repo))
