@@ -26,12 +26,13 @@ import socket
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from serving.atomic import fsync_dir, fsync_tree, pid_alive, plain_permissions, write_atomic
+from serving.atomic import fsync_dir, fsync_trees, pid_alive, plain_permissions, write_atomic
 from serving.digests import folder_digests
 from serving.formats import FormatError, read_json
 from serving.store import (DEFAULT_KEEP, EMBEDDINGS, RETIRED_GRACE, STORAGES, STORE_FORMAT, STORE_VERSION,
@@ -40,6 +41,7 @@ from serving.store import (DEFAULT_KEEP, EMBEDDINGS, RETIRED_GRACE, STORAGES, ST
 from serving.store_log import STORE_FILE, Change, StoreState
 from serving.tenants import tenant_of
 
+UPLOADS_AT_ONCE = 8  # objects a publisher uploads in parallel to a remote store
 FOREIGN_DEBRIS_AGE = 3600.0  # seconds before another host's unfinished export folder counts as debris
 # this host, in the names of export folders (pids are per host: a fleet's exports share one volume)
 HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
@@ -192,18 +194,18 @@ class TaskStore(StoreReader):
             if p.storage not in STORAGES:
                 raise StoreError(f"unknown storage {p.storage!r}: expected one of {', '.join(STORAGES)}")
             plain_permissions(p.folder)  # safetensors writes 0600: a server running as another user could not read it
-            fsync_tree(p.folder)
             entries[p.name] = {"folder": self.version_name(p.folder), "storage": p.storage,
                                "digests": folder_digests(p.folder), "meta": index_meta(p.folder)}
+        fsync_trees([p.folder for p in publications])
         with self.locked():
             self.upgrade_identity()
             if any(tenant_of(name) for name in entries):  # before anything is renamed or uploaded
                 self.check_tenants(entries)
             if self.remote:  # the version's objects first, the change that names them last
-                for p in publications:
-                    version = folder_name(self.version_name(p.folder))
-                    for file in sorted(entries[p.name]["digests"]):
-                        self.backend.upload(p.folder / file, f"{version}/{file}")
+                uploads = [(p.folder / file, f"{folder_name(self.version_name(p.folder))}/{file}")
+                           for p in publications for file in sorted(entries[p.name]["digests"])]
+                with ThreadPoolExecutor(UPLOADS_AT_ONCE) as pool:  # a batch's many small objects: latency-bound
+                    list(pool.map(lambda upload: self.backend.upload(*upload), uploads))
             else:
                 for p in publications:
                     p.folder.rename(self.root / folder_name(self.version_name(p.folder)))
