@@ -170,9 +170,9 @@ class TaskStore(StoreReader):
         if identity["format_version"] != STORE_VERSION:
             self.backend.write(STORE_FILE, self._identity_bytes(identity["backbone"]))
 
-    def check_tenants(self, names, state: StoreState | None = None) -> None:
+    def check_tenants(self, names, state: StoreState) -> None:
         """Refuse task names `TENANT/TASK` whose tenant the store does not hold."""
-        tenants = (state or self.state()).tenants
+        tenants = state.tenants
         for tenant in sorted({tenant_of(n) for n in names} - {None} - set(tenants)):
             raise StoreError(f"no tenant {tenant!r} in the task store {self.location}: create it first (aot export "
                              f"tenant create {tenant} --repo REPO)")
@@ -199,8 +199,6 @@ class TaskStore(StoreReader):
         fsync_trees([p.folder for p in publications])
         with self.locked():
             self.upgrade_identity()
-            if any(tenant_of(name) for name in entries):  # before anything is renamed or uploaded
-                self.check_tenants(entries)
             if self.remote:  # the version's objects first, the change that names them last
                 uploads = [(p.folder / file, f"{folder_name(self.version_name(p.folder))}/{file}")
                            for p in publications for file in sorted(entries[p.name]["digests"])]
@@ -212,6 +210,8 @@ class TaskStore(StoreReader):
                 fsync_dir(self.root)
 
             def change(state: StoreState) -> Change:
+                # TaskExporter.check refused a missing tenant before anything was written; a tenant deleted since
+                # refuses the change here, and the next change collects the folders renamed for it
                 self.check_tenants(entries, state)
                 tasks, retired = {}, {}
                 for name, entry in entries.items():
