@@ -5,6 +5,8 @@
         client.infer("sentiment", "A fine film.")   # {"label", "logits", "probabilities", "version": "sentiment@<id>"}
         client.infer("sentiment@3f2a9c41d0e7", "A fine film.")   # exactly that version, while the store holds it
         client.infer_many([{"task": "sentiment", "text": "...", "text_pair": None}, ...])   # concurrent, in order
+    with Client(tenant_key=KEY) as client:   # $AOT_TENANT_KEY: a tenant's tasks, TENANT/TASK (serving.tenants)
+        client.infer("acme/intent", "Where is my parcel?")
 
 One request per text, sent concurrently (Triton batches them, across tasks, on the server). With
 `Client(tokenizer=REPO/models/tokenizer/1/tokenizer)` the client tokenizes (truncating to each task's max length,
@@ -26,6 +28,7 @@ from aot.errors import (InferenceError, InvalidInput, PermissionDenied, TaskNotF
 from serving import protocol
 from serving.labels import answer
 from serving.store import MAX_NAME_LENGTH
+from serving.tenants import TENANT_KEY_ENV, TENANT_KEY_PARAMETER
 
 __all__ = ["Client", "InferenceError", "InvalidInput", "PermissionDenied", "TaskNotFound", "TaskUnavailable",
            "Unavailable", "server_url"]
@@ -47,11 +50,13 @@ def _text(value) -> str:
 class Client:
     def __init__(self, url: str | None = None, model: str = "aot", timeout: float = 60.0, *,
                  tls: bool = False, ca: str | None = None, cert: str | None = None, key: str | None = None,
-                 tokenizer: str | os.PathLike | None = None):
+                 tokenizer: str | os.PathLike | None = None, tenant_key: str | None = None):
         """`url`: see server_url. `tls`: gRPC over TLS, trusting the system's CAs or the PEM file `ca`; `cert` +
         `key`: this client's certificate for a server that asks for one (mutual TLS). `ca` or `cert` imply `tls`.
         `tokenizer`: the served repository's tokenizer folder (REPO/models/tokenizer/1/tokenizer): tokenize here
-        and send token ids (each task's max length is read from tasks() once per task name)."""
+        and send token ids (each task's max length is read from tasks() once per task name). `tenant_key`: the key
+        of a tenant (`aot export tenant create`), sent with every request as the parameter aot-tenant-key (default:
+        the environment variable AOT_TENANT_KEY): its tasks TENANT/TASK answer, and tasks() lists them."""
         import tritonclient.grpc as grpcclient
 
         self._grpc = grpcclient
@@ -69,6 +74,8 @@ class Client:
         self._tokenizer_dir = tokenizer
         self._tokens = None  # serving.tokenization.Tokenization, made on first use
         self._max_lengths: dict[str, int] = {}
+        key = tenant_key if tenant_key is not None else os.environ.get(TENANT_KEY_ENV)
+        self._parameters = {TENANT_KEY_PARAMETER: key} if key else None
 
     def close(self) -> None:
         self._client.close()
@@ -151,7 +158,7 @@ class Client:
         most this many tasks (by name)."""
         from tritonclient.utils import InferenceServerException
 
-        parameters = {k: v for k, v in (("limit", limit), ("match", match)) if v}
+        parameters = {k: v for k, v in (("limit", limit), ("match", match)) if v} | (self._parameters or {})
         try:
             result = self._client.infer("task_list", [], outputs=[self._grpc.InferRequestedOutput(protocol.TASKS)],
                                         client_timeout=self.timeout, parameters=parameters or None)
@@ -167,7 +174,8 @@ class Client:
 
         try:
             result = self._client.infer(self.model, self._inputs(task, text, text_pair if pair is None else pair),
-                                        outputs=self._outputs(), client_timeout=self.timeout)
+                                        outputs=self._outputs(), client_timeout=self.timeout,
+                                        parameters=self._parameters)
         except InferenceServerException as exc:
             raise from_triton(exc, task=task) from None
         return self._decode(result)
@@ -204,6 +212,7 @@ class Client:
                 callback(i, error=exc)
                 continue
             self._client.async_infer(self.model, inputs, outputs=self._outputs(), client_timeout=self.timeout,
+                                     parameters=self._parameters,
                                      callback=lambda result, error, i=i: callback(i, result, error))
         for _ in range(len(items)):
             index = done.get()

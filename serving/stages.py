@@ -73,7 +73,7 @@ class TextInputs:
                                "client), not both and not neither")
         pair = step.text(request, protocol.TEXT_PAIR, required=False)
         pair = None if pair is None or is_blank(pair) else pair
-        task = step.tasks.resolve(step.task_name(request))
+        task = step.resolve(request)
         ctx.version = task.version
         if ids is not None:
             if pair is not None:
