@@ -7,6 +7,8 @@
         client.infer_many([{"task": "sentiment", "text": "...", "text_pair": None}, ...])   # concurrent, in order
         client.infer("ner", "Ana flew to Lisboa")   # {"entities": [{"text", "label", "start", "end", "score"}], ...}
         client.embed("search", ["a query", "a document"])   # [2, d] float32
+    with Client(tenant_key=KEY) as client:   # $AOT_TENANT_KEY: a tenant's tasks, TENANT/TASK (serving.tenants)
+        client.infer("acme/intent", "Where is my parcel?")
 
 Each answer is its task's kind's (serving.answers): classification {label, logits, probabilities}, regression
 {score}, multilabel {labels, scores}, tokens {entities}, embedding {embedding}, and the `version` that answered.
@@ -31,6 +33,7 @@ from serving import protocol
 from serving.answers import READS_TOKENS
 from serving.labels import answer
 from serving.store import MAX_NAME_LENGTH
+from serving.tenants import TENANT_KEY_ENV, TENANT_KEY_PARAMETER
 
 __all__ = ["Client", "InferenceError", "InvalidInput", "PermissionDenied", "TaskNotFound", "TaskUnavailable",
            "Unavailable", "server_url"]
@@ -54,11 +57,13 @@ def _text(value) -> str:
 class Client:
     def __init__(self, url: str | None = None, model: str = "aot", timeout: float = 60.0, *,
                  tls: bool = False, ca: str | None = None, cert: str | None = None, key: str | None = None,
-                 tokenizer: str | os.PathLike | None = None):
+                 tokenizer: str | os.PathLike | None = None, tenant_key: str | None = None):
         """`url`: see server_url. `tls`: gRPC over TLS, trusting the system's CAs or the PEM file `ca`; `cert` +
         `key`: this client's certificate for a server that asks for one (mutual TLS). `ca` or `cert` imply `tls`.
         `tokenizer`: the served repository's tokenizer folder (REPO/models/tokenizer/1/tokenizer): tokenize here
-        and send token ids (each task's max length is read from tasks() once per task name)."""
+        and send token ids (each task's max length is read from tasks() once per task name). `tenant_key`: the key
+        of a tenant (`aot export tenant create`), sent with every request as the parameter aot-tenant-key (default:
+        the environment variable AOT_TENANT_KEY): its tasks TENANT/TASK answer, and tasks() lists them."""
         import tritonclient.grpc as grpcclient
 
         self._grpc = grpcclient
@@ -77,6 +82,8 @@ class Client:
         self._tokens = None  # serving.tokenization.Tokenization, made on first use
         self._max_lengths: dict[str, int] = {}
         self._kinds: dict[str, str | None] = {}
+        key = tenant_key if tenant_key is not None else os.environ.get(TENANT_KEY_ENV)
+        self._parameters = {TENANT_KEY_PARAMETER: key} if key else None
 
     def close(self) -> None:
         self._client.close()
@@ -171,7 +178,7 @@ class Client:
         most this many tasks (by name)."""
         from tritonclient.utils import InferenceServerException
 
-        parameters = {k: v for k, v in (("limit", limit), ("match", match)) if v}
+        parameters = {k: v for k, v in (("limit", limit), ("match", match)) if v} | (self._parameters or {})
         try:
             result = self._client.infer("task_list", [], outputs=[self._grpc.InferRequestedOutput(protocol.TASKS)],
                                         client_timeout=self.timeout, parameters=parameters or None)
@@ -188,7 +195,8 @@ class Client:
 
         try:
             result = self._client.infer(self.model, self._inputs(task, text, text_pair if pair is None else pair),
-                                        outputs=self._outputs(), client_timeout=self.timeout)
+                                        outputs=self._outputs(), client_timeout=self.timeout,
+                                        parameters=self._parameters)
         except InferenceServerException as exc:
             raise from_triton(exc, task=task) from None
         return self._decode(result)
@@ -241,6 +249,7 @@ class Client:
                 callback(i, error=exc)
                 continue
             self._client.async_infer(self.model, inputs, outputs=self._outputs(), client_timeout=self.timeout,
+                                     parameters=self._parameters,
                                      callback=lambda result, error, i=i: callback(i, result, error))
         for _ in range(len(items)):
             index = done.get()

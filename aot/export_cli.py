@@ -1,4 +1,4 @@
-"""`aot export backbone | task | remove | list | verify`."""
+"""`aot export backbone | task | remove | list | verify | tenant | versions | rollback | route`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import asdict
 from aot.arguments import add_command_group, add_dataclass_arguments, dataclass_from_arguments, positive_int
 from aot.output import report
 from serving.repository import ServingOptions
+from serving.store import DEFAULT_KEEP
 
 
 def add_export(sub) -> None:
@@ -55,6 +56,10 @@ def add_export(sub) -> None:
                    help="fused: P as a [V, L, d] fp16 table (the paper); factored: the factors (1-2 %% of a table), "
                         "rows computed when the pool fills; auto: fused while every task of the repository fits "
                         "in its task pool, else factored (the report shows both costs)")
+    t.add_argument("--keep", type=positive_int, default=None, metavar="N",
+                   help="versions of the task to keep, this one included (default: what the task kept so far, else "
+                        f"{DEFAULT_KEEP}): each stays servable as NAME@ID and a rollback target while kept; older ones "
+                        "are retired (servable 5 minutes more, then deleted)")
     t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     t.set_defaults(run=run_export_task)
 
@@ -74,6 +79,44 @@ def add_export(sub) -> None:
                                      "server does. Prints one line per task; exits 1 if any task is damaged.")
     v.add_argument("--repo", required=True, help="model repository (from `aot export backbone`)")
     v.set_defaults(run=run_export_verify)
+    add_tenant_and_version_commands(kinds)
+
+
+def add_tenant_and_version_commands(kinds) -> None:
+    _store_command(kinds, "tenant", run_export_tenant,
+                   "create, rotate or delete a tenant (a namespace of tasks TENANT/TASK)",
+                   "A tenant's tasks (named TENANT/TASK) answer only requests that carry its key (request parameter "
+                   "aot-tenant-key; aot infer --tenant-key, AOT_TENANT_KEY). create and rotate print {\"tenant\", "
+                   "\"key\"} once: the store keeps only the key's sha256. rotate stops the old key from the servers' "
+                   "next batch; delete removes the tenant and all its tasks.",
+                   ("action", {"choices": ["create", "rotate", "delete"], "help": "what to do to the tenant"}),
+                   ("tenant", {"metavar": "TENANT", "help": "tenant name (letters, digits, '_', '-', '.')"}))
+    _store_command(kinds, "versions", run_export_versions, "list the versions of a task the store serves",
+                   "One JSON line per version, newest first: the current one, the kept ones (servable as NAME@ID and "
+                   "rollback targets) and retired ones still in their grace; with a route, each routed version's "
+                   "share.", ("name", {"metavar": "NAME", "help": "task name"}))
+    _store_command(kinds, "rollback", run_export_rollback, "make a kept version of a task its current version again",
+                   "NAME answers VERSION (NAME@ID, as answers and `aot export versions` name it) from the servers' "
+                   "next batch; the version it replaces is kept. Clears a route.",
+                   ("name", {"metavar": "NAME", "help": "task name"}),
+                   ("version", {"metavar": "VERSION", "help": "a kept version, NAME@ID"}))
+    _store_command(kinds, "route", run_export_route, "split a task's requests between its kept versions (canaries)",
+                   "Each request for the bare NAME is answered by one version drawn by weight (one draw per request); "
+                   "every answer names its version. `route NAME CURRENT=1` (the current version alone) clears the "
+                   "route; so do a new export and a rollback.",
+                   ("name", {"metavar": "NAME", "help": "task name"}),
+                   ("weights", {"nargs": "+", "metavar": "VERSION=WEIGHT",
+                                "help": "a kept version (NAME@ID) and its weight, a positive number (shares are "
+                                        "weight / sum)"}))
+
+
+def _store_command(kinds, command: str, run, help: str, description: str, *positionals: tuple[str, dict]) -> None:
+    """A subcommand that changes or reads a repository's task store: its positionals, then --repo."""
+    p = kinds.add_parser(command, help=help, description=description)
+    for name, options in positionals:
+        p.add_argument(name, **options)
+    p.add_argument("--repo", required=True, help="model repository (from `aot export backbone`)")
+    p.set_defaults(run=run)
 
 
 def run_export_backbone(args) -> int:
@@ -99,7 +142,7 @@ def run_export_task(args) -> int:
         raise ValueError("give --task DIR and --name NAME (or --batch FILE for many tasks)")
     from exporter.task_export import export_task
 
-    result = export_task(args.task, args.repo, args.name, args.storage, progress=not args.no_progress)
+    result = export_task(args.task, args.repo, args.name, args.storage, progress=not args.no_progress, keep=args.keep)
     report(asdict(result), f"published task {args.name} ({result.storage}, {result.bytes_on_disk / 2**20:.1f} MiB, "
                            f"version {result.folder}) in {args.repo}: a running server answers it from its next batch",
            f'next: aot serve --repo {args.repo} (if none runs), then aot infer --task {args.name} "some text"')
@@ -128,7 +171,7 @@ def _size(n: int) -> str:
 def _run_export_batch(args) -> int:
     from exporter.batch_export import export_batch
 
-    result = export_batch(args.repo, args.batch, args.storage, progress=not args.no_progress)
+    result = export_batch(args.repo, args.batch, args.storage, progress=not args.no_progress, keep=args.keep)
     report([asdict(r) for r in result.tasks],
            f"published {len(result.tasks)} task(s) in one change of {args.repo} in {result.seconds:.1f} s "
            f"({result.tasks_per_second:.1f} tasks/s): a running server answers them from its next batch",
@@ -186,3 +229,60 @@ def run_export_verify(args) -> int:
            f"{len(found) - len(damaged)} of {len(found)} task(s) sound" +
            (f"; damaged: {', '.join(damaged)} (re-export them: aot export task ...)" if damaged else ""))
     return 1 if damaged else 0
+
+
+def _store(repo: str):
+    from exporter.task_store import TaskStore
+    from serving.repository import read_repository
+
+    return TaskStore.of(read_repository(repo))
+
+
+def run_export_tenant(args) -> int:
+    from exporter.tenant_admin import create_tenant, delete_tenant, rotate_tenant
+
+    store = _store(args.repo)
+    if args.action == "delete":
+        done = delete_tenant(store, args.tenant)
+        report({"tenant": done.tenant, "key": None, "deleted": True, "removed_tasks": done.removed_tasks},
+               f"deleted tenant {done.tenant} and its {len(done.removed_tasks)} task(s) from {args.repo}: servers "
+               "stop answering them from their next batch")
+        return 0
+    done = (create_tenant if args.action == "create" else rotate_tenant)(store, args.tenant)
+    report({"tenant": done.tenant, "key": done.key},
+           f"{'created' if args.action == 'create' else 'rotated the key of'} tenant {done.tenant} in {args.repo}: "
+           "this key is shown once (the store keeps its sha256 only)"
+           + ("; the old key stops working from the servers' next batch" if args.action == "rotate" else ""),
+           f"next: aot export task --task DIR --repo {args.repo} --name {done.tenant}/NAME, then "
+           f"AOT_TENANT_KEY=<key> aot infer --task {done.tenant}/NAME \"some text\"")
+    return 0
+
+
+def run_export_versions(args) -> int:
+    from exporter.versions import list_versions
+
+    versions = list_versions(_store(args.repo), args.name)
+    report(versions, f"{len(versions)} version(s) of {args.name} in {args.repo}")
+    return 0
+
+
+def run_export_rollback(args) -> int:
+    from exporter.versions import rollback
+
+    replaced = rollback(_store(args.repo), args.name, args.version)
+    report({"name": args.name, "current": args.version, "replaced": replaced},
+           f"{args.name} answers {args.version} from the servers' next batch; {replaced} is kept (aot export "
+           f"rollback {args.name} {replaced} --repo {args.repo} undoes this)")
+    return 0
+
+
+def run_export_route(args) -> int:
+    from exporter.versions import parse_weights, route
+
+    chosen = route(_store(args.repo), args.name, parse_weights(args.weights))
+    total = sum((chosen or {}).values())
+    report({"name": args.name, "route": None if chosen is None else {v: w / total for v, w in chosen.items()}},
+           f"{args.name}: " + ("route cleared, the current version answers every request" if chosen is None else
+                               "requests split " + ", ".join(f"{v} {w / total:.0%}" for v, w in chosen.items()))
+           + " from the servers' next batch")
+    return 0

@@ -107,6 +107,9 @@ def add_serve(sub) -> None:
                         "status; no text unless --request-log-text), created 0600")
     p.add_argument("--request-log-sample", type=_share, default=1.0, metavar="SHARE",
                    help="the share of requests the request log writes, drawn per request (default 1: all)")
+    p.add_argument("--require-tenant-keys", action="store_true",
+                   help="tasks without a tenant answer only requests that carry a valid tenant key (default: they "
+                        "are public; a tenant's tasks TENANT/TASK always need its key)")
     p.add_argument("--request-log-text", action="store_true",
                    help="write each logged request's text and text pair too (they are the callers' data)")
     p.set_defaults(run=run_serve)
@@ -188,7 +191,10 @@ def _step_environment(args) -> dict[str, str]:
     from serving.metric_labels import METRICS_TASKS_ENV
     from serving.request_log import PATH_ENV, RequestLog, RequestLogSettings
 
+    from serving.tenants import REQUIRE_KEYS_ENV
+
     env = {} if args.metrics_tasks is None else {METRICS_TASKS_ENV: str(args.metrics_tasks)}
+    env[REQUIRE_KEYS_ENV] = "1" if args.require_tenant_keys else ""
     if args.request_log is None:
         os.environ.pop(PATH_ENV, None)
         return env
@@ -225,12 +231,16 @@ def add_connection_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ca", default=None, help="PEM CA that signed the server's certificate (implies --tls)")
     p.add_argument("--cert", default=None, help="PEM client certificate, for a server that asks for one")
     p.add_argument("--key", default=None, help="PEM private key of --cert")
+    p.add_argument("--tenant-key", default=None,
+                   help="a tenant's key (aot export tenant create): its tasks TENANT/TASK answer (default: the "
+                        "environment variable AOT_TENANT_KEY)")
 
 
 def connect(args, **kwargs):
     from aot.client import Client
 
-    return Client(args.url, tls=args.tls, ca=args.ca, cert=args.cert, key=args.key, **kwargs)
+    return Client(args.url, tls=args.tls, ca=args.ca, cert=args.cert, key=args.key, tenant_key=args.tenant_key,
+                  **kwargs)
 
 
 def add_tasks(sub) -> None:

@@ -68,7 +68,7 @@ def read_batch(path: str | Path) -> list[BatchLine]:
 
 
 def export_batch(repo_dir: str | Path, batch_file: str | Path, storage: str = "auto",
-                 progress: bool = True) -> BatchExportReport:
+                 progress: bool = True, keep: int | None = None) -> BatchExportReport:
     """Export every task of the batch file and publish them in one change (module docstring)."""
     start = time.perf_counter()
     lines = read_batch(batch_file)
@@ -92,7 +92,7 @@ def export_batch(repo_dir: str | Path, batch_file: str | Path, storage: str = "a
         for w in written:
             exporter.discard(w)
         raise
-    reports = exporter.publish(written)
+    reports = exporter.publish(written, keep)
     seconds = time.perf_counter() - start
     return BatchExportReport(reports, round(seconds, 2), round(len(reports) / seconds, 2))
 

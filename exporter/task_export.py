@@ -21,6 +21,7 @@ from serving.engine import BackboneRunner, Prepared
 from serving.repository import RepositoryInfo, read_repository
 from serving.store import STORAGES, StoreError, check_task_name
 from serving.tasks import load_task_version
+from serving.tenants import tenant_of
 from serving.tokenization import Tokenization
 from training.artifact import TaskArtifact, check_fingerprint, read_task
 from training.factory import load_task
@@ -147,11 +148,12 @@ def storage_advice(repo: RepositoryInfo, name: str, fused_bytes: int, factored_b
 
 
 def export_task(task_dir: str | Path, repo_dir: str | Path, name: str, storage: str = "auto",
-                progress: bool = True) -> TaskExportReport:
-    """Export one task and publish it. `storage`: fused, factored, or auto (see storage_advice)."""
+                progress: bool = True, keep: int | None = None) -> TaskExportReport:
+    """Export one task and publish it. `storage`: fused, factored, or auto (see storage_advice). `keep`: versions
+    of the task to keep, this one included (None: the task's policy, else serving.store.DEFAULT_KEEP)."""
     exporter = TaskExporter(repo_dir, progress)
     written = exporter.write(task_dir, name, storage)
-    return exporter.publish([written])[0]
+    return exporter.publish([written], keep)[0]
 
 
 @dataclass
@@ -176,6 +178,7 @@ class TaskExporter:
         self.store = TaskStore.of(self.repo)
         self.store.identity()
         self.progress = progress
+        self._tenants: set[str] | None = None  # the store's tenants, read once by check()
         self._backbone = None
         self._engine = None
         self._tokens = None
@@ -184,6 +187,12 @@ class TaskExporter:
         """Every refusal that needs no backbone: the name, the storage, the artifact against the repository."""
         repo = self.repo
         check_task_name(name)
+        if tenant_of(name) is not None:
+            if self._tenants is None:
+                self._tenants = set(self.store.state().tenants)
+            if tenant_of(name) not in self._tenants:
+                raise StoreError(f"no tenant {tenant_of(name)!r} in the task store of {repo.path}: create it first "
+                                 f"(aot export tenant create {tenant_of(name)} --repo {repo.path})")
         if storage not in STORAGES + ("auto",):
             raise StoreError(f"unknown storage {storage!r}: expected auto, {', '.join(STORAGES)}")
         artifact = read_task(task_dir)
@@ -258,11 +267,12 @@ class TaskExporter:
         """A written version that will not be published."""
         shutil.rmtree(written.folder, ignore_errors=True)
 
-    def publish(self, written: list[WrittenTask]) -> list[TaskExportReport]:
-        """Publish written versions in one change of the store's index (servers see all of them, or none)."""
+    def publish(self, written: list[WrittenTask], keep: int | None = None) -> list[TaskExportReport]:
+        """Publish written versions in one change of the store's index (servers see all of them, or none); `keep`:
+        see export_task."""
         start = time.perf_counter()
         try:
-            entries = self.store.publish_many([Publication(w.name, w.folder, w.storage) for w in written])
+            entries = self.store.publish_many([Publication(w.name, w.folder, w.storage, keep) for w in written])
         except BaseException:
             for w in written:
                 self.discard(w)

@@ -35,9 +35,11 @@ import numpy as np
 from serving.atomic import fsync_dir, fsync_trees, pid_alive, plain_permissions, write_atomic
 from serving.digests import folder_digests
 from serving.formats import FormatError, read_json
-from serving.store import (EMBEDDINGS, RETIRED_GRACE, STORAGES, STORE_FORMAT, STORE_VERSION, V1_MANIFEST,
-                           StoreError, StoreReader, TaskEntry, check_task_name, parse_entry, task_of)
-from serving.store_log import STORE_FILE, Change, StoreState
+from serving.store import (DEFAULT_KEEP, EMBEDDINGS, RETIRED_GRACE, STORAGES, STORE_FORMAT, STORE_VERSION,
+                           V1_MANIFEST, StoreError, StoreReader, TaskEntry, check_task_name, folder_name, parse_entry,
+                           task_of, version_of_folder)
+from serving.store_log import COMPACT_EVERY, STORE_FILE, Change, StoreState
+from serving.tenants import tenant_of
 
 UPLOADS_AT_ONCE = 8  # objects a publisher uploads in parallel to a remote store
 FOREIGN_DEBRIS_AGE = 3600.0  # seconds before another host's unfinished export folder counts as debris
@@ -53,6 +55,7 @@ class Publication:
     name: str
     folder: Path
     storage: str
+    keep: int | None = None  # versions of the task to keep, this one included (None: the task's policy, or 5)
 
 
 def index_meta(folder: Path) -> dict:
@@ -141,14 +144,38 @@ class TaskStore(StoreReader):
     def new_version_folder(self, name: str) -> Path:
         """An empty folder to write a task version into (not yet visible to readers)."""
         check_task_name(name)
-        folder = self.root / f".tmp-{os.getpid()}.{HOST}-{name}@{uuid.uuid4().hex[:12]}"
+        folder = self.root / f".tmp-{os.getpid()}.{HOST}-{folder_name(name)}@{uuid.uuid4().hex[:12]}"
         folder.mkdir(parents=True)
         return folder
 
     @staticmethod
     def version_name(folder: Path) -> str:
-        """The version a folder from new_version_folder becomes: `.tmp-<pid>.<host>-<name>@<id>` -> `<name>@<id>`."""
-        return folder.name.split("-", 2)[2]
+        """The version a folder from new_version_folder becomes: `.tmp-<pid>.<host>-<name>@<id>` -> `<name>@<id>`
+        (a tenant's `T~TASK@<id>` -> `T/TASK@<id>`)."""
+        return version_of_folder(folder.name.split("-", 2)[2])
+
+    def commit(self, make) -> StoreState:
+        """Under the store's lock: append the change `make(state)` computes from the newest state (a StoreError it
+        raises refuses the change: nothing is written), then remove the folders nothing may read any more."""
+        with self.locked():
+            self.upgrade_identity()
+            state, committed = self.log.commit(make)
+            self._collect(state, committed)
+        return state
+
+    def upgrade_identity(self) -> None:
+        """Under the lock, before a change: a store of format v2 becomes v3 (what this writer's changes may hold:
+        tenants, kept versions, routes; older servers then refuse the store instead of misreading it)."""
+        identity = self.identity()
+        if identity["format_version"] != STORE_VERSION:
+            self.backend.write(STORE_FILE, self._identity_bytes(identity["backbone"]))
+
+    def check_tenants(self, names, state: StoreState) -> None:
+        """Refuse task names `TENANT/TASK` whose tenant the store does not hold."""
+        tenants = state.tenants
+        for tenant in sorted({tenant_of(n) for n in names} - {None} - set(tenants)):
+            raise StoreError(f"no tenant {tenant!r} in the task store {self.location}: create it first (aot export "
+                             f"tenant create {tenant} --repo REPO)")
 
     def publish(self, name: str, folder: Path, storage: str) -> TaskEntry:
         """Rename a finished version folder into place and point the index at it, atomically."""
@@ -158,8 +185,12 @@ class TaskStore(StoreReader):
         """Publish finished version folders in one change of the index: readers see all of them, or none."""
         names = [p.name for p in publications]
         if len(set(names)) != len(names):
-            raise StoreError(f"a batch publishes each task once; repeated: {sorted({n for n in names if names.count(n) > 1})}")
-        entries = {}
+            repeated = sorted({n for n in names if names.count(n) > 1})
+            raise StoreError(f"a batch publishes each task once; repeated: {repeated}")
+        for p in publications:
+            if p.keep is not None and p.keep < 1:
+                raise StoreError(f"keep {p.keep} for task {p.name!r}: expected a positive number of versions")
+        entries, keeps = {}, {p.name: p.keep for p in publications}
         for p in publications:
             if p.storage not in STORAGES:
                 raise StoreError(f"unknown storage {p.storage!r}: expected one of {', '.join(STORAGES)}")
@@ -168,22 +199,26 @@ class TaskStore(StoreReader):
                                "digests": folder_digests(p.folder), "meta": index_meta(p.folder)}
         fsync_trees([p.folder for p in publications])
         with self.locked():
-            self.identity()
+            self.upgrade_identity()
             if self.remote:  # the version's objects first, the change that names them last
-                uploads = [(p.folder / file, f"{self.version_name(p.folder)}/{file}")
+                uploads = [(p.folder / file, f"{folder_name(self.version_name(p.folder))}/{file}")
                            for p in publications for file in sorted(entries[p.name]["digests"])]
                 with ThreadPoolExecutor(UPLOADS_AT_ONCE) as pool:  # a batch's many small objects: latency-bound
                     list(pool.map(lambda upload: self.backend.upload(*upload), uploads))
             else:
                 for p in publications:
-                    p.folder.rename(self.root / self.version_name(p.folder))
+                    p.folder.rename(self.root / folder_name(self.version_name(p.folder)))
                 fsync_dir(self.root)
 
             def change(state: StoreState) -> Change:
-                retired = {}
-                for name in entries:
-                    retired.update(_retire(state.tasks.get(name)))
-                return Change(tasks=dict(entries), retired={**retired, **_expired(state)})
+                # TaskExporter.check refused a missing tenant before anything was written; a tenant deleted since
+                # refuses the change here, and the next change collects the folders renamed for it
+                self.check_tenants(entries, state)
+                tasks, retired = {}, {}
+                for name, entry in entries.items():
+                    tasks[name], gone = with_history(entry, state.tasks.get(name), keeps[name])
+                    retired.update(gone)
+                return Change(tasks=tasks, retired={**retired, **expired(state)})
 
             state, committed = self.log.commit(change)
             if self.remote:
@@ -203,8 +238,9 @@ class TaskStore(StoreReader):
                     listed = ", ".join(known[:10]) + (f", ... ({len(known) - 10} more)" if len(known) > 10 else "")
                     raise StoreError(f"unknown task {name!r}; known tasks: {listed or '(none)'}")
                 removed[:] = [parse_entry(name, state.tasks[name], "the store's index")]
-                return Change(tasks={name: None}, retired={**_retire(state.tasks[name]), **_expired(state)})
+                return Change(tasks={name: None}, retired={**retire_all(state.tasks[name]), **expired(state)})
 
+            self.upgrade_identity()
             state, committed = self.log.commit(change)
             self._collect(state, committed)
         return removed[0]
@@ -248,23 +284,28 @@ class TaskStore(StoreReader):
 
     def _collect(self, state: StoreState, change: Change) -> None:
         """Under the lock, after a change: remove the version folders nothing may read any more."""
-        keep = {e["folder"] for e in state.tasks.values() if isinstance(e, dict)} | set(state.retired)
+        keep = {folder_name(v) for e in state.tasks.values() if isinstance(e, dict) for v in held_versions(e)}
+        keep |= {folder_name(v) for v in state.retired}
         if self.remote:
-            # versions the change dropped at once; others unknown to the index (a killed publisher's uploads) after
-            # FOREIGN_DEBRIS_AGE: a publisher elsewhere may be uploading one now, to name it in its next change
-            gone = {v for v, info in change.retired.items() if info is None}
-            now = time.time()
-            for name, modified in self.backend.folders().items():
-                if "@" in name and name not in keep and (name in gone or now - modified > FOREIGN_DEBRIS_AGE):
-                    self.backend.delete_folder(name)
+            # versions the change dropped, at once; at every compaction, a sweep for versions no change names (a
+            # killed publisher's uploads) older than FOREIGN_DEBRIS_AGE: a publisher elsewhere may be uploading one
+            # now, to name it in its next change. The sweep lists the store; a publish alone costs what it changed.
+            gone = {folder_name(v) for v, info in change.retired.items() if info is None}
+            for name in sorted(gone - keep):
+                self.backend.delete_folder(name)
+            if state.generation % COMPACT_EVERY == 0:
+                now = time.time()
+                for name, modified in self.backend.folders(skip=keep | gone).items():
+                    if "@" in name and now - modified > FOREIGN_DEBRIS_AGE:
+                        self.backend.delete_folder(name)
             return
-        for path in self.root.iterdir():
-            if not path.is_dir() or path.name in keep:
+        for path in self.root.iterdir():  # by name first: a stat of every version would cost the store's size
+            if path.name in keep or not (path.name.startswith(".tmp-") or "@" in path.name) or not path.is_dir():
                 continue
             if path.name.startswith(".tmp-"):
                 if not _writer_alive(path):
                     shutil.rmtree(path, ignore_errors=True)
-            elif "@" in path.name and task_of(path.name):
+            elif task_of(path.name):
                 shutil.rmtree(path, ignore_errors=True)
 
 
@@ -279,7 +320,40 @@ def _retire(entry) -> dict[str, dict]:
     return {entry["folder"]: info}
 
 
-def _expired(state: StoreState) -> dict[str, None]:
+def retire_all(entry) -> dict[str, dict]:
+    """A removed task's current and kept versions, retired."""
+    retired = _retire(entry)
+    for kept in entry.get("kept", []) if isinstance(entry, dict) else []:
+        retired.update(_retire(kept))
+    return retired
+
+
+def held_versions(entry: dict) -> list[str]:
+    """The versions a raw entry holds: its current one and its kept ones."""
+    kept = [k["folder"] for k in entry.get("kept", []) if isinstance(k, dict) and isinstance(k.get("folder"), str)]
+    return ([entry["folder"]] if isinstance(entry.get("folder"), str) else []) + kept
+
+
+def with_history(new: dict, old: dict | None, keep: int | None) -> tuple[dict, dict[str, dict]]:
+    """The entry of a newly published version `new` over the task's entry `old`: the old current version goes first
+    among the kept ones, the task keeps its retention (or takes `keep`), and what falls beyond it is retired. A new
+    version clears a route. Returns the entry and the versions retired."""
+    old = old if isinstance(old, dict) else {}
+    keep = keep or old.get("keep") or DEFAULT_KEEP
+    history = ([as_kept(old)] if isinstance(old.get("folder"), str) else []) + list(old.get("kept", []))
+    history = [k for k in history if isinstance(k, dict) and k.get("folder") != new["folder"]]
+    retired = {}
+    for gone in history[keep - 1:]:
+        retired.update(_retire(gone))
+    return {**new, "keep": keep, "kept": history[:keep - 1]}, retired
+
+
+def as_kept(entry: dict) -> dict:
+    """A current version's entry as a kept one: the same fields, and since when it is no longer current."""
+    return {k: entry[k] for k in ("folder", "storage", "digests", "meta") if k in entry} | {"time": time.time()}
+
+
+def expired(state: StoreState) -> dict[str, None]:
     """Retired versions past their grace: dropped from the index by the next change."""
     now = time.time()
     return {v: None for v, info in state.retired.items()

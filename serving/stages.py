@@ -86,7 +86,7 @@ class TextInputs:
                                "client), not both and not neither")
         pair = step.text(request, protocol.TEXT_PAIR, required=False)
         pair = None if pair is None or is_blank(pair) else pair
-        task = step.tasks.resolve(step.task_name(request))
+        task = step.resolve(request)
         ctx.version = task.version
         if ids is not None and task.kind in READS_TOKENS:
             raise RequestError(f"task {task.name!r} tags tokens: send {protocol.TEXT} (its entities are found in the "

@@ -1,7 +1,8 @@
 """Per-task metrics of a served step on Triton's metrics port (pb_utils.MetricFamily), bounded in the number of
 tasks.
 
-Series (labels step, instance, task; the counters and pool series add version):
+Series (labels step, instance, task; the counters and pool series add version; the request series add tenant, the
+task's tenant or "" for a public task: serving.tenants):
     aot_task_requests_total, aot_task_failures_total, aot_task_duration_us_total   per task version
     aot_task_latency_seconds (a histogram: _bucket{le}, _sum, _count)             per task
     aot_pool_hits_total, _misses_total, _evictions_total, _fill_us_total, aot_pool_resident_bytes   per task version
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from serving.metric_labels import NONE, OTHER, PLACEHOLDERS, UNKNOWN, TaskLabels, metrics_tasks
 from serving.pool import RowPool
 from serving.store import task_of
+from serving.tenants import tenant_of
 
 # A request's latency in a step (seconds): from the start of its batch's execute to its answer.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -172,11 +174,15 @@ class StepMetrics:
 
     def _publish(self, version: str, counts: _Counts) -> None:
         series, labels = self._where(version)
+        # a tenant's requests also carry its name (serving.tenants), under <other> too: series per tenant, bounded
+        # by the store's tenants, never by what clients send; "" for public tasks and placeholders
+        tenant = "" if version in PLACEHOLDERS else tenant_of(version) or ""
+        labels = {**labels, "tenant": tenant}
         series.metric("requests", **labels).increment(counts.requests)
         if counts.failures:
             series.metric("failures", **labels).increment(counts.failures)
         series.metric("duration", **labels).increment(counts.duration_us)
-        histogram = series.metric("latency", task=labels["task"])
+        histogram = series.metric("latency", task=labels["task"], tenant=tenant)
         for latency in counts.latencies:
             histogram.observe(latency)
 

@@ -35,6 +35,7 @@ from serving.step_metrics import StepMetrics
 from serving.store import check_task_spec, task_of
 from serving.pool import RowPool
 from serving.task_registry import TaskRegistry
+from serving.tenants import key_of_parameters, require_tenant_keys
 from serving.shm import make_own_region_private
 from serving.watch import ExecuteWatch
 
@@ -95,7 +96,8 @@ class Step:
             self.tasks = TaskRegistry(self.repo.store_root, parts=parts, on_index_error=self._index_error,
                                       url=self.repo.store_url,
                                       pool=self.pool, on_task_error=self._task_error, pool_fused=pool_fused,
-                                      cache_bytes=self.options.task_cache_bytes)
+                                      cache_bytes=self.options.task_cache_bytes,
+                                      require_tenant_keys=require_tenant_keys())
             self.pb.Logger.log_info(f"{name}: task versions loaded on first use, at most "
                                     f"{self.options.task_cache_bytes} bytes of them kept")
 
@@ -155,11 +157,21 @@ class Step:
         except ValueError as exc:
             raise RequestError(f"unknown task: {exc}") from None
 
+    @staticmethod
+    def tenant_key(request) -> str | None:
+        """The request's tenant key (serving.tenants; Triton forwards an ensemble's parameters to its steps)."""
+        return key_of_parameters(request.parameters())
+
+    def resolve(self, request):
+        """The task version the request's TASK names, for the caller its tenant key says (serving.task_registry)."""
+        return self.tasks.resolve(self.task_name(request), self.tenant_key(request))
+
     def task_version(self, request, ctx: RequestContext):
-        """The task version the first step pinned for this request, loaded (fails the request if it is gone). Only
-        a version the store holds becomes the request's metric label: a client calling a step directly with
-        made-up versions must not grow the metrics without bound."""
-        task = self.tasks.version(self.text(request, protocol.TASK_VERSION))
+        """The task version the first step pinned for this request, loaded (fails the request if it is gone, or if
+        its tenant key does not open it: a step called directly). Only a version the store holds becomes the
+        request's metric label: a client calling a step directly with made-up versions must not grow the metrics
+        without bound."""
+        task = self.tasks.version(self.text(request, protocol.TASK_VERSION), self.tenant_key(request))
         ctx.version = task.version
         return task
 

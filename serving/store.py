@@ -1,14 +1,18 @@
-"""The task store of a model repository, as readers see it: format `aot-task-store`, version 2 (docs/formats.md).
+"""The task store of a model repository, as readers see it: format `aot-task-store`, version 3 (docs/formats.md).
 
     REPO/tasks/store.json          the store's identity: format, version and the backbone its tasks were trained on
     REPO/tasks/log/, index/, generation   the index of tasks, an append-only change log (serving.store_log)
     REPO/tasks/embeddings.npy      the backbone's embedding matrix E [V, d] fp32 (factored FC tasks use it)
     REPO/tasks/rows/<formula>.onnx the rows graphs factored tasks are computed with (fc-<activation>, kron)
-    REPO/tasks/<name>@<id>/        one immutable version of a task (see serving.tasks)
+    REPO/tasks/<name>@<id>/        one immutable version of a task (see serving.tasks); a tenant's task
+                                   `TENANT/TASK` has the folder `TENANT~TASK@<id>` (folder_name)
 
 A task's entry {"folder", "storage", "digests", "meta"} names its current version, the sha256 of each of its files
 (serving.digests) and what `aot tasks` lists of it (labels, metric, dev score, method, max length), so that a reader
-learns every task from the index alone and reads a version's files only when a request first needs it. A retired
+learns every task from the index alone and reads a version's files only when a request first needs it. Format 3 adds
+to an entry its retention ("keep": how many versions are kept, the current one included), the versions kept besides
+the current one ("kept": the same fields and "time", newest first: each servable by pin, and a rollback target) and an
+optional weighted "route" {version: weight} for canaries; and tenants to the index (serving.tenants). A retired
 version ({"time", "digests"}) stays servable RETIRED_GRACE seconds for requests pinned to it.
 
 A reader follows the log (StoreView): a publish costs it one small object, whatever the number of tasks. Each entry
@@ -27,12 +31,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from serving.digests import DigestError, check_digests
-from serving.formats import FormatError, check_keys, parse_versioned_json
+from serving.formats import FormatError, check_keys, check_versioned, parse_json
 from serving.store_backend import BackendError, FileBackend
 from serving.store_log import STORE_FILE, ChangeLog, StoreState
 
 STORE_FORMAT = "aot-task-store"
-STORE_VERSION = 2
+STORE_VERSION = 3
+READABLE_VERSIONS = (2, 3)  # a v2 store (no tenants, no kept versions) is read as it is; its first write upgrades it
+DEFAULT_KEEP = 5  # versions of a task kept (the current one included) unless `aot export task --keep N` says
+FOLDER_SEPARATOR = "~"  # `TENANT/TASK@<id>` lives in the folder `TENANT~TASK@<id>`: a plain child of the store
 V1_MANIFEST = "manifest.json"  # format v1's index, read only to upgrade it
 EMBEDDINGS = "embeddings.npy"
 ROWS_DIR = "rows"
@@ -42,8 +49,10 @@ CACHE_DIR_ENV = "AOT_TASK_CACHE_DIR"
 CACHE_BYTES_ENV = "AOT_TASK_CACHE_BYTES"
 DEFAULT_CACHE_DISK_BYTES = 20 << 30
 RETIRED_GRACE = 300.0  # seconds a replaced or removed version is still served to requests pinned to it
-_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
-_VERSION = re.compile(r"(?P<name>[A-Za-z0-9_-][A-Za-z0-9_.-]*)@(?P<id>[0-9a-f]{12})")
+_SEGMENT = r"[A-Za-z0-9_-][A-Za-z0-9_.-]*"
+_TENANT = re.compile(_SEGMENT)
+_NAME = re.compile(rf"(?:{_SEGMENT}/)?{_SEGMENT}")
+_VERSION = re.compile(rf"(?P<name>(?:{_SEGMENT}/)?{_SEGMENT})@(?P<id>[0-9a-f]{{12}})")
 
 
 def rows_graph_name(method: dict) -> str:
@@ -58,13 +67,31 @@ class StoreError(ValueError):
 
 
 def check_task_name(name: str) -> str:
-    """1-128 letters, digits, '_', '-' or '.', not starting with '.': safe as a folder name and a metric label."""
+    """1-128 letters, digits, '_', '-' or '.', not starting with '.', optionally after `TENANT/` (a tenant's task,
+    serving.tenants): safe as a folder name (folder_name) and a metric label."""
     if len(name) > MAX_NAME_LENGTH:
         raise StoreError(f"invalid task name ({len(name)} characters): at most {MAX_NAME_LENGTH}")
     if not _NAME.fullmatch(name):
         raise StoreError(f"invalid task name {name!r}: use 1-{MAX_NAME_LENGTH} letters, digits, '_', '-' or '.', "
-                         "not starting with '.'")
+                         "not starting with '.', optionally after TENANT/ (a tenant's task)")
     return name
+
+
+def check_tenant_name(tenant: str) -> str:
+    """A tenant is named as a task is, without '/'; `TENANT/TASK` must still fit MAX_NAME_LENGTH."""
+    if len(tenant) > MAX_NAME_LENGTH // 2 or not _TENANT.fullmatch(tenant):
+        raise StoreError(f"invalid tenant name {tenant[:80]!r}: use 1-{MAX_NAME_LENGTH // 2} letters, digits, '_', "
+                         "'-' or '.', not starting with '.'")
+    return tenant
+
+
+def folder_name(version: str) -> str:
+    """The store's folder (or object prefix) of a version: `TENANT/TASK@<id>` -> `TENANT~TASK@<id>`."""
+    return version.replace("/", FOLDER_SEPARATOR)
+
+
+def version_of_folder(folder: str) -> str:
+    return folder.replace(FOLDER_SEPARATOR, "/")
 
 
 def check_version(version: str) -> str:
@@ -87,12 +114,31 @@ def task_of(version: str) -> str:
 
 
 @dataclass(frozen=True)
+class KeptVersion:
+    """A task's version kept besides its current one (retention): servable by pin, a rollback or route target."""
+
+    version: str
+    storage: str
+    digests: dict[str, str] | None = field(default=None, compare=False)
+    meta: dict = field(default_factory=dict, compare=False)
+    time: float = 0.0  # when it stopped being the current version
+
+
+@dataclass(frozen=True)
 class TaskEntry:
     name: str
     folder: str
     storage: str
     digests: dict[str, str] | None = field(default=None, compare=False)  # file name -> sha256 (None: unverified)
     meta: dict = field(default_factory=dict, compare=False)  # what `aot tasks` lists without reading the version
+    keep: int = DEFAULT_KEEP
+    kept: tuple[KeptVersion, ...] = field(default=(), compare=False)  # newest first
+    route: dict[str, float] | None = field(default=None, compare=False)  # version -> weight (None: the current one)
+
+    def held(self) -> dict[str, KeptVersion]:
+        """Every version the entry holds (current and kept), by version."""
+        current = KeptVersion(self.folder, self.storage, self.digests, self.meta)
+        return {current.version: current, **{k.version: k for k in self.kept}}
 
     def kind(self) -> str | None:
         """The task's kind (serving.answers.KINDS); a version exported before kinds is a classifier, or a regressor
@@ -117,17 +163,19 @@ class StoreIndex:
     errors: dict[str, str] = field(default_factory=dict)
     retired: dict[str, float] = field(default_factory=dict)
     retired_digests: dict[str, dict[str, str]] = field(default_factory=dict)
+    tenants: dict[str, str] = field(default_factory=dict)  # tenant -> the sha256 of its key (serving.tenants)
     generation: int = 0
 
     def digests(self, version: str) -> dict[str, str] | None:
-        """The published digests of a current or retired version (None: exported before digests existed)."""
+        """The published digests of a current, kept or retired version (None: exported before digests existed)."""
         entry = self.entries.get(task_of(version))
-        if entry is not None and entry.folder == version:
-            return entry.digests
+        if entry is not None and (held := entry.held().get(version)) is not None:
+            return held.digests
         return self.retired_digests.get(version)
 
     def current(self) -> set[str]:
-        return {e.folder for e in self.entries.values()}
+        """The versions a bare task name may answer: each task's current one and the targets of its route."""
+        return {e.folder for e in self.entries.values()} | {v for e in self.entries.values() for v in e.route or ()}
 
     def update(self, state: StoreState, names: set[str] | None) -> None:
         """Parse the entries of `names` from `state` (None: all of them) and its retired versions. New dicts replace
@@ -152,7 +200,10 @@ class StoreIndex:
                 retired_digests[version] = check_digests(info.get("digests"), f"retired {version[:80]!r}")
             except DigestError:
                 retired_digests[version] = {}  # no file of it matches: refused, never read unverified
+        tenants = {t: info["key_sha256"] for t, info in state.tenants.items()
+                   if _TENANT.fullmatch(t) and isinstance(info.get("key_sha256"), str)}
         self.entries, self.errors, self.retired, self.retired_digests = entries, errors, retired, retired_digests
+        self.tenants = tenants
         self.generation = state.generation
 
 
@@ -171,9 +222,40 @@ def parse_entry(name: str, entry, where: str) -> TaskEntry:
         meta = entry.get("meta", {})
         if not isinstance(meta, dict):
             raise FormatError(f"'meta' must be an object, got {type(meta).__name__}")
+        keep = entry.get("keep", DEFAULT_KEEP)
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+            raise FormatError(f"'keep' must be a positive integer, got {keep!r}")
+        kept = tuple(_kept(name, item) for item in entry.get("kept", []))
+        route = _route(name, entry.get("route"), {entry["folder"]} | {k.version for k in kept})
     except (ValueError, DigestError) as exc:
         raise StoreError(f"{where}: bad entry for task {name[:80]!r}: {exc}") from None
-    return TaskEntry(name, entry["folder"], entry["storage"], digests, meta)
+    return TaskEntry(name, entry["folder"], entry["storage"], digests, meta, keep, kept, route)
+
+
+def _kept(name: str, item) -> KeptVersion:
+    if not isinstance(item, dict):
+        raise FormatError(f"a kept version must be an object, got {type(item).__name__}")
+    check_keys(item, {"folder": str, "storage": str}, "kept version")
+    if task_of(check_version(item["folder"])) != name or item["storage"] not in STORAGES:
+        raise StoreError(f"kept version {item['folder']!r} ({item['storage']!r}) is not a version of {name!r}")
+    digests = check_digests(item["digests"], "kept version") if "digests" in item else None
+    meta = item.get("meta", {})
+    when = item.get("time", 0.0)
+    return KeptVersion(item["folder"], item["storage"], digests, meta if isinstance(meta, dict) else {},
+                       float(when) if isinstance(when, (int, float)) else 0.0)
+
+
+def _route(name: str, route, held: set[str]) -> dict[str, float] | None:
+    if route is None:
+        return None
+    if not isinstance(route, dict) or not route:
+        raise FormatError(f"'route' must be a non-empty object of version -> weight, got {route!r}")
+    for version, weight in route.items():
+        if version not in held:
+            raise StoreError(f"route names {version!r}, which is not a version {name!r} keeps")
+        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not weight > 0:
+            raise FormatError(f"route weight of {version!r} must be a positive number, got {weight!r}")
+    return {version: float(weight) for version, weight in route.items()}
 
 
 def default_cache_dir(url: str) -> Path:
@@ -246,9 +328,12 @@ class StoreReader:
                 raise StoreError(f"{self.root} is a task store of format v1 (one manifest.json): re-export the "
                                  "backbone with `aot export backbone --overwrite` to upgrade it; it keeps the tasks")
             raise StoreError(f"{self.location}: no task store here ({STORE_FILE} missing); run `aot export backbone`")
+        where = f"{self.location}/{STORE_FILE}"
         try:
-            return parse_versioned_json(data, f"{self.location}/{STORE_FILE}", STORE_FORMAT, STORE_VERSION,
-                                        {"backbone": dict})
+            identity = parse_json(data, where)
+            version = identity.get("format_version")
+            return check_versioned(identity, where, STORE_FORMAT,
+                                   version if version in READABLE_VERSIONS else STORE_VERSION, {"backbone": dict})
         except FormatError as exc:
             raise StoreError(str(exc)) from None
 
@@ -273,10 +358,10 @@ class StoreReader:
         (every file checked against `digests`, which a remote version must have)."""
         check_version(version)
         if self.cache is None:
-            return self.root / version
+            return self.root / folder_name(version)
         if not digests:
             raise StoreError(f"{version}: a version in object storage is served only with its published digests")
-        return self.cache.folder(version, digests)
+        return self.cache.folder(folder_name(version), digests)
 
 
 class StoreView:

@@ -3,8 +3,11 @@
     store.json                the store's identity: {"format": "aot-task-store", "format_version": 2, "backbone"}
     log/<generation>.json     one change set, written once and never changed: {"generation": g, "time": t,
                               "tasks": {name: entry, or null for a removed task},
-                              "retired": {version: {"time": t, "digests": {...}}, or null when it is gone}}
-    index/<generation>.json   the whole state after generation g (a compaction): {"generation", "tasks", "retired"}
+                              "retired": {version: {"time": t, "digests": {...}}, or null when it is gone},
+                              "tenants": {tenant: {"key_sha256", "time"}, or null for a deleted one} (format 3;
+                              absent: no tenant changed)}
+    index/<generation>.json   the whole state after generation g (a compaction): {"generation", "tasks", "retired",
+                              "tenants"}
     generation                the newest generation, as text: a hint that readers poll cheaply (one stat, or one
                               conditional GET on S3); the log is the truth
 
@@ -55,37 +58,37 @@ def _generation_of(key: str) -> int | None:
 
 @dataclass
 class Change:
-    """One change set: task entries set (a dict) or removed (None), retired versions added (a dict) or dropped."""
+    """One change set: task entries set (a dict) or removed (None), retired versions added (a dict) or dropped,
+    tenants set (a dict) or deleted (None)."""
 
     tasks: dict[str, dict | None] = field(default_factory=dict)
     retired: dict[str, dict | None] = field(default_factory=dict)
+    tenants: dict[str, dict | None] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.tasks or self.retired)
+        return bool(self.tasks or self.retired or self.tenants)
 
 
 @dataclass
 class StoreState:
-    """The index as of `generation`: raw task entries and retired versions."""
+    """The index as of `generation`: raw task entries, retired versions and tenants."""
 
     generation: int = 0
     tasks: dict[str, dict] = field(default_factory=dict)
     retired: dict[str, dict] = field(default_factory=dict)
+    tenants: dict[str, dict] = field(default_factory=dict)
 
     def apply(self, change: Change) -> None:
-        for name, entry in change.tasks.items():
-            if entry is None:
-                self.tasks.pop(name, None)
-            else:
-                self.tasks[name] = entry
-        for version, info in change.retired.items():
-            if info is None:
-                self.retired.pop(version, None)
-            else:
-                self.retired[version] = info
+        for mine, changed in ((self.tasks, change.tasks), (self.retired, change.retired),
+                              (self.tenants, change.tenants)):
+            for key, value in changed.items():
+                if value is None:
+                    mine.pop(key, None)
+                else:
+                    mine[key] = value
 
     def to_json(self) -> dict:
-        return {"generation": self.generation, "tasks": self.tasks, "retired": self.retired}
+        return {"generation": self.generation, "tasks": self.tasks, "retired": self.retired, "tenants": self.tenants}
 
 
 def _parse(data: bytes, where: str) -> dict:
@@ -110,7 +113,8 @@ def _change(data: bytes, generation: int, where: str) -> Change:
     value = _parse(data, where)
     if value.get("generation") != generation:
         raise FormatError(f"{where}: holds generation {value.get('generation')!r}, expected {generation}")
-    return Change(_objects(value, where, "tasks", True), _objects(value, where, "retired", True))
+    return Change(_objects(value, where, "tasks", True), _objects(value, where, "retired", True),
+                  _objects(value, where, "tenants", True))
 
 
 class ChangeLog:
@@ -135,7 +139,8 @@ class ChangeLog:
             if value.get("generation") != generation:
                 raise FormatError(f"{where}: holds generation {value.get('generation')!r}, expected {generation}")
             state = StoreState(generation, dict(_objects(value, where, "tasks", False)),
-                               dict(_objects(value, where, "retired", False)))
+                               dict(_objects(value, where, "retired", False)),
+                               dict(_objects(value, where, "tenants", False)))
             break
         else:
             state = StoreState()
@@ -159,7 +164,8 @@ class ChangeLog:
         if changed is not None:
             return changed
         fresh = self.read_state()
-        state.generation, state.tasks, state.retired = fresh.generation, fresh.tasks, fresh.retired
+        state.generation, state.tasks, state.retired, state.tenants = (fresh.generation, fresh.tasks, fresh.retired,
+                                                                       fresh.tenants)
         return None
 
     def _follow(self, state: StoreState) -> set[str] | None:
@@ -194,7 +200,8 @@ class ChangeLog:
             if not change:
                 return state, change
             generation = state.generation + 1
-            record = {"generation": generation, "time": time.time(), "tasks": change.tasks, "retired": change.retired}
+            record = {"generation": generation, "time": time.time(), "tasks": change.tasks, "retired": change.retired,
+                      **({"tenants": change.tenants} if change.tenants else {})}
             if self.backend.create(log_key(generation), json.dumps(record, separators=(",", ":")).encode()):
                 state.apply(change)
                 state.generation = generation

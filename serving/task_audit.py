@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from serving.digests import DigestError, file_stamp, verify_file
-from serving.store import StoreReader, StoreView
+from serving.store import StoreReader, StoreView, folder_name
 
 STATS_PER_RUN = 4096  # versions stat'ed at most per run (a stat each file): bounded work with 100,000 tasks
 
@@ -88,7 +88,7 @@ class TaskAudit:
         if not digests:
             return 0
         if self.store.remote:  # what this replica keeps of it: its cached copy, if it fetched one
-            folder = self.store.cache.root / version
+            folder = self.store.cache.root / folder_name(version)
             if not folder.is_dir():
                 return 0
         else:

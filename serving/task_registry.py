@@ -7,11 +7,16 @@ Residency is lazy and bounded: at start a step reads the index and nothing per t
 checked against their digests) when a request first needs it, and dropped when the loaded versions' bytes (heads,
 factors) pass `cache_bytes` and it is the least recently used. Concurrent first requests for one version load it
 once. A version that fails to load is kept as its error: its requests fail with that message, the others serve.
+
+Names are resolved for a caller (serving.tenants): a task the request's tenant key does not open is answered exactly
+as a task the store does not hold, and an unknown task's answer suggests only tasks the caller may call. A task with
+a route (exporter.versions) answers each request from a version drawn by weight, one draw per request.
 """
 
 from __future__ import annotations
 
 import heapq
+import random
 import threading
 import time
 from collections import OrderedDict
@@ -28,6 +33,7 @@ from serving.store import RETIRED_GRACE, StoreError, StoreReader, StoreView, Tas
 from serving.store_backend import BackendError
 from serving.task_audit import TaskAudit
 from serving.tasks import PARTS, ServedTask, load_task_version
+from serving.tenants import Caller, may_call
 
 KNOWN_IN_MESSAGE = 10  # task names an unknown task's 404 suggests
 DEFAULT_CACHE_BYTES = 256 << 20
@@ -36,6 +42,7 @@ RETRY_FETCH_SECONDS = 2.0  # a version that could not be fetched fails its reque
 
 
 STORE = ""  # the key of _unreachable that pauses every fetch: the store did not answer
+_draw = random.SystemRandom()  # a route's draw: one per request, from the OS, never shared state seeded per batch
 
 
 class FetchError(OSError):
@@ -53,7 +60,7 @@ class TaskRegistry:
     def __init__(self, store_root: str | Path, parts: str = "all", grace: float = 120.0,
                  on_index_error: Callable[[str], None] | None = None, pool: RowPool | None = None,
                  on_task_error: Callable[[str, str], None] | None = None, pool_fused: bool = True,
-                 cache_bytes: int = DEFAULT_CACHE_BYTES, url: str | None = None):
+                 cache_bytes: int = DEFAULT_CACHE_BYTES, url: str | None = None, require_tenant_keys: bool = False):
         """`pool`: keep the rows of the loaded current versions in this pool (serving.pool); a version that leaves
         the index or the loaded set is detached from it (a request still pinned to one reads its storage directly).
         `pool_fused` False: only factored versions' rows go in the pool, fused tables are read through their memory
@@ -62,13 +69,15 @@ class TaskRegistry:
         `on_task_error(version, message)`: a version failed to load or was found damaged (log it, count it).
         `url`: the tasks live in object storage (serving.s3): the index is followed by a thread of its own every
         REMOTE_POLL_SECONDS, so that no request waits on the bucket, and a version not cached on disk is fetched on
-        its first request (a store that cannot be reached fails that request alone, 503, and it is tried again)."""
+        its first request (a store that cannot be reached fails that request alone, 503, and it is tried again).
+        `require_tenant_keys`: tasks without a tenant answer only requests with a valid key of some tenant."""
         if parts not in PARTS:
             raise ValueError(f"parts={parts!r}: expected one of {', '.join(PARTS)}")
         self.store = StoreReader(store_root, url)
         self.view = StoreView(self.store)
         self.pool, self.pool_fused = pool, pool_fused
         self.parts, self.grace, self.cache_bytes = parts, grace, cache_bytes
+        self.require_tenant_keys = require_tenant_keys
         self.on_index_error = on_index_error
         self.on_task_error = on_task_error
         self.audit = TaskAudit(self.store, self.view)
@@ -129,12 +138,20 @@ class TaskRegistry:
         index = self.view.index
         return sorted(set(index.entries) | set(index.errors))
 
+    def caller(self, key: str | None) -> Caller:
+        """Who a request carrying tenant key `key` is (serving.tenants)."""
+        return Caller.of(key, self.view.index.tenants)
+
+    def visible(self, caller: Caller) -> list[str]:
+        """The task names (sorted, loadable or not) the caller may call."""
+        return [n for n in self.names() if caller.may_call(n, self.require_tenant_keys)]
+
     def known(self, version: str) -> bool:
-        """A version the index names as current, or retired less than RETIRED_GRACE ago (a request may be pinned
-        to it): after that it is gone, even before the next export deletes its folder."""
+        """A version the index names as current or kept, or retired less than RETIRED_GRACE ago (a request may be
+        pinned to it): after that it is gone, even before the next export deletes its folder."""
         index = self.view.index
         entry = index.entries.get(task_of(version))
-        if entry is not None and entry.folder == version:
+        if entry is not None and version in entry.held():
             return True
         retired = index.retired.get(version)
         return retired is not None and time.time() - retired < RETIRED_GRACE
@@ -162,38 +179,52 @@ class TaskRegistry:
 
     # --- resolving a request's task -------------------------------------------------------------------------------
 
-    def resolve(self, name: str) -> ServedTask:
-        """The current version of task `name`, or exactly the version `name@<id>` names (serving.store
-        check_task_spec) if the index still holds it: the first step pins it for the request."""
+    def resolve(self, name: str, key: str | None = None) -> ServedTask:
+        """The current version of task `name` (or the one its route draws), or exactly the version `name@<id>`
+        names (serving.store check_task_spec) if the index still holds it: the first step pins it for the request.
+        `key`: the request's tenant key; a task it does not open is answered as one that does not exist."""
         if "@" in name:
-            return self.version(name)
+            return self.version(name, key)
         index = self.view.index
-        entry = index.entries.get(name)
+        allowed = may_call(name, key, index.tenants, self.require_tenant_keys)
+        entry = index.entries.get(name) if allowed else None
         if entry is None:
-            if name in index.errors:
+            if allowed and name in index.errors:
                 raise RequestError(index.errors[name], "unavailable")
-            errors = self.errors()
-            first = heapq.nsmallest(KNOWN_IN_MESSAGE + 1, (n for n in index.entries if n not in errors))
-            known = ", ".join(first[:KNOWN_IN_MESSAGE]) or "(none)"
-            if len(first) > KNOWN_IN_MESSAGE:
-                known += f", ... ({len(index.entries) - KNOWN_IN_MESSAGE} more: aot tasks lists them)"
-            raise RequestError(f"unknown task {name[:200]!r}; known tasks: {known}", "not_found")
-        return self.version(entry.folder)
+            raise self.unknown(name, key)
+        if entry.route:
+            versions = list(entry.route)
+            return self.version(_draw.choices(versions, [entry.route[v] for v in versions])[0], key)
+        return self.version(entry.folder, key)
 
-    def version(self, version: str) -> ServedTask:
-        """Exactly this task version, loaded on its first request (version folders are immutable)."""
+    def unknown(self, name: str, key: str | None) -> RequestError:
+        """The answer for a task that does not exist, or that `key` does not open: the same bytes either way, naming
+        only tasks the caller may call."""
+        caller = self.caller(key)
+        errors = self.errors()
+        names = [n for n in self.view.index.entries if n not in errors and caller.may_call(n, self.require_tenant_keys)]
+        first = heapq.nsmallest(KNOWN_IN_MESSAGE + 1, names)
+        known = ", ".join(first[:KNOWN_IN_MESSAGE]) or "(none)"
+        if len(first) > KNOWN_IN_MESSAGE:
+            known += f", ... ({len(names) - KNOWN_IN_MESSAGE} more: aot tasks lists them)"
+        return RequestError(f"unknown task {name[:200]!r}; known tasks: {known}", "not_found")
+
+    def version(self, version: str, key: str | None = None) -> ServedTask:
+        """Exactly this task version, loaded on its first request (version folders are immutable), if `key` (the
+        request's tenant key) may call its task."""
         try:
             check_version(version)
         except StoreError as exc:
             raise RequestError(str(exc)) from None
+        if not may_call(version, key, self.view.index.tenants, self.require_tenant_keys):
+            raise _not_in_store(version)
         with self._lock:
             task = self._versions.get(version)
             if task is not None:
                 self._versions.move_to_end(version)
         if task is None:
             if not self.known(version) or not self.store.remote and not self.store.version_folder(version).is_dir():
-                raise RequestError(f"task version {version!r} is not in the store (removed, or never exported)",
-                                   "not_found")
+                raise _not_in_store(version)
             unreachable = self._unreachable.get(version) or self._unreachable.get(STORE)
             if unreachable is not None and time.monotonic() < unreachable[0]:
                 raise RequestError(unreachable[1], "unavailable")
@@ -329,3 +360,7 @@ class TaskRegistry:
                     rows = task.rows(ids)
                     out.append(rows if index is None else protocol.dense_bias(rows, index))
             return out
+
+
+def _not_in_store(version: str) -> RequestError:
+    return RequestError(f"task version {version!r} is not in the store (removed, or never exported)", "not_found")

@@ -54,6 +54,20 @@ def serve_for_tests(request, repo: Path, load: tuple[str, ...] | None = None):
     server.stop()
 
 
+def run_cli(*argv: str, exit_code: int = 0) -> tuple[list[dict], str]:
+    """`aot ...` run in this process (it must exit `exit_code`): its JSON lines on stdout, and its stderr."""
+    import contextlib
+    import io
+    import json
+
+    from aot.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        assert main(list(argv)) == exit_code, err.getvalue()
+    return [json.loads(line) for line in out.getvalue().splitlines()], err.getvalue().strip()
+
+
 def one_line_error(capsys) -> str:
     """What the CLI wrote on stderr, which must be one line."""
     err = capsys.readouterr().err.strip()

@@ -49,7 +49,7 @@ def test_a_batch_is_one_change_and_serves(tmp_path, tiny_models, artifacts):
     assert [r.name for r in result.tasks] == ["n0", "n1", "n2", "n3", "old"]
     index = TaskStore(read_repository(repo).store_root).index()
     assert index.generation == before + 1 and set(index.entries) == {"n0", "n1", "n2", "n3", "old"}
-    assert index.entries["old"].meta["method"] == "kron" and len(index.retired) == 1
+    assert index.entries["old"].meta["method"] == "kron" and len(index.entries["old"].kept) == 1  # the replaced one
     registry = TaskRegistry(read_repository(repo).store_root)
     assert all(registry.resolve(n).storage == "factored" for n in index.entries)
 

@@ -194,7 +194,7 @@ def test_reexport_swaps_and_remove(tmp_path, tiny_models, tasks, monkeypatch):
     repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"t": (tasks[("bert", "fc")], "fused")})
     store = TaskStore(read_repository(repo).store_root)
     first = store.entries()["t"].folder
-    export_task(tasks[("bert", "kron")], repo, "t", "factored", progress=False)
+    export_task(tasks[("bert", "kron")], repo, "t", "factored", progress=False, keep=1)  # no version kept
     second = store.entries()["t"]
     assert second.folder != first and second.storage == "factored"
     # the superseded version stays a while for requests already pinned to it, then goes
@@ -276,7 +276,7 @@ def test_previous_release_repository_is_upgraded_with_its_tasks(tmp_path, tiny_m
     --overwrite` turns its manifest into the change log's first change, every task and digest kept, and serves."""
     repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"t": (tasks[("bert", "fc")], "fused"),
                                                                      "u": (tasks[("bert", "kron")], "factored")})
-    export_task(tasks[("bert", "fc")], repo, "t", "factored", progress=False)  # one retired version too
+    export_task(tasks[("bert", "fc")], repo, "t", "factored", progress=False, keep=1)  # one retired version too
     old = _as_v3_with_a_v1_store(repo)
     with pytest.raises(RepositoryError, match=r"not an aot-repository v4 file .* --overwrite`: it keeps the tasks"):
         read_repository(repo)
@@ -284,7 +284,7 @@ def test_previous_release_repository_is_upgraded_with_its_tasks(tmp_path, tiny_m
 
     export_backbone(str(tiny_models["bert"]), repo, overwrite=True)
     store = TaskStore(read_repository(repo).store_root)
-    assert not (store.root / "manifest.json").exists() and store.identity()["format_version"] == 2
+    assert not (store.root / "manifest.json").exists() and store.identity()["format_version"] == 3
     entries = store.entries()
     assert {n: (e.folder, e.storage, e.digests) for n, e in entries.items()} == \
         {n: (e["folder"], e["storage"], e["digests"]) for n, e in old.items()}

@@ -505,8 +505,8 @@ def test_concurrent_exports_keep_the_store_consistent(scratch, expected):
     assert index.generation >= 2 * 3 * 2  # every publish its own change, none lost
     for name, entry in index.entries.items():
         assert (store.root / entry.folder).is_dir(), f"index entry {name} -> {entry.folder}: folder missing"
-    for version in published:  # every version published is live or retired, and still on disk (grace period)
-        assert version in {e.folder for e in index.entries.values()} | set(index.retired), version
+    for version in published:  # every version published is live, kept or retired, and still on disk (grace period)
+        assert version in {v for e in index.entries.values() for v in e.held()} | set(index.retired), version
         assert (store.root / version).is_dir(), f"{version} was removed by the other writer"
     registry = TaskRegistry(store.root)
     assert registry.errors() == {}

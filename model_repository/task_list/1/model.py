@@ -1,6 +1,8 @@
 """Triton python model: the tasks this server serves (`aot tasks`, Client.tasks()), read from the task store's index
 the steps serve, not from a client's disk and without opening any task version. The request's parameters may narrow
-the listing: `match` (a substring of the name) and `limit` (at most this many tasks, by name). A background thread
+the listing: `match` (a substring of the name) and `limit` (at most this many tasks, by name). Only the tasks the
+request's tenant key opens are listed (serving.tenants); with tenants in the store, the audit's counts over every
+task are left out. A background thread
 audits the store: every current version's files against their published digests, at the serving option
 audit_bytes_per_second (serving.task_audit), so a damaged task is listed as such before a request meets it."""
 
@@ -38,11 +40,15 @@ class TritonPythonModel:
     def _one(self, request, ctx: RequestContext):
         limit, match = _narrowing(request.parameters())
         tasks = self.step.tasks
-        errors = tasks.errors()
-        names = [n for n in sorted(tasks.entries()) if n not in errors and match in n]
+        visible = set(tasks.visible(tasks.caller(self.step.tenant_key(request))))
+        errors = {n: why for n, why in tasks.errors().items() if n in visible}
+        names = [n for n in sorted(visible) if n not in errors and match in n]
         entries = tasks.entries()
+        audit = vars(tasks.audit.progress)
+        if tasks.view.index.tenants:
+            audit = {k: audit[k] for k in ("passes", "last_pass_seconds")}
         listing = {"tasks": [entries[n].listing() for n in names[:limit]], "errors": errors,
-                   "total": len(names), "audit": vars(tasks.audit.progress)}
+                   "total": len(names), "audit": audit}
         if tasks.index_error:
             listing["index_error"] = tasks.index_error
         return [pb_utils.Tensor(protocol.TASKS, np.array([json.dumps(listing).encode()], dtype=np.object_))]

@@ -1,0 +1,154 @@
+"""Versions a task keeps, through the real server: a kept version serves by pin past the old grace, `aot export
+versions` lists them, a rollback makes the bare name answer a kept version, and a 90/10 route splits 1,000 requests
+within 5 points; a store of format v2 is still read."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+
+import pytest
+
+from aot.client import Client, TaskNotFound
+from exporter.task_export import export_task
+from exporter.task_store import TaskStore
+from serving.repository import read_repository
+from serving.store import RETIRED_GRACE
+from serving.store_log import Change
+from tests.helpers import make_repository, run_cli, serve_for_tests, train_tiny_task
+
+pytestmark = pytest.mark.server
+
+TEXT = "good w1 w2"
+
+
+def _cli(*argv: str) -> list[dict]:
+    return run_cli(*argv)[0]
+
+
+def _cli_error(*argv: str) -> str:
+    """`aot ...`, which must fail (exit 2): its one-line error."""
+    return run_cli(*argv, exit_code=2)[1]
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory, tiny_models, sentiment_dir):
+    return train_tiny_task(tiny_models["bert"], sentiment_dir, tmp_path_factory.mktemp("versions-artifact") / "fc")
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory, tiny_models, artifact):
+    """Task `sent` published three times (versions v1, v2, v3: kept, default --keep 5); `short` twice with
+    --keep 1 (its first version retired)."""
+    repo = make_repository(tiny_models["bert"], tmp_path_factory.mktemp("versions") / "repo", {})
+    for _ in range(3):
+        export_task(artifact, repo, "sent", "factored", progress=False)
+    for _ in range(2):
+        export_task(artifact, repo, "short", "factored", progress=False, keep=1)
+    return repo
+
+
+@pytest.fixture(scope="module")
+def versions(repo) -> list[str]:
+    """sent's versions, oldest first."""
+    return [v["version"] for v in reversed(_cli("export", "versions", "sent", "--repo", str(repo)))]
+
+
+@pytest.fixture(scope="module")
+def server(request, repo, versions):
+    yield from serve_for_tests(request, repo, load=("aot", "task_list"))
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with Client(server.grpc_url) as c:
+        yield c
+
+
+def _store(repo) -> TaskStore:
+    return TaskStore.of(read_repository(repo))
+
+
+def _until(predicate, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, "not within the time"
+        time.sleep(0.1)
+
+
+def test_versions_lists_current_and_kept(repo, versions):
+    listed = _cli("export", "versions", "sent", "--repo", str(repo))
+    assert [v["status"] for v in listed] == ["current", "kept", "kept"] and len(set(versions)) == 3
+    assert listed[0]["version"] == versions[-1] and listed[1]["since"] >= listed[2]["since"]
+    short = _cli("export", "versions", "short", "--repo", str(repo))
+    assert [v["status"] for v in short] == ["current", "retired"]
+    assert 0 < short[1]["expires_in_seconds"] <= RETIRED_GRACE
+
+
+def test_keep_retires_what_falls_beyond_it(repo, artifact, tmp_path):
+    store = _store(repo)
+    assert store.entries()["short"].keep == 1 and store.entries()["short"].kept == ()
+    assert store.entries()["sent"].keep == 5 and len(store.entries()["sent"].kept) == 2
+
+
+def test_a_kept_pin_outlives_the_old_grace(repo, versions, client):
+    """Backdate every kept and retired time by twice the grace: the kept v1 still serves by pin, the retired
+    version of `short` (--keep 1) is gone."""
+    retired = _cli("export", "versions", "short", "--repo", str(repo))[1]["version"]
+    past = time.time() - 2 * RETIRED_GRACE
+
+    def backdate(state):
+        entry = dict(state.tasks["sent"])
+        entry["kept"] = [{**k, "time": past} for k in entry["kept"]]
+        return Change(tasks={"sent": entry}, retired={retired: {**state.retired[retired], "time": past}})
+
+    _store(repo).commit(backdate)
+    assert client.infer(versions[0], TEXT)["version"] == versions[0]
+    with pytest.raises(TaskNotFound, match="is not in the store"):
+        client.infer(retired, TEXT)
+
+
+def test_rollback_answers_the_kept_version_from_the_next_batch(repo, versions, client):
+    [done] = _cli("export", "rollback", "sent", versions[1], "--repo", str(repo))
+    assert done == {"name": "sent", "current": versions[1], "replaced": versions[2]}
+    assert client.infer("sent", TEXT)["version"] == versions[1]
+    assert client.infer(versions[2], TEXT)["version"] == versions[2]  # the replaced version is kept
+    assert _cli_error("export", "rollback", "sent", versions[1], "--repo", str(repo)) == \
+        f"aot: error: {versions[1]} is already the current version of 'sent'"
+    assert "sent@000000000000 is not a version 'sent' keeps" in \
+        _cli_error("export", "rollback", "sent", "sent@000000000000", "--repo", str(repo))
+
+
+def test_a_90_10_route_splits_1000_requests(repo, versions, client):
+    current = _store(repo).entries()["sent"].folder
+    canary = next(v for v in versions if v != current)
+    [routed] = _cli("export", "route", "sent", f"{current}=90", f"{canary}=10", "--repo", str(repo))
+    assert routed["route"] == {current: 0.9, canary: 0.1}
+    answers = client.infer_many([{"task": "sent", "text": TEXT}] * 1000, concurrency=32)
+    counts = Counter(a["version"] for a in answers)
+    assert set(counts) == {current, canary}
+    assert abs(counts[canary] / 1000 - 0.10) <= 0.05, counts
+    print(f"\n90/10 route over 1,000 requests: current {counts[current]}, canary {counts[canary]}")
+    listed = {v["version"]: v["route_share"] for v in _cli("export", "versions", "sent", "--repo", str(repo))}
+    assert listed[current] == 0.9 and listed[canary] == 0.1
+    [cleared] = _cli("export", "route", "sent", f"{current}=1", "--repo", str(repo))
+    assert cleared["route"] is None
+    assert {a["version"] for a in client.infer_many([{"task": "sent", "text": TEXT}] * 50)} == {current}
+
+
+def test_route_refuses_what_the_task_does_not_keep(repo, versions):
+    for pairs, message in (([f"{versions[0]}=0"], "positive number"), (["sent@000000000000=1"], "not a version"),
+                           ([f"{versions[0]}"], "expected VERSION=WEIGHT"), (["other@000000000000=1"], "not of 'sent'")):
+        assert message in _cli_error("export", "route", "sent", *pairs, "--repo", str(repo))
+
+
+def test_a_store_of_format_v2_is_read_and_upgraded(tmp_path_factory, tiny_models, artifact):
+    repo = make_repository(tiny_models["bert"], tmp_path_factory.mktemp("v2") / "repo", {"old": (artifact, "factored")})
+    identity = repo / "tasks" / "store.json"
+    data = json.loads(identity.read_text())
+    identity.write_text(json.dumps({**data, "format_version": 2}))
+    assert _store(repo).entries()["old"].keep == 5  # an entry without retention reads as the default
+    export_task(artifact, repo, "old", "factored", progress=False)
+    assert json.loads(identity.read_text())["format_version"] == 3
+    assert len(_store(repo).entries()["old"].kept) == 1
