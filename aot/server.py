@@ -37,7 +37,8 @@ from pathlib import Path
 
 from serving.admin_key import resolve_admin_key
 from serving.health import HealthServer
-from serving.lifecycle import ServerError, ServerExited, ServerLifecycle, http_ok, log_tail
+from serving.lifecycle import ServerError, ServerExited, ServerLifecycle, compile_steps, http_ok, log_tail
+from serving.limits import region_bound_of
 from serving.repairs import Supervisor
 from serving.repository import CPU_MODELS, POOL_BYTES_ENV, memory_pool_bytes, read_repository
 
@@ -211,7 +212,8 @@ class LocalServer(Endpoints):
         self.log_path = Path(self.log_path or self._workdir / "tritonserver.log")
         self._python: StepPython | None = None
         self._server = ServerLifecycle(self.http_url, self.admin_key, self.supervise, log=self._log,
-                                       log_path=self.log_path, own_group=True)
+                                       log_path=self.log_path, own_group=True,
+                                       region_bytes=region_bound_of(self.repo / "models"))
 
     def _check_tls(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -345,7 +347,9 @@ class LocalServer(Endpoints):
         return self
 
     def _launch(self, timeout: float) -> None:
-        self._server.start(self.command(), self.environment())  # the steps' Python probed before, not timed
+        command, env = self.command(), self.environment()  # the steps' Python probed before, not timed
+        compile_steps(self.repo / "models", self.python.bin_dir / "python3")
+        self._server.start(command, env)
         self._server.wait_ready(timeout)
 
     def _watch(self) -> None:

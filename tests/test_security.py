@@ -422,8 +422,9 @@ def test_one_instance_stuck_in_a_batch_is_found_while_the_other_answers_the_prob
                                                                                      expected):
     """The fused step runs 2 instances; probes go to whichever is free, so a deadlocked one would hold its batch
     forever behind the other's answers. Each instance records when its running `execute` began (serving.watch):
-    one stuck for hung_seconds without using CPU is killed and the step reloaded. The stuck call is injected into
-    the second instance's batch computation, after the watch began."""
+    one stuck for hung_seconds without using CPU is killed and replaced alone: the other instance keeps its stub and
+    serves meanwhile. The stuck call is injected into the second instance's batch computation, after the watch
+    began."""
     copy = tmp_path / "repo"
     shutil.copytree(repo, copy)
     flag = tmp_path / "hang"
@@ -440,7 +441,7 @@ def _init(self, args):
 
 def _stuck(self, batch):
     import os, time
-    while os.path.exists({str(flag)!r}) and self.instance_name.endswith("_1"):
+    while os.path.exists({str(flag)!r}) and self.instance_name == "aot_1_0":
         time.sleep(0.1)
     return _run(self, batch)
 
@@ -448,8 +449,8 @@ def _stuck(self, batch):
 TritonPythonModel.initialize, TritonPythonModel._run = _init, _stuck
 """)
     for server in serve_for_tests(request, copy):
-        assert sorted(s.instance for s in stubs_of(server.process.pid).values() if s.model == "aot") == [
-            "aot_0_0", "aot_0_1"]
+        before = {s.instance: s.pid for s in stubs_of(server.process.pid).values() if s.model == "aot"}
+        assert sorted(before) == ["aot_0_0", "aot_1_0"]
         server.supervisor.hung_seconds = 3.0
         flag.write_text("")
         start, began = time.monotonic(), time.time()
@@ -460,10 +461,13 @@ TritonPythonModel.initialize, TritonPythonModel._run = _init, _stuck
         repaired = _wait(lambda: [r for r in server.supervisor.repairs if r.cause == "hung" and r.seconds], 30)
         flag.unlink()
         assert repaired and repaired[0].model == "aot", server.supervisor.repairs
+        assert (repaired[0].instance, repaired[0].how) == ("aot_1_0", "replace"), repaired
+        after = {s.instance: s.pid for s in stubs_of(server.process.pid).values() if s.model == "aot"}
+        assert after == {"aot_0_0": before["aot_0_0"], "aot_1_r1_0": after.get("aot_1_r1_0")}, (before, after)
         assert any("error" not in a for a in answers) and took < 30, (took, answers[:3])
         assert _wait(lambda: _get(server.health_url, "/ready")[0] == 200, 30)
         print(f"one stuck instance: found {repaired[0].detected - began:.2f} s after the hang began (hung_seconds "
-              f"3), reloaded in {repaired[0].seconds:.2f} s; {sum('error' in a for a in answers)} of 40 requests "
+              f"3), replaced in {repaired[0].seconds:.2f} s; {sum('error' in a for a in answers)} of 40 requests "
               "failed")
         _answers_unchanged(server.grpc_url, expected)
 
