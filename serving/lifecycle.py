@@ -38,13 +38,15 @@ from serving.watch import remove_watches
 
 _PR_SET_PDEATHSIG = 1
 WATCH_SECONDS = 0.05  # how often a watched server's exit is checked (a restart begins that much after a crash)
-# gRPC connections (Triton 2.51's flags; its HTTP front end has none, and gRPC has no idle timeout there): the server
-# pings each connection every 30 s, idle or not, and closes one whose peer has not answered within 10 s (a client
-# host that vanished); every connection is closed after 10 minutes (GOAWAY: clients reconnect at once, calls in
-# flight get 30 s to finish), so an idle one holds its descriptor that long at most. Milliseconds.
-GRPC_CONNECTION_FLAGS = {"--grpc-keepalive-time": 30_000, "--grpc-keepalive-timeout": 10_000,
-                         "--grpc-keepalive-permit-without-calls": 1, "--grpc-http2-max-pings-without-data": 0,
-                         "--grpc-max-connection-age": 600_000, "--grpc-max-connection-age-grace": 30_000}
+# The gRPC front end (Triton 2.51's flags; its HTTP front end has none, and none is an idle timeout): the server pings
+# each connection every 30 s, idle or not, and closes one whose peer has not answered within 10 s (a client host that
+# vanished); every connection is closed after 10 minutes (GOAWAY: clients reconnect at once, calls in flight get 30 s
+# to finish), so an idle one holds its descriptor that long at most (times in ms). No request objects are kept for
+# reuse: a kept one keeps the largest message it ever held (an oversized request's hundreds of MB, measured).
+FRONT_END_FLAGS = {"--grpc-keepalive-time": 30_000, "--grpc-keepalive-timeout": 10_000,
+                   "--grpc-keepalive-permit-without-calls": 1, "--grpc-http2-max-pings-without-data": 0,
+                   "--grpc-max-connection-age": 600_000, "--grpc-max-connection-age-grace": 30_000,
+                   "--grpc-infer-allocation-pool-size": 0}
 
 
 class ServerError(RuntimeError):
@@ -66,10 +68,10 @@ def compile_steps(models: Path, python: str | Path = "python3") -> None:
         pass
 
 
-def connection_args(command: list[str]) -> list[str]:
-    """GRPC_CONNECTION_FLAGS that `command` does not set itself."""
+def front_end_args(command: list[str]) -> list[str]:
+    """FRONT_END_FLAGS that `command` does not set itself."""
     given = {a.split("=", 1)[0] for a in command}
-    return [f"{flag}={value}" for flag, value in GRPC_CONNECTION_FLAGS.items() if flag not in given]
+    return [f"{flag}={value}" for flag, value in FRONT_END_FLAGS.items() if flag not in given]
 
 
 def die_with_parent() -> None:
@@ -157,10 +159,10 @@ class ServerLifecycle:
         self._started = 0.0
 
     def start(self, command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        """tritonserver `command` (its binary and flags), the API restrictions and the connection flags added. Its
+        """tritonserver `command` (its binary and flags), the API restrictions and the front end's flags added. Its
         output goes to log_path, overwritten by the first process and appended to by the next ones."""
         raise_open_file_limit()
-        command = command + connection_args(command)
+        command = command + front_end_args(command)
         self._started = time.monotonic()
         options = {}
         if self.own_group:
