@@ -118,7 +118,7 @@ frontend grpc
     bind {host}:{grpc_port} proto h2
     # a gRPC client reports these as "Received http2 header with status: 413" (a status carried in a trailer
     # would be lost: HAProxy resets a stream whose body it did not read)
-    http-request deny deny_status 431 if {{ req.hdrs,length gt {HEADER_BYTES} }}
+    http-request deny deny_status 413 if {{ req.hdrs,length gt {HEADER_BYTES} }}
     http-request deny deny_status 413 if {{ req.body_len gt {body_bytes} }}
     default_backend grpc
 
