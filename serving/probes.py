@@ -5,7 +5,7 @@ it at once, uncounted), sent once a second by a thread per step, so it proves th
 `execute`, not only that it exists. A probe travels through tritonserver's front end: when that front end answers
 nothing (saturated with connections, or the process stopped), every probe goes unanswered while every stub is fine.
 So a step is hung only when its probes went unanswered for `hung_seconds` while the front end kept answering other
-calls (serving.triton_api), and its stubs used no CPU meanwhile (a step working through a long queue keeps using
+calls without a pause (serving.triton_api), and its stubs used no CPU meanwhile (a step working through a long queue keeps using
 CPU while its probe waits in that queue: it is busy, not hung, and is judged hung only after BUSY_HUNG_SECONDS)."""
 
 from __future__ import annotations
@@ -75,10 +75,11 @@ class Probes:
         last = self.answered.get(model)
         return 0.0 if last is None else time.monotonic() - last
 
-    def front_end_outlived(self, model: str) -> float:
-        """Seconds the front end went on answering after the step's last probe answer."""
-        last = self.answered.get(model)
-        return 0.0 if last is None else max(0.0, self.api.answered - last)
+    def silent_while_answering(self, model: str) -> float:
+        """Seconds the step has answered no probe while the front end answered without a pause (serving.triton_api:
+        its silence does not count, nor the time before it)."""
+        last, since = self.answered.get(model), self.api.answering_since
+        return 0.0 if last is None or since is None else max(0.0, self.api.answered - max(last, since))
 
     def hung(self, model: str, cpu_seconds: float) -> bool:
         """No probe answered for hung_seconds while the front end answered and the stubs (`cpu_seconds`: their
@@ -88,5 +89,5 @@ class Probes:
         if cpu_seconds - last_cpu > BUSY_CPU_SECONDS or cpu_seconds < last_cpu:  # less: a new stub starts afresh
             grew = now
         self._working[model] = (cpu_seconds, grew)
-        silent, idle, limit = self.front_end_outlived(model), now - grew, self._hung_seconds()
+        silent, idle, limit = self.silent_while_answering(model), now - grew, self._hung_seconds()
         return silent > BUSY_HUNG_SECONDS or (silent > limit and idle > limit)

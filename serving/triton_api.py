@@ -3,8 +3,9 @@ logged), and a record of when the server's front end last answered anything.
 
 That record is how the supervisor tells a saturated or frozen front end from a hung step: a step's liveness probe
 travels through the front end, so when tritonserver accepts no connection (its open files exhausted by idle
-clients, or the process stopped) every probe goes unanswered while every stub is fine. A step is judged hung only
-while the front end kept answering other calls (serving.repairs)."""
+clients, or the process stopped) every probe goes unanswered while every stub is fine. A step's silence counts only
+from when the front end last began answering (`answering_since`: reset when its own liveness or the model index
+goes unanswered), so neither the saturation nor the moments after it make a step look hung (serving.probes)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ class TritonApi:
     http_url: str  # host:port
     admin_key: str | None = field(default=None, repr=False)  # sent with every control API call
     answered: float = field(default_factory=time.monotonic)  # time.monotonic() of the front end's last answer
+    # since when the front end has answered without a pause (None: its last check went unanswered)
+    answering_since: float | None = field(default_factory=time.monotonic)
 
     def request(self, path: str, body: bytes | None = None, timeout: float = 5.0, admin: bool = False) -> bytes:
         headers = {"Content-Type": "application/json"}
@@ -39,16 +42,26 @@ class TritonApi:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 data = response.read()
         except urllib.error.HTTPError:
-            self.answered = time.monotonic()  # an error status is an answer: the front end works
+            self._answer()  # an error status is an answer: the front end works
             raise
-        self.answered = time.monotonic()
+        self._answer()
         return data
+
+    def _answer(self) -> None:
+        self.answered = time.monotonic()
+        if self.answering_since is None:
+            self.answering_since = self.answered
 
     def post(self, path: str, timeout: float, body: dict | None = None) -> None:
         self.request(path, json.dumps(body or {}).encode(), timeout, admin=True)
 
     def index(self, timeout: float = 10.0) -> list[dict]:
-        return json.loads(self.request("/v2/repository/index", b"{}", timeout, admin=True))
+        try:
+            return json.loads(self.request("/v2/repository/index", b"{}", timeout, admin=True))
+        except UNREACHABLE as exc:
+            if not isinstance(exc, urllib.error.HTTPError):
+                self.answering_since = None
+            raise
 
     def config(self, model: str, timeout: float = 5.0) -> dict:
         """The model's loaded config (the model-config API, with the key)."""
@@ -76,8 +89,5 @@ class TritonApi:
             self.request("/v2/health/live", timeout=FRONT_END_TIMEOUT)
             return True
         except UNREACHABLE:
+            self.answering_since = None
             return False
-
-    def silent_for(self) -> float:
-        """Seconds since the front end last answered anything."""
-        return time.monotonic() - self.answered
