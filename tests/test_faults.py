@@ -373,6 +373,35 @@ def test_serve_command_restarts_a_killed_tritonserver_and_cleans_up_after_it(rep
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def test_killed_tritonserver_under_16_clients_fails_no_request(request, tmp_path, repo, expected):
+    """kill -9 of tritonserver under 16 clients: LocalServer starts it again at once (its exit is seen within
+    0.05 s), and the clients (aot.Client) send again every call that found no server, after a short backoff, while
+    their channel reconnects within a second: every request is answered right, none fails."""
+    copy = tmp_path / "repo"
+    shutil.copytree(repo, copy)
+    for server in serve_for_tests(request, copy):
+        with Load(server.grpc_url, TEXTS, 16, lambda k, j: (TASKS[(k + j) % 3], (k + j) % len(TEXTS)),
+                  timeout=30) as load:
+            load.wait_for(300)
+            old = server.process.pid
+            killed = time.monotonic()
+            os.kill(old, signal.SIGKILL)
+            while server.process.pid == old or not server.serves():
+                assert time.monotonic() - killed < 60 and not server.failed, f"not back: {server.failed}"
+                time.sleep(0.02)
+            ready = time.monotonic() - killed
+            sent = len(load.outcomes)
+            load.wait_for(sent + 300)
+        failed = [o for o in load.outcomes if o.error]
+        wrong = [o for o in load.outcomes if o.error is None and np.abs(o.logits - expected[o.task][o.text]).max() > ATOL]
+        slowest = max(o.end - o.start for o in load.outcomes)
+        print(f"\nkill -9 of tritonserver under 16 clients: /ready 200 again {ready:.2f} s later (started to ready "
+              f"{server.ready_seconds:.2f} s); {len(load.outcomes)} requests, {len(failed)} failed; the slowest took "
+              f"{slowest:.2f} s")
+        assert failed == [] and wrong == [], (failed[:3], wrong[:3])
+        assert len(server.restarts) == 1
+
+
 def test_killing_serve_command_stops_tritonserver(repo):
     proc, info, triton = _start_serve(repo)
     port = info["grpc"].rsplit(":", 1)[1]
