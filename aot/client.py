@@ -232,8 +232,8 @@ class Client:
         from tritonclient.utils import InferenceServerException
 
         try:
-            result = self._call(self._client.infer, "task_list", [], outputs=[self._grpc.InferRequestedOutput(protocol.TASKS)],
-                                        client_timeout=self.timeout)
+            result = self._call(self._client.infer, "task_list", [],
+                                outputs=[self._grpc.InferRequestedOutput(protocol.TASKS)], client_timeout=self.timeout)
         except InferenceServerException as exc:
             raise InferenceError(_message(exc)) from None
         return json.loads(result.as_numpy(protocol.TASKS).reshape(-1)[0])
@@ -244,8 +244,9 @@ class Client:
         from tritonclient.utils import InferenceServerException
 
         try:
-            result = self._call(self._client.infer, self.model, self._inputs(task, text, text_pair if pair is None else pair),
-                                        outputs=self._outputs(), client_timeout=self.timeout)
+            inputs = self._inputs(task, text, text_pair if pair is None else pair)
+            result = self._call(self._client.infer, self.model, inputs, outputs=self._outputs(),
+                                client_timeout=self.timeout)
         except InferenceServerException as exc:
             raise InferenceError(_message(exc)) from None
         return self._decode(result)

@@ -116,16 +116,19 @@ defaults
 
 frontend grpc
     bind {host}:{grpc_port} proto h2
+    acl large_headers req.hdrs,length gt {HEADER_BYTES}
+    acl large_body req.body_len gt {body_bytes}
     # a gRPC client reports these as "Received http2 header with status: 413" (a status carried in a trailer
     # would be lost: HAProxy resets a stream whose body it did not read)
-    http-request deny deny_status 413 if {{ req.hdrs,length gt {HEADER_BYTES} }}
-    http-request deny deny_status 413 if {{ req.body_len gt {body_bytes} }}
+    http-request deny deny_status 413 if large_headers || large_body
     default_backend grpc
 
 frontend http
     bind {host}:{http_port}
-    http-request return status 431 content-type application/json string '{{"error":"{headers}"}}' if {{ req.hdrs,length gt {HEADER_BYTES} }}
-    http-request return status 413 content-type application/json string '{{"error":"{too_large}"}}' if {{ req.body_len gt {body_bytes} }}
+    acl large_headers req.hdrs,length gt {HEADER_BYTES}
+    acl large_body req.body_len gt {body_bytes}
+    http-request return status 431 content-type application/json string '{{"error":"{headers}"}}' if large_headers
+    http-request return status 413 content-type application/json string '{{"error":"{too_large}"}}' if large_body
     default_backend http
 
 backend grpc

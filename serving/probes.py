@@ -5,8 +5,9 @@ it at once, uncounted), sent once a second by a thread per step, so it proves th
 `execute`, not only that it exists. A probe travels through tritonserver's front end: when that front end answers
 nothing (saturated with connections, or the process stopped), every probe goes unanswered while every stub is fine.
 So a step is hung only when its probes went unanswered for `hung_seconds` while the front end kept answering other
-calls without a pause (serving.triton_api), and its stubs used no CPU meanwhile (a step working through a long queue keeps using
-CPU while its probe waits in that queue: it is busy, not hung, and is judged hung only after BUSY_HUNG_SECONDS)."""
+calls without a pause (serving.triton_api), and its stubs used no CPU meanwhile (a step working through a long
+queue keeps using CPU while its probe waits in that queue: it is busy, not hung, and is judged hung only after
+BUSY_HUNG_SECONDS)."""
 
 from __future__ import annotations
 

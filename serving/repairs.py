@@ -306,7 +306,8 @@ class Supervisor:
         watched from now on."""
         now = time.monotonic()
         newest = {s.pid for s in stubs_of(self.server_pid).values()}
-        candidates = [s for s in stub_processes(self.server_pid) if s.pid not in newest or s.instance not in self.expected]
+        candidates = [s for s in stub_processes(self.server_pid)
+                      if s.pid not in newest or s.instance not in self.expected]
         loaded: dict[str, set[str] | None] = {}  # model -> its instances now, from its loaded config
         stale = set()
         for stub in candidates:
@@ -355,6 +356,6 @@ class Supervisor:
         if unready is None:
             reasons.append("the server's model index cannot be read")
         reasons += [f"model {m!r} is not loaded or not ready" for m in unready or []]
-        reasons += [f"model {m!r} answered no probe for {self.silent_for(m):.1f} s" for m in sorted(self.probes.answered)
-                    if self.silent_for(m) > self.hung_seconds]
+        reasons += [f"model {m!r} answered no probe for {self.silent_for(m):.1f} s"
+                    for m in sorted(self.probes.answered) if self.silent_for(m) > self.hung_seconds]
         return not reasons, reasons

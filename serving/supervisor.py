@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     if not any(a.startswith("--model-control-mode") for a in command):
         command += ["--model-control-mode=explicit", "--load-model=*"]
     port = next((a.split("=", 1)[1] for a in command if a.startswith("--http-port=")), "8000")
-    models = next((a.split("=", 1)[1] for a in command if a.startswith(("--model-repository=", "--model-store="))), None)
+    models = next((a.split("=", 1)[1] for a in command if a.startswith(("--model-repository=", "--model-store="))),
+                  None)
     server = ServerLifecycle(f"127.0.0.1:{port}", key, stop_timeout=None,  # the container's runtime kills
                              region_bytes=region_bound_of(models) if models else None)
     if models:

@@ -393,7 +393,8 @@ def test_killed_tritonserver_under_16_clients_fails_no_request(request, tmp_path
             sent = len(load.outcomes)
             load.wait_for(sent + 300)
         failed = [o for o in load.outcomes if o.error]
-        wrong = [o for o in load.outcomes if o.error is None and np.abs(o.logits - expected[o.task][o.text]).max() > ATOL]
+        wrong = [o for o in load.outcomes
+                 if o.error is None and np.abs(o.logits - expected[o.task][o.text]).max() > ATOL]
         slowest = max(o.end - o.start for o in load.outcomes)
         print(f"\nkill -9 of tritonserver under 16 clients: /ready 200 again {ready:.2f} s later (started to ready "
               f"{server.ready_seconds:.2f} s); {len(load.outcomes)} requests, {len(failed)} failed; the slowest took "

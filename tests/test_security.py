@@ -131,13 +131,18 @@ def served(request, repo, tmp_path_factory):
             key = (repo / "admin-key").read_text().strip()
         yield Served(f"127.0.0.1:{ports['http']}", f"127.0.0.1:{ports['grpc']}", health, key, work, process.pid)
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        _stop_group(process)
         log.close()
+
+
+def _stop_group(process: subprocess.Popen) -> None:
+    """SIGTERM to the process group a launcher leads, SIGKILL after 30 s."""
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 # --- private files ----------------------------------------------------------------------------------------------
@@ -390,11 +395,7 @@ def saturated(tmp_path, repo):
         _wait_ready(f"127.0.0.1:{ports['health']}")
         yield process, _tritonserver_of(process.pid), ports, tmp_path / "stdout"
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+        _stop_group(process)
         log.close()
 
 
