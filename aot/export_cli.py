@@ -87,7 +87,26 @@ def run_export_task(args) -> int:
     report(asdict(result), f"published task {args.name} ({result.storage}, {result.bytes_on_disk / 2**20:.1f} MiB, "
                            f"version {result.folder}) in {args.repo}: a running server answers it from its next batch",
            f'next: aot serve --repo {args.repo} (if none runs), then aot infer --task {args.name} "some text"')
+    if args.storage == "auto" and result.storage == "factored":
+        print(f"aot: warning: {auto_storage_note(args.name, result.storage_advice)}", file=sys.stderr)
     return 0
+
+
+def auto_storage_note(name: str, advice: dict) -> str:
+    """Why `--storage auto` stored a task factored (exporter.task_export.storage_advice): said at every such export,
+    since the store's tasks no longer fit the pool and the choice differs from the tasks exported before."""
+    return (f"--storage auto stored {name} factored ({_size(advice['factored_bytes'])}, its rows computed as they are "
+            f"used), not fused ({_size(advice['fused_bytes'])}): the store holds {advice['tasks_in_store']} tasks and "
+            f"the task pool ({_size(advice['pool_bytes'])}) keeps {advice['tasks_resident_in_pool']} fused tables "
+            "resident. Tasks exported before keep their storage; --storage fused keeps a task fused (docs/serving.md, "
+            "the task pool)")
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
 
 
 def run_export_remove(args) -> int:

@@ -212,5 +212,5 @@ def _write_repository(plan: ExportPlan, tmp: Path, record: BackboneRecord) -> No
         TaskStore(tmp / record.store).create(record.backbone, backbone.embeddings.detach().float().numpy())
     write_rows_graphs(tmp / record.store, backbone.num_layers, backbone.hidden_size)
     write_json(tmp / RECORD, record.to_json())
-    write_compose_env(tmp, RepositoryInfo(tmp, record), plan.repo)
+    write_compose_env(tmp, RepositoryInfo(tmp, record))
     write_admin_key(tmp, plan.repo if plan.repo.is_dir() else None)

@@ -29,9 +29,12 @@ POOL_BYTES_ENV = "AOT_POOL_BYTES"
 # server's request rate at what that thread can do; 6 lift each step's ceiling above what the server's own CPU per
 # request allows on a large host (`aot bench tax`; the figures: docs/benchmarks.md section 6).
 GPU_STEP_INSTANCES = 6
-# What a server on the CPU configs loads: `aot` and `vanilla` are each one fused step there (tokenizer, lookup,
-# encoder, head); the GPU ensembles' separate steps are not needed.
-CPU_MODELS = ("aot", "vanilla", "task_list")
+# What a server on the CPU configs loads: `aot` is one fused step there (tokenizer, lookup, encoder, head); the GPU
+# ensembles' separate steps are not needed.
+CPU_MODELS = ("aot", "task_list")
+# The plain encoder, for comparisons (benchmarks): loaded only when asked (`aot serve --vanilla`; in a container,
+# AOT_LOAD_VANILLA=1), each one more engine and, on CPU, more step processes.
+VANILLA_MODELS = ("vanilla", "backbone_vanilla")
 
 
 class RepositoryError(ValueError):
