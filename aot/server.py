@@ -41,6 +41,7 @@ from serving.lifecycle import ServerError, ServerExited, ServerLifecycle, compil
 from serving.limits import region_bound_of
 from serving.repairs import Supervisor
 from serving.repository import CPU_MODELS, POOL_BYTES_ENV, VANILLA_MODELS, memory_pool_bytes, read_repository
+from serving.store_check import store_root_of
 
 MAX_RESTARTS = 3
 # numpy's BLAS computes factored rows in the steps: a few small matmuls per batch. Its default thread pool spins on
@@ -233,7 +234,8 @@ class LocalServer(Endpoints):
         self._python: StepPython | None = None
         self._server = ServerLifecycle(self.http_url, self.admin_key, self.supervise, log=self._log,
                                        log_path=self.log_path, own_group=True,
-                                       region_bytes=region_bound_of(self.repo / "models"))
+                                       region_bytes=region_bound_of(self.repo / "models"),
+                                       store_root=store_root_of(self.repo / "models"))
 
     def _check_tls(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -150,6 +150,7 @@ class ServerLifecycle:
     own_group: bool = False  # a process group of its own that dies with the thread that started it (LocalServer)
     stop_timeout: float | None = 15.0  # SIGTERM to SIGKILL when a failed server is stopped (None: wait)
     region_bytes: int | None = None  # a stub's shared memory past this is replaced (serving.limits; None: no bound)
+    store_root: Path | None = None  # the task store /ready checks (serving.store_check; None: none)
     process: subprocess.Popen | None = None
     supervisor: Supervisor | None = None
     ready_seconds: float | None = None
@@ -191,7 +192,7 @@ class ServerLifecycle:
                 self.ready_seconds = time.monotonic() - self._started
                 if self.supervise:
                     self.supervisor = Supervisor(self.process.pid, self.http_url, self.admin_key, log=self.log,
-                                                 region_bytes=self.region_bytes).start()
+                                                 region_bytes=self.region_bytes, store_root=self.store_root).start()
                 return
             time.sleep(0.05)
         self.stop(self.stop_timeout)

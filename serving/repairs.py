@@ -19,7 +19,7 @@ killed for it, and /ready says so.
 
 Readiness that tells the truth: Triton's /v2/health/ready stays 200 while a model is unloaded or a stub hangs, so
 `health()` says ready only when every model the repository needs is loaded, ready and answering, and no repair
-runs (served as /ready by serving.health).
+runs, and the task store can serve a task (serving.store_check; served as /ready by serving.health).
 """
 
 from __future__ import annotations
@@ -30,12 +30,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from serving.procfs import Stub, alive, proc_stat, stub_processes, stubs_of
 from serving.probes import BUSY_CPU_SECONDS, BUSY_HUNG_SECONDS, HUNG_SECONDS, Probes
 from serving.reloads import Reloads
 from serving.instance_groups import instance_names
 from serving.shm import allocated_bytes, make_private, remove_regions
+from serving.store_check import StoreCheck
 from serving.triton_api import FRONT_END_TIMEOUT, UNREACHABLE, TritonApi
 from serving.watch import busy_since, remove_watch
 
@@ -73,12 +75,14 @@ class Supervisor:
     log: Callable[[str], None] = print
     hung_seconds: float = HUNG_SECONDS
     region_bytes: int | None = None  # a stub's shared memory beyond this is replaced (None: no bound)
+    store_root: str | Path | None = None  # the task store /ready checks (serving.store_check; None: none)
     repairs: list[Repair] = field(default_factory=list)
     regions: set[str] = field(default_factory=set)  # every shm region seen (serving.lifecycle.reap removes them)
 
     def __post_init__(self):
         self.api = TritonApi(self.http_url, self.admin_key)
         self.reloads = Reloads(self.api)
+        self.store = None if self.store_root is None else StoreCheck(self.store_root, self.log)
         self.expected: dict[str, str] = {}  # instance -> model
         # instance -> start time of the process watched: an older process of that name left behind by a reload is
         # not the instance (a killed new stub beside a lingering unloaded one is dead, not alive)
@@ -114,6 +118,7 @@ class Supervisor:
             self.log(f"supervisor: could not read the repository index ({exc}); watching the stubs only")
         if probe:
             self.probes.start(set(self.expected.values()))
+        self._store_problem()  # a missing manifest is said at start, not at the first /ready
         self._thread.start()
         return self
 
@@ -133,8 +138,12 @@ class Supervisor:
                 return
             try:
                 self.check()
+                self._store_problem()
             except Exception as exc:  # noqa: BLE001 - the watch must go on: one failed check is tried again
                 self.log(f"supervisor: a check failed ({type(exc).__name__}: {exc}); checking again")
+
+    def _store_problem(self) -> str | None:
+        return None if self.store is None else self.store.problem()
 
     def silent_for(self, model: str) -> float:
         """Seconds since the step last answered a probe (0 for a model that is not probed)."""
@@ -349,7 +358,8 @@ class Supervisor:
             server = proc_stat(self.server_pid)
             why = "it is stopped" if server is not None and server.stopped else "saturated with connections, or busy"
             return False, [f"tritonserver's front end answers nothing within {FRONT_END_TIMEOUT:.0f} s ({why})"]
-        reasons = [f"model {m!r} could not be repaired" for m in self.failed]
+        reasons = [problem] if (problem := self._store_problem()) else []
+        reasons += [f"model {m!r} could not be repaired" for m in self.failed]
         if self.repairing:
             reasons.append(f"model {self.repairing!r} is being repaired")
         unready = self.unready(exclude={self.repairing} if self.repairing else set(), timeout=FRONT_END_TIMEOUT)

@@ -19,6 +19,7 @@ from serving.health import HealthServer
 from serving.lifecycle import ServerExited, ServerLifecycle, compile_steps
 from serving.limits import region_bound_of
 from serving.repository import VANILLA_MODELS
+from serving.store_check import store_root_of
 
 LOAD_VANILLA_ENV = "AOT_LOAD_VANILLA"
 
@@ -62,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     models = next((a.split("=", 1)[1] for a in command if a.startswith(("--model-repository=", "--model-store="))),
                   None)
     server = ServerLifecycle(f"127.0.0.1:{port}", key, stop_timeout=None,  # the container's runtime kills
-                             region_bytes=region_bound_of(models) if models else None)
+                             region_bytes=region_bound_of(models) if models else None,
+                             store_root=store_root_of(models) if models else None)
     if models:
         compile_steps(Path(models))  # the stubs run the `python3` on PATH
     server.start(command)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from aot.client import Client, InferenceError
 from exporter.task_export import export_task
 from exporter.task_store import TaskStore
 from serving.admin_key import GRPC_ADMIN_HEADER
-from serving.atomic import write_json
+from serving.atomic import write_atomic, write_json
 from serving.procfs import stubs_of
 from serving.repository import read_repository
 from serving.shm import SHM, STUB
@@ -574,6 +575,7 @@ def test_bad_manifest_keeps_the_last_good_one(scratch, expected):
             _check_answers(c, expected)  # the last good manifest
             with urllib.request.urlopen(f"http://{scratch.http_url}/v2/health/ready", timeout=5) as r:
                 assert r.status == 200
+            assert scratch.serves(), _ready(scratch)  # the steps serve the last good one: no reason to leave a balancer
             samples = _metrics(scratch)
             errors = _metric(samples, "aot_store_manifest_errors_total")
             assert errors > errors_before, "aot_store_manifest_errors_total did not grow"
@@ -598,37 +600,82 @@ def test_bad_manifest_keeps_the_last_good_one(scratch, expected):
         _assert_clean(message, scratch.repo)
 
 
+def _ready(server) -> tuple[int, dict]:
+    """The supervisor's /ready: its status and its JSON body."""
+    try:
+        with urllib.request.urlopen(f"http://{server.health_url}/ready", timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_server_started_with_no_manifest_warns_and_is_not_ready_until_one_is_back(request, tmp_path, repo, expected,
+                                                                                  capfd):
+    """A store whose manifest is missing at start (a wrong mount, a deleted file) serves no task: the supervisor says
+    so at once, and /ready answers 503 with the reason (before: 200, with zero tasks and no word); once the manifest
+    is back the tasks serve and /ready is 200, with no restart."""
+    copy = tmp_path / "repo"
+    shutil.copytree(repo, copy)
+    store = TaskStore(read_repository(copy).store_root)
+    manifest = store.manifest_path.read_bytes()
+    store.manifest_path.unlink()
+    for server in serve_for_tests(request, copy):
+        code, body = _ready(server)
+        assert code == 503 and not body["ready"], body
+        assert any("no manifest (tasks/manifest.json missing)" in r and "no task can be served" in r
+                   for r in body["reasons"]), body
+        assert str(copy) not in json.dumps(body)  # no server path on the health port
+        warnings = [line for line in capfd.readouterr().err.splitlines() if "warning: the task store" in line]
+        assert len(warnings) == 1 and "/ready says 503 until it is fixed" in warnings[0], warnings
+        with Client(server.grpc_url, timeout=30) as c:
+            with pytest.raises(InferenceError, match="alpha"):
+                c.infer("alpha", TEXTS[0])
+            write_atomic(store.manifest_path, manifest)
+            deadline = time.monotonic() + 10
+            while not server.serves():
+                assert time.monotonic() < deadline, _ready(server)
+                time.sleep(0.1)
+            _check_answers(c, expected)
+        print(f"\nno manifest at start: /ready {code} {body['reasons']}; {warnings[0]}")
+
+
 # --- 7. a full disk during export -----------------------------------------------------------------------------
 
-def test_file_size_limit_during_fused_export_leaves_the_store_unchanged(scratch, artifacts, expected):
+@pytest.mark.parametrize("name,storage,large", [("alpha", "fused", "table.npy"),
+                                                ("gamma", "factored", "factors.safetensors")])
+def test_file_size_limit_during_export_is_one_error_line_and_leaves_the_store_unchanged(scratch, artifacts, expected,
+                                                                                        name, storage, large):
+    """A disk that fills during an export (here: a file size limit, EFBIG, the same failed write as ENOSPC) fails it
+    with one `aot: error:` line, fused or factored (the factors' writer raised its own error: 15 lines of
+    traceback), and leaves the store as it was."""
     store = TaskStore(read_repository(scratch.repo).store_root)
     manifest = store.manifest_path.read_bytes()
     listing = sorted(p.name for p in store.root.iterdir())
-    folder = store.root / store.entries()["alpha"].folder
-    table = (folder / "table.npy").stat().st_size
-    others = max(p.stat().st_size for p in folder.iterdir() if p.name != "table.npy")
-    limit = (others + table) // 2  # task.json and the head fit; the fused table does not
-    assert others < limit < table, (others, table)
+    folder = store.root / store.entries()[name].folder
+    size = (folder / large).stat().st_size
+    others = max(p.stat().st_size for p in folder.iterdir() if p.name != large)
+    limit = (others + size) // 2  # task.json and the head fit; the table or the factors do not
+    assert others < limit < size, (others, size)
 
     def limited():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    proc = subprocess.run([sys.executable, "-m", "aot", "export", "task", "--task", str(artifacts["alpha"]),
-                           "--repo", str(scratch.repo), "--name", "alpha", "--storage", "fused",
+    proc = subprocess.run([sys.executable, "-m", "aot", "export", "task", "--task", str(artifacts[name]),
+                           "--repo", str(scratch.repo), "--name", name, "--storage", storage,
                            "--no-progress"],
                           capture_output=True, text=True, cwd=ROOT, preexec_fn=limited, timeout=300)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr
     assert len(lines) == 1 and lines[0].startswith("aot: error:"), proc.stderr
-    assert "File too large" in lines[0], lines[0]
+    assert "File too large" in lines[0] and large in lines[0], lines[0]
     assert proc.stdout == ""
     assert store.manifest_path.read_bytes() == manifest
     assert sorted(p.name for p in store.root.iterdir()) == listing
     assert [p.name for p in store.root.iterdir() if ".tmp-" in p.name] == []
     with Client(scratch.grpc_url, timeout=30) as c:
-        _check_answers(c, expected, tasks=("alpha",))
-    print(f"\nRLIMIT_FSIZE {limit} bytes (table {table}): {lines[0]}")
+        _check_answers(c, expected, tasks=(name,))
+    print(f"\nRLIMIT_FSIZE {limit} bytes ({large} {size}), {storage}: {lines[0]}")
 
 
 # --- 8. small ones ------------------------------------------------------------------------------------------------
