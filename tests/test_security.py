@@ -372,13 +372,17 @@ def test_idle_connections_leave_room_for_clients(served, expected):
     host, port = served.grpc.rsplit(":", 1)
     idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(2000)]
     try:
+        start = time.monotonic()
         _answers_unchanged(served.grpc, expected)
+        answered = time.monotonic() - start
         assert _get(served.health, "/ready")[0] == 200
     finally:
         for s in idle:
             s.close()
     assert {s.instance: s.pid for s in stubs_of(triton).values()} == stubs
     assert "supervisor:" not in (served.log / "stdout").read_text()
+    print(f"\n2,000 idle gRPC connections at an open-file limit of {soft:,}: a new client's answers took "
+          f"{answered:.2f} s, /ready 200, no stub repaired")
 
 
 @pytest.fixture
@@ -423,7 +427,10 @@ def test_a_saturated_front_end_is_no_hung_step(saturated, expected):
     finally:
         for s in idle:
             s.close()
+    closed = time.monotonic()
     assert _wait(lambda: _get(health, "/ready")[0] == 200, 60)
+    print(f"\n2,200 idle connections at a hard open-file limit of 1,024: /ready 503 in {answered:.2f} s, no stub "
+          f"killed in 12 s; /ready 200 again {time.monotonic() - closed:.2f} s after they closed")
     assert {s.instance: s.pid for s in stubs_of(triton).values()} == stubs
     assert "stopped answering" not in log.read_text() and process.poll() is None
     with Client(f"127.0.0.1:{ports['grpc']}", timeout=30) as client:
