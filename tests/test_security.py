@@ -720,7 +720,7 @@ def test_oversized_requests_leave_memory_at_its_baseline(request, tmp_path, repo
 
     copy = tmp_path / "repo"
     shutil.copytree(repo, copy)
-    for server in serve_for_tests(request, copy):
+    for server in serve_for_tests(request, copy, load=("aot", "task_list", "vanilla")):  # `vanilla` too
         pid = server.process.pid
         _answers_unchanged(server.grpc_url, expected)
         baseline = _held_memory(pid)
