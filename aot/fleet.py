@@ -46,10 +46,10 @@ CHECK_INTERVAL_MS = 500  # HAProxy's /ready checks: a replica is down after 2 fa
 RETRIES = 3  # HAProxy's retries of a request a replica did not answer, each on another replica
 HEADER_BYTES = 16 * 1024  # request headers HAProxy accepts (a gRPC call sends a few hundred bytes)
 MAXREWRITE = 1024  # HAProxy's reserve in each buffer for rewriting headers
-# Connections (seconds): a client connection idle this long is closed (gRPC clients reconnect on their next call; a
-# connection that never sends a request holds a slot `REQUEST_SECONDS` at most, so idle connections cannot fill
-# maxconn for long); a request's headers and body must arrive within REQUEST_SECONDS (slowloris); a replica may take
-# SERVER_SECONDS to answer (the client's own timeout is 60 s).
+# Connections (seconds): a client connection idle this long is closed, one that never sent a byte too (gRPC clients
+# reconnect on their next call), so idle connections cannot fill maxconn for long; a request's headers and body must
+# arrive within REQUEST_SECONDS once it began (slowloris); a replica may take SERVER_SECONDS to answer (the client's
+# own timeout is 60 s).
 CLIENT_IDLE_SECONDS, REQUEST_SECONDS, SERVER_SECONDS = 30, 10, 120
 FD_RESERVE = 256  # descriptors HAProxy keeps for itself (listeners, health checks, its log)
 MAX_BALANCER_RESTARTS = 3  # HAProxy deaths in RESTART_WINDOW seconds before the fleet gives up

@@ -211,7 +211,6 @@ def test_kill9_of_a_replica_under_load_fails_no_request(fleet, expected):
           f"{restarted_at - killed_at} served by the other replica while it restarted")
 
 
-
 def _replica_pids(fleet) -> list[int]:
     return [s.process.pid for s in fleet.servers]
 
@@ -275,7 +274,7 @@ def test_oversized_requests_are_refused_before_any_replica(fleet):
 
 def test_idle_connections_are_closed_by_the_balancer(fleet):
     """2,000 TCP connections to HAProxy's gRPC port that never send a byte: a client is served meanwhile, and
-    HAProxy closes them all within its request timeout (they cannot hold its connection slots for long)."""
+    HAProxy closes them all within its idle timeout (they cannot hold its connection slots for long)."""
     import socket
 
     from aot.fleet import CLIENT_IDLE_SECONDS, REQUEST_SECONDS
