@@ -224,14 +224,18 @@ class Client:
         if not ready:
             raise Unavailable(f"model {self.model!r} is not ready on {self.url}")
 
-    def tasks(self) -> dict:
-        """What the server serves now: {"tasks": [{name, version, storage, labels, max_length, method, metric,
-        dev, source}], "errors": {name: why its requests fail}}."""
+    def tasks(self, limit: int | None = None, match: str = "") -> dict:
+        """What the server serves now, from its store's index: {"tasks": [{name, version, storage, labels,
+        max_length, method, metric, dev, verified}], "total": how many match, "errors": {name: why its requests
+        fail}, "audit": the background check's progress}. `match`: only names holding this substring; `limit`: at
+        most this many tasks (by name)."""
         from tritonclient.utils import InferenceServerException
 
+        parameters = {k: v for k, v in (("limit", limit), ("match", match)) if v}
         try:
             result = self._call(self._client.infer, "task_list", [],
-                                outputs=[self._grpc.InferRequestedOutput(protocol.TASKS)], client_timeout=self.timeout)
+                                outputs=[self._grpc.InferRequestedOutput(protocol.TASKS)], client_timeout=self.timeout,
+                                parameters=parameters or None)
         except InferenceServerException as exc:
             raise from_triton(exc) from None
         return json.loads(result.as_numpy(protocol.TASKS).reshape(-1)[0])

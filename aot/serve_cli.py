@@ -119,12 +119,16 @@ def run_serve(args) -> int:
 
     repo = read_repository(args.repo)
     _check_device(args.device, repo.options.engine)
-    registry = TaskRegistry(repo.store_root, parts="meta")
-    if registry.manifest_error:
-        print(f"aot: warning: {registry.manifest_error} (no task serves until it is fixed)", file=sys.stderr)
-    errors = registry.check()
+    registry = TaskRegistry(repo.store_root, parts="meta", url=repo.store_url)  # the index only: no task version is read at start
+    if registry.index_error:
+        print(f"aot: warning: {registry.index_error} (no task serves until it is fixed)",
+              file=sys.stderr)
+    errors = registry.errors()
     for error in errors.values():
         print(f"aot: warning: {error} (its requests will fail; the other tasks serve)", file=sys.stderr)
+    if not registry.index_error and not registry.entries() and not errors:
+        print(f"aot: warning: {repo.path} has no task yet: the server answers no task until one is published "
+              f"(aot export task --repo {repo.path} ...; a running server picks it up)", file=sys.stderr)
     pool_bytes = repo.options.pool_bytes if args.pool_bytes is None else args.pool_bytes
     os.environ.update(_step_environment(args))  # the steps of every server started below read it
     if args.replicas > 1:
@@ -148,7 +152,7 @@ def run_serve(args) -> int:
         signal.signal(sig, lambda *_: stop.set())
     server.start()
     try:
-        served = {name: task for name, task in registry.served().items() if name not in errors}
+        served = {name: entry for name, entry in registry.entries().items() if name not in errors}
         tasks = sorted(served)
         replicas = getattr(server, "servers", [server])
         endpoints = [{"metrics": f"{r.metrics_host}:{r.metrics_port}", "health": r.health_url, "log": str(r.log_path),
@@ -231,10 +235,13 @@ def connect(args, **kwargs):
 
 def add_tasks(sub) -> None:
     p = sub.add_parser("tasks", help="list the tasks a running server serves (read from the server)",
-                       description="One JSON line per served task: name, version, storage, labels, max length, "
-                                   "method, metric, dev score and source artifact; then one line per task whose "
-                                   "requests fail, with the reason.")
+                       description="One JSON line per served task, from the server's store index: name, version, "
+                                   "storage, labels, max length, method, metric, dev score, whether its files carry "
+                                   "digests; then one line per task whose requests fail, with the reason. The "
+                                   "summary says how many match and how far the background audit got.")
     add_connection_arguments(p)
+    p.add_argument("--limit", type=positive_int, default=None, help="list at most this many tasks (by name)")
+    p.add_argument("--match", default="", help="only tasks whose name holds this text")
     p.set_defaults(run=run_tasks)
 
 
@@ -244,12 +251,17 @@ def run_tasks(args) -> int:
     with connect(args) as client:
         try:
             client.check_ready()
-            listing = client.tasks()
+            listing = client.tasks(args.limit, args.match)
         except InferenceError as exc:
             raise ValueError(str(exc)) from None
-    failing = [{"name": name, "error": error} for name, error in listing["errors"].items()]
-    report(listing["tasks"] + failing, f"{len(listing['tasks'])} task(s) served at {client.url}"
-           + (f"; {len(failing)} failing (the lines with an error say why)" if failing else ""))
+    failing = [{"name": name, "error": error} for name, error in listing["errors"].items() if args.match in name]
+    audit = listing.get("audit") or {}
+    shown = len(listing["tasks"])
+    report(listing["tasks"] + failing, f"{shown} task(s) served at {client.url}"
+           + (f" (of {listing['total']} matching)" if listing.get("total", shown) > shown else "")
+           + (f"; {len(failing)} failing (the lines with an error say why)" if failing else "")
+           + (f"; audit: {audit['verified']} of {audit['versions']} versions checked against their digests"
+              if audit.get("versions") else ""))
     return 0
 
 

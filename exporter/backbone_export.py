@@ -22,6 +22,7 @@ from serving.atomic import atomic_directory, write_json
 from serving.store import ROWS_DIR
 from serving.repository import (MODELS_DIR, RECORD, BackboneRecord, RepositoryError, RepositoryInfo, ServingOptions,
                                 read_repository)
+from serving.s3 import is_s3_url, parse_s3_url
 from training.artifact import backbone_identity
 from training.backbone import Backbone, load_backbone
 
@@ -82,18 +83,22 @@ class ExportPlan:
     profile: Profile  # TensorRT's, its sequences within the buckets
     longest: int  # the longest sequence the repository serves
     keep_tasks: RepositoryInfo | None  # the repository replaced by --overwrite, whose task store is kept
+    store_url: str | None  # the tasks in object storage (s3://BUCKET/PREFIX), or None: in the repository
 
 
 def export_backbone(model: str, repo: str | Path, options: ServingOptions | None = None, precision: str | None = None,
-                    profile: Profile | None = None, overwrite: bool = False) -> BackboneExportReport:
+                    profile: Profile | None = None, overwrite: bool = False,
+                    store: str | None = None) -> BackboneExportReport:
     """`precision` of the GPU backbone: fp32 or fp16. Default: fp16 for ONNX Runtime where the fp16 graph keeps
     parity (else fp32, with a note), fp32 for TensorRT (its fp16 plan is checked on the GPU by build_engines.sh);
-    the torch engine runs fp16 on CUDA anyway. CPU configs always run the fp32 graph.
+    the torch engine runs fp16 on CUDA anyway. CPU configs always run the fp32 graph. `store`: s3://BUCKET/PREFIX
+    to keep the tasks in object storage (serving.s3; credentials and endpoint from the AWS variables); the backbone,
+    tokenizer, embeddings and rows graphs stay in the repository. A re-export keeps the replaced repository's store.
 
     Three steps: validate (every refusal that needs no graph), export the graphs, write the repository; the last two
     into a temporary folder that replaces `repo` only when both succeed."""
     start = time.perf_counter()
-    plan = _validate(model, Path(repo), options or ServingOptions(), precision, profile, overwrite)
+    plan = _validate(model, Path(repo), options or ServingOptions(), precision, profile, overwrite, store)
     report = BackboneExportReport(str(plan.repo), {}, {}, {}, 0.0)
     with atomic_directory(plan.repo, private=(ADMIN_KEY_FILE,)) as tmp:  # the key: 0600, the rest one mode
         precision = _export_graphs(plan, tmp, report)
@@ -106,7 +111,7 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
 
 
 def _validate(model: str, repo: Path, options: ServingOptions, precision: str | None, profile: Profile | None,
-              overwrite: bool) -> ExportPlan:
+              overwrite: bool, store: str | None = None) -> ExportPlan:
     """Every refusal that can come before anything is written (the options, the folder, the backbone against the
     tasks a re-export keeps), and what follows from the backbone: `options.buckets` within its limit, the
     precision, the TensorRT profile."""
@@ -140,7 +145,16 @@ def _validate(model: str, repo: Path, options: ServingOptions, precision: str | 
     if keep_tasks is not None and keep_tasks.fingerprint != backbone.fingerprint:
         raise RepositoryError(f"{repo} holds tasks for backbone {keep_tasks.model!r} ({keep_tasks.fingerprint}); "
                               f"{model!r} is {backbone.fingerprint}: export into a new repository")
-    return ExportPlan(repo, backbone, options, precision, explicit, profile, longest, keep_tasks)
+    kept_url = keep_tasks.store_url if keep_tasks is not None else None
+    if store is not None:
+        if not is_s3_url(store):
+            raise RepositoryError(f"--store {store!r}: expected s3://BUCKET/PREFIX (without it, the tasks live in "
+                                  "the repository)")
+        parse_s3_url(store)
+        if keep_tasks is not None and store != kept_url:
+            raise RepositoryError(f"{repo} keeps its tasks in {kept_url or 'the repository'}; a re-export keeps "
+                                  f"them there: export into a new repository to use {store}")
+    return ExportPlan(repo, backbone, options, precision, explicit, profile, longest, keep_tasks, store or kept_url)
 
 
 def _export_graphs(plan: ExportPlan, tmp: Path, report: BackboneExportReport) -> str | None:
@@ -191,7 +205,7 @@ def _record(plan: ExportPlan, precision: str | None, report: BackboneExportRepor
         max_positions=plan.longest, store=STORE_DIR, tokenizer=TOKENIZER_DIR,
         encoder=ENCODER_DIR if options.engine == "torch" else None, serving=options, precision=precision,
         tensorrt_profile=dataclasses.asdict(plan.profile) if options.engine == "tensorrt" else None,
-        parity_max_abs_diff=report.max_abs_diff)
+        parity_max_abs_diff=report.max_abs_diff, task_store_url=plan.store_url)
 
 
 def _write_repository(plan: ExportPlan, tmp: Path, record: BackboneRecord) -> None:
@@ -206,10 +220,12 @@ def _write_repository(plan: ExportPlan, tmp: Path, record: BackboneRecord) -> No
         raise RepositoryError("the generated configs would not load; nothing was written:\n  " + "\n  ".join(problems))
     if plan.keep_tasks is not None:
         # Hard links: no data is copied, and the old store stays whole until the swap succeeds.
+        # Its objects are never changed in place, only replaced or created, so the links stay the old store's.
         shutil.copytree(plan.keep_tasks.store_root, tmp / record.store, copy_function=os.link,
                         ignore=shutil.ignore_patterns(".tmp-*", ".lock", ROWS_DIR))
-    else:
-        TaskStore(tmp / record.store).create(record.backbone, backbone.embeddings.detach().float().numpy())
+    # a new store, or the kept one (upgraded from format v1 if it is one)
+    TaskStore(tmp / record.store, plan.store_url).create(record.backbone,
+                                                         backbone.embeddings.detach().float().numpy())
     write_rows_graphs(tmp / record.store, backbone.num_layers, backbone.hidden_size)
     write_json(tmp / RECORD, record.to_json())
     write_compose_env(tmp, RepositoryInfo(tmp, record))

@@ -118,7 +118,7 @@ class Supervisor:
             self.log(f"supervisor: could not read the repository index ({exc}); watching the stubs only")
         if probe:
             self.probes.start(set(self.expected.values()))
-        self._store_problem()  # a missing manifest is said at start, not at the first /ready
+        self._check_store()  # a store that cannot be read is said at start, not at the first /ready
         self._thread.start()
         return self
 
@@ -138,12 +138,14 @@ class Supervisor:
                 return
             try:
                 self.check()
-                self._store_problem()
+                self._check_store()
             except Exception as exc:  # noqa: BLE001 - the watch must go on: one failed check is tried again
                 self.log(f"supervisor: a check failed ({type(exc).__name__}: {exc}); checking again")
 
-    def _store_problem(self) -> str | None:
-        return None if self.store is None else self.store.problem()
+    def _check_store(self) -> None:
+        """Whether the task store can serve (serving.store_check), read again when due."""
+        if self.store is not None:
+            self.store.refresh()
 
     def silent_for(self, model: str) -> float:
         """Seconds since the step last answered a probe (0 for a model that is not probed)."""
@@ -358,7 +360,8 @@ class Supervisor:
             server = proc_stat(self.server_pid)
             why = "it is stopped" if server is not None and server.stopped else "saturated with connections, or busy"
             return False, [f"tritonserver's front end answers nothing within {FRONT_END_TIMEOUT:.0f} s ({why})"]
-        reasons = [problem] if (problem := self._store_problem()) else []
+        problem = None if self.store is None else self.store.problem  # read by the loop: no I/O here
+        reasons = [problem] if problem else []
         reasons += [f"model {m!r} could not be repaired" for m in self.failed]
         if self.repairing:
             reasons.append(f"model {self.repairing!r} is being repaired")

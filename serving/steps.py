@@ -92,11 +92,15 @@ class Step:
         if parts != "none":
             # several instances on the host: each fused table once, in the page cache, not in every pool
             pool_fused = self.instances == 1 or pool_storage is not None
-            self.tasks = TaskRegistry(self.repo.store_root, parts=parts, on_manifest_error=self._manifest_error,
-                                      pool=self.pool, on_task_error=self._task_error, pool_fused=pool_fused)
+            self.tasks = TaskRegistry(self.repo.store_root, parts=parts, on_index_error=self._index_error,
+                                      url=self.repo.store_url,
+                                      pool=self.pool, on_task_error=self._task_error, pool_fused=pool_fused,
+                                      cache_bytes=self.options.task_cache_bytes)
+            self.pb.Logger.log_info(f"{name}: task versions loaded on first use, at most "
+                                    f"{self.options.task_cache_bytes} bytes of them kept")
 
     def refresh(self) -> None:
-        """Before each batch: pick up a changed manifest (a stat when nothing changed)."""
+        """Before each batch: pick up what changed in the store's index (a stat when nothing changed)."""
         if self.tasks is not None:
             self.tasks.refresh()
 
@@ -105,8 +109,8 @@ class Step:
         self.pb.Logger.log_error(f"{self.name}: {message}")
         self.metrics.task_error(version)
 
-    def _manifest_error(self, message: str) -> None:
-        self.pb.Logger.log_error(f"{self.name}: {message}; serving the last good manifest")
+    def _index_error(self, message: str) -> None:
+        self.pb.Logger.log_error(f"{self.name}: {message}; serving the last good index")
         self.metrics.manifest_error()
 
     # --- reading one request's inputs ---------------------------------------------------------------------------

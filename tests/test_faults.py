@@ -29,10 +29,11 @@ from aot.client import Client, InferenceError
 from exporter.task_export import export_task
 from exporter.task_store import TaskStore
 from serving.admin_key import GRPC_ADMIN_HEADER
-from serving.atomic import write_atomic, write_json
+from serving.atomic import write_atomic
 from serving.procfs import stubs_of
 from serving.repository import read_repository
 from serving.shm import SHM, STUB
+from serving.store_log import GENERATION, STORE_FILE, Change, log_key
 from serving.task_registry import TaskRegistry
 from tests.helpers import WITH_STEPS, Load, Outcome, make_repository, serve_for_tests, train_tiny_task
 from training.predict import Predictor
@@ -539,19 +540,22 @@ def test_concurrent_exports_keep_the_store_consistent(scratch, expected):
             published += out.split()
             sources[f"extra_{p}{round_}"] = "beta"
     assert len(published) == 12 and len(set(published)) == 12, published
-    manifest = store.manifest()
-    assert manifest.errors == {}
-    assert set(manifest.entries) == {"alpha", "beta", "gamma", *sources}
-    for name, entry in manifest.entries.items():
-        assert (store.root / entry.folder).is_dir(), f"manifest entry {name} -> {entry.folder}: folder missing"
+    index = store.index()
+    assert index.errors == {}
+    assert set(index.entries) == {"alpha", "beta", "gamma", *sources}
+    assert index.generation >= 2 * 3 * 2  # every publish its own change, none lost
+    for name, entry in index.entries.items():
+        assert (store.root / entry.folder).is_dir(), f"index entry {name} -> {entry.folder}: folder missing"
     for version in published:  # every version published is live or retired, and still on disk (grace period)
-        assert version in {e.folder for e in manifest.entries.values()} | set(manifest.retired), version
+        assert version in {e.folder for e in index.entries.values()} | set(index.retired), version
         assert (store.root / version).is_dir(), f"{version} was removed by the other writer"
     registry = TaskRegistry(store.root)
     assert registry.errors() == {}
-    assert set(registry.served()) == set(manifest.entries)
+    assert set(registry.entries()) == set(index.entries)
+    for name in index.entries:
+        registry.resolve(name)  # every entry loads
     with Client(scratch.grpc_url, timeout=30) as c:
-        _check_answers(c, expected, tasks=sorted(manifest.entries), sources=sources)
+        _check_answers(c, expected, tasks=sorted(index.entries), sources=sources)
         for name in sources:  # removing the extra tasks leaves the others serving exactly as before
             store.remove(name)
         _check_answers(c, expected)
@@ -559,43 +563,67 @@ def test_concurrent_exports_keep_the_store_consistent(scratch, expected):
             c.infer("extra_a0", TEXTS[0])
 
 
-# --- 6. a bad manifest ------------------------------------------------------------------------------------------
+# --- 6. a bad index -----------------------------------------------------------------------------------------------
 
-def test_bad_manifest_keeps_the_last_good_one(scratch, expected):
+def _failure(c, name: str, deadline: float) -> str:
+    """The error task `name`'s request gets once the servers hold the bad entry (a step reads the whole index again
+    at most once a second after a failed read)."""
+    while True:
+        try:
+            c.infer(name, TEXTS[0])
+        except InferenceError as exc:
+            return str(exc)
+        assert time.monotonic() < deadline, f"{name} still answers from the old index"
+        time.sleep(0.2)
+
+
+def test_bad_index_keeps_the_last_good_one(scratch, expected):
+    """A change set that cannot be read (not JSON) leaves every step on the last good index, counted and logged; a
+    change set with bad entries fails those tasks alone, with a message naming no server path."""
     store = TaskStore(read_repository(scratch.repo).store_root)
-    good = store.manifest_path.read_bytes()
-    data = json.loads(good)
+    state = store.state()
+    bad_log, hint = store.root / log_key(state.generation + 1), store.root / GENERATION
     errors_before = _metric(_metrics(scratch), "aot_store_manifest_errors_total")
     messages = []
     try:
         with Client(scratch.grpc_url, timeout=30) as c:
             _check_answers(c, expected)
-            store.manifest_path.write_text('{"format": "aot-task-store", "tasks": {')  # not JSON
+            bad_log.write_text('{"generation": ')  # not JSON
+            hint.write_text(f"{state.generation + 1}\n")  # readers look at once
             time.sleep(0.05)
-            _check_answers(c, expected)  # the last good manifest
+            _check_answers(c, expected)  # the last good index
             with urllib.request.urlopen(f"http://{scratch.http_url}/v2/health/ready", timeout=5) as r:
                 assert r.status == 200
-            assert scratch.serves(), _ready(scratch)  # the steps serve the last good one: no reason to leave a balancer
+            assert scratch.serves(), _ready(scratch)  # the steps serve the last good one: the balancer keeps it
             samples = _metrics(scratch)
             errors = _metric(samples, "aot_store_manifest_errors_total")
             assert errors > errors_before, "aot_store_manifest_errors_total did not grow"
             for step in ("aot",):  # the step the requests went through
                 assert _metric(samples, "aot_store_manifest_errors_total", step=step) > 0, step
 
-            bad = json.loads(good)
-            del bad["tasks"]["beta"]["storage"]
-            bad["tasks"]["gamma"]["folder"] = "../../../../etc"
-            write_json(store.manifest_path, bad)
+            beta, gamma = dict(state.tasks["beta"]), dict(state.tasks["gamma"])
+            del beta["storage"]
+            gamma["folder"] = "../../../../etc"
+            bad_log.write_text(json.dumps({"generation": state.generation + 1, "tasks": {"beta": beta,
+                                                                                          "gamma": gamma}}))
+            deadline = time.monotonic() + 10
             for name, why in (("beta", "missing key 'storage'"), ("gamma", "invalid task version '../../../../etc'")):
-                with pytest.raises(InferenceError) as err:
-                    c.infer(name, TEXTS[0])
-                messages.append(str(err.value))
+                messages.append(_failure(c, name, deadline))
                 assert f"bad entry for task {name!r}" in messages[-1] and why in messages[-1], messages[-1]
             _check_answers(c, expected, tasks=("alpha",))
-    finally:
-        write_json(store.manifest_path, data)
+    finally:  # as an operator mends it: the good entries again, in the next change (a reader that already applied
+        # the bad one, or did not, ends on the same entries)
+        bad_log.write_text(json.dumps({"generation": state.generation + 1, "tasks": {}}))
+        store.log.commit(lambda _: Change(tasks={"beta": state.tasks["beta"], "gamma": state.tasks["gamma"]}))
+    deadline = time.monotonic() + 10
     with Client(scratch.grpc_url, timeout=30) as c:
-        _check_answers(c, expected)
+        while True:
+            try:
+                _check_answers(c, expected)
+                break
+            except (InferenceError, AssertionError):
+                assert time.monotonic() < deadline, "the mended index did not serve again"
+                time.sleep(0.2)
     for message in messages:  # what a client is told: no server path
         _assert_clean(message, scratch.repo)
 
@@ -609,20 +637,20 @@ def _ready(server) -> tuple[int, dict]:
         return err.code, json.loads(err.read())
 
 
-def test_server_started_with_no_manifest_warns_and_is_not_ready_until_one_is_back(request, tmp_path, repo, expected,
-                                                                                  capfd):
-    """A store whose manifest is missing at start (a wrong mount, a deleted file) serves no task: the supervisor says
-    so at once, and /ready answers 503 with the reason (before: 200, with zero tasks and no word); once the manifest
-    is back the tasks serve and /ready is 200, with no restart."""
+def test_server_started_on_an_unreadable_store_warns_and_is_not_ready_until_it_is_back(request, tmp_path, repo,
+                                                                                       expected, capfd):
+    """A store that cannot be read at start (its store.json missing: a wrong mount, a deleted file) serves no task:
+    the supervisor says so at once, and /ready answers 503 with the reason (before: 200, with zero tasks); once the
+    file is back the tasks serve and /ready is 200, with no restart."""
     copy = tmp_path / "repo"
     shutil.copytree(repo, copy)
-    store = TaskStore(read_repository(copy).store_root)
-    manifest = store.manifest_path.read_bytes()
-    store.manifest_path.unlink()
+    identity = read_repository(copy).store_root / STORE_FILE
+    data = identity.read_bytes()
+    identity.unlink()
     for server in serve_for_tests(request, copy):
         code, body = _ready(server)
         assert code == 503 and not body["ready"], body
-        assert any("no manifest (tasks/manifest.json missing)" in r and "no task can be served" in r
+        assert any(f"no task store here ({STORE_FILE} missing)" in r and "no task can be served" in r
                    for r in body["reasons"]), body
         assert str(copy) not in json.dumps(body)  # no server path on the health port
         warnings = [line for line in capfd.readouterr().err.splitlines() if "warning: the task store" in line]
@@ -630,13 +658,13 @@ def test_server_started_with_no_manifest_warns_and_is_not_ready_until_one_is_bac
         with Client(server.grpc_url, timeout=30) as c:
             with pytest.raises(InferenceError, match="alpha"):
                 c.infer("alpha", TEXTS[0])
-            write_atomic(store.manifest_path, manifest)
+            write_atomic(identity, data)
             deadline = time.monotonic() + 10
             while not server.serves():
                 assert time.monotonic() < deadline, _ready(server)
                 time.sleep(0.1)
             _check_answers(c, expected)
-        print(f"\nno manifest at start: /ready {code} {body['reasons']}; {warnings[0]}")
+        print(f"\nno {STORE_FILE} at start: /ready {code} {body['reasons']}; {warnings[0]}")
 
 
 # --- 7. a full disk during export -----------------------------------------------------------------------------
@@ -649,7 +677,7 @@ def test_file_size_limit_during_export_is_one_error_line_and_leaves_the_store_un
     with one `aot: error:` line, fused or factored (the factors' writer raised its own error: 15 lines of
     traceback), and leaves the store as it was."""
     store = TaskStore(read_repository(scratch.repo).store_root)
-    manifest = store.manifest_path.read_bytes()
+    state = store.state()
     listing = sorted(p.name for p in store.root.iterdir())
     folder = store.root / store.entries()[name].folder
     size = (folder / large).stat().st_size
@@ -670,7 +698,7 @@ def test_file_size_limit_during_export_is_one_error_line_and_leaves_the_store_un
     assert len(lines) == 1 and lines[0].startswith("aot: error:"), proc.stderr
     assert "File too large" in lines[0] and large in lines[0], lines[0]
     assert proc.stdout == ""
-    assert store.manifest_path.read_bytes() == manifest
+    assert store.state() == state
     assert sorted(p.name for p in store.root.iterdir()) == listing
     assert [p.name for p in store.root.iterdir() if ".tmp-" in p.name] == []
     with Client(scratch.grpc_url, timeout=30) as c:
