@@ -15,7 +15,7 @@ The load balancer is HAProxy (Debian's package, installed by scripts/setup.sh), 
   killed replica never answered is sent again, and the client sees no failure;
 - bounded requests and connections: a body larger than any client needs (serving.limits) is refused before a
   replica reads it, idle and slow connections are closed within seconds, maxconn follows the open-file limit.
-Each replica restarts its own dead tritonserver (LocalServer), and the fleet restarts a dead HAProxy within a tenth
+Each replica restarts its own dead tritonserver (LocalServer), and the fleet restarts a dead HAProxy within a fraction
 of a second, the replicas untouched; one replica failing for good leaves the others serving (`failed` says so only
 when none is left, or HAProxy died MAX_BALANCER_RESTARTS times in a minute).
 """
