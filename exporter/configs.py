@@ -59,10 +59,28 @@ def _python_model(name: str, options: ServingOptions, params: dict[str, str], qu
     pb = _pb()
     config = pb.ModelConfig(name=name, backend="python", max_batch_size=options.max_batch_size)
     config.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
-    config.instance_group.add(kind=pb.ModelInstanceGroup.KIND_CPU, count=instances)
+    set_cpu_instances(config, instances)
     for key, value in params.items():
         config.parameters[key].string_value = value
     return config
+
+
+def set_cpu_instances(config, instances: int) -> None:
+    """`instances` CPU instances of a python step. Several get a group each, with a host policy of their own: Triton
+    tells instances apart by their group's fields but name and count, so that the supervisor can replace one alone
+    (serving.instance_groups; a host policy no --host-policy flag names means Triton's defaults)."""
+    pb = _pb()
+    del config.instance_group[:]
+    if instances == 1:
+        config.instance_group.add(kind=pb.ModelInstanceGroup.KIND_CPU, count=1)
+    for i in range(instances if instances > 1 else 0):
+        group = f"{config.name}_{i}"
+        config.instance_group.add(name=group, kind=pb.ModelInstanceGroup.KIND_CPU, count=1, host_policy=group)
+
+
+def instance_count(config) -> int:
+    """How many instances a config asks for (the sum of its groups' counts)."""
+    return sum(g.count for g in config.instance_group)
 
 
 def _in_process_lookup(target: str, options: ServingOptions) -> bool:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 
@@ -54,6 +57,17 @@ class TaskExportReport:
 def _head_arrays(model: TaskModel) -> dict[str, np.ndarray]:
     """The head in the served format: names as in ClassificationHead, fp32."""
     return {k: v.detach().float().numpy().copy() for k, v in model.head.state_dict().items()}
+
+
+@contextlib.contextmanager
+def _writing(name: str, path: Path) -> Iterator[None]:
+    """A failed write of `path` (a full disk) as one OSError naming the task and the file: safetensors raises an
+    error of its own, which `aot` would print as a traceback."""
+    try:
+        yield
+    except (OSError, SafetensorError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise OSError(f"task {name!r}: cannot write {path.name} ({reason}); nothing was published") from None
 
 
 def _write_fused(body: AotBody, path: Path, vocab: int, chunk: int = 2048, progress: bool = True) -> None:
@@ -212,13 +226,17 @@ class TaskExporter:
                     "storage": storage, "method": artifact.config["method"], "num_layers": L, "hidden_size": d,
                     "vocab_size": V, "backbone_fingerprint": self.repo.fingerprint,
                     "dev": artifact.metrics().get("dev")}
-            (folder / "task.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-            save_file(_head_arrays(model), folder / "head.safetensors")
+            with _writing(name, folder / "task.json"):
+                (folder / "task.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+            with _writing(name, folder / "head.safetensors"):
+                save_file(_head_arrays(model), folder / "head.safetensors")
             body: AotBody = model.body
             if storage == "fused":
-                _write_fused(body, folder / "table.npy", V, progress=self.progress)
+                with _writing(name, folder / "table.npy"):
+                    _write_fused(body, folder / "table.npy", V, progress=self.progress)
             else:
-                save_file(factors, folder / "factors.safetensors")
+                with _writing(name, folder / "factors.safetensors"):
+                    save_file(factors, folder / "factors.safetensors")
             diff = validate_task(self.repo, folder, name, storage, predictor, engine=self._engine,
                                  tokens=self._tokens)
             if not diff <= LOGITS_TOLERANCE:
