@@ -170,8 +170,10 @@ def connect(args, **kwargs):
 def add_tasks(sub) -> None:
     p = sub.add_parser("tasks", help="list the tasks a running server serves (read from the server)",
                        description="One JSON line per served task: name, version, storage, labels, max length, "
-                                   "method, metric, dev score and source artifact; then one line per task whose "
-                                   "requests fail, with the reason.")
+                                   "method, metric, dev score (fp32, as trained), served_dev (on an int8 backbone: "
+                                   "the dev score through the int8 engine, beside its fp32 reference, measured when "
+                                   "it was published; null on fp32) and source artifact; then one line per task "
+                                   "whose requests fail, with the reason.")
     add_connection_arguments(p)
     p.set_defaults(run=run_tasks)
 

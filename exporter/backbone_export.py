@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import time
@@ -13,6 +14,7 @@ from exporter.compose_env import ADMIN_KEY_FILE, write_admin_key, write_compose_
 from exporter.config_checks import check_configs
 from exporter.configs import CPU_CONFIG, FP16_FILE, PYTHON_MODELS, TEMPLATES, write_configs
 from exporter.onnx_export import FP16_TOLERANCE, example_inputs, export_backbone_graph, export_fp16_graph
+from exporter.quantize import QuantizationSettings, check_int8, int8_difference, quantize_graph
 from exporter.rows_export import write_rows_graphs
 from exporter.task_store import TaskStore
 from exporter.tensorrt import Profile, build_plan, build_script, write_parity_data
@@ -20,8 +22,8 @@ from exporter.torch_export import export_torch_encoder
 from serving import protocol
 from serving.atomic import atomic_directory, write_json
 from serving.store import ROWS_DIR
-from serving.repository import (MODELS_DIR, RECORD, BackboneRecord, RepositoryError, RepositoryInfo, ServingOptions,
-                                read_repository)
+from serving.repository import (CPU_PRECISIONS, INT8_GRAPH, MODELS_DIR, RECORD, BackboneRecord, RepositoryError,
+                                RepositoryInfo, ServingOptions, read_repository)
 from training.artifact import backbone_identity
 from training.backbone import Backbone, load_backbone
 
@@ -82,18 +84,21 @@ class ExportPlan:
     profile: Profile  # TensorRT's, its sequences within the buckets
     longest: int  # the longest sequence the repository serves
     keep_tasks: RepositoryInfo | None  # the repository replaced by --overwrite, whose task store is kept
+    cpu_precision: str = "fp32"  # what the CPU configs run: fp32, or int8 twins of both graphs (exporter.quantize)
 
 
 def export_backbone(model: str, repo: str | Path, options: ServingOptions | None = None, precision: str | None = None,
-                    profile: Profile | None = None, overwrite: bool = False) -> BackboneExportReport:
+                    profile: Profile | None = None, overwrite: bool = False,
+                    cpu_precision: str = "fp32") -> BackboneExportReport:
     """`precision` of the GPU backbone: fp32 or fp16. Default: fp16 for ONNX Runtime where the fp16 graph keeps
     parity (else fp32, with a note), fp32 for TensorRT (its fp16 plan is checked on the GPU by build_engines.sh);
-    the torch engine runs fp16 on CUDA anyway. CPU configs always run the fp32 graph.
+    the torch engine runs fp16 on CUDA anyway. `cpu_precision`: what the CPU configs run, fp32, or int8 (both
+    graphs quantized: exporter.quantize; tasks are then checked for accuracy as they are published).
 
     Three steps: validate (every refusal that needs no graph), export the graphs, write the repository; the last two
     into a temporary folder that replaces `repo` only when both succeed."""
     start = time.perf_counter()
-    plan = _validate(model, Path(repo), options or ServingOptions(), precision, profile, overwrite)
+    plan = _validate(model, Path(repo), options or ServingOptions(), precision, profile, overwrite, cpu_precision)
     report = BackboneExportReport(str(plan.repo), {}, {}, {}, 0.0)
     with atomic_directory(plan.repo, private=(ADMIN_KEY_FILE,)) as tmp:  # the key: 0600, the rest one mode
         precision = _export_graphs(plan, tmp, report)
@@ -106,7 +111,7 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
 
 
 def _validate(model: str, repo: Path, options: ServingOptions, precision: str | None, profile: Profile | None,
-              overwrite: bool) -> ExportPlan:
+              overwrite: bool, cpu_precision: str = "fp32") -> ExportPlan:
     """Every refusal that can come before anything is written (the options, the folder, the backbone against the
     tasks a re-export keeps), and what follows from the backbone: `options.buckets` within its limit, the
     precision, the TensorRT profile."""
@@ -118,6 +123,11 @@ def _validate(model: str, repo: Path, options: ServingOptions, precision: str | 
     if options.bias_interface != "rows" and options.engine == "torch":
         raise RepositoryError(f"--bias-interface {options.bias_interface} applies to --format onnx and tensorrt (the "
                               "torch engine gathers each token's row from its pool inside the backbone step)")
+    if cpu_precision not in CPU_PRECISIONS:
+        raise RepositoryError(f"unknown CPU precision {cpu_precision!r}: expected one of {', '.join(CPU_PRECISIONS)}")
+    if cpu_precision == "int8" and options.engine == "torch":
+        raise RepositoryError("int8 applies to the ONNX graphs (--format onnx or tensorrt); the torch engine runs "
+                              "fp32 on CPU")
     explicit = precision is not None
     if precision is None:
         precision = {"onnx": "fp16", "tensorrt": "fp32", "torch": None}[options.engine]
@@ -140,7 +150,28 @@ def _validate(model: str, repo: Path, options: ServingOptions, precision: str | 
     if keep_tasks is not None and keep_tasks.fingerprint != backbone.fingerprint:
         raise RepositoryError(f"{repo} holds tasks for backbone {keep_tasks.model!r} ({keep_tasks.fingerprint}); "
                               f"{model!r} is {backbone.fingerprint}: export into a new repository")
-    return ExportPlan(repo, backbone, options, precision, explicit, profile, longest, keep_tasks)
+    if keep_tasks is not None and cpu_precision == "int8":
+        _check_kept_tasks_int8(keep_tasks)
+    return ExportPlan(repo, backbone, options, precision, explicit, profile, longest, keep_tasks, cpu_precision)
+
+
+def _check_kept_tasks_int8(repo: RepositoryInfo) -> None:
+    """A re-export to int8 keeps the store's tasks: each must have been scored through an int8 engine when it was
+    published (exporter.accuracy_gate), or it would start serving a lower score unchecked."""
+    store = TaskStore(repo.store_root)
+    unchecked = []
+    for entry in store.entries().values():
+        try:
+            served = json.loads((store.root / entry.folder / "task.json").read_text(encoding="utf-8")).get("served_dev")
+        except (OSError, ValueError):
+            served = None
+        if not served or served.get("precision") != "int8":
+            unchecked.append(entry.name)
+    if unchecked:
+        raise RepositoryError(f"{repo.path} holds tasks never scored through an int8 engine ({', '.join(unchecked)}); "
+                              "an int8 backbone would serve them unchecked: export it into a new repository "
+                              "(--precision int8) and publish the tasks there, where each is scored on its dev "
+                              "examples")
 
 
 def _export_graphs(plan: ExportPlan, tmp: Path, report: BackboneExportReport) -> str | None:
@@ -156,6 +187,11 @@ def _export_graphs(plan: ExportPlan, tmp: Path, report: BackboneExportReport) ->
         graph = export_backbone_graph(backbone, models / name / "1", aot, interface=options.bias_interface)
         report.max_abs_diff[name] = graph.max_abs_diff
         report.fused_ops[name] = graph.fused_ops
+        if plan.cpu_precision == "int8":
+            quantize_graph(graph.optimized, graph.optimized.with_name(INT8_GRAPH))
+            report.max_abs_diff[f"{name}-int8"] = diff = int8_difference(
+                graph.optimized.with_name(INT8_GRAPH), backbone, aot, options.bias_interface)
+            check_int8(diff, name)
         inputs = protocol.token_inputs(backbone.uses_token_type_ids)
         if aot:
             inputs += protocol.bias_inputs(options.bias_interface)
@@ -191,7 +227,8 @@ def _record(plan: ExportPlan, precision: str | None, report: BackboneExportRepor
         max_positions=plan.longest, store=STORE_DIR, tokenizer=TOKENIZER_DIR,
         encoder=ENCODER_DIR if options.engine == "torch" else None, serving=options, precision=precision,
         tensorrt_profile=dataclasses.asdict(plan.profile) if options.engine == "tensorrt" else None,
-        parity_max_abs_diff=report.max_abs_diff)
+        parity_max_abs_diff=report.max_abs_diff, cpu_precision=plan.cpu_precision,
+        quantization=QuantizationSettings().to_json() if plan.cpu_precision == "int8" else None)
 
 
 def _write_repository(plan: ExportPlan, tmp: Path, record: BackboneRecord) -> None:

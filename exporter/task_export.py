@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +13,7 @@ import torch
 from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 
+from exporter.accuracy_gate import check_served_accuracy
 from exporter.compose_env import keep_admin_key_private
 from exporter.task_store import TaskStore
 from serving import protocol
@@ -47,6 +48,7 @@ class TaskExportReport:
     max_abs_logit_diff: float
     seconds: float
     storage_advice: dict
+    served_dev: dict | None = None  # int8 repositories: the dev score through the served engine (accuracy_gate)
 
 
 def _head_arrays(model: TaskModel) -> dict[str, np.ndarray]:
@@ -103,8 +105,11 @@ def storage_advice(repo: RepositoryInfo, name: str, fused_bytes: int, factored_b
 
 
 def export_task(task_dir: str | Path, repo_dir: str | Path, name: str, storage: str = "auto",
-                progress: bool = True) -> TaskExportReport:
-    """`storage`: fused, factored, or auto (see storage_advice)."""
+                progress: bool = True, allowed_drop: float | None = None,
+                dev_data: str | Path | None = None) -> TaskExportReport:
+    """`storage`: fused, factored, or auto (see storage_advice). On an int8 repository the task must keep its dev
+    score within `allowed_drop` points (0.5 by default) of its fp32 score, scored on `dev_data` (default: its
+    training data's dev split): exporter.accuracy_gate."""
     start = time.perf_counter()
     check_task_name(name)
     if storage not in STORAGES + ("auto",):
@@ -153,6 +158,7 @@ def export_task(task_dir: str | Path, repo_dir: str | Path, name: str, storage: 
         if not diff <= LOGITS_TOLERANCE:
             raise StoreError(f"task {name!r}: served logits differ from PyTorch by {diff:.3g} "
                              f"(> {LOGITS_TOLERANCE}); nothing was published")
+        served_dev = check_served_accuracy(repo, folder, predictor, allowed_drop, dev_data)
         entry = store.publish(name, folder, storage)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
@@ -160,4 +166,5 @@ def export_task(task_dir: str | Path, repo_dir: str | Path, name: str, storage: 
     keep_admin_key_private(repo.path)
     size = sum(p.stat().st_size for p in (store.root / entry.folder).rglob("*") if p.is_file())
     return TaskExportReport(name, storage, entry.folder, size, V * L * d * 2, diff,
-                            round(time.perf_counter() - start, 2), advice)
+                            round(time.perf_counter() - start, 2), advice,
+                            None if served_dev is None else asdict(served_dev))

@@ -175,7 +175,8 @@ class ServedTask:
         method = self.meta.get("method", {})
         return {"name": self.name, "version": self.version, "storage": self.storage, "labels": self.labels,
                 "max_length": self.max_length, "method": method.get("method"), "metric": self.meta.get("metric"),
-                "dev": self.meta.get("dev"), "source": self.meta.get("source"),
+                "dev": self.meta.get("dev"), "served_dev": self.meta.get("served_dev"),
+                "source": self.meta.get("source"),
                 "verified": self.digests is not None}
 
 
