@@ -18,14 +18,13 @@ from exporter.task_store import TaskStore
 from serving.repository import RepositoryInfo
 from serving.store import StoreError
 from serving.tasks import load_task_version
-from training.data import load_task_data
+from training.data import recorded_task_data
 from training.data.files import read_examples
 from training.data.task import DataError, Example
 from training.predict import Predictor
 from training.trainer import encode, predict_logits, score
 
 DEFAULT_ALLOWED_DROP = 0.5  # points (the metric x 100)
-BUILTIN_PREFIX = "builtin:"  # how training records a built-in dataset (training.data.builtin.split)
 
 
 class AccuracyDropError(StoreError):
@@ -62,9 +61,7 @@ def dev_examples(predictor: Predictor, dev_data: str | Path | None) -> list[Exam
         raise StoreError(f"task {predictor.artifact.path} records no training data to score its dev examples: "
                          "pass --dev-data FILE (text, text_pair?, label)")
     try:
-        name = source[len(BUILTIN_PREFIX):] if source.startswith(BUILTIN_PREFIX) else source
-        data = load_task_data(name, labels=None if spec.labels is None else list(spec.labels), metric=spec.metric,
-                              problem="regression" if spec.is_regression else "classification")
+        data = recorded_task_data(source, spec)
     except (DataError, OSError) as exc:
         raise StoreError(f"cannot read the dev examples of task {predictor.artifact.path} from its training data "
                          f"{source!r}: {exc}; pass --dev-data FILE (text, text_pair?, label)") from None

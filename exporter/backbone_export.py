@@ -14,7 +14,7 @@ from exporter.compose_env import ADMIN_KEY_FILE, write_admin_key, write_compose_
 from exporter.config_checks import check_configs
 from exporter.configs import CPU_CONFIG, FP16_FILE, PYTHON_MODELS, TEMPLATES, write_configs
 from exporter.onnx_export import FP16_TOLERANCE, example_inputs, export_backbone_graph, export_fp16_graph
-from exporter.quantize import QuantizationSettings, check_int8, int8_difference, quantize_graph
+from exporter.quantize import check_int8, int8_difference, quantize_graph
 from exporter.rows_export import write_rows_graphs
 from exporter.task_store import TaskStore
 from exporter.tensorrt import Profile, build_plan, build_script, write_parity_data
@@ -26,6 +26,7 @@ from serving.repository import (CPU_PRECISIONS, INT8_GRAPH, MODELS_DIR, RECORD, 
                                 RepositoryInfo, ServingOptions, read_repository)
 from training.artifact import backbone_identity
 from training.backbone import Backbone, load_backbone
+from training.quantized import QUANTIZATION
 
 STORE_DIR = "tasks"
 ENCODER_DIR = "encoder"  # the torch engine's weights (--format torch)
@@ -228,7 +229,7 @@ def _record(plan: ExportPlan, precision: str | None, report: BackboneExportRepor
         encoder=ENCODER_DIR if options.engine == "torch" else None, serving=options, precision=precision,
         tensorrt_profile=dataclasses.asdict(plan.profile) if options.engine == "tensorrt" else None,
         parity_max_abs_diff=report.max_abs_diff, cpu_precision=plan.cpu_precision,
-        quantization=QuantizationSettings().to_json() if plan.cpu_precision == "int8" else None)
+        quantization=dict(QUANTIZATION) if plan.cpu_precision == "int8" else None)
 
 
 def _write_repository(plan: ExportPlan, tmp: Path, record: BackboneRecord) -> None:

@@ -4,7 +4,8 @@ ONNX Runtime's dynamic quantization of the optimized (fused) graph: the weights 
 Attention's input projection become int8, symmetric, one scale per output channel; their inputs are quantized to
 uint8 at run time, one scale per tensor (DynamicQuantizeLinear, QAttention, DynamicQuantizeMatMul); everything else
 (embeddings, layer norms, softmax, GELU, the AoT bias add) stays fp32. The settings were chosen by measurement
-(docs/benchmarks.md, "int8 on CPU"); training.quantized emulates exactly these in PyTorch for re-fitting.
+(docs/benchmarks.md, "int8 on CPU"). Their one record is training.quantized.QUANTIZATION, which emulates exactly
+these in PyTorch for re-fitting; the repository records it (`aot_repository.json`: `quantization`).
 
 The activation scale is taken over the whole input tensor, so in a batch of several sequences one sequence's range
 (and padding) would change another's answer: the int8 graph is run one request at a time
@@ -13,46 +14,34 @@ The activation scale is taken over the whole input tensor, so in a batch of seve
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-QUANTIZED_OPS = ("MatMul", "Attention")
+from training.quantized import QUANTIZATION
+
 # Pooled states of the int8 graph against PyTorch fp32 on random inputs: a sanity bound that catches a broken
 # quantization (whether a task keeps its accuracy is measured per task at publish: exporter.accuracy_gate)
 INT8_SANITY_BOUND = 1.0
 
 
-@dataclass(frozen=True)
-class QuantizationSettings:
-    """What the int8 graph quantizes, recorded in the repository (`aot_repository.json`: `int8`), which re-fitting
-    reads to emulate the same arithmetic (training.quantized)."""
-
-    method: str = "onnxruntime-dynamic"
-    ops: tuple[str, ...] = QUANTIZED_OPS
-    weights: str = "int8-symmetric-per-channel"
-    activations: str = "uint8-asymmetric-per-tensor-dynamic"
-    runs: str = "per-request"
-
-    def to_json(self) -> dict:
-        return {"method": self.method, "ops": list(self.ops), "weights": self.weights,
-                "activations": self.activations, "runs": self.runs}
-
-
 def quantize_graph(src: Path, dst: Path) -> None:
-    """Write the int8 twin of optimized graph `src` to `dst` (weights inside the file: an int8 MiniLM is 22 MB)."""
+    """Write the int8 twin of optimized graph `src` to `dst` (its weights inside the file)."""
     import logging
 
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    logging.getLogger().setLevel(max(logging.getLogger().level, logging.ERROR))  # "consider pre-processing"
-    settings = QuantizationSettings()
-    quantize_dynamic(str(src), str(dst), op_types_to_quantize=list(settings.ops), per_channel=True,
-                     reduce_range=False, weight_type=QuantType.QInt8,
-                     # the fused operators' outputs (com.microsoft domain) have no inferred type: they are fp32
-                     extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # the quantizer logs a generic "consider pre-processing" on the root logger
+    try:
+        quantize_dynamic(str(src), str(dst), op_types_to_quantize=list(QUANTIZATION["ops"]), per_channel=True,
+                         reduce_range=False, weight_type=QuantType.QInt8,
+                         # the fused operators' outputs (com.microsoft domain) have no inferred type: they are fp32
+                         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+    finally:
+        root.setLevel(level)
 
 
 def int8_difference(path: Path, backbone, aot: bool, interface: str = "rows") -> float:

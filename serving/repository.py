@@ -167,7 +167,7 @@ class BackboneRecord:
     tensorrt_profile: dict | None = None  # exporter.tensorrt.Profile's fields (--format tensorrt)
     parity_max_abs_diff: dict = field(default_factory=dict)  # graph -> largest difference from PyTorch at export
     cpu_precision: str = "fp32"  # what the CPU configs run: fp32 (model.onnx) or int8 (model.int8.onnx)
-    quantization: dict | None = None  # int8: how the graphs were quantized (exporter.quantize.QuantizationSettings)
+    quantization: dict | None = None  # int8: how the graphs were quantized (training.quantized.QUANTIZATION)
 
     @property
     def model(self) -> str:
