@@ -205,6 +205,9 @@ def add_predict(sub) -> None:
     p.add_argument("--pair", default=None, help="second text, paired with every TEXT (pair tasks)")
     p.add_argument("--model", default=None, help="backbone location, if it moved since training")
     p.add_argument("--batch-size", type=_positive_int, default=32, help="inputs per forward pass")
+    p.add_argument("--repo", default=None, metavar="REPO",
+                   help="answer through REPO's CPU engine in this process instead of PyTorch: its graph (int8 in a "
+                        "repository exported with --precision int8, as served), the task's rows and head (AoT tasks)")
     p.add_argument("texts", nargs="*", metavar="TEXT", help="texts to answer with the one --task, one JSON line each")
     p.set_defaults(run=run_predict)
 
@@ -224,7 +227,12 @@ def run_predict(args) -> int:
         if args.pair is not None:
             raise ValueError("--pair applies to TEXT arguments; in --input lines, give text_pair")
         parsed, errors = read_input_lines(args.input, tasks)
-    answers = predict_lines(tasks, parsed, args.model, args.batch_size)
+    if args.repo is None:
+        answers = predict_lines(tasks, parsed, args.model, args.batch_size)
+    else:
+        from exporter.cpu_engine import predict_lines_through
+
+        answers = predict_lines_through(args.repo, tasks, parsed)
     for _, answer in sorted(answers.items()):
         print(json.dumps(answer))
     for number, message in sorted(errors):

@@ -105,7 +105,7 @@ def check_served_accuracy(repo: RepositoryInfo, folder: Path, predictor: Predict
             f"{result.score * 100:.2f}, {result.drop:.2f} points below its fp32 {result.fp32 * 100:.2f} "
             f"({origin}, {len(examples)} dev examples; allowed: {allowed:g}); nothing was published. Re-fit it to this "
             f"backbone (aot train --fit-to {repo.path} --task {artifact.path} --out DIR, then export DIR), or accept "
-            f"the drop: --allow-accuracy-drop {math.ceil(result.drop * 100) / 100:g}")
+            f"the drop: --allow-accuracy-drop {math.ceil(round(result.drop, 6) * 100) / 100:g}")
     meta_path = folder / "task.json"
     meta = json.loads(meta_path.read_text(encoding="utf-8"))
     meta["served_dev"] = {**asdict(result), "drop": round(result.drop, 4)}

@@ -63,16 +63,26 @@ def task_from_model(model: TaskModel, artifact: TaskArtifact) -> ServedTask:
                        "has_pair": spec.has_pair}, compute_rows=rows)
 
 
-def predict_through(repo_dir: str | Path, task_dir: str | Path, items: list[tuple[str, str | None]]) -> dict:
-    """`aot predict --repo`: logits of `items` through `repo_dir`'s CPU engine for the task artifact `task_dir`
-    (not exported: its rows come from its own body). Returns {"task", "labels", "logits"}."""
+def predict_lines_through(repo_dir: str | Path, tasks: dict[str, Path], lines: list[tuple[int, dict]]) -> dict[int, dict]:
+    """`aot predict --repo`: answers by line number (training.predict.predict_lines' lines and answers) through
+    `repo_dir`'s CPU engine, each task an artifact (not exported: its rows come from its own body)."""
     from serving.repository import read_repository
+    from training.answer import answer
     from training.artifact import check_fingerprint
     from training.backbone import load_backbone
     from training.predict import Predictor
 
     repo = read_repository(repo_dir)
-    predictor = Predictor.load(task_dir, load_backbone(repo.model))
-    check_fingerprint(predictor.artifact, repo.fingerprint, f"{repo.model} (repository {repo.path})")
-    task = task_from_model(predictor.model, predictor.artifact)
-    return {"task": task, "logits": CpuEngine(repo).logits(task, items)}
+    engine, backbone, answers = CpuEngine(repo), load_backbone(repo.model), {}
+    for name, folder in tasks.items():
+        mine = [(number, item) for number, item in lines if item["task"] == name]
+        if not mine:
+            continue
+        predictor = Predictor.load(folder, backbone)
+        check_fingerprint(predictor.artifact, repo.fingerprint, f"{repo.model} (repository {repo.path})")
+        logits = engine.logits(task_from_model(predictor.model, predictor.artifact),
+                               [(item["text"], item["text_pair"]) for _, item in mine])
+        for (number, item), row in zip(mine, logits):
+            answers[number] = ({"id": item["id"]} if "id" in item else {}) | answer(
+                name, predictor.artifact.spec, torch.from_numpy(row))
+    return answers
