@@ -6,7 +6,12 @@ __version__ = "0.1.0"
 # name -> (module, attribute), imported on first use: `import aot` stays cheap for the CLI and the client.
 _LAZY = {
     "Client": ("aot.client", "Client"),
-    "InferenceError": ("aot.client", "InferenceError"),
+    "InferenceError": ("aot.errors", "InferenceError"),
+    "TaskNotFound": ("aot.errors", "TaskNotFound"),
+    "InvalidInput": ("aot.errors", "InvalidInput"),
+    "TaskUnavailable": ("aot.errors", "TaskUnavailable"),
+    "Unavailable": ("aot.errors", "Unavailable"),
+    "PermissionDenied": ("aot.errors", "PermissionDenied"),
     "LocalServer": ("aot.server", "LocalServer"),
     "AotConfig": ("training.methods.aot_ptuning.config", "AotConfig"),
     "AotModel": ("training.methods.aot_ptuning.peft_model", "AotModel"),

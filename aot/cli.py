@@ -79,7 +79,7 @@ def add_train(sub) -> None:
                    help="built-in dataset (rotten_tomatoes, bbc_news) or a folder: train/dev[/test] .jsonl/.csv/.tsv "
                         "with columns text[, text_pair], label; or a GLUE (TSV) / SuperGLUE (JSONL) task folder")
     p.add_argument("--method", default=None, choices=list(METHODS),
-                   help="; ".join(f"{n}: {s.description}" for n, s in METHODS.items()))
+                   help="default fc; " + "; ".join(f"{n}: {s.description}" for n, s in METHODS.items()))
     p.add_argument("--out", required=True, help="artifact folder to write (atomically)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it already holds something")
     p.add_argument("--rank", type=_positive_int, default=None,
@@ -139,7 +139,8 @@ def run_train(args) -> int:
         raise ValueError(f"--out {out} already exists; pass --overwrite to replace it")
     if args.fit_to or args.task:
         return run_fit(args)
-    missing = [flag for flag in ("model", "data", "method") if getattr(args, flag) is None]
+    args.method = args.method or "fc"
+    missing = [flag for flag in ("model", "data") if getattr(args, flag) is None]
     if missing:
         raise ValueError(f"the following arguments are required: {', '.join('--' + m for m in missing)} (or "
                          "--fit-to REPO --task DIR to re-fit a trained task)")
@@ -170,7 +171,8 @@ def run_fit(args) -> int:
     given = [flag for flag in ("model", "data", "method", "rank", "option", "pooling", "labels", "metric", "problem")
              if getattr(args, flag) is not None]
     if given:
-        raise ValueError(f"--fit-to continues the task with its own settings: drop {', '.join('--' + g for g in given)}")
+        raise ValueError("--fit-to continues the task with its own settings: drop "
+                         f"{', '.join('--' + g for g in given)}")
     config = TrainConfig(lr=args.lr or 1e-3, head_lr=args.head_lr, warmup=args.warmup, decay=args.decay,
                          batch_size=args.batch_size, epochs=args.epochs, patience=args.patience,
                          seed=args.seed, eval_every=args.eval_every or FIT_EVAL_EVERY,
@@ -187,12 +189,13 @@ def run_fit(args) -> int:
 # --- predict / inspect ----------------------------------------------------------------------------------------------
 
 PREDICT_DESCRIPTION = """\
-Prints one JSON line per input, in order: {"task", "label", "logits", "probabilities"} (softmax of the logits),
-or {"task", "score"} for a regression task. TEXT arguments run on the one --task. --input FILE (or - for standard input) reads JSON
-lines {"text", "text_pair" (optional), "task" (optional when one --task is given), "id" (optional, echoed)}: each
-line runs on its own task, and lines of different AoT tasks share batches on one encoder (MultiTaskModel). A bad
-line fails alone: "aot: line N: ..." on stderr, the others are answered; a count of the failed lines ends stderr,
-and the exit status is 2 only when every line failed."""
+Prints one JSON line per input, in order: {"task", "label", "logits", "probabilities"} (softmax of the logits), or
+{"task", "score"} for a regression task; with --top-k K, {"task", "label", "top": [{"label", "probability"}, ...]}:
+the K most probable labels, named, in place of the logits and probabilities. TEXT arguments run on the one --task.
+--input FILE (or - for standard input) reads JSON lines {"text", "text_pair" (optional), "task" (optional when one
+--task is given), "id" (optional, echoed)}: each line runs on its own task, and lines of different AoT tasks share
+batches on one encoder (MultiTaskModel). A bad line fails alone: "aot: line N: ..." on stderr, the others are
+answered; a count of the failed lines ends stderr, and the exit status is 2 only when every line failed."""
 
 
 def add_predict(sub) -> None:
@@ -208,13 +211,22 @@ def add_predict(sub) -> None:
     p.add_argument("--repo", default=None, metavar="REPO",
                    help="answer through REPO's CPU engine in this process instead of PyTorch: its graph (int8 in a "
                         "repository exported with --precision int8, as served), the task's rows and head (AoT tasks)")
+    p.add_argument("--top-k", type=_positive_int, default=None, metavar="K",
+                   help="answer the K most probable labels by name ({\"top\": [{\"label\", \"probability\"}, "
+                        "...]}) instead of every logit and probability")
+    p.add_argument("--device", default="auto", help="cpu, cuda (cuda:N), or auto: CUDA where PyTorch sees it")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar of --input")
     p.add_argument("texts", nargs="*", metavar="TEXT", help="texts to answer with the one --task, one JSON line each")
     p.set_defaults(run=run_predict)
 
 
 def run_predict(args) -> int:
-    from training.predict import predict_lines, read_input_lines, task_folders
+    from tqdm.auto import tqdm
 
+    from training.predict import predict_lines, read_input_lines, task_folders
+    from training.trainer import check_device, resolve_device
+
+    check_device(args.device)
     tasks = task_folders(args.task)
     if bool(args.texts) == bool(args.input):
         raise ValueError("give TEXT arguments or --input FILE (one of them)")
@@ -227,14 +239,20 @@ def run_predict(args) -> int:
         if args.pair is not None:
             raise ValueError("--pair applies to TEXT arguments; in --input lines, give text_pair")
         parsed, errors = read_input_lines(args.input, tasks)
+    bar = tqdm(total=len(parsed), disable=args.no_progress or not args.input, unit="line", desc="predict")
     if args.repo is None:
-        answers = predict_lines(tasks, parsed, args.model, args.batch_size)
+        answers = predict_lines(tasks, parsed, args.model, args.batch_size, str(resolve_device(args.device)),
+                                bar.update)
     else:
         from exporter.cpu_engine import predict_lines_through
 
         answers = predict_lines_through(args.repo, tasks, parsed)
+        bar.update(len(parsed))
+    bar.close()
+    if args.top_k is not None:
+        answers = _top_k(answers, tasks, args.top_k)
     for _, answer in sorted(answers.items()):
-        print(json.dumps(answer))
+        print(json.dumps(answer, ensure_ascii=False))
     for number, message in sorted(errors):
         print(f"aot: line {number}: {message}", file=sys.stderr)
     total = len(answers) + len(errors)
@@ -243,6 +261,15 @@ def run_predict(args) -> int:
     if not answers:
         raise ValueError(f"every input line failed ({total})" if total else "no input lines")
     return 0
+
+
+def _top_k(answers: dict[int, dict], tasks: dict[str, Path], k: int) -> dict[int, dict]:
+    """Each classification answer with its k most probable labels, named (aot.ranking)."""
+    from aot.ranking import top_labels
+    from training.artifact import read_task
+
+    labels = {name: read_task(folder).spec.labels for name, folder in tasks.items()}
+    return {n: top_labels(a, labels[a["task"]], k) if labels[a["task"]] else a for n, a in answers.items()}
 
 
 def add_evaluate(sub) -> None:
@@ -287,7 +314,7 @@ def run_inspect(args) -> int:
     table = top_tokens(model, backbone.tokenizer, args.top)
     if args.json:
         print(json.dumps([{"layer": i, "tokens": [{"token": t, "norm": n} for t, n in rows]}
-                          for i, rows in enumerate(table)]))
+                          for i, rows in enumerate(table)], ensure_ascii=False))
         return 0
     for i, rows in enumerate(table):
         print(f"layer {i}: " + "  ".join(f"{t} ({n:.3f})" for t, n in rows))
@@ -374,7 +401,16 @@ def _missing(exc: ImportError) -> int:
     return 2
 
 
+def _utf8_stdout() -> None:
+    """JSON lines are UTF-8 text (RFC 8259), and answers print labels and texts as they are (`ensure_ascii=False`):
+    standard output writes UTF-8 whatever the locale says."""
+    encoding = (getattr(sys.stdout, "encoding", None) or "").lower().replace("-", "")
+    if encoding != "utf8" and hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(encoding="utf-8")
+
+
 def main(argv: list[str] | None = None) -> int:
+    _utf8_stdout()
     parser = build_parser()
     args = parser.parse_args(argv)
     _quiet_libraries()

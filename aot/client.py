@@ -21,9 +21,14 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
+from aot.errors import (InferenceError, InvalidInput, PermissionDenied, TaskNotFound, TaskUnavailable, Unavailable,
+                        from_triton)
 from serving import protocol
 from serving.labels import answer
 from serving.store import MAX_NAME_LENGTH
+
+__all__ = ["Client", "InferenceError", "InvalidInput", "PermissionDenied", "TaskNotFound", "TaskUnavailable",
+           "Unavailable", "server_url"]
 
 
 DEFAULT_URL = "127.0.0.1:8001"
@@ -33,15 +38,6 @@ def server_url(url: str | None = None) -> str:
     """The server's gRPC address: `url`, else the environment variable AOT_URL, else the local default (what
     `aot serve` binds), so a non-default address is said once."""
     return url or os.environ.get("AOT_URL") or DEFAULT_URL
-
-
-class InferenceError(RuntimeError):
-    """A request the server refused or failed; the message is the server's, on one line."""
-
-
-def _message(exc) -> str:
-    text = exc.message() if hasattr(exc, "message") and callable(exc.message) else str(exc)
-    return " ".join(str(text).split())
 
 
 def _text(value) -> str:
@@ -85,7 +81,8 @@ class Client:
 
     def _inputs(self, task: str, text: str, pair: str | None):
         if len(task) > MAX_NAME_LENGTH:  # checked here: a huge name would fail as a gRPC transport error
-            raise InferenceError(f"task name of {len(task)} characters: task names have at most {MAX_NAME_LENGTH}")
+            raise InvalidInput(f"task name of {len(task)} characters: task names have at most {MAX_NAME_LENGTH}",
+                               task=task[:MAX_NAME_LENGTH])
         tensors = []
         if self._tokenizer_dir is not None:
             for name, array in self._token_ids(task, text, pair).items():
@@ -113,7 +110,7 @@ class Client:
             try:
                 metadata = self._client.get_model_metadata(self.model)
             except InferenceServerException as exc:
-                raise InferenceError(_message(exc)) from None
+                raise from_triton(exc, task=task) from None
             types = any(i.name == protocol.TOKEN_TYPE_IDS for i in metadata.inputs)
             self._tokens = Tokenization(self._tokenizer_dir, types)
         name = task.split("@", 1)[0]  # TASK@VERSION: the current version's max length (the server checks the pinned)
@@ -121,11 +118,11 @@ class Client:
             self._max_lengths.update({t["name"]: t["max_length"] for t in self.tasks()["tasks"]})
         max_length = self._max_lengths.get(name)
         if max_length is None:
-            raise InferenceError(f"unknown task {task!r}: the server does not serve it")
+            raise TaskNotFound(f"unknown task {task!r}: the server does not serve it", task=task)
         try:
             return self._tokens.encode(text, pair, max_length)
         except RequestError as exc:
-            raise InferenceError(str(exc)) from None
+            raise InvalidInput(str(exc), task=task) from None
 
     def _outputs(self):
         return [self._grpc.InferRequestedOutput(n) for n in (protocol.LOGITS, protocol.LABEL, protocol.TASK_VERSION)]
@@ -142,45 +139,54 @@ class Client:
         try:
             ready = self._client.is_model_ready(self.model)
         except InferenceServerException as exc:
-            raise InferenceError(f"cannot reach the server at {self.url}: {_message(exc)}") from None
+            error = from_triton(exc)
+            raise type(error)(f"cannot reach the server at {self.url}: {error}", error.status) from None
         if not ready:
-            raise InferenceError(f"model {self.model!r} is not ready on {self.url}")
+            raise Unavailable(f"model {self.model!r} is not ready on {self.url}")
 
-    def tasks(self) -> dict:
-        """What the server serves now: {"tasks": [{name, version, storage, labels, max_length, method, metric,
-        dev, source}], "errors": {name: why its requests fail}}."""
+    def tasks(self, limit: int | None = None, match: str = "") -> dict:
+        """What the server serves now, from its store's index: {"tasks": [{name, version, storage, labels,
+        max_length, method, metric, dev, verified}], "total": how many match, "errors": {name: why its requests
+        fail}, "audit": the background check's progress}. `match`: only names holding this substring; `limit`: at
+        most this many tasks (by name)."""
         from tritonclient.utils import InferenceServerException
 
+        parameters = {k: v for k, v in (("limit", limit), ("match", match)) if v}
         try:
             result = self._client.infer("task_list", [], outputs=[self._grpc.InferRequestedOutput(protocol.TASKS)],
-                                        client_timeout=self.timeout)
+                                        client_timeout=self.timeout, parameters=parameters or None)
         except InferenceServerException as exc:
-            raise InferenceError(_message(exc)) from None
+            raise from_triton(exc) from None
         return json.loads(result.as_numpy(protocol.TASKS).reshape(-1)[0])
 
     def infer(self, task: str, text: str, text_pair: str | None = None, *, pair: str | None = None) -> dict:
         """One answer (serving.labels.answer). `text_pair` is named as in infer_many's items and training data;
-        `pair=` is its older spelling."""
+        `pair=` is its older spelling. A failure raises the InferenceError of its cause (aot.errors: TaskNotFound,
+        InvalidInput, TaskUnavailable, Unavailable, which is `retryable`, PermissionDenied)."""
         from tritonclient.utils import InferenceServerException
 
         try:
             result = self._client.infer(self.model, self._inputs(task, text, text_pair if pair is None else pair),
                                         outputs=self._outputs(), client_timeout=self.timeout)
         except InferenceServerException as exc:
-            raise InferenceError(_message(exc)) from None
+            raise from_triton(exc, task=task) from None
         return self._decode(result)
 
     def infer_many(self, items: Iterable[dict], concurrency: int = 16,
                    on_done: Callable[[int, dict], None] | None = None) -> list[dict]:
-        """Items `{"task", "text", "text_pair"?}`; answers in input order. A failed item's answer is
-        `{"error": message}`; the others still complete."""
+        """Items `{"task", "text", "text_pair"?, "id"?}`; answers in input order. A failed item's answer is
+        InferenceError.answer(): `{"id"?, "task", "error": message, "error_type", "status", "retryable"}`; the
+        others still complete."""
         items = list(items)
         results: list[dict | None] = [None] * len(items)
         slots = threading.Semaphore(concurrency)
         done = queue.Queue()
 
         def callback(index, result=None, error=None):
-            results[index] = {"error": _message(error)} if error is not None else self._decode(result)
+            if error is not None and not isinstance(error, InferenceError):
+                item = items[index]
+                error = from_triton(error, task=item.get("task"), id=item.get("id"))
+            results[index] = error.answer() if error is not None else self._decode(result)
             slots.release()
             done.put(index)
 
@@ -188,11 +194,14 @@ class Client:
             slots.acquire()
             try:
                 inputs = self._inputs(item["task"], item["text"], item.get("text_pair"))
-            except (KeyError, AttributeError) as exc:
-                callback(i, error=f"line {i + 1}: expected {{\"task\": ..., \"text\": ...}}, missing {exc}")
+            except (KeyError, AttributeError, TypeError) as exc:
+                echo = item if isinstance(item, dict) else {}
+                callback(i, error=InvalidInput(f"item {i + 1}: expected {{\"task\": \"...\", \"text\": \"...\"}}, "
+                                               f"missing or wrong {exc}", task=echo.get("task"), id=echo.get("id")))
                 continue
             except InferenceError as exc:
-                callback(i, error=str(exc))
+                exc.task, exc.id = exc.task or item.get("task"), item.get("id")
+                callback(i, error=exc)
                 continue
             self._client.async_infer(self.model, inputs, outputs=self._outputs(), client_timeout=self.timeout,
                                      callback=lambda result, error, i=i: callback(i, result, error))

@@ -36,15 +36,25 @@ def add_export(sub) -> None:
     b.add_argument("--opt-batch", type=positive_int, default=8, help="TensorRT profile: optimal batch")
     b.add_argument("--opt-seq", type=positive_int, default=128, help="TensorRT profile: optimal sequence length")
     b.add_argument("--overwrite", action="store_true", help="replace an existing repository's backbone (tasks kept)")
+    b.add_argument("--store", default=None,
+                   help="s3://BUCKET/PREFIX: keep the tasks in S3-compatible object storage instead of the repository "
+                        "(a fleet with no shared volume: each replica fetches a task on its first request into a local "
+                        "cache). Credentials, endpoint and region from AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+                        "AWS_ENDPOINT_URL, AWS_REGION or ~/.aws files (docs/deploy-fleet.md)")
     b.set_defaults(run=run_export_backbone)
 
     t = kinds.add_parser("task",
-                         help="fuse a trained AoT task into the repository's task store",
+                         help="fuse a trained AoT task (or a batch of them) into the repository's task store",
                          description="Fuse P (or keep its factors), write the head, check the served logits against "
-                                     "PyTorch, and publish the task atomically (a running server picks it up).")
-    t.add_argument("--task", required=True, help="task artifact folder (from `aot train`, method fc or kron)")
+                                     "PyTorch, and publish the task atomically (a running server picks it up). With "
+                                     "--batch FILE, every task FILE names, the backbone loaded once, published in one "
+                                     "change: a server sees all of them or, if anything fails, none.")
+    t.add_argument("--task", help="task artifact folder (from `aot train`, method fc or kron)")
     t.add_argument("--repo", required=True, help="model repository (from `aot export backbone`)")
-    t.add_argument("--name", required=True, help="task id clients use")
+    t.add_argument("--name", help="task id clients use")
+    t.add_argument("--batch", default=None,
+                   help='instead of --task/--name: a JSON-lines file of {"task": DIR, "name": NAME}, one task a line '
+                        "(bad lines are named by line number before anything is written)")
     t.add_argument("--storage", choices=["auto", "fused", "factored"], default="auto",
                    help="fused: P as a [V, L, d] fp16 table (the paper); factored: the factors (1-2 %% of a table), "
                         "rows computed when the pool fills; auto: fused while every task of the repository fits "
@@ -70,7 +80,7 @@ def add_export(sub) -> None:
 
     v = kinds.add_parser("verify", help="check every task of a repository against its published digests",
                          description="Offline: hash every file of every task version and compare with the sha256 "
-                                     "digests the manifest published at export, and load each version as the "
+                                     "digests the store's index published at export, and load each version as the "
                                      "server does. Prints one line per task; exits 1 if any task is damaged.")
     v.add_argument("--repo", required=True, help="model repository (from `aot export backbone`)")
     v.set_defaults(run=run_export_verify)
@@ -85,7 +95,7 @@ def run_export_backbone(args) -> int:
                       opt_seq=min(args.opt_seq, max(options.buckets)), max_seq=max(options.buckets))
     int8 = args.precision == "int8"
     result = export_backbone(args.model, args.repo, options, None if int8 else args.precision, profile, args.overwrite,
-                             cpu_precision="int8" if int8 else "fp32")
+                             args.store, cpu_precision="int8" if int8 else "fp32")
     report(asdict(result), f"exported backbone {args.model} ({options.engine} engine) into {args.repo} in "
                            f"{result.seconds:.0f} s",
            f"next: aot export task --task TASK --repo {args.repo} --name NAME, then aot serve --repo {args.repo}")
@@ -93,6 +103,12 @@ def run_export_backbone(args) -> int:
 
 
 def run_export_task(args) -> int:
+    if args.batch is not None:
+        if args.task or args.name:
+            raise ValueError("--batch FILE names the tasks and their names: give it without --task and --name")
+        return _run_export_batch(args)
+    if not args.task or not args.name:
+        raise ValueError("give --task DIR and --name NAME (or --batch FILE for many tasks)")
     from exporter.task_export import export_task
 
     result = export_task(args.task, args.repo, args.name, args.storage, progress=not args.no_progress,
@@ -104,6 +120,36 @@ def run_export_task(args) -> int:
                            f"version {result.folder}) in {args.repo}{accuracy}: a running server answers it from its "
                            "next batch",
            f'next: aot serve --repo {args.repo} (if none runs), then aot infer --task {args.name} "some text"')
+    if args.storage == "auto" and result.storage == "factored":
+        print(f"aot: warning: {auto_storage_note(args.name, result.storage_advice)}", file=sys.stderr)
+    return 0
+
+
+def auto_storage_note(name: str, advice: dict) -> str:
+    """Why `--storage auto` stored a task factored (exporter.task_export.storage_advice): said at every such export,
+    since the store's tasks no longer fit the pool and the choice differs from the tasks exported before."""
+    return (f"--storage auto stored {name} factored ({_size(advice['factored_bytes'])}, its rows computed as they are "
+            f"used), not fused ({_size(advice['fused_bytes'])}): the store holds {advice['tasks_in_store']} tasks and "
+            f"the task pool ({_size(advice['pool_bytes'])}) keeps {advice['tasks_resident_in_pool']} fused tables "
+            "resident. Tasks exported before keep their storage; --storage fused keeps a task fused (docs/serving.md, "
+            "the task pool)")
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
+
+
+def _run_export_batch(args) -> int:
+    from exporter.batch_export import export_batch
+
+    result = export_batch(args.repo, args.batch, args.storage, progress=not args.no_progress)
+    report([asdict(r) for r in result.tasks],
+           f"published {len(result.tasks)} task(s) in one change of {args.repo} in {result.seconds:.1f} s "
+           f"({result.tasks_per_second:.1f} tasks/s): a running server answers them from its next batch",
+           f"next: aot tasks --match NAME (on a running server), or aot serve --repo {args.repo}")
     return 0
 
 
@@ -111,9 +157,8 @@ def run_export_remove(args) -> int:
     from exporter.task_store import RETIRED_GRACE, TaskStore
     from serving.repository import read_repository
 
-    store = TaskStore(read_repository(args.repo).store_root)
-    entry = store.entries().get(args.name)
-    store.remove(args.name)
+    store = TaskStore.of(read_repository(args.repo))
+    entry = store.remove(args.name)
     report({"removed": args.name, "folder": entry.folder},
            f"removed task {args.name} from {args.repo}: servers stop answering it from their next batch; its version "
            f"folder {entry.folder} stays on disk for {RETIRED_GRACE / 60:.0f} minutes (requests already pinned to it "
@@ -136,7 +181,7 @@ def run_export_list(args) -> int:
     from exporter.task_store import TaskStore
     from serving.repository import read_repository
 
-    store = TaskStore(read_repository(args.repo).store_root)
+    store = TaskStore.of(read_repository(args.repo))
     _clean(store)
     entries = [{"name": e.name, "folder": e.folder, "storage": e.storage, "verified": e.digests is not None}
                for e in store.entries().values()]
@@ -149,7 +194,7 @@ def run_export_verify(args) -> int:
     from exporter.task_store import TaskStore
     from serving.repository import read_repository
 
-    store = TaskStore(read_repository(args.repo).store_root)
+    store = TaskStore.of(read_repository(args.repo))
     _clean(store)
     found = store.verify()
     damaged = [name for name, problem in found.items() if problem]

@@ -4,25 +4,53 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 
 from aot.arguments import non_negative_int, positive_int
 from aot.output import report
-from serving.formats import read_json_lines
+from serving.formats import json_lines
+from serving.metric_labels import DEFAULT_METRICS_TASKS
 
 
-def pool_summary(repo, pool_bytes: int, device: str) -> str:
-    """What the task pool holds, as `aot serve` says it at start-up: on CPU each instance of the fused step holds an
-    equal share, and with several instances fused tables are read through their memory maps instead."""
-    tables = repo.num_layers * repo.hidden_size * 2 * repo.vocab_size
+def pool_summary(repo, pool_bytes: int, device: str, storages: dict[str, str]) -> str:
+    """What the task pool will hold of the served tasks (`storages`: name -> fused or factored), as `aot serve` says
+    it at start-up: on CPU each instance of the fused step holds an equal share of the budget, and with several
+    instances fused tables are read through their memory maps (one copy in the page cache), not the pool."""
+    table = repo.num_layers * repo.hidden_size * 2 * repo.vocab_size  # one task's V rows, fp16
     instances = repo.options.cpu_instances if device == "cpu" else 1
     share = pool_bytes // instances
+    fused = sum(1 for s in storages.values() if s == "fused")
+    pooled = len(storages) - fused if instances > 1 else len(storages)
+    if pool_bytes == 0:
+        return "no task pool (fused tables read through their memory maps, factored rows computed per request)"
+    room = share // table
+    kind = "factored task(s)" if instances > 1 else "task(s)"
+    if pooled == 0:
+        held = f"room for {room} {kind} fully resident, none served"
+    elif room >= pooled:
+        held = f"all {pooled} {kind} fully resident"
+    else:
+        held = f"{room} of {pooled} {kind} fully resident, the others' rows cached as they are used"
     if instances == 1:
-        return f"task pool {pool_bytes / 2**20:.0f} MiB ({pool_bytes // tables} tasks fully resident)"
-    return (f"task pool {share / 2**20:.0f} MiB in each of {instances} instances ({share // tables} factored tasks "
-            "fully resident each; fused tables read through their memory maps)")
+        return f"task pool {pool_bytes / 2**20:.0f} MiB: {held}"
+    return (f"task pool {share / 2**20:.0f} MiB in each of {instances} instances: {held}; {fused} fused table(s) read "
+            "through their memory maps")
+
+
+def _share(text: str) -> float:
+    """A share of requests, in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a share of requests in (0, 1], got {text!r}")
+    return value
+
 
 def add_serve(sub) -> None:
     p = sub.add_parser("serve",
@@ -67,6 +95,20 @@ def add_serve(sub) -> None:
     p.add_argument("--pool-bytes", type=non_negative_int, default=None,
                    help="memory of the task pool (rows of P kept in RAM; 0: none) instead of the repository's "
                         "serving option (printed at start-up)")
+    p.add_argument("--vanilla", action="store_true",
+                   help="also serve `vanilla`, the plain encoder without tasks' biases (comparisons, `aot infer "
+                        "--ensemble vanilla`): one more engine and step processes; off by default")
+    p.add_argument("--metrics-tasks", type=non_negative_int, default=None, metavar="K",
+                   help="tasks with metric series of their own in each step instance: the K busiest (decayed request "
+                        f"counts); the others count under task=\"<other>\" (default {DEFAULT_METRICS_TASKS}; "
+                        "environment AOT_METRICS_TASKS)")
+    p.add_argument("--request-log", default=None, metavar="FILE",
+                   help="append one JSON line per request and step to FILE (time, step, task, version, latency_ms, "
+                        "status; no text unless --request-log-text), created 0600")
+    p.add_argument("--request-log-sample", type=_share, default=1.0, metavar="SHARE",
+                   help="the share of requests the request log writes, drawn per request (default 1: all)")
+    p.add_argument("--request-log-text", action="store_true",
+                   help="write each logged request's text and text pair too (they are the callers' data)")
     p.set_defaults(run=run_serve)
 
 
@@ -77,13 +119,18 @@ def run_serve(args) -> int:
 
     repo = read_repository(args.repo)
     _check_device(args.device, repo.options.engine)
-    registry = TaskRegistry(repo.store_root, parts="meta")
-    if registry.manifest_error:
-        print(f"aot: warning: {registry.manifest_error} (no task serves until it is fixed)", file=sys.stderr)
-    errors = registry.check()
+    registry = TaskRegistry(repo.store_root, parts="meta", url=repo.store_url)  # the index only: no task version is read at start
+    if registry.index_error:
+        print(f"aot: warning: {registry.index_error} (no task serves until it is fixed)",
+              file=sys.stderr)
+    errors = registry.errors()
     for error in errors.values():
         print(f"aot: warning: {error} (its requests will fail; the other tasks serve)", file=sys.stderr)
+    if not registry.index_error and not registry.entries() and not errors:
+        print(f"aot: warning: {repo.path} has no task yet: the server answers no task until one is published "
+              f"(aot export task --repo {repo.path} ...; a running server picks it up)", file=sys.stderr)
     pool_bytes = repo.options.pool_bytes if args.pool_bytes is None else args.pool_bytes
+    os.environ.update(_step_environment(args))  # the steps of every server started below read it
     if args.replicas > 1:
         single = [flag for flag, value in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
                                            ("--tls-ca", args.tls_ca), ("--log", args.log)) if value]
@@ -93,18 +140,20 @@ def run_serve(args) -> int:
         from aot.fleet import Fleet
 
         server = Fleet(repo.path, args.replicas, args.host, args.http_port, args.grpc_port, args.metrics_port,
-                       args.health_port, server_options={"pool_bytes": pool_bytes, "device": args.device})
+                       args.health_port, server_options={"pool_bytes": pool_bytes, "device": args.device,
+                                                         "vanilla": args.vanilla})
     else:
         server = LocalServer(repo.path, args.host, args.http_port, args.grpc_port, args.metrics_port,
                              health_port=args.health_port, metrics_host=args.metrics_host, log_path=args.log,
                              pool_bytes=pool_bytes, device=args.device, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                             tls_ca=args.tls_ca)
+                             tls_ca=args.tls_ca, vanilla=args.vanilla)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     server.start()
     try:
-        tasks = sorted(set(registry.served()) - set(errors))
+        served = {name: entry for name, entry in registry.entries().items() if name not in errors}
+        tasks = sorted(served)
         replicas = getattr(server, "servers", [server])
         endpoints = [{"metrics": f"{r.metrics_host}:{r.metrics_port}", "health": r.health_url, "log": str(r.log_path),
                       "ready_seconds": round(r.ready_seconds, 2)} for r in replicas]
@@ -116,7 +165,9 @@ def run_serve(args) -> int:
                           "memory_pools": None if args.device == "cpu" else memory_pool_bytes(repo)}), flush=True)
         print(f"serving {repo.path} on {args.device}"
               + (f" with {args.replicas} replicas behind HAProxy" if args.replicas > 1 else "")
-              + f", grpc {server.grpc_url}; {pool_summary(repo, pool_bytes, args.device)} (Ctrl-C stops)",
+              + f", grpc {server.grpc_url}: {len(tasks)} task(s); "
+              + pool_summary(repo, pool_bytes, args.device, {n: t.storage for n, t in served.items()})
+              + (f"; request log {args.request_log}" if args.request_log else "") + " (Ctrl-C stops)",
               file=sys.stderr, flush=True)
         print(f'aot: next: aot infer --url {server.grpc_url} --task {tasks[0] if tasks else "NAME"} "some text"',
               file=sys.stderr, flush=True)
@@ -129,6 +180,21 @@ def run_serve(args) -> int:
         server.stop()
     print(f"aot: stopped serving {repo.path}" + (f" (log: {args.log})" if args.log else ""), file=sys.stderr)
     return 0
+
+
+def _step_environment(args) -> dict[str, str]:
+    """What the served steps read from their environment: K of the metrics (serving.metric_labels) and the request
+    log (serving.request_log), whose file is created here so that a bad path fails before the server starts."""
+    from serving.metric_labels import METRICS_TASKS_ENV
+    from serving.request_log import PATH_ENV, RequestLog, RequestLogSettings
+
+    env = {} if args.metrics_tasks is None else {METRICS_TASKS_ENV: str(args.metrics_tasks)}
+    if args.request_log is None:
+        os.environ.pop(PATH_ENV, None)
+        return env
+    settings = RequestLogSettings(os.path.abspath(args.request_log), args.request_log_sample, args.request_log_text)
+    RequestLog(settings, "aot serve").close()  # --request-log FILE: cannot be opened for appending (...)
+    return env | settings.as_environment()
 
 
 def _check_device(device: str, engine: str) -> None:
@@ -169,12 +235,15 @@ def connect(args, **kwargs):
 
 def add_tasks(sub) -> None:
     p = sub.add_parser("tasks", help="list the tasks a running server serves (read from the server)",
-                       description="One JSON line per served task: name, version, storage, labels, max length, "
-                                   "method, metric, dev score (fp32, as trained), served_dev (on an int8 backbone: "
-                                   "the dev score through the int8 engine, beside its fp32 reference, measured when "
-                                   "it was published; null on fp32) and source artifact; then one line per task "
-                                   "whose requests fail, with the reason.")
+                       description="One JSON line per served task, from the server's store index: name, version, "
+                                   "storage, labels, max length, method, metric, dev score (fp32, as trained), "
+                                   "served_dev (on an int8 backbone: the dev score through the int8 engine, beside its "
+                                   "fp32 reference, measured when it was published; null on fp32), whether its files "
+                                   "carry digests; then one line per task whose requests fail, with the reason. The "
+                                   "summary says how many match and how far the background audit got.")
     add_connection_arguments(p)
+    p.add_argument("--limit", type=positive_int, default=None, help="list at most this many tasks (by name)")
+    p.add_argument("--match", default="", help="only tasks whose name holds this text")
     p.set_defaults(run=run_tasks)
 
 
@@ -184,12 +253,17 @@ def run_tasks(args) -> int:
     with connect(args) as client:
         try:
             client.check_ready()
-            listing = client.tasks()
+            listing = client.tasks(args.limit, args.match)
         except InferenceError as exc:
             raise ValueError(str(exc)) from None
-    failing = [{"name": name, "error": error} for name, error in listing["errors"].items()]
-    report(listing["tasks"] + failing, f"{len(listing['tasks'])} task(s) served at {client.url}"
-           + (f"; {len(failing)} failing (the lines with an error say why)" if failing else ""))
+    failing = [{"name": name, "error": error} for name, error in listing["errors"].items() if args.match in name]
+    audit = listing.get("audit") or {}
+    shown = len(listing["tasks"])
+    report(listing["tasks"] + failing, f"{shown} task(s) served at {client.url}"
+           + (f" (of {listing['total']} matching)" if listing.get("total", shown) > shown else "")
+           + (f"; {len(failing)} failing (the lines with an error say why)" if failing else "")
+           + (f"; audit: {audit['verified']} of {audit['versions']} versions checked against their digests"
+              if audit.get("versions") else ""))
     return 0
 
 
@@ -215,42 +289,72 @@ def add_infer(sub) -> None:
     p.add_argument("--ensemble", default="aot", help="ensemble to call (aot, or vanilla for comparisons)")
     p.add_argument("--model", dest="ensemble", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # its old name
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar of --input")
+    p.add_argument("--top-k", type=positive_int, default=None, metavar="K",
+                   help="answer the K most probable labels by name ({\"top\": [{\"label\", \"probability\"}, "
+                        "...]}, the names from the server's task list) instead of every logit and probability")
     p.add_argument("texts", nargs="*", metavar="TEXT", help="texts for --task, one JSON line each")
     p.set_defaults(run=run_infer)
 
 
-def _read_requests(path: str, task: str | None) -> tuple[list[dict], list[int]]:
-    """JSONL requests (`-`: standard input) and their line numbers; a line without a task takes `task`. An error
-    names the file and line, before anything is sent."""
+@dataclass
+class InputLine:
+    """One non-blank line of `aot infer --input`: the request it holds, or the answer it gets for being bad."""
+
+    number: int
+    request: dict | None
+    answer: dict | None = None
+
+
+def _read_requests(path: str, task: str | None) -> list[InputLine]:
+    """JSONL requests (`-`: standard input), a line without a task taking `task`. A bad line (not UTF-8, not a JSON
+    object, no string task and text) is answered in place with its error and its line number; the others are sent.
+    A file that cannot be opened, or holds no line, is an error."""
+    from aot.errors import InvalidInput
+
     name = "<stdin>" if path == "-" else path
-    items, lines = [], []
-    for line in read_json_lines(path):
+    lines = []
+    for line in json_lines(path):
         record = line.item
-        if task is not None:
+        if record is not None and task is not None:
             record.setdefault("task", task)
-        if not all(isinstance(record.get(k), str) for k in ("task", "text")):
-            raise ValueError(f'{line.where}: expected {{"task": "...", "text": "..."}}'
-                             + ("" if task else " (or --task for lines without one)"))
-        items.append(record)
-        lines.append(line.number)
-    if not items:
+        if record is not None and all(isinstance(record.get(k), str) for k in ("task", "text")):
+            lines.append(InputLine(line.number, record))
+            continue
+        reason = line.error or ('expected {"task": "...", "text": "..."}' + ("" if task else
+                                                                             " (or --task for lines without one)"))
+        echo = {k: record[k] for k in ("id", "task") if k in record} if record is not None else {}
+        error = InvalidInput(f"line {line.number}: {reason}", task=echo.get("task"), id=echo.get("id"))
+        lines.append(InputLine(line.number, None, error.answer()))
+    if not lines:
         raise ValueError(f"{name}: no requests")
-    return items, lines
+    return lines
 
 
-def run_infer(args) -> int:
+def _top_k(answers: list[dict], listing: dict, k: int) -> list[dict]:
+    """Each classification answer with its k most probable labels, named from the server's task listing (aot.ranking);
+    an answer whose version's names the listing cannot give keeps its logits and probabilities, with a warning."""
+    from aot.ranking import ServedLabels, top_labels
+
+    labels, unnamed = ServedLabels(listing), set()
+    out = []
+    for answer in answers:
+        names = labels.of(answer) if "probabilities" in answer else None
+        if names is None and "probabilities" in answer:
+            unnamed.add(answer.get("version", "?"))
+        out.append(answer if names is None else top_labels(answer, names, k))
+    if unnamed:
+        print(f"aot: warning: --top-k: no label names for {', '.join(sorted(unnamed))} (a version the server no "
+              "longer lists, whose labels changed since): those answers keep their logits and probabilities",
+              file=sys.stderr)
+    return out
+
+
+def _send(args, items: list[dict]) -> list[dict]:
+    """The answers of `items`, in order: one request (a failure is the command's error), or many concurrently."""
     from tqdm.auto import tqdm
 
     from aot.client import InferenceError
 
-    if args.input and args.texts:
-        raise ValueError("give either TEXT arguments or --input, not both")
-    if args.input:
-        items, lines = _read_requests(args.input, args.task)
-    else:
-        if not args.texts or not args.task:
-            raise ValueError("give --task and at least one TEXT (or --input FILE.jsonl)")
-        items = [{"task": args.task, "text": t, "text_pair": args.pair} for t in args.texts]
     with connect(args, model=args.ensemble) as client:
         client.check_ready()
         if len(items) == 1 and not args.input:
@@ -262,9 +366,27 @@ def run_infer(args) -> int:
             bar = tqdm(total=len(items), disable=args.no_progress or not args.input, unit="req", desc="infer")
             answers = client.infer_many(items, args.concurrency, on_done=lambda i, r: bar.update(1))
             bar.close()
-    if args.input:  # each answer says which line it answers
-        answers = [{k: item[k] for k in ("id", "task") if k in item} | a for item, a in zip(items, answers)]
-    text = "".join(json.dumps(a) + "\n" for a in answers)
+        if args.top_k is not None:
+            answers = _top_k(answers, client.tasks(), args.top_k)
+    return answers
+
+
+def run_infer(args) -> int:
+    if args.input and args.texts:
+        raise ValueError("give either TEXT arguments or --input, not both")
+    if args.input:
+        lines = _read_requests(args.input, args.task)
+        items = [line.request for line in lines if line.request is not None]
+    else:
+        if not args.texts or not args.task:
+            raise ValueError("give --task and at least one TEXT (or --input FILE.jsonl)")
+        items = [{"task": args.task, "text": t, "text_pair": args.pair} for t in args.texts]
+    answers = _send(args, items) if items else []  # every --input line bad: nothing to send
+    if args.input:  # each answer says which line it answers; bad lines are answered where they stood
+        sent = iter(answers)
+        answers = [line.answer or {k: line.request[k] for k in ("id", "task") if k in line.request} | next(sent)
+                   for line in lines]
+    text = "".join(json.dumps(a, ensure_ascii=False) + "\n" for a in answers)
     if args.output:
         from serving.atomic import write_atomic
 
@@ -277,7 +399,8 @@ def run_infer(args) -> int:
     if not args.input:
         print(f"aot: error: {answers[failed[0]]['error']}", file=sys.stderr)
         return 2
-    first = f"line {lines[failed[0]]}: {answers[failed[0]]['error']}"
+    error = answers[failed[0]]["error"]
+    first = error if lines[failed[0]].answer else f"line {lines[failed[0]].number}: {error}"
     if len(failed) == len(answers) or args.strict:
         print(f"aot: error: {len(failed)} of {len(answers)} requests failed (first: {first})", file=sys.stderr)
         return 2

@@ -39,7 +39,7 @@ from serving.admin_key import resolve_admin_key
 from serving.health import HealthServer
 from serving.lifecycle import ServerError, ServerExited, ServerLifecycle, http_ok, log_tail
 from serving.repairs import Supervisor
-from serving.repository import CPU_MODELS, POOL_BYTES_ENV, memory_pool_bytes, read_repository
+from serving.repository import CPU_MODELS, POOL_BYTES_ENV, VANILLA_MODELS, memory_pool_bytes, read_repository
 
 MAX_RESTARTS = 3
 # numpy's BLAS computes factored rows in the steps: a few small matmuls per batch. Its default thread pool spins on
@@ -188,6 +188,7 @@ class LocalServer(Endpoints):
     # the models loaded (None: the ones the device's configs serve clients, `models()`); the GPU ensembles' separate
     # steps have CPU configs too, so that a test can load them on this machine
     load: tuple[str, ...] | None = None
+    vanilla: bool = False  # also load `vanilla`, the plain encoder (comparisons only: more processes and memory)
     failed: str | None = None  # why the server is down for good (restarts exhausted)
     restarts: list[float] = field(default_factory=list)
 
@@ -284,15 +285,16 @@ class LocalServer(Endpoints):
                 f"--pinned-memory-pool-byte-size={pools['pinned']}"]
 
     def models(self) -> list[str]:
-        """The models to load: on CPU the fused `aot` and `vanilla` steps and `task_list` (CPU_MODELS: the GPU
-        ensembles' separate steps would only hold a second engine and task pool); with the GPU configs every model
-        folder but `aot_lookup` (the torch engine's backbone step looks rows up itself)."""
+        """The models to load: on CPU the fused `aot` step and `task_list` (CPU_MODELS: the GPU ensembles' separate
+        steps would only hold a second engine and task pool); with the GPU configs every model folder but `aot_lookup`
+        (the torch engine's backbone looks rows up itself). The plain encoder (VANILLA_MODELS) only with `vanilla`."""
         if self.load is not None:
             return sorted(self.load)
         if self.device == "cpu":
-            return sorted(CPU_MODELS)
+            return sorted(CPU_MODELS + (VANILLA_MODELS[:1] if self.vanilla else ()))
+        skip = {"aot_lookup", *(() if self.vanilla else VANILLA_MODELS)}
         return sorted(p.name for p in (self.repo / "models").iterdir()
-                      if (p / "config.pbtxt").is_file() and p.name != "aot_lookup")
+                      if (p / "config.pbtxt").is_file() and p.name not in skip)
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)

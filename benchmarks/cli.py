@@ -136,6 +136,12 @@ def add_bench(sub) -> None:
     t.add_argument("--policy-requests", type=int, default=20000,
                    help="requests of the trace replayed through the pool per eviction policy (lru, lfu), in-process, "
                         "with the largest task count; 0 skips it")
+    t.add_argument("--scale", action="store_true",
+                   help="instead: one server and a store growing through --counts (e.g. 1,100,1000,10000) of "
+                        "derived factored tasks, as `aot serve` runs them by default: start-up, RSS of every server "
+                        "process, cold first requests, Zipf against one hot task, publishing while serving and its "
+                        "cost as the store grows, sampled answers against PyTorch (scale.json, scale.md, scale.png; "
+                        "--requests measured after as many warm-up requests, --concurrency clients)")
     _add_out(t, "tasks")
     _finish(t, run_tasks)
 
@@ -170,6 +176,13 @@ def add_bench(sub) -> None:
 
 
 def run_tasks(args) -> int:
+    if args.scale:
+        from benchmarks.scale import ScaleBenchConfig, run_scale_bench
+
+        config = ScaleBenchConfig(args.task, args.out, tuple(args.counts), args.requests, args.requests,
+                                  args.concurrency)
+        print(json.dumps(run_scale_bench(config, progress=not args.no_progress)))
+        return 0
     from benchmarks.tasks import MODES, POPULARITIES, TasksBenchConfig, run_tasks_bench
 
     for value, known, flag in ((args.popularity, POPULARITIES, "--popularity"), (args.modes, MODES, "--modes")):

@@ -163,32 +163,43 @@ def measure_kill(fleet: Fleet, name: str, texts: list[str], seconds: float = 40)
 
 
 def measure_store(repo: Path, name: str, tasks: int = 10000) -> dict:
-    """One published task's file sizes, and a manifest of `tasks` copies of its entry: its bytes, the stat every
-    step does before a batch, and the parse every step does when it changed (serving.store.StoreReader)."""
+    """One published task's file sizes, and an index of `tasks` copies of its entry (serving.store_log): its bytes,
+    the check every step does before a batch (a stat of the generation hint), the read of the whole index a step does
+    at start, and the bytes a step reads for one more publish."""
     import tempfile
 
-    from serving.store import MANIFEST, StoreReader
+    from exporter.task_store import TaskStore
+    from serving.store import StoreView
+    from serving.store_log import Change
 
-    store = read_repository(repo).store_root
-    data = json.loads((store / MANIFEST).read_text())
-    entry = data["tasks"][name]
-    files = {p.name: p.stat().st_size for p in (store / entry["folder"]).iterdir()}
+    store = TaskStore(read_repository(repo).store_root)
+    entry = store.state().tasks[name]
+    files = {p.name: p.stat().st_size for p in (store.root / entry["folder"]).iterdir()}
     with tempfile.TemporaryDirectory() as scratch:
-        folder = entry["folder"].rsplit("@", 1)[1]
-        data["tasks"] = {f"task-{k:05d}": {**entry, "folder": f"task-{k:05d}@{folder}"} for k in range(tasks)}
-        (Path(scratch) / MANIFEST).write_text(json.dumps(data))
-        reader = StoreReader(scratch)
+        copy = TaskStore(scratch)
+        copy._write_identity(store.identity()["backbone"])
+        suffix = entry["folder"].rsplit("@", 1)[1]
+        copy.log.commit(lambda _: Change(tasks={f"task-{k:05d}": {**entry, "folder": f"task-{k:05d}@{suffix}"}
+                                                for k in range(tasks)}))
+        copy.log.compact(copy.state())
+        view = StoreView(TaskStore(scratch))
+        start = time.perf_counter()
+        view.refresh()
+        read_s = time.perf_counter() - start
+        assert len(view.index.entries) == tasks
         start = time.perf_counter()
         for _ in range(1000):
-            reader.manifest_stamp()
-        stat_us = (time.perf_counter() - start) * 1e3
-        start = time.perf_counter()
-        parsed = reader.manifest()
-        parse_s = time.perf_counter() - start
-        assert len(parsed.entries) == tasks
-        manifest_bytes = (Path(scratch) / MANIFEST).stat().st_size
+            view.refresh()
+        check_us = (time.perf_counter() - start) * 1e3
+        before = view.reader.backend.bytes_read
+        copy.log.commit(lambda _: Change(tasks={"task-00000": {**entry, "folder": f"task-00000@{'0' * 12}"}}))
+        view.reader.log._probed = 0.0
+        view.refresh()
+        publish_bytes = view.reader.backend.bytes_read - before
+        index_bytes = sum(p.stat().st_size for p in (Path(scratch) / "index").iterdir())
     return {"task_files_bytes": files, "entry_bytes": len(json.dumps({name: entry})), "tasks": tasks,
-            "manifest_bytes": manifest_bytes, "stat_us": round(stat_us, 2), "parse_s": round(parse_s, 3)}
+            "index_bytes": index_bytes, "check_us": round(check_us, 2), "read_index_s": round(read_s, 3),
+            "bytes_read_per_publish": publish_bytes}
 
 
 def _summary(balancer: list[dict]) -> list[dict]:

@@ -259,7 +259,7 @@ def _bench_repository(config: ServeBenchConfig, repo: Path, store: Store, precis
     for storage in config.storages:
         for n in config.task_counts:
             names = store.set(storage, n)
-            with LocalServer(repo, device=config.device, pool_bytes=config.pool_bytes) as server:
+            with LocalServer(repo, device=config.device, pool_bytes=config.pool_bytes, vanilla=True) as server:
                 with Client(server.grpc_url) as client:
                     for name in names:
                         client.infer(name, texts[0])
@@ -270,7 +270,7 @@ def _bench_repository(config: ServeBenchConfig, repo: Path, store: Store, precis
             bar.update(1)
         names = store.set(storage, max(config.mixed_tasks, 1))
         ours, dense = _lookup_bytes(repo, texts, max_length)
-        with LocalServer(repo, device=config.device, pool_bytes=config.pool_bytes) as server:
+        with LocalServer(repo, device=config.device, pool_bytes=config.pool_bytes, vanilla=True) as server:
             with Client(server.grpc_url) as client:  # warm every step once
                 for name in names:
                     client.infer(name, texts[0])

@@ -209,7 +209,7 @@ def served_passes(repo: Path, names: list[str], texts: list[str], tokenizer: Pat
     from aot.server import LocalServer
 
     records = []
-    with LocalServer(repo) as server:
+    with LocalServer(repo, vanilla=True) as server:
         pids = server_processes(server.process.pid)
         for model in ("vanilla", "aot"):  # warm every step and task (every instance: one request each at a time)
             for tok in (None, tokenizer):

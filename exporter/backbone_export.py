@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import time
@@ -24,6 +23,7 @@ from serving.atomic import atomic_directory, write_json
 from serving.store import ROWS_DIR
 from serving.repository import (CPU_PRECISIONS, INT8_GRAPH, MODELS_DIR, RECORD, BackboneRecord, RepositoryError,
                                 RepositoryInfo, ServingOptions, read_repository)
+from serving.s3 import is_s3_url, parse_s3_url
 from training.artifact import backbone_identity
 from training.backbone import Backbone, load_backbone
 from training.quantized import QUANTIZATION
@@ -85,21 +85,26 @@ class ExportPlan:
     profile: Profile  # TensorRT's, its sequences within the buckets
     longest: int  # the longest sequence the repository serves
     keep_tasks: RepositoryInfo | None  # the repository replaced by --overwrite, whose task store is kept
+    store_url: str | None  # the tasks in object storage (s3://BUCKET/PREFIX), or None: in the repository
     cpu_precision: str = "fp32"  # what the CPU configs run: fp32, or int8 twins of both graphs (exporter.quantize)
 
 
 def export_backbone(model: str, repo: str | Path, options: ServingOptions | None = None, precision: str | None = None,
                     profile: Profile | None = None, overwrite: bool = False,
-                    cpu_precision: str = "fp32") -> BackboneExportReport:
+                    store: str | None = None, cpu_precision: str = "fp32") -> BackboneExportReport:
     """`precision` of the GPU backbone: fp32 or fp16. Default: fp16 for ONNX Runtime where the fp16 graph keeps
     parity (else fp32, with a note), fp32 for TensorRT (its fp16 plan is checked on the GPU by build_engines.sh);
     the torch engine runs fp16 on CUDA anyway. `cpu_precision`: what the CPU configs run, fp32, or int8 (both
-    graphs quantized: exporter.quantize; tasks are then checked for accuracy as they are published).
+    graphs quantized: exporter.quantize; tasks are then checked for accuracy as they are published). `store`:
+    s3://BUCKET/PREFIX to keep the tasks in object storage (serving.s3; credentials and endpoint from the AWS
+    variables); the backbone, tokenizer, embeddings and rows graphs stay in the repository. A re-export keeps the
+    replaced repository's store.
 
     Three steps: validate (every refusal that needs no graph), export the graphs, write the repository; the last two
     into a temporary folder that replaces `repo` only when both succeed."""
     start = time.perf_counter()
-    plan = _validate(model, Path(repo), options or ServingOptions(), precision, profile, overwrite, cpu_precision)
+    plan = _validate(model, Path(repo), options or ServingOptions(), precision, profile, overwrite, store,
+                     cpu_precision)
     report = BackboneExportReport(str(plan.repo), {}, {}, {}, 0.0)
     with atomic_directory(plan.repo, private=(ADMIN_KEY_FILE,)) as tmp:  # the key: 0600, the rest one mode
         precision = _export_graphs(plan, tmp, report)
@@ -112,7 +117,7 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
 
 
 def _validate(model: str, repo: Path, options: ServingOptions, precision: str | None, profile: Profile | None,
-              overwrite: bool, cpu_precision: str = "fp32") -> ExportPlan:
+              overwrite: bool, store: str | None = None, cpu_precision: str = "fp32") -> ExportPlan:
     """Every refusal that can come before anything is written (the options, the folder, the backbone against the
     tasks a re-export keeps), and what follows from the backbone: `options.buckets` within its limit, the
     precision, the TensorRT profile."""
@@ -151,23 +156,26 @@ def _validate(model: str, repo: Path, options: ServingOptions, precision: str | 
     if keep_tasks is not None and keep_tasks.fingerprint != backbone.fingerprint:
         raise RepositoryError(f"{repo} holds tasks for backbone {keep_tasks.model!r} ({keep_tasks.fingerprint}); "
                               f"{model!r} is {backbone.fingerprint}: export into a new repository")
+    kept_url = keep_tasks.store_url if keep_tasks is not None else None
+    if store is not None:
+        if not is_s3_url(store):
+            raise RepositoryError(f"--store {store!r}: expected s3://BUCKET/PREFIX (without it, the tasks live in "
+                                  "the repository)")
+        parse_s3_url(store)
+        if keep_tasks is not None and store != kept_url:
+            raise RepositoryError(f"{repo} keeps its tasks in {kept_url or 'the repository'}; a re-export keeps "
+                                  f"them there: export into a new repository to use {store}")
     if keep_tasks is not None and cpu_precision == "int8":
         _check_kept_tasks_int8(keep_tasks)
-    return ExportPlan(repo, backbone, options, precision, explicit, profile, longest, keep_tasks, cpu_precision)
+    return ExportPlan(repo, backbone, options, precision, explicit, profile, longest, keep_tasks, store or kept_url,
+                      cpu_precision)
 
 
 def _check_kept_tasks_int8(repo: RepositoryInfo) -> None:
     """A re-export to int8 keeps the store's tasks: each must have been scored through an int8 engine when it was
     published (exporter.accuracy_gate), or it would start serving a lower score unchecked."""
-    store = TaskStore(repo.store_root)
-    unchecked = []
-    for entry in store.entries().values():
-        try:
-            served = json.loads((store.root / entry.folder / "task.json").read_text(encoding="utf-8")).get("served_dev")
-        except (OSError, ValueError):
-            served = None
-        if not served or served.get("precision") != "int8":
-            unchecked.append(entry.name)
+    unchecked = [entry.name for entry in TaskStore.of(repo).entries().values()
+                 if (entry.meta.get("served_dev") or {}).get("precision") != "int8"]
     if unchecked:
         raise RepositoryError(f"{repo.path} holds tasks never scored through an int8 engine ({', '.join(unchecked)}); "
                               "an int8 backbone would serve them unchecked: export it into a new repository "
@@ -228,7 +236,7 @@ def _record(plan: ExportPlan, precision: str | None, report: BackboneExportRepor
         max_positions=plan.longest, store=STORE_DIR, tokenizer=TOKENIZER_DIR,
         encoder=ENCODER_DIR if options.engine == "torch" else None, serving=options, precision=precision,
         tensorrt_profile=dataclasses.asdict(plan.profile) if options.engine == "tensorrt" else None,
-        parity_max_abs_diff=report.max_abs_diff, cpu_precision=plan.cpu_precision,
+        parity_max_abs_diff=report.max_abs_diff, task_store_url=plan.store_url, cpu_precision=plan.cpu_precision,
         quantization=dict(QUANTIZATION) if plan.cpu_precision == "int8" else None)
 
 
@@ -244,11 +252,13 @@ def _write_repository(plan: ExportPlan, tmp: Path, record: BackboneRecord) -> No
         raise RepositoryError("the generated configs would not load; nothing was written:\n  " + "\n  ".join(problems))
     if plan.keep_tasks is not None:
         # Hard links: no data is copied, and the old store stays whole until the swap succeeds.
+        # Its objects are never changed in place, only replaced or created, so the links stay the old store's.
         shutil.copytree(plan.keep_tasks.store_root, tmp / record.store, copy_function=os.link,
                         ignore=shutil.ignore_patterns(".tmp-*", ".lock", ROWS_DIR))
-    else:
-        TaskStore(tmp / record.store).create(record.backbone, backbone.embeddings.detach().float().numpy())
+    # a new store, or the kept one (upgraded from format v1 if it is one)
+    TaskStore(tmp / record.store, plan.store_url).create(record.backbone,
+                                                         backbone.embeddings.detach().float().numpy())
     write_rows_graphs(tmp / record.store, backbone.num_layers, backbone.hidden_size)
     write_json(tmp / RECORD, record.to_json())
-    write_compose_env(tmp, RepositoryInfo(tmp, record), plan.repo)
+    write_compose_env(tmp, RepositoryInfo(tmp, record))
     write_admin_key(tmp, plan.repo if plan.repo.is_dir() else None)

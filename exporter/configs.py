@@ -156,7 +156,8 @@ def _engine_parameters(backbone: str, target: str, record: BackboneRecord) -> di
     if options.engine == "torch":
         return {"engine": "torch", "device": "cpu" if target == "cpu" else "cuda", "threads": str(options.cpu_threads)}
     int8 = target == "cpu" and record.cpu_precision == "int8"
-    return {"engine": "onnx", "onnx_file": record.cpu_graph(backbone) if target == "cpu" else f"{backbone}/1/model.onnx",
+    graph = record.cpu_graph(backbone) if target == "cpu" else f"{backbone}/1/model.onnx"
+    return {"engine": "onnx", "onnx_file": graph,
             "threads": str(options.cpu_threads), **({"per_request": "true"} if int8 else {})}
 
 

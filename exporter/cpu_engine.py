@@ -63,7 +63,8 @@ def task_from_model(model: TaskModel, artifact: TaskArtifact) -> ServedTask:
                        "has_pair": spec.has_pair}, compute_rows=rows)
 
 
-def predict_lines_through(repo_dir: str | Path, tasks: dict[str, Path], lines: list[tuple[int, dict]]) -> dict[int, dict]:
+def predict_lines_through(repo_dir: str | Path, tasks: dict[str, Path],
+                          lines: list[tuple[int, dict]]) -> dict[int, dict]:
     """`aot predict --repo`: answers by line number (training.predict.predict_lines' lines and answers) through
     `repo_dir`'s CPU engine, each task an artifact (not exported: its rows come from its own body)."""
     from serving.repository import read_repository

@@ -15,14 +15,15 @@ from tqdm.auto import tqdm
 
 from exporter.accuracy_gate import check_served_accuracy
 from exporter.compose_env import keep_admin_key_private
-from exporter.task_store import TaskStore
+from exporter.task_store import Publication, TaskStore
 from serving import protocol
 from serving.engine import BackboneRunner, Prepared
 from serving.repository import RepositoryInfo, read_repository
 from serving.store import STORAGES, StoreError, check_task_name
 from serving.tasks import load_task_version
 from serving.tokenization import Tokenization
-from training.artifact import check_fingerprint, read_task
+from training.artifact import TaskArtifact, check_fingerprint, read_task
+from training.factory import load_task
 from training.backbone import load_backbone
 from training.methods.aot_ptuning.model import AotBody
 from training.method_registry import method_spec
@@ -72,99 +73,183 @@ def _write_fused(body: AotBody, path: Path, vocab: int, chunk: int = 2048, progr
 
 
 def validate_task(repo: RepositoryInfo, folder: Path, name: str, storage: str, predictor: Predictor,
-                  texts=VALIDATION_TEXTS) -> float:
+                  texts=VALIDATION_TEXTS, engine=None, tokens: Tokenization | None = None) -> float:
     """Served path (tokenizer, lookup, the repository's backbone engine, head) against the PyTorch task: max
-    |logit difference|."""
+    |logit difference|. `engine` and `tokens`: built once by a caller that validates many tasks."""
     served = load_task_version(folder, TaskStore.version_name(folder), repo.store_root)
-    tokens = Tokenization(repo.tokenizer_dir, repo.uses_token_type_ids)
+    tokens = tokens or Tokenization(repo.tokenizer_dir, repo.uses_token_type_ids)
     requests = [Prepared.for_task(tokens.encode(text, None, served.max_length), served) for text in texts]
     for r in requests:
         r.rows = served.rows(r.unique)
-    if repo.options.engine == "torch":
-        from serving_torch.engine import TorchBackbone
-
-        hidden = TorchBackbone(repo.encoder_dir, repo.uses_token_type_ids, aot=True).run(requests)
-    else:
-        hidden = BackboneRunner(repo.backbone_onnx).run(requests)
+    hidden = (engine or validation_engine(repo)).run(requests)
     got = served.logits(hidden)
     expected = predictor.logits(list(texts)).numpy()
     return float(np.abs(got - expected).max())
 
 
-def storage_advice(repo: RepositoryInfo, name: str, fused_bytes: int, factored_bytes: int) -> dict:
+def validation_engine(repo: RepositoryInfo):
+    """The repository's backbone engine as the served steps run it on CPU (the AoT graph, or the torch engine)."""
+    if repo.options.engine == "torch":
+        from serving_torch.engine import TorchBackbone
+
+        return TorchBackbone(repo.encoder_dir, repo.uses_token_type_ids, aot=True)
+    return BackboneRunner(repo.backbone_onnx)
+
+
+def storage_advice(repo: RepositoryInfo, name: str, fused_bytes: int, factored_bytes: int,
+                   tasks_in_store: int | None = None) -> dict:
     """What a task costs in each storage and, with the repository's pool budget, how many such tasks stay fully
     resident. `auto` picks fused while every task of the store (this one included) fits resident, else factored:
-    beyond the pool, fused tables only cost disk and page cache, while factors are 1-2 % of a table."""
+    beyond the pool, fused tables only cost disk and page cache, while factors are 1-2 % of a table.
+    `tasks_in_store`: the count with this task (default: the store's other tasks and this one)."""
     pool = repo.options.pool_bytes
     resident = pool // fused_bytes if fused_bytes else 0
-    others = [n for n in TaskStore(repo.store_root).entries() if n != name]
-    fits = len(others) + 1 <= resident
+    if tasks_in_store is None:
+        tasks_in_store = len([n for n in TaskStore.of(repo).entries() if n != name]) + 1
+    fits = tasks_in_store <= resident
     return {"fused_bytes": fused_bytes, "factored_bytes": factored_bytes, "pool_bytes": pool,
-            "tasks_resident_in_pool": int(resident), "tasks_in_store": len(others) + 1,
+            "tasks_resident_in_pool": int(resident), "tasks_in_store": tasks_in_store,
             "auto": "fused" if fits else "factored"}
 
 
 def export_task(task_dir: str | Path, repo_dir: str | Path, name: str, storage: str = "auto",
                 progress: bool = True, allowed_drop: float | None = None,
                 dev_data: str | Path | None = None) -> TaskExportReport:
-    """`storage`: fused, factored, or auto (see storage_advice). On an int8 repository the task must keep its dev
-    score within `allowed_drop` points (0.5 by default) of its fp32 score, scored on `dev_data` (default: its
-    training data's dev split): exporter.accuracy_gate."""
-    start = time.perf_counter()
-    check_task_name(name)
-    if storage not in STORAGES + ("auto",):
-        raise StoreError(f"unknown storage {storage!r}: expected auto, {', '.join(STORAGES)}")
-    repo = read_repository(repo_dir)
-    artifact = read_task(task_dir)
-    method = artifact.config["method"]["method"]
-    if not method_spec(method).shared_backbone:
-        raise StoreError(f"task {task_dir} was trained with method {method!r}; only AoT tasks (fc, kron) run on the "
-                         "shared backbone")
-    check_fingerprint(artifact, repo.fingerprint, f"{repo.model} (repository {repo.path})")
-    if artifact.max_length > repo.max_positions:
-        raise StoreError(f"task {task_dir} has max length {artifact.max_length}; backbone {repo.model!r} accepts at "
-                         f"most {repo.max_positions} tokens: retrain it with --max-length {repo.max_positions} or less")
-    longest = max(repo.options.buckets)
-    if repo.options.engine == "tensorrt" and artifact.max_length > longest:
-        raise StoreError(f"task {task_dir} has max length {artifact.max_length}, beyond the TensorRT profile of "
-                         f"{repo.path} (longest bucket {longest}): re-export the backbone with --buckets up to "
-                         f"{artifact.max_length}, or retrain with --max-length {longest}")
-    predictor = Predictor.load(task_dir, load_backbone(repo.model))  # checks the loaded backbone's fingerprint
-    backbone = predictor.backbone
-    artifact, model = predictor.artifact, predictor.model
-    store = TaskStore(repo.store_root)
-    L, d, V = backbone.num_layers, backbone.hidden_size, int(backbone.embeddings.shape[0])
-    factors = {k: v.detach().float().numpy().copy() for k, v in model.body.aot.state_dict().items()}
-    advice = storage_advice(repo, name, V * L * d * protocol.ROWS_DTYPE.itemsize,
-                            sum(a.nbytes for a in factors.values()))
-    storage = advice["auto"] if storage == "auto" else storage
-    folder = store.new_version_folder(name)
-    try:
-        meta = {"name": name, "labels": None if artifact.spec.labels is None else list(artifact.spec.labels),
-                "metric": artifact.spec.metric, "max_length": artifact.max_length, "pooling": artifact.pooling,
-                "has_pair": artifact.spec.has_pair, "head_activation": artifact.head["activation"],
-                "storage": storage,
-                "method": artifact.config["method"], "num_layers": L, "hidden_size": d, "vocab_size": V,
-                "source": str(Path(task_dir).resolve()), "backbone_fingerprint": repo.fingerprint,
-                "dev": artifact.metrics().get("dev")}
-        (folder / "task.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        save_file(_head_arrays(model), folder / "head.safetensors")
-        body: AotBody = model.body
-        if storage == "fused":
-            _write_fused(body, folder / "table.npy", V, progress=progress)
-        else:
-            save_file(factors, folder / "factors.safetensors")
-        diff = validate_task(repo, folder, name, storage, predictor)
-        if not diff <= LOGITS_TOLERANCE:
-            raise StoreError(f"task {name!r}: served logits differ from PyTorch by {diff:.3g} "
-                             f"(> {LOGITS_TOLERANCE}); nothing was published")
-        served_dev = check_served_accuracy(repo, folder, predictor, allowed_drop, dev_data)
-        entry = store.publish(name, folder, storage)
-    except BaseException:
-        shutil.rmtree(folder, ignore_errors=True)
-        raise
-    keep_admin_key_private(repo.path)
-    size = sum(p.stat().st_size for p in (store.root / entry.folder).rglob("*") if p.is_file())
-    return TaskExportReport(name, storage, entry.folder, size, V * L * d * 2, diff,
-                            round(time.perf_counter() - start, 2), advice,
-                            None if served_dev is None else asdict(served_dev))
+    """Export one task and publish it. `storage`: fused, factored, or auto (see storage_advice). On an int8
+    repository the task must keep its dev score within `allowed_drop` points (0.5 by default) of its fp32 score,
+    scored on `dev_data` (default: its training data's dev split): exporter.accuracy_gate."""
+    exporter = TaskExporter(repo_dir, progress)
+    written = exporter.write(task_dir, name, storage, allowed_drop=allowed_drop, dev_data=dev_data)
+    return exporter.publish([written])[0]
+
+
+@dataclass
+class WrittenTask:
+    """A task version written and validated, not yet published."""
+
+    name: str
+    folder: Path
+    storage: str
+    fused_bytes: int
+    max_abs_logit_diff: float
+    seconds: float
+    advice: dict
+    bytes_on_disk: int
+    served_dev: dict | None = None  # int8 repositories: exporter.accuracy_gate's result
+
+
+class TaskExporter:
+    """Exports tasks into one repository: the backbone, tokenizer and validation engine loaded once for all."""
+
+    def __init__(self, repo_dir: str | Path, progress: bool = True):
+        self.repo = read_repository(repo_dir)
+        self.store = TaskStore.of(self.repo)
+        self.store.identity()
+        self.progress = progress
+        self._backbone = None
+        self._engine = None
+        self._tokens = None
+
+    def check(self, task_dir: str | Path, name: str, storage: str) -> TaskArtifact:
+        """Every refusal that needs no backbone: the name, the storage, the artifact against the repository."""
+        repo = self.repo
+        check_task_name(name)
+        if storage not in STORAGES + ("auto",):
+            raise StoreError(f"unknown storage {storage!r}: expected auto, {', '.join(STORAGES)}")
+        artifact = read_task(task_dir)
+        method = artifact.config["method"]["method"]
+        if not method_spec(method).shared_backbone:
+            raise StoreError(f"task {task_dir} was trained with method {method!r}; only AoT tasks (fc, kron) run on "
+                             "the shared backbone")
+        check_fingerprint(artifact, repo.fingerprint, f"{repo.model} (repository {repo.path})")
+        if artifact.max_length > repo.max_positions:
+            raise StoreError(f"task {task_dir} has max length {artifact.max_length}; backbone {repo.model!r} accepts "
+                             f"at most {repo.max_positions} tokens: retrain it with --max-length {repo.max_positions} "
+                             "or less")
+        longest = max(repo.options.buckets)
+        if repo.options.engine == "tensorrt" and artifact.max_length > longest:
+            raise StoreError(f"task {task_dir} has max length {artifact.max_length}, beyond the TensorRT profile of "
+                             f"{repo.path} (longest bucket {longest}): re-export the backbone with --buckets up to "
+                             f"{artifact.max_length}, or retrain with --max-length {longest}")
+        return artifact
+
+    def write(self, task_dir: str | Path, name: str, storage: str = "auto",
+              tasks_in_store: int | None = None, allowed_drop: float | None = None,
+              dev_data: str | Path | None = None) -> WrittenTask:
+        """Fuse P (or keep its factors), write the head, and check the served logits against PyTorch (and on an int8
+        repository its dev score through the int8 engine: exporter.accuracy_gate), into a new version folder of the
+        store that no reader sees yet. `tasks_in_store`: what `auto` counts (default: the
+        store's tasks and this one)."""
+        start = time.perf_counter()
+        self.check(task_dir, name, storage)
+        if self._backbone is None:
+            self._backbone = load_backbone(self.repo.model)
+            self._engine = validation_engine(self.repo)
+            self._tokens = Tokenization(self.repo.tokenizer_dir, self.repo.uses_token_type_ids)
+        # no copy of the encoder per task: the task's AoT hooks go into the shared one, and out again below
+        predictor = Predictor(*load_task(task_dir, self._backbone, copy_encoder=False))
+        try:
+            return self._write(predictor, task_dir, name, storage, tasks_in_store, start, allowed_drop, dev_data)
+        finally:
+            predictor.model.body.biased.remove_hooks()
+
+    def _write(self, predictor: Predictor, task_dir, name: str, storage: str, tasks_in_store: int | None,
+               start: float, allowed_drop: float | None = None, dev_data: str | Path | None = None) -> WrittenTask:
+        artifact, model = predictor.artifact, predictor.model
+        L, d = self._backbone.num_layers, self._backbone.hidden_size
+        V = int(self._backbone.embeddings.shape[0])
+        factors = {k: v.detach().float().numpy().copy() for k, v in model.body.aot.state_dict().items()}
+        fused_bytes = V * L * d * protocol.ROWS_DTYPE.itemsize
+        advice = storage_advice(self.repo, name, fused_bytes, sum(a.nbytes for a in factors.values()),
+                                tasks_in_store)
+        storage = advice["auto"] if storage == "auto" else storage
+        folder = self.store.new_version_folder(name)
+        try:
+            meta = {"name": name, "labels": None if artifact.spec.labels is None else list(artifact.spec.labels),
+                    "metric": artifact.spec.metric, "max_length": artifact.max_length, "pooling": artifact.pooling,
+                    "has_pair": artifact.spec.has_pair, "head_activation": artifact.head["activation"],
+                    "storage": storage, "method": artifact.config["method"], "num_layers": L, "hidden_size": d,
+                    "vocab_size": V, "backbone_fingerprint": self.repo.fingerprint,
+                    "dev": artifact.metrics().get("dev")}
+            (folder / "task.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+            save_file(_head_arrays(model), folder / "head.safetensors")
+            body: AotBody = model.body
+            if storage == "fused":
+                _write_fused(body, folder / "table.npy", V, progress=self.progress)
+            else:
+                save_file(factors, folder / "factors.safetensors")
+            diff = validate_task(self.repo, folder, name, storage, predictor, engine=self._engine,
+                                 tokens=self._tokens)
+            if not diff <= LOGITS_TOLERANCE:
+                raise StoreError(f"task {name!r}: served logits differ from PyTorch by {diff:.3g} "
+                                 f"(> {LOGITS_TOLERANCE}); nothing was published")
+            served_dev = check_served_accuracy(self.repo, folder, predictor, allowed_drop, dev_data)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+        return WrittenTask(name, folder, storage, fused_bytes, diff, time.perf_counter() - start, advice, size,
+                           None if served_dev is None else asdict(served_dev))
+
+    @staticmethod
+    def discard(written: WrittenTask) -> None:
+        """A written version that will not be published."""
+        shutil.rmtree(written.folder, ignore_errors=True)
+
+    def publish(self, written: list[WrittenTask]) -> list[TaskExportReport]:
+        """Publish written versions in one change of the store's index (servers see all of them, or none)."""
+        start = time.perf_counter()
+        try:
+            entries = self.store.publish_many([Publication(w.name, w.folder, w.storage) for w in written])
+        except BaseException:
+            for w in written:
+                self.discard(w)
+            raise
+        keep_admin_key_private(self.repo.path)
+        share = (time.perf_counter() - start) / max(len(written), 1)
+        reports = []
+        for w, entry in zip(written, entries):
+            reports.append(TaskExportReport(w.name, w.storage, entry.folder, w.bytes_on_disk, w.fused_bytes,
+                                            w.max_abs_logit_diff, round(w.seconds + share, 2), w.advice,
+                                            w.served_dev))
+        return reports

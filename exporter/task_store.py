@@ -1,14 +1,16 @@
-"""Writing the task store (format `aot-task-store` v1; serving.store reads it, docs/formats.md).
+"""Writing the task store (format `aot-task-store` v2; serving.store reads it, docs/formats.md).
 
-Publishing a version: write `.tmp-<pid>.<host>-<name>@<id>/` and fsync it (no lock held), then, under an exclusive lock on
-`tasks/.lock`: rename it into place, point the manifest at it (atomic replace), retire the version it replaces, and
-collect garbage. Everything that reads or changes the set of folders happens under that lock, so two exports at
-once can never delete each other's folders.
+Publishing versions: each is written into `.tmp-<pid>.<host>-<name>@<id>/` and fsynced (no lock held); then, under an
+exclusive lock on `tasks/.lock`, they are renamed into place and ONE change set of the index names them all
+(serving.store_log: readers see every version of a batch at once, or none of it), retiring the versions they replace;
+then garbage is collected. Everything that reads or changes the set of folders happens under that lock, so two
+exports at once never delete each other's folders (and the change log's exclusive create keeps two writers' changes
+apart even without it).
 
 A retired version stays on disk for RETIRED_GRACE seconds: a request that the first served step pinned to it a
-moment before the re-export is still served by it. Garbage: retired versions past their grace, folders the manifest
-does not know, and `.tmp-*` debris of writers that died (a live writer's folder is left alone; one of another host
-is left for an hour).
+moment before the re-export is still served by it. Garbage: retired versions past their grace (dropped from the
+index in the next change set), folders the index does not know, and `.tmp-*` debris of writers that died (a live
+writer's folder is left alone; one of another host is left for an hour).
 """
 
 from __future__ import annotations
@@ -16,29 +18,53 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import io
+import json
 import os
 import shutil
 import socket
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from serving.atomic import fsync_dir, fsync_tree, pid_alive, plain_permissions, write_atomic, write_json
+from serving.atomic import fsync_dir, fsync_tree, pid_alive, plain_permissions, write_atomic
 from serving.digests import folder_digests
-from serving.store import (EMBEDDINGS, MANIFEST, RETIRED_GRACE, STORAGES, STORE_FORMAT, STORE_VERSION, StoreError,
-                           StoreReader, TaskEntry, check_task_name, task_of)
-
+from serving.formats import FormatError, read_json
+from serving.store import (EMBEDDINGS, RETIRED_GRACE, STORAGES, STORE_FORMAT, STORE_VERSION, V1_MANIFEST,
+                           StoreError, StoreReader, TaskEntry, check_task_name, parse_entry, task_of)
+from serving.store_log import STORE_FILE, Change, StoreState
 
 FOREIGN_DEBRIS_AGE = 3600.0  # seconds before another host's unfinished export folder counts as debris
 # this host, in the names of export folders (pids are per host: a fleet's exports share one volume)
 HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+META_KEYS = ("labels", "metric", "dev", "served_dev", "max_length", "pooling", "has_pair", "kind")  # of task.json
+
+
+@dataclass(frozen=True)
+class Publication:
+    """One finished version folder (from new_version_folder) to publish as task `name`."""
+
+    name: str
+    folder: Path
+    storage: str
+
+
+def index_meta(folder: Path) -> dict:
+    """What the index keeps of a version's task.json: what `aot tasks` lists, so no reader opens the version for it."""
+    meta = read_json(folder / "task.json")
+    out = {k: meta[k] for k in META_KEYS if k in meta}
+    out["method"] = meta.get("method", {}).get("method")
+    return out
 
 
 class TaskStore(StoreReader):
-    """Reads and writes REPO/tasks."""
+    """Reads and writes a task store (the repository's folder, or object storage: StoreReader)."""
+
+    REMOTE_TIMEOUT = 120.0  # a publisher uploads whole tables
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -51,18 +77,64 @@ class TaskStore(StoreReader):
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     def create(self, backbone: dict, embeddings: np.ndarray) -> None:
-        """A new, empty store for a backbone (keeps an existing one whose backbone is the same)."""
+        """A new, empty store for a backbone (keeps an existing one whose backbone is the same; a v1 store is
+        upgraded: its tasks become the first change of the index). The embeddings stay in the local folder."""
         with self.locked():
-            if self.manifest_path.exists():
-                current = self.manifest_data()
-                if current["backbone"].get("fingerprint") == backbone["fingerprint"]:
-                    return
-                raise StoreError(f"{self.root} holds tasks for backbone {current['backbone'].get('fingerprint')}, "
-                                 f"not {backbone['fingerprint']}")
-            buffer = _npy_bytes(embeddings.astype(np.float32))
-            write_atomic(self.root / EMBEDDINGS, buffer)
-            write_json(self.manifest_path, {"format": STORE_FORMAT, "format_version": STORE_VERSION,
-                                            "backbone": backbone, "tasks": {}, "retired": {}})
+            if self.remote:
+                write_atomic(self.root / EMBEDDINGS, _npy_bytes(embeddings.astype(np.float32)))
+                if not self.backend.create(STORE_FILE, self._identity_bytes(backbone)):
+                    current = self.identity()
+                    if current["backbone"].get("fingerprint") != backbone["fingerprint"]:
+                        raise StoreError(f"{self.location} holds tasks for backbone "
+                                         f"{current['backbone'].get('fingerprint')}, not {backbone['fingerprint']}")
+                return
+            if (self.root / STORE_FILE).exists() or (self.root / V1_MANIFEST).exists():
+                current = self._identity_or_v1()
+                if current["backbone"].get("fingerprint") != backbone["fingerprint"]:
+                    raise StoreError(f"{self.root} holds tasks for backbone {current['backbone'].get('fingerprint')}, "
+                                     f"not {backbone['fingerprint']}")
+                if (self.root / V1_MANIFEST).exists():
+                    self._upgrade_v1(current)
+                return
+            write_atomic(self.root / EMBEDDINGS, _npy_bytes(embeddings.astype(np.float32)))
+            self._write_identity(backbone)
+
+    def _identity_or_v1(self) -> dict:
+        if (self.root / STORE_FILE).exists():
+            return self.identity()
+        try:
+            data = read_json(self.root / V1_MANIFEST)
+        except FormatError as exc:
+            raise StoreError(f"cannot upgrade the v1 task store: {exc}") from None
+        if not isinstance(data.get("backbone"), dict) or not isinstance(data.get("tasks"), dict):
+            raise StoreError(f"{self.root / V1_MANIFEST}: not a task store manifest (no 'backbone' or 'tasks')")
+        return data
+
+    @staticmethod
+    def _identity_bytes(backbone: dict) -> bytes:
+        return (json.dumps({"format": STORE_FORMAT, "format_version": STORE_VERSION, "backbone": backbone},
+                           indent=2) + "\n").encode()
+
+    def _write_identity(self, backbone: dict) -> None:
+        write_atomic(self.root / STORE_FILE, self._identity_bytes(backbone))
+
+    def _upgrade_v1(self, manifest: dict) -> None:
+        """Under the lock: the v1 manifest's tasks and retired versions become the index's first change; meta is
+        read from each version's task.json once, here."""
+        tasks = {}
+        for name, entry in manifest["tasks"].items():
+            raw = dict(entry) if isinstance(entry, dict) else entry
+            if isinstance(raw, dict) and isinstance(raw.get("folder"), str):
+                with contextlib.suppress(FormatError, OSError, StoreError, ValueError):
+                    raw["meta"] = index_meta(self.version_folder(raw["folder"]))
+            tasks[name] = raw
+        retired = {v: {"time": t, **({"digests": manifest.get("retired_digests", {})[v]}
+                                     if v in manifest.get("retired_digests", {}) else {})}
+                   for v, t in manifest.get("retired", {}).items() if isinstance(t, (int, float))}
+        self.log.commit(lambda state: Change(tasks=tasks, retired=retired) if state.generation == 0 else Change())
+        self._write_identity(manifest["backbone"])
+        (self.root / V1_MANIFEST).unlink()
+        fsync_dir(self.root)
 
     def new_version_folder(self, name: str) -> Path:
         """An empty folder to write a task version into (not yet visible to readers)."""
@@ -77,40 +149,63 @@ class TaskStore(StoreReader):
         return folder.name.split("-", 2)[2]
 
     def publish(self, name: str, folder: Path, storage: str) -> TaskEntry:
-        """Rename a finished version folder into place and point the manifest at it, atomically."""
-        if storage not in STORAGES:
-            raise StoreError(f"unknown storage {storage!r}: expected one of {', '.join(STORAGES)}")
-        plain_permissions(folder)  # safetensors writes 0600: a server running as another user could not read it
-        fsync_tree(folder)
-        digests = folder_digests(folder)
-        final = self.root / self.version_name(folder)
-        with self.locked():
-            data = self.manifest_data()
-            folder.rename(final)
-            fsync_dir(self.root)
-            old = data["tasks"].get(name)
-            data["tasks"][name] = {"folder": final.name, "storage": storage, "digests": digests}
-            self._retire(data, old)
-            self._commit(data)
-        return TaskEntry(name, final.name, storage, digests)
+        """Rename a finished version folder into place and point the index at it, atomically."""
+        return self.publish_many([Publication(name, folder, storage)])[0]
 
-    def remove(self, name: str) -> None:
+    def publish_many(self, publications: list[Publication]) -> list[TaskEntry]:
+        """Publish finished version folders in one change of the index: readers see all of them, or none."""
+        names = [p.name for p in publications]
+        if len(set(names)) != len(names):
+            raise StoreError(f"a batch publishes each task once; repeated: {sorted({n for n in names if names.count(n) > 1})}")
+        entries = {}
+        for p in publications:
+            if p.storage not in STORAGES:
+                raise StoreError(f"unknown storage {p.storage!r}: expected one of {', '.join(STORAGES)}")
+            plain_permissions(p.folder)  # safetensors writes 0600: a server running as another user could not read it
+            fsync_tree(p.folder)
+            entries[p.name] = {"folder": self.version_name(p.folder), "storage": p.storage,
+                               "digests": folder_digests(p.folder), "meta": index_meta(p.folder)}
         with self.locked():
-            data = self.manifest_data()
-            if name not in data["tasks"]:
-                known = ", ".join(sorted(data["tasks"])) or "(none)"
-                raise StoreError(f"unknown task {name!r}; known tasks: {known}")
-            self._retire(data, data["tasks"].pop(name))
-            self._commit(data)
+            self.identity()
+            if self.remote:  # the version's objects first, the change that names them last
+                for p in publications:
+                    version = self.version_name(p.folder)
+                    for file in sorted(entries[p.name]["digests"]):
+                        self.backend.upload(p.folder / file, f"{version}/{file}")
+            else:
+                for p in publications:
+                    p.folder.rename(self.root / self.version_name(p.folder))
+                fsync_dir(self.root)
 
-    @staticmethod
-    def _retire(data: dict, entry) -> None:
-        """Keep a replaced or removed version (and its digests) for requests pinned to it."""
-        retired = data.setdefault("retired", {})
-        if isinstance(entry, dict) and isinstance(entry.get("folder"), str):
-            retired[entry["folder"]] = time.time()
-            if isinstance(entry.get("digests"), dict):
-                data.setdefault("retired_digests", {})[entry["folder"]] = entry["digests"]
+            def change(state: StoreState) -> Change:
+                retired = {}
+                for name in entries:
+                    retired.update(_retire(state.tasks.get(name)))
+                return Change(tasks=dict(entries), retired={**retired, **_expired(state)})
+
+            state, committed = self.log.commit(change)
+            if self.remote:
+                for p in publications:
+                    shutil.rmtree(p.folder, ignore_errors=True)
+            self._collect(state, committed)
+        return [parse_entry(name, entry, "publish") for name, entry in entries.items()]
+
+    def remove(self, name: str) -> TaskEntry:
+        """Take a task out of the index (its version stays RETIRED_GRACE seconds for pinned requests)."""
+        with self.locked():
+            removed: list[TaskEntry] = []
+
+            def change(state: StoreState) -> Change:
+                if name not in state.tasks:
+                    known = sorted(state.tasks)
+                    listed = ", ".join(known[:10]) + (f", ... ({len(known) - 10} more)" if len(known) > 10 else "")
+                    raise StoreError(f"unknown task {name!r}; known tasks: {listed or '(none)'}")
+                removed[:] = [parse_entry(name, state.tasks[name], "the store's index")]
+                return Change(tasks={name: None}, retired={**_retire(state.tasks[name]), **_expired(state)})
+
+            state, committed = self.log.commit(change)
+            self._collect(state, committed)
+        return removed[0]
 
     def clean(self) -> list[str]:
         """Remove the `.tmp-<pid>-*` folders of writers that died (a killed `aot export task` leaves one, up to the
@@ -124,20 +219,20 @@ class TaskStore(StoreReader):
         return sorted(removed)
 
     def verify(self) -> dict[str, str | None]:
-        """Check every current task version offline: each file against the digest the manifest publishes, and the
+        """Check every current task version offline: each file against the digest the index publishes, and the
         whole version loadable as the server loads it. Task name -> what is wrong (None: sound)."""
         from serving.digests import DigestError, verify_file
         from serving.tasks import load_task_version
 
-        manifest = self.manifest()
-        found: dict[str, str | None] = dict(manifest.errors)
-        for name, entry in sorted(manifest.entries.items()):
-            folder = self.version_folder(entry.folder)
+        index = self.index()
+        found: dict[str, str | None] = dict(index.errors)
+        for name, entry in sorted(index.entries.items()):
             try:
+                folder = self.version_folder(entry.folder, entry.digests)  # a remote one fetched and checked
                 if entry.digests is None:
                     raise DigestError(f"{entry.folder}: published without digests (exported by an older aot): "
                                       "re-export it to have it verified")
-                on_disk = {p.name for p in folder.iterdir() if p.is_file()}
+                on_disk = {p.name for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")}
                 if on_disk != set(entry.digests):
                     raise DigestError(f"{entry.folder}: files {sorted(on_disk)} differ from the published "
                                       f"{sorted(entry.digests)}")
@@ -149,15 +244,18 @@ class TaskStore(StoreReader):
                 found[name] = str(exc).replace(str(self.root) + "/", "")
         return found
 
-    def _commit(self, data: dict) -> None:
-        """Under the lock: write the manifest, then remove what nothing may read any more."""
-        now = time.time()
-        live = {e["folder"] for e in data["tasks"].values() if isinstance(e, dict)}
-        retired = {v: t for v, t in data.get("retired", {}).items() if v not in live}
-        data["retired"] = {v: t for v, t in retired.items() if now - t < RETIRED_GRACE}
-        data["retired_digests"] = {v: d for v, d in data.get("retired_digests", {}).items() if v in data["retired"]}
-        write_json(self.manifest_path, data)
-        keep = live | set(data["retired"])
+    def _collect(self, state: StoreState, change: Change) -> None:
+        """Under the lock, after a change: remove the version folders nothing may read any more."""
+        keep = {e["folder"] for e in state.tasks.values() if isinstance(e, dict)} | set(state.retired)
+        if self.remote:
+            # versions the change dropped at once; others unknown to the index (a killed publisher's uploads) after
+            # FOREIGN_DEBRIS_AGE: a publisher elsewhere may be uploading one now, to name it in its next change
+            gone = {v for v, info in change.retired.items() if info is None}
+            now = time.time()
+            for name, modified in self.backend.folders().items():
+                if "@" in name and name not in keep and (name in gone or now - modified > FOREIGN_DEBRIS_AGE):
+                    self.backend.delete_folder(name)
+            return
         for path in self.root.iterdir():
             if not path.is_dir() or path.name in keep:
                 continue
@@ -166,6 +264,24 @@ class TaskStore(StoreReader):
                     shutil.rmtree(path, ignore_errors=True)
             elif "@" in path.name and task_of(path.name):
                 shutil.rmtree(path, ignore_errors=True)
+
+
+def _retire(entry) -> dict[str, dict]:
+    """A replaced or removed version, kept with its digests for requests pinned to it (for RETIRED_GRACE seconds:
+    none when that is 0)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("folder"), str) or RETIRED_GRACE <= 0:
+        return {}
+    info = {"time": time.time()}
+    if isinstance(entry.get("digests"), dict):
+        info["digests"] = entry["digests"]
+    return {entry["folder"]: info}
+
+
+def _expired(state: StoreState) -> dict[str, None]:
+    """Retired versions past their grace: dropped from the index by the next change."""
+    now = time.time()
+    return {v: None for v, info in state.retired.items()
+            if not isinstance(info.get("time"), (int, float)) or now - info["time"] >= RETIRED_GRACE}
 
 
 def _writer_alive(debris: Path) -> bool:
@@ -183,11 +299,9 @@ def _writer_alive(debris: Path) -> bool:
 
 
 def _npy_bytes(array: np.ndarray) -> bytes:
-    import io
-
     buffer = io.BytesIO()
     np.save(buffer, array)
     return buffer.getvalue()
 
 
-__all__ = ["EMBEDDINGS", "MANIFEST", "STORAGES", "StoreError", "TaskEntry", "TaskStore", "check_task_name"]
+__all__ = ["EMBEDDINGS", "STORAGES", "Publication", "StoreError", "TaskEntry", "TaskStore", "check_task_name"]

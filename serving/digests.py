@@ -1,15 +1,20 @@
 """Digests of a task version's files: written into the store's manifest at publish, checked when a version is
 loaded, mapped or changed on disk, so a damaged file is refused instead of answering wrong.
 
-A digest is `sha256:<64 hex digits>` of a file's bytes (about 1.2 GB/s on one core here: a MiniLM fused table,
-140 MB, costs ~0.1 s, once per load).
+A digest is `sha256:<64 hex digits>` of a file's bytes (its cost per table: docs/benchmarks.md section 6). Only
+regular files are read: a symbolic link, device or FIFO planted in a version's folder is refused, never followed.
+A file's stamp (inode, size, modification and status-change times) says when its bytes may have changed since it was
+checked: a restored modification time does not restore the status-change time, which only the kernel sets.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from pathlib import Path
+
+from serving.store_backend import open_regular
 
 DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # a plain file of a version folder, never a path
@@ -21,11 +26,30 @@ class DigestError(ValueError):
 
 
 def file_digest(path: Path) -> str:
+    """The digest of a regular file (a symbolic link, device or FIFO planted in its place is refused, never read)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path), "rb") as f:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
     return f"sha256:{digest.hexdigest()}"
+
+
+def file_stamp(path: str | os.PathLike) -> tuple[int, int, int, int]:
+    """What changes whenever a file's bytes may have: inode, size, mtime and ctime (ns); the link itself, never
+    what it points to."""
+    st = os.stat(path, follow_symlinks=False)
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def check_regular(path: Path) -> Path:
+    """`path`, if it is a regular file (DigestError naming it otherwise: a link, device or FIFO, or missing)."""
+    try:
+        os.close(open_regular(path))
+    except FileNotFoundError:
+        raise DigestError(f"{path.name} is missing") from None
+    except OSError as exc:
+        raise DigestError(f"{path.name}: {exc}".replace(str(path), path.name)) from None
+    return path
 
 
 def folder_digests(folder: Path) -> dict[str, str]:
@@ -55,5 +79,7 @@ def verify_file(path: Path, digests: dict[str, str] | None, where: str) -> None:
         actual = file_digest(path)
     except FileNotFoundError:
         raise DigestError(f"{where}: {path.name} is missing") from None
+    except OSError as exc:  # a link, device or FIFO in the version's folder (BackendError), or unreadable
+        raise DigestError(f"{where}: {path.name}: {exc}".replace(str(path), path.name)) from None
     if actual != expected:
         raise DigestError(f"{where}: {path.name} is damaged (its sha256 differs from the one published)")

@@ -4,6 +4,14 @@
 KINDS = {"invalid": "INVALID_ARG",  # 400 / INVALID_ARGUMENT: the request itself is wrong
          "not_found": "NOT_FOUND",  # 404 / NOT_FOUND: an unknown task or task version
          "unavailable": "UNAVAILABLE"}  # 503 / UNAVAILABLE: the task exists but cannot be served (damaged)
+# An "unavailable" message names its task, quoted as Python's repr quotes it ('sentiment'): that tells a client
+# (aot.errors) a task that cannot be served, which a retry does not cure, from a server it cannot reach now, which
+# a retry may.
+
+# A request's outcome in a step ("ok", a RequestError kind, or "internal": a fault of the server) -> the gRPC status
+# name its client sees (the request log writes it)
+STATUS = {"ok": "OK", "invalid": "INVALID_ARGUMENT", "not_found": "NOT_FOUND", "unavailable": "UNAVAILABLE",
+          "internal": "INTERNAL"}
 
 
 class RequestError(ValueError):

@@ -44,25 +44,41 @@ def check_keys(data: dict, required: dict, where: str, error: type[ValueError] =
 def read_json(path: str | Path) -> dict:
     path = Path(path)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = path.read_bytes()
     except FileNotFoundError:
         raise FormatError(f"{path}: file not found") from None
+    return parse_json(data, path)
+
+
+def parse_json(data: bytes, where: str | Path) -> dict:
+    """A JSON object from bytes read elsewhere (a file, an object store); errors name `where`."""
+    try:
+        value = json.loads(data.decode("utf-8"))
     except UnicodeDecodeError:
-        raise FormatError(f"{path}: not UTF-8 text") from None
+        raise FormatError(f"{where}: not UTF-8 text") from None
     except json.JSONDecodeError as exc:
-        raise FormatError(f"{path}: invalid JSON ({exc.msg}, line {exc.lineno})") from None
-    if not isinstance(data, dict):
-        raise FormatError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+        raise FormatError(f"{where}: invalid JSON ({exc.msg}, line {exc.lineno})") from None
+    if not isinstance(value, dict):
+        raise FormatError(f"{where}: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def read_versioned_json(path: str | Path, fmt: str, version: int, required: dict | None = None) -> dict:
     """Read a `fmt` v`version` file and check its required keys."""
-    data = read_json(path)
+    return check_versioned(read_json(path), path, fmt, version, required)
+
+
+def parse_versioned_json(data: bytes, where: str | Path, fmt: str, version: int,
+                         required: dict | None = None) -> dict:
+    """parse_json, then the format, version and required keys checked as read_versioned_json checks them."""
+    return check_versioned(parse_json(data, where), where, fmt, version, required)
+
+
+def check_versioned(data: dict, where: str | Path, fmt: str, version: int, required: dict | None = None) -> dict:
     if data.get("format") != fmt or data.get("format_version") != version:
-        raise FormatError(f"{path}: not an {fmt} v{version} file (format {data.get('format')!r}, "
+        raise FormatError(f"{where}: not an {fmt} v{version} file (format {data.get('format')!r}, "
                           f"version {data.get('format_version')!r})")
-    return check_keys(data, required or {}, str(path))
+    return check_keys(data, required or {}, str(where))
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from serving import protocol
 from serving.formats import FormatError, check_keys, read_json
 
 REPO_FORMAT = "aot-repository"
-REPO_VERSION = 3  # 3: the CPU configs serve `aot` / `vanilla` from one fused step
+REPO_VERSION = 4  # 3: the CPU configs serve `aot` / `vanilla` from one fused step; 4: the task store v2 (a log)
 RECORD = "aot_repository.json"
 MODELS_DIR = "models"
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
@@ -29,9 +29,12 @@ POOL_BYTES_ENV = "AOT_POOL_BYTES"
 # server's request rate at what that thread can do; 6 lift each step's ceiling above what the server's own CPU per
 # request allows on a large host (`aot bench tax`; the figures: docs/benchmarks.md section 6).
 GPU_STEP_INSTANCES = 6
-# What a server on the CPU configs loads: `aot` and `vanilla` are each one fused step there (tokenizer, lookup,
-# encoder, head); the GPU ensembles' separate steps are not needed.
-CPU_MODELS = ("aot", "vanilla", "task_list")
+# What a server on the CPU configs loads: `aot` is one fused step there (tokenizer, lookup, encoder, head); the GPU
+# ensembles' separate steps are not needed.
+CPU_MODELS = ("aot", "task_list")
+# The plain encoder, for comparisons (benchmarks): loaded only when asked (`aot serve --vanilla`; in a container,
+# AOT_LOAD_VANILLA=1), each one more engine and, on CPU, more step processes.
+VANILLA_MODELS = ("vanilla", "backbone_vanilla")
 
 
 class RepositoryError(ValueError):
@@ -100,6 +103,15 @@ class ServingOptions:
         "help": "dynamic-batching queue delay of the CPU configs' fused step (µs): 0 sends whatever is queued as soon "
                 "as an instance is free (requests queue while it is busy anyway, so a delay only adds latency: 0.5 ms "
                 "at concurrency 1 for 500 µs, with no throughput gained, `aot bench tax`)"})
+    task_cache_bytes: int = field(default=256 << 20, metadata={
+        "flag": "--task-cache-bytes", "minimum": 0,
+        "help": "memory of the task versions each served step process keeps loaded (heads, factors; bytes): a "
+                "version is loaded on its first request and the least recently used ones are dropped past this "
+                "(the task pool, --pool-bytes, holds rows apart from it); `aot serve` states both"})
+    audit_bytes_per_second: int = field(default=32 << 20, metadata={
+        "flag": "--audit-bytes-per-second", "minimum": 0,
+        "help": "how fast the task_list step checks every task version's files against their published digests in "
+                "the background (bytes hashed per second; 0: no audit); `aot tasks` reports its progress"})
     max_text_bytes: int = field(default=65536, metadata={
         "flag": "--max-text-bytes", "minimum": 1,
         "help": "longest TEXT (and TEXT_PAIR) a request may send, in UTF-8 bytes; longer ones are refused at once "
@@ -140,7 +152,8 @@ _REQUIRED = {"protocol_version": int, "backbone": dict, "uses_token_type_ids": b
              "store": str, "tokenizer": str}
 # Keys a record may lack (written before they were recorded): checked when present
 _OPTIONAL = {"encoder": (str, type(None)), "precision": (str, type(None)), "tensorrt_profile": (dict, type(None)),
-             "parity_max_abs_diff": dict, "cpu_precision": str, "quantization": (dict, type(None))}
+             "parity_max_abs_diff": dict, "task_store_url": (str, type(None)), "cpu_precision": str,
+             "quantization": (dict, type(None))}
 CPU_PRECISIONS = ("fp32", "int8")
 INT8_GRAPH = "model.int8.onnx"  # beside model.onnx (exporter.quantize writes it)
 _PATHS = ("store", "tokenizer", "encoder")  # relative to the repository
@@ -168,6 +181,8 @@ class BackboneRecord:
     parity_max_abs_diff: dict = field(default_factory=dict)  # graph -> largest difference from PyTorch at export
     cpu_precision: str = "fp32"  # what the CPU configs run: fp32 (model.onnx) or int8 (model.int8.onnx)
     quantization: dict | None = None  # int8: how the graphs were quantized (training.quantized.QUANTIZATION)
+    # the tasks in object storage (s3://BUCKET/PREFIX; None: in `store`, which keeps the embeddings and rows graphs)
+    task_store_url: str | None = None
 
     @property
     def model(self) -> str:
@@ -204,6 +219,9 @@ class BackboneRecord:
         if data["protocol_version"] != protocol.PROTOCOL_VERSION:
             raise RepositoryError(f"{where}: protocol version {data['protocol_version']} is not "
                                   f"{protocol.PROTOCOL_VERSION}; re-export the backbone")
+        url = data.get("task_store_url")
+        if url is not None and not url.startswith("s3://"):
+            raise RepositoryError(f"{where}: 'task_store_url' must be s3://BUCKET/PREFIX, got {url!r}")
         for key in _PATHS:
             if data.get(key) is not None and (Path(data[key]).is_absolute() or ".." in Path(data[key]).parts):
                 raise RepositoryError(f"{where}: {key!r} must be a path inside the repository, got {data[key]!r}")
@@ -285,6 +303,11 @@ class RepositoryInfo:
     @property
     def store_root(self) -> Path:
         return self.path / self.record.store
+
+    @property
+    def store_url(self) -> str | None:
+        """Where the tasks live when not in store_root: an S3 URL (aot export backbone --store)."""
+        return self.record.task_store_url
 
     @property
     def options(self) -> ServingOptions:

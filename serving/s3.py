@@ -180,6 +180,26 @@ class S3Backend:
             raise self._failed(exc, "list", prefix + "/") from None
         return iter(sorted(o["path"] for o in listed["objects"]))
 
+    def folders(self) -> dict[str, float]:
+        """The top-level "folders" (common prefixes) of the store -> the newest modification time of their objects
+        (unix seconds; a listing of each folder)."""
+        import obstore
+
+        try:
+            listed = obstore.list_with_delimiter(self.store, None)
+            out = {}
+            for prefix in listed["common_prefixes"]:
+                name = prefix.rstrip("/")
+                objects = obstore.list_with_delimiter(self.store, name + "/")["objects"]
+                out[name] = max((o["last_modified"].timestamp() for o in objects), default=0.0)
+        except Exception as exc:  # noqa: BLE001
+            raise self._failed(exc, "list", "/") from None
+        return out
+
+    def delete_folder(self, name: str) -> None:
+        for key in list(self.list(name)):
+            self.delete(key)
+
     def upload(self, path: Path, key: str) -> None:
         """A local file to `key` (multipart for large files)."""
         import obstore

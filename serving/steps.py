@@ -28,15 +28,17 @@ from pathlib import Path
 import numpy as np
 
 from serving import protocol
-from serving.errors import KINDS, RequestError
+from serving.errors import KINDS, STATUS, RequestError
 from serving.repository import RepositoryInfo, repository_of_model
+from serving.request_log import LoggedRequest, RequestLog, RequestLogSettings
+from serving.step_metrics import StepMetrics
 from serving.store import check_task_spec, task_of
 from serving.pool import RowPool
 from serving.task_registry import TaskRegistry
 from serving.shm import make_own_region_private
 from serving.watch import ExecuteWatch
 
-__all__ = ["RequestContext", "RequestError", "Step"]
+__all__ = ["RequestContext", "RequestError", "Step", "StepMetrics"]
 
 
 def model_parameters(args: dict) -> dict[str, str]:
@@ -58,112 +60,6 @@ class RequestContext:
     ("" until the request names one the store holds)."""
 
     version: str = ""
-
-
-class StepMetrics:
-    """Per-task counters on Triton's metrics port (pb_utils.MetricFamily), labelled step, task and version.
-
-    Counters of microseconds follow Triton's own convention (nv_inference_request_duration_us): rate() of the
-    duration over rate() of the requests is the mean time a task's requests spend in a step.
-
-    Every Metric call is a round trip to the server process, so counts are summed here and published at most every
-    FLUSH_SECONDS, after a batch (publishing per request and per pool version cost much of the throughput with many
-    tasks: docs/benchmarks.md section 6, "Figures behind the serving code"). A scrape therefore lags by at most that
-    interval plus the time to the instance's next batch (with several instances, an idle one publishes what it
-    counted at its next request).
-    """
-
-    FLUSH_SECONDS = 1.0
-
-    def __init__(self, pb_utils, step: str, pool: RowPool | None = None, instance: str = ""):
-        """`instance`: labels the pool's series (each instance of a step holds a pool of its own; its gauge would
-        overwrite another's under the same labels)."""
-        counter = pb_utils.MetricFamily.COUNTER
-        self.step, self.pool, self.instance = step, pool, instance
-        self.families = {
-            "requests": pb_utils.MetricFamily("aot_task_requests_total", "Requests per task version and step",
-                                              counter),
-            "failures": pb_utils.MetricFamily("aot_task_failures_total",
-                                              "Failed requests per task version and step", counter),
-            "duration": pb_utils.MetricFamily("aot_task_duration_us_total",
-                                              "Time requests of a task version spent in a step, microseconds",
-                                              counter),
-            "pool_hits": pb_utils.MetricFamily("aot_pool_hits_total", "Rows found in the task pool", counter),
-            "pool_misses": pb_utils.MetricFamily("aot_pool_misses_total",
-                                                 "Rows read or computed into the task pool", counter),
-            "pool_evictions": pb_utils.MetricFamily("aot_pool_evictions_total", "Rows evicted from the task pool",
-                                                    counter),
-            "pool_fill_us": pb_utils.MetricFamily("aot_pool_fill_us_total",
-                                                  "Time spent filling the task pool, microseconds", counter),
-            "pool_resident_bytes": pb_utils.MetricFamily("aot_pool_resident_bytes",
-                                                         "Bytes of a task version's rows held in the pool",
-                                                         pb_utils.MetricFamily.GAUGE),
-            "task_errors": pb_utils.MetricFamily("aot_task_errors_total",
-                                                 "Task versions found damaged or failing to load (refused until "
-                                                 "re-exported)", counter),
-            "manifest_errors": pb_utils.MetricFamily("aot_store_manifest_errors_total",
-                                                     "Task store manifests that could not be read (the last good "
-                                                     "one stays in use)", counter),
-        }
-        self._metrics: dict[tuple, object] = {}
-        self._pending: dict[tuple, float] = {}  # (family, labels...) -> amount not yet published
-        self._pool_last: dict[str, tuple] = {}
-        self._flushed = time.monotonic()
-
-    def _metric(self, key: tuple):
-        if key not in self._metrics:
-            self._metrics[key] = self.families[key[0]].Metric(labels={"step": self.step, **dict(key[1:])})
-        return self._metrics[key]
-
-    def _add(self, family: str, amount: float, **labels) -> None:
-        key = (family, *sorted(labels.items()))
-        self._pending[key] = self._pending.get(key, 0.0) + amount
-
-    def request(self, version: str, ok: bool, seconds: float) -> None:
-        labels = {"task": task_of(version), "version": version}
-        self._add("requests", 1, **labels)
-        self._add("duration", seconds * 1e6, **labels)
-        if not ok:
-            self._add("failures", 1, **labels)
-
-    def task_error(self, version: str) -> None:
-        self._add("task_errors", 1, task=task_of(version), version=version)
-        self.flush(force=True)
-
-    def manifest_error(self) -> None:
-        self._add("manifest_errors", 1)
-        self.flush(force=True)
-
-    def flush(self, force: bool = False) -> None:
-        """Publish what was counted since the last flush (after a batch; at most every FLUSH_SECONDS)."""
-        if not force and time.monotonic() - self._flushed < self.FLUSH_SECONDS:
-            return
-        self._flushed = time.monotonic()
-        if self.pool is not None:
-            self._pool_counts()
-        pending, self._pending = self._pending, {}
-        for key, amount in pending.items():
-            if key[0] == "pool_resident_bytes":
-                self._metric(key).set(amount)
-            elif amount > 0:
-                self._metric(key).increment(amount)
-
-    def _pool_counts(self) -> None:
-        """The pool's counters of the versions touched since the last flush, as increments."""
-        for version in self.pool.drain_touched():
-            labels = {"task": task_of(version), "version": version, "instance": self.instance}
-            stats = self.pool.stats.get(version)
-            if stats is None:  # detached: its rows are gone
-                self._pending[("pool_resident_bytes", *sorted(labels.items()))] = 0
-                self._pool_last.pop(version, None)
-                continue
-            last = self._pool_last.get(version, (0, 0, 0, 0.0))
-            now = (stats.hits, stats.misses, stats.evictions, stats.fill_seconds)
-            for family, new, old in zip(("pool_hits", "pool_misses", "pool_evictions"), now[:3], last[:3]):
-                self._add(family, new - old, **labels)
-            self._add("pool_fill_us", (now[3] - last[3]) * 1e6, **labels)
-            self._pending[("pool_resident_bytes", *sorted(labels.items()))] = stats.resident_rows * self.pool.row_bytes
-            self._pool_last[version] = now
 
 
 class Step:
@@ -191,14 +87,20 @@ class Step:
             self.pb.Logger.log_info(f"{name}: task pool of {self.pool.budget_bytes} bytes ({self.pool.slots} rows; "
                                     f"{self.pool.slots // self.repo.vocab_size} tasks fully resident)")
         self.metrics = StepMetrics(pb_utils, name, self.pool, args["model_instance_name"])
+        log = RequestLogSettings.from_environment()
+        self.request_log = RequestLog(log, name) if log is not None else None
         if parts != "none":
             # several instances on the host: each fused table once, in the page cache, not in every pool
             pool_fused = self.instances == 1 or pool_storage is not None
-            self.tasks = TaskRegistry(self.repo.store_root, parts=parts, on_manifest_error=self._manifest_error,
-                                      pool=self.pool, on_task_error=self._task_error, pool_fused=pool_fused)
+            self.tasks = TaskRegistry(self.repo.store_root, parts=parts, on_index_error=self._index_error,
+                                      url=self.repo.store_url,
+                                      pool=self.pool, on_task_error=self._task_error, pool_fused=pool_fused,
+                                      cache_bytes=self.options.task_cache_bytes)
+            self.pb.Logger.log_info(f"{name}: task versions loaded on first use, at most "
+                                    f"{self.options.task_cache_bytes} bytes of them kept")
 
     def refresh(self) -> None:
-        """Before each batch: pick up a changed manifest (a stat when nothing changed)."""
+        """Before each batch: pick up what changed in the store's index (a stat when nothing changed)."""
         if self.tasks is not None:
             self.tasks.refresh()
 
@@ -207,8 +109,8 @@ class Step:
         self.pb.Logger.log_error(f"{self.name}: {message}")
         self.metrics.task_error(version)
 
-    def _manifest_error(self, message: str) -> None:
-        self.pb.Logger.log_error(f"{self.name}: {message}; serving the last good manifest")
+    def _index_error(self, message: str) -> None:
+        self.pb.Logger.log_error(f"{self.name}: {message}; serving the last good index")
         self.metrics.manifest_error()
 
     # --- reading one request's inputs ---------------------------------------------------------------------------
@@ -328,21 +230,23 @@ class Step:
         return self._with_probes(requests, lambda real: self._respond_each(real, handle))
 
     def _respond_each(self, requests, handle: Callable) -> list:
-        responses = []
+        responses, contexts, statuses, seconds = [], [], [], []
         for request in requests:
             ctx = RequestContext()
             start = time.perf_counter()
             try:
                 responses.append(self.pb.InferenceResponse(handle(request, ctx)))
-                ok = True
+                status = "ok"
             except RequestError as exc:
                 responses.append(self.request_error(exc))
-                ok = False
+                status = exc.kind
             except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
                 responses.append(self.internal_error(exc))
-                ok = False
-            self.metrics.request(ctx.version, ok, time.perf_counter() - start)
-        self.metrics.flush()
+                status = "internal"
+            contexts.append(ctx)
+            statuses.append(status)
+            seconds.append(time.perf_counter() - start)
+        self._account(requests, contexts, statuses, seconds, seconds)
         return responses
 
     def respond_batch(self, requests, prepare: Callable, run: Callable, outputs: Callable) -> list:
@@ -354,16 +258,16 @@ class Step:
     def _respond_batch(self, requests, prepare: Callable, run: Callable, outputs: Callable) -> list:
         start = time.perf_counter()
         responses, ready, contexts = [None] * len(requests), [], []
+        statuses = ["internal"] * len(requests)  # until answered
         for i, request in enumerate(requests):
             ctx = RequestContext()
             contexts.append(ctx)
             try:
                 ready.append((i, prepare(request, ctx)))
             except RequestError as exc:
-                responses[i] = self.request_error(exc)
+                responses[i], statuses[i] = self.request_error(exc), exc.kind
             except Exception as exc:  # noqa: BLE001
                 responses[i] = self.internal_error(exc)
-        ok = [False] * len(requests)
         groups = [ready] if ready else []
         while groups:
             group = groups.pop()
@@ -377,12 +281,40 @@ class Step:
                     responses[group[0][0]] = self.internal_error(exc)
                 continue
             for i, tensors in done:
-                responses[i], ok[i] = self.pb.InferenceResponse(tensors), True
-        seconds = (time.perf_counter() - start) / max(len(requests), 1)
-        for i, ctx in enumerate(contexts):
-            self.metrics.request(ctx.version, ok[i], seconds)
-        self.metrics.flush()
+                responses[i], statuses[i] = self.pb.InferenceResponse(tensors), "ok"
+        latency = time.perf_counter() - start  # every request of the batch waited for all of it
+        share = latency / max(len(requests), 1)
+        self._account(requests, contexts, statuses, [share] * len(requests), [latency] * len(requests))
         return responses
+
+    def _account(self, requests, contexts: list[RequestContext], statuses: list[str], shares: list[float],
+                 latencies: list[float]) -> None:
+        """Count each request in the metrics (its share of the step's time, its latency) and write the sampled
+        ones to the request log."""
+        for ctx, status, share, latency in zip(contexts, statuses, shares, latencies):
+            self.metrics.request(ctx.version, status, share, latency)
+        self.metrics.flush()
+        if self.request_log is not None:
+            self.request_log.write([self._logged(r, ctx, status, latency)
+                                    for r, ctx, status, latency in zip(requests, contexts, statuses, latencies)
+                                    if self.request_log.sampled()])
+
+    def _logged(self, request, ctx: RequestContext, status: str, latency: float) -> LoggedRequest:
+        """A request as the log writes it: the task the client named when the store holds none of that name, its
+        texts only when the log asks for them (read here, raw: they may be what failed the request)."""
+        texts = {}
+        if self.request_log.settings.text:
+            texts = {key: self._raw_text(request, name) for key, name in (("text", protocol.TEXT),
+                                                                          ("text_pair", protocol.TEXT_PAIR))}
+        task = task_of(ctx.version) if ctx.version else self._raw_text(request, protocol.TASK)
+        return LoggedRequest(task, ctx.version or None, latency, STATUS[status], **texts)
+
+    def _raw_text(self, request, name: str) -> str | None:
+        tensor = self.pb.get_input_tensor_by_name(request, name)
+        if tensor is None or tensor.as_numpy().size == 0:
+            return None
+        value = tensor.as_numpy().reshape(-1)[0]
+        return bytes(value).decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
     def output(self, name: str, array: np.ndarray):
         return self.pb.Tensor(name, array)

@@ -1,36 +1,46 @@
-"""The task store of a model repository, as readers see it: format `aot-task-store`, version 1 (docs/formats.md).
+"""The task store of a model repository, as readers see it: format `aot-task-store`, version 2 (docs/formats.md).
 
-    REPO/tasks/manifest.json       the only source of truth: backbone identity, {task name -> version folder}, and
-                                   the versions retired recently (kept on disk a while for requests in flight)
+    REPO/tasks/store.json          the store's identity: format, version and the backbone its tasks were trained on
+    REPO/tasks/log/, index/, generation   the index of tasks, an append-only change log (serving.store_log)
     REPO/tasks/embeddings.npy      the backbone's embedding matrix E [V, d] fp32 (factored FC tasks use it)
     REPO/tasks/rows/<formula>.onnx the rows graphs factored tasks are computed with (fc-<activation>, kron)
     REPO/tasks/<name>@<id>/        one immutable version of a task (see serving.tasks)
 
-A manifest entry {"folder", "storage", "digests"} carries the sha256 of every file of its version (serving.digests);
-`retired_digests` keeps them for retired versions while requests pinned to them may still load them. Entries
-written before digests existed have none and are served unverified.
+A task's entry {"folder", "storage", "digests", "meta"} names its current version, the sha256 of each of its files
+(serving.digests) and what `aot tasks` lists of it (labels, metric, dev score, method, max length), so that a reader
+learns every task from the index alone and reads a version's files only when a request first needs it. A retired
+version ({"time", "digests"}) stays servable RETIRED_GRACE seconds for requests pinned to it.
 
-The writer is exporter.task_store. A reader validates each manifest entry on its own: a bad entry fails only its
-task; a manifest that cannot be read at all is reported and the last good one stays in use (serving.tasks).
+A reader follows the log (StoreView): a publish costs it one small object, whatever the number of tasks. Each entry
+is checked on its own: a bad entry fails only its task; a log or index object that cannot be read is reported and the
+last good state stays in use. The writer is exporter.task_store. A store of format v1 (one manifest.json rewritten
+at every publish) is upgraded by `aot export backbone --overwrite`, which keeps its tasks.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from serving.digests import DigestError, check_digests
-from serving.formats import FormatError, check_keys, read_versioned_json
+from serving.formats import FormatError, check_keys, parse_versioned_json
+from serving.store_backend import BackendError, FileBackend
+from serving.store_log import STORE_FILE, ChangeLog, StoreState
 
 STORE_FORMAT = "aot-task-store"
-STORE_VERSION = 1
-MANIFEST = "manifest.json"
+STORE_VERSION = 2
+V1_MANIFEST = "manifest.json"  # format v1's index, read only to upgrade it
 EMBEDDINGS = "embeddings.npy"
 ROWS_DIR = "rows"
 STORAGES = ("fused", "factored")
 MAX_NAME_LENGTH = 128
+CACHE_DIR_ENV = "AOT_TASK_CACHE_DIR"
+CACHE_BYTES_ENV = "AOT_TASK_CACHE_BYTES"
+DEFAULT_CACHE_DISK_BYTES = 20 << 30
 RETIRED_GRACE = 300.0  # seconds a replaced or removed version is still served to requests pinned to it
 _NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
 _VERSION = re.compile(r"(?P<name>[A-Za-z0-9_-][A-Za-z0-9_.-]*)@(?P<id>[0-9a-f]{12})")
@@ -82,24 +92,61 @@ class TaskEntry:
     folder: str
     storage: str
     digests: dict[str, str] | None = field(default=None, compare=False)  # file name -> sha256 (None: unverified)
+    meta: dict = field(default_factory=dict, compare=False)  # what `aot tasks` lists without reading the version
+
+    def listing(self) -> dict:
+        """What `aot tasks` shows of the task, from the index alone (no server path)."""
+        return {"name": self.name, "version": self.folder, "storage": self.storage,
+                **{k: self.meta.get(k) for k in ("labels", "max_length", "method", "metric", "dev", "served_dev")},
+                "verified": self.digests is not None}
 
 
 @dataclass
-class Manifest:
-    """A parsed manifest: the valid entries, and an error per invalid one (that task fails alone)."""
+class StoreIndex:
+    """The store's tasks as of one generation: the valid entries, an error per invalid one (that task fails alone),
+    and the versions retired recently."""
 
-    backbone: dict
-    entries: dict[str, TaskEntry]
+    entries: dict[str, TaskEntry] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     retired: dict[str, float] = field(default_factory=dict)
     retired_digests: dict[str, dict[str, str]] = field(default_factory=dict)
+    generation: int = 0
 
     def digests(self, version: str) -> dict[str, str] | None:
         """The published digests of a current or retired version (None: exported before digests existed)."""
-        for entry in self.entries.values():
-            if entry.folder == version:
-                return entry.digests
+        entry = self.entries.get(task_of(version))
+        if entry is not None and entry.folder == version:
+            return entry.digests
         return self.retired_digests.get(version)
+
+    def current(self) -> set[str]:
+        return {e.folder for e in self.entries.values()}
+
+    def update(self, state: StoreState, names: set[str] | None) -> None:
+        """Parse the entries of `names` from `state` (None: all of them) and its retired versions. New dicts replace
+        the old ones whole, so a thread iterating the index meanwhile (the audit) sees one generation or the other."""
+        entries, errors = ({}, {}) if names is None else (dict(self.entries), dict(self.errors))
+        for name in sorted(state.tasks) if names is None else names:
+            entries.pop(name, None)
+            errors.pop(name, None)
+            raw = state.tasks.get(name)
+            if raw is None:
+                continue
+            try:
+                entries[name] = parse_entry(name, raw, "the store's index")  # no server path: clients read this
+            except StoreError as exc:
+                errors[name] = str(exc)
+        retired, retired_digests = {}, {}
+        for version, info in state.retired.items():
+            if not _VERSION.fullmatch(version) or not isinstance(info.get("time"), (int, float)):
+                continue
+            retired[version] = float(info["time"])
+            try:
+                retired_digests[version] = check_digests(info.get("digests"), f"retired {version[:80]!r}")
+            except DigestError:
+                retired_digests[version] = {}  # no file of it matches: refused, never read unverified
+        self.entries, self.errors, self.retired, self.retired_digests = entries, errors, retired, retired_digests
+        self.generation = state.generation
 
 
 def parse_entry(name: str, entry, where: str) -> TaskEntry:
@@ -114,63 +161,150 @@ def parse_entry(name: str, entry, where: str) -> TaskEntry:
         if entry["storage"] not in STORAGES:
             raise StoreError(f"unknown storage {entry['storage']!r}: expected one of {', '.join(STORAGES)}")
         digests = check_digests(entry["digests"], "entry") if "digests" in entry else None
+        meta = entry.get("meta", {})
+        if not isinstance(meta, dict):
+            raise FormatError(f"'meta' must be an object, got {type(meta).__name__}")
     except (ValueError, DigestError) as exc:
         raise StoreError(f"{where}: bad entry for task {name[:80]!r}: {exc}") from None
-    return TaskEntry(name, entry["folder"], entry["storage"], digests)
+    return TaskEntry(name, entry["folder"], entry["storage"], digests, meta)
+
+
+def default_cache_dir(url: str) -> Path:
+    """Where a replica keeps the versions it fetched from a remote store: AOT_TASK_CACHE_DIR, else a folder per store
+    under ~/.cache/aot/task-versions."""
+    if os.environ.get(CACHE_DIR_ENV):
+        return Path(os.environ[CACHE_DIR_ENV])
+    digest = hashlib.sha256(url.encode()).hexdigest()[:16]
+    return Path.home() / ".cache" / "aot" / "task-versions" / digest
+
+
+def default_cache_bytes() -> int:
+    value = os.environ.get(CACHE_BYTES_ENV)
+    if value is None:
+        return DEFAULT_CACHE_DISK_BYTES
+    if not value.isdigit():
+        raise StoreError(f"{CACHE_BYTES_ENV}={value!r}: expected a number of bytes")
+    return int(value)
 
 
 class StoreReader:
-    """Reads REPO/tasks."""
+    """Reads a task store: its identity, its index, its version folders.
 
-    def __init__(self, root: str | Path):
+    `root` is the repository's local store folder (REPO/tasks): the embeddings and rows graphs of its backbone, and,
+    for a store on the file system, everything. `url` (s3://BUCKET/PREFIX): the tasks live in object storage
+    (serving.s3), and a version's files are fetched on first use into a bounded local cache (serving.version_cache;
+    AOT_TASK_CACHE_DIR, AOT_TASK_CACHE_BYTES)."""
+
+    REMOTE_TIMEOUT = 5.0  # seconds a request to the object store may take: a serving step waits no longer
+
+    def __init__(self, root: str | Path, url: str | None = None):
         self.root = Path(root)
+        self.url = url
+        self.cache = None
+        if url:
+            from serving.s3 import S3Backend  # obstore: only for a store in object storage
+            from serving.version_cache import VersionCache
+
+            self.backend = S3Backend(url, timeout=self.REMOTE_TIMEOUT)
+            self.cache = VersionCache(self.backend, default_cache_dir(url), default_cache_bytes())
+        else:
+            self.backend = FileBackend(self.root)
+        self.log = ChangeLog(self.backend)
+
+    @classmethod
+    def of(cls, repo):
+        """The store of a repository (serving.repository.RepositoryInfo)."""
+        return cls(repo.store_root, repo.store_url)
 
     @property
-    def manifest_path(self) -> Path:
-        return self.root / MANIFEST
+    def location(self) -> str:
+        return self.url or str(self.root)
+
+    @property
+    def remote(self) -> bool:
+        return self.url is not None
 
     @property
     def embeddings_path(self) -> Path:
         return self.root / EMBEDDINGS
 
-    def manifest_data(self) -> dict:
-        """The raw manifest, format-checked (raises StoreError)."""
-        if not self.manifest_path.is_file():
-            raise StoreError(f"{self.root}: no task store here ({MANIFEST} missing); run `aot export backbone`")
+    def identity(self) -> dict:
+        """store.json, format-checked: {"format", "format_version", "backbone"} (raises StoreError)."""
         try:
-            return read_versioned_json(self.manifest_path, STORE_FORMAT, STORE_VERSION,
-                                       {"backbone": dict, "tasks": dict})
+            data = self.backend.read(STORE_FILE)
+        except (BackendError, OSError) as exc:
+            raise StoreError(f"{self.location}: cannot read {STORE_FILE}: {exc}") from None
+        if data is None:
+            if not self.remote and (self.root / V1_MANIFEST).is_file():
+                raise StoreError(f"{self.root} is a task store of format v1 (one manifest.json): re-export the "
+                                 "backbone with `aot export backbone --overwrite` to upgrade it; it keeps the tasks")
+            raise StoreError(f"{self.location}: no task store here ({STORE_FILE} missing); run `aot export backbone`")
+        try:
+            return parse_versioned_json(data, f"{self.location}/{STORE_FILE}", STORE_FORMAT, STORE_VERSION,
+                                        {"backbone": dict})
         except FormatError as exc:
             raise StoreError(str(exc)) from None
 
-    def manifest(self) -> Manifest:
-        data = self.manifest_data()
-        entries, errors = {}, {}
-        for name, entry in data["tasks"].items():
-            try:
-                entries[name] = parse_entry(name, entry, MANIFEST)  # no server path: clients read this
-            except StoreError as exc:
-                errors[name] = str(exc)
-        retired = {v: float(t) for v, t in data.get("retired", {}).items()
-                   if isinstance(t, (int, float)) and _VERSION.fullmatch(v)}
-        retired_digests = {}
-        for version, digests in data.get("retired_digests", {}).items():
-            try:
-                retired_digests[version] = check_digests(digests, f"{MANIFEST} retired {version[:80]!r}")
-            except DigestError:
-                retired_digests[version] = {}  # no file of it matches: the version is refused, not read unverified
-        return Manifest(data["backbone"], entries, errors, retired, retired_digests)
+    def state(self) -> StoreState:
+        """The raw index as of now (raises StoreError when it cannot be read)."""
+        self.identity()
+        try:
+            return self.log.read_state()
+        except (FormatError, BackendError, OSError) as exc:
+            raise StoreError(f"{self.location}: the index cannot be read: {exc}") from None
+
+    def index(self) -> StoreIndex:
+        index = StoreIndex()
+        index.update(self.state(), None)
+        return index
 
     def entries(self) -> dict[str, TaskEntry]:
-        return self.manifest().entries
+        return self.index().entries
 
-    def manifest_stamp(self) -> tuple[int, int, int] | None:
-        """Changes whenever the manifest is replaced: a cheap check before each batch (None: no manifest)."""
+    def version_folder(self, version: str, digests: dict[str, str] | None = None) -> Path:
+        """The local folder of a version: in the store's folder, or fetched from the remote store into the cache
+        (every file checked against `digests`, which a remote version must have)."""
+        check_version(version)
+        if self.cache is None:
+            return self.root / version
+        if not digests:
+            raise StoreError(f"{version}: a version in object storage is served only with its published digests")
+        return self.cache.folder(version, digests)
+
+
+class StoreView:
+    """A reader's index that follows the store's change log: `refresh()` is a stat when nothing changed and one
+    small object per publish otherwise. A log that cannot be read is reported (`error`) and the last good index
+    stays in use; the next refresh tries again."""
+
+    RETRY_SECONDS = 1.0  # after a failed read, the whole index is read again at most this often
+
+    def __init__(self, reader: StoreReader):
+        self.reader = reader
+        self.index = StoreIndex()
+        self.error: str | None = None
+        self._state: StoreState | None = None
+        self._retry_at = 0.0
+
+    def refresh(self) -> set[str] | None:
+        """Apply what changed: the names whose entries changed (empty: nothing), or None when the whole index was
+        read (the first time, after an error, or for a reader left behind the log's compaction)."""
         try:
-            st = os.stat(self.manifest_path)
-        except FileNotFoundError:
-            return None
-        return (st.st_ino, st.st_mtime_ns, st.st_size)
-
-    def version_folder(self, version: str) -> Path:
-        return self.root / check_version(version)
+            if self._state is None:
+                if time.monotonic() < self._retry_at:
+                    return set()
+                state = self.reader.state()
+                self.index.update(state, None)
+                self._state, self.error = state, None
+                return None
+            if not self.reader.log.changed():
+                return set()
+            changed = self.reader.log.follow(self._state)
+        except (StoreError, FormatError, BackendError, OSError) as exc:
+            self.error = str(exc)
+            self._state = None  # read whole next time: a change set may have been half applied
+            self._retry_at = time.monotonic() + self.RETRY_SECONDS
+            return set()
+        self.index.update(self._state, changed)
+        self.error = None
+        return changed

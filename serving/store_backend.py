@@ -24,6 +24,21 @@ class BackendError(OSError):
     """The store cannot be reached or answered something unexpected (the message names the store)."""
 
 
+def open_regular(path: str | Path) -> int:
+    """A read-only descriptor of the regular file `path`: a symbolic link, a device or a FIFO is refused before any
+    read (a FIFO would block forever, /dev/zero never end). FileNotFoundError when it is missing."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise BackendError(f"{path}: a symbolic link, refused") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise BackendError(f"{path}: not a regular file, refused")
+    return fd
+
+
 class FileBackend:
     """A store in a folder. Objects are regular files under `root`, opened without following symbolic links: a
     link, a device or a FIFO planted in the store is refused, never read."""
@@ -39,18 +54,7 @@ class FileBackend:
         return self.root / key
 
     def _open_regular(self, key: str) -> int:
-        """A descriptor of the regular file `key`: a symbolic link, a device or a FIFO is refused before any read
-        (a FIFO would block, /dev/zero never end)."""
-        try:
-            fd = os.open(self.path(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise BackendError(f"{self.path(key)}: a symbolic link, refused") from None
-            raise
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise BackendError(f"{self.path(key)}: not a regular file, refused")
-        return fd
+        return open_regular(self.path(key))
 
     def read(self, key: str) -> bytes | None:
         """The object's bytes; None when it does not exist."""

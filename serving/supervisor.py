@@ -11,11 +11,25 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from pathlib import Path
 
 from serving.admin_key import (ADMIN_KEY_ENV, ADMIN_KEY_FILE_ENV, RESTRICTED_APIS, RESTRICTION_FLAGS, AdminKeyError,
                                admin_key_from_environment, generate_admin_key)
 from serving.health import HealthServer
 from serving.lifecycle import ServerExited, ServerLifecycle
+from serving.repository import VANILLA_MODELS
+
+LOAD_VANILLA_ENV = "AOT_LOAD_VANILLA"
+
+
+def load_flags(command: list[str]) -> list[str]:
+    """What the server loads when the command does not say: every model of its repository but the plain encoder
+    (serving.repository.VANILLA_MODELS: comparisons only, one more engine on the GPU), which AOT_LOAD_VANILLA=1 adds."""
+    repo = next((a.split("=", 1)[1] for a in command if a.startswith("--model-repository=")), None)
+    if repo is None or os.environ.get(LOAD_VANILLA_ENV) == "1" or not os.path.isdir(repo):
+        return ["--load-model=*"]
+    return [f"--load-model={p.name}" for p in sorted(Path(repo).iterdir())
+            if (p / "config.pbtxt").is_file() and p.name not in VANILLA_MODELS]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"supervisor: {exc}", file=sys.stderr)
         return 2
     if not any(a.startswith("--model-control-mode") for a in command):
-        command += ["--model-control-mode=explicit", "--load-model=*"]
+        command += ["--model-control-mode=explicit", *load_flags(command)]
     port = next((a.split("=", 1)[1] for a in command if a.startswith("--http-port=")), "8000")
     server = ServerLifecycle(f"127.0.0.1:{port}", key, stop_timeout=None)  # the container's runtime kills
     server.start(command)

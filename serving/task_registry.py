@@ -1,120 +1,291 @@
-"""The task versions of a store as one served step sees them: names resolved through the last good manifest,
-versions loaded on demand and kept while they may still serve, damage found and reported, and a batch's rows
-through the step's task pool (serving.pool) or from each version's storage (serving.tasks)."""
+"""The task versions of a store as one served step sees them: names resolved through the store's index (followed
+one change at a time), versions loaded on their first request and kept in a least-recently-used set under a byte
+budget, damage found and reported, and a batch's rows through the step's task pool (serving.pool) or from each
+version's storage (serving.tasks).
+
+Residency is lazy and bounded: at start a step reads the index and nothing per task; a version is loaded (its files
+checked against their digests) when a request first needs it, and dropped when the loaded versions' bytes (heads,
+factors) pass `cache_bytes` and it is the least recently used. Concurrent first requests for one version load it
+once. A version that fails to load is kept as its error: its requests fail with that message, the others serve.
+"""
 
 from __future__ import annotations
 
 import heapq
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from serving import protocol
-from serving.digests import DigestError, verify_file
+from serving.digests import DigestError
 from serving.errors import RequestError
 from serving.pool import RowPool
-from serving.store import RETIRED_GRACE, Manifest, StoreError, StoreReader, check_version, task_of
+from serving.store import RETIRED_GRACE, StoreError, StoreReader, StoreView, TaskEntry, check_version, task_of
+from serving.store_backend import BackendError
+from serving.task_audit import TaskAudit
 from serving.tasks import PARTS, ServedTask, load_task_version
 
 KNOWN_IN_MESSAGE = 10  # task names an unknown task's 404 suggests
+DEFAULT_CACHE_BYTES = 256 << 20
+REMOTE_POLL_SECONDS = 1.0  # how often a step looks at an object store's generation hint (one conditional GET)
+RETRY_FETCH_SECONDS = 2.0  # a version that could not be fetched fails its requests at once this long, then is retried
+
+
+STORE = ""  # the key of _unreachable that pauses every fetch: the store did not answer
+
+
+class FetchError(OSError):
+    """A version could not be fetched from a remote store: unreachable (then every cold version waits
+    RETRY_FETCH_SECONDS before the store is asked again), or one object failed its digest (that version waits)."""
+
+    def __init__(self, message: str, unreachable: bool):
+        super().__init__(message)
+        self.unreachable = unreachable
 
 
 class TaskRegistry:
-    """The tasks of a store as one served step sees them.
-
-    Names resolve through the last good manifest (re-read when it changes: a stat per batch, no restart); a manifest
-    that cannot be read is reported (`on_manifest_error`) and the last good one stays in use. Versions load on
-    demand and stay while the manifest names them or they served a request in the last `grace` seconds, so a
-    request pinned to a version by the first step is served by that version even after a re-export.
-    A version that fails to load is kept as its error: its requests fail with that message, the others serve.
-    """
+    """The tasks of a store as one served step sees them."""
 
     def __init__(self, store_root: str | Path, parts: str = "all", grace: float = 120.0,
-                 on_manifest_error: Callable[[str], None] | None = None, pool: RowPool | None = None,
-                 on_task_error: Callable[[str, str], None] | None = None, pool_fused: bool = True):
-        """`pool`: keep the rows of the current versions in this pool (serving.pool); versions that leave the
-        manifest are detached from it at once (a request still pinned to one reads its storage directly).
+                 on_index_error: Callable[[str], None] | None = None, pool: RowPool | None = None,
+                 on_task_error: Callable[[str, str], None] | None = None, pool_fused: bool = True,
+                 cache_bytes: int = DEFAULT_CACHE_BYTES, url: str | None = None):
+        """`pool`: keep the rows of the loaded current versions in this pool (serving.pool); a version that leaves
+        the index or the loaded set is detached from it (a request still pinned to one reads its storage directly).
         `pool_fused` False: only factored versions' rows go in the pool, fused tables are read through their memory
-        maps (a step of several instances on CPU: the page cache shares one copy of each table between them, where
-        each instance's pool, holding its share of the budget, would hold a copy of its own).
-        `on_task_error(version, message)`: a version failed to load or was found damaged (log it, count it)."""
-        self.store = StoreReader(store_root)
-        self.pool, self.pool_fused = pool, pool_fused
+        maps (a step of several instances on CPU: the page cache shares one copy of each table between them).
+        `grace`: seconds a version that left the index stays loaded after it last served a request.
+        `on_task_error(version, message)`: a version failed to load or was found damaged (log it, count it).
+        `url`: the tasks live in object storage (serving.s3): the index is followed by a thread of its own every
+        REMOTE_POLL_SECONDS, so that no request waits on the bucket, and a version not cached on disk is fetched on
+        its first request (a store that cannot be reached fails that request alone, 503, and it is tried again)."""
         if parts not in PARTS:
             raise ValueError(f"parts={parts!r}: expected one of {', '.join(PARTS)}")
-        self.parts, self.grace = parts, grace
-        self.on_manifest_error = on_manifest_error
+        self.store = StoreReader(store_root, url)
+        self.view = StoreView(self.store)
+        self.pool, self.pool_fused = pool, pool_fused
+        self.parts, self.grace, self.cache_bytes = parts, grace, cache_bytes
+        self.on_index_error = on_index_error
         self.on_task_error = on_task_error
-        self.manifest_error: str | None = None
-        self._stamp = None
-        self._manifest = Manifest({}, {})
-        self._current: set[str] = set()
-        self._entries: dict = {}
-        self._entry_errors: dict[str, str] = {}
-        self._audit: dict[str, tuple[tuple, str | None]] = {}  # version -> (files' stamps, damage found by audit())
-        self._versions: dict[str, ServedTask | StoreError] = {}
+        self.audit = TaskAudit(self.store, self.view)
+        self.loads = 0  # versions loaded (a test or benchmark counts cold loads)
+        self.resident_bytes = 0
+        self._versions: OrderedDict[str, ServedTask | StoreError] = OrderedDict()  # least recently used first
+        self._bytes: dict[str, int] = {}
+        self._loading: dict[str, threading.Event] = {}
         self._last_used: dict[str, float] = {}
+        self._reported_error: str | None = None
+        self._unreachable: dict[str, tuple[float, str]] = {}  # version -> (until when, why): not retried sooner
         self._lock = threading.RLock()
-        self.refresh()
+        self._refresh()
+        self._stop = threading.Event()
+        if self.store.remote:
+            threading.Thread(target=self._follow_remote, name="aot-store-watch", daemon=True).start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _follow_remote(self) -> None:
+        while not self._stop.wait(REMOTE_POLL_SECONDS):
+            self._refresh()
+
+    # --- the index -------------------------------------------------------------------------------------------------
+
+    @property
+    def index_error(self) -> str | None:
+        """Why the store's index could not be read (the last good one serves meanwhile), or None."""
+        return self.view.error
 
     def refresh(self) -> None:
-        stamp = self.store.manifest_stamp()
-        if stamp == self._stamp:
-            return
+        """Before each batch (and in the audit's thread): apply what changed in the index (a stat when nothing
+        did; nothing for a store in object storage, which a thread of its own follows)."""
+        if not self.store.remote:
+            self._refresh()
+
+    def _refresh(self) -> None:
         with self._lock:
-            try:
-                manifest = self.store.manifest()
-            except StoreError as exc:
-                self._stamp = stamp
-                self.manifest_error = str(exc)
-                if self.on_manifest_error is not None:
-                    self.on_manifest_error(self.manifest_error)
+            changed = self.view.refresh()
+            if self.view.error and self.view.error != self._reported_error and self.on_index_error is not None:
+                self.on_index_error(self.view.error)
+            self._reported_error = self.view.error
+            if changed == set():
                 return
-            self._entries, self._entry_errors, self._stamp = manifest.entries, manifest.errors, stamp
-            self._manifest = manifest
-            self._current = {e.folder for e in self._entries.values()}
-            self.manifest_error = None
-            current = {e.folder for e in self._entries.values()}
-            now = time.monotonic()
-            for version in list(self._versions):
-                if version in current:
-                    continue
+            current = self.view.index.current()
+            for version in [v for v in self._versions if v not in current]:
                 if self.pool is not None:
                     self.pool.detach(version)
-                if now - self._last_used.get(version, 0.0) > self.grace:
-                    del self._versions[version]
-                    self._last_used.pop(version, None)
-            for version in current - set(self._versions):
-                self._load(version)
-            if self.pool is not None:
-                for version in current:
-                    task = self._versions.get(version)
-                    if isinstance(task, ServedTask) and (self.pool_fused or task.storage != "fused"):
-                        self.pool.attach(version, task.rows)
+                if time.monotonic() - self._last_used.get(version, 0.0) > self.grace:
+                    self._drop(version)
 
-    def check(self) -> dict[str, str]:
-        """Load every current version whole (table or factors, head) without keeping it: task name -> why its
-        requests will fail. What `aot serve` reports at start-up, in constant memory whatever the task count."""
-        errors = dict(self._entry_errors)
-        for name, entry in self._entries.items():
-            loaded = self._load(entry.folder, "all", keep=False)
-            if isinstance(loaded, StoreError):
-                errors[name] = str(loaded)
+    def entries(self) -> dict[str, TaskEntry]:
+        return self.view.index.entries
+
+    def names(self) -> list[str]:
+        """Every task the index names, loadable or not."""
+        index = self.view.index
+        return sorted(set(index.entries) | set(index.errors))
+
+    def known(self, version: str) -> bool:
+        """A version the index names as current, or retired less than RETIRED_GRACE ago (a request may be pinned
+        to it): after that it is gone, even before the next export deletes its folder."""
+        index = self.view.index
+        entry = index.entries.get(task_of(version))
+        if entry is not None and entry.folder == version:
+            return True
+        retired = index.retired.get(version)
+        return retired is not None and time.time() - retired < RETIRED_GRACE
+
+    def errors(self) -> dict[str, str]:
+        """Task name -> why its requests fail: a bad index entry, a loaded version that failed, or a file the audit
+        found damaged. Versions not loaded yet are not read for this."""
+        index = self.view.index
+        errors = dict(index.errors)
+        with self._lock:
+            for version, loaded in self._versions.items():
+                entry = index.entries.get(task_of(version))
+                if isinstance(loaded, StoreError) and entry is not None and entry.folder == version:
+                    errors[entry.name] = str(loaded)
+        for name, damage in self.audit.damaged().items():
+            errors.setdefault(name, damage)
         return errors
 
-    def _load(self, version: str, parts: str | None = None, keep: bool = True) -> ServedTask | StoreError:
+    def loaded(self) -> dict[str, ServedTask]:
+        """The current versions loaded now, by task name."""
+        index = self.view.index
+        with self._lock:
+            return {task_of(v): t for v, t in self._versions.items() if isinstance(t, ServedTask)
+                    and (e := index.entries.get(task_of(v))) is not None and e.folder == v}
+
+    # --- resolving a request's task -------------------------------------------------------------------------------
+
+    def resolve(self, name: str) -> ServedTask:
+        """The current version of task `name`, or exactly the version `name@<id>` names (serving.store
+        check_task_spec) if the index still holds it: the first step pins it for the request."""
+        if "@" in name:
+            return self.version(name)
+        index = self.view.index
+        entry = index.entries.get(name)
+        if entry is None:
+            if name in index.errors:
+                raise RequestError(index.errors[name], "unavailable")
+            errors = self.errors()
+            first = heapq.nsmallest(KNOWN_IN_MESSAGE + 1, (n for n in index.entries if n not in errors))
+            known = ", ".join(first[:KNOWN_IN_MESSAGE]) or "(none)"
+            if len(first) > KNOWN_IN_MESSAGE:
+                known += f", ... ({len(index.entries) - KNOWN_IN_MESSAGE} more: aot tasks lists them)"
+            raise RequestError(f"unknown task {name[:200]!r}; known tasks: {known}", "not_found")
+        return self.version(entry.folder)
+
+    def version(self, version: str) -> ServedTask:
+        """Exactly this task version, loaded on its first request (version folders are immutable)."""
         try:
-            task: ServedTask | StoreError = load_task_version(self.store.version_folder(version), version,
-                                                              self.store.root, parts or self.parts,
-                                                              self._manifest.digests(version))
-        except Exception as exc:  # noqa: BLE001 - a corrupt task must not take the others down
-            task = self._damaged(version, exc)
-        if keep:
-            self._versions[version] = task
+            check_version(version)
+        except StoreError as exc:
+            raise RequestError(str(exc)) from None
+        with self._lock:
+            task = self._versions.get(version)
+            if task is not None:
+                self._versions.move_to_end(version)
+        if task is None:
+            if not self.known(version) or not self.store.remote and not self.store.version_folder(version).is_dir():
+                raise RequestError(f"task version {version!r} is not in the store (removed, or never exported)",
+                                   "not_found")
+            unreachable = self._unreachable.get(version) or self._unreachable.get(STORE)
+            if unreachable is not None and time.monotonic() < unreachable[0]:
+                raise RequestError(unreachable[1], "unavailable")
+            task = self._load_once(version)
+        if isinstance(task, ServedTask) and task.table is not None:
+            try:
+                task.check_table()
+            except StoreError as exc:  # damaged under the server: refused from now on, its pool rows dropped
+                with self._lock:
+                    task = self._versions[version] = self._damaged(version, exc)
+                    if self.pool is not None:
+                        self.pool.detach(version)
+        self._last_used[version] = time.monotonic()
+        if isinstance(task, StoreError):
+            raise RequestError(str(task), "unavailable")
         return task
+
+    def _load_once(self, version: str) -> ServedTask | StoreError:
+        """Load `version` once, however many requests ask for it at the same moment."""
+        with self._lock:
+            task = self._versions.get(version)
+            if task is not None:
+                return task
+            loading = self._loading.get(version)
+            if loading is None:
+                loading = self._loading[version] = threading.Event()
+                mine = True
+            else:
+                mine = False
+        if not mine:
+            loading.wait()
+            with self._lock:
+                task = self._versions.get(version)
+            if task is None:  # the load it waited for could not fetch the version
+                why = self._unreachable.get(version) or self._unreachable.get(STORE) or (0, f"{version}: not loaded")
+                raise RequestError(why[1], "unavailable")
+            return task
+        task: ServedTask | StoreError = StoreError(f"{version}: not loaded")
+        try:
+            task = self._load(version)
+        except FetchError as exc:  # the store: not kept, tried again after a pause (the others serve meanwhile)
+            with self._lock:
+                del self._loading[version]
+                loading.set()
+                until = (time.monotonic() + RETRY_FETCH_SECONDS, str(exc))
+                self._unreachable[STORE if exc.unreachable else version] = until
+            raise RequestError(str(exc), "unavailable") from None
+        finally:
+            with self._lock:
+                if version in self._loading:
+                    self._keep(version, task)
+                    del self._loading[version]
+                    loading.set()
+        self._unreachable.pop(version, None)
+        self._unreachable.pop(STORE, None)
+        return task
+
+    def _load(self, version: str) -> ServedTask | StoreError:
+        self.loads += 1
+        digests = self.view.index.digests(version)
+        try:
+            folder = self.store.version_folder(version, digests)
+        except (BackendError, DigestError, OSError) as exc:  # unreachable, or an object damaged on its way
+            raise FetchError(f"task {task_of(version)!r} ({version}) cannot be fetched from the task store "
+                             f"{self.store.location}: {exc}", unreachable=isinstance(exc, BackendError)) from None
+        try:
+            return load_task_version(folder, version, self.store.root, self.parts, digests)
+        except Exception as exc:  # noqa: BLE001 - a corrupt task must not take the others down
+            return self._damaged(version, exc)
+
+    def _keep(self, version: str, task: ServedTask | StoreError) -> None:
+        """Under the lock: add a loaded version (or its error), attach it to the pool, and drop the least recently
+        used versions while the loaded bytes pass the budget (never the one just loaded)."""
+        self._versions[version] = task
+        size = task.resident_bytes() if isinstance(task, ServedTask) else 0
+        self._bytes[version] = size
+        self.resident_bytes += size
+        if isinstance(task, ServedTask) and self.pool is not None and version in self.view.index.current() \
+                and (self.pool_fused or task.storage != "fused"):
+            self.pool.attach(version, task.rows)
+        for old in list(self._versions):
+            if self.resident_bytes <= self.cache_bytes:
+                break
+            if old != version:
+                self._drop(old)
+
+    def _drop(self, version: str) -> None:
+        self._versions.pop(version, None)
+        self.resident_bytes -= self._bytes.pop(version, 0)
+        self._last_used.pop(version, None)
+        if self.pool is not None:
+            self.pool.detach(version)
 
     def _damaged(self, version: str, exc: BaseException) -> StoreError:
         detail = str(exc).replace(str(self.store.root) + "/", "")
@@ -123,111 +294,11 @@ class TaskRegistry:
             self.on_task_error(version, str(error))
         return error
 
-    def known(self, version: str) -> bool:
-        """A version the manifest names as current, or retired less than RETIRED_GRACE ago (a request may be pinned
-        to it): after that it is gone, even before the next export deletes its folder."""
-        if version in self._current:
-            return True
-        retired = self._manifest.retired.get(version)
-        return retired is not None and time.time() - retired < RETIRED_GRACE
-
-    def audit(self) -> dict[str, str]:
-        """Check every current version's task.json against its digest, and any of its files once it changes on disk
-        (stats otherwise; the other files are checked by the steps that load them): the task_list step runs it in
-        the background, so `aot tasks` names a task damaged under the server before a request meets it. Returns
-        task name -> damage."""
-        found = {}
-        for name, entry in list(self._entries.items()):
-            folder = self.store.version_folder(entry.folder)
-            try:
-                stamps = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.iterdir()))
-            except OSError as exc:
-                stamps = (str(exc),)
-            seen = self._audit.get(entry.folder)
-            if seen is None or seen[0] != stamps:
-                # First sighting: task.json only, what this step reads. The head, factors and table are hashed by
-                # the steps that load them (the fused step, or the head and backbone steps, when they load or first
-                # map them); hashing them here too read every head twice at each start, gigabytes with many tasks
-                # (docs/benchmarks.md section 6, "Figures behind the serving code"). Any file that changes
-                # afterwards is hashed again here, whichever it is.
-                changed = set(entry.digests or ()) if seen is not None else {"task.json"} & set(entry.digests or ())
-                damage = None
-                try:
-                    for file in sorted(changed):
-                        verify_file(folder / file, entry.digests, entry.folder)
-                except (DigestError, OSError) as exc:
-                    damage = f"task {name!r} ({entry.folder}) is corrupt: {exc}"
-                seen = (stamps, damage)
-                self._audit[entry.folder] = seen
-            if seen[1]:
-                found[name] = seen[1]
-        return found
-
-    def names(self) -> list[str]:
-        """Every task the manifest names, loadable or not."""
-        return sorted(set(self._entries) | set(self._entry_errors))
-
-    def errors(self) -> dict[str, str]:
-        """Task name -> why its requests fail (a bad manifest entry, a version that does not load, or a file that
-        audit() found damaged)."""
-        errors = dict(self._entry_errors)
-        for name, entry in self._entries.items():
-            loaded = self._versions.get(entry.folder)
-            if isinstance(loaded, StoreError):
-                errors[name] = str(loaded)
-            elif entry.folder in self._audit and self._audit[entry.folder][1]:
-                errors[name] = self._audit[entry.folder][1]
-        return errors
-
-    def served(self) -> dict[str, ServedTask]:
-        """The tasks that serve now, by name."""
-        return {n: t for n, e in self._entries.items() if isinstance(t := self._versions.get(e.folder), ServedTask)}
-
-    def resolve(self, name: str) -> ServedTask:
-        """The current version of task `name`, or exactly the version `name@<id>` names (serving.store
-        check_task_spec) if the manifest still holds it: the first step pins it for the request."""
-        if "@" in name:
-            return self.version(name)
-        entry = self._entries.get(name)
-        if entry is None:
-            if name in self._entry_errors:
-                raise RequestError(self._entry_errors[name], "unavailable")
-            served = self.served()
-            first = heapq.nsmallest(KNOWN_IN_MESSAGE, served)  # bounded: an answer to a typo, not a listing
-            known = ", ".join(first) or "(none)"
-            if len(served) > KNOWN_IN_MESSAGE:
-                known += f", ... ({len(served) - KNOWN_IN_MESSAGE} more: aot tasks lists them)"
-            raise RequestError(f"unknown task {name[:200]!r}; known tasks: {known}", "not_found")
-        return self.version(entry.folder)
-
-    def version(self, version: str) -> ServedTask:
-        """Exactly this task version (loaded on demand: version folders are immutable)."""
-        try:
-            check_version(version)
-        except StoreError as exc:
-            raise RequestError(str(exc)) from None
-        with self._lock:
-            task = self._versions.get(version)
-            if not self.known(version) or task is None and not self.store.version_folder(version).is_dir():
-                raise RequestError(f"task version {version!r} is not in the store (removed, or never exported)",
-                                   "not_found")
-            if task is None:
-                task = self._load(version)
-            if isinstance(task, ServedTask) and task.table is not None:
-                try:
-                    task.check_table()
-                except StoreError as exc:  # damaged under the server: refused from now on, its pool rows dropped
-                    task = self._versions[version] = self._damaged(version, exc)
-                    if self.pool is not None:
-                        self.pool.detach(version)
-            self._last_used[version] = time.monotonic()
-        if isinstance(task, StoreError):
-            raise RequestError(str(task), "unavailable")
-        return task
+    # --- a batch's rows ---------------------------------------------------------------------------------------------
 
     def pool_slots(self, requests: list[tuple[ServedTask, np.ndarray]]) -> list[np.ndarray | None]:
         """Pool slots for a batch's (task, sorted distinct token ids), its misses filled together; None for a
-        request the pool does not hold (a version that left the manifest, no pool, or a batch that needs more rows
+        request the pool does not hold (a version that left the index, no pool, or a batch that needs more rows
         than the whole pool): its rows come from storage (`task.rows`)."""
         if self.pool is None:
             return [None] * len(requests)

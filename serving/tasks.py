@@ -28,7 +28,7 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from serving import protocol
-from serving.digests import DigestError, verify_file
+from serving.digests import DigestError, check_regular, file_stamp, verify_file
 from serving.formats import FormatError, check_keys, read_json
 from serving.labels import label_for
 from serving.store import EMBEDDINGS, ROWS_DIR, STORAGES, StoreError, rows_graph_name, task_of
@@ -123,7 +123,7 @@ class ServedTask:
     digests: dict[str, str] | None = None  # published digests (None: exported before digests, unverified)
     table_path: Path | None = None
     table_bytes: int = 0
-    table_stamp: tuple | None = None  # (inode, size, mtime) of table.npy when it last matched its digest
+    table_stamp: tuple | None = None  # serving.digests.file_stamp of table.npy when it last matched its digest
 
     def rows(self, token_ids: np.ndarray) -> np.ndarray:
         """Rows of P for sorted distinct token ids, [U, L, d] fp16, from the task's own storage (no pool).
@@ -139,14 +139,13 @@ class ServedTask:
         if self.table is None:
             return
         try:
-            st = os.stat(self.table_path)
+            stamp = file_stamp(self.table_path)
         except OSError:
             raise StoreError(f"{self.version}: table.npy is missing") from None
-        stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
         if stamp == self.table_stamp:
             return
-        if st.st_size != self.table_bytes:
-            raise StoreError(f"{self.version}: table.npy is {st.st_size} bytes, expected {self.table_bytes} "
+        if stamp[1] != self.table_bytes:
+            raise StoreError(f"{self.version}: table.npy is {stamp[1]} bytes, expected {self.table_bytes} "
                              "(truncated or replaced)")
         try:
             verify_file(self.table_path, self.digests, self.version)
@@ -170,14 +169,12 @@ class ServedTask:
     def label(self, logits: np.ndarray) -> str:
         return label_for(self.labels, logits)
 
-    def describe(self) -> dict:
-        """What `aot tasks` shows of a served task."""
-        method = self.meta.get("method", {})
-        return {"name": self.name, "version": self.version, "storage": self.storage, "labels": self.labels,
-                "max_length": self.max_length, "method": method.get("method"), "metric": self.meta.get("metric"),
-                "dev": self.meta.get("dev"), "served_dev": self.meta.get("served_dev"),
-                "source": self.meta.get("source"),
-                "verified": self.digests is not None}
+    def resident_bytes(self) -> int:
+        """The memory this version holds of its own (head, factors; a fused table is mapped, in the page cache)."""
+        arrays = list(self.head.values())
+        if isinstance(self.compute_rows, FactoredRows):
+            arrays += list(self.compute_rows.feeds.values())
+        return sum(a.nbytes for a in arrays)
 
 
 PARTS = ("meta", "head", "rows", "all")
@@ -192,10 +189,12 @@ def load_task_version(folder: Path, version: str, store_root: Path, parts: str =
     `digests` (the manifest's): every file read is checked against them; the fused table on its first use
     (ServedTask.check_table), so that loading many tasks does not hash every table at once."""
     def verified(name: str) -> Path:
+        """A regular file of the version that holds its published bytes."""
         try:
+            check_regular(folder / name)
             verify_file(folder / name, digests, version)
         except DigestError as exc:
-            raise StoreError(str(exc)) from None
+            raise StoreError(f"{version}: {exc}" if not str(exc).startswith(version) else str(exc)) from None
         return folder / name
 
     try:
@@ -219,10 +218,17 @@ def load_task_version(folder: Path, version: str, store_root: Path, parts: str =
     shape = (task.vocab_size, task.num_layers, task.hidden_size)
     if task.storage == "fused":
         task.table_path = folder / "table.npy"
-        task.table = np.load(task.table_path, mmap_mode="r")  # refuses a file shorter than its header says
+        try:
+            check_regular(task.table_path)
+        except DigestError as exc:
+            raise StoreError(f"{version}: {exc}") from None
+        try:
+            task.table = np.load(task.table_path, mmap_mode="r")  # refuses a file shorter than its header says
+        except (ValueError, OSError) as exc:
+            raise StoreError(f"{version}: table.npy cannot be mapped ({exc}): truncated or not a table") from None
         if task.table.shape != shape or task.table.dtype != protocol.ROWS_DTYPE:
             raise StoreError(f"{version}: table.npy is {task.table.dtype} {task.table.shape}, expected fp16 {shape}")
-        task.table_bytes = task.table_path.stat().st_size
+        task.table_bytes = file_stamp(task.table_path)[1]
     else:
         method = meta["method"]
         if method.get("method") not in ("fc", "kron"):

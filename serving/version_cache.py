@@ -30,7 +30,6 @@ from pathlib import Path
 
 from serving.atomic import fsync_dir, pid_alive
 from serving.digests import DigestError, FILE_NAME, file_digest
-from serving.store import check_version
 
 COMPLETE = ".complete"
 LOCKS = ".locks"
@@ -61,8 +60,8 @@ class VersionCache:
         self._remove_debris()
 
     def folder(self, version: str, digests: dict[str, str]) -> Path:
-        """The local folder of `version`, downloaded and verified first if it is not here."""
-        check_version(version)
+        """The local folder of `version` (a checked version name, serving.store.check_version), downloaded and
+        verified first if it is not here."""
         local = self.root / version
         if self._complete(local, digests):
             self.touch(version)

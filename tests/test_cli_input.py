@@ -169,8 +169,13 @@ def test_train_does_not_replace_an_artifact_unasked(tmp_path, capsys):
 
 
 def test_infer_input_needs_a_task(tmp_path, capsys):
+    """A line without a task is answered with its error in place (nothing is sent when no line is good)."""
     path = tmp_path / "requests.jsonl"
-    path.write_text('{"text": "good"}\n')
+    path.write_text('{"id": 3, "text": "good"}\n')
     assert main(["infer", "--input", str(path)]) == 2
-    assert one_line_error(capsys) == (f'aot: error: {path}:1: expected {{"task": "...", "text": "..."}} (or --task '
-                                       "for lines without one)")
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == {"id": 3, "error": 'line 1: expected {"task": "...", "text": "..."} (or --task '
+                                        "for lines without one)", "error_type": "InvalidInput", "status": None,
+                                        "retryable": False}
+    assert captured.err == ('aot: error: 1 of 1 requests failed (first: line 1: expected {"task": "...", "text": '
+                            '"..."} (or --task for lines without one))\n')

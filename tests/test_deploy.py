@@ -80,17 +80,25 @@ def test_compose_env_of_a_repository_sizes_the_memory_pools(tmp_path, tiny_model
     from serving.repository import memory_pool_bytes, read_repository
     from tests.helpers import make_repository
 
+    import os
+
     repo = make_repository(tiny_models["bert"], tmp_path / "repo", {}, engine=engine)
-    result = subprocess.run([_compose(), "--env-file", str(repo / "compose.env"), "-f",
-                             str(ROOT / "docker-compose.yml"), "config"], capture_output=True, text=True)
+    written = (repo / "compose.env").read_text()
+    assert str(tmp_path) not in written and "=/" not in written  # no path of the exporting machine
+    served = tmp_path / "elsewhere"  # the copy on the serving machine, named there
+    repo.rename(served)
+    result = subprocess.run([_compose(), "--env-file", str(served / "compose.env"), "-f",
+                             str(ROOT / "docker-compose.yml"), "config"], capture_output=True, text=True,
+                            env={**os.environ, "AOT_REPO": str(served)})
     assert result.returncode == 0, result.stderr
     spec = yaml.safe_load(result.stdout)
     triton = spec["services"]["triton"]
-    pools = memory_pool_bytes(read_repository(repo))
+    pools = memory_pool_bytes(read_repository(served))
     assert f"--cuda-memory-pool-byte-size=0:{pools['cuda']}" in triton["command"]
     assert f"--pinned-memory-pool-byte-size={pools['pinned']}" in triton["command"]
     volumes = [v if isinstance(v, str) else f"{v['source']}:{v['target']}" for v in triton["volumes"]]
-    assert any(v.startswith(f"{repo.resolve()}:/repo") for v in volumes), volumes
+    assert any(v.startswith(f"{served.resolve()}:/repo") for v in volumes), volumes
+    assert spec["secrets"]["aot_admin_key"]["file"] == str(served.resolve() / "admin-key")
 
 
 def _gpu_check(*stages, **env):
@@ -127,17 +135,20 @@ def test_gpu_check_refuses_a_kit_for_another_python(tmp_path):
 KUBERNETES = "1.32.0"  # kubectl's version on these machines; the manifests use no API newer than it
 
 
-@pytest.fixture(scope="module")
-def rendered() -> dict[str, dict]:
-    """deploy/kubernetes rendered offline by kubectl's Kustomize: kind -> object (the Services by name)."""
+def _render(folder: str) -> dict[str, dict]:
+    """A folder of deploy/kubernetes rendered offline by kubectl's Kustomize: kind -> object (the Services by name)."""
     kubectl = _installed("kubectl", "it renders deploy/kubernetes (kubectl kustomize)")
-    result = subprocess.run([kubectl, "kustomize", str(ROOT / "deploy" / "kubernetes")], capture_output=True,
-                            text=True)
+    result = subprocess.run([kubectl, "kustomize", str(ROOT / "deploy" / folder)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     objects = {}
     for doc in yaml.safe_load_all(result.stdout):
         objects[doc["metadata"]["name"] if doc["kind"] == "Service" else doc["kind"]] = doc
     return objects
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, dict]:
+    return _render("kubernetes")
 
 
 def test_kubernetes_manifests_validate_against_the_schemas(rendered):
@@ -195,3 +206,89 @@ def test_kubernetes_services_budget_and_autoscaler(rendered):
     assert hpa["minReplicas"] >= 2  # with one, a disruption or a rollout leaves none
     [metric] = hpa["metrics"]
     assert metric["pods"]["metric"]["name"] == "aot_backbone_queue_seconds"
+
+
+def _parameters() -> dict[str, str]:
+    lines = (ROOT / "deploy" / "kubernetes" / "base" / "parameters.env").read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
+
+
+def test_storage_class_is_a_parameter(rendered):
+    """The claim's storageClassName comes from base/parameters.env (a ReadWriteMany class is cluster-specific), and
+    the parameters are read while rendering, never applied."""
+    assert rendered["PersistentVolumeClaim"]["spec"]["storageClassName"] == _parameters()["STORAGE_CLASS"]
+    assert rendered["ConfigMap"]["metadata"]["name"].startswith("aot-repository-")  # the only ConfigMap applied
+
+
+def test_cpu_overlay_serves_the_cpu_configs_without_gpus():
+    """deploy/kubernetes/cpu: the same fleet with no GPU request anywhere, the CPU configs (the fused step and the
+    task list, as aot serve loads them), and an autoscaler on CPU utilisation, valid against the 1.32 schemas."""
+    import kubernetes_validate
+
+    cpu, gpu = _render("kubernetes/cpu"), _render("kubernetes")
+    assert set(cpu) == set(gpu)
+    for doc in cpu.values():
+        kubernetes_validate.validate(doc, KUBERNETES, strict=True)
+        assert "nvidia.com/gpu" not in yaml.safe_dump(doc) and "cuda-memory-pool" not in yaml.safe_dump(doc)
+    [triton] = cpu["Deployment"]["spec"]["template"]["spec"]["containers"]
+    assert triton["command"] == ["python3", "-m", "serving.supervisor", "tritonserver"]
+    assert triton["image"] == "aot-ptuning-triton:24.10"  # the NGC-based image runs on CPU nodes
+    assert {"--model-config-name=cpu", "--model-control-mode=explicit", "--load-model=aot",
+            "--load-model=task_list", "--model-repository=/mnt/aot/$(AOT_REPOSITORY)/models"} <= set(triton["args"])
+    assert not any("vanilla" in a for a in triton["args"])
+    assert triton["resources"]["requests"]["cpu"] and "nvidia.com/gpu" not in triton["resources"]["limits"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):  # the base's promises hold
+        assert triton[probe] == gpu["Deployment"]["spec"]["template"]["spec"]["containers"][0][probe]
+    [metric] = cpu["HorizontalPodAutoscaler"]["spec"]["metrics"]
+    assert metric == {"type": "Resource", "resource": {"name": "cpu", "target": {"type": "Utilization",
+                                                                                 "averageUtilization": 70}}}
+
+
+def test_publish_job_writes_the_fleet_claim_with_the_export_image():
+    """deploy/kubernetes/publish: one `aot export task` in the publisher image, on the fleet's claim mounted
+    read-write (the replicas mount it read-only), never retried (a failed publish changes nothing), non-root."""
+    import kubernetes_validate
+
+    publish, fleet = _render("kubernetes/publish"), _render("kubernetes")
+    assert set(publish) == {"ConfigMap", "Job"}
+    for doc in publish.values():
+        kubernetes_validate.validate(doc, KUBERNETES, strict=True)
+    job = publish["Job"]
+    assert job["metadata"]["namespace"] == fleet["Deployment"]["metadata"]["namespace"]
+    assert job["spec"]["backoffLimit"] == 0 and job["spec"]["template"]["spec"]["restartPolicy"] == "Never"
+    pod = job["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    assert container["image"] == "aot-ptuning-publisher:0.1.0"
+    assert container["command"] == ["aot", "export", "task"]
+    assert {"--task=/mnt/aot/artifacts/$(AOT_TASK_ARTIFACT)", "--repo=/mnt/aot/$(AOT_REPOSITORY)",
+            "--name=$(AOT_TASK_NAME)"} <= set(container["args"])
+    config = publish["ConfigMap"]
+    assert container["envFrom"] == [{"configMapRef": {"name": config["metadata"]["name"]}}]
+    assert {"AOT_REPOSITORY", "AOT_TASK_ARTIFACT", "AOT_TASK_NAME"} <= set(config["data"])
+    claim = fleet["PersistentVolumeClaim"]["metadata"]["name"]
+    [volume] = [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
+    assert volume["persistentVolumeClaim"] == {"claimName": claim}  # read-write
+    [mount] = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+    assert mount["mountPath"] == "/mnt/aot" and not mount.get("readOnly")
+    assert pod["securityContext"]["runAsNonRoot"] and container["securityContext"]["readOnlyRootFilesystem"]
+
+
+def test_publisher_image_installs_the_pinned_export_extra():
+    """docker/Dockerfile.publish: PyTorch's CPU wheel and every package of the [export] extra, pinned, and the
+    project's code the exporter needs (no benchmarks), checked by running `aot export task --help` at build."""
+    import re
+    import tomllib
+
+    text = (ROOT / "docker" / "Dockerfile.publish").read_text()
+    pins = dict(re.findall(r"([a-z_-]+)(?:\[[a-z,]+\])?==([0-9.]+)", text))
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for extra in ("export", "train", "client"):
+        for requirement in extras[extra]:
+            name = re.match(r"[a-z_-]+", requirement).group(0)
+            if name != "aot-ptuning":
+                assert name in pins, f"{name} of the [{extra}] extra is not pinned in docker/Dockerfile.publish"
+    assert "download.pytorch.org/whl/cpu" in text and pins["torch"] == "2.13.0"
+    for package in ("aot", "serving", "serving_torch", "training", "exporter", "model_repository"):
+        assert f"COPY {package} ./{package}" in text
+    assert "COPY benchmarks" not in text and "aot export task --help" in text
+    assert "USER 1000" in text  # as the Job's runAsUser and the replicas' triton-server user

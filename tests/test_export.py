@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -197,11 +198,11 @@ def test_reexport_swaps_and_remove(tmp_path, tiny_models, tasks, monkeypatch):
     second = store.entries()["t"]
     assert second.folder != first and second.storage == "factored"
     # the superseded version stays a while for requests already pinned to it, then goes
-    assert (store.root / first).is_dir() and first in store.manifest().retired
+    assert (store.root / first).is_dir() and first in store.index().retired
     monkeypatch.setattr(exporter.task_store, "RETIRED_GRACE", 0.0)
     store.remove("t")
     assert store.entries() == {} and not (store.root / first).exists() and not (store.root / second.folder).exists()
-    assert store.manifest().retired == {}
+    assert store.index().retired == {}
     with pytest.raises(StoreError, match="unknown task 't'"):
         store.remove("t")
 
@@ -242,12 +243,55 @@ def test_corrupt_task_does_not_hide_the_others(tmp_path, tiny_models, tasks):
     (store.root / store.entries()["bad"].folder / "table.npy").write_bytes(b"garbage")
     registry = TaskRegistry(store.root)
     assert registry.resolve("good").rows(np.array([1, 2])).shape == (2, 2, 32)
-    assert "bad" in registry.errors()
+    assert registry.errors() == {}  # a version is read when a request first needs it
     with pytest.raises(RequestError, match="task 'bad' .* is corrupt") as err:
         registry.resolve("bad")
+    assert "bad" in registry.errors()
     assert str(store.root) not in str(err.value)  # no server paths in what clients read
     with pytest.raises(RequestError, match=r"unknown task 'zzz'; known tasks: good"):
         registry.resolve("zzz")
+
+
+def _as_v3_with_a_v1_store(repo: Path) -> dict:
+    """Turn a repository back into what the previous release wrote: record v3, a task store of format v1 (one
+    manifest.json naming every task). Returns its entries."""
+    store = TaskStore(read_repository(repo).store_root)
+    state = store.state()
+    tasks = {name: {k: v for k, v in entry.items() if k != "meta"} for name, entry in state.tasks.items()}
+    manifest = {"format": "aot-task-store", "format_version": 1, "backbone": store.identity()["backbone"],
+                "tasks": tasks, "retired": {v: i["time"] for v, i in state.retired.items()},
+                "retired_digests": {v: i["digests"] for v, i in state.retired.items() if "digests" in i}}
+    for name in ("log", "index"):
+        shutil.rmtree(store.root / name, ignore_errors=True)
+    for name in ("generation", "store.json"):
+        (store.root / name).unlink(missing_ok=True)
+    (store.root / "manifest.json").write_text(json.dumps(manifest))
+    record = json.loads((repo / "aot_repository.json").read_text())
+    (repo / "aot_repository.json").write_text(json.dumps({**record, "format_version": 3}))
+    return tasks
+
+
+def test_previous_release_repository_is_upgraded_with_its_tasks(tmp_path, tiny_models, tasks):
+    """A v3 repository with a v1 store (one manifest.json): refused with the way out, then `aot export backbone
+    --overwrite` turns its manifest into the change log's first change, every task and digest kept, and serves."""
+    repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"t": (tasks[("bert", "fc")], "fused"),
+                                                                     "u": (tasks[("bert", "kron")], "factored")})
+    export_task(tasks[("bert", "fc")], repo, "t", "factored", progress=False)  # one retired version too
+    old = _as_v3_with_a_v1_store(repo)
+    with pytest.raises(RepositoryError, match=r"not an aot-repository v4 file .* --overwrite`: it keeps the tasks"):
+        read_repository(repo)
+    from exporter.backbone_export import export_backbone
+
+    export_backbone(str(tiny_models["bert"]), repo, overwrite=True)
+    store = TaskStore(read_repository(repo).store_root)
+    assert not (store.root / "manifest.json").exists() and store.identity()["format_version"] == 2
+    entries = store.entries()
+    assert {n: (e.folder, e.storage, e.digests) for n, e in entries.items()} == \
+        {n: (e["folder"], e["storage"], e["digests"]) for n, e in old.items()}
+    assert entries["u"].meta["method"] == "kron" and len(store.index().retired) == 1
+    registry = TaskRegistry(store.root)
+    assert registry.errors() == {} and registry.resolve("t").storage == "factored"
+    assert store.verify() == {"t": None, "u": None}
 
 
 def test_existing_repository_needs_overwrite(tmp_path, tiny_models, tasks):
@@ -260,10 +304,10 @@ def test_existing_repository_needs_overwrite(tmp_path, tiny_models, tasks):
     assert list(TaskStore(read_repository(repo).store_root).entries()) == ["t"]
     record = json.loads((repo / "aot_repository.json").read_text())  # a repository of the previous format
     (repo / "aot_repository.json").write_text(json.dumps({**record, "format_version": 2}))
-    with pytest.raises(RepositoryError, match=r"not an aot-repository v3 file .* --overwrite`: it keeps the tasks"):
+    with pytest.raises(RepositoryError, match=r"not an aot-repository v4 file .* --overwrite`: it keeps the tasks"):
         read_repository(repo)
     export_backbone(str(tiny_models["bert"]), repo, overwrite=True)  # upgraded, its tasks kept
-    assert json.loads((repo / "aot_repository.json").read_text())["format_version"] == 3
+    assert json.loads((repo / "aot_repository.json").read_text())["format_version"] == 4
     assert list(TaskStore(read_repository(repo).store_root).entries()) == ["t"]
     with pytest.raises(RepositoryError, match="holds tasks for backbone"):
         export_backbone(str(tiny_models["roberta"]), repo, overwrite=True)

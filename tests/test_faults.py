@@ -32,6 +32,7 @@ from serving.atomic import write_json
 from serving.procfs import stubs_of
 from serving.repository import read_repository
 from serving.shm import SHM, STUB
+from serving.store_log import GENERATION, Change, log_key
 from serving.task_registry import TaskRegistry
 from tests.helpers import WITH_STEPS, Load, Outcome, make_repository, serve_for_tests, train_tiny_task
 from training.predict import Predictor
@@ -321,7 +322,7 @@ def test_serve_command_restarts_a_killed_tritonserver_and_cleans_up_after_it(rep
         with Client(info["grpc"]) as c:
             assert c.infer("alpha", TEXTS[0])["label"] in ("positive", "negative")
         stubs = stubs_of(triton)
-        assert {s.model for s in stubs.values()} == {"aot", "vanilla", "task_list"}, stubs
+        assert {s.model for s in stubs.values()} == {"aot", "task_list"}, stubs  # no vanilla unless asked
         regions = [SHM / s.shm_region.lstrip("/") for s in stubs.values()]
         assert all(r.exists() for r in regions), regions
         def serving_again(since: float) -> float:
@@ -498,19 +499,22 @@ def test_concurrent_exports_keep_the_store_consistent(scratch, expected):
             published += out.split()
             sources[f"extra_{p}{round_}"] = "beta"
     assert len(published) == 12 and len(set(published)) == 12, published
-    manifest = store.manifest()
-    assert manifest.errors == {}
-    assert set(manifest.entries) == {"alpha", "beta", "gamma", *sources}
-    for name, entry in manifest.entries.items():
-        assert (store.root / entry.folder).is_dir(), f"manifest entry {name} -> {entry.folder}: folder missing"
+    index = store.index()
+    assert index.errors == {}
+    assert set(index.entries) == {"alpha", "beta", "gamma", *sources}
+    assert index.generation >= 2 * 3 * 2  # every publish its own change, none lost
+    for name, entry in index.entries.items():
+        assert (store.root / entry.folder).is_dir(), f"index entry {name} -> {entry.folder}: folder missing"
     for version in published:  # every version published is live or retired, and still on disk (grace period)
-        assert version in {e.folder for e in manifest.entries.values()} | set(manifest.retired), version
+        assert version in {e.folder for e in index.entries.values()} | set(index.retired), version
         assert (store.root / version).is_dir(), f"{version} was removed by the other writer"
     registry = TaskRegistry(store.root)
     assert registry.errors() == {}
-    assert set(registry.served()) == set(manifest.entries)
+    assert set(registry.entries()) == set(index.entries)
+    for name in index.entries:
+        registry.resolve(name)  # every entry loads
     with Client(scratch.grpc_url, timeout=30) as c:
-        _check_answers(c, expected, tasks=sorted(manifest.entries), sources=sources)
+        _check_answers(c, expected, tasks=sorted(index.entries), sources=sources)
         for name in sources:  # removing the extra tasks leaves the others serving exactly as before
             store.remove(name)
         _check_answers(c, expected)
@@ -518,20 +522,35 @@ def test_concurrent_exports_keep_the_store_consistent(scratch, expected):
             c.infer("extra_a0", TEXTS[0])
 
 
-# --- 6. a bad manifest ------------------------------------------------------------------------------------------
+# --- 6. a bad index -----------------------------------------------------------------------------------------------
 
-def test_bad_manifest_keeps_the_last_good_one(scratch, expected):
+def _failure(c, name: str, deadline: float) -> str:
+    """The error task `name`'s request gets once the servers hold the bad entry (a step reads the whole index again
+    at most once a second after a failed read)."""
+    while True:
+        try:
+            c.infer(name, TEXTS[0])
+        except InferenceError as exc:
+            return str(exc)
+        assert time.monotonic() < deadline, f"{name} still answers from the old index"
+        time.sleep(0.2)
+
+
+def test_bad_index_keeps_the_last_good_one(scratch, expected):
+    """A change set that cannot be read (not JSON) leaves every step on the last good index, counted and logged; a
+    change set with bad entries fails those tasks alone, with a message naming no server path."""
     store = TaskStore(read_repository(scratch.repo).store_root)
-    good = store.manifest_path.read_bytes()
-    data = json.loads(good)
+    state = store.state()
+    bad_log, hint = store.root / log_key(state.generation + 1), store.root / GENERATION
     errors_before = _metric(_metrics(scratch), "aot_store_manifest_errors_total")
     messages = []
     try:
         with Client(scratch.grpc_url, timeout=30) as c:
             _check_answers(c, expected)
-            store.manifest_path.write_text('{"format": "aot-task-store", "tasks": {')  # not JSON
+            bad_log.write_text('{"generation": ')  # not JSON
+            hint.write_text(f"{state.generation + 1}\n")  # readers look at once
             time.sleep(0.05)
-            _check_answers(c, expected)  # the last good manifest
+            _check_answers(c, expected)  # the last good index
             with urllib.request.urlopen(f"http://{scratch.http_url}/v2/health/ready", timeout=5) as r:
                 assert r.status == 200
             samples = _metrics(scratch)
@@ -540,20 +559,29 @@ def test_bad_manifest_keeps_the_last_good_one(scratch, expected):
             for step in ("aot",):  # the step the requests went through
                 assert _metric(samples, "aot_store_manifest_errors_total", step=step) > 0, step
 
-            bad = json.loads(good)
-            del bad["tasks"]["beta"]["storage"]
-            bad["tasks"]["gamma"]["folder"] = "../../../../etc"
-            write_json(store.manifest_path, bad)
+            beta, gamma = dict(state.tasks["beta"]), dict(state.tasks["gamma"])
+            del beta["storage"]
+            gamma["folder"] = "../../../../etc"
+            bad_log.write_text(json.dumps({"generation": state.generation + 1, "tasks": {"beta": beta,
+                                                                                          "gamma": gamma}}))
+            deadline = time.monotonic() + 10
             for name, why in (("beta", "missing key 'storage'"), ("gamma", "invalid task version '../../../../etc'")):
-                with pytest.raises(InferenceError) as err:
-                    c.infer(name, TEXTS[0])
-                messages.append(str(err.value))
+                messages.append(_failure(c, name, deadline))
                 assert f"bad entry for task {name!r}" in messages[-1] and why in messages[-1], messages[-1]
             _check_answers(c, expected, tasks=("alpha",))
-    finally:
-        write_json(store.manifest_path, data)
+    finally:  # as an operator mends it: the good entries again, in the next change (a reader that already applied
+        # the bad one, or did not, ends on the same entries)
+        bad_log.write_text(json.dumps({"generation": state.generation + 1, "tasks": {}}))
+        store.log.commit(lambda _: Change(tasks={"beta": state.tasks["beta"], "gamma": state.tasks["gamma"]}))
+    deadline = time.monotonic() + 10
     with Client(scratch.grpc_url, timeout=30) as c:
-        _check_answers(c, expected)
+        while True:
+            try:
+                _check_answers(c, expected)
+                break
+            except (InferenceError, AssertionError):
+                assert time.monotonic() < deadline, "the mended index did not serve again"
+                time.sleep(0.2)
     for message in messages:  # what a client is told: no server path
         _assert_clean(message, scratch.repo)
 
@@ -562,7 +590,7 @@ def test_bad_manifest_keeps_the_last_good_one(scratch, expected):
 
 def test_file_size_limit_during_fused_export_leaves_the_store_unchanged(scratch, artifacts, expected):
     store = TaskStore(read_repository(scratch.repo).store_root)
-    manifest = store.manifest_path.read_bytes()
+    state = store.state()
     listing = sorted(p.name for p in store.root.iterdir())
     folder = store.root / store.entries()["alpha"].folder
     table = (folder / "table.npy").stat().st_size
@@ -583,7 +611,7 @@ def test_file_size_limit_during_fused_export_leaves_the_store_unchanged(scratch,
     assert len(lines) == 1 and lines[0].startswith("aot: error:"), proc.stderr
     assert "File too large" in lines[0], lines[0]
     assert proc.stdout == ""
-    assert store.manifest_path.read_bytes() == manifest
+    assert store.state() == state
     assert sorted(p.name for p in store.root.iterdir()) == listing
     assert [p.name for p in store.root.iterdir() if ".tmp-" in p.name] == []
     with Client(scratch.grpc_url, timeout=30) as c:

@@ -116,7 +116,7 @@ def test_fleet_answers_as_predict_and_balances(fleet, expected):
     while sum(served := [_ensemble_requests(s) - b for s, b in zip(fleet.servers, before)]) < len(items):
         assert time.monotonic() < deadline, served
         time.sleep(0.1)
-    assert sum(served) == len(items) and min(served) > 0, served
+    assert sum(served) >= len(items) and min(served) > 0, served  # more: the supervisors' probes (one a second)
     with urllib.request.urlopen(f"http://{fleet.http_url}/v2/health/ready", timeout=5) as r:  # HTTP through it too
         assert r.status == 200
     assert fleet.states() == {"r0": "UP", "r1": "UP"}

@@ -202,7 +202,8 @@ def test_lookup_step_serves_the_bias_from_a_host_or_a_torch_pool(tmp_path, tiny_
                            bias_interface=interface)
     info = read_repository(repo)
     assert BackboneRunner(info.backbone_onnx).dense == (interface == "dense")
-    served = TaskRegistry(info.store_root, parts="all").served()
+    registry = TaskRegistry(info.store_root, parts="all")
+    served = {name: registry.resolve(name) for name in registry.entries()}
     # token tensors padded to buckets, as the GPU tokenizer step sends them: padding takes row 0
     tokens = Tokenization(info.tokenizer_dir, info.uses_token_type_ids, buckets=info.options.buckets)
     gpu = parse_pbtxt((repo / "models" / "aot_lookup" / "config.pbtxt").read_text())

@@ -9,7 +9,7 @@ layer, the gather and add of BiasedEncoder (PEFT's mixed-adapter batches need a 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,24 +112,27 @@ class MultiTaskModel(nn.Module):
         return SequenceClassifierOutput(logits=logits)
 
     def predict(self, texts: Sequence[str], task_names: Sequence[str], pairs: Sequence[str | None] | None = None,
-                batch_size: int = 32) -> list[dict]:
+                batch_size: int = 32, on_batch: Callable[[int], None] | None = None) -> list[dict]:
         """One answer per text, in order (training.answer.answer: task, label, logits, probabilities).
         Each text is tokenized as its task was trained (its max length), then rows of similar length share a batch
-        whatever their tasks."""
+        whatever their tasks, on the device the model is on. `on_batch(n)`: after each batch of n texts (progress)."""
         self._check_names(task_names, len(texts))
         pairs = list(pairs) if pairs is not None else [None] * len(texts)
         tokenizer = self.backbone.tokenizer
         encoded = [tokenizer(t, p, truncation=True, max_length=self.tasks[n].max_length)
                    for t, p, n in zip(texts, pairs, task_names)]
         pad = tokenizer.pad_token_id or 0
+        device = next(self.biased.parameters()).device
         order = sorted(range(len(texts)), key=lambda i: len(encoded[i]["input_ids"]))
         answers: list[dict] = [{}] * len(texts)
         for start in range(0, len(order), batch_size):
             rows = order[start:start + batch_size]
-            batch = _pad([encoded[i] for i in rows], pad)
-            logits = self.forward(**batch, task_names=[task_names[i] for i in rows]).logits
+            batch = {k: v.to(device) for k, v in _pad([encoded[i] for i in rows], pad).items()}
+            logits = self.forward(**batch, task_names=[task_names[i] for i in rows]).logits.cpu()
             for i, row in zip(rows, logits):
                 answers[i] = answer(task_names[i], self.tasks[task_names[i]].spec, row)
+            if on_batch is not None:
+                on_batch(len(rows))
         return answers
 
     def _check_names(self, task_names: Sequence[str], rows: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -95,21 +96,27 @@ def _request(line: JsonLine, tasks: dict[str, Path], default: str | None) -> dic
     return {"text": item["text"], "text_pair": pair, "task": task} | ({"id": item["id"]} if "id" in item else {})
 
 
-def predict_lines(tasks: dict[str, Path], lines: list[Line], model: str | None,
-                  batch_size: int = 32) -> dict[int, dict]:
-    """Answers by line number (with each line's "id" first when it has one). AoT tasks run together in a
-    MultiTaskModel; a task of another method (it changes the encoder) runs alone, in a Predictor."""
+def predict_lines(tasks: dict[str, Path], lines: list[Line], model: str | None, batch_size: int = 32,
+                  device: str = "cpu", on_batch: Callable[[int], None] | None = None) -> dict[int, dict]:
+    """Answers by line number (with each line's "id" first when it has one), computed on `device`. AoT tasks run
+    together in a MultiTaskModel; a task of another method (it changes the encoder) runs alone, in a Predictor.
+    `on_batch(n)`: after every n lines answered (progress)."""
     methods = {name: read_task(folder).method_config.method for name, folder in tasks.items()}
     shared = {name: method_spec(method).shared_backbone for name, method in methods.items()}
     if not lines:
         return {}
     texts, pairs, names = ([item[k] for _, item in lines] for k in ("text", "text_pair", "task"))
     if all(shared.values()):
-        rows = MultiTaskModel.from_pretrained(tasks, model).predict(texts, names, pairs, batch_size)
+        rows = MultiTaskModel.from_pretrained(tasks, model).to(device).predict(texts, names, pairs, batch_size,
+                                                                               on_batch)
     elif len(tasks) == 1:
         name = next(iter(tasks))
-        predictor = Predictor.load(tasks[name], load_backbone(model) if model else None)
-        rows = [predictor.predict([t], [p], name)[0] for t, p in zip(texts, pairs)]
+        predictor = Predictor.load(tasks[name], load_backbone(model) if model else None, device)
+        rows = []
+        for t, p in zip(texts, pairs):
+            rows.append(predictor.predict([t], [p], name)[0])
+            if on_batch is not None:
+                on_batch(1)
     else:
         other = next(n for n, ok in shared.items() if not ok)
         raise ValueError(f"task {other!r} was trained with method {methods[other]!r}, which changes the encoder: "

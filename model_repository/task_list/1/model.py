@@ -1,7 +1,8 @@
-"""Triton python model: the tasks this server serves now (`aot tasks`, Client.tasks()), read from the task store
-the steps serve, not from a client's disk. A background thread checks every current version's files against the
-digests the manifest publishes (again only when a file changes), so a damaged task is listed as such before a
-request meets it."""
+"""Triton python model: the tasks this server serves (`aot tasks`, Client.tasks()), read from the task store's index
+the steps serve, not from a client's disk and without opening any task version. The request's parameters may narrow
+the listing: `match` (a substring of the name) and `limit` (at most this many tasks, by name). A background thread
+audits the store: every current version's files against their published digests, at the serving option
+audit_bytes_per_second (serving.task_audit), so a damaged task is listed as such before a request meets it."""
 
 import json
 import threading
@@ -10,6 +11,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from serving import protocol
+from serving.errors import RequestError
 from serving.steps import RequestContext, Step
 
 AUDIT_SECONDS = 5.0
@@ -24,22 +26,25 @@ class TritonPythonModel:
 
     def _audit(self):
         reported = set()
-        while True:
-            self.step.refresh()
-            for name, damage in self.step.tasks.audit().items():
+        budget = int(self.step.options.audit_bytes_per_second * AUDIT_SECONDS)
+        while budget and not self._stop.wait(AUDIT_SECONDS):
+            self.step.refresh()  # the index as of now, with or without traffic (the registry holds its lock)
+            self.step.tasks.audit.run(budget)
+            for name, damage in self.step.tasks.audit.damaged().items():
                 if damage not in reported:
                     pb_utils.Logger.log_error(f"task_list: {damage}")
                     reported.add(damage)
-            if self._stop.wait(AUDIT_SECONDS):
-                return
 
     def _one(self, request, ctx: RequestContext):
+        limit, match = _narrowing(request.parameters())
         tasks = self.step.tasks
         errors = tasks.errors()
-        listing = {"tasks": [t.describe() for n, t in sorted(tasks.served().items()) if n not in errors],
-                   "errors": errors}
-        if tasks.manifest_error:
-            listing["manifest_error"] = tasks.manifest_error
+        names = [n for n in sorted(tasks.entries()) if n not in errors and match in n]
+        entries = tasks.entries()
+        listing = {"tasks": [entries[n].listing() for n in names[:limit]], "errors": errors,
+                   "total": len(names), "audit": vars(tasks.audit.progress)}
+        if tasks.index_error:
+            listing["index_error"] = tasks.index_error
         return [pb_utils.Tensor(protocol.TASKS, np.array([json.dumps(listing).encode()], dtype=np.object_))]
 
     def execute(self, requests):
@@ -48,3 +53,14 @@ class TritonPythonModel:
 
     def finalize(self):
         self._stop.set()
+
+
+def _narrowing(parameters: str) -> tuple[int | None, str]:
+    """The request's `limit` (a positive integer) and `match` (a string) parameters."""
+    values = json.loads(parameters) if parameters else {}
+    limit, match = values.get("limit"), values.get("match", "")
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        raise RequestError(f"limit {limit!r}: expected a positive integer")
+    if not isinstance(match, str):
+        raise RequestError(f"match {match!r}: expected a string")
+    return limit, match

@@ -1,0 +1,196 @@
+"""Lazy, bounded residency of task versions (serving.task_registry) and the change-log index behind it: a step reads
+the index at start and nothing per task, loads a version on its first request, keeps the loaded ones under a byte
+budget, and follows a publish by reading what changed. Answers are checked against `aot predict` (PyTorch) through
+the served path: the tokenizer, the registry's rows, the ONNX AoT graph and the head."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from exporter.task_export import TaskExporter, export_task
+from exporter.task_store import TaskStore
+from serving.engine import BackboneRunner, Prepared
+from serving.errors import RequestError
+from serving.repository import read_repository
+from serving.task_registry import TaskRegistry
+from serving.tokenization import Tokenization
+from tests.helpers import make_repository, train_tiny_task
+from training.predict import Predictor
+
+TEXTS = ["good w1 w2", "w3 awful w4 w5", "the movie was superb"]
+NAMES = [f"t{i}" for i in range(5)]
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory, tiny_models, sentiment_dir):
+    root = tmp_path_factory.mktemp("residency-artifacts")
+    return [train_tiny_task(tiny_models["bert"], sentiment_dir, root / m, m, seed=s)
+            for s, m in enumerate(("fc", "kron"))]
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory, tiny_models, artifacts):
+    """Five tasks, factored (so each holds factors and a head in memory), alternating the two artifacts."""
+    return make_repository(tiny_models["bert"], tmp_path_factory.mktemp("residency") / "repo",
+                           {name: (artifacts[i % 2], "factored") for i, name in enumerate(NAMES)})
+
+
+@pytest.fixture(scope="module")
+def expected(artifacts):
+    return [Predictor.load(a).logits(TEXTS).numpy() for a in artifacts]
+
+
+def _served_logits(registry: TaskRegistry, repo, name: str) -> np.ndarray:
+    info = read_repository(repo)
+    task = registry.resolve(name)
+    tokens = Tokenization(info.tokenizer_dir, info.uses_token_type_ids)
+    requests = [Prepared.for_task(tokens.encode(t, None, task.max_length), task) for t in TEXTS]
+    for r, rows in zip(requests, registry.rows_many([(r.task, r.unique) for r in requests])):
+        r.rows = rows
+    return task.logits(BackboneRunner(info.backbone_onnx).run(requests))
+
+
+def test_start_reads_the_index_and_no_task(repo):
+    registry = TaskRegistry(read_repository(repo).store_root)
+    assert registry.names() == NAMES and registry.loads == 0 and registry.resident_bytes == 0
+    assert registry.entries()["t1"].listing()["method"] == "kron"  # what `aot tasks` lists, from the index
+
+
+def test_eviction_under_a_budget_of_two_tasks(repo, expected):
+    """Five tasks served in turn, twice, on a budget that holds two: each request of a task not among the two most
+    recent loads it again, and every answer is exact."""
+    store_root = read_repository(repo).store_root
+    one = TaskRegistry(store_root)
+    one.resolve("t0")
+    budget = 2 * max(one.resident_bytes, 1) + one.resident_bytes // 2
+    registry = TaskRegistry(store_root, cache_bytes=budget)
+    for round_ in range(2):
+        for i, name in enumerate(NAMES):
+            np.testing.assert_allclose(_served_logits(registry, repo, name), expected[i % 2], atol=1e-3)
+            assert registry.resident_bytes <= budget
+            assert len(registry.loaded()) <= 2
+    assert registry.loads == 10  # every request of the second round found its task evicted
+    for name in ("t3", "t4"):  # the two most recent stay: no load
+        registry.resolve(name)
+    assert registry.loads == 10
+
+
+def test_concurrent_first_requests_load_once(repo):
+    registry = TaskRegistry(read_repository(repo).store_root)
+    barrier = threading.Barrier(8)
+    found = []
+
+    def first_request():
+        barrier.wait()
+        found.append(registry.resolve("t2"))
+
+    threads = [threading.Thread(target=first_request) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert registry.loads == 1 and len({id(t) for t in found}) == 1
+
+
+def test_a_publish_reaches_a_reader_as_one_small_change(tmp_path, tiny_models, artifacts, expected):
+    """A reader following the index of 5 tasks reads only the change of a publish, applies it, and serves the new
+    version; the replaced one still answers a request pinned to it."""
+    repo = make_repository(tiny_models["bert"], tmp_path / "repo", {n: (artifacts[0], "factored") for n in NAMES})
+    registry = TaskRegistry(read_repository(repo).store_root)
+    old = registry.resolve("t3").version
+    backend = registry.store.backend
+    before = backend.bytes_read
+    export_task(artifacts[1], repo, "t3", "factored", progress=False)
+    registry.view.reader.log._probed = 0.0
+    registry.refresh()
+    read = backend.bytes_read - before
+    change = (registry.store.root / "log" / f"{registry.view.index.generation:016d}.json").stat().st_size
+    assert read <= change + 32, (read, change)
+    np.testing.assert_allclose(_served_logits(registry, repo, "t3"), expected[1], atol=1e-3)
+    assert registry.version(old).version == old  # pinned requests finish on the version they started with
+
+
+def test_a_damaged_cold_task_fails_alone(tmp_path, tiny_models, artifacts):
+    repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"good": (artifacts[0], "factored"),
+                                                                     "bad": (artifacts[1], "factored")})
+    store = TaskStore(read_repository(repo).store_root)
+    with open(store.root / store.entries()["bad"].folder / "factors.safetensors", "r+b") as f:
+        f.seek(-8, 2)
+        f.write(b"\xff" * 8)
+    registry = TaskRegistry(store.root)
+    assert registry.errors() == {}  # nothing read at start
+    with pytest.raises(RequestError, match=r"task 'bad' .* is corrupt: .*factors.safetensors is damaged"):
+        registry.resolve("bad")
+    assert "bad" in registry.errors()
+    registry.resolve("good")
+
+
+@pytest.mark.parametrize("plant", ["symlink to /dev/zero", "fifo"])
+def test_only_regular_files_are_read(tmp_path, tiny_models, artifacts, plant):
+    """A task file replaced by a link to /dev/zero or by a FIFO is refused at once, for its task alone (it used
+    to spin the audit at 100 % CPU, or block open() for good)."""
+    import os
+
+    repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"good": (artifacts[0], "factored"),
+                                                                     "bad": (artifacts[1], "fused")})
+    store = TaskStore(read_repository(repo).store_root)
+    planted = store.root / store.entries()["bad"].folder / "head.safetensors"
+    planted.unlink()
+    if plant == "fifo":
+        os.mkfifo(planted)
+    else:
+        planted.symlink_to("/dev/zero")
+    registry = TaskRegistry(store.root)
+    with pytest.raises(RequestError, match="head.safetensors: .*(symbolic link|not a regular file), refused"):
+        registry.resolve("bad")
+    registry.resolve("good")
+    registry.audit.run(10 << 20)
+    assert "refused" in registry.audit.damaged()["bad"] and "good" not in registry.audit.damaged()
+    assert store.verify()["bad"] is not None
+
+
+def test_a_restored_modification_time_does_not_hide_a_change(tmp_path, tiny_models, artifacts):
+    """The audit and the fused table's check compare inode, size, mtime and ctime: bytes changed with the mtime set
+    back are still hashed again, and refused."""
+    import os
+
+    repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"t": (artifacts[0], "fused")})
+    store = TaskStore(read_repository(repo).store_root)
+    registry = TaskRegistry(store.root, pool=None)
+    task = registry.resolve("t")
+    registry.audit.run(1 << 30)
+    assert registry.audit.damaged() == {} and registry.audit.progress.verified == 1
+    table = store.root / task.version / "table.npy"
+    st = os.stat(table)
+    with open(table, "r+b") as f:
+        f.seek(st.st_size - 64)
+        f.write(b"\x11" * 64)
+    os.utime(table, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(table).st_mtime_ns == st.st_mtime_ns
+    registry.audit.run(1 << 30)
+    assert "table.npy is damaged" in registry.audit.damaged()["t"]
+    with pytest.raises(RequestError, match="table.npy is damaged"):
+        registry.resolve("t")
+
+
+def test_the_audit_is_bounded_per_run(repo):
+    registry = TaskRegistry(read_repository(repo).store_root)
+    registry.audit.run(1)  # one file started is finished, then the budget is spent
+    assert registry.audit.progress.verified == 1 and registry.audit.progress.passes == 0
+    for _ in range(10):
+        registry.audit.run(1 << 30)
+    assert registry.audit.progress.verified == len(NAMES) and registry.audit.progress.passes >= 1
+
+
+def test_batch_write_validates_each_task_with_one_backbone(tmp_path, tiny_models, artifacts):
+    repo = make_repository(tiny_models["bert"], tmp_path / "repo", {})
+    exporter = TaskExporter(repo, progress=False)
+    written = [exporter.write(artifacts[i % 2], f"b{i}", "factored") for i in range(3)]
+    assert TaskStore(read_repository(repo).store_root).entries() == {}  # written, not published
+    generation = TaskStore(read_repository(repo).store_root).index().generation
+    exporter.publish(written)
+    index = TaskStore(read_repository(repo).store_root).index()
+    assert set(index.entries) == {"b0", "b1", "b2"} and index.generation == generation + 1  # one change
