@@ -49,6 +49,9 @@ class ServedScore:
         """Points below the fp32 reference (negative: above it)."""
         return (self.fp32 - self.score) * 100
 
+    def to_json(self) -> dict:
+        return {**asdict(self), "drop": round(self.drop, 4)}
+
 
 def dev_examples(predictor: Predictor, dev_data: str | Path | None) -> list[Example]:
     """The task's dev examples: `dev_data` (a JSONL/CSV/TSV file with the training columns) when given, else the dev
@@ -108,6 +111,6 @@ def check_served_accuracy(repo: RepositoryInfo, folder: Path, predictor: Predict
             f"the drop: --allow-accuracy-drop {math.ceil(round(result.drop, 6) * 100) / 100:g}")
     meta_path = folder / "task.json"
     meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    meta["served_dev"] = {**asdict(result), "drop": round(result.drop, 4)}
+    meta["served_dev"] = result.to_json()
     meta_path.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     return result

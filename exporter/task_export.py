@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -229,7 +229,7 @@ class TaskExporter:
             raise
         size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
         return WrittenTask(name, folder, storage, fused_bytes, diff, time.perf_counter() - start, advice, size,
-                           None if served_dev is None else asdict(served_dev))
+                           None if served_dev is None else served_dev.to_json())
 
     @staticmethod
     def discard(written: WrittenTask) -> None:

@@ -195,4 +195,18 @@ def test_cli_refusals(tmp_path, capsys, model_dir, task, repo):
     assert "drop --method" in one_line_error(capsys)
     with pytest.raises(SystemExit):  # argparse refuses it with the usage
         main(["export", "task", "--task", str(task), "--repo", str(repo), "--name", "x", "--allow-accuracy-drop", "-1"])
-    assert "expected a number >= 0, got -1" in capsys.readouterr().err
+    assert "expected a finite number >= 0, got -1.0" in capsys.readouterr().err
+
+
+def test_int8_accuracy_benchmark(tmp_path, repo, task, published):
+    """The benchmark publishes the task as a user would, measures its drop, and re-fits it where the drop is past
+    the threshold; its report holds both figures."""
+    from benchmarks.int8_accuracy import main as bench
+
+    assert bench(["--repo", str(repo), "--tasks", f"bench={task}", "--out", str(tmp_path), "--refit-steps", "40"]) == 0
+    [row] = json.loads((tmp_path / "int8_accuracy.json").read_text())
+    assert row["task"] == "bench" and row["examples"] > 0 and row["drop"] > 0.5
+    assert row["drop"] == pytest.approx((row["fp32"] - row["int8"]) * 100, abs=1e-3)
+    assert row["refit_steps"] == 40 and row["refit_drop"] < row["drop"]
+    assert {"bench", "bench-refit"} <= set(TaskStore(read_repository(repo).store_root).entries())
+    assert "re-fitted int8" in (tmp_path / "int8_accuracy.md").read_text()
