@@ -55,7 +55,7 @@ def measure(repo: Path, tasks: dict[str, Path], allowed_drop: float, refit_steps
         if row.drop > allowed_drop and refit_steps:
             start = time.perf_counter()
             fitted = fit_task(folder, repo, scratch / label, TrainConfig(lr=1e-3, max_steps=refit_steps,
-                                                                       eval_every=max(refit_steps // 4, 1)),
+                                                                       eval_every=max(refit_steps // 2, 1)),
                               progress=False)
             again = export_task(scratch / label, repo, f"{label}-refit", "factored", progress=False,
                                 allowed_drop=NO_LIMIT).served_dev
