@@ -1,4 +1,4 @@
-"""`aot bench overhead | serve | tax | tasks | accuracy`: a command that this package brings to `aot` as a plugin
+"""`aot bench overhead | serve | tax | tasks | accuracy | s3`: a command that this package brings to `aot` as a plugin
 (entry point `bench` of the group `aot.commands` in pyproject.toml; aot.cli loads it), so that imports flow one way:
 benchmarks -> aot, never back."""
 
@@ -37,7 +37,7 @@ def _finish(parser, run) -> None:
 
 def add_bench(sub) -> None:
     kinds = add_command_group(sub, "bench",
-                              help="benchmarks: inference overhead, serving, the serving tax, accuracy sweep")
+                              help="benchmarks: inference overhead, serving, the serving tax, many tasks, accuracy sweep, the S3 store")
 
     o = kinds.add_parser("overhead",
                          help="inference time of each multi-task method relative to the plain model (paper Fig. 3)",
@@ -174,6 +174,21 @@ def add_bench(sub) -> None:
     a.add_argument("--workers", type=_positive_int, default=1, help="parallel training processes")
     _finish(a, run_accuracy)
 
+    b = kinds.add_parser("s3", help="the task store in S3-compatible object storage against the file store",
+                         description="A SeaweedFS started here (aot.local_s3) holds a store of tasks derived from "
+                                     "--task: cached req/s against the file store, a replica's start with 1 and with "
+                                     "--tasks tasks in the bucket, first requests of cold tasks, the store stopped "
+                                     "under load, publishing to a fleet of 2 (s3.json, s3.md)")
+    b.add_argument("--task", required=True, help=TASK_HELP)
+    b.add_argument("--out", required=True, help="output folder (s3.json, s3.md)")
+    b.add_argument("--tasks", type=_positive_int, default=10000, help="tasks in the bucket for the start and the "
+                                                                      "cold requests")
+    b.add_argument("--requests", type=_positive_int, default=800, help="measured requests per closed loop (after as "
+                                                                       "many warm-up requests)")
+    b.add_argument("--concurrency", type=_positive_int, default=8, help="concurrent clients")
+    b.add_argument("--pause", type=float, default=30.0, help="seconds the store is stopped under load")
+    _finish(b, run_s3)
+
 
 def run_tasks(args) -> int:
     if args.scale:
@@ -245,4 +260,16 @@ def run_accuracy(args) -> int:
                          workers=args.workers,
                          progress=not args.no_progress)
     print(json.dumps(run_sweep(config)))
+    return 0
+
+
+def run_s3(args) -> int:
+    from benchmarks.s3_store import S3BenchConfig, run_s3_bench
+
+    if args.tasks < 100:
+        raise ValueError(f"--tasks {args.tasks}: expected at least 100 (the cold requests draw from the tasks beyond "
+                         "the 8 hot ones)")
+    config = S3BenchConfig(args.task, args.out, tasks=args.tasks, requests=args.requests,
+                           concurrency=args.concurrency, pause_s=args.pause)
+    print(json.dumps(run_s3_bench(config, progress=not args.no_progress)))
     return 0

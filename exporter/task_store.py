@@ -26,18 +26,20 @@ import socket
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from serving.atomic import fsync_dir, fsync_tree, pid_alive, plain_permissions, write_atomic
+from serving.atomic import fsync_dir, fsync_trees, pid_alive, plain_permissions, write_atomic
 from serving.digests import folder_digests
 from serving.formats import FormatError, read_json
 from serving.store import (EMBEDDINGS, RETIRED_GRACE, STORAGES, STORE_FORMAT, STORE_VERSION, V1_MANIFEST,
                            StoreError, StoreReader, TaskEntry, check_task_name, parse_entry, task_of)
 from serving.store_log import STORE_FILE, Change, StoreState
 
+UPLOADS_AT_ONCE = 8  # objects a publisher uploads in parallel to a remote store
 FOREIGN_DEBRIS_AGE = 3600.0  # seconds before another host's unfinished export folder counts as debris
 # this host, in the names of export folders (pids are per host: a fleet's exports share one volume)
 HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
@@ -162,16 +164,16 @@ class TaskStore(StoreReader):
             if p.storage not in STORAGES:
                 raise StoreError(f"unknown storage {p.storage!r}: expected one of {', '.join(STORAGES)}")
             plain_permissions(p.folder)  # safetensors writes 0600: a server running as another user could not read it
-            fsync_tree(p.folder)
             entries[p.name] = {"folder": self.version_name(p.folder), "storage": p.storage,
                                "digests": folder_digests(p.folder), "meta": index_meta(p.folder)}
+        fsync_trees([p.folder for p in publications])
         with self.locked():
             self.identity()
             if self.remote:  # the version's objects first, the change that names them last
-                for p in publications:
-                    version = self.version_name(p.folder)
-                    for file in sorted(entries[p.name]["digests"]):
-                        self.backend.upload(p.folder / file, f"{version}/{file}")
+                uploads = [(p.folder / file, f"{self.version_name(p.folder)}/{file}")
+                           for p in publications for file in sorted(entries[p.name]["digests"])]
+                with ThreadPoolExecutor(UPLOADS_AT_ONCE) as pool:  # a batch's many small objects: latency-bound
+                    list(pool.map(lambda upload: self.backend.upload(*upload), uploads))
             else:
                 for p in publications:
                     p.folder.rename(self.root / self.version_name(p.folder))

@@ -22,17 +22,19 @@ _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
 
-def _renameat2():
+def _libc_function(name: str, argtypes: list):
+    """A libc function by name (None where this platform's libc lacks it)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.renameat2
+        fn = getattr(libc, name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.argtypes = argtypes
     return fn
 
 
-_RENAMEAT2 = _renameat2()
+_RENAMEAT2 = _libc_function("renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint])
+_SYNCFS = _libc_function("syncfs", [ctypes.c_int])
 
 
 def exchange(a: Path, b: Path) -> bool:
@@ -61,6 +63,20 @@ def fsync_tree(root: Path) -> None:
         if path.is_file():
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
+
+
+def fsync_trees(roots: list[Path]) -> None:
+    """fsync every file under several folders of one file system: for a batch, one syncfs of that file system (an
+    fsync per file dominated publishing thousands of small tasks); else, or where syncfs fails, file by file."""
+    if len(roots) > 1 and _SYNCFS is not None:
+        fd = os.open(roots[0], os.O_RDONLY)
+        try:
+            if _SYNCFS(fd) == 0:
+                return
+        finally:
+            os.close(fd)
+    for root in roots:
+        fsync_tree(root)
 
 
 def plain_permissions(root: Path, private: Collection[str] = ()) -> None:

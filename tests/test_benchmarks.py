@@ -230,6 +230,26 @@ def test_tasks_bench_tiny(tmp_path, tiny_models, sentiment_dir):
     assert "## Eviction policies" in (out / "tasks.md").read_text()
 
 
+@pytest.mark.server
+def test_scale_bench_tiny(tmp_path, tiny_models, sentiment_dir):
+    """`aot bench tasks --scale` on a tiny task, the store growing 1 -> 30: every figure measured, no error and no
+    wrong answer, a publish read by a server as one small change (as many bytes into 30 tasks as into 1), reports
+    written."""
+    task = train_tiny_task(tiny_models["bert"], sentiment_dir, tmp_path / "task", "fc", epochs=1)
+    out = tmp_path / "bench"
+    assert main(["bench", "tasks", "--scale", "--task", str(task), "--counts", "1,30", "--concurrency", "2",
+                 "--requests", "16", "--out", str(out), "--no-progress"]) == 0
+    records = json.loads((out / "scale.json").read_text())["records"]
+    assert [r["tasks"] for r in records] == [1, 30]
+    for r in records:
+        assert r["errors"] == 0 and r["wrong"] == 0 and r["ready_s"] > 0 and r["rss_after_total_mb"] > 50
+        assert r["cold_p99_ms"] >= r["cold_p50_ms"] > 0 and r["zipf_rps"] > 0 and r["hot_rps"] > 0
+        assert r["publish_bytes_read"] > 0 and r["publish_to_served_s"] > 0
+    one, many = records  # a publish costs a reader what changed, not the store's size
+    assert many["publish_bytes_read"] <= 1.5 * one["publish_bytes_read"], records
+    assert (out / "scale.md").read_text().startswith("# One server, many tasks") and (out / "scale.png").is_file()
+
+
 def test_policy_replay_evicts_and_counts_every_lookup(tmp_path, tiny_models):
     """The replay of `aot bench tasks` through a pool of 8 rows for 20 tasks: it evicts, and hits + misses are every
     distinct token of the trace's second half."""

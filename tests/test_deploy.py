@@ -1,5 +1,6 @@
 """The GPU deployment files, checked offline (no Docker engine here)."""
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -292,3 +293,44 @@ def test_publisher_image_installs_the_pinned_export_extra():
         assert f"COPY {package} ./{package}" in text
     assert "COPY benchmarks" not in text and "aot export task --help" in text
     assert "USER 1000" in text  # as the Job's runAsUser and the replicas' triton-server user
+
+
+@pytest.mark.parametrize("overlay, nodes", [("kubernetes/s3", "kubernetes"), ("kubernetes/s3-cpu", "kubernetes/cpu")])
+def test_object_store_overlays_need_no_shared_volume(overlay, nodes):
+    """deploy/kubernetes/s3 and s3-cpu: the GPU and CPU fleets with the task store in a bucket: no claim and no
+    volume of it, the repository image (docker/Dockerfile.repository, the repository at /mnt/aot/$(AOT_REPOSITORY)
+    as the unchanged args name it), the store's credentials from the Secret aot-s3, a task cache on an emptyDir
+    larger than the cache's bound, valid against the 1.32 schemas; everything else as on a shared volume."""
+    import kubernetes_validate
+
+    s3, shared = _render(overlay), _render(nodes)
+    assert set(s3) == set(shared) - {"PersistentVolumeClaim"}
+    for doc in s3.values():
+        kubernetes_validate.validate(doc, KUBERNETES, strict=True)
+    pod = s3["Deployment"]["spec"]["template"]["spec"]
+    [triton] = pod["containers"]
+    [shared_triton] = shared["Deployment"]["spec"]["template"]["spec"]["containers"]
+    assert triton["image"] == "aot-ptuning-repository:demo"
+    assert triton["args"] == shared_triton["args"] and triton["resources"] == shared_triton["resources"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert "repository" not in volumes and not any("persistentVolumeClaim" in v for v in volumes.values())
+    mounts = {m["mountPath"]: m["name"] for m in triton["volumeMounts"]}
+    assert "/mnt/aot" not in mounts  # the image's own /mnt/aot/NAME
+    env = {e["name"]: e.get("value") for e in triton["env"]}
+    assert mounts[env["AOT_TASK_CACHE_DIR"]] == "task-cache"
+    limit = volumes["task-cache"]["emptyDir"]["sizeLimit"]
+    assert limit.endswith("Gi") and int(env["AOT_TASK_CACHE_BYTES"]) < int(limit[:-2]) * 2**30
+    assert {"secretRef": {"name": "aot-s3"}} in triton["envFrom"]
+    assert triton["envFrom"][0] == shared_triton["envFrom"][0]  # the repository's ConfigMap as before
+    assert triton["securityContext"]["readOnlyRootFilesystem"] and pod["securityContext"]["runAsNonRoot"]
+
+
+def test_repository_image_leaves_the_admin_key_out():
+    """docker/Dockerfile.repository bakes a repository into the serving image at /mnt/aot/NAME, and the admin key
+    is removed in a build stage whose layers the image does not keep."""
+    text = (ROOT / "docker" / "Dockerfile.repository").read_text()
+    stages = re.split(r"^FROM ", text, flags=re.M)[1:]
+    assert len(stages) == 2
+    assert "rm -f /repository/admin-key" in stages[0] and "COPY ${REPO}" in stages[0]
+    assert stages[1].startswith("${BASE}") and "COPY --from=repository /repository /mnt/aot/${NAME}" in stages[1]
+    assert "ARG BASE=aot-ptuning-triton:24.10" in text  # docker/Dockerfile's image, as docker-compose.yml tags it

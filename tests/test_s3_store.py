@@ -20,6 +20,7 @@ from exporter.backbone_export import export_backbone
 from exporter.task_export import export_task
 from exporter.task_store import TaskStore
 from serving.repository import read_repository
+from serving.task_registry import REMOTE_POLL_SECONDS
 from tests.helpers import serve_for_tests, train_tiny_task
 from training.predict import Predictor
 
@@ -74,6 +75,15 @@ def _check(client, expected, names=("alpha", "beta")):
             np.testing.assert_allclose(client.infer(name, text)["logits"], want, atol=ATOL)
 
 
+def _wait_known(client, name: str) -> None:
+    """Until every step knows a published task, without requesting it (which would fetch it)."""
+    deadline = time.monotonic() + 10
+    while name not in {t["name"] for t in client.tasks()["tasks"]}:
+        assert time.monotonic() < deadline, f"the published task {name} was not listed within 10 s"
+        time.sleep(0.1)
+    time.sleep(3 * REMOTE_POLL_SECONDS)  # each step follows the index from its own thread: the fused one too
+
+
 def test_exported_into_a_bucket_and_served_from_it(repo, server, expected, s3):
     info = read_repository(repo)
     assert info.store_url == "s3://aot-tasks/fleet"
@@ -121,30 +131,33 @@ def test_the_store_paused_under_load(repo, server, artifacts, expected, s3):
 
     with Client(server.grpc_url) as client:
         _check(client, expected)  # both cached
+        _wait_known(client, "delta")  # known, never fetched
         threads = [threading.Thread(target=load) for _ in range(4)]
         for t in threads:
             t.start()
-        s3.pause()
         try:
-            time.sleep(1)
-            with pytest.raises(InferenceError, match=r"task 'delta' .*cannot be fetched from the task store "
-                                                     r"s3://aot-tasks/fleet") as err:
-                client.infer("delta", TEXTS[0])
-            time.sleep(4)
-        finally:
-            s3.resume()
-        deadline = time.monotonic() + 30
-        while True:
+            s3.pause()
             try:
-                np.testing.assert_allclose(client.infer("delta", TEXTS[0])["logits"], expected["beta"][0],
-                                           atol=ATOL)
-                break
-            except InferenceError:
-                assert time.monotonic() < deadline, "the cold task did not serve again once the store was back"
-                time.sleep(0.5)
-        stop.set()
-        for t in threads:
-            t.join()
+                time.sleep(1)
+                with pytest.raises(InferenceError, match=r"task 'delta' .*cannot be fetched from the task store "
+                                                         r"s3://aot-tasks/fleet"):
+                    client.infer("delta", TEXTS[0])
+                time.sleep(4)
+            finally:
+                s3.resume()
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    np.testing.assert_allclose(client.infer("delta", TEXTS[0])["logits"], expected["beta"][0],
+                                               atol=ATOL)
+                    break
+                except InferenceError:
+                    assert time.monotonic() < deadline, "the cold task did not serve again once the store was back"
+                    time.sleep(0.5)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
     assert failures == [] and answered[0] > 0, failures[:3]
 
 
@@ -159,6 +172,7 @@ def test_a_corrupted_object_is_refused_then_retried(repo, server, artifacts, exp
     good = bucket.read(key)
     bucket.write(key, good[:-8] + b"\x00" * 8)
     with Client(server.grpc_url) as client:
+        _wait_known(client, "eps")
         with pytest.raises(InferenceError, match=r"factors.safetensors as downloaded from s3://aot-tasks/fleet is "
                                                  r"damaged"):
             client.infer("eps", TEXTS[0])
