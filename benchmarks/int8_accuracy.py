@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.report import markdown_table, write_json, write_text
+from training.trainer import TrainConfig
 
 NO_LIMIT = 100.0  # points: publish whatever the drop, to measure it
 
@@ -39,11 +40,11 @@ class TaskAccuracy:
     refit_seconds: float | None = None
 
 
-def measure(repo: Path, tasks: dict[str, Path], allowed_drop: float, refit_steps: int, scratch: Path,
+def measure(repo: Path, tasks: dict[str, Path], allowed_drop: float, refit: TrainConfig, scratch: Path,
             on_task=lambda rows: None) -> list[TaskAccuracy]:
+    """`refit`: the re-fitting's settings (max_steps 0: measure only)."""
     from exporter.task_export import export_task
     from training.refit import fit_task
-    from training.trainer import TrainConfig
 
     rows = []
     for label, folder in tasks.items():
@@ -52,11 +53,9 @@ def measure(repo: Path, tasks: dict[str, Path], allowed_drop: float, refit_steps
             raise ValueError(f"{repo} serves fp32 on CPU: export it with --precision int8")
         row = TaskAccuracy(label, served["metric"], served["examples"], served["fp32"], served["score"],
                            served["drop"])
-        if row.drop > allowed_drop and refit_steps:
+        if row.drop > allowed_drop and refit.max_steps:
             start = time.perf_counter()
-            fitted = fit_task(folder, repo, scratch / label, TrainConfig(lr=1e-3, max_steps=refit_steps,
-                                                                       eval_every=max(refit_steps // 2, 1)),
-                              progress=False)
+            fitted = fit_task(folder, repo, scratch / label, refit, progress=False)
             again = export_task(scratch / label, repo, f"{label}-refit", "factored", progress=False,
                                 allowed_drop=NO_LIMIT).served_dev
             row.refit_int8, row.refit_drop = again["score"], again["drop"]
@@ -87,11 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="folder for int8_accuracy.json and .md")
     parser.add_argument("--allowed-drop", type=float, default=0.5, help="points below fp32 that call for re-fitting")
     parser.add_argument("--refit-steps", type=int, default=300, help="re-fitting steps (0: measure only)")
+    parser.add_argument("--refit-lr", type=float, default=1e-3, help="re-fitting learning rate")
     args = parser.parse_args(argv)
     tasks = dict(item.split("=", 1) for item in args.tasks.split(","))
     out, repo, scratch = Path(args.out), Path(args.repo), Path(tempfile.mkdtemp(prefix="aot-int8-accuracy-"))
     try:
-        measure(repo, {k: Path(v) for k, v in tasks.items()}, args.allowed_drop, args.refit_steps, scratch,
+        refit = TrainConfig(lr=args.refit_lr, max_steps=args.refit_steps, eval_every=max(args.refit_steps // 2, 1))
+        measure(repo, {k: Path(v) for k, v in tasks.items()}, args.allowed_drop, refit, scratch,
                 on_task=lambda rows: write_reports(rows, out, repo))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
