@@ -37,7 +37,8 @@ def _finish(parser, run) -> None:
 
 def add_bench(sub) -> None:
     kinds = add_command_group(sub, "bench",
-                              help="benchmarks: inference overhead, serving, the serving tax, many tasks, accuracy sweep, the S3 store")
+                              help="benchmarks: inference overhead, serving, the serving tax, many tasks, accuracy "
+                                   "sweep, the S3 store")
 
     o = kinds.add_parser("overhead",
                          help="inference time of each multi-task method relative to the plain model (paper Fig. 3)",

@@ -7,10 +7,13 @@ of --counts (the store grows from one to the next), on a fresh server with the r
     publish_one_s, publish_bytes_read   one more task published by itself into the store of N, and what a serving
                                         process (the StoreView the steps run) reads to apply it
     ready_s, rss_ready_mb, rss_after_mb start to ready; every server process's RSS at ready and after the traffic
-    cold_p50_ms, cold_p99_ms            first requests of tasks no request touched yet, one at a time
+    cold_p50_ms, cold_p99_ms            first requests of tasks no request touched yet, one at a time, after one
+                                        request of task 0 (the engine's own first run)
     zipf_rps, hot_rps, zipf_vs_hot      `warmup` + `requests` requests at `concurrency`: tasks drawn by Zipf, then
                                         all to one hot task, on the same server
     publish_to_served_s                 a task published while serving, until its first answer
+    index_bytes                         what a new reader reads of the index (the newest compaction and the changes
+                                        since)
     wrong                               sampled tasks (hot, cold, and again after the traffic evicted them) against
                                         PyTorch (the master task's model with the derived task's factors, as
                                         `aot predict` computes it), tolerance 1e-3
@@ -162,6 +165,7 @@ def _measure(repo: Path, store: TaskStore, derived: DerivedStore, reference: Ref
                                 replace=False) if total > 1 else np.array([0])
         cold = []
         with Client(server.grpc_url) as client:
+            client.infer(_name(0), texts[0])  # the engine's first run is a warm-up, not a task's first request
             for i in cold_picks:
                 start = time.perf_counter()
                 client.infer(_name(int(i)), texts[0])
@@ -199,7 +203,8 @@ def _measure(repo: Path, store: TaskStore, derived: DerivedStore, reference: Ref
             "zipf_rps": zipf_run["throughput_rps"], "hot_rps": hot_run["throughput_rps"],
             "zipf_vs_hot": round(zipf_run["throughput_rps"] / hot_run["throughput_rps"], 3),
             "errors": zipf_run["errors"] + hot_run["errors"], "publish_to_served_s": round(publish_to_served, 3),
-            "wrong": wrong, "index_bytes": sum(p.stat().st_size for p in (store.root / "index").glob("*.json"))}
+            "wrong": wrong,
+            "index_bytes": sum(p.stat().st_size for d in ("index", "log") for p in (store.root / d).glob("*.json"))}
 
 
 def run_scale_bench(config: ScaleBenchConfig, progress: bool = True) -> dict:

@@ -158,7 +158,8 @@ class TaskStore(StoreReader):
         """Publish finished version folders in one change of the index: readers see all of them, or none."""
         names = [p.name for p in publications]
         if len(set(names)) != len(names):
-            raise StoreError(f"a batch publishes each task once; repeated: {sorted({n for n in names if names.count(n) > 1})}")
+            repeated = sorted({n for n in names if names.count(n) > 1})
+            raise StoreError(f"a batch publishes each task once; repeated: {repeated}")
         entries = {}
         for p in publications:
             if p.storage not in STORAGES:
@@ -258,13 +259,13 @@ class TaskStore(StoreReader):
                 if "@" in name and name not in keep and (name in gone or now - modified > FOREIGN_DEBRIS_AGE):
                     self.backend.delete_folder(name)
             return
-        for path in self.root.iterdir():
-            if not path.is_dir() or path.name in keep:
+        for path in self.root.iterdir():  # by name first: a stat of every version would cost the store's size
+            if path.name in keep or not (path.name.startswith(".tmp-") or "@" in path.name) or not path.is_dir():
                 continue
             if path.name.startswith(".tmp-"):
                 if not _writer_alive(path):
                     shutil.rmtree(path, ignore_errors=True)
-            elif "@" in path.name and task_of(path.name):
+            elif task_of(path.name):
                 shutil.rmtree(path, ignore_errors=True)
 
 
