@@ -68,7 +68,9 @@ class LocalS3:
         command = [weed_binary(), "server", f"-dir={self.folder / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                    "-s3", f"-s3.port={self.ports['s3']}", f"-master.port={self.ports['master']}",
                    f"-volume.port={self.ports['volume']}", f"-filer.port={self.ports['filer']}",
-                   "-volume.max=0", "-master.volumeSizeLimitMB=64"]
+                   "-volume.max=0", "-master.volumeSizeLimitMB=64",
+                   # no fixed port of its own (two instances side by side), no telemetry
+                   "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false"]
         log = open(self.folder / "weed.log", "ab")
         self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                         start_new_session=True)

@@ -37,7 +37,7 @@ from serving.digests import folder_digests
 from serving.formats import FormatError, read_json
 from serving.store import (EMBEDDINGS, RETIRED_GRACE, STORAGES, STORE_FORMAT, STORE_VERSION, V1_MANIFEST,
                            StoreError, StoreReader, TaskEntry, check_task_name, parse_entry, task_of)
-from serving.store_log import STORE_FILE, Change, StoreState
+from serving.store_log import COMPACT_EVERY, STORE_FILE, Change, StoreState
 
 UPLOADS_AT_ONCE = 8  # objects a publisher uploads in parallel to a remote store
 FOREIGN_DEBRIS_AGE = 3600.0  # seconds before another host's unfinished export folder counts as debris
@@ -251,13 +251,17 @@ class TaskStore(StoreReader):
         """Under the lock, after a change: remove the version folders nothing may read any more."""
         keep = {e["folder"] for e in state.tasks.values() if isinstance(e, dict)} | set(state.retired)
         if self.remote:
-            # versions the change dropped at once; others unknown to the index (a killed publisher's uploads) after
-            # FOREIGN_DEBRIS_AGE: a publisher elsewhere may be uploading one now, to name it in its next change
+            # versions the change dropped, at once; at every compaction, a sweep for versions no change names (a
+            # killed publisher's uploads) older than FOREIGN_DEBRIS_AGE: a publisher elsewhere may be uploading one
+            # now, to name it in its next change. The sweep lists the store; a publish alone costs what it changed.
             gone = {v for v, info in change.retired.items() if info is None}
-            now = time.time()
-            for name, modified in self.backend.folders().items():
-                if "@" in name and name not in keep and (name in gone or now - modified > FOREIGN_DEBRIS_AGE):
-                    self.backend.delete_folder(name)
+            for name in sorted(gone - keep):
+                self.backend.delete_folder(name)
+            if state.generation % COMPACT_EVERY == 0:
+                now = time.time()
+                for name, modified in self.backend.folders(skip=keep | gone).items():
+                    if "@" in name and now - modified > FOREIGN_DEBRIS_AGE:
+                        self.backend.delete_folder(name)
             return
         for path in self.root.iterdir():  # by name first: a stat of every version would cost the store's size
             if path.name in keep or not (path.name.startswith(".tmp-") or "@" in path.name) or not path.is_dir():

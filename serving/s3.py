@@ -20,7 +20,7 @@ from __future__ import annotations
 import configparser
 import os
 from datetime import timedelta
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 
 from serving.store_backend import MAX_OBJECT_BYTES, BackendError
@@ -180,9 +180,9 @@ class S3Backend:
             raise self._failed(exc, "list", prefix + "/") from None
         return iter(sorted(o["path"] for o in listed["objects"]))
 
-    def folders(self) -> dict[str, float]:
-        """The top-level "folders" (common prefixes) of the store -> the newest modification time of their objects
-        (unix seconds; a listing of each folder)."""
+    def folders(self, skip: Collection[str] = ()) -> dict[str, float]:
+        """The top-level "folders" (common prefixes) of the store but those in `skip` -> the newest modification
+        time of their objects (unix seconds; a listing of each folder)."""
         import obstore
 
         try:
@@ -190,6 +190,8 @@ class S3Backend:
             out = {}
             for prefix in listed["common_prefixes"]:
                 name = prefix.rstrip("/")
+                if name in skip:
+                    continue
                 objects = obstore.list_with_delimiter(self.store, name + "/")["objects"]
                 out[name] = max((o["last_modified"].timestamp() for o in objects), default=0.0)
         except Exception as exc:  # noqa: BLE001

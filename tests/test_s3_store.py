@@ -209,3 +209,38 @@ def test_two_publishers_racing_both_land(repo, artifacts):
         assert proc.returncode == 0, err
     index = store.index()
     assert {"racer-a", "racer-b"} <= set(index.entries) and index.generation == before + 2
+
+
+def test_a_publish_interrupted_halfway_leaves_the_old_version(repo, server, artifacts, expected, monkeypatch):
+    """Objects uploaded, then the publisher dies before its change: readers never see the new version (the old one
+    serves); the next publish lands, and the sweep that runs at compactions removes the orphaned objects once they
+    are old enough (both thresholds lowered here)."""
+    import exporter.task_store as task_store
+    from serving.s3 import S3Backend
+
+    from exporter.task_export import TaskExporter
+
+    exporter = TaskExporter(repo, progress=False)
+    old = exporter.store.entries()["alpha"].folder
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt("killed between the uploads and the change")
+
+    written = exporter.write(artifacts["beta"], "alpha", "factored")
+    monkeypatch.setattr(exporter.store.log, "commit", crash)
+    with pytest.raises(KeyboardInterrupt):
+        exporter.publish([written])
+    bucket = S3Backend("s3://aot-tasks/fleet")
+    orphans = [f for f in bucket.folders() if f.startswith("alpha@") and f != old]
+    assert orphans, "the interrupted publish uploaded nothing"
+    with Client(server.grpc_url) as client:
+        time.sleep(3 * REMOTE_POLL_SECONDS)
+        answer = client.infer("alpha", TEXTS[0])
+        assert answer["version"] == old
+        np.testing.assert_allclose(answer["logits"], expected["alpha"][0], atol=ATOL)
+    monkeypatch.undo()
+    monkeypatch.setattr(task_store, "COMPACT_EVERY", 1)
+    monkeypatch.setattr(task_store, "FOREIGN_DEBRIS_AGE", 0.0)
+    export_task(artifacts["alpha"], repo, "zeta", "factored", progress=False)
+    left = set(bucket.folders())
+    assert not left & set(orphans) and old in left
