@@ -131,7 +131,7 @@ def _backbone(name: str, aot: bool, target: str, record: BackboneRecord):
     token_names = protocol.token_inputs(record.uses_token_type_ids)
     python = _in_process_lookup(target, options)
     if python:
-        config = _python_model(name, options, _engine_parameters(name, target, options),
+        config = _python_model(name, options, _engine_parameters(name, target, record),
                                options.backbone_queue_delay_us)
     else:
         platform = "tensorrt_plan" if options.engine == "tensorrt" else "onnxruntime_onnx"
@@ -166,12 +166,17 @@ def _backbone(name: str, aot: bool, target: str, record: BackboneRecord):
     return config
 
 
-def _engine_parameters(backbone: str, target: str, options: ServingOptions) -> dict[str, str]:
+def _engine_parameters(backbone: str, target: str, record: BackboneRecord) -> dict[str, str]:
     """How a python step runs the encoder of model folder `backbone` (serving.stages.Encoder): ONNX Runtime on its
-    graph, or the torch engine on the target's device."""
+    graph (on CPU, the int8 twin of an int8 repository, one request at a time: exporter.quantize), or the torch
+    engine on the target's device."""
+    options = record.serving
     if options.engine == "torch":
         return {"engine": "torch", "device": "cpu" if target == "cpu" else "cuda", "threads": str(options.cpu_threads)}
-    return {"engine": "onnx", "onnx_file": f"{backbone}/1/model.onnx", "threads": str(options.cpu_threads)}
+    int8 = target == "cpu" and record.cpu_precision == "int8"
+    graph = record.cpu_graph(backbone) if target == "cpu" else f"{backbone}/1/model.onnx"
+    return {"engine": "onnx", "onnx_file": graph,
+            "threads": str(options.cpu_threads), **({"per_request": "true"} if int8 else {})}
 
 
 def _fused(name: str, backbone: str, record: BackboneRecord):
@@ -179,7 +184,7 @@ def _fused(name: str, backbone: str, record: BackboneRecord):
     encoder, head; model_repository/fused), with the client's inputs and the ensemble's outputs. One hop through the
     server instead of three: docs/benchmarks.md section 6."""
     options = record.serving
-    params = {"aot": "true" if backbone == "backbone" else "false", **_engine_parameters(backbone, "cpu", options)}
+    params = {"aot": "true" if backbone == "backbone" else "false", **_engine_parameters(backbone, "cpu", record)}
     config = _python_model(name, options, params, options.cpu_queue_delay_us, instances=options.cpu_instances)
     config.input.extend(_request_inputs(record, ragged=True))
     _answer_outputs(config)
