@@ -73,15 +73,15 @@ def add_train(sub) -> None:
     p = sub.add_parser("train", help="train a task on a frozen encoder and write a task artifact",
                        description="Train one task with AoT P-Tuning (fc, kron) or a baseline and write the task "
                                    "artifact (config.json, weights.safetensors, metrics.json) atomically to --out.")
-    p.add_argument("--model", required=True,
+    p.add_argument("--model", default=None,
                    help="local Hugging Face model folder, 'minilm' (the packaged all-MiniLM-L6-v2), or a hub id")
-    p.add_argument("--data", required=True,
+    p.add_argument("--data", default=None,
                    help="built-in dataset (rotten_tomatoes, bbc_news; wnut16: tokens; bbc_multilabel; bbc_retrieval: "
                         "embedding) or a folder: train/dev[/test] .jsonl/.csv/.tsv with columns text[, text_pair], "
                         "label (labels: multilabel; text_pair[, score]: embedding), or CoNLL .conll/.txt/.tsv "
                         "(word<TAB>tag) or .jsonl {tokens, tags} (tokens); or a GLUE (TSV) / SuperGLUE (JSONL) task "
                         "folder")
-    p.add_argument("--method", default="fc", choices=list(METHODS),
+    p.add_argument("--method", default=None, choices=list(METHODS),
                    help="default fc; " + "; ".join(f"{n}: {s.description}" for n, s in METHODS.items()))
     p.add_argument("--out", required=True, help="artifact folder to write (atomically)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it already holds something")
@@ -128,7 +128,16 @@ def add_train(sub) -> None:
                    help="embedding: answer unit vectors (the cosine is then a dot product)")
     p.add_argument("--device", default="auto", help="cpu, cuda (cuda:N), or auto: CUDA where PyTorch sees it")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--fit-to", default=None, metavar="REPO",
+                   help="re-fit the task --task to REPO's int8 backbone (aot export backbone --precision int8): "
+                        "continue its training (its own model, data and method; --model, --data and --method are not "
+                        "given) with the encoder computing as the int8 graph does, then export it as usual; "
+                        f"default {FIT_STEPS} steps (--max-steps), evaluated every {FIT_EVAL_EVERY} (--eval-every)")
+    p.add_argument("--task", default=None, metavar="DIR", help="with --fit-to: the trained task artifact to re-fit")
     p.set_defaults(run=run_train)
+
+
+FIT_STEPS, FIT_EVAL_EVERY = 300, 50  # re-fitting: a few hundred steps of P against the int8 backbone
 
 
 def run_train(args) -> int:
@@ -138,6 +147,13 @@ def run_train(args) -> int:
     out = Path(args.out)
     if not args.overwrite and (out.is_file() or (out.is_dir() and any(out.iterdir()))):
         raise ValueError(f"--out {out} already exists; pass --overwrite to replace it")
+    if args.fit_to or args.task:
+        return run_fit(args)
+    args.method = args.method or "fc"
+    missing = [flag for flag in ("model", "data") if getattr(args, flag) is None]
+    if missing:
+        raise ValueError(f"the following arguments are required: {', '.join('--' + m for m in missing)} (or "
+                         "--fit-to REPO --task DIR to re-fit a trained task)")
     result = train_task(model=args.model, data=args.data, method=args.method, out=args.out, rank=args.rank,
                         options=parse_options(args.method, args.option or []),
                         lr=args.lr, head_lr=args.head_lr, warmup=args.warmup, decay=args.decay,
@@ -154,6 +170,30 @@ def run_train(args) -> int:
            f'next: aot predict --task {out} "some text"; aot evaluate --task {out} FILE'
            + (f"; aot export task --task {out} --repo REPO --name NAME" if served else
               f" (a {args.method} task runs in PyTorch only: aot export task takes fc and kron)"))
+    return 0
+
+
+def run_fit(args) -> int:
+    from training.refit import fit_task
+    from training.trainer import TrainConfig
+
+    if not (args.fit_to and args.task):
+        raise ValueError("--fit-to REPO and --task DIR go together: the task to re-fit and the int8 repository")
+    given = [flag for flag in ("model", "data", "method", "rank", "option", "pooling", "labels", "metric", "problem")
+             if getattr(args, flag) is not None]
+    if given:
+        raise ValueError("--fit-to continues the task with its own settings: drop "
+                         f"{', '.join('--' + g for g in given)}")
+    config = TrainConfig(lr=args.lr or 1e-3, head_lr=args.head_lr, warmup=args.warmup, decay=args.decay,
+                         batch_size=args.batch_size, epochs=args.epochs, patience=args.patience,
+                         seed=args.seed, eval_every=args.eval_every or FIT_EVAL_EVERY,
+                         max_train_samples=args.max_train_samples, time_budget=args.time_budget,
+                         max_steps=args.max_steps or FIT_STEPS, device=args.device)
+    result = fit_task(args.task, args.fit_to, args.out, config, progress=not args.no_progress)
+    report(result, f"fitted {result['task']} to the int8 backbone of {args.fit_to} into {args.out}: dev "
+                   f"{result['metric']} through int8 (emulated) {result['int8_dev_before_fit']:.4f} -> "
+                   f"{result['int8_dev']:.4f} (fp32 task {result['fp32_dev_before_fit']:.4f})",
+           f"next: aot export task --task {args.out} --repo {args.fit_to} --name NAME")
     return 0
 
 
@@ -182,6 +222,9 @@ def add_predict(sub) -> None:
     p.add_argument("--pair", default=None, help="second text, paired with every TEXT (pair tasks)")
     p.add_argument("--model", default=None, help="backbone location, if it moved since training")
     p.add_argument("--batch-size", type=_positive_int, default=32, help="inputs per forward pass")
+    p.add_argument("--repo", default=None, metavar="REPO",
+                   help="answer through REPO's CPU engine in this process instead of PyTorch: its graph (int8 in a "
+                        "repository exported with --precision int8, as served), the task's rows and head (AoT tasks)")
     p.add_argument("--top-k", type=_positive_int, default=None, metavar="K",
                    help="answer the K most probable labels by name ({\"top\": [{\"label\", \"probability\"}, "
                         "...]}) instead of every logit and probability")
@@ -211,7 +254,14 @@ def run_predict(args) -> int:
             raise ValueError("--pair applies to TEXT arguments; in --input lines, give text_pair")
         parsed, errors = read_input_lines(args.input, tasks)
     bar = tqdm(total=len(parsed), disable=args.no_progress or not args.input, unit="line", desc="predict")
-    answers = predict_lines(tasks, parsed, args.model, args.batch_size, str(resolve_device(args.device)), bar.update)
+    if args.repo is None:
+        answers = predict_lines(tasks, parsed, args.model, args.batch_size, str(resolve_device(args.device)),
+                                bar.update)
+    else:
+        from exporter.cpu_engine import predict_lines_through
+
+        answers = predict_lines_through(args.repo, tasks, parsed)
+        bar.update(len(parsed))
     bar.close()
     if args.top_k is not None:
         answers = _top_k(answers, tasks, args.top_k)

@@ -23,12 +23,13 @@ import json
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable
 
 import numpy as np
 
 from aot.errors import (InferenceError, InvalidInput, PermissionDenied, TaskNotFound, TaskUnavailable, Unavailable,
-                        from_triton)
+                        from_triton, one_line)
 from serving import protocol
 from serving.answers import READS_TOKENS
 from serving.labels import answer
@@ -42,12 +43,61 @@ _ERRORS = {e.__name__: e for e in (InferenceError, InvalidInput, PermissionDenie
                                    Unavailable)}
 
 DEFAULT_URL = "127.0.0.1:8001"
+# Reconnecting: gRPC's default backoff between connection attempts starts at 1 s and grows 1.6x up to 120 s, so a
+# client kept failing for seconds after a restarted server was back (docs/serving.md, "Restarts"). Milliseconds.
+RECONNECT_BACKOFF_MS = {"grpc.initial_reconnect_backoff_ms": 100, "grpc.min_reconnect_backoff_ms": 100,
+                        "grpc.max_reconnect_backoff_ms": 1000}
+RETRY_SECONDS = 10.0  # how long a call that found no server (refused, dropped, restarting) is tried again
+RETRY_BACKOFF = (0.05, 1.0)  # seconds: the first wait between two tries, doubled up to the second
+# What gRPC (or a load balancer with no live replica) says when a call found no server to answer it: the call is
+# sent again, as inference is idempotent. A server's own refusal (a bad request, a damaged task) is never retried.
+_NO_SERVER = ("failed to connect to all addresses", "stream removed", "socket closed", "connection reset",
+              "broken pipe", "connection refused", "goaway", "http2 header with status: 502",
+              "http2 header with status: 503", "http2 header with status: 504", "no available versions")
 
 
 def server_url(url: str | None = None) -> str:
     """The server's gRPC address: `url`, else the environment variable AOT_URL, else the local default (what
     `aot serve` binds), so a non-default address is said once."""
     return url or os.environ.get("AOT_URL") or DEFAULT_URL
+
+
+def channel_options() -> list[tuple[str, int]]:
+    """tritonclient's own channel defaults (unbounded message sizes, its keepalive settings) and a short reconnect
+    backoff (RECONNECT_BACKOFF_MS)."""
+    from tritonclient.grpc import KeepAliveOptions
+    from tritonclient.grpc._client import MAX_GRPC_MESSAGE_SIZE
+
+    keepalive = KeepAliveOptions()
+    return [("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
+            ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
+            ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
+            ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
+            ("grpc.keepalive_permit_without_calls", int(keepalive.keepalive_permit_without_calls)),
+            ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
+            *RECONNECT_BACKOFF_MS.items()]
+
+
+def found_no_server(exc) -> bool:
+    """A call that no server answered (refused, a dropped connection, a restarting server or replica): worth
+    sending again. `exc`: tritonclient's InferenceServerException, or any error."""
+    status = exc.status() if hasattr(exc, "status") and callable(exc.status) else None
+    if status is not None and "UNAVAILABLE" not in str(status) and "UNKNOWN" not in str(status):
+        return False
+    return any(phrase in one_line(exc).lower() for phrase in _NO_SERVER)
+
+
+class Backoff:
+    """The waits between tries of one call: RETRY_BACKOFF doubling, for at most `seconds` in all."""
+
+    def __init__(self, seconds: float):
+        self.deadline = time.monotonic() + seconds
+        self.wait = RETRY_BACKOFF[0]
+
+    def next_wait(self) -> float | None:
+        """Seconds to wait before the next try; None when the time is up."""
+        wait, self.wait = self.wait, min(self.wait * 2, RETRY_BACKOFF[1])
+        return wait if time.monotonic() + wait < self.deadline else None
 
 
 def _text(value) -> str:
@@ -57,17 +107,21 @@ def _text(value) -> str:
 class Client:
     def __init__(self, url: str | None = None, model: str = "aot", timeout: float = 60.0, *,
                  tls: bool = False, ca: str | None = None, cert: str | None = None, key: str | None = None,
-                 tokenizer: str | os.PathLike | None = None, tenant_key: str | None = None):
+                 tokenizer: str | os.PathLike | None = None, tenant_key: str | None = None,
+                 retry_seconds: float = RETRY_SECONDS):
         """`url`: see server_url. `tls`: gRPC over TLS, trusting the system's CAs or the PEM file `ca`; `cert` +
         `key`: this client's certificate for a server that asks for one (mutual TLS). `ca` or `cert` imply `tls`.
         `tokenizer`: the served repository's tokenizer folder (REPO/models/tokenizer/1/tokenizer): tokenize here
         and send token ids (each task's max length is read from tasks() once per task name). `tenant_key`: the key
         of a tenant (`aot export tenant create`), sent with every request as the parameter aot-tenant-key (default:
-        the environment variable AOT_TENANT_KEY): its tasks TENANT/TASK answer, and tasks() lists them."""
+        the environment variable AOT_TENANT_KEY): its tasks TENANT/TASK answer, and tasks() lists them.
+        `retry_seconds`: how long a call that found no server (refused, dropped, a restarting server) is sent again,
+        with a short backoff (0 never)."""
         import tritonclient.grpc as grpcclient
 
         self._grpc = grpcclient
         self.url, self.model, self.timeout = server_url(url), model, timeout
+        self.retry_seconds = retry_seconds
         if (cert is None) != (key is None):
             raise ValueError("a client certificate needs its key: give cert and key together")
         for what, path in (("ca", ca), ("cert", cert), ("key", key)):
@@ -75,7 +129,7 @@ class Client:
                 raise ValueError(f"{what} {path}: no such file")
         tls = tls or ca is not None or cert is not None
         self._client = grpcclient.InferenceServerClient(self.url, ssl=tls, root_certificates=ca, private_key=key,
-                                                        certificate_chain=cert)
+                                                        certificate_chain=cert, channel_args=channel_options())
         if tokenizer is not None and not os.path.isfile(os.path.join(tokenizer, "tokenizer.json")):
             raise ValueError(f"tokenizer {tokenizer}: no tokenizer.json (expected a repository's tokenizer folder)")
         self._tokenizer_dir = tokenizer
@@ -87,6 +141,33 @@ class Client:
 
     def close(self) -> None:
         self._client.close()
+
+    def _call(self, method: Callable, *args, **kwargs):
+        """`method` of the gRPC client, sent again while it finds no server (found_no_server), for retry_seconds."""
+        backoff = Backoff(self.retry_seconds)
+        while True:
+            try:
+                return method(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - tritonclient's errors, imported lazily; others re-raised
+                wait = backoff.next_wait() if found_no_server(exc) else None
+                if wait is None:
+                    raise
+                time.sleep(wait)
+
+    def _send_async(self, inputs, callback: Callable, backoff: Backoff | None = None) -> None:
+        """async_infer whose answer goes to `callback(result, error)`; a call that found no server is sent again
+        after the backoff's wait (from a timer: a gRPC callback must not sleep)."""
+        backoff = backoff or Backoff(self.retry_seconds)
+
+        def done(result, error):
+            wait = backoff.next_wait() if error is not None and found_no_server(error) else None
+            if wait is None:
+                callback(result, error)
+            else:
+                threading.Timer(wait, self._send_async, args=(inputs, callback, backoff)).start()
+
+        self._client.async_infer(self.model, inputs, outputs=self._outputs(), client_timeout=self.timeout,
+                                 parameters=self._parameters, callback=done)
 
     def __enter__(self) -> "Client":
         return self
@@ -130,7 +211,7 @@ class Client:
             from tritonclient.utils import InferenceServerException
 
             try:
-                metadata = self._client.get_model_metadata(self.model)
+                metadata = self._call(self._client.get_model_metadata, self.model)
             except InferenceServerException as exc:
                 raise from_triton(exc, task=task) from None
             types = any(i.name == protocol.TOKEN_TYPE_IDS for i in metadata.inputs)
@@ -164,7 +245,7 @@ class Client:
         from tritonclient.utils import InferenceServerException
 
         try:
-            ready = self._client.is_model_ready(self.model)
+            ready = self._call(self._client.is_model_ready, self.model)
         except InferenceServerException as exc:
             error = from_triton(exc)
             raise type(error)(f"cannot reach the server at {self.url}: {error}", error.status) from None
@@ -180,8 +261,9 @@ class Client:
 
         parameters = {k: v for k, v in (("limit", limit), ("match", match)) if v} | (self._parameters or {})
         try:
-            result = self._client.infer("task_list", [], outputs=[self._grpc.InferRequestedOutput(protocol.TASKS)],
-                                        client_timeout=self.timeout, parameters=parameters or None)
+            result = self._call(self._client.infer, "task_list", [],
+                                outputs=[self._grpc.InferRequestedOutput(protocol.TASKS)], client_timeout=self.timeout,
+                                parameters=parameters or None)
         except InferenceServerException as exc:
             raise from_triton(exc) from None
         return json.loads(result.as_numpy(protocol.TASKS).reshape(-1)[0])
@@ -194,9 +276,9 @@ class Client:
         from tritonclient.utils import InferenceServerException
 
         try:
-            result = self._client.infer(self.model, self._inputs(task, text, text_pair if pair is None else pair),
-                                        outputs=self._outputs(), client_timeout=self.timeout,
-                                        parameters=self._parameters)
+            inputs = self._inputs(task, text, text_pair if pair is None else pair)
+            result = self._call(self._client.infer, self.model, inputs, outputs=self._outputs(),
+                                client_timeout=self.timeout, parameters=self._parameters)
         except InferenceServerException as exc:
             raise from_triton(exc, task=task) from None
         return self._decode(result)
@@ -248,9 +330,7 @@ class Client:
                 exc.task, exc.id = exc.task or item.get("task"), item.get("id")
                 callback(i, error=exc)
                 continue
-            self._client.async_infer(self.model, inputs, outputs=self._outputs(), client_timeout=self.timeout,
-                                     parameters=self._parameters,
-                                     callback=lambda result, error, i=i: callback(i, result, error))
+            self._send_async(inputs, lambda result, error, i=i: callback(i, result, error))
         for _ in range(len(items)):
             index = done.get()
             if on_done is not None:

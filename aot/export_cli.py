@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict
 
-from aot.arguments import add_command_group, add_dataclass_arguments, dataclass_from_arguments, positive_int
+from aot.arguments import (add_command_group, add_dataclass_arguments, dataclass_from_arguments, non_negative_float,
+                           positive_int)
 from aot.output import report
 from serving.repository import ServingOptions
 from serving.store import DEFAULT_KEEP
@@ -24,11 +25,14 @@ def add_export(sub) -> None:
                                      "and an empty task store.")
     b.add_argument("--model", required=True, help="local Hugging Face model folder or 'minilm'")
     b.add_argument("--repo", required=True, help="model repository folder to create")
-    b.add_argument("--precision", choices=["fp32", "fp16"], default=None,
-                   help="precision of the GPU backbone (CPU configs always run fp32). Default: fp16 for onnx where "
-                        "the fp16 graph keeps parity with PyTorch (within 5e-2 on the pooled states; else fp32, "
-                        "with a note), fp32 for tensorrt (fp16: trtexec --fp16, checked by Polygraphy on the GPU); "
-                        "the torch engine takes none (fp16 on CUDA)")
+    b.add_argument("--precision", choices=["fp32", "fp16", "int8"], default=None,
+                   help="fp32 or fp16: precision of the GPU backbone (the CPU configs run fp32). Default: fp16 for "
+                        "onnx where the fp16 graph keeps parity with PyTorch (within 5e-2 on the pooled states; else "
+                        "fp32, with a note), fp32 for tensorrt (fp16: trtexec --fp16, checked by Polygraphy on the "
+                        "GPU); the torch engine takes none (fp16 on CUDA). int8: the CPU configs run int8 graphs "
+                        "(about twice the throughput; the GPU configs keep their default), and every task published "
+                        "is scored on its dev examples through the int8 engine and refused when it falls more than "
+                        "0.5 point below its fp32 score (aot export task --allow-accuracy-drop, aot train --fit-to)")
     add_dataclass_arguments(b, ServingOptions)
     b.add_argument("--opt-batch", type=positive_int, default=8, help="TensorRT profile: optimal batch")
     b.add_argument("--opt-seq", type=positive_int, default=128, help="TensorRT profile: optimal sequence length")
@@ -60,6 +64,12 @@ def add_export(sub) -> None:
                    help="versions of the task to keep, this one included (default: what the task kept so far, else "
                         f"{DEFAULT_KEEP}): each stays servable as NAME@ID and a rollback target while kept; older ones "
                         "are retired (servable 5 minutes more, then deleted)")
+    t.add_argument("--allow-accuracy-drop", type=non_negative_float, default=None, metavar="POINTS",
+                   help="int8 repositories: publish the task even when its dev score through the int8 engine falls up "
+                        "to POINTS below its fp32 score (default 0.5; the metric x 100)")
+    t.add_argument("--dev-data", default=None, metavar="FILE",
+                   help="int8 repositories: the dev examples the task is scored on (JSONL/CSV/TSV: text, text_pair?, "
+                        "label); default: the dev split of the data it was trained on")
     t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     t.set_defaults(run=run_export_task)
 
@@ -126,7 +136,9 @@ def run_export_backbone(args) -> int:
     options = dataclass_from_arguments(ServingOptions, args)
     profile = Profile(opt_batch=min(args.opt_batch, options.max_batch_size), max_batch=options.max_batch_size,
                       opt_seq=min(args.opt_seq, max(options.buckets)), max_seq=max(options.buckets))
-    result = export_backbone(args.model, args.repo, options, args.precision, profile, args.overwrite, args.store)
+    int8 = args.precision == "int8"
+    result = export_backbone(args.model, args.repo, options, None if int8 else args.precision, profile, args.overwrite,
+                             args.store, cpu_precision="int8" if int8 else "fp32")
     report(asdict(result), f"exported backbone {args.model} ({options.engine} engine) into {args.repo} in "
                            f"{result.seconds:.0f} s",
            f"next: aot export task --task TASK --repo {args.repo} --name NAME, then aot serve --repo {args.repo}")
@@ -142,9 +154,14 @@ def run_export_task(args) -> int:
         raise ValueError("give --task DIR and --name NAME (or --batch FILE for many tasks)")
     from exporter.task_export import export_task
 
-    result = export_task(args.task, args.repo, args.name, args.storage, progress=not args.no_progress, keep=args.keep)
+    result = export_task(args.task, args.repo, args.name, args.storage, progress=not args.no_progress, keep=args.keep,
+                         allowed_drop=args.allow_accuracy_drop, dev_data=args.dev_data)
+    served = result.served_dev
+    accuracy = "" if served is None else (f"; dev {served['metric']} {served['precision']} {served['score'] * 100:.2f} "
+                                          f"against fp32 {served['fp32'] * 100:.2f}")
     report(asdict(result), f"published task {args.name} ({result.storage}, {result.bytes_on_disk / 2**20:.1f} MiB, "
-                           f"version {result.folder}) in {args.repo}: a running server answers it from its next batch",
+                           f"version {result.folder}) in {args.repo}{accuracy}: a running server answers it from its "
+                           "next batch",
            f'next: aot serve --repo {args.repo} (if none runs), then aot infer --task {args.name} "some text"')
     if args.storage == "auto" and result.storage == "factored":
         print(f"aot: warning: {auto_storage_note(args.name, result.storage_advice)}", file=sys.stderr)

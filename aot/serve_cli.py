@@ -247,9 +247,11 @@ def add_tasks(sub) -> None:
     p = sub.add_parser("tasks", help="list the tasks a running server serves (read from the server)",
                        description="One JSON line per served task, from the server's store index: name, version, "
                                    "kind (classification, regression, multilabel, tokens, embedding), storage, "
-                                   "labels, max length, method, metric, dev score, whether its files carry digests; "
-                                   "then one line per task whose requests fail, with the reason. The summary says "
-                                   "how many match and how far the background audit got.")
+                                   "labels, max length, method, metric, dev score (fp32, as trained), served_dev (on "
+                                   "an int8 backbone: the dev score through the int8 engine, beside its fp32 "
+                                   "reference, measured when it was published; null on fp32), whether its files "
+                                   "carry digests; then one line per task whose requests fail, with the reason. The "
+                                   "summary says how many match and how far the background audit got.")
     add_connection_arguments(p)
     p.add_argument("--limit", type=positive_int, default=None, help="list at most this many tasks (by name)")
     p.add_argument("--match", default="", help="only tasks whose name holds this text")

@@ -59,6 +59,9 @@ def add_bench(sub) -> None:
     o.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the models run")
     o.add_argument("--cuda-graphs", action="store_true", help="torch on cuda: replay each method as a CUDA graph")
     o.add_argument("--dtype", choices=["auto", "fp32", "fp16", "bf16"], default="auto", help="auto: fp16 on cuda")
+    o.add_argument("--precision", choices=["fp32", "int8"], default="fp32",
+                   help="--engine onnxruntime on cpu: the fp32 graphs, or their int8 twins (aot export backbone "
+                        "--precision int8), run one request at a time as the CPU configs run them")
     o.add_argument("--rank", type=_positive_int, default=8, help="LoRA rank (and FC rank of aot-factored)")
     o.add_argument("--adapter-rank", type=_positive_int, default=64, help="bottleneck width of the adapters")
     o.add_argument("--prompt-length", type=_positive_int, default=20, help="p of P-Tuning v1/v2")
@@ -78,6 +81,9 @@ def add_bench(sub) -> None:
     s.add_argument("--concurrency", type=_ints, default=[1, 8, 32], help="concurrent clients, one measurement each")
     s.add_argument("--storage", type=_names, default=["fused", "factored"], help="task storages measured")
     s.add_argument("--requests", type=_positive_int, default=200, help="requests per measurement")
+    s.add_argument("--precision", type=_names, default=["fp32"],
+                   help="CPU graphs of the repositories the bench exports, measured one after the other in this run: "
+                        "fp32, int8 or fp32,int8 (each int8 row also shows its throughput x fp32's)")
     s.add_argument("--engine", choices=["onnx", "torch"], default="onnx",
                    help="backbone engine of the repository the bench exports (ignored for an existing --repo)")
     s.add_argument("--device", default="cpu", help="aot serve --device: cpu, or cuda (torch engine)")
@@ -248,7 +254,7 @@ def run_overhead(args) -> int:
                             methods=args.methods or list(METHODS), engine=args.engine, device=args.device,
                             cuda_graphs=args.cuda_graphs, rank=args.rank, adapter_rank=args.adapter_rank,
                             prompt_length=args.prompt_length, warmup=args.warmup, repeats=args.repeats,
-                            out=args.out, dtype=args.dtype)
+                            out=args.out, dtype=args.dtype, precision=args.precision)
     print(json.dumps(run(config, progress=not args.no_progress)))
     return 0
 
@@ -259,10 +265,13 @@ def run_serve(args) -> int:
     bad = [s for s in args.storage if s not in ("fused", "factored")]
     if bad:
         raise ValueError(f"unknown storage {bad}: expected fused and/or factored")
+    bad = [p for p in args.precision if p not in ("fp32", "int8")]
+    if bad:
+        raise ValueError(f"unknown precision {bad}: expected fp32 and/or int8")
     config = ServeBenchConfig(task=args.task, out=args.out, repo=args.repo, task_counts=tuple(args.tasks),
                               concurrency=tuple(args.concurrency), storages=tuple(args.storage),
                               requests=args.requests, engine=args.engine, device=args.device,
-                              pool_bytes=args.pool_bytes)
+                              pool_bytes=args.pool_bytes, precisions=tuple(args.precision))
     print(json.dumps(run_serve_bench(config, progress=not args.no_progress)))
     return 0
 

@@ -79,10 +79,15 @@ def run_overhead(config: OverheadConfig, progress: bool = True) -> dict:
     if config.dtype != "auto" and config.engine != "torch":
         raise ValueError(f"--dtype {config.dtype} applies to --engine torch; --engine onnxruntime runs the exported "
                          "graphs a server runs (fp16 twins on cuda where all keep parity, fp32 on cpu)")
+    if config.precision not in ("fp32", "int8"):
+        raise ValueError(f"--precision {config.precision!r}: expected fp32 or int8")
+    if config.precision == "int8" and (config.engine != "onnxruntime" or config.device != "cpu"):
+        raise ValueError("--precision int8 applies to --engine onnxruntime --device cpu (the CPU configs' int8 graphs)")
     runner = run_torch if config.engine == "torch" else run_onnxruntime
     out = Path(config.out)
     graphs = " + CUDA graphs" if config.cuda_graphs else ""
-    title = f"Inference overhead, {config.engine}{graphs} on {config.device}"
+    title = f"Inference overhead, {config.engine}{graphs} on {config.device}" + (
+        ", int8 graphs" if config.precision == "int8" else "")
     # reports are rewritten after every size: an interrupted run keeps what it measured
     records = runner(config, progress, on_size=lambda recs: write_reports(recs, out, title))
     return {"out": str(out), "records": len(records), "config": asdict(config)}

@@ -69,6 +69,7 @@ class OverheadConfig:
     repeats: int = 20
     out: str = "runs/bench"
     dtype: str = "auto"  # fp16 on cuda, fp32 on cpu
+    precision: str = "fp32"  # --engine onnxruntime on cpu: fp32 graphs, or their int8 twins (exporter.quantize)
 
 
 @dataclass

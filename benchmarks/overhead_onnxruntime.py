@@ -18,10 +18,12 @@ from training.methods.aot_ptuning.config import FCConfig
 from training.methods.aot_ptuning.layer import FCPrompt
 
 
-def _ort_graphs(backbone, folder: Path, methods: list[str], device: torch.device) -> tuple[dict[str, Path], str]:
+def _ort_graphs(backbone, folder: Path, methods: list[str], device: torch.device,
+                precision: str = "fp32") -> tuple[dict[str, Path], str]:
     """The exporter's graphs the methods need (vanilla, AoT in the rows interface, AoT in the dense interface) and
     their dtype. On CUDA their fp16 twins, what the NGC image's onnxruntime backend runs, if every twin keeps parity;
-    else all in fp32, so that no ratio compares an fp16 graph with an fp32 one."""
+    else all in fp32, so that no ratio compares an fp16 graph with an fp32 one. `precision` int8: their int8 twins
+    (CPU)."""
     from exporter.onnx_export import export_backbone_graph, export_fp16_graph
 
     wanted = {"vanilla": (False, "rows"), "aot": (True, "rows"), "aot-dense": (True, "dense")}
@@ -29,6 +31,13 @@ def _ort_graphs(backbone, folder: Path, methods: list[str], device: torch.device
         {"aot-dense"} & set(methods))
     graphs = {name: export_backbone_graph(backbone, folder / name, aot=wanted[name][0],
                                           interface=wanted[name][1]).optimized for name in sorted(need)}
+    if precision == "int8":  # what an int8 repository's CPU configs run
+        from exporter.quantize import quantize_graph
+        from serving.repository import INT8_GRAPH
+
+        for name, graph in graphs.items():
+            quantize_graph(graph, graph.with_name(INT8_GRAPH))
+        return {name: graph.with_name(INT8_GRAPH) for name, graph in graphs.items()}, "int8"
     if device.type != "cuda":
         return graphs, "float32"
     twins = {name: export_fp16_graph(backbone, graph, *wanted[name])[0] for name, graph in graphs.items()}
@@ -135,12 +144,13 @@ def run_onnxruntime(config: OverheadConfig, progress: bool = True,
         backbone = Backbone(model_name, encoder, None, "bench")
         L, d, V = backbone.num_layers, backbone.hidden_size, encoder.config.vocab_size
         table = fused_table(V, L, d, scratch)
-        graphs, graph_dtype = _ort_graphs(backbone, scratch / model_name, config.methods, device)
+        graphs, graph_dtype = _ort_graphs(backbone, scratch / model_name, config.methods, device, config.precision)
         if device.type == "cuda":
             sessions = {k: BoundSession(g, device) for k, g in graphs.items()}
             resident = torch.from_numpy(np.array(table)).to(device)
         else:
-            runners_by_graph = {k: BackboneRunner(g) for k, g in graphs.items()}
+            # int8 graphs run one request at a time, as served (exporter.quantize)
+            runners_by_graph = {k: BackboneRunner(g, per_request=graph_dtype == "int8") for k, g in graphs.items()}
             prompt = FCPrompt(FCConfig(rank=config.rank), L, d, embedding_std=0.05).eval()
             factors = {k: v.detach().numpy() for k, v in prompt.state_dict().items()}
             store = scratch / model_name / "store"

@@ -47,6 +47,7 @@ class ServeBenchConfig:
     engine: str = "onnx"  # the backbone engine of a repository the bench exports (serving.repository.ENGINES)
     device: str = "cpu"  # aot serve --device: cuda needs engine torch
     pool_bytes: int | None = None  # aot serve --pool-bytes (None: the repository's)
+    precisions: tuple[str, ...] = ("fp32",)  # the CPU graphs of the repositories the bench exports, side by side
 
 
 def _texts(n: int) -> list[str]:
@@ -84,14 +85,21 @@ class Store:
         return names
 
 
-def _build(config: ServeBenchConfig, scratch: Path) -> tuple[Path, dict[str, Path]]:
+def _build(config: ServeBenchConfig, scratch: Path, precision: str) -> tuple[Path, dict[str, Path], dict | None]:
+    """The repository of `precision` (or --repo) and the master copy of the task in each storage; on an int8
+    repository also the task's dev score through the int8 engine against its fp32 score (exporter.accuracy_gate,
+    recorded whatever the drop: a benchmark measures, it does not refuse)."""
     from exporter.backbone_export import export_backbone
     from exporter.task_export import export_task
     from training.artifact import read_task
 
-    repo = Path(config.repo) if config.repo else scratch / "repo"
+    repo = Path(config.repo) if config.repo else scratch / f"repo-{precision}"
     if not (repo / "aot_repository.json").is_file():
-        export_backbone(read_task(config.task).backbone["model"], repo, ServingOptions(engine=config.engine))
+        export_backbone(read_task(config.task).backbone["model"], repo, ServingOptions(engine=config.engine),
+                        cpu_precision=precision)
+    if read_repository(repo).record.cpu_precision != precision:
+        raise ValueError(f"--repo {repo} runs {read_repository(repo).record.cpu_precision} graphs on CPU, not "
+                         f"--precision {precision}")
     engine = read_repository(repo).options.engine
     if config.device != "cpu" and engine != "torch":
         raise ValueError(f"--device {config.device} serves a torch-engine repository; {repo} is {engine!r}")
@@ -100,13 +108,14 @@ def _build(config: ServeBenchConfig, scratch: Path) -> tuple[Path, dict[str, Pat
     if foreign:
         raise ValueError(f"{repo} holds tasks of its own ({', '.join(foreign)}); the serving benchmark replaces the "
                          "store's tasks: give it a scratch --repo, or none")
-    masters = {}
+    masters, accuracy = {}, None
     for storage in config.storages:
-        report = export_task(config.task, repo, f"master-{storage}", storage, progress=False)
-        masters[storage] = scratch / f"master-{storage}"
+        report = export_task(config.task, repo, f"master-{storage}", storage, progress=False, allowed_drop=100.0)
+        accuracy = accuracy or report.served_dev
+        masters[storage] = scratch / f"master-{storage}-{precision}"
         shutil.copytree(store.root / report.folder, masters[storage])
         store.remove(f"master-{storage}")
-    return repo, masters
+    return repo, masters, accuracy
 
 
 def _closed_loop(url: str, model: str, items: list[tuple[str, str]], concurrency: int,
@@ -196,25 +205,52 @@ def _memory_fallbacks(log: Path) -> int:
         return 0
 
 
+def _expected_logits(config: ServeBenchConfig, repo: Path, precision: str, sample: list[str]) -> np.ndarray:
+    """What the served answers must equal: `aot predict` (PyTorch), or on an int8 repository `aot predict --repo`
+    (the int8 engine in process)."""
+    if precision == "fp32":
+        from training.predict import Predictor
+
+        return Predictor.load(config.task).logits(sample).numpy()
+    from exporter.cpu_engine import predict_lines_through
+
+    lines = [(k, {"text": text, "text_pair": None, "task": "task"}) for k, text in enumerate(sample)]
+    answers = predict_lines_through(repo, {"task": Path(config.task)}, lines)
+    return np.array([answers[k]["logits"] for k in range(len(sample))])
+
+
 def run_serve_bench(config: ServeBenchConfig, progress: bool = True) -> dict:
     from tqdm.auto import tqdm
 
+    if config.repo and len(config.precisions) > 1:
+        raise ValueError("--repo serves one precision (its own): give one --precision, or no --repo")
+    out = Path(config.out)
+    scratch = Path(tempfile.mkdtemp(prefix="aot-bench-serve-"))
+    texts = _texts(config.requests)
+    records: list[dict] = []
+    bar = tqdm(total=len(config.precisions) * len(config.storages) * (len(config.task_counts) + 1),
+               desc="serve bench", disable=not progress)
+    for precision in config.precisions:
+        repo, masters, accuracy = _build(config, scratch, precision)
+        if accuracy is not None:
+            records.append({"kind": "accuracy", "precision": precision, **accuracy})
+        _bench_repository(config, repo, Store(repo, masters), precision, texts, records, bar)
+    bar.close()
+    shutil.rmtree(scratch, ignore_errors=True)
+    return {"out": str(out), "records": len(records), "config": asdict(config)}
+
+
+def _bench_repository(config: ServeBenchConfig, repo: Path, store: Store, precision: str, texts: list[str],
+                      records: list[dict], bar) -> None:
+    """Every measurement of one repository: memory per task count, parity, latency and throughput."""
     from aot.client import Client
     from aot.server import LocalServer
     from training.artifact import read_task
-    from training.predict import Predictor
 
     out = Path(config.out)
-    scratch = Path(tempfile.mkdtemp(prefix="aot-bench-serve-"))
-    repo, masters = _build(config, scratch)
-    store = Store(repo, masters)
     max_length = read_task(config.task).max_length
-    texts = _texts(config.requests)
     sample = texts[:32]
-    expected = Predictor.load(config.task).logits(sample).numpy()  # `aot predict`, once for every storage
-    records: list[dict] = []
-    steps = len(config.storages) * (len(config.task_counts) + 1)
-    bar = tqdm(total=steps, desc="serve bench", disable=not progress)
+    expected = _expected_logits(config, repo, precision, sample)  # once for every storage
 
     def save():
         write_reports(records, out, f"{config.device}, {read_repository(repo).options.engine} engine")
@@ -227,7 +263,7 @@ def run_serve_bench(config: ServeBenchConfig, progress: bool = True) -> dict:
                 with Client(server.grpc_url) as client:
                     for name in names:
                         client.infer(name, texts[0])
-                records.append({"kind": "memory", "storage": storage, "tasks": n,
+                records.append({"kind": "memory", "precision": precision, "storage": storage, "tasks": n,
                                 "ready_seconds": round(server.ready_seconds, 2),
                                 "rss_mb": round(_server_rss_mb(server.process), 1)})
             save()
@@ -239,9 +275,9 @@ def run_serve_bench(config: ServeBenchConfig, progress: bool = True) -> dict:
                 for name in names:
                     client.infer(name, texts[0])
                 # every copy is the master task: the served logits against `aot predict` (fp16 rows; fp16 encoder on
-                # CUDA)
+                # CUDA), or the int8 engine in process
                 served = np.array([client.infer(names[i % len(names)], t)["logits"] for i, t in enumerate(sample)])
-                records.append({"kind": "parity", "storage": storage, "texts": len(sample),
+                records.append({"kind": "parity", "precision": precision, "storage": storage, "texts": len(sample),
                                 "max_abs_logit_diff": float(np.abs(served - expected).max()),
                                 "same_label": float(np.mean(served.argmax(1) == expected.argmax(1)))})
                 client.model = "vanilla"
@@ -259,7 +295,8 @@ def run_serve_bench(config: ServeBenchConfig, progress: bool = True) -> dict:
                         lookups = sum(now) - sum(counters)
                         hit_rate = round((now[0] - counters[0]) / lookups, 4) if lookups else None
                         counters = now
-                    records.append({"kind": "latency", "model": model, "storage": storage, "tasks_in_flight": mix,
+                    records.append({"kind": "latency", "precision": precision, "model": model, "storage": storage,
+                                    "tasks_in_flight": mix,
                                     "concurrency": concurrency, "requests": len(items), "pool_bytes": pool_bytes,
                                     "pool_hit_rate": hit_rate, **result,
                                     "memory_fallbacks": _memory_fallbacks(server.log_path) - before,
@@ -267,9 +304,6 @@ def run_serve_bench(config: ServeBenchConfig, progress: bool = True) -> dict:
                                     "dense_bias_bytes_per_request": None if model == "vanilla" else round(dense)})
                     save()
         bar.update(1)
-    bar.close()
-    shutil.rmtree(scratch, ignore_errors=True)
-    return {"out": str(out), "records": len(records), "config": asdict(config)}
 
 
 def write_reports(records: list[dict], out: Path, device: str = "CPU") -> None:
@@ -278,25 +312,36 @@ def write_reports(records: list[dict], out: Path, device: str = "CPU") -> None:
     latency = [r for r in records if r["kind"] == "latency"]
     parity = [r for r in records if r["kind"] == "parity"]
     text = f"# Serving through the local tritonserver ({device})\n\n## Start-up and memory\n\n"
-    text += markdown_table(memory, ["storage", "tasks", "ready_seconds", "rss_mb"],
-                           ["storage", "tasks in store", "start to ready (s)", "RSS server + stubs (MB)"])
+    text += markdown_table(memory, ["precision", "storage", "tasks", "ready_seconds", "rss_mb"],
+                           ["precision", "storage", "tasks in store", "start to ready (s)", "RSS server + stubs (MB)"])
     if parity:
         text += "\n## Served answers against `aot predict`\n\n"
-        text += markdown_table(parity, ["storage", "texts", "max_abs_logit_diff", "same_label"],
-                               ["storage", "texts", "max |logit difference|", "same label (fraction)"])
+        text += markdown_table(parity, ["precision", "storage", "texts", "max_abs_logit_diff", "same_label"],
+                               ["precision", "storage", "texts", "max |logit difference| (int8: against the int8 "
+                                "engine in process)", "same label (fraction)"])
+    accuracy = [r for r in records if r["kind"] == "accuracy"]
+    if accuracy:
+        text += "\n## The task's dev score through the served engine\n\n"
+        text += markdown_table(accuracy, ["precision", "metric", "score", "fp32", "drop", "examples"],
+                               ["precision", "metric", "served", "fp32", "points below fp32", "dev examples"])
     text += "\n## Latency and throughput\n\n"
     for r in latency:
-        r["ratio"] = ""
-        base = [v for v in latency if v["model"] == "vanilla" and v["storage"] == r["storage"]
-                and v["concurrency"] == r["concurrency"]]
-        if base and r["model"] == "aot":
-            r["ratio"] = f"{r['throughput_rps'] / base[0]['throughput_rps']:.3f}"
-    text += markdown_table(latency, ["storage", "model", "tasks_in_flight", "concurrency", "throughput_rps", "ratio",
-                                     "p50_ms", "p99_ms", "errors", "pool_hit_rate", "memory_fallbacks",
-                                     "lookup_bytes_per_request", "dense_bias_bytes_per_request"],
-                           ["storage", "ensemble", "tasks", "concurrency", "req/s", "× vanilla (1 task)", "p50 ms",
-                            "p99 ms", "errors", "task pool hit rate", "memory pool fallbacks (log)",
-                            "lookup→backbone bytes/req", "dense bias bytes/req"])
+        r.setdefault("precision", "fp32")
+        same = [v for v in latency if v["storage"] == r["storage"] and v["concurrency"] == r["concurrency"]]
+        base = [v for v in same if v["model"] == "vanilla" and v.get("precision", "fp32") == r["precision"]]
+        r["ratio"] = f"{r['throughput_rps'] / base[0]['throughput_rps']:.3f}" if base and r["model"] == "aot" else ""
+        fp32 = [v for v in same if v.get("precision", "fp32") == "fp32" and v["model"] == r["model"]
+                and v["tasks_in_flight"] == r["tasks_in_flight"]]
+        r["vs_fp32"] = f"{r['throughput_rps'] / fp32[0]['throughput_rps']:.2f}" if fp32 and r["precision"] != "fp32" \
+            else ""
+    text += markdown_table(latency, ["precision", "storage", "model", "tasks_in_flight", "concurrency",
+                                     "throughput_rps", "ratio", "vs_fp32", "p50_ms", "p99_ms", "errors",
+                                     "pool_hit_rate", "memory_fallbacks", "lookup_bytes_per_request",
+                                     "dense_bias_bytes_per_request"],
+                           ["precision", "storage", "ensemble", "tasks", "concurrency", "req/s",
+                            "× vanilla (1 task, same precision)", "× fp32", "p50 ms", "p99 ms", "errors",
+                            "task pool hit rate", "memory pool fallbacks (log)", "lookup→backbone bytes/req",
+                            "dense bias bytes/req"])
     write_text(out / "serve.md", text)
     if latency:
         fig, ax = new_figure()

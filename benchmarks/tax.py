@@ -34,7 +34,7 @@ import numpy as np
 
 from benchmarks.report import markdown_table, new_figure, save_figure, write_json, write_text
 from benchmarks.serve import ServeBenchConfig, Store, _build, _closed_loop, _texts
-from exporter.configs import CPU_CONFIG, parse_pbtxt, to_pbtxt
+from exporter.configs import CPU_CONFIG, parse_pbtxt, set_cpu_instances, to_pbtxt
 from serving.repository import read_repository
 
 STEP_NAMES = ("aot", "vanilla", "tokenizer", "backbone", "backbone_vanilla", "head", "aot_lookup", "task_list")
@@ -155,7 +155,7 @@ def set_cpu_instances(repo: Path, instances: int) -> None:
     for model in ("aot", "vanilla"):
         path = repo / "models" / model / CPU_CONFIG
         config = parse_pbtxt(path.read_text())
-        config.instance_group[0].count = instances
+        set_cpu_instances(config, instances)
         path.write_text(to_pbtxt(config))
 
 

@@ -13,6 +13,7 @@ from exporter.compose_env import ADMIN_KEY_FILE, write_admin_key, write_compose_
 from exporter.config_checks import check_configs
 from exporter.configs import CPU_CONFIG, FP16_FILE, PYTHON_MODELS, TEMPLATES, write_configs
 from exporter.onnx_export import FP16_TOLERANCE, example_inputs, export_backbone_graph, export_fp16_graph
+from exporter.quantize import check_int8, int8_difference, quantize_graph
 from exporter.rows_export import write_rows_graphs
 from exporter.task_store import TaskStore
 from exporter.tensorrt import Profile, build_plan, build_script, write_parity_data
@@ -20,11 +21,12 @@ from exporter.torch_export import export_torch_encoder
 from serving import protocol
 from serving.atomic import atomic_directory, write_json
 from serving.store import ROWS_DIR
-from serving.repository import (MODELS_DIR, RECORD, BackboneRecord, RepositoryError, RepositoryInfo, ServingOptions,
-                                read_repository)
+from serving.repository import (CPU_PRECISIONS, INT8_GRAPH, MODELS_DIR, RECORD, BackboneRecord, RepositoryError,
+                                RepositoryInfo, ServingOptions, read_repository)
 from serving.s3 import is_s3_url, parse_s3_url
 from training.artifact import backbone_identity
 from training.backbone import Backbone, load_backbone
+from training.quantized import QUANTIZATION
 
 STORE_DIR = "tasks"
 ENCODER_DIR = "encoder"  # the torch engine's weights (--format torch)
@@ -84,21 +86,25 @@ class ExportPlan:
     longest: int  # the longest sequence the repository serves
     keep_tasks: RepositoryInfo | None  # the repository replaced by --overwrite, whose task store is kept
     store_url: str | None  # the tasks in object storage (s3://BUCKET/PREFIX), or None: in the repository
+    cpu_precision: str = "fp32"  # what the CPU configs run: fp32, or int8 twins of both graphs (exporter.quantize)
 
 
 def export_backbone(model: str, repo: str | Path, options: ServingOptions | None = None, precision: str | None = None,
                     profile: Profile | None = None, overwrite: bool = False,
-                    store: str | None = None) -> BackboneExportReport:
+                    store: str | None = None, cpu_precision: str = "fp32") -> BackboneExportReport:
     """`precision` of the GPU backbone: fp32 or fp16. Default: fp16 for ONNX Runtime where the fp16 graph keeps
     parity (else fp32, with a note), fp32 for TensorRT (its fp16 plan is checked on the GPU by build_engines.sh);
-    the torch engine runs fp16 on CUDA anyway. CPU configs always run the fp32 graph. `store`: s3://BUCKET/PREFIX
-    to keep the tasks in object storage (serving.s3; credentials and endpoint from the AWS variables); the backbone,
-    tokenizer, embeddings and rows graphs stay in the repository. A re-export keeps the replaced repository's store.
+    the torch engine runs fp16 on CUDA anyway. `cpu_precision`: what the CPU configs run, fp32, or int8 (both
+    graphs quantized: exporter.quantize; tasks are then checked for accuracy as they are published). `store`:
+    s3://BUCKET/PREFIX to keep the tasks in object storage (serving.s3; credentials and endpoint from the AWS
+    variables); the backbone, tokenizer, embeddings and rows graphs stay in the repository. A re-export keeps the
+    replaced repository's store.
 
     Three steps: validate (every refusal that needs no graph), export the graphs, write the repository; the last two
     into a temporary folder that replaces `repo` only when both succeed."""
     start = time.perf_counter()
-    plan = _validate(model, Path(repo), options or ServingOptions(), precision, profile, overwrite, store)
+    plan = _validate(model, Path(repo), options or ServingOptions(), precision, profile, overwrite, store,
+                     cpu_precision)
     report = BackboneExportReport(str(plan.repo), {}, {}, {}, 0.0)
     with atomic_directory(plan.repo, private=(ADMIN_KEY_FILE,)) as tmp:  # the key: 0600, the rest one mode
         precision = _export_graphs(plan, tmp, report)
@@ -111,7 +117,7 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
 
 
 def _validate(model: str, repo: Path, options: ServingOptions, precision: str | None, profile: Profile | None,
-              overwrite: bool, store: str | None = None) -> ExportPlan:
+              overwrite: bool, store: str | None = None, cpu_precision: str = "fp32") -> ExportPlan:
     """Every refusal that can come before anything is written (the options, the folder, the backbone against the
     tasks a re-export keeps), and what follows from the backbone: `options.buckets` within its limit, the
     precision, the TensorRT profile."""
@@ -123,6 +129,11 @@ def _validate(model: str, repo: Path, options: ServingOptions, precision: str | 
     if options.bias_interface != "rows" and options.engine == "torch":
         raise RepositoryError(f"--bias-interface {options.bias_interface} applies to --format onnx and tensorrt (the "
                               "torch engine gathers each token's row from its pool inside the backbone step)")
+    if cpu_precision not in CPU_PRECISIONS:
+        raise RepositoryError(f"unknown CPU precision {cpu_precision!r}: expected one of {', '.join(CPU_PRECISIONS)}")
+    if cpu_precision == "int8" and options.engine == "torch":
+        raise RepositoryError("int8 applies to the ONNX graphs (--format onnx or tensorrt); the torch engine runs "
+                              "fp32 on CPU")
     explicit = precision is not None
     if precision is None:
         precision = {"onnx": "fp16", "tensorrt": "fp32", "torch": None}[options.engine]
@@ -154,7 +165,22 @@ def _validate(model: str, repo: Path, options: ServingOptions, precision: str | 
         if keep_tasks is not None and store != kept_url:
             raise RepositoryError(f"{repo} keeps its tasks in {kept_url or 'the repository'}; a re-export keeps "
                                   f"them there: export into a new repository to use {store}")
-    return ExportPlan(repo, backbone, options, precision, explicit, profile, longest, keep_tasks, store or kept_url)
+    if keep_tasks is not None and cpu_precision == "int8":
+        _check_kept_tasks_int8(keep_tasks)
+    return ExportPlan(repo, backbone, options, precision, explicit, profile, longest, keep_tasks, store or kept_url,
+                      cpu_precision)
+
+
+def _check_kept_tasks_int8(repo: RepositoryInfo) -> None:
+    """A re-export to int8 keeps the store's tasks: each must have been scored through an int8 engine when it was
+    published (exporter.accuracy_gate), or it would start serving a lower score unchecked."""
+    unchecked = [entry.name for entry in TaskStore.of(repo).entries().values()
+                 if (entry.meta.get("served_dev") or {}).get("precision") != "int8"]
+    if unchecked:
+        raise RepositoryError(f"{repo.path} holds tasks never scored through an int8 engine ({', '.join(unchecked)}); "
+                              "an int8 backbone would serve them unchecked: export it into a new repository "
+                              "(--precision int8) and publish the tasks there, where each is scored on its dev "
+                              "examples")
 
 
 def _export_graphs(plan: ExportPlan, tmp: Path, report: BackboneExportReport) -> str | None:
@@ -170,6 +196,11 @@ def _export_graphs(plan: ExportPlan, tmp: Path, report: BackboneExportReport) ->
         graph = export_backbone_graph(backbone, models / name / "1", aot, interface=options.bias_interface)
         report.max_abs_diff[name] = graph.max_abs_diff
         report.fused_ops[name] = graph.fused_ops
+        if plan.cpu_precision == "int8":
+            quantize_graph(graph.optimized, graph.optimized.with_name(INT8_GRAPH))
+            report.max_abs_diff[f"{name}-int8"] = diff = int8_difference(
+                graph.optimized.with_name(INT8_GRAPH), backbone, aot, options.bias_interface)
+            check_int8(diff, name)
         inputs = protocol.token_inputs(backbone.uses_token_type_ids)
         if aot:
             inputs += protocol.bias_inputs(options.bias_interface)
@@ -205,7 +236,8 @@ def _record(plan: ExportPlan, precision: str | None, report: BackboneExportRepor
         max_positions=plan.longest, store=STORE_DIR, tokenizer=TOKENIZER_DIR,
         encoder=ENCODER_DIR if options.engine == "torch" else None, serving=options, precision=precision,
         tensorrt_profile=dataclasses.asdict(plan.profile) if options.engine == "tensorrt" else None,
-        parity_max_abs_diff=report.max_abs_diff, task_store_url=plan.store_url)
+        parity_max_abs_diff=report.max_abs_diff, task_store_url=plan.store_url, cpu_precision=plan.cpu_precision,
+        quantization=dict(QUANTIZATION) if plan.cpu_precision == "int8" else None)
 
 
 def _write_repository(plan: ExportPlan, tmp: Path, record: BackboneRecord) -> None:

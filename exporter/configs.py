@@ -60,10 +60,28 @@ def _python_model(name: str, options: ServingOptions, params: dict[str, str], qu
     pb = _pb()
     config = pb.ModelConfig(name=name, backend="python", max_batch_size=options.max_batch_size)
     config.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
-    config.instance_group.add(kind=pb.ModelInstanceGroup.KIND_CPU, count=instances)
+    set_cpu_instances(config, instances)
     for key, value in params.items():
         config.parameters[key].string_value = value
     return config
+
+
+def set_cpu_instances(config, instances: int) -> None:
+    """`instances` CPU instances of a python step. Several get a group each, with a host policy of their own: Triton
+    tells instances apart by their group's fields but name and count, so that the supervisor can replace one alone
+    (serving.instance_groups; a host policy no --host-policy flag names means Triton's defaults)."""
+    pb = _pb()
+    del config.instance_group[:]
+    if instances == 1:
+        config.instance_group.add(kind=pb.ModelInstanceGroup.KIND_CPU, count=1)
+    for i in range(instances if instances > 1 else 0):
+        group = f"{config.name}_{i}"
+        config.instance_group.add(name=group, kind=pb.ModelInstanceGroup.KIND_CPU, count=1, host_policy=group)
+
+
+def instance_count(config) -> int:
+    """How many instances a config asks for (the sum of its groups' counts)."""
+    return sum(g.count for g in config.instance_group)
 
 
 def _in_process_lookup(target: str, options: ServingOptions) -> bool:
@@ -114,7 +132,7 @@ def _backbone(name: str, aot: bool, target: str, record: BackboneRecord):
     token_names = protocol.token_inputs(record.uses_token_type_ids)
     python = _in_process_lookup(target, options)
     if python:
-        config = _python_model(name, options, _engine_parameters(name, target, options),
+        config = _python_model(name, options, _engine_parameters(name, target, record),
                                options.backbone_queue_delay_us)
     else:
         platform = "tensorrt_plan" if options.engine == "tensorrt" else "onnxruntime_onnx"
@@ -150,12 +168,17 @@ def _backbone(name: str, aot: bool, target: str, record: BackboneRecord):
     return config
 
 
-def _engine_parameters(backbone: str, target: str, options: ServingOptions) -> dict[str, str]:
+def _engine_parameters(backbone: str, target: str, record: BackboneRecord) -> dict[str, str]:
     """How a python step runs the encoder of model folder `backbone` (serving.stages.Encoder): ONNX Runtime on its
-    graph, or the torch engine on the target's device."""
+    graph (on CPU, the int8 twin of an int8 repository, one request at a time: exporter.quantize), or the torch
+    engine on the target's device."""
+    options = record.serving
     if options.engine == "torch":
         return {"engine": "torch", "device": "cpu" if target == "cpu" else "cuda", "threads": str(options.cpu_threads)}
-    return {"engine": "onnx", "onnx_file": f"{backbone}/1/model.onnx", "threads": str(options.cpu_threads)}
+    int8 = target == "cpu" and record.cpu_precision == "int8"
+    graph = record.cpu_graph(backbone) if target == "cpu" else f"{backbone}/1/model.onnx"
+    return {"engine": "onnx", "onnx_file": graph,
+            "threads": str(options.cpu_threads), **({"per_request": "true"} if int8 else {})}
 
 
 def _fused(name: str, backbone: str, record: BackboneRecord):
@@ -163,7 +186,7 @@ def _fused(name: str, backbone: str, record: BackboneRecord):
     encoder, head; model_repository/fused), with the client's inputs and the ensemble's outputs. One hop through the
     server instead of three: docs/benchmarks.md section 6."""
     options = record.serving
-    params = {"aot": "true" if backbone == "backbone" else "false", **_engine_parameters(backbone, "cpu", options)}
+    params = {"aot": "true" if backbone == "backbone" else "false", **_engine_parameters(backbone, "cpu", record)}
     config = _python_model(name, options, params, options.cpu_queue_delay_us, instances=options.cpu_instances)
     config.input.extend(_request_inputs(record, ragged=True))
     _answer_outputs(config)

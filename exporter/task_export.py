@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 
+from exporter.accuracy_gate import check_served_accuracy
 from exporter.compose_env import keep_admin_key_private
 from exporter.task_store import Publication, TaskStore
 from serving import protocol
@@ -50,6 +54,7 @@ class TaskExportReport:
     max_abs_logit_diff: float
     seconds: float
     storage_advice: dict
+    served_dev: dict | None = None  # int8 repositories: the dev score through the served engine (accuracy_gate)
 
 
 def _head_arrays(model: TaskModel) -> dict[str, np.ndarray]:
@@ -84,6 +89,17 @@ def _served_outputs(served, hidden: np.ndarray, requests: list[Prepared]) -> lis
     if served.kind in READS_TOKENS:
         return [served.token_logits(r.states) for r in requests]
     return list(served.embeddings(hidden) if served.kind == "embedding" else served.logits(hidden))
+
+
+@contextlib.contextmanager
+def _writing(name: str, path: Path) -> Iterator[None]:
+    """A failed write of `path` (a full disk) as one OSError naming the task and the file: safetensors raises an
+    error of its own, which `aot` would print as a traceback."""
+    try:
+        yield
+    except (OSError, SafetensorError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise OSError(f"task {name!r}: cannot write {path.name} ({reason}); nothing was published") from None
 
 
 def _write_fused(body: AotBody, path: Path, vocab: int, chunk: int = 2048, progress: bool = True) -> None:
@@ -148,11 +164,14 @@ def storage_advice(repo: RepositoryInfo, name: str, fused_bytes: int, factored_b
 
 
 def export_task(task_dir: str | Path, repo_dir: str | Path, name: str, storage: str = "auto",
-                progress: bool = True, keep: int | None = None) -> TaskExportReport:
+                progress: bool = True, keep: int | None = None, allowed_drop: float | None = None,
+                dev_data: str | Path | None = None) -> TaskExportReport:
     """Export one task and publish it. `storage`: fused, factored, or auto (see storage_advice). `keep`: versions
-    of the task to keep, this one included (None: the task's policy, else serving.store.DEFAULT_KEEP)."""
+    of the task to keep, this one included (None: the task's policy, else serving.store.DEFAULT_KEEP). On an int8
+    repository the task must keep its dev score within `allowed_drop` points (0.5 by default) of its fp32 score,
+    scored on `dev_data` (default: its training data's dev split): exporter.accuracy_gate."""
     exporter = TaskExporter(repo_dir, progress)
-    written = exporter.write(task_dir, name, storage)
+    written = exporter.write(task_dir, name, storage, allowed_drop=allowed_drop, dev_data=dev_data)
     return exporter.publish([written], keep)[0]
 
 
@@ -168,6 +187,7 @@ class WrittenTask:
     seconds: float
     advice: dict
     bytes_on_disk: int
+    served_dev: dict | None = None  # int8 repositories: exporter.accuracy_gate's result
 
 
 class TaskExporter:
@@ -213,9 +233,11 @@ class TaskExporter:
         return artifact
 
     def write(self, task_dir: str | Path, name: str, storage: str = "auto",
-              tasks_in_store: int | None = None) -> WrittenTask:
-        """Fuse P (or keep its factors), write the head, and check the served logits against PyTorch, into a new
-        version folder of the store that no reader sees yet. `tasks_in_store`: what `auto` counts (default: the
+              tasks_in_store: int | None = None, allowed_drop: float | None = None,
+              dev_data: str | Path | None = None) -> WrittenTask:
+        """Fuse P (or keep its factors), write the head, and check the served logits against PyTorch (and on an int8
+        repository its dev score through the int8 engine: exporter.accuracy_gate), into a new version folder of the
+        store that no reader sees yet. `tasks_in_store`: what `auto` counts (default: the
         store's tasks and this one)."""
         start = time.perf_counter()
         self.check(task_dir, name, storage)
@@ -226,12 +248,12 @@ class TaskExporter:
         # no copy of the encoder per task: the task's AoT hooks go into the shared one, and out again below
         predictor = Predictor(*load_task(task_dir, self._backbone, copy_encoder=False))
         try:
-            return self._write(predictor, task_dir, name, storage, tasks_in_store, start)
+            return self._write(predictor, task_dir, name, storage, tasks_in_store, start, allowed_drop, dev_data)
         finally:
             predictor.model.body.biased.remove_hooks()
 
     def _write(self, predictor: Predictor, task_dir, name: str, storage: str, tasks_in_store: int | None,
-               start: float) -> WrittenTask:
+               start: float, allowed_drop: float | None = None, dev_data: str | Path | None = None) -> WrittenTask:
         artifact, model = predictor.artifact, predictor.model
         L, d = self._backbone.num_layers, self._backbone.hidden_size
         V = int(self._backbone.embeddings.shape[0])
@@ -243,24 +265,30 @@ class TaskExporter:
         folder = self.store.new_version_folder(name)
         try:
             meta = task_record(artifact, name, storage, (L, d, V), self.repo.fingerprint)
-            (folder / "task.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-            if artifact.kind != "embedding":  # an embedding task's vector is its pooled state: no head
-                save_file(_head_arrays(model), folder / "head.safetensors")
+            with _writing(name, folder / "task.json"):
+                (folder / "task.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+            with _writing(name, folder / "head.safetensors"):
+                if artifact.kind != "embedding":  # an embedding task's vector is its pooled state: no head
+                    save_file(_head_arrays(model), folder / "head.safetensors")
             body: AotBody = model.body
             if storage == "fused":
-                _write_fused(body, folder / "table.npy", V, progress=self.progress)
+                with _writing(name, folder / "table.npy"):
+                    _write_fused(body, folder / "table.npy", V, progress=self.progress)
             else:
-                save_file(factors, folder / "factors.safetensors")
+                with _writing(name, folder / "factors.safetensors"):
+                    save_file(factors, folder / "factors.safetensors")
             diff = validate_task(self.repo, folder, name, storage, predictor, engine=self._engine,
                                  tokens=self._tokens)
             if not diff <= LOGITS_TOLERANCE:
                 raise StoreError(f"task {name!r}: served logits differ from PyTorch by {diff:.3g} "
                                  f"(> {LOGITS_TOLERANCE}); nothing was published")
+            served_dev = check_served_accuracy(self.repo, folder, predictor, allowed_drop, dev_data)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
         size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
-        return WrittenTask(name, folder, storage, fused_bytes, diff, time.perf_counter() - start, advice, size)
+        return WrittenTask(name, folder, storage, fused_bytes, diff, time.perf_counter() - start, advice, size,
+                           None if served_dev is None else served_dev.to_json())
 
     @staticmethod
     def discard(written: WrittenTask) -> None:
@@ -282,5 +310,6 @@ class TaskExporter:
         reports = []
         for w, entry in zip(written, entries):
             reports.append(TaskExportReport(w.name, w.storage, entry.folder, w.bytes_on_disk, w.fused_bytes,
-                                            w.max_abs_logit_diff, round(w.seconds + share, 2), w.advice))
+                                            w.max_abs_logit_diff, round(w.seconds + share, 2), w.advice,
+                                            w.served_dev))
         return reports

@@ -45,7 +45,7 @@ UPLOADS_AT_ONCE = 8  # objects a publisher uploads in parallel to a remote store
 FOREIGN_DEBRIS_AGE = 3600.0  # seconds before another host's unfinished export folder counts as debris
 # this host, in the names of export folders (pids are per host: a fleet's exports share one volume)
 HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
-META_KEYS = ("labels", "metric", "dev", "max_length", "pooling", "has_pair", "kind")  # of task.json, in the index
+META_KEYS = ("labels", "metric", "dev", "served_dev", "max_length", "pooling", "has_pair", "kind")  # of task.json
 
 
 @dataclass(frozen=True)

@@ -115,9 +115,10 @@ class BackboneRunner:
     rows[index] (zero past its end)."""
 
     def __init__(self, onnx_path: str | Path, threads: int = 0, providers: list[str] | None = None,
-                 max_padding: float | None = 0.125):
+                 max_padding: float | None = 0.125, per_request: bool = False):
         """`max_padding`: see length_groups; None pads the whole batch to its longest sequence, as Triton's native
-        backends do."""
+        backends do. `per_request`: run each request alone (an int8 graph, whose activation scale is taken over the
+        whole batch: batched, a request's answer would depend on its neighbours; exporter.quantize)."""
         import onnxruntime as ort
 
         options = ort.SessionOptions()
@@ -137,10 +138,13 @@ class BackboneRunner:
             shape = next(i.shape for i in self.session.get_inputs() if i.name == protocol.AOT_BIAS)
             self.row_shape = tuple(int(n) for n in shape[2:])
         self.max_padding = max_padding
+        self.per_request = per_request
 
     def run(self, requests: list[Prepared]) -> np.ndarray:
         """Each request: 1-D token tensors (and for AoT its rows and index). Returns the pooled states [B, P, d] in
         the requests' order; a request that wants them gets its token states (`states`, [S, d])."""
+        if self.per_request and len(requests) > 1:
+            return np.concatenate([self._run([r]) for r in requests])
         if self.max_padding is None or len(requests) == 1:
             return self._run(requests)
         groups = length_groups([len(r.tokens[protocol.INPUT_IDS]) for r in requests], self.max_padding)
@@ -182,7 +186,8 @@ class BackboneRunner:
 
 def _onnx_backbone(step, aot: bool, threads: int, log: Callable[[str], None] | None = None) -> BackboneRunner:
     """A step's ONNX Runtime backbone: the graph its parameter `onnx_file` names under the models folder."""
-    return BackboneRunner(Path(step.repo.models) / step.parameters["onnx_file"], threads=threads)
+    return BackboneRunner(Path(step.repo.models) / step.parameters["onnx_file"], threads=threads,
+                          per_request=step.parameters.get("per_request") == "true")
 
 
 register_engine(Engine("onnx", _onnx_backbone))

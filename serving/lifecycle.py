@@ -1,7 +1,9 @@
 """One tritonserver under a supervisor, from start to reaped: what both the container's entry point
 (`python3 -m serving.supervisor`) and `aot serve` (aot.server.LocalServer) run.
 
-- start: tritonserver with the control API restricted to the admin key (serving.admin_key);
+- start: tritonserver with the control API restricted to the admin key (serving.admin_key), and the open-file limit
+  raised to its hard limit (each client connection takes a descriptor: at a common soft limit of 1,024, 2,000 idle
+  connections left tritonserver unable to accept any more);
 - wait_ready: until Triton's own readiness says 200 (enough while it starts), then the Supervisor (serving.repairs)
   watches its stubs and models;
 - forward: a stop signal reaches the server after the supervisor has stopped repairing (the models a stopping
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -34,6 +37,16 @@ from serving.shm import remove_regions
 from serving.watch import remove_watches
 
 _PR_SET_PDEATHSIG = 1
+WATCH_SECONDS = 0.05  # how often a watched server's exit is checked (a restart begins that much after a crash)
+# The gRPC front end (Triton 2.51's flags; its HTTP front end has none, and none is an idle timeout): the server pings
+# each connection every 30 s, idle or not, and closes one whose peer has not answered within 10 s (a client host that
+# vanished); every connection is closed after 10 minutes (GOAWAY: clients reconnect at once, calls in flight get 30 s
+# to finish), so an idle one holds its descriptor that long at most (times in ms). No request objects are kept for
+# reuse: a kept one keeps the largest message it ever held (an oversized request's hundreds of MB, measured).
+FRONT_END_FLAGS = {"--grpc-keepalive-time": 30_000, "--grpc-keepalive-timeout": 10_000,
+                   "--grpc-keepalive-permit-without-calls": 1, "--grpc-http2-max-pings-without-data": 0,
+                   "--grpc-max-connection-age": 600_000, "--grpc-max-connection-age-grace": 30_000,
+                   "--grpc-infer-allocation-pool-size": 0}
 
 
 class ServerError(RuntimeError):
@@ -44,12 +57,48 @@ class ServerExited(ServerError):
     """tritonserver exited by itself before it was ready."""
 
 
+def compile_steps(models: Path, python: str | Path = "python3") -> None:
+    """Each step's model.py compiled by the Python its stub runs, before tritonserver starts. Else the stub's first
+    import writes `__pycache__` into the model's version folder while Triton loads it, Triton takes the model for
+    modified since, and the supervisor's in-place replacement of one instance (serving.instance_groups) becomes a
+    reload of the whole model. A read-only repository is left alone (its stubs cannot write there either)."""
+    try:
+        subprocess.run([str(python), "-m", "compileall", "-q", str(models)], capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+
+
+def front_end_args(command: list[str]) -> list[str]:
+    """FRONT_END_FLAGS that `command` does not set itself."""
+    given = {a.split("=", 1)[0] for a in command}
+    return [f"{flag}={value}" for flag, value in FRONT_END_FLAGS.items() if flag not in given]
+
+
 def die_with_parent() -> None:
     """In the child before exec: SIGTERM when the process that started it dies (Linux prctl)."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     except OSError:
         pass
+
+
+def raise_open_file_limit() -> int:
+    """This process's soft limit of open files raised to its hard limit (children inherit it; an unlimited hard
+    limit means the kernel's fs.nr_open); the new soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:
+        try:
+            target = int(Path("/proc/sys/fs/nr_open").read_text())
+        except (OSError, ValueError):
+            return soft
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+        return soft
+    return target
 
 
 def http_ok(url: str, timeout: float) -> bool:
@@ -100,6 +149,8 @@ class ServerLifecycle:
     log_path: Path | None = None  # the server's output (None: this process's own, as in the container)
     own_group: bool = False  # a process group of its own that dies with the thread that started it (LocalServer)
     stop_timeout: float | None = 15.0  # SIGTERM to SIGKILL when a failed server is stopped (None: wait)
+    region_bytes: int | None = None  # a stub's shared memory past this is replaced (serving.limits; None: no bound)
+    store_root: Path | None = None  # the task store /ready checks (serving.store_check; None: none)
     process: subprocess.Popen | None = None
     supervisor: Supervisor | None = None
     ready_seconds: float | None = None
@@ -109,8 +160,10 @@ class ServerLifecycle:
         self._started = 0.0
 
     def start(self, command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        """tritonserver `command` (its binary and flags), the API restrictions added. Its output goes to log_path,
-        overwritten by the first process and appended to by the next ones."""
+        """tritonserver `command` (its binary and flags), the API restrictions and the front end's flags added. Its
+        output goes to log_path, overwritten by the first process and appended to by the next ones."""
+        raise_open_file_limit()
+        command = command + front_end_args(command)
         self._started = time.monotonic()
         options = {}
         if self.own_group:
@@ -138,7 +191,8 @@ class ServerLifecycle:
             if not self._stopping.is_set() and self.triton_ready():
                 self.ready_seconds = time.monotonic() - self._started
                 if self.supervise:
-                    self.supervisor = Supervisor(self.process.pid, self.http_url, self.admin_key, log=self.log).start()
+                    self.supervisor = Supervisor(self.process.pid, self.http_url, self.admin_key, log=self.log,
+                                                 region_bytes=self.region_bytes, store_root=self.store_root).start()
                 return
             time.sleep(0.05)
         self.stop(self.stop_timeout)
@@ -170,7 +224,7 @@ class ServerLifecycle:
         """Until the server exits (its exit code) or `until` is set (None). A server with a model its supervisor
         gave up is stopped: only a new server serves that model again."""
         until = until or threading.Event()
-        while not until.wait(0.5):
+        while not until.wait(WATCH_SECONDS):
             if self.process.poll() is not None:
                 return self.process.returncode
             if self.failed and not self._stopping.is_set():

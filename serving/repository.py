@@ -152,7 +152,10 @@ _REQUIRED = {"protocol_version": int, "backbone": dict, "uses_token_type_ids": b
              "store": str, "tokenizer": str}
 # Keys a record may lack (written before they were recorded): checked when present
 _OPTIONAL = {"encoder": (str, type(None)), "precision": (str, type(None)), "tensorrt_profile": (dict, type(None)),
-             "parity_max_abs_diff": dict, "task_store_url": (str, type(None))}
+             "parity_max_abs_diff": dict, "task_store_url": (str, type(None)), "cpu_precision": str,
+             "quantization": (dict, type(None))}
+CPU_PRECISIONS = ("fp32", "int8")
+INT8_GRAPH = "model.int8.onnx"  # beside model.onnx (exporter.quantize writes it)
 _PATHS = ("store", "tokenizer", "encoder")  # relative to the repository
 
 
@@ -176,12 +179,19 @@ class BackboneRecord:
     precision: str | None = None  # the GPU backbone's: fp32 or fp16 (None: the torch engine)
     tensorrt_profile: dict | None = None  # exporter.tensorrt.Profile's fields (--format tensorrt)
     parity_max_abs_diff: dict = field(default_factory=dict)  # graph -> largest difference from PyTorch at export
+    cpu_precision: str = "fp32"  # what the CPU configs run: fp32 (model.onnx) or int8 (model.int8.onnx)
+    quantization: dict | None = None  # int8: how the graphs were quantized (training.quantized.QUANTIZATION)
     # the tasks in object storage (s3://BUCKET/PREFIX; None: in `store`, which keeps the embeddings and rows graphs)
     task_store_url: str | None = None
 
     @property
     def model(self) -> str:
         return self.backbone["model"]
+
+    def cpu_graph(self, backbone: str = "backbone") -> str:
+        """The graph the CPU configs run for model folder `backbone` (or `backbone_vanilla`), under the models folder:
+        the int8 twin in an int8 repository."""
+        return f"{backbone}/1/{INT8_GRAPH if self.cpu_precision == 'int8' else 'model.onnx'}"
 
     @property
     def fingerprint(self) -> str:
@@ -215,6 +225,9 @@ class BackboneRecord:
         for key in _PATHS:
             if data.get(key) is not None and (Path(data[key]).is_absolute() or ".." in Path(data[key]).parts):
                 raise RepositoryError(f"{where}: {key!r} must be a path inside the repository, got {data[key]!r}")
+        if data.get("cpu_precision", "fp32") not in CPU_PRECISIONS:
+            raise RepositoryError(f"{where}: cpu_precision {data['cpu_precision']!r}: expected one of "
+                                  f"{', '.join(CPU_PRECISIONS)}")
         try:
             serving = ServingOptions.from_json(data["serving"])
         except (TypeError, ValueError) as exc:  # RepositoryError included
@@ -274,6 +287,10 @@ class RepositoryInfo:
     @property
     def backbone_onnx(self) -> Path:
         return self.models / "backbone" / "1" / "model.onnx"
+
+    def cpu_graph(self, backbone: str = "backbone") -> Path:
+        """The graph the CPU configs run for `backbone` (or `backbone_vanilla`): the int8 twin in an int8 repository."""
+        return self.models / self.record.cpu_graph(backbone)
 
     @property
     def encoder_dir(self) -> Path:

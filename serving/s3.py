@@ -174,15 +174,18 @@ class S3Backend:
         """Keys of the objects directly under `prefix/`."""
         import obstore
 
+        folder = prefix.rstrip("/") + "/"
         try:
-            listed = obstore.list_with_delimiter(self.store, prefix.rstrip("/") + "/")
+            listed = obstore.list_with_delimiter(self.store, folder)
         except Exception as exc:  # noqa: BLE001
-            raise self._failed(exc, "list", prefix + "/") from None
-        return iter(sorted(o["path"] for o in listed["objects"]))
+            raise self._failed(exc, "list", folder) from None
+        # a store with directories (SeaweedFS's filer) lists an emptied folder as an object named like the folder
+        return iter(sorted(o["path"] for o in listed["objects"] if o["path"].startswith(folder)))
 
     def folders(self, skip: Collection[str] = ()) -> dict[str, float]:
         """The top-level "folders" (common prefixes) of the store but those in `skip` -> the newest modification
-        time of their objects (unix seconds; a listing of each folder)."""
+        time of their objects (unix seconds; a listing of each folder). Folders with no object (an emptied one that a
+        store with directories still lists) are left out."""
         import obstore
 
         try:
@@ -192,8 +195,10 @@ class S3Backend:
                 name = prefix.rstrip("/")
                 if name in skip:
                     continue
-                objects = obstore.list_with_delimiter(self.store, name + "/")["objects"]
-                out[name] = max((o["last_modified"].timestamp() for o in objects), default=0.0)
+                objects = [o for o in obstore.list_with_delimiter(self.store, name + "/")["objects"]
+                           if o["path"].startswith(name + "/")]
+                if objects:
+                    out[name] = max(o["last_modified"].timestamp() for o in objects)
         except Exception as exc:  # noqa: BLE001
             raise self._failed(exc, "list", "/") from None
         return out

@@ -23,6 +23,15 @@ def region_path(region: str) -> Path:
     return SHM / region.lstrip("/")
 
 
+def allocated_bytes(region: str) -> int:
+    """Memory a region holds (its allocated pages: a region grows by ftruncate and is filled as it is used, and it
+    never shrinks while its stub lives); 0 when it is gone."""
+    try:
+        return region_path(region).stat().st_blocks * 512
+    except OSError:
+        return 0
+
+
 def make_private(regions: Iterable[str]) -> None:
     """Mode 0600 for each region that still exists (a stub that exited took its region along)."""
     for region in regions:

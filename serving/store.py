@@ -150,7 +150,7 @@ class TaskEntry:
     def listing(self) -> dict:
         """What `aot tasks` shows of the task, from the index alone (no server path)."""
         return {"name": self.name, "version": self.folder, "kind": self.kind(), "storage": self.storage,
-                **{k: self.meta.get(k) for k in ("labels", "max_length", "method", "metric", "dev")},
+                **{k: self.meta.get(k) for k in ("labels", "max_length", "method", "metric", "dev", "served_dev")},
                 "verified": self.digests is not None}
 
 

@@ -16,8 +16,10 @@ from pathlib import Path
 from serving.admin_key import (ADMIN_KEY_ENV, ADMIN_KEY_FILE_ENV, RESTRICTED_APIS, RESTRICTION_FLAGS, AdminKeyError,
                                admin_key_from_environment, generate_admin_key)
 from serving.health import HealthServer
-from serving.lifecycle import ServerExited, ServerLifecycle
+from serving.lifecycle import ServerExited, ServerLifecycle, compile_steps
+from serving.limits import region_bound_of
 from serving.repository import VANILLA_MODELS
+from serving.store_check import store_root_of
 
 LOAD_VANILLA_ENV = "AOT_LOAD_VANILLA"
 
@@ -58,7 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     if not any(a.startswith("--model-control-mode") for a in command):
         command += ["--model-control-mode=explicit", *load_flags(command)]
     port = next((a.split("=", 1)[1] for a in command if a.startswith("--http-port=")), "8000")
-    server = ServerLifecycle(f"127.0.0.1:{port}", key, stop_timeout=None)  # the container's runtime kills
+    models = next((a.split("=", 1)[1] for a in command if a.startswith(("--model-repository=", "--model-store="))),
+                  None)
+    server = ServerLifecycle(f"127.0.0.1:{port}", key, stop_timeout=None,  # the container's runtime kills
+                             region_bytes=region_bound_of(models) if models else None,
+                             store_root=store_root_of(models) if models else None)
+    if models:
+        compile_steps(Path(models))  # the stubs run the `python3` on PATH
     server.start(command)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, server.forward)

@@ -53,6 +53,11 @@ def busy_since(server_pid: int, instance: str) -> float | None:
     return since or None
 
 
+def remove_watch(server_pid: int, instance: str) -> None:
+    """An instance that left the server: its watch file."""
+    watch_path(server_pid, instance).unlink(missing_ok=True)
+
+
 def remove_watches(server_pid: int) -> None:
     """After the server exited: its instances' watch files."""
     for path in SHM.glob(f"{PREFIX}{server_pid}-*"):

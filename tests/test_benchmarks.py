@@ -139,6 +139,19 @@ def test_bound_session_equals_a_plain_run(tmp_path, tiny_models):
     np.testing.assert_allclose(states["rows"], states["dense"], atol=1e-4)
 
 
+def test_overhead_int8_tiny(tmp_path, tiny_models):
+    """--precision int8 times the int8 twins of the graphs, one request at a time, as the CPU configs run them."""
+    out = tmp_path / "bench"
+    assert main(["bench", "overhead", "--models", str(tiny_models["bert"]), "--batch", "2", "--seq", "16",
+                 "--repeats", "2", "--warmup", "1", "--engine", "onnxruntime", "--methods", "aot-fused",
+                 "--precision", "int8", "--out", str(out), "--no-progress"]) == 0
+    records = json.loads((out / "overhead.json").read_text())
+    assert {r["method"] for r in records} == {"vanilla", "aot-fused"} and {r["dtype"] for r in records} == {"int8"}
+    assert all(r["median_ms"] > 0 for r in records)
+    assert "int8 graphs" in (out / "overhead.md").read_text()
+    assert main(["bench", "overhead", "--precision", "int8", "--out", str(out)]) == 2  # the torch engine: refused
+
+
 def test_overhead_rejects_unknown_method(tmp_path, capsys):
     assert main(["bench", "overhead", "--methods", "vanilla,magic", "--out", str(tmp_path)]) == 2
     assert "unknown method(s) ['magic']" in capsys.readouterr().err
@@ -153,14 +166,18 @@ def test_serve_bench_tiny(tmp_path, tiny_models, sentiment_dir, engine):
     out = tmp_path / "bench"
     # the torch engine's pool holds a few hundred rows, not the 8 tasks' tables: served from a pool they overflow
     pool = ["--pool-bytes", "60000"] if engine == "torch" else []
+    # the onnx engine: fp32 and int8 repositories side by side in one run
+    precisions = ["fp32", "int8"] if engine == "onnx" else ["fp32"]
     assert main(["bench", "serve", "--task", str(task), "--out", str(out), "--tasks", "1,2", "--concurrency", "2",
-                 "--storage", "fused", "--requests", "12", "--engine", engine, "--no-progress", *pool]) == 0
+                 "--storage", "fused", "--requests", "12", "--engine", engine, "--no-progress", *pool,
+                 "--precision", ",".join(precisions)]) == 0
     records = json.loads((out / "serve.json").read_text())
     memory = [r for r in records if r["kind"] == "memory"]
     latency = [r for r in records if r["kind"] == "latency"]
-    assert [r["tasks"] for r in memory] == [1, 2]
+    assert [(r["precision"], r["tasks"]) for r in memory] == [(p, n) for p in precisions for n in (1, 2)]
     assert all(r["rss_mb"] > 50 and r["ready_seconds"] > 0 for r in memory)
-    assert {(r["model"], r["tasks_in_flight"]) for r in latency} == {("vanilla", 1), ("aot", 1), ("aot", 8)}
+    assert {(r["precision"], r["model"], r["tasks_in_flight"]) for r in latency} == {
+        (p, m, n) for p in precisions for m, n in (("vanilla", 1), ("aot", 1), ("aot", 8))}
     for r in latency:
         assert r["errors"] == 0 and r["throughput_rps"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0
         assert isinstance(r["memory_fallbacks"], int)  # counted from the server log (test_memory_fallbacks_...)
@@ -174,8 +191,14 @@ def test_serve_bench_tiny(tmp_path, tiny_models, sentiment_dir, engine):
     rates = [r["pool_hit_rate"] for r in latency if r["model"] == "aot"]
     if engine == "torch":
         assert all(0 <= h <= 1 for h in rates) and min(rates) < 1, rates
-    parity = [r for r in records if r["kind"] == "parity"]
-    assert len(parity) == 1 and parity[0]["max_abs_logit_diff"] < 1e-3 and parity[0]["same_label"] == 1.0
+    parity = {r["precision"]: r for r in records if r["kind"] == "parity"}
+    assert set(parity) == set(precisions) and all(r["same_label"] == 1.0 for r in parity.values())
+    assert parity["fp32"]["max_abs_logit_diff"] < 1e-3  # against aot predict (fp16 rows)
+    if "int8" in parity:  # against aot predict --repo, the int8 engine in process
+        assert parity["int8"]["max_abs_logit_diff"] < 1e-4
+        accuracy = [r for r in records if r["kind"] == "accuracy"]
+        assert [r["precision"] for r in accuracy] == ["int8"] and 0 <= accuracy[0]["score"] <= 1
+        assert "× fp32" in (out / "serve.md").read_text()
     assert f"(cpu, {engine} engine)" in (out / "serve.md").read_text()
     assert (out / "serve.md").is_file() and (out / "serve.png").is_file()
 

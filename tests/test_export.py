@@ -16,7 +16,7 @@ import pytest
 
 import exporter.task_store
 from exporter.backbone_export import export_backbone
-from exporter.configs import model_configs, parse_pbtxt, to_pbtxt
+from exporter.configs import instance_count, model_configs, parse_pbtxt, to_pbtxt
 from exporter.onnx_export import export_backbone_graph
 from exporter.task_export import export_task
 from exporter.task_store import StoreError, TaskStore
@@ -417,12 +417,11 @@ def test_clients_send_optional_inputs_and_get_the_answer(case, target):
 def test_light_steps_instances(case, target):
     configs = case.configs(target)
     instances = LIGHT_STEP_INSTANCES[target]
-    assert [configs[m].instance_group[0].count for m in ("tokenizer", "head", "aot_lookup")] == [instances,
-                                                                                               instances, 1]
+    assert [instance_count(configs[m]) for m in ("tokenizer", "head", "aot_lookup")] == [instances, instances, 1]
 
 
 def test_step_instances_sets_both_targets():
-    assert [model_configs(_config_record(ServingOptions(step_instances=3)), t)["head"].instance_group[0].count
+    assert [instance_count(model_configs(_config_record(ServingOptions(step_instances=3)), t)["head"])
             for t in TARGETS] == [3, 3]
 
 
@@ -478,7 +477,7 @@ def test_cpu_aot_and_vanilla_are_one_fused_step_each(case):
         assert fused.backend == "python" and not fused.ensemble_scheduling.step
         assert fused.parameters["aot"].string_value == str(model == "aot").lower()
         assert fused.parameters["onnx_file"].string_value == f"{graph}/1/model.onnx"
-        assert fused.instance_group[0].count == ServingOptions().cpu_instances
+        assert instance_count(fused) == ServingOptions().cpu_instances
 
 
 @pytest.mark.parametrize("case", CONFIG_CASES, ids=str)

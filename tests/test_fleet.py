@@ -5,6 +5,7 @@ import re
 import signal
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import numpy as np
@@ -56,11 +57,12 @@ def fleet(request, repo):
                 print(f"\n--- replica {i} log ---\n{server.log_tail(40)}")
 
 
-def _ensemble_requests(server) -> int:
-    """Requests the `aot` ensemble of one replica answered (its Prometheus metrics; 0 after a restart)."""
+def _ensemble_requests(server, outcome: str = "success") -> int:
+    """Requests the `aot` ensemble of one replica answered (or failed: `outcome`; its Prometheus metrics; 0 after a
+    restart)."""
     with urllib.request.urlopen(f"http://{server.host}:{server.metrics_port}/metrics", timeout=5) as r:
         text = r.read().decode()
-    match = re.search(r'^nv_inference_request_success\{model="aot",version="1"\} (\d+)', text, re.M)
+    match = re.search(rf'^nv_inference_request_{outcome}\{{model="aot",version="1"\}} (\d+)', text, re.M)
     return int(match[1]) if match else 0
 
 
@@ -208,6 +210,96 @@ def test_kill9_of_a_replica_under_load_fails_no_request(fleet, expected):
     print(f"\nkill -9 of a replica under load: {len(load.answers)} answers, 0 failed, 0 wrong; "
           f"{restarted_at - killed_at} served by the other replica while it restarted")
 
+
+def _replica_pids(fleet) -> list[int]:
+    return [s.process.pid for s in fleet.servers]
+
+
+def test_killed_haproxy_is_restarted_and_no_request_fails(fleet, expected):
+    """kill -9 of HAProxy while 4 clients call through it: the fleet starts it again within a second on the same
+    ports, the replicas untouched (same tritonservers), and the clients retry the connections it refused or dropped
+    meanwhile (a short, bounded backoff): no request fails, every answer is right."""
+    items = [{"task": name, "text": text} for name in ("alpha", "beta") for text in TEXTS]
+    replicas, restarts = _replica_pids(fleet), [len(s.restarts) for s in fleet.servers]
+    with Load(fleet.grpc_url, items) as load:
+        time.sleep(1)
+        old, killed_at = fleet.balancer.pid, len(load.answers)
+        killed = time.monotonic()
+        os.kill(old, signal.SIGKILL)
+        while fleet.balancer.pid == old or fleet.balancer.poll() is not None:
+            assert time.monotonic() - killed < 10, "HAProxy was not restarted"
+            time.sleep(0.01)
+        restarted = time.monotonic() - killed
+        fleet.wait_all_up(timeout=30)
+        while len(load.answers) < killed_at + 200:
+            assert time.monotonic() - killed < 60, "no answers through the restarted HAProxy"
+            time.sleep(0.05)
+    assert load.failures == [] and fleet.failed is None
+    assert [a for i, a in load.answers if not _check(a, expected[items[i]["task"]][i % len(TEXTS)])] == []
+    assert _replica_pids(fleet) == replicas and [len(s.restarts) for s in fleet.servers] == restarts
+    print(f"\nkill -9 of HAProxy under load: restarted {restarted:.2f} s later; {len(load.answers)} answers, 0 failed")
+
+
+def test_oversized_requests_are_refused_before_any_replica(fleet):
+    """The issue's case (INT64 [1, 25,000,000] ids, 400 MB) and a 400 KB text: HAProxy refuses them (413) before
+    either replica reads a byte: no replica counts a failed request, none's shared memory grows."""
+    import json
+
+    import tritonclient.grpc as grpcclient
+
+    from serving.procfs import stub_processes
+    from serving.shm import allocated_bytes
+
+    def replica_state():
+        regions = [s.shm_region for r in fleet.servers for s in stub_processes(r.process.pid)]
+        return [_ensemble_requests(s, "failure") for s in fleet.servers], sum(allocated_bytes(r) for r in regions)
+
+    before = replica_state()
+    ids = grpcclient.InferInput("input_ids", [1, 25_000_000], "INT64")
+    ids.set_data_from_numpy(np.ones((1, 25_000_000), np.int64))
+    with grpcclient.InferenceServerClient(fleet.grpc_url) as client:
+        with pytest.raises(Exception, match="413"):
+            client.infer("aot", [ids])
+    body = json.dumps({"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": ["x" * 400_000]},
+                                  {"name": "TASK", "shape": [1, 1], "datatype": "BYTES", "data": ["alpha"]}]})
+    request = urllib.request.Request(f"http://{fleet.http_url}/v2/models/aot/infer", data=body.encode(), method="POST")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert refused.value.code == 413 and "request body larger than" in json.loads(refused.value.read())["error"]
+    counts, shm = replica_state()
+    assert counts == before[0] and shm <= before[1], (before, (counts, shm))
+    with Client(fleet.grpc_url) as c:  # a text at the largest size a client needs still passes
+        assert c.infer("alpha", "w1 " * 20_000)["version"].startswith("alpha@")
+
+
+def test_idle_connections_are_closed_by_the_balancer(fleet):
+    """2,000 TCP connections to HAProxy's gRPC port that never send a byte: a client is served meanwhile, and
+    HAProxy closes them all within its idle timeout (they cannot hold its connection slots for long)."""
+    import socket
+
+    from aot.fleet import CLIENT_IDLE_SECONDS, REQUEST_SECONDS
+
+    host, port = fleet.grpc_url.rsplit(":", 1)
+    idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(2000)]
+    try:
+        opened = time.monotonic()
+        with Client(fleet.grpc_url) as c:
+            assert c.infer("alpha", TEXTS[0])["version"].startswith("alpha@")
+        limit = opened + max(CLIENT_IDLE_SECONDS, REQUEST_SECONDS) + 5
+        for s in idle:
+            s.settimeout(max(0.1, limit - time.monotonic()))
+            try:
+                while s.recv(1024):  # HAProxy may say why before it closes (an error, a GOAWAY)
+                    pass
+            except ConnectionResetError:
+                pass
+            except TimeoutError:
+                raise AssertionError(f"an idle connection still open {time.monotonic() - opened:.0f} s after") from None
+        closed = time.monotonic() - opened
+    finally:
+        for s in idle:
+            s.close()
+    print(f"\n2,000 idle connections to HAProxy: all closed {closed:.1f} s after they opened")
 
 
 def test_serve_command_with_replicas(repo, tmp_path):

@@ -14,6 +14,7 @@ import json
 import os
 import random
 import re
+import resource
 import shutil
 import signal
 import stat
@@ -115,8 +116,9 @@ def served(request, repo, tmp_path_factory):
 
         command[3] = str(triton_home() / "bin" / "tritonserver")
     log = open(work / "stdout", "w")
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]  # a common default soft limit: the server raises its own
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                               cwd=ROOT)
+                               cwd=ROOT, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard)))
     health = f"127.0.0.1:{ports['health']}"
     try:
         _wait_ready(health)
@@ -129,13 +131,18 @@ def served(request, repo, tmp_path_factory):
             key = (repo / "admin-key").read_text().strip()
         yield Served(f"127.0.0.1:{ports['http']}", f"127.0.0.1:{ports['grpc']}", health, key, work, process.pid)
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        _stop_group(process)
         log.close()
+
+
+def _stop_group(process: subprocess.Popen) -> None:
+    """SIGTERM to the process group a launcher leads, SIGKILL after 30 s."""
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 # --- private files ----------------------------------------------------------------------------------------------
@@ -332,6 +339,123 @@ def test_the_key_is_never_logged(served):
     assert served.key not in text
 
 
+# --- 1b. connections ------------------------------------------------------------------------------------------------
+
+def _tritonserver_of(launcher: int) -> int:
+    """The tritonserver process a launcher (`aot serve`, the container's supervisor) started."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (entry / "comm").read_text().strip() == "tritonserver" and \
+                    int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == launcher:
+                return int(entry.name)
+        except (OSError, ValueError, IndexError):
+            continue
+    raise AssertionError(f"no tritonserver started by {launcher}")
+
+
+def _open_files_limit(pid: int) -> tuple[int, int]:
+    line = next(x for x in Path(f"/proc/{pid}/limits").read_text().splitlines() if x.startswith("Max open files"))
+    soft, hard = line.split()[3:5]
+    return int(soft), int(hard)
+
+
+def test_idle_connections_leave_room_for_clients(served, expected):
+    """Started from a shell whose soft open-file limit is 1,024 (a common default), tritonserver runs at its hard
+    limit; 2,000 idle TCP connections to the gRPC port (they held every descriptor at 1,024) leave a new client
+    served and /ready 200, and no step is repaired for it."""
+    import socket
+
+    triton = _tritonserver_of(served.pid)
+    soft, hard = _open_files_limit(triton)
+    assert soft == hard == resource.getrlimit(resource.RLIMIT_NOFILE)[1], (soft, hard)
+    stubs = {s.instance: s.pid for s in stubs_of(triton).values()}
+    host, port = served.grpc.rsplit(":", 1)
+    idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(2000)]
+    try:
+        start = time.monotonic()
+        _answers_unchanged(served.grpc, expected)
+        answered = time.monotonic() - start
+        assert _get(served.health, "/ready")[0] == 200
+    finally:
+        for s in idle:
+            s.close()
+    assert {s.instance: s.pid for s in stubs_of(triton).values()} == stubs
+    assert "supervisor:" not in (served.log / "stdout").read_text()
+    print(f"\n2,000 idle gRPC connections at an open-file limit of {soft:,}: a new client's answers took "
+          f"{answered:.2f} s, /ready 200, no stub repaired")
+
+
+@pytest.fixture
+def saturated(tmp_path, repo):
+    """`aot serve` whose hard open-file limit is 1,024 (it cannot raise it): the `aot serve` process and its
+    tritonserver pid."""
+    ports = {name: free_port() for name in ("http", "grpc", "metrics", "health")}
+    log = open(tmp_path / "stdout", "w")
+    process = subprocess.Popen([sys.executable, "-m", "aot", "serve", "--repo", str(repo),
+                                *(f"--{name}-port={port}" for name, port in ports.items())],
+                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT,
+                               preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024)))
+    try:
+        _wait_ready(f"127.0.0.1:{ports['health']}")
+        yield process, _tritonserver_of(process.pid), ports, tmp_path / "stdout"
+    finally:
+        _stop_group(process)
+        log.close()
+
+
+def test_a_saturated_front_end_is_no_hung_step(saturated, expected):
+    """Idle connections take every descriptor tritonserver has: no client gets in, and no probe either. /ready
+    says 503 and why within seconds (it never goes silent), and no stub is killed however long it lasts (the
+    supervisor used to kill the healthy steps); once the connections close, the same stubs serve again."""
+    import socket
+
+    process, triton, ports, log = saturated
+    health = f"127.0.0.1:{ports['health']}"
+    stubs = {s.instance: s.pid for s in stubs_of(triton).values()}
+    idle = []
+    try:
+        for _ in range(1100):
+            idle.append(socket.create_connection(("127.0.0.1", ports["grpc"]), timeout=5))
+            idle.append(socket.create_connection(("127.0.0.1", ports["http"]), timeout=5))
+        start = time.monotonic()
+        status, body = _get(health, "/ready")
+        answered = time.monotonic() - start
+        assert status == 503 and b"front end answers nothing" in body, (status, body)
+        assert answered < 10, answered
+        time.sleep(12)  # twice the time a silent step is given
+        assert {s.instance: s.pid for s in stubs_of(triton).values()} == stubs
+    finally:
+        for s in idle:
+            s.close()
+    closed = time.monotonic()
+    assert _wait(lambda: _get(health, "/ready")[0] == 200, 60)
+    print(f"\n2,200 idle connections at a hard open-file limit of 1,024: /ready 503 in {answered:.2f} s, no stub "
+          f"killed in 12 s; /ready 200 again {time.monotonic() - closed:.2f} s after they closed")
+    assert {s.instance: s.pid for s in stubs_of(triton).values()} == stubs
+    assert "stopped answering" not in log.read_text() and process.poll() is None
+    with Client(f"127.0.0.1:{ports['grpc']}", timeout=30) as client:
+        np.testing.assert_allclose(client.infer("alpha", TEXTS[0])["logits"], expected["alpha"][0], atol=ATOL)
+
+
+def test_a_frozen_tritonserver_is_no_hung_step(scratch, expected):
+    """tritonserver stopped (SIGSTOP) for longer than a step may stay silent: its steps answer no probe, as nothing
+    reaches them, but none is killed; once it continues, the same stubs serve."""
+    scratch.supervisor.hung_seconds = 3.0
+    stubs = {s.instance: s.pid for s in stubs_of(scratch.process.pid).values()}
+    repairs = len(scratch.supervisor.repairs)
+    os.kill(scratch.process.pid, signal.SIGSTOP)
+    try:
+        status, body = _get(scratch.health_url, "/ready")
+        assert status == 503 and b"it is stopped" in body, (status, body)
+        time.sleep(8)
+    finally:
+        os.kill(scratch.process.pid, signal.SIGCONT)
+    assert _wait(lambda: _get(scratch.health_url, "/ready")[0] == 200, 30)
+    assert scratch.supervisor.repairs[repairs:] == [] and scratch.restarts == []
+    assert {s.instance: s.pid for s in stubs_of(scratch.process.pid).values()} == stubs
+    _answers_unchanged(scratch.grpc_url, expected)
+
+
 # --- 2. readiness tells the truth, and a broken model is repaired --------------------------------------------------
 
 @pytest.fixture
@@ -422,8 +546,9 @@ def test_one_instance_stuck_in_a_batch_is_found_while_the_other_answers_the_prob
                                                                                      expected):
     """The fused step runs 2 instances; probes go to whichever is free, so a deadlocked one would hold its batch
     forever behind the other's answers. Each instance records when its running `execute` began (serving.watch):
-    one stuck for hung_seconds without using CPU is killed and the step reloaded. The stuck call is injected into
-    the second instance's batch computation, after the watch began."""
+    one stuck for hung_seconds without using CPU is killed and replaced alone: the other instance keeps its stub and
+    serves meanwhile. The stuck call is injected into the second instance's batch computation, after the watch
+    began."""
     copy = tmp_path / "repo"
     shutil.copytree(repo, copy)
     flag = tmp_path / "hang"
@@ -440,7 +565,7 @@ def _init(self, args):
 
 def _stuck(self, batch):
     import os, time
-    while os.path.exists({str(flag)!r}) and self.instance_name.endswith("_1"):
+    while os.path.exists({str(flag)!r}) and self.instance_name == "aot_1_0":
         time.sleep(0.1)
     return _run(self, batch)
 
@@ -448,8 +573,8 @@ def _stuck(self, batch):
 TritonPythonModel.initialize, TritonPythonModel._run = _init, _stuck
 """)
     for server in serve_for_tests(request, copy):
-        assert sorted(s.instance for s in stubs_of(server.process.pid).values() if s.model == "aot") == [
-            "aot_0_0", "aot_0_1"]
+        before = {s.instance: s.pid for s in stubs_of(server.process.pid).values() if s.model == "aot"}
+        assert sorted(before) == ["aot_0_0", "aot_1_0"]
         server.supervisor.hung_seconds = 3.0
         flag.write_text("")
         start, began = time.monotonic(), time.time()
@@ -460,10 +585,13 @@ TritonPythonModel.initialize, TritonPythonModel._run = _init, _stuck
         repaired = _wait(lambda: [r for r in server.supervisor.repairs if r.cause == "hung" and r.seconds], 30)
         flag.unlink()
         assert repaired and repaired[0].model == "aot", server.supervisor.repairs
+        assert (repaired[0].instance, repaired[0].how) == ("aot_1_0", "replace"), repaired
+        after = {s.instance: s.pid for s in stubs_of(server.process.pid).values() if s.model == "aot"}
+        assert after == {"aot_0_0": before["aot_0_0"], "aot_1_r1_0": after.get("aot_1_r1_0")}, (before, after)
         assert any("error" not in a for a in answers) and took < 30, (took, answers[:3])
         assert _wait(lambda: _get(server.health_url, "/ready")[0] == 200, 30)
         print(f"one stuck instance: found {repaired[0].detected - began:.2f} s after the hang began (hung_seconds "
-              f"3), reloaded in {repaired[0].seconds:.2f} s; {sum('error' in a for a in answers)} of 40 requests "
+              f"3), replaced in {repaired[0].seconds:.2f} s; {sum('error' in a for a in answers)} of 40 requests "
               "failed")
         _answers_unchanged(server.grpc_url, expected)
 
@@ -563,6 +691,60 @@ def test_made_up_task_versions_add_no_metric_series(scratch):
 def _served_versions(server) -> set[str]:
     store = TaskStore(read_repository(server.repo).store_root)
     return {e.folder for e in store.entries().values()}
+
+
+def _held_memory(server_pid: int) -> int:
+    """Bytes tritonserver and its stubs hold: their anonymous memory and their shared-memory regions' pages."""
+    from serving.shm import allocated_bytes
+
+    def anonymous(pid: int) -> int:
+        try:
+            return int(re.search(r"RssAnon:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text())[1]) * 1024
+        except (OSError, TypeError):
+            return 0
+
+    stubs = stub_processes(server_pid)
+    return anonymous(server_pid) + sum(anonymous(s.pid) + allocated_bytes(s.shm_region) for s in stubs)
+
+
+MEMORY_BOUND = 200 << 20  # what oversized requests may leave behind, in all
+
+
+def test_oversized_requests_leave_memory_at_its_baseline(request, tmp_path, repo, expected):
+    """The issue's case: INT64 [1, 25,000,000] ids and mask (400 MB) to `aot` and `vanilla`, twice each. Triton
+    2.51 takes them whole (no size limit on gRPC, HTTP or a variable dimension) and copies each into a step's shared
+    memory before the step refuses it, which grew the regions by 600-700 MB for good. Now each is refused (400), the
+    supervisor replaces every instance whose region grew past its bound while the others serve, and tritonserver
+    keeps no request buffers: within 60 s the server holds at most MEMORY_BOUND more than before."""
+    import tritonclient.grpc as grpcclient
+
+    copy = tmp_path / "repo"
+    shutil.copytree(repo, copy)
+    for server in serve_for_tests(request, copy, load=("aot", "task_list", "vanilla")):  # `vanilla` too
+        pid = server.process.pid
+        _answers_unchanged(server.grpc_url, expected)
+        baseline = _held_memory(pid)
+        n = 25_000_000
+        tensors = []
+        for name in ("input_ids", "attention_mask"):
+            tensors.append(grpcclient.InferInput(name, [1, n], "INT64"))
+            tensors[-1].set_data_from_numpy(np.ones((1, n), np.int64))
+        peak = baseline
+        with grpcclient.InferenceServerClient(server.grpc_url) as client:
+            for model in ("aot", "vanilla", "aot", "vanilla"):
+                with pytest.raises(Exception, match="INVALID_ARGUMENT"):
+                    client.infer(model, tensors, client_timeout=120)
+                peak = max(peak, _held_memory(pid))
+        del tensors
+        back = _wait(lambda: _held_memory(pid) <= baseline + MEMORY_BOUND and not server.supervisor.repairing, 60, 0.5)
+        after = _held_memory(pid)
+        grown = [r for r in server.supervisor.repairs if r.cause == "grown"]
+        print(f"4 oversized requests: held memory {baseline >> 20} MB before, {peak >> 20} MB at most between them, "
+              f"{after >> 20} MB after; {len(grown)} instances replaced")
+        assert back, (baseline >> 20, after >> 20, server.supervisor.repairs)
+        assert grown and all(r.how == "replace" and r.error is None for r in grown), server.supervisor.repairs
+        assert server.process.pid == pid and server.restarts == []
+        _answers_unchanged(server.grpc_url, expected)
 
 
 # --- 5. client mistakes get the status codes clients expect ------------------------------------------------------

@@ -295,6 +295,57 @@ def test_client_error_is_one_line(client):
     assert "\n" not in str(err.value) and "unknown task 'nope'" in str(err.value)
 
 
+class _Refusal(Exception):
+    """A gRPC error as tritonclient raises it: a status and a message."""
+
+    def __init__(self, status: str, message: str):
+        super().__init__(message)
+        self._status, self._message = status, message
+
+    def status(self) -> str:
+        return self._status
+
+    def message(self) -> str:
+        return self._message
+
+
+@pytest.mark.parametrize("status,message,again", [
+    ("StatusCode.UNAVAILABLE", "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:9: "
+                               "Failed to connect to remote host: Connection refused", True),
+    ("StatusCode.UNAVAILABLE", "Stream removed (Socket closed)", True),
+    ("StatusCode.UNAVAILABLE", "Received http2 header with status: 503", True),  # a balancer with no replica up
+    ("StatusCode.UNAVAILABLE", "task 'alpha' cannot be served: its table is damaged", False),  # the server's word
+    ("StatusCode.INVALID_ARGUMENT", "text of 70000 bytes: at most 65536", False),
+    ("StatusCode.UNKNOWN", "Received http2 header with status: 413", False),  # too large: refused for good
+    ("StatusCode.INTERNAL", "Stub process 'aot_1_0' is not healthy.", False),
+])
+def test_client_sends_again_only_what_found_no_server(status, message, again):
+    from aot.client import found_no_server
+
+    assert found_no_server(_Refusal(status, message)) is again
+
+
+def test_client_retries_a_refused_connection_with_a_short_bounded_backoff(repo):
+    """A call to a port where no server listens yet is sent again (0.05 s doubling to 1 s) until the server is
+    there; with nothing there it fails after retry_seconds, with the reason."""
+    from aot.server import LocalServer, free_port
+
+    port = free_port()
+    answers = []
+    with Client(f"127.0.0.1:{port}", retry_seconds=60) as early:
+        caller = threading.Thread(target=lambda: answers.append(early.infer("alpha", TEXTS[0])))
+        caller.start()
+        time.sleep(1)  # refused meanwhile
+        with LocalServer(repo, grpc_port=port):
+            caller.join(60)
+        assert answers and answers[0]["version"].startswith("alpha@"), answers
+    with Client(f"127.0.0.1:{port}", retry_seconds=1) as late:
+        start = time.monotonic()
+        with pytest.raises(InferenceError, match="failed to connect|Connection refused"):
+            late.infer("alpha", TEXTS[0])
+        assert 0.5 < time.monotonic() - start < 5
+
+
 def test_load_eight_clients(server, expected):
     errors, mismatches = [], []
     names = ("alpha", "beta", "gamma")

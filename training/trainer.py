@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from training.data.task import Example, TaskData, TaskSpec
 from training.kinds import Encoded, kind_for
-from training.kinds.base import autocast
+from training.kinds.base import autocast, run_model
 from training.model import TaskModel
 
 
@@ -125,8 +125,18 @@ def encode(tokenizer, examples: list[Example], spec: TaskSpec, max_length: int) 
 
 def evaluate(model: TaskModel, encoded: Encoded, spec: TaskSpec, pad_id: int, device: torch.device) -> float:
     """The task's metric on a labelled split."""
-    kind = kind_for(spec)
-    return kind.score(kind.predict(model, encoded, pad_id, device), encoded, spec)
+    return score(kind_for(spec).predict(model, encoded, pad_id, device), encoded, spec)
+
+
+def predict_logits(model: TaskModel, encoded: Encoded, pad_id: int, device: torch.device) -> torch.Tensor:
+    """A pooled kind's head outputs for a split, [N, n] (logits; a regression's score): what the int8 accuracy gate
+    and re-fitting score (training.kinds.pooled)."""
+    return torch.stack(run_model(model, encoded, pad_id, device))
+
+
+def score(predictions, encoded: Encoded, spec: TaskSpec) -> float:
+    """The task's metric of its kind's predictions on a labelled split."""
+    return kind_for(spec).score(predictions, encoded, spec)
 
 
 def train(model: TaskModel, data: TaskData, tokenizer, config: TrainConfig, progress: bool = True) -> TrainResult:

@@ -8,7 +8,9 @@ from training.data.builtin import BUILTIN
 from training.data.files import detect_benchmark, load_benchmark_folder, load_folder
 from training.data.task import PROBLEMS, DataError, DataWarning, Example, TaskData, TaskSpec
 
-__all__ = ["DataError", "DataWarning", "Example", "PROBLEMS", "TaskData", "TaskSpec", "load_task_data", "BUILTIN"]
+__all__ = ["DataError", "DataWarning", "Example", "PROBLEMS", "TaskData", "TaskSpec", "load_task_data", "BUILTIN",
+           "recorded_task_data"]
+BUILTIN_PREFIX = "builtin:"  # how a built-in dataset's TaskData names its source (training.data.builtin.split)
 
 
 def load_task_data(data: str, labels: list[str] | None = None, metric: str | None = None,
@@ -30,3 +32,11 @@ def load_task_data(data: str, labels: list[str] | None = None, metric: str | Non
     if problem not in (None, kind):
         raise DataError(f"--problem {problem}: {task.spec.name} is a {kind} task")
     return task
+
+
+def recorded_task_data(source: str, spec: TaskSpec) -> TaskData:
+    """The data a task artifact records it was trained on (its `training.data`: `builtin:NAME` or a folder), read
+    as the task's kind: its labels, metric and problem."""
+    name = source[len(BUILTIN_PREFIX):] if source.startswith(BUILTIN_PREFIX) else source
+    return load_task_data(name, labels=None if spec.labels is None else list(spec.labels), metric=spec.metric,
+                          problem=PROBLEMS[spec.is_regression])

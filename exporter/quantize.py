@@ -1,0 +1,57 @@
+"""int8 twins of the exported graphs for the CPU configs (`aot export backbone --precision int8`).
+
+ONNX Runtime's dynamic quantization of the optimized (fused) graph: the weights of every MatMul and of the fused
+Attention's input projection become int8, symmetric, one scale per output channel; their inputs are quantized to
+uint8 at run time, one scale per tensor (DynamicQuantizeLinear, QAttention, DynamicQuantizeMatMul); everything else
+(embeddings, layer norms, softmax, GELU, the AoT bias add) stays fp32. The settings were chosen by measurement
+(docs/benchmarks.md, "int8 on CPU"). Their one record is training.quantized.QUANTIZATION, which emulates exactly
+these in PyTorch for re-fitting; the repository records it (`aot_repository.json`: `quantization`).
+
+The activation scale is taken over the whole input tensor, so in a batch of several sequences one sequence's range
+(and padding) would change another's answer: the int8 graph is run one request at a time
+(serving.engine.BackboneRunner, `per_request`), which keeps every answer independent of its neighbours.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from training.quantized import QUANTIZATION
+
+# Pooled states of the int8 graph against PyTorch fp32 on random inputs: a sanity bound that catches a broken
+# quantization (whether a task keeps its accuracy is measured per task at publish: exporter.accuracy_gate)
+INT8_SANITY_BOUND = 1.0
+
+
+def quantize_graph(src: Path, dst: Path) -> None:
+    """Write the int8 twin of optimized graph `src` to `dst` (its weights inside the file)."""
+    import logging
+
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # the quantizer logs a generic "consider pre-processing" on the root logger
+    try:
+        quantize_dynamic(str(src), str(dst), op_types_to_quantize=list(QUANTIZATION["ops"]), per_channel=True,
+                         reduce_range=False, weight_type=QuantType.QInt8,
+                         # the fused operators' outputs (com.microsoft domain) have no inferred type: they are fp32
+                         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+    finally:
+        root.setLevel(level)
+
+
+def int8_difference(path: Path, backbone, aot: bool, interface: str = "rows") -> float:
+    """The int8 graph against PyTorch fp32 at two shapes, run one sequence at a time as served."""
+    from exporter.onnx_export import max_abs_difference
+
+    return max_abs_difference(path, backbone, aot, interface, trials=((1, 13), (1, 5)))
+
+
+def check_int8(diff: float, name: str) -> None:
+    if not np.isfinite(diff) or diff > INT8_SANITY_BOUND:
+        raise ValueError(f"{name}: the int8 graph differs from PyTorch by {diff:.3g} (> {INT8_SANITY_BOUND:g}): the "
+                         "quantization is broken for this backbone; nothing was written: export with --precision fp32")

@@ -1,0 +1,213 @@
+"""int8 CPU backbones: the quantized graphs served through a real tritonserver, the accuracy gate at publish, the
+PyTorch emulation re-fitting trains against, and fp32 repositories left as they were.
+
+The tiny encoder here is built to need care in int8: every LayerNorm's bias carries an outlier in one channel, so
+each layer's input has a wide range and the per-tensor activation scale is coarse (as real encoders' outlier
+channels do, only more so). Its task loses several points of dev accuracy through the int8 graph."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from aot.cli import main
+from aot.client import Client
+from exporter.accuracy_gate import AccuracyDropError
+from exporter.backbone_export import export_backbone
+from exporter.cpu_engine import CpuEngine, predict_lines_through
+from exporter.onnx_export import ExportableBackbone, example_inputs, session
+from exporter.task_export import export_task
+from exporter.task_store import TaskStore
+from serving import protocol
+from serving.repository import INT8_GRAPH, read_repository
+from serving.tasks import load_task_version
+from tests.helpers import one_line_error, serve_for_tests, train_tiny_task
+from tests.tiny import tiny_backbone
+from training.backbone import load_backbone
+from training.quantized import emulate_int8
+from training.refit import fit_task
+from training.trainer import TrainConfig
+
+OUTLIER = 30.0  # added to channel 3 of every LayerNorm's bias
+TEXTS = ["good w1 w2", "w3 awful w4 w5", "the movie was superb", "dull plot", "w7", " ".join(["w9 great"] * 40)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    backbone = tiny_backbone("bert")
+    with torch.no_grad():
+        for module in backbone.encoder.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.bias[3] += OUTLIER
+    folder = tmp_path_factory.mktemp("outlier-model")
+    backbone.encoder.save_pretrained(folder)
+    backbone.tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory, model_dir, sentiment_dir):
+    return train_tiny_task(model_dir, sentiment_dir, tmp_path_factory.mktemp("int8-task") / "task")
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory, model_dir):
+    path = tmp_path_factory.mktemp("int8-repo") / "repo"
+    export_backbone(str(model_dir), path, cpu_precision="int8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def refused(repo, task):
+    """The unfitted task's publish, refused by the gate: the error, and the store's tasks right after."""
+    with pytest.raises(AccuracyDropError) as caught:
+        export_task(task, repo, "plain", progress=False)
+    return caught.value, set(TaskStore(read_repository(repo).store_root).entries())
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory, repo, task):
+    config = TrainConfig(lr=3e-3, batch_size=16, max_steps=100, eval_every=25)
+    out = tmp_path_factory.mktemp("fitted") / "task"
+    return out, fit_task(task, repo, out, config, progress=False)
+
+
+@pytest.fixture(scope="module")
+def published(repo, task, fitted, refused):
+    """The unfitted task with the drop allowed, and the fitted one under the default threshold."""
+    return {"plain": export_task(task, repo, "plain", progress=False, allowed_drop=50),
+            "fitted": export_task(fitted[0], repo, "fitted", progress=False)}
+
+
+@pytest.fixture(scope="module")
+def server(request, repo, published):
+    yield from serve_for_tests(request, repo)
+
+
+def test_int8_repository_records_and_runs_int8_graphs(repo):
+    info = read_repository(repo)
+    assert info.record.cpu_precision == "int8" and info.record.quantization["ops"] == ["MatMul", "Attention"]
+    for folder in ("backbone", "backbone_vanilla"):
+        graph = info.models / folder / "1" / INT8_GRAPH
+        assert graph.stat().st_size < (info.models / folder / "1" / "model.onnx").stat().st_size
+        cpu = (info.models / ("aot" if folder == "backbone" else "vanilla") / "configs" / "cpu.pbtxt").read_text()
+        assert f"{folder}/1/{INT8_GRAPH}" in cpu and "per_request" in cpu
+        gpu = (info.models / folder / "config.pbtxt").read_text()
+        assert "int8" not in gpu  # the GPU configs keep their fp16 / fp32 graph
+    assert 0 < info.record.parity_max_abs_diff["backbone-int8"] < 1.0
+
+
+def test_emulation_equals_the_int8_graph(repo, model_dir):
+    """What re-fitting trains against is what the int8 graph computes (and not what fp32 computes)."""
+    backbone = load_backbone(str(model_dir))
+    for folder, aot in (("backbone", True), ("backbone_vanilla", False)):
+        module = ExportableBackbone(backbone, aot).eval()
+        graph, fp32 = (session(repo / "models" / folder / "1" / name) for name in (INT8_GRAPH, "model.onnx"))
+        names = {i.name for i in graph.get_inputs()}
+        try:
+            for seq in (5, 17):
+                feeds = example_inputs(backbone, aot, 1, seq, seed=seq)
+                numpy_feeds = {n: v.numpy() for n, v in feeds.items() if n in names}
+                served = graph.run([protocol.POOLED_HIDDEN], numpy_feeds)[0]
+                with torch.no_grad(), emulate_int8(backbone.encoder):
+                    emulated = module(**feeds).numpy()
+                assert np.abs(emulated - served).max() < 1e-4
+                assert np.abs(fp32.run([protocol.POOLED_HIDDEN], numpy_feeds)[0] - served).max() > 1e-2
+        finally:
+            module.close()
+    assert all(type(m).__name__ != "Int8Linear" for m in backbone.encoder.modules())  # restored after the block
+
+
+def test_gate_refuses_a_drop_with_both_figures_and_the_ways_out(repo, refused):
+    error, tasks_after = refused
+    message = str(error)
+    assert "dev accuracy through the int8 engine is" in message and "below its fp32" in message
+    assert f"aot train --fit-to {repo}" in message and "--allow-accuracy-drop" in message
+    assert "plain" not in tasks_after  # nothing published, nothing left behind
+    assert not list(read_repository(repo).store_root.glob(".tmp-*"))
+
+
+def test_gate_accepts_with_override_and_records_both_scores(repo, published):
+    plain = published["plain"].served_dev
+    assert plain["precision"] == "int8" and plain["reference"] == "fp32 task"
+    assert plain["fp32"] - plain["score"] > 0.005  # the drop the gate refused
+    store = TaskStore(read_repository(repo).store_root)
+    meta = json.loads((store.root / store.entries()["plain"].folder / "task.json").read_text())
+    assert meta["served_dev"]["score"] == plain["score"] and meta["served_dev"]["allowed_drop"] == 50
+
+
+def test_refit_raises_the_int8_dev_score(fitted, published):
+    _, result = fitted
+    assert result["int8_dev"] > result["int8_dev_before_fit"]
+    served = published["fitted"].served_dev
+    assert served["reference"].startswith("fitted from") and served["fp32"] == result["fp32_dev_before_fit"]
+    assert served["fp32"] - served["score"] <= 0.005  # within the default threshold: published without override
+    assert served["score"] > published["plain"].served_dev["score"]
+
+
+def test_served_int8_answers_equal_the_in_process_engine(server, repo, task, fitted):
+    tasks = {"plain": task, "fitted": fitted[0]}
+    lines = [(k, {"text": text, "text_pair": None, "task": name}) for k, (name, text) in
+             enumerate((name, text) for name in tasks for text in TEXTS)]
+    expected = predict_lines_through(repo, tasks, lines)
+    with Client(server.grpc_url) as client:
+        answers = client.infer_many([{"task": item["task"], "text": item["text"]} for _, item in lines])
+        listing = {t["name"]: t for t in client.tasks()["tasks"]}
+    for (k, _), answer in zip(lines, answers):
+        assert np.abs(np.array(answer["logits"]) - np.array(expected[k]["logits"])).max() < 1e-4
+    assert listing["fitted"]["served_dev"]["precision"] == "int8"
+    assert listing["plain"]["dev"] is not None and listing["plain"]["served_dev"]["allowed_drop"] == 50
+
+
+def test_int8_answers_do_not_depend_on_the_batch(repo, published):
+    """The activation scale is per tensor: the int8 graph runs each request alone, so a text's answer is the same
+    alone and among others."""
+    info = read_repository(repo)
+    store = TaskStore(info.store_root)
+    folder = store.root / store.entries()["plain"].folder
+    served = load_task_version(folder, folder.name, info.store_root)
+    engine = CpuEngine(info)
+    together = engine.logits(served, [(t, None) for t in TEXTS])
+    for k, text in enumerate(TEXTS):
+        assert np.abs(engine.logits(served, [(text, None)])[0] - together[k]).max() < 1e-6  # batched: ~1e-1
+
+
+def test_fp32_repository_unchanged(tmp_path, model_dir, task):
+    path = tmp_path / "repo"
+    export_backbone(str(model_dir), path)
+    info = read_repository(path)
+    assert info.record.cpu_precision == "fp32" and info.record.quantization is None
+    assert not list(info.models.rglob(INT8_GRAPH))
+    cpu = (info.models / "aot" / "configs" / "cpu.pbtxt").read_text()
+    assert "backbone/1/model.onnx" in cpu and "per_request" not in cpu
+    assert export_task(task, path, "plain", progress=False).served_dev is None  # no gate: fp32 serves the fp32 task
+
+
+def test_cli_refusals(tmp_path, capsys, model_dir, task, repo):
+    assert main(["export", "backbone", "--model", str(model_dir), "--repo", str(tmp_path / "torch"), "--precision",
+                 "int8", "--format", "torch"]) == 2
+    assert "int8 applies to the ONNX graphs" in one_line_error(capsys)
+    assert main(["train", "--fit-to", str(repo), "--out", str(tmp_path / "x")]) == 2
+    assert "--fit-to REPO and --task DIR go together" in one_line_error(capsys)
+    assert main(["train", "--fit-to", str(repo), "--task", str(task), "--method", "fc", "--out",
+                 str(tmp_path / "x")]) == 2
+    assert "drop --method" in one_line_error(capsys)
+    with pytest.raises(SystemExit):  # argparse refuses it with the usage
+        main(["export", "task", "--task", str(task), "--repo", str(repo), "--name", "x", "--allow-accuracy-drop", "-1"])
+    assert "expected a finite number >= 0, got -1.0" in capsys.readouterr().err
+
+
+def test_int8_accuracy_benchmark(tmp_path, repo, task, published):
+    """The benchmark publishes the task as a user would, measures its drop, and re-fits it where the drop is past
+    the threshold; its report holds both figures."""
+    from benchmarks.int8_accuracy import main as bench
+
+    assert bench(["--repo", str(repo), "--tasks", f"bench={task}", "--out", str(tmp_path), "--refit-steps", "100",
+                  "--refit-lr", "3e-3"]) == 0
+    [row] = json.loads((tmp_path / "int8_accuracy.json").read_text())
+    assert row["task"] == "bench" and row["examples"] > 0 and row["drop"] > 0.5
+    assert row["drop"] == pytest.approx((row["fp32"] - row["int8"]) * 100, abs=1e-3)
+    assert row["refit_steps"] == 100 and row["refit_drop"] < row["drop"]
+    assert {"bench", "bench-refit"} <= set(TaskStore(read_repository(repo).store_root).entries())
+    assert "re-fitted int8" in (tmp_path / "int8_accuracy.md").read_text()
