@@ -1,5 +1,5 @@
-"""AoT P-Tuning: the Python API (PEFT-shaped: AotConfig, get_aot_model, AotModel, MultiTaskModel; needs the [train]
-extra), the `aot` command, the gRPC client and the local server launcher."""
+"""AoT P-Tuning: the Python API (PEFT-shaped: AotConfig, get_aot_model, AotModel, MultiTaskModel, PairCollator; needs
+the [train] extra), the `aot` command, the gRPC client and the local server launcher."""
 
 __version__ = "0.1.0"
 
@@ -17,6 +17,7 @@ _LAZY = {
     "AotModel": ("training.methods.aot_ptuning.peft_model", "AotModel"),
     "get_aot_model": ("training.methods.aot_ptuning.peft_model", "get_aot_model"),
     "MultiTaskModel": ("training.multitask", "MultiTaskModel"),
+    "PairCollator": ("training.pair_collator", "PairCollator"),
     "model_path": ("training.backbone", "resolve_model_path"),
 }
 

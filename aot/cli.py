@@ -76,8 +76,11 @@ def add_train(sub) -> None:
     p.add_argument("--model", default=None,
                    help="local Hugging Face model folder, 'minilm' (the packaged all-MiniLM-L6-v2), or a hub id")
     p.add_argument("--data", default=None,
-                   help="built-in dataset (rotten_tomatoes, bbc_news) or a folder: train/dev[/test] .jsonl/.csv/.tsv "
-                        "with columns text[, text_pair], label; or a GLUE (TSV) / SuperGLUE (JSONL) task folder")
+                   help="built-in dataset (rotten_tomatoes, bbc_news; wnut16: tokens; bbc_multilabel; bbc_retrieval: "
+                        "embedding) or a folder: train/dev[/test] .jsonl/.csv/.tsv with columns text[, text_pair], "
+                        "label (labels: multilabel; text_pair[, score]: embedding), or CoNLL .conll/.txt/.tsv "
+                        "(word<TAB>tag) or .jsonl {tokens, tags} (tokens); or a GLUE (TSV) / SuperGLUE (JSONL) task "
+                        "folder")
     p.add_argument("--method", default=None, choices=list(METHODS),
                    help="default fc; " + "; ".join(f"{n}: {s.description}" for n, s in METHODS.items()))
     p.add_argument("--out", required=True, help="artifact folder to write (atomically)")
@@ -112,10 +115,17 @@ def add_train(sub) -> None:
                         "e.g. mean for minilm), cls otherwise (hub ids included)")
     p.add_argument("--seed", type=int, default=0, help="seed of the initialization, dropout and batch order")
     p.add_argument("--labels", default=None, help="comma-separated label set (plain folders without task.json)")
-    p.add_argument("--metric", default=None, help="accuracy, f1, acc_f1, mcc or pearson_spearman")
+    p.add_argument("--metric", default=None,
+                   help="accuracy, f1, acc_f1, mcc or pearson_spearman; micro_f1 or macro_f1 (multilabel); "
+                        "entity_f1 (tokens); recall@1, recall@5, recall@10 or spearman (embedding); default: the "
+                        "problem's first (spearman for scored pairs)")
     p.add_argument("--problem", choices=PROBLEMS, default=None,
-                   help="regression: one score per input (labels are numbers); default: what task.json declares, "
-                        "else classification")
+                   help="regression: one score per input (labels are numbers); multilabel: several labels per text "
+                        "(sigmoids, a threshold tuned on dev); tokens: BIO tags per word, answered as entities; "
+                        "embedding: a vector per text, trained on pairs (in-batch negatives, or a cosine loss on "
+                        "scored pairs); default: what task.json declares, else classification")
+    p.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=True,
+                   help="embedding: answer unit vectors (the cosine is then a dot product)")
     p.add_argument("--device", default="auto", help="cpu, cuda (cuda:N), or auto: CUDA where PyTorch sees it")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument("--fit-to", default=None, metavar="REPO",
@@ -152,7 +162,8 @@ def run_train(args) -> int:
                         max_train_samples=args.max_train_samples, time_budget=args.time_budget,
                         max_steps=args.max_steps, pooling=args.pooling, seed=args.seed,
                         labels=args.labels.split(",") if args.labels else None, metric=args.metric,
-                        device=args.device, progress=not args.no_progress, problem=args.problem)
+                        device=args.device, progress=not args.no_progress, problem=args.problem,
+                        normalize=args.normalize)
     served = method_spec(args.method).shared_backbone
     report(result, f"trained {result['task']} ({args.method}) into {out}: dev {result['metric']} "
                    f"{result['dev']:.4f} after {result['steps']} steps, {result['train_seconds']:.0f} s",
@@ -189,12 +200,15 @@ def run_fit(args) -> int:
 # --- predict / inspect ----------------------------------------------------------------------------------------------
 
 PREDICT_DESCRIPTION = """\
-Prints one JSON line per input, in order: {"task", "label", "logits", "probabilities"} (softmax of the logits), or
-{"task", "score"} for a regression task; with --top-k K, {"task", "label", "top": [{"label", "probability"}, ...]}:
-the K most probable labels, named, in place of the logits and probabilities. TEXT arguments run on the one --task.
---input FILE (or - for standard input) reads JSON lines {"text", "text_pair" (optional), "task" (optional when one
---task is given), "id" (optional, echoed)}: each line runs on its own task, and lines of different AoT tasks share
-batches on one encoder (MultiTaskModel). A bad line fails alone: "aot: line N: ..." on stderr, the others are
+Prints one JSON line per input, in order: the task and the answer of its kind: {"task", "label", "logits",
+"probabilities"} (softmax of the logits) for classification, {"task", "score"} for regression, {"task", "labels",
+"scores"} for multilabel, {"task", "entities": [{"text", "label", "start", "end", "score"}]} for tokens (character
+offsets into the text, split into words on whitespace), {"task", "embedding"} for an embedding. With --top-k K, a
+classification answers {"task", "label", "top": [{"label", "probability"}, ...]}: the K most probable labels, named,
+in place of the logits and probabilities. TEXT arguments run on the one --task. --input FILE (or - for standard
+input) reads JSON lines {"text", "text_pair" (optional), "task" (optional when one --task is given), "id"
+(optional, echoed)}: each line runs on its own task, and lines of different AoT tasks share batches on one encoder
+whatever their kinds (MultiTaskModel). A bad line fails alone: "aot: line N: ..." on stderr, the others are
 answered; a count of the failed lines ends stderr, and the exit status is 2 only when every line failed."""
 
 
@@ -274,12 +288,14 @@ def _top_k(answers: dict[int, dict], tasks: dict[str, Path], k: int) -> dict[int
 
 def add_evaluate(sub) -> None:
     p = sub.add_parser("evaluate", help="score a trained task on a labelled file with the task's metric (PyTorch)",
-                       description="Predicts every row of a JSONL, CSV or TSV file with the columns training reads "
-                                   "(text, optional text_pair, label) in PyTorch, offline, and prints "
+                       description="Predicts every row of a labelled file in the format training reads for the "
+                                   "task's kind (JSONL, CSV or TSV: text, optional text_pair, label; labels for "
+                                   "multilabel; text_pair and an optional score for embedding; CoNLL or JSONL "
+                                   "tokens and tags for tokens) in PyTorch, offline, and prints "
                                    '{"task", "metric", "score", "examples", "data"}.')
     p.add_argument("--task", required=True, help="task artifact folder")
     p.add_argument("--model", default=None, help="backbone location, if it moved since training")
-    p.add_argument("data", metavar="FILE", help="labelled .jsonl, .csv or .tsv file")
+    p.add_argument("data", metavar="FILE", help="labelled .jsonl, .csv or .tsv file (tokens: also .conll, .txt)")
     p.set_defaults(run=run_evaluate)
 
 

@@ -5,9 +5,13 @@
         client.infer("sentiment", "A fine film.")   # {"label", "logits", "probabilities", "version": "sentiment@<id>"}
         client.infer("sentiment@3f2a9c41d0e7", "A fine film.")   # exactly that version, while the store holds it
         client.infer_many([{"task": "sentiment", "text": "...", "text_pair": None}, ...])   # concurrent, in order
+        client.infer("ner", "Ana flew to Lisboa")   # {"entities": [{"text", "label", "start", "end", "score"}], ...}
+        client.embed("search", ["a query", "a document"])   # [2, d] float32
     with Client(tenant_key=KEY) as client:   # $AOT_TENANT_KEY: a tenant's tasks, TENANT/TASK (serving.tenants)
         client.infer("acme/intent", "Where is my parcel?")
 
+Each answer is its task's kind's (serving.answers): classification {label, logits, probabilities}, regression
+{score}, multilabel {labels, scores}, tokens {entities}, embedding {embedding}, and the `version` that answered.
 One request per text, sent concurrently (Triton batches them, across tasks, on the server). With
 `Client(tokenizer=REPO/models/tokenizer/1/tokenizer)` the client tokenizes (truncating to each task's max length,
 as the server does) and sends token ids: the server's first stage then only checks them, which saves its CPU.
@@ -27,6 +31,7 @@ import numpy as np
 from aot.errors import (InferenceError, InvalidInput, PermissionDenied, TaskNotFound, TaskUnavailable, Unavailable,
                         from_triton, one_line)
 from serving import protocol
+from serving.answers import READS_TOKENS
 from serving.labels import answer
 from serving.store import MAX_NAME_LENGTH
 from serving.tenants import TENANT_KEY_ENV, TENANT_KEY_PARAMETER
@@ -34,6 +39,8 @@ from serving.tenants import TENANT_KEY_ENV, TENANT_KEY_PARAMETER
 __all__ = ["Client", "InferenceError", "InvalidInput", "PermissionDenied", "TaskNotFound", "TaskUnavailable",
            "Unavailable", "server_url"]
 
+_ERRORS = {e.__name__: e for e in (InferenceError, InvalidInput, PermissionDenied, TaskNotFound, TaskUnavailable,
+                                   Unavailable)}
 
 DEFAULT_URL = "127.0.0.1:8001"
 # Reconnecting: gRPC's default backoff between connection attempts starts at 1 s and grows 1.6x up to 120 s, so a
@@ -128,6 +135,7 @@ class Client:
         self._tokenizer_dir = tokenizer
         self._tokens = None  # serving.tokenization.Tokenization, made on first use
         self._max_lengths: dict[str, int] = {}
+        self._kinds: dict[str, str | None] = {}
         key = tenant_key if tenant_key is not None else os.environ.get(TENANT_KEY_ENV)
         self._parameters = {TENANT_KEY_PARAMETER: key} if key else None
 
@@ -172,7 +180,7 @@ class Client:
             raise InvalidInput(f"task name of {len(task)} characters: task names have at most {MAX_NAME_LENGTH}",
                                task=task[:MAX_NAME_LENGTH])
         tensors = []
-        if self._tokenizer_dir is not None:
+        if self._tokenizer_dir is not None and not self._reads_words(task):
             for name, array in self._token_ids(task, text, pair).items():
                 t = self._grpc.InferInput(name, [1, len(array)], "INT64")
                 t.set_data_from_numpy(array[None, :])
@@ -185,6 +193,13 @@ class Client:
             t.set_data_from_numpy(np.array([[value.encode("utf-8")]], dtype=np.object_))
             tensors.append(t)
         return tensors
+
+    def _reads_words(self, task: str) -> bool:
+        """A token task takes TEXT even from a client that tokenizes: its entities are found in the text."""
+        name = task.split("@", 1)[0]
+        if name not in self._kinds:
+            self._kinds.update({t["name"]: t.get("kind") for t in self.tasks()["tasks"]})
+        return self._kinds.get(name) in READS_TOKENS
 
     def _token_ids(self, task: str, text: str, pair: str | None) -> dict[str, np.ndarray]:
         """The ids the server's first stage would make: truncated to the task's max length (from tasks(), read
@@ -213,13 +228,18 @@ class Client:
             raise InvalidInput(str(exc), task=task) from None
 
     def _outputs(self):
-        return [self._grpc.InferRequestedOutput(n) for n in (protocol.LOGITS, protocol.LABEL, protocol.TASK_VERSION)]
+        names = (protocol.ANSWER, protocol.LOGITS, protocol.LABEL, protocol.TASK_VERSION)
+        return [self._grpc.InferRequestedOutput(n) for n in names]
 
     @staticmethod
     def _decode(result) -> dict:
-        logits = result.as_numpy(protocol.LOGITS).reshape(-1)
-        label, version = (_text(result.as_numpy(n).reshape(-1)[0]) for n in (protocol.LABEL, protocol.TASK_VERSION))
-        return answer(label, logits, version)
+        """The answer of the task's kind (ANSWER, serving.answers) and the version that answered."""
+        version = _text(result.as_numpy(protocol.TASK_VERSION).reshape(-1)[0])
+        body = result.as_numpy(protocol.ANSWER)
+        if body is not None:
+            return json.loads(_text(body.reshape(-1)[0])) | {"version": version}
+        logits = result.as_numpy(protocol.LOGITS).reshape(-1)  # a server without ANSWER: a classifier's outputs
+        return answer(_text(result.as_numpy(protocol.LABEL).reshape(-1)[0]), logits, version)
 
     def check_ready(self) -> None:
         from tritonclient.utils import InferenceServerException
@@ -249,9 +269,10 @@ class Client:
         return json.loads(result.as_numpy(protocol.TASKS).reshape(-1)[0])
 
     def infer(self, task: str, text: str, text_pair: str | None = None, *, pair: str | None = None) -> dict:
-        """One answer (serving.labels.answer). `text_pair` is named as in infer_many's items and training data;
-        `pair=` is its older spelling. A failure raises the InferenceError of its cause (aot.errors: TaskNotFound,
-        InvalidInput, TaskUnavailable, Unavailable, which is `retryable`, PermissionDenied)."""
+        """One answer of the task's kind (serving.answers), with the version that answered. `text_pair` is named as
+        in infer_many's items and training data; `pair=` is its older spelling. A failure raises the InferenceError
+        of its cause (aot.errors: TaskNotFound, InvalidInput, TaskUnavailable, Unavailable, which is `retryable`,
+        PermissionDenied)."""
         from tritonclient.utils import InferenceServerException
 
         try:
@@ -261,6 +282,22 @@ class Client:
         except InferenceServerException as exc:
             raise from_triton(exc, task=task) from None
         return self._decode(result)
+
+    def embed(self, task: str, texts: Iterable[str], concurrency: int = 16) -> np.ndarray:
+        """An embedding task's vectors of `texts`, one row each, [N, d] float32, sent concurrently (as infer_many).
+        A text that fails raises the InferenceError of its cause (as infer), naming the text's index; a task of
+        another kind is refused (InvalidInput)."""
+        texts = list(texts)
+        answers = self.infer_many([{"task": task, "text": t} for t in texts], concurrency)
+        rows = []
+        for k, item in enumerate(answers):
+            if "error" in item:
+                error = _ERRORS.get(item["error_type"], InferenceError)
+                raise error(f"text {k}: {item['error']}", item["status"], task=task)
+            if "embedding" not in item:
+                raise InvalidInput(f"task {task!r} is not an embedding task (it answers {sorted(item)})", task=task)
+            rows.append(item["embedding"])
+        return np.asarray(rows, dtype=np.float32).reshape(len(texts), -1)
 
     def infer_many(self, items: Iterable[dict], concurrency: int = 16,
                    on_done: Callable[[int, dict], None] | None = None) -> list[dict]:

@@ -246,9 +246,10 @@ def connect(args, **kwargs):
 def add_tasks(sub) -> None:
     p = sub.add_parser("tasks", help="list the tasks a running server serves (read from the server)",
                        description="One JSON line per served task, from the server's store index: name, version, "
-                                   "storage, labels, max length, method, metric, dev score (fp32, as trained), "
-                                   "served_dev (on an int8 backbone: the dev score through the int8 engine, beside its "
-                                   "fp32 reference, measured when it was published; null on fp32), whether its files "
+                                   "kind (classification, regression, multilabel, tokens, embedding), storage, "
+                                   "labels, max length, method, metric, dev score (fp32, as trained), served_dev (on "
+                                   "an int8 backbone: the dev score through the int8 engine, beside its fp32 "
+                                   "reference, measured when it was published; null on fp32), whether its files "
                                    "carry digests; then one line per task whose requests fail, with the reason. The "
                                    "summary says how many match and how far the background audit got.")
     add_connection_arguments(p)
@@ -279,9 +280,11 @@ def run_tasks(args) -> int:
 
 def add_infer(sub) -> None:
     p = sub.add_parser("infer", help="call a served task over gRPC; one JSON line per input",
-                       description='Prints {"label", "logits", "probabilities", "version"} (a regression task: '
-                                   '{"score", "version"}) per TEXT, like `aot predict` plus the task version that '
-                                   "answered; or, with --input, answers JSON lines "
+                       description='Prints the answer of the task\'s kind per TEXT, like `aot predict` plus the '
+                                   'task version that answered: {"label", "logits", "probabilities", "version"} '
+                                   '(regression: {"score", ...}; multilabel: {"labels", "scores", ...}; tokens: '
+                                   '{"entities": [{"text", "label", "start", "end", "score"}], ...}; embedding: '
+                                   '{"embedding", ...}); or, with --input, answers JSON lines mixing tasks of any kind '
                                    '{"task", "text", "text_pair"?, "id"?} concurrently, in input order, each answer '
                                    "echoing the line's task and id. Lines whose request fails are answered "
                                    '{"error": ...} and counted on stderr; the exit code is 2 when every line failed, '

@@ -57,7 +57,8 @@ def markdown(config: SweepConfig, datasets: list[str], methods: list[str], summa
              "Cells: median ± std over seeds of the test score ×100 (metric per task), for the grid point with the "
              "best seed-0 dev score. Macro: mean of the medians over datasets."]
     if builtin:
-        notes.append(f"{', '.join(builtin)}: our split (80/10/10 stratified, seed 13), not official numbers.")
+        notes.append(f"{', '.join(builtin)}: our split (80/10/10, seed 13; stratified by label where a task has one "
+                     "label per text: docs/training.md), not official numbers.")
     if no_test:
         notes.append(f"{', '.join(no_test)}: no test split; the cell (marked `(dev)`) is the dev score of the grid "
                      "point chosen on dev, so it is optimistic.")

@@ -1,6 +1,6 @@
-"""`aot bench overhead | serve | tax | tasks | accuracy | s3`: a command that this package brings to `aot` as a plugin
-(entry point `bench` of the group `aot.commands` in pyproject.toml; aot.cli loads it), so that imports flow one way:
-benchmarks -> aot, never back."""
+"""`aot bench overhead | serve | tax | tasks | kinds | accuracy | s3`: a command this package brings to `aot` as a
+plugin (entry point `bench` of the group `aot.commands` in pyproject.toml; aot.cli loads it), so that imports flow
+one way: benchmarks -> aot, never back."""
 
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ def _finish(parser, run) -> None:
 
 def add_bench(sub) -> None:
     kinds = add_command_group(sub, "bench",
-                              help="benchmarks: inference overhead, serving, the serving tax, many tasks, accuracy "
-                                   "sweep, the S3 store")
+                              help="benchmarks: inference overhead, serving, the serving tax, many tasks, kinds, "
+                                   "accuracy sweep, the S3 store")
 
     o = kinds.add_parser("overhead",
                          help="inference time of each multi-task method relative to the plain model (paper Fig. 3)",
@@ -146,6 +146,22 @@ def add_bench(sub) -> None:
     _add_out(t, "tasks")
     _finish(t, run_tasks)
 
+    k = kinds.add_parser("kinds", help="served speed: 8 tasks of mixed kinds against 8 classifiers, one server",
+                         description="Makes 16 AoT tasks on one encoder (seeded random factors and heads): 8 "
+                                     "classifiers, and 3 classifiers, 2 token taggers, 2 embeddings and 1 multi-label "
+                                     "task; serves them on one local tritonserver, checks the answers against aot "
+                                     "predict, then measures both sets alternately (closed loop) and writes "
+                                     "kinds.json and kinds.md with the ratio of their median throughputs.")
+    k.add_argument("--model", default="minilm", help="local model folder or 'minilm'")
+    k.add_argument("--requests", type=_positive_int, default=400, help="requests per pass")
+    k.add_argument("--concurrency", type=_positive_int, default=8, help="clients in the closed loop")
+    k.add_argument("--repeats", type=_positive_int, default=3, help="measured passes per set")
+    k.add_argument("--max-length", type=_positive_int, default=64, help="tokens per input of every task")
+    k.add_argument("--check", type=_non_negative_int, default=8,
+                   help="texts per task whose served answers are compared with aot predict's")
+    _add_out(k, "kinds")
+    _finish(k, run_kinds)
+
     a = kinds.add_parser("accuracy",
                          help="sweep methods over a small grid from the paper's Table 2, then retrain over seeds",
                          description="For each dataset and method: train every grid point (seed 0), pick the best on "
@@ -209,6 +225,15 @@ def run_tasks(args) -> int:
                               args.concurrency, args.requests, tuple(args.modes),
                               policy_requests=args.policy_requests, repeats=args.repeats)
     print(json.dumps(run_tasks_bench(config, progress=not args.no_progress)))
+    return 0
+
+
+def run_kinds(args) -> int:
+    from benchmarks.kinds import KindsBenchConfig, run_kinds_bench
+
+    config = KindsBenchConfig(out=args.out, model=args.model, requests=args.requests, concurrency=args.concurrency,
+                              repeats=args.repeats, max_length=args.max_length, check=args.check)
+    print(json.dumps(run_kinds_bench(config, progress=not args.no_progress)))
     return 0
 
 

@@ -1,13 +1,14 @@
 """The Triton model configs of a deployment folder, generated from one source (serving.repository reads the rest).
 
-    REPO/models/tokenizer/      python: TEXT (+ TEXT_PAIR), TASK -> token ids, TASK_VERSION (tokenizer in 1/tokenizer)
+    REPO/models/tokenizer/      python: TEXT (+ TEXT_PAIR), TASK -> token ids, TASK_VERSION, word_index, word_text
+                                (tokenizer in 1/tokenizer)
     REPO/models/aot_lookup/     python: TASK_VERSION, token ids -> aot_rows, aot_index or aot_bias (the bias
                                 interface; native GPU ensemble only)
     REPO/models/backbone/       the AoT graph: onnxruntime_onnx or tensorrt_plan (GPU);
                                 --format torch: python + PyTorch, looking rows up itself (no aot_lookup)
     REPO/models/backbone_vanilla/ the same encoder without bias inputs (comparisons, plain models)
-    REPO/models/head/           python: TASK_VERSION, pooled_hidden -> LOGITS, LABEL (each request its own task's
-                                head, on its task's pooling)
+    REPO/models/head/           python: TASK_VERSION, pooled_hidden, token_hidden, word_index, word_text -> ANSWER,
+                                LOGITS, LABEL (each request its own task's head by its kind)
     REPO/models/aot/, vanilla/  what clients call: GPU, the ensembles of the steps above; CPU, one fused python step
                                 each (tokenizer, lookup, encoder, head in one process: model_repository/fused)
 
@@ -163,6 +164,7 @@ def _backbone(name: str, aot: bool, target: str, record: BackboneRecord):
         _graph_specs(config, {i.name: list(i.dims) for i in config.input}, options,
                      record.tensorrt_profile["max_seq"])
     config.output.append(_tensor(pb.ModelOutput, protocol.POOLED_HIDDEN, [len(protocol.POOLINGS), record.hidden_size]))
+    config.output.append(_tensor(pb.ModelOutput, protocol.TOKEN_HIDDEN, [-1, record.hidden_size]))
     return config
 
 
@@ -192,8 +194,9 @@ def _fused(name: str, backbone: str, record: BackboneRecord):
 
 
 def _answer_outputs(config) -> None:
-    """What the client gets back from `aot` / `vanilla` (protocol v5)."""
+    """What the client gets back from `aot` / `vanilla` (protocol v6)."""
     pb = _pb()
+    config.output.append(_tensor(pb.ModelOutput, protocol.ANSWER, [1]))  # the kind's answer, JSON (protocol v6)
     config.output.append(_tensor(pb.ModelOutput, protocol.LOGITS, [-1]))
     config.output.append(_tensor(pb.ModelOutput, protocol.LABEL, [1]))
     config.output.append(_tensor(pb.ModelOutput, protocol.TASK_VERSION, [1]))  # which version answered (protocol v5)
@@ -212,7 +215,8 @@ def _ensemble(name: str, backbone: str, record: BackboneRecord, target: str):
     steps = config.ensemble_scheduling.step
     tok = steps.add(model_name="tokenizer", model_version=-1)
     tok.input_map.update({t.name: t.name for t in _request_inputs(record, ragged=False)})
-    tok.output_map.update({n: f"_{n}" for n in tokens} | {protocol.TASK_VERSION: version})
+    words = {protocol.WORD_INDEX: f"_{protocol.WORD_INDEX}", protocol.WORD_TEXT: f"_{protocol.WORD_TEXT}"}
+    tok.output_map.update({n: f"_{n}" for n in tokens} | {protocol.TASK_VERSION: version} | words)
     bb_inputs = {n: f"_{n}" for n in tokens}
     if backbone == "backbone" and _in_process_lookup(target, options):
         bb_inputs[protocol.TASK_VERSION] = version  # the backbone step looks the rows up itself
@@ -224,10 +228,11 @@ def _ensemble(name: str, backbone: str, record: BackboneRecord, target: str):
         bb_inputs.update({n: f"_{n}" for n in bias})
     bb = steps.add(model_name=backbone, model_version=-1)
     bb.input_map.update(bb_inputs)
-    bb.output_map.update({protocol.POOLED_HIDDEN: f"_{protocol.POOLED_HIDDEN}"})
+    states = {n: f"_{n}" for n in (protocol.POOLED_HIDDEN, protocol.TOKEN_HIDDEN)}
+    bb.output_map.update(states)
     head = steps.add(model_name="head", model_version=-1)
-    head.input_map.update({protocol.TASK_VERSION: version, protocol.POOLED_HIDDEN: f"_{protocol.POOLED_HIDDEN}"})
-    head.output_map.update({protocol.LOGITS: protocol.LOGITS, protocol.LABEL: protocol.LABEL})
+    head.input_map.update({protocol.TASK_VERSION: version} | states | words)
+    head.output_map.update({n: n for n in (protocol.ANSWER, protocol.LOGITS, protocol.LABEL)})
     return config
 
 
@@ -263,7 +268,9 @@ def model_configs(record: BackboneRecord, target: str) -> dict:
     tok = _python_model("tokenizer", options, {"buckets": buckets}, instances=instances)
     tok.input.extend(_request_inputs(record, ragged=True))
     tok.output.extend([_tensor(pb.ModelOutput, n, [-1]) for n in tokens]
-                      + [_tensor(pb.ModelOutput, protocol.TASK_VERSION, [1])])
+                      + [_tensor(pb.ModelOutput, protocol.TASK_VERSION, [1]),
+                         _tensor(pb.ModelOutput, protocol.WORD_INDEX, [-1]),
+                         _tensor(pb.ModelOutput, protocol.WORD_TEXT, [1])])
 
     # The native GPU ensemble's lookup keeps its task pool in device memory (torch) and hands the rows to the
     # backbone as GPU tensors (DLPack); the CPU config keeps it in host memory.
@@ -280,8 +287,13 @@ def model_configs(record: BackboneRecord, target: str) -> dict:
 
     head = _python_model("head", options, {}, instances=instances)
     head.input.extend([_tensor(pb.ModelInput, protocol.TASK_VERSION, [1]),
-                       _tensor(pb.ModelInput, protocol.POOLED_HIDDEN, [len(protocol.POOLINGS), record.hidden_size])])
-    head.output.extend([_tensor(pb.ModelOutput, protocol.LOGITS, [-1]), _tensor(pb.ModelOutput, protocol.LABEL, [1])])
+                       _tensor(pb.ModelInput, protocol.POOLED_HIDDEN, [len(protocol.POOLINGS), record.hidden_size]),
+                       # what a token task's head reads (the ensemble always sends them; a pooled kind needs none)
+                       _tensor(pb.ModelInput, protocol.TOKEN_HIDDEN, [-1, record.hidden_size], optional=True),
+                       _tensor(pb.ModelInput, protocol.WORD_INDEX, [-1], optional=True),
+                       _tensor(pb.ModelInput, protocol.WORD_TEXT, [1], optional=True)])
+    head.output.extend([_tensor(pb.ModelOutput, n, [-1] if n == protocol.LOGITS else [1])
+                        for n in (protocol.ANSWER, protocol.LOGITS, protocol.LABEL)])
     tasks = _python_model("task_list", options, {})
     tasks.max_batch_size = 0  # no inputs: a model with batching needs one to read the batch size from
     tasks.ClearField("dynamic_batching")

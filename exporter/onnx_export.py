@@ -34,7 +34,8 @@ class ExportError(RuntimeError):
 
 class ExportableBackbone(nn.Module):
     """The graph a server runs: token inputs (+ the AoT bias in `interface`: rows, index and offsets, or the dense
-    bias) -> pooled states [B, P, d]."""
+    bias) -> pooled states [B, P, d] and every token's final state [B, S, d] (what a token task's head reads; a
+    session that asks only for the pooled states pays nothing for it)."""
 
     def __init__(self, backbone: Backbone, aot: bool, interface: str = "rows"):
         super().__init__()
@@ -59,13 +60,14 @@ class ExportableBackbone(nn.Module):
         if not self.aot:
             extra = {"token_type_ids": token_type_ids} if token_type_ids is not None else {}
             hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
-            return pool_states(hidden, attention_mask)
-        if self.interface == "dense":
-            return self.biased.forward_dense(input_ids, attention_mask, token_type_ids, aot_bias)
-        first_row = aot_row_offsets[:-1].long() // self.row_elements  # [B]: where each sequence's rows start
-        index = aot_index.long() + first_row[:, None]
-        rows = aot_rows.reshape(-1, self.biased.num_layers, self.biased.hidden_size)
-        return self.biased(input_ids, attention_mask, token_type_ids, rows, index)
+        elif self.interface == "dense":
+            hidden = self.biased.forward_dense(input_ids, attention_mask, token_type_ids, aot_bias)
+        else:
+            first_row = aot_row_offsets[:-1].long() // self.row_elements  # [B]: where each sequence's rows start
+            index = aot_index.long() + first_row[:, None]
+            rows = aot_rows.reshape(-1, self.biased.num_layers, self.biased.hidden_size)
+            hidden = self.biased.states(input_ids, attention_mask, token_type_ids, rows, index)
+        return pool_states(hidden, attention_mask), hidden
 
 
 def example_inputs(backbone: Backbone, aot: bool, batch: int, seq: int, seed: int,
@@ -111,14 +113,16 @@ def export_onnx(backbone: Backbone, path: Path, aot: bool, interface: str = "row
     if aot:
         axes.update({protocol.AOT_ROWS: {0: "row_elements"}, protocol.AOT_INDEX: {0: "batch", 1: "sequence"},
                      protocol.AOT_ROW_OFFSETS: {0: "batch_plus_one"}, protocol.AOT_BIAS: {0: "batch", 1: "sequence"}})
-        axes = {n: a for n, a in axes.items() if n in names + [protocol.POOLED_HIDDEN]}
+        axes = {n: a for n, a in axes.items() if n in names}
     axes[protocol.POOLED_HIDDEN] = {0: "batch"}
+    axes[protocol.TOKEN_HIDDEN] = {0: "batch", 1: "sequence"}
     big = sum(p.numel() * p.element_size() for p in backbone.encoder.parameters()) > 1.8e9
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.onnx.export(module, (), str(path), kwargs={n: feeds[n] for n in names}, input_names=names,
-                              output_names=[protocol.POOLED_HIDDEN], dynamic_axes=axes, opset_version=OPSET,
+                              output_names=[protocol.POOLED_HIDDEN, protocol.TOKEN_HIDDEN], dynamic_axes=axes,
+                              opset_version=OPSET,
                               do_constant_folding=True, dynamo=False)
     finally:
         module.close()
@@ -196,7 +200,8 @@ def session(path: Path, threads: int = 0):
 
 def max_abs_difference(path: Path, backbone: Backbone, aot: bool, interface: str = "rows",
                        trials: tuple[tuple[int, int], ...] = ((3, 13), (1, 5))) -> float:
-    """ONNX Runtime against PyTorch at shapes other than the export's, with random non-zero biases."""
+    """ONNX Runtime against PyTorch at shapes other than the export's, with random non-zero biases: the pooled
+    states and every real token's state."""
     module = ExportableBackbone(backbone, aot, interface).eval()
     sess = session(path)
     names = {i.name for i in sess.get_inputs()}
@@ -205,9 +210,12 @@ def max_abs_difference(path: Path, backbone: Backbone, aot: bool, interface: str
         for k, (batch, seq) in enumerate(trials):
             feeds = example_inputs(backbone, aot, batch, seq, seed=100 + k, interface=interface)
             with torch.no_grad():
-                expected = module(**feeds).numpy()
-            got = sess.run([protocol.POOLED_HIDDEN], {n: v.numpy() for n, v in feeds.items() if n in names})[0]
-            worst = max(worst, float(np.abs(got - expected).max()))
+                pooled, states = (t.numpy() for t in module(**feeds))
+            got_pooled, got_states = sess.run([protocol.POOLED_HIDDEN, protocol.TOKEN_HIDDEN],
+                                              {n: v.numpy() for n, v in feeds.items() if n in names})
+            real = feeds[protocol.ATTENTION_MASK].numpy().astype(bool)  # padded positions' states are read by none
+            worst = max(worst, float(np.abs(got_pooled - pooled).max()),
+                        float(np.abs(got_states[real] - states[real]).max()))
     finally:
         module.close()
     return worst

@@ -20,6 +20,7 @@ from exporter.accuracy_gate import check_served_accuracy
 from exporter.compose_env import keep_admin_key_private
 from exporter.task_store import Publication, TaskStore
 from serving import protocol
+from serving.answers import READS_TOKENS
 from serving.engine import BackboneRunner, Prepared
 from serving.repository import RepositoryInfo, read_repository
 from serving.store import STORAGES, StoreError, check_task_name
@@ -57,8 +58,37 @@ class TaskExportReport:
 
 
 def _head_arrays(model: TaskModel) -> dict[str, np.ndarray]:
-    """The head in the served format: names as in ClassificationHead, fp32."""
+    """The head in the served format: names as in ClassificationHead or TokenHead, fp32 (an embedding task's has
+    none)."""
     return {k: v.detach().float().numpy().copy() for k, v in model.head.state_dict().items()}
+
+
+def task_record(artifact: TaskArtifact, name: str, storage: str, shape: tuple[int, int, int],
+                fingerprint: str) -> dict:
+    """task.json of a version (docs/formats.md): what every served step reads of the task, by its kind; `shape`
+    is (L, d, V)."""
+    spec = artifact.spec
+    L, d, V = shape
+    meta = {"name": name, "kind": spec.kind, "labels": None if spec.labels is None else list(spec.labels),
+            "metric": spec.metric, "max_length": artifact.max_length, "pooling": artifact.pooling,
+            "has_pair": spec.has_pair}
+    if "activation" in artifact.head:  # a classification head's (tokens and embedding have no activation)
+        meta["head_activation"] = artifact.head["activation"]
+    if spec.kind == "multilabel":
+        meta["threshold"] = spec.threshold
+    if spec.kind == "embedding":
+        meta["normalize"] = spec.normalize
+    return meta | {"storage": storage, "method": artifact.config["method"], "num_layers": L, "hidden_size": d,
+                   "vocab_size": V, "backbone_fingerprint": fingerprint,
+                   "dev": artifact.metrics().get("dev")}
+
+
+def _served_outputs(served, hidden: np.ndarray, requests: list[Prepared]) -> list[np.ndarray]:
+    """What the served head computes from the engine's states, by the task's kind: a pooled kind's logits (an
+    embedding's vector) per text, or a token task's logits of each token."""
+    if served.kind in READS_TOKENS:
+        return [served.token_logits(r.states) for r in requests]
+    return list(served.embeddings(hidden) if served.kind == "embedding" else served.logits(hidden))
 
 
 @contextlib.contextmanager
@@ -90,16 +120,22 @@ def _write_fused(body: AotBody, path: Path, vocab: int, chunk: int = 2048, progr
 def validate_task(repo: RepositoryInfo, folder: Path, name: str, storage: str, predictor: Predictor,
                   texts=VALIDATION_TEXTS, engine=None, tokens: Tokenization | None = None) -> float:
     """Served path (tokenizer, lookup, the repository's backbone engine, head) against the PyTorch task: max
-    |logit difference|. `engine` and `tokens`: built once by a caller that validates many tasks."""
+    |difference| of what the head computes (logits, an embedding's vector, a token task's logits per token).
+    `engine` and `tokens`: built once by a caller that validates many tasks."""
     served = load_task_version(folder, TaskStore.version_name(folder), repo.store_root)
     tokens = tokens or Tokenization(repo.tokenizer_dir, repo.uses_token_type_ids)
-    requests = [Prepared.for_task(tokens.encode(text, None, served.max_length), served) for text in texts]
+    if served.kind in READS_TOKENS:
+        encoded = [t for t, _, _ in tokens.encode_words(list(texts), served.max_length)]
+    else:
+        encoded = [tokens.encode(text, None, served.max_length) for text in texts]
+    requests = [Prepared.for_task(t, served) for t in encoded]
     for r in requests:
         r.rows = served.rows(r.unique)
+        r.want_states = served.kind in READS_TOKENS
     hidden = (engine or validation_engine(repo)).run(requests)
-    got = served.logits(hidden)
-    expected = predictor.logits(list(texts)).numpy()
-    return float(np.abs(got - expected).max())
+    expected = predictor.logits(list(texts))
+    return max(float(np.abs(got - want.numpy()).max())
+               for got, want in zip(_served_outputs(served, hidden, requests), expected))
 
 
 def validation_engine(repo: RepositoryInfo):
@@ -228,16 +264,12 @@ class TaskExporter:
         storage = advice["auto"] if storage == "auto" else storage
         folder = self.store.new_version_folder(name)
         try:
-            meta = {"name": name, "labels": None if artifact.spec.labels is None else list(artifact.spec.labels),
-                    "metric": artifact.spec.metric, "max_length": artifact.max_length, "pooling": artifact.pooling,
-                    "has_pair": artifact.spec.has_pair, "head_activation": artifact.head["activation"],
-                    "storage": storage, "method": artifact.config["method"], "num_layers": L, "hidden_size": d,
-                    "vocab_size": V, "backbone_fingerprint": self.repo.fingerprint,
-                    "dev": artifact.metrics().get("dev")}
+            meta = task_record(artifact, name, storage, (L, d, V), self.repo.fingerprint)
             with _writing(name, folder / "task.json"):
                 (folder / "task.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
             with _writing(name, folder / "head.safetensors"):
-                save_file(_head_arrays(model), folder / "head.safetensors")
+                if artifact.kind != "embedding":  # an embedding task's vector is its pooled state: no head
+                    save_file(_head_arrays(model), folder / "head.safetensors")
             body: AotBody = model.body
             if storage == "fused":
                 with _writing(name, folder / "table.npy"):

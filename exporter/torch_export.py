@@ -22,7 +22,7 @@ def _prepared(feeds: dict[str, torch.Tensor], aot: bool, num_layers: int, hidden
     lengths = feeds[protocol.ATTENTION_MASK].sum(1).tolist()
     out = []
     for b, n in enumerate(lengths):
-        p = Prepared({k: feeds[k][b, :n].numpy() for k in names})
+        p = Prepared({k: feeds[k][b, :n].numpy() for k in names}, want_states=True)
         if aot:
             lo, hi = feeds[protocol.AOT_ROW_OFFSETS][b].item(), feeds[protocol.AOT_ROW_OFFSETS][b + 1].item()
             p.rows = feeds[protocol.AOT_ROWS][lo:hi].numpy().reshape(-1, num_layers, hidden)
@@ -34,7 +34,8 @@ def _prepared(feeds: dict[str, torch.Tensor], aot: bool, num_layers: int, hidden
 def export_torch_encoder(backbone: Backbone, folder: Path, tolerance: float = 1e-4,
                          trials: tuple[tuple[int, int], ...] = ((3, 13), (1, 5))) -> float:
     """Write the encoder to `folder` and return the worst difference between the served engine (AoT and vanilla,
-    random non-zero rows) and training's module; ExportError, and nothing kept, when it exceeds `tolerance`."""
+    random non-zero rows: pooled and token states) and training's module; ExportError, and nothing kept, when it
+    exceeds `tolerance`."""
     save_encoder(backbone.encoder, folder)
     worst = 0.0
     for aot in (True, False):
@@ -44,9 +45,11 @@ def export_torch_encoder(backbone: Backbone, folder: Path, tolerance: float = 1e
             for k, (batch, seq) in enumerate(trials):
                 feeds = example_inputs(backbone, aot, batch, seq, seed=200 + k)
                 with torch.no_grad():
-                    expected = module(**feeds).numpy()
-                got = engine.run(_prepared(feeds, aot, backbone.num_layers, backbone.hidden_size))
-                worst = max(worst, float(np.abs(got - expected).max()))
+                    pooled, states = (t.numpy() for t in module(**feeds))
+                requests = _prepared(feeds, aot, backbone.num_layers, backbone.hidden_size)
+                worst = max(worst, float(np.abs(engine.run(requests) - pooled).max()))
+                for b, r in enumerate(requests):  # each request's token states, its own length
+                    worst = max(worst, float(np.abs(r.states - states[b, : len(r.states)]).max()))
         finally:
             module.close()
     if not worst <= tolerance:

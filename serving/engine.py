@@ -26,7 +26,8 @@ class Prepared:
     """One request as an engine takes it: its token tensors (1-D, protocol.token_inputs) and, for AoT, what its bias
     is made of: its task version, its sorted distinct tokens (`unique`) and each token's row among them (`index`,
     padding: row 0); then either the pool slots that hold those rows (`slots`: an engine that gathers from the pool
-    on its own device) or the rows themselves (`rows`, [U, L, d] fp16)."""
+    on its own device) or the rows themselves (`rows`, [U, L, d] fp16). `want_states`: the engine also sets
+    `states`, every token's final state [S, d] fp32 (a token task's head reads them)."""
 
     tokens: dict[str, np.ndarray]
     task: ServedTask | None = None
@@ -34,6 +35,8 @@ class Prepared:
     index: np.ndarray | None = None
     slots: np.ndarray | None = None
     rows: np.ndarray | None = None
+    want_states: bool = False
+    states: np.ndarray | None = None
 
     @classmethod
     def for_task(cls, tokens: dict[str, np.ndarray], task: ServedTask) -> Prepared:
@@ -46,7 +49,8 @@ class Backbone(Protocol):
     """What an engine builds for a step: the encoder on a batch of prepared requests."""
 
     def run(self, requests: list[Prepared]) -> np.ndarray:
-        """The pooled states [B, P, d] (fp32) of the batch, in its order."""
+        """The pooled states [B, P, d] (fp32) of the batch, in its order; each request that wants them gets its
+        token states (Prepared.states)."""
         ...
 
 
@@ -138,7 +142,7 @@ class BackboneRunner:
 
     def run(self, requests: list[Prepared]) -> np.ndarray:
         """Each request: 1-D token tensors (and for AoT its rows and index). Returns the pooled states [B, P, d] in
-        the requests' order."""
+        the requests' order; a request that wants them gets its token states (`states`, [S, d])."""
         if self.per_request and len(requests) > 1:
             return np.concatenate([self._run([r]) for r in requests])
         if self.max_padding is None or len(requests) == 1:
@@ -171,7 +175,13 @@ class BackboneRunner:
             feeds[protocol.AOT_ROWS] = np.concatenate(rows).astype(protocol.ROWS_DTYPE, copy=False)
             feeds[protocol.AOT_ROW_OFFSETS] = np.concatenate([[0], np.cumsum([len(x) for x in rows])]).astype(
                 protocol.INDEX_DTYPE)
-        return self.session.run([protocol.POOLED_HIDDEN], feeds)[0]
+        if not any(r.want_states for r in requests):  # the graph's token states are then never copied out
+            return self.session.run([protocol.POOLED_HIDDEN], feeds)[0]
+        pooled, states = self.session.run([protocol.POOLED_HIDDEN, protocol.TOKEN_HIDDEN], feeds)
+        for b, r in enumerate(requests):
+            if r.want_states:
+                r.states = states[b, : len(r.tokens[protocol.INPUT_IDS])]
+        return pooled
 
 
 def _onnx_backbone(step, aot: bool, threads: int, log: Callable[[str], None] | None = None) -> BackboneRunner:

@@ -1,4 +1,4 @@
-"""The tensors that flow between the client and the steps of the served ensemble: protocol version 5 (what each
+"""The tensors that flow between the client and the steps of the served ensemble: protocol version 6 (what each
 version changed: docs/formats.md, "Protocol history").
 
 Client -> ensemble `aot`:
@@ -11,12 +11,15 @@ Client -> ensemble `aot`:
     input_ids, attention_mask (and token_type_ids where the architecture has them), INT64 [S]
 ensemble -> client:
     TASK_VERSION  BYTES [1]   the task version `<name>@<id>` that produced the answer
-    LOGITS        FP32  [n]   n = the task's number of labels (1 for regression)
-    LABEL         BYTES [1]   the arg-max label name (the score, as text, for regression)
+    ANSWER        BYTES [1]   JSON: the answer of the task's kind (serving.answers), without the version
+    LOGITS        FP32  [n]   the head's output: a classifier's or multi-label task's logits (n labels), a regressor's
+                              score (1), an embedding (d), a token task's logits of each word's first token (W x n)
+    LABEL         BYTES [1]   the arg-max label name (the score, as text, for regression; a multi-label task's
+                              labels as a JSON list; empty for token and embedding tasks)
 
 model `task_list` (no inputs) -> client:
-    TASKS         BYTES [1]   JSON: {"tasks": [{name, version, storage, labels, max_length, method, metric, dev,
-                              source}], "errors": {name: why its requests fail}}: what the server serves now
+    TASKS         BYTES [1]   JSON: {"tasks": [{name, version, kind, storage, labels, max_length, method, metric,
+                              dev, source}], "errors": {name: why its requests fail}}: what the server serves now
 
 Between the steps of the GPU ensembles (on CPU, `aot` and `vanilla` are each one step: only the client's tensors
 above cross the server):
@@ -28,6 +31,10 @@ tokenizer -> later steps:
                               another's head.
     input_ids, attention_mask (and token_type_ids where the architecture has them), INT64 [S]; S is the
         sequence's own length (CPU) or its length rounded up to a bucket (GPU).
+    word_index    INT32 [S]      (to the head) for a token task, the word each token starts (-1: a special token or
+                                 a word's later piece; serving.words.first_pieces); [1] holding -1 for other kinds
+    word_text     BYTES [1]      (to the head) a token task's text, whose words the entities' offsets point into;
+                                 empty for other kinds
 lookup -> backbone (native GPU backends; with the torch engine the python backbone step does the lookup itself and
 takes TASK_VERSION instead), in the repository's bias interface (serving option `bias_interface`):
   rows (default):
@@ -40,22 +47,27 @@ takes TASK_VERSION instead), in the repository's bias interface (serving option 
                                    length: fixed shapes per bucket, so TensorRT replays a captured CUDA graph
 backbone -> head:
     pooled_hidden FP32  [P, d]   the final hidden states pooled each way in POOLINGS: row 0 the first token's, row 1
-                                 the mean over the attention mask; the head reads its task's row
+                                 the mean over the attention mask; the head of a pooled kind reads its task's row
+    token_hidden  FP32  [S, d]   every token's final state, what a token task's head reads: a native backend (ONNX
+                                 Runtime, TensorRT) sends it for every request (S*d*4 bytes); the python backbone step
+                                 (torch engine) only for token tasks, [1, d] zeros for the others
 
 A request whose parameters (a JSON object) hold PROBE_PARAMETER is the supervisor's liveness probe: every python
 step answers it at once with no outputs and counts it nowhere.
 
-Per request the rows interface moves U*L*d*2 + S*4 bytes; the dense one S*L*d*2 (U <= S distinct tokens).
+Per request the rows interface moves U*L*d*2 + S*4 bytes; the dense one S*L*d*2 (U <= S distinct tokens). The
+backbone hands the head P*d*4 bytes (pooled_hidden) and token_hidden; the tokenizer hands it S*4 + the text's bytes
+(word_index, word_text) for a token task, 4 + 0 otherwise.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 TEXT, TEXT_PAIR, TASK, TASK_VERSION = "TEXT", "TEXT_PAIR", "TASK", "TASK_VERSION"
-LOGITS, LABEL, TASKS = "LOGITS", "LABEL", "TASKS"
+LOGITS, LABEL, TASKS, ANSWER = "LOGITS", "LABEL", "TASKS", "ANSWER"
 INPUT_IDS, ATTENTION_MASK, TOKEN_TYPE_IDS = "input_ids", "attention_mask", "token_type_ids"
 AOT_ROWS, AOT_INDEX, AOT_ROW_OFFSETS = "aot_rows", "aot_index", "aot_row_offsets"
 AOT_BIAS = "aot_bias"
@@ -63,6 +75,8 @@ PROBE_PARAMETER = "aot_probe"  # a request parameter: marks the supervisor's liv
 # How the lookup hands a request's bias to a native backbone (see above): what the AoT graph's inputs are.
 BIAS_INTERFACES = ("rows", "dense")
 POOLED_HIDDEN = "pooled_hidden"
+TOKEN_HIDDEN = "token_hidden"
+WORD_INDEX, WORD_TEXT = "word_index", "word_text"
 # How a task turns the final hidden states into the one vector its head reads; the backbone computes every one, in
 # this order, so tasks that pool differently share one backbone. `cls`: the first token (BERT, RoBERTa); `mean`:
 # the average over the attention mask (sentence-transformers models are trained with it).
@@ -84,7 +98,8 @@ INDEX_DTYPE = np.dtype(np.int32)
 HIDDEN_DTYPE = np.dtype(np.float32)
 LOGITS_DTYPE = np.dtype(np.float32)
 DTYPES = {INPUT_IDS: TOKEN_DTYPE, ATTENTION_MASK: TOKEN_DTYPE, TOKEN_TYPE_IDS: TOKEN_DTYPE, AOT_ROWS: ROWS_DTYPE,
-          AOT_BIAS: ROWS_DTYPE, AOT_INDEX: INDEX_DTYPE, AOT_ROW_OFFSETS: INDEX_DTYPE, POOLED_HIDDEN: HIDDEN_DTYPE, LOGITS: LOGITS_DTYPE}
+          AOT_BIAS: ROWS_DTYPE, AOT_INDEX: INDEX_DTYPE, AOT_ROW_OFFSETS: INDEX_DTYPE, POOLED_HIDDEN: HIDDEN_DTYPE, LOGITS: LOGITS_DTYPE,
+          TOKEN_HIDDEN: HIDDEN_DTYPE, WORD_INDEX: INDEX_DTYPE}
 BYTES = "BYTES"
 _TRITON_TYPES = {"int64": "INT64", "int32": "INT32", "float16": "FP16", "float32": "FP32"}
 

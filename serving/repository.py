@@ -325,12 +325,14 @@ class RepositoryInfo:
 
 def largest_batch_bytes(info: RepositoryInfo) -> int:
     """Bytes of the tensors that pass between the steps of the repository's largest batch (max batch size x the
-    longest bucket): token tensors, the lookup's bias (native GPU backends only: the torch engine looks up in its own
-    process; rows of every token distinct + index, or the dense bias), the backbone's states and the logits."""
+    longest bucket): token tensors and each token's word (word_index), the lookup's bias (native GPU backends only:
+    the torch engine looks up in its own process; rows of every token distinct + index, or the dense bias), the
+    backbone's states (pooled, and every token's: a native backend sends them for every request) and the logits."""
     options = info.options
     batch, seq = options.max_batch_size, min(max(options.buckets), info.max_positions)
     elements = batch * seq
     size = len(protocol.token_inputs(info.uses_token_type_ids)) * elements * protocol.TOKEN_DTYPE.itemsize
+    size += elements * (protocol.INDEX_DTYPE.itemsize + info.hidden_size * protocol.HIDDEN_DTYPE.itemsize)
     if options.engine != "torch":
         size += elements * info.num_layers * info.hidden_size * protocol.ROWS_DTYPE.itemsize
         if options.bias_interface == "rows":

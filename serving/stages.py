@@ -1,9 +1,10 @@
 """What the served python steps compute, as three stages the model files compose:
 
     TextInputs  TEXT (+ TEXT_PAIR), TASK -> the task version the request is pinned to and its token ids (or the
-                token ids a client tokenized itself, checked)
-    Encoder     token ids (+ for AoT the task's rows of P, looked up here) -> pooled_hidden
-    head_answers  each request's own task head on its pooling -> LOGITS, LABEL
+                token ids a client tokenized itself, checked); a token task's words and each token's word too
+    Encoder     token ids (+ for AoT the task's rows of P, looked up here) -> pooled_hidden (+ a token task's
+                token_hidden)
+    head_answers  each request's own task head by its kind (serving.heads) -> ANSWER, LOGITS, LABEL
 
 The GPU ensembles run each stage in its own step (tokenizer, backbone, head: the tokenizer and head in several
 instances beside one engine on the GPU). The CPU configs run all three in one step (model_repository/fused): one
@@ -23,12 +24,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from serving import protocol
+from serving.answers import READS_TOKENS
 from serving.engine import Engine, Prepared, find_engine
 from serving.errors import RequestError
 from serving.pool import RowStorage
 from serving.steps import RequestContext
 from serving.tasks import ServedTask
 from serving.tokenization import Tokenization, is_blank
+from serving.words import Words
 
 
 def step_engine(parameters: dict[str, str]) -> Engine:
@@ -53,6 +56,16 @@ class TextRequest:
     tokens: dict[str, np.ndarray] | None = None
 
 
+@dataclass
+class TokenizedText:
+    """A request's token tensors and, for a token task, its text's words and the word each token starts (-1:
+    none), what its head needs to answer with entities in the text."""
+
+    tokens: dict[str, np.ndarray]
+    words: Words | None = None
+    first: np.ndarray | None = None
+
+
 class TextInputs:
     """The first stage, the only one that resolves a task name: each request's task version, then its token ids,
     truncated to that task's max length exactly as in training and `aot predict`."""
@@ -75,6 +88,9 @@ class TextInputs:
         pair = None if pair is None or is_blank(pair) else pair
         task = step.resolve(request)
         ctx.version = task.version
+        if ids is not None and task.kind in READS_TOKENS:
+            raise RequestError(f"task {task.name!r} tags tokens: send {protocol.TEXT} (its entities are found in the "
+                               "text), not token ids")
         if ids is not None:
             if pair is not None:
                 raise RequestError(f"send {protocol.TEXT_PAIR} with {protocol.TEXT}: token ids already hold the pair")
@@ -104,18 +120,24 @@ class TextInputs:
         has_pair = task.meta.get("has_pair")
         return has_pair is not None and has_pair != paired
 
-    def encode(self, batch: list[TextRequest]) -> list[dict[str, np.ndarray]]:
+    def encode(self, batch: list[TextRequest]) -> list[TokenizedText]:
         """Each prepared request's token tensors: the texts of the batch in one encode_batch per max length (the
-        truncation is each task's), token ids as sent (padded to the bucket)."""
-        out = [r.tokens if r.tokens is None else self.tokens.to_bucket(r.tokens) for r in batch]
-        by_length: dict[int, list[int]] = {}
+        truncation is each task's; a token task's words in one call of their own), token ids as sent (padded to
+        the bucket)."""
+        out = [None if r.tokens is None else TokenizedText(self.tokens.to_bucket(r.tokens)) for r in batch]
+        by_length: dict[tuple[int, bool], list[int]] = {}
         for k, r in enumerate(batch):
             if r.tokens is None:
-                by_length.setdefault(r.task.max_length, []).append(k)
-        for max_length, ks in by_length.items():
+                by_length.setdefault((r.task.max_length, r.task.kind in READS_TOKENS), []).append(k)
+        for (max_length, words), ks in by_length.items():
+            if words:
+                for k, (tensors, w, first) in zip(ks, self.tokens.encode_words([batch[k].text for k in ks],
+                                                                                 max_length)):
+                    out[k] = TokenizedText(tensors, w, first)
+                continue
             texts = [(batch[k].text, batch[k].pair) for k in ks]
             for k, encoded in zip(ks, self.tokens.encode_batch(texts, max_length)):
-                out[k] = encoded
+                out[k] = TokenizedText(encoded)
         return out
 
 
@@ -140,12 +162,16 @@ class Encoder:
 
     def prepare(self, task: ServedTask | None, tokens: dict[str, np.ndarray]) -> Prepared:
         """One request as the engine takes it: its token tensors, and for AoT its task and the request's distinct
-        tokens with each token's row among them."""
-        return Prepared.for_task(tokens, task) if self.aot else Prepared(tokens)
+        tokens with each token's row among them. A token task's (or, with no task known, any) request asks for
+        every token's state too."""
+        prepared = Prepared.for_task(tokens, task) if self.aot else Prepared(tokens)
+        prepared.want_states = task is None or task.kind in READS_TOKENS
+        return prepared
 
     def run(self, batch: list[Prepared]) -> np.ndarray:
-        """The pooled states [B, P, d] of the batch, in its order: its rows (or pool slots, for an engine that
-        gathers from the pool itself) in one pool call, its misses filled together; then the encoder."""
+        """The pooled states [B, P, d] of the batch, in its order (and each request's token states, `states`, where
+        it wants them): its rows (or pool slots, for an engine that gathers from the pool itself) in one pool call,
+        its misses filled together; then the encoder."""
         if self.aot:
             requests = [(p.task, p.unique) for p in batch]
             if self.engine.gathers_slots:
@@ -155,24 +181,3 @@ class Encoder:
                 for p, rows in zip(batch, self.step.tasks.rows_many(requests)):
                     p.rows = rows
         return self.runner.run(batch)
-
-
-def head_answers(tasks: list[ServedTask], pooled: list[np.ndarray]) -> list[tuple[np.ndarray, str]]:
-    """Each request's (logits [1, n], label) from its pooled states [1, P, d]: each task version's head runs once
-    over that version's requests of the batch (ServedTask.logits on the stacked states), on its task's pooling.
-    States that are not finite raise (never a NaN answer with a label)."""
-    groups: dict[str, list[int]] = {}
-    for k, task in enumerate(tasks):
-        groups.setdefault(task.version, []).append(k)
-    out: list = [None] * len(tasks)
-    for ks in groups.values():
-        task = tasks[ks[0]]
-        states = np.concatenate([pooled[k] for k in ks])
-        if not np.isfinite(states[:, protocol.pooling_row(task.pooling)]).all():
-            # the engine overflowed: a server fault; the step retries the batch request by request, so only the
-            # requests whose own states are not finite fail
-            raise FloatingPointError(f"the encoder's {task.pooling!r} states are not finite")
-        logits = task.logits(states)
-        for k, row in zip(ks, logits):
-            out[k] = (row[None, :], task.label(row))
-    return out

@@ -140,9 +140,16 @@ class TaskEntry:
         current = KeptVersion(self.folder, self.storage, self.digests, self.meta)
         return {current.version: current, **{k.version: k for k in self.kept}}
 
+    def kind(self) -> str | None:
+        """The task's kind (serving.answers.KINDS); a version exported before kinds is a classifier, or a regressor
+        without labels; None for an entry without meta."""
+        if "kind" in self.meta or "labels" not in self.meta:
+            return self.meta.get("kind")
+        return "regression" if self.meta["labels"] is None else "classification"
+
     def listing(self) -> dict:
         """What `aot tasks` shows of the task, from the index alone (no server path)."""
-        return {"name": self.name, "version": self.folder, "storage": self.storage,
+        return {"name": self.name, "version": self.folder, "kind": self.kind(), "storage": self.storage,
                 **{k: self.meta.get(k) for k in ("labels", "max_length", "method", "metric", "dev", "served_dev")},
                 "verified": self.digests is not None}
 

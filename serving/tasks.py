@@ -2,10 +2,13 @@
 step keeps of the store's versions: serving.task_registry).
 
 A version folder `REPO/tasks/<name>@<id>/` is immutable:
-    task.json               labels, metric, max length, pooling, head_activation, storage, method config, L, d, V,
-                            source, dev
-    head.safetensors        dense.weight [k, d], dense.bias, out.weight [n, k], out.bias (k: d, or the head's own
-                            width); logits = out(f(dense(h))), f task.json's head_activation (tanh if absent)
+    task.json               kind, labels, metric, max length, pooling, head_activation, storage, method config, L, d,
+                            V, source, dev (+ threshold: multilabel; normalize: embedding). Without `kind` (exported
+                            before kinds): a classifier, or a regressor if it has no labels
+    head.safetensors        a pooled kind's: dense.weight [k, d], dense.bias, out.weight [n, k], out.bias (k: d, or
+                            the head's own width); logits = out(f(dense(h))), f task.json's head_activation (tanh if
+                            absent). A token task's: out.weight [n, d], out.bias, on every token's state. An
+                            embedding task has none: its vector is its pooled state
     table.npy               fused: P for every token and layer, [V, L, d] fp16, token-major (memory-mapped)
     factors.safetensors     factored: FC w1 [L, d, r], b1 [L, r], w2 [L, r, d], b2 [L, d];
                             Kron w_left [L, a, r], w_mid [L, b, r], w_right [L, r*r, d]
@@ -28,6 +31,7 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from serving import protocol
+from serving.answers import DEFAULT_THRESHOLD, kind_of
 from serving.digests import DigestError, check_regular, file_stamp, verify_file
 from serving.formats import FormatError, check_keys, read_json
 from serving.labels import label_for
@@ -158,6 +162,17 @@ class ServedTask:
         """Which pooled state the head reads (versions exported before pooling was recorded read the first token)."""
         return self.meta.get("pooling", protocol.POOLING_BEFORE_V3)
 
+    @property
+    def kind(self) -> str:
+        """serving.answers.KINDS; a version exported before kinds is a classifier (a regressor without labels)."""
+        return kind_of(self.meta)
+
+    @property
+    def threshold(self) -> float:
+        """A multi-label task's: the sigmoid a label must reach to be answered."""
+        value = self.meta.get("threshold")
+        return DEFAULT_THRESHOLD if value is None else float(value)
+
     def logits(self, pooled: np.ndarray) -> np.ndarray:
         """The task head (training.model.ClassificationHead in eval mode) on the task's pooling: pooled [B, P, d]
         (every pooling, protocol.POOLINGS) -> out(f(dense(h))) [B, n], f the task's head_activation."""
@@ -165,6 +180,19 @@ class ServedTask:
         activation = HEAD_ACTIVATIONS[self.meta.get("head_activation", "tanh")]
         h = activation(chosen @ self.head["dense.weight"].T + self.head["dense.bias"]).astype(np.float32)
         return (h @ self.head["out.weight"].T + self.head["out.bias"]).astype(protocol.LOGITS_DTYPE)
+
+    def token_logits(self, states: np.ndarray) -> np.ndarray:
+        """A token task's head (training.model.TokenHead in eval mode) on every token's state [S, d] -> [S, n]."""
+        out = states.astype(np.float32) @ self.head["out.weight"].T + self.head["out.bias"]
+        return out.astype(protocol.LOGITS_DTYPE)
+
+    def embeddings(self, pooled: np.ndarray) -> np.ndarray:
+        """An embedding task's vectors (training.model.EmbeddingHead): the pooled state of its pooling, [B, d], of
+        unit length if it normalizes."""
+        chosen = pooled[:, protocol.pooling_row(self.pooling)].astype(np.float32)
+        if self.meta.get("normalize", True):
+            chosen = chosen / np.maximum(np.linalg.norm(chosen, axis=-1, keepdims=True), 1e-12)
+        return chosen.astype(protocol.LOGITS_DTYPE)
 
     def label(self, logits: np.ndarray) -> str:
         return label_for(self.labels, logits)
@@ -210,7 +238,11 @@ def load_task_version(folder: Path, version: str, store_root: Path, parts: str =
     if meta.get("head_activation", "tanh") not in HEAD_ACTIVATIONS:
         raise StoreError(f"{version}: unknown head_activation {meta['head_activation']!r}: expected one of "
                          f"{', '.join(HEAD_ACTIVATIONS)}")
-    head = load_file(verified("head.safetensors")) if parts in ("head", "all") else {}
+    try:
+        kind = kind_of(meta)
+    except ValueError as exc:
+        raise StoreError(f"{version}: {exc}") from None
+    head = load_file(verified("head.safetensors")) if parts in ("head", "all") and kind != "embedding" else {}
     task = ServedTask(task_of(version), version, meta["labels"], meta["max_length"], meta["storage"],
                       meta["num_layers"], meta["hidden_size"], meta["vocab_size"], head, meta, digests=digests)
     if parts not in ("rows", "all"):

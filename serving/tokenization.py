@@ -16,6 +16,7 @@ import numpy as np
 from serving import protocol
 from serving.errors import RequestError
 from serving.formats import read_json
+from serving.words import Words, first_pieces, split_words
 
 
 def is_blank(text: str) -> bool:
@@ -61,6 +62,20 @@ class Tokenization:
         self.tokenizer.enable_truncation(max_length, strategy="longest_first", direction=self.truncation_side)
         encodings = self.tokenizer.encode_batch([(t, p) if p else t for t, p in items])
         return [self._tensors(enc) for enc in encodings]
+
+    def encode_words(self, texts: list[str], max_length: int) -> list[tuple[dict[str, np.ndarray], Words, np.ndarray]]:
+        """A token task's texts: each split into words (serving.words), its words joined by single spaces encoded
+        in one call, and per token the word it starts (-1: none; padded to the bucket with -1): what training
+        aligns tags with (training.kinds.tokens.align)."""
+        words = [split_words(text) for text in texts]
+        self.tokenizer.enable_truncation(max_length, strategy="longest_first", direction=self.truncation_side)
+        out = []
+        for w, enc in zip(words, self.tokenizer.encode_batch([w.joined for w in words])):
+            tensors = self._tensors(enc)
+            first = np.full(len(tensors[protocol.INPUT_IDS]), -1, dtype=protocol.INDEX_DTYPE)
+            first[: len(enc.ids)] = first_pieces(enc.offsets, enc.special_tokens_mask, w)
+            out.append((tensors, w, first))
+        return out
 
     def to_bucket(self, tokens: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """A client's token tensors (one sequence, right-padded) padded up to this step's bucket, as a text's are."""

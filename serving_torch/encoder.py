@@ -73,26 +73,33 @@ class BiasedEncoder(nn.Module):
 
     def forward(self, input_ids, attention_mask, token_type_ids, rows, index) -> torch.Tensor:
         """`rows` [N, L, d]; `index` [B, S] picks each token's row. Returns the pooled states [B, P, d]."""
+        return pool_states(self.states(input_ids, attention_mask, token_type_ids, rows, index), attention_mask)
+
+    def states(self, input_ids, attention_mask, token_type_ids, rows, index) -> torch.Tensor:
+        """As forward, but every token's final state [B, S, d] (what a token task's head reads)."""
         flat, base = rows.reshape(-1, self.hidden_size), index.long() * self.num_layers
         # One gather of the B*S rows layer i needs from the flat [N*L, d] table; the cast touches only those rows.
         return self._biased(lambda i: F.embedding(base + i, flat), input_ids, attention_mask, token_type_ids)
 
     def forward_dense(self, input_ids, attention_mask, token_type_ids, bias) -> torch.Tensor:
-        """`bias` [B, S, L, d]: each token's row already gathered (rows[index]). Returns the pooled states."""
+        """`bias` [B, S, L, d]: each token's row already gathered (rows[index]). Returns the final states [B, S, d]."""
         return self._biased(lambda i: bias[:, :, i], input_ids, attention_mask, token_type_ids)
 
     def _biased(self, layer_bias: Callable[[int], torch.Tensor], input_ids, attention_mask, token_type_ids):
         self._layer_bias = layer_bias
         try:
-            return self.plain(input_ids, attention_mask, token_type_ids)
+            return self.plain_states(input_ids, attention_mask, token_type_ids)
         finally:
             self._layer_bias = None
 
     def plain(self, input_ids, attention_mask, token_type_ids=None) -> torch.Tensor:
         """The encoder alone (no bias unless forward set one): the pooled states [B, P, d] (pool_states)."""
+        return pool_states(self.plain_states(input_ids, attention_mask, token_type_ids), attention_mask)
+
+    def plain_states(self, input_ids, attention_mask, token_type_ids=None) -> torch.Tensor:
+        """The encoder's final states [B, S, d] (with the bias forward or states set, else plain)."""
         extra = {"token_type_ids": token_type_ids} if self.uses_token_type_ids and token_type_ids is not None else {}
-        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
-        return pool_states(hidden, attention_mask)
+        return self.encoder(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
 
 
 def save_encoder(encoder: nn.Module, folder: Path) -> None:

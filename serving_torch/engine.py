@@ -25,7 +25,7 @@ import torch
 
 from serving import protocol
 from serving.engine import Engine, Prepared, register_engine
-from serving_torch.encoder import BiasedEncoder, load_encoder
+from serving_torch.encoder import BiasedEncoder, load_encoder, pool_states
 
 DEVICES = ("cpu", "cuda")
 # Encoder families whose forward copies a host tensor to the device (DeBERTa-v2's log-bucketed relative positions:
@@ -111,19 +111,23 @@ class TorchBackbone:
 
     @torch.inference_mode()
     def run(self, requests: list[Prepared]) -> np.ndarray:
-        """The pooled states [B, P, d] (fp32) of a batch (serving_torch.encoder.pool_states)."""
+        """The pooled states [B, P, d] (fp32) of a batch (serving_torch.encoder.pool_states); a request that wants
+        them gets its token states (Prepared.states, [S, d] fp32)."""
         pooled = self.aot and self.pool_rows is not None and all(r.slots is not None for r in requests)
-        if not self.aot or pooled:
-            shape = self._shape(len(requests), max(len(r.tokens[protocol.INPUT_IDS]) for r in requests))
-            feeds = self._feeds(requests, shape, pooled)
-            with self._on_device():
-                if self.graphs and shape in self._graph_shapes() and self._try_capture(shape):
-                    out = self._replay(shape, feeds)
-                else:
-                    out = self._forward({k: v.to(self.device) for k, v in feeds.items()}, self.pool_rows)
-                return out[: len(requests)].float().cpu().numpy()
         with self._on_device():
-            return self._run_with_rows(requests)[: len(requests)].float().cpu().numpy()
+            if not self.aot or pooled:
+                shape = self._shape(len(requests), max(len(r.tokens[protocol.INPUT_IDS]) for r in requests))
+                feeds = self._feeds(requests, shape, pooled)
+                if self.graphs and shape in self._graph_shapes() and self._try_capture(shape):
+                    out, states = self._replay(shape, feeds)
+                else:
+                    out, states = self._forward({k: v.to(self.device) for k, v in feeds.items()}, self.pool_rows)
+            else:
+                out, states = self._run_with_rows(requests)
+            for b, r in enumerate(requests):
+                if r.want_states:
+                    r.states = states[b, : len(r.tokens[protocol.INPUT_IDS])].float().cpu().numpy()
+            return out[: len(requests)].float().cpu().numpy()
 
     def _shape(self, batch: int, seq: int) -> tuple[int, int]:
         """The padded shape: a captured bucket on CUDA, else exactly the batch and its longest sequence."""
@@ -157,14 +161,17 @@ class TorchBackbone:
                 feeds["index"][b, :n] = r.slots[r.index] if pooled else r.index + offsets[b]
         return {k: torch.from_numpy(v) for k, v in feeds.items()}
 
-    def _forward(self, feeds: dict[str, torch.Tensor], rows: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, feeds: dict[str, torch.Tensor], rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pooled states [B, P, d] and every token's final state [B, S, d]."""
         ids, mask = feeds[protocol.INPUT_IDS], feeds[protocol.ATTENTION_MASK]
         types = feeds.get(protocol.TOKEN_TYPE_IDS)
         if not self.aot:
-            return self.biased.plain(ids, mask, types)
-        return self.biased(ids, mask, types, rows, feeds["index"])
+            states = self.biased.plain_states(ids, mask, types)
+        else:
+            states = self.biased.states(ids, mask, types, rows, feeds["index"])
+        return pool_states(states, mask), states
 
-    def _run_with_rows(self, requests: list[Prepared]) -> torch.Tensor:
+    def _run_with_rows(self, requests: list[Prepared]) -> tuple[torch.Tensor, torch.Tensor]:
         """Eager: the batch's rows (gathered from the pool, or brought by the request) in one tensor of its own."""
         parts, offsets, total = [], [], 0
         for r in requests:
@@ -197,7 +204,7 @@ class TorchBackbone:
                   file=sys.stderr, flush=True)
             return False
 
-    def _replay(self, shape: tuple[int, int], feeds: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _replay(self, shape: tuple[int, int], feeds: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy the inputs into the bucket's static tensors and replay its graph."""
         graph, static, out = self._captured[shape]
         for name, value in feeds.items():

@@ -32,3 +32,16 @@ def backbone(arch):
 @pytest.fixture(scope="session")
 def sentiment_dir(tmp_path_factory):
     return write_sentiment_folder(tmp_path_factory.mktemp("data") / "sentiment")
+
+
+@pytest.fixture(scope="session")
+def kind_artifacts(tmp_path_factory, tiny_models, sentiment_dir) -> dict:
+    """One FC task of every kind on the tiny BERT: name -> artifact folder (tests/test_kinds*.py)."""
+    from tests.helpers import train_tiny_task
+    from tests.tiny import write_kind_folder
+
+    root = tmp_path_factory.mktemp("kinds")
+    data = {kind: write_kind_folder(root / f"data-{kind}", kind) for kind in ("tokens", "multilabel", "embedding")}
+    return {"cls": train_tiny_task(tiny_models["bert"], sentiment_dir, root / "cls", epochs=2),
+            **{name: train_tiny_task(tiny_models["bert"], data[kind], root / name, problem=kind, epochs=6)
+               for name, kind in (("ner", "tokens"), ("tags", "multilabel"), ("search", "embedding"))}}

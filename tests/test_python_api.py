@@ -200,7 +200,7 @@ def _gpt2():
     ("seqcls", AotConfig(num_labels=3), r"num_labels=3, but the model's head has 2 outputs"),
     ("auto", AotConfig(labels=["a", "b", "c"]), r"3 labels .* for a head with 2 outputs"),
     ("auto", AotConfig(max_length=500), r"max_length 500 is outside what the encoder accepts \(1 to 72 tokens\)"),
-    ("masked", AotConfig(), r"takes an AutoModel or AutoModelForSequenceClassification, got BertForMaskedLM"),
+    ("masked", AotConfig(), r"AutoModelForTokenClassification, got BertForMaskedLM"),
     ("linear", AotConfig(), r"takes a transformers model .* got Linear"),
     ("gpt2", AotConfig(), r"unsupported model_type 'gpt2'"),
 ])

@@ -101,3 +101,63 @@ def write_sentiment_folder(folder: Path, n_train: int = 400, n_dev: int = 100, f
             sep = "\t" if fmt == "tsv" else ","
             path.write_text("text" + sep + "label\n" + "".join(f"{r['text']}{sep}{r['label']}\n" for r in rows))
     return folder
+
+
+def tagged_examples(n: int, seed: int) -> list[dict]:
+    """Token task rows: a positive word is a one-word `pos` entity (sometimes with "!" attached: one word of two
+    pieces for the tiny tokenizer), a negative word and the word after it a two-word `neg` entity."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        tokens, tags = [], []
+        for _ in range(rng.randint(3, 8)):
+            kind = rng.random()
+            if kind < 0.2:
+                tokens.append(rng.choice(POSITIVE) + ("!" if rng.random() < 0.3 else ""))
+                tags.append("B-pos")
+            elif kind < 0.35:
+                tokens += [rng.choice(NEGATIVE), rng.choice(["movie", "film", "plot"])]
+                tags += ["B-neg", "I-neg"]
+            else:
+                tokens.append(rng.choice(FILLER[:40]))
+                tags.append("O")
+        rows.append({"tokens": tokens, "tags": tags})
+    return rows
+
+
+def multilabel_examples(n: int, seed: int) -> list[dict]:
+    """Labels `pos` and `neg` for the sentiment words a text holds: none, one or both."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        words, labels = rng.sample(FILLER, rng.randint(3, 6)), []
+        for label, pool in (("neg", NEGATIVE), ("pos", POSITIVE)):
+            if rng.random() < 0.5:
+                words.insert(rng.randint(0, len(words)), rng.choice(pool))
+                labels.append(label)
+        rows.append({"text": " ".join(words), "labels": labels})
+    return rows
+
+
+def pair_examples(n: int, seed: int, scored: bool = False) -> list[dict]:
+    """Retrieval pairs: the positive shares the anchor's two key words (a score: how many it shares, scored)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        key = rng.sample(FILLER[:40], 2)
+        shared = rng.randint(0, 2) if scored else 2
+        row = {"text": " ".join(key + rng.sample(FILLER[40:80], 2)),
+               "text_pair": " ".join(rng.sample(FILLER[40:80], 3) + key[:shared] + rng.sample(FILLER[:40], 2 - shared))}
+        if scored:
+            row["score"] = shared / 2
+        rows.append(row)
+    return rows
+
+
+def write_kind_folder(folder: Path, kind: str, n_train: int = 320, n_dev: int = 80) -> Path:
+    """A plain data folder (train.jsonl, dev.jsonl) of a `--problem` kind: tokens, multilabel or embedding."""
+    make = {"tokens": tagged_examples, "multilabel": multilabel_examples, "embedding": pair_examples}[kind]
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, n, seed in (("train", n_train, 3), ("dev", n_dev, 4)):
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in make(n, seed)))
+    return folder

@@ -1,6 +1,7 @@
 """The task artifact: what `aot train` writes and every later step reads.
 
-Format `aot-task`, version 2 (documented in docs/formats.md; version 1, without `head`, is still read):
+Format `aot-task`, version 2, or 3 for the kinds a version-2 reader would misread (multilabel, tokens, embedding:
+documented in docs/formats.md; version 1, without `head`, is still read):
 
     DIR/config.json         method, hyperparameters, task (labels, metric), max length, pooling, head, backbone identity
     DIR/weights.safetensors trainable parameters only (method factors + head), names as in TaskModel
@@ -20,17 +21,22 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from serving.answers import kind_of
 from serving.atomic import atomic_directory
 from serving.formats import check_keys
 from serving.protocol import POOLING_BEFORE_V3, pooling_row
 from training.backbone import Backbone, BackboneError, load_backbone
 from training.data.task import TaskSpec
 from training.method_registry import MethodConfig, method_spec
-from training.model import HEAD_ACTIVATIONS, TaskModel
+from training.model import HEAD_ACTIVATIONS, TaskModel, head_record
 
 FORMAT = "aot-task"
 FORMAT_VERSION = 2
-READ_VERSIONS = (1, 2)  # v1 has no `head` record: its heads are tanh, d x d (what v2 defaults to)
+# v3: a task of a kind a v2 reader knows nothing of (it would read a token task as a classifier): only those are
+# written as v3, so that a classifier's artifact stays readable by a v2 reader
+KINDS_FORMAT_VERSION = 3
+OLD_KINDS = ("classification", "regression")
+READ_VERSIONS = (1, 2, 3)  # v1 has no `head` record: its heads are tanh, d x d (what v2 defaults to)
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "weights.safetensors"
 METRICS_FILE = "metrics.json"
@@ -59,6 +65,10 @@ class TaskArtifact:
     @property
     def spec(self) -> TaskSpec:
         return TaskSpec.from_json(self.config["task"])
+
+    @property
+    def kind(self) -> str:
+        return kind_of(self.config["task"])
 
     @property
     def method_config(self) -> MethodConfig:
@@ -106,11 +116,10 @@ def backbone_identity(backbone: Backbone) -> dict:
 def save_task(out: str | Path, model: TaskModel, backbone: dict, method: MethodConfig, spec: TaskSpec,
               max_length: int, training: dict, metrics: dict) -> Path:
     """`backbone`: its identity (backbone_identity)."""
-    head = model.head
-    config = {"format": FORMAT, "format_version": FORMAT_VERSION, "method": method.to_json(),
+    version = FORMAT_VERSION if spec.kind in OLD_KINDS else KINDS_FORMAT_VERSION
+    config = {"format": FORMAT, "format_version": version, "method": method.to_json(),
               "task": spec.to_json(), "max_length": max_length, "pooling": model.pooling,
-              "head": {"activation": head.activation, "inner_size": head.dense.out_features},
-              "backbone": backbone, "training": training}
+              "head": head_record(model.head), "backbone": backbone, "training": training}
     out = Path(out)
     with atomic_directory(out) as tmp:
         save_file({k: v.contiguous() for k, v in model.trainable_state().items()}, tmp / WEIGHTS_FILE)
@@ -142,8 +151,18 @@ def read_task(path: str | Path) -> TaskArtifact:
         pooling_row(config.get("pooling", POOLING_BEFORE_V3))
     except ValueError as exc:
         raise ArtifactError(f"{config_path}: {exc}") from None
+    try:
+        kind = kind_of(config["task"])
+        TaskSpec.from_json(config["task"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ArtifactError(f"{config_path}: task {config['task']!r}: {exc}") from None
+    if kind not in OLD_KINDS and config["format_version"] < KINDS_FORMAT_VERSION:
+        raise ArtifactError(f"{config_path}: a {kind} task needs format_version {KINDS_FORMAT_VERSION}")
     head = config.get("head", {"activation": "tanh"})
-    if (not isinstance(head, dict) or head.get("activation") not in HEAD_ACTIVATIONS
+    if kind in ("tokens", "embedding"):  # a token head is one linear layer, an embedding task has none
+        if head != {}:
+            raise ArtifactError(f"{config_path}: head {head!r}: a {kind} task's head record is {{}}")
+    elif (not isinstance(head, dict) or head.get("activation") not in HEAD_ACTIVATIONS
             or not isinstance(head.get("inner_size", 1), int)):
         raise ArtifactError(f"{config_path}: head {head!r}: expected {{\"activation\": one of "
                             f"{', '.join(HEAD_ACTIVATIONS)}, \"inner_size\": int}}")

@@ -5,24 +5,32 @@ from __future__ import annotations
 from pathlib import Path
 
 from training.backbone import Backbone
-from training.data.files import read_examples
+from training.data.files import read_examples, read_kind_file
 from training.data.task import DataError
 from training.predict import Predictor
-from training.trainer import encode, predict_logits, score
+from training.trainer import encode, evaluate
 
 
 def evaluate_file(task_dir: str | Path, path: str | Path, backbone: Backbone | None = None) -> dict:
-    """The task's metric on a JSONL, CSV or TSV file with the columns training reads (text, text_pair?, label)."""
+    """The task's metric on a labelled file its kind's training reads: JSONL, CSV or TSV with the columns text,
+    text_pair?, label (classification, regression), labels (multilabel), text and text_pair (+ score) (embedding);
+    CoNLL or JSONL tags (tokens)."""
     predictor = Predictor.load(task_dir, backbone)
     spec = predictor.artifact.spec
-    rows = read_examples(Path(path), spec.is_regression)
-    if not spec.is_regression:
+    if spec.kind in ("classification", "regression"):
+        rows = read_examples(Path(path), spec.is_regression)
+    else:
+        rows = read_kind_file(Path(path), spec.kind)
+    if spec.labels is not None:
         for example, where in rows:
-            if example.label not in spec.labels:
-                raise DataError(f"{where}: label {example.label!r} is not one of the task's labels {list(spec.labels)}")
+            for name in example.label if isinstance(example.label, tuple) else [example.label]:
+                if name not in spec.labels:
+                    raise DataError(f"{where}: label {name!r} is not one of the task's labels {list(spec.labels)}")
+    if spec.kind == "embedding" and (rows[0][0].label is not None) != (spec.metric == "spearman"):
+        raise DataError(f"{path}: task {spec.name!r} is scored by {spec.metric}: give "
+                        + ("scored pairs" if spec.metric == "spearman" else "pairs without scores"))
     examples = [example for example, _ in rows]
     tokenizer = predictor.backbone.tokenizer
     encoded = encode(tokenizer, examples, spec, predictor.artifact.max_length)
-    logits = predict_logits(predictor.model, encoded, tokenizer.pad_token_id or 0, predictor.device)
-    return {"task": spec.name, "metric": spec.metric, "score": score(logits, encoded, spec),
-            "examples": len(examples), "data": str(path)}
+    score = evaluate(predictor.model, encoded, spec, tokenizer.pad_token_id or 0, predictor.device)
+    return {"task": spec.name, "metric": spec.metric, "score": score, "examples": len(examples), "data": str(path)}

@@ -1,7 +1,7 @@
 """The model factory: a method's task model built by name (training.methods' registry), and a saved one loaded.
 
 Above the methods: an AoT method's task model is the AotModel its folder builds (aot_task_model, the constructor
-get_aot_model uses too); every other method's is its body under a ClassificationHead.
+get_aot_model uses too); every other method's is its body under the head of the task's kind (training.model).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from training.backbone import Backbone
 from training.data.task import TaskSpec
 from training.methods.aot_ptuning.peft_model import aot_task_model
 from training.method_registry import MethodConfig, method_spec
-from training.model import ClassificationHead, TaskModel, init_head_from_pooler
+from training.model import TaskModel, init_head_from_pooler, make_head
 
 
 def build_task_model(backbone: Backbone, config: MethodConfig, spec: TaskSpec, pooling: str | None = None,
@@ -36,11 +36,10 @@ def build_task_model(backbone: Backbone, config: MethodConfig, spec: TaskSpec, p
         raise ValueError(f"method {config.method!r} changes the encoder: it cannot share the caller's")
     body = method_spec(config.method).build(backbone, config)
     head_config = head or {}
-    head_module = ClassificationHead(backbone.hidden_size, spec.num_outputs,
-                                     activation=head_config.get("activation", "tanh"),
-                                     inner_size=head_config.get("inner_size"))
+    head_module = make_head(spec, backbone.hidden_size, head_config.get("activation", "tanh"),
+                            head_config.get("inner_size"))
     init_head_from_pooler(head_module, backbone.encoder)
-    return TaskModel(body, head_module, pooling)
+    return TaskModel(body, head_module, pooling, spec.kind)
 
 
 def load_task(path: str | Path, backbone: Backbone | None = None,

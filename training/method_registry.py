@@ -1,9 +1,9 @@
 """The method registry: a method name maps to its config class and a builder.
 
 A builder takes the frozen backbone and the method's config and returns a *body*: a module that maps
-(input_ids, attention_mask, token_type_ids) to the final hidden states pooled each way in
-serving.protocol.POOLINGS, [B, P, d] (serving_torch.encoder.pool_states). The task head sits on top of any body and
-reads the row of its task's pooling (training.model.TaskModel). Only the parameters a method makes trainable have requires_grad.
+(input_ids, attention_mask, token_type_ids) to the final hidden states [B, S, d] of the input's tokens. The task
+head sits on top of any body (training.model.TaskModel): a token task's reads every state, the others the states
+pooled as their task pools them (serving_torch.encoder.pool_states). Only the parameters a method makes trainable have requires_grad.
 
 Methods register on import: importing any module of `training` runs the package's __init__ first, which imports
 training.methods, and each method registers itself. So the registry is full for whoever imports it, and it imports no

@@ -1,8 +1,13 @@
-"""The paper's task metrics (its Table 1), from scikit-learn and scipy.
+"""Task metrics: the paper's (its Table 1), from scikit-learn and scipy, and those of the other kinds.
 
 Scores are fractions in [0, 1] (correlations in [-1, 1]); reports multiply by 100 like the paper.
 F1 is binary F1 of the second label (GLUE's positive class, e.g. MRPC/QQP "1") for two labels, macro F1 otherwise
 (as for CB).
+
+Other kinds: `entity_f1` (tokens: entity-level micro F1 by seqeval, its default lenient mode: predictions and gold
+are lists of tag sequences), `micro_f1` / `macro_f1` (multilabel: 0/1 indicator matrices [N, labels]), `spearman`
+(scored pairs: cosine similarities against the scores) and `recall@k` (retrieval pairs: a similarity matrix [N, N]
+of anchors against positives, the gold positive of anchor i is i).
 """
 
 from __future__ import annotations
@@ -20,6 +25,22 @@ def _f1(pred: np.ndarray, gold: np.ndarray, num_labels: int) -> float:
     return float(f1_score(gold, pred, labels=list(range(num_labels)), average="macro", zero_division=0))
 
 
+def _entity_f1(pred, gold, n) -> float:
+    from seqeval.metrics import f1_score as entity_f1  # on first use: only token tasks need it
+
+    return float(entity_f1([list(t) for t in gold], [list(t) for t in pred]))
+
+
+def _recall_at(k: int):
+    def recall(similarity, gold, n) -> float:
+        similarity = np.asarray(similarity)
+        own = np.diagonal(similarity)[:, None]
+        rank = (similarity > own).sum(axis=1)  # positives scored above the anchor's own (ties in its favour)
+        return float((rank < k).mean())
+
+    return recall
+
+
 def _correlation(fn, pred: np.ndarray, gold: np.ndarray) -> float:
     if np.std(pred) == 0 or np.std(gold) == 0:
         return 0.0  # undefined for a constant prediction; scored as no correlation
@@ -32,9 +53,22 @@ METRICS: dict[str, Callable[[np.ndarray, np.ndarray, int], float]] = {
     "acc_f1": lambda p, g, n: (float(accuracy_score(g, p)) + _f1(p, g, n)) / 2,
     "mcc": lambda p, g, n: float(matthews_corrcoef(g, p)),
     "pearson_spearman": lambda p, g, n: (_correlation(pearsonr, p, g) + _correlation(spearmanr, p, g)) / 2,
+    "entity_f1": _entity_f1,
+    "micro_f1": lambda p, g, n: float(f1_score(g, p, average="micro", zero_division=0)),
+    "macro_f1": lambda p, g, n: float(f1_score(g, p, average="macro", zero_division=0)),
+    "spearman": lambda p, g, n: _correlation(spearmanr, p, g),
+    **{f"recall@{k}": _recall_at(k) for k in (1, 5, 10)},
 }
+# The metrics that score each kind but the paper's two (classification and regression take any of the paper's),
+# the first the default; an embedding task's default is spearman for scored pairs, recall@1 for retrieval pairs.
+KIND_METRICS = {"multilabel": ("micro_f1", "macro_f1"), "tokens": ("entity_f1",),
+                "embedding": ("recall@1", "recall@5", "recall@10", "spearman")}
+RAGGED = ("entity_f1",)  # metrics whose inputs are sequences of different lengths
 
 
 def compute_metric(name: str, predictions: Sequence, gold: Sequence, num_labels: int) -> float:
-    """`predictions`/`gold` are label indices for classification, floats for regression."""
-    return METRICS[name](np.asarray(predictions), np.asarray(gold), num_labels)
+    """`predictions`/`gold` by metric: label indices (classification), floats (regression, spearman), indicator
+    matrices (multilabel), tag sequences (entity_f1), or for recall@k a similarity matrix and no gold."""
+    if name in RAGGED:
+        return METRICS[name](predictions, gold, num_labels)
+    return METRICS[name](np.asarray(predictions), np.asarray(gold) if gold is not None else None, num_labels)

@@ -1,7 +1,8 @@
-"""Many AoT tasks on one frozen encoder in PyTorch, mixed in one batch: offline batch scoring (`aot predict` with
-several tasks) and the PyTorch counterpart of what the server does.
+"""Many AoT tasks on one frozen encoder in PyTorch, mixed in one batch whatever their kinds: offline batch scoring
+(`aot predict` with several tasks) and the PyTorch counterpart of what the server does.
 
-Each task keeps its fused rows P [V, L, d] (computed once, in eval mode) and its head. A batch with one task name
+Each task keeps its fused rows P [V, L, d] (computed once, in eval mode, kept in fp16 as the task store keeps them,
+so that its answers are the served ones) and its head. A batch with one task name
 per row costs, beyond the plain encoder, one gather of each task's rows for its rows' distinct tokens and, per
 layer, the gather and add of BiasedEncoder (PEFT's mixed-adapter batches need a forward per adapter instead).
 """
@@ -16,13 +17,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from serving.answers import DEFAULT_THRESHOLD, READS_TOKENS, pooled_answer, tokens_answer
 from serving.protocol import pooling_row
-from serving_torch.encoder import BiasedEncoder
-from training.answer import answer
+from serving_torch.encoder import BiasedEncoder, pool_states
 from training.artifact import ArtifactError, load_recorded_backbone, read_task
 from training.backbone import Backbone, load_backbone
 from training.data.task import TaskSpec
 from training.factory import load_task
+from training.kinds.tokens import align
 from training.methods.aot_ptuning.peft_model import AotModel
 from training.method_registry import method_spec
 
@@ -32,7 +34,16 @@ class _Task:
     spec: TaskSpec
     max_length: int
     row: int  # the pooled row its head reads (serving.protocol.pooling_row)
-    table: torch.Tensor  # fused P, [V, L, d] fp32, CPU
+    table: torch.Tensor  # fused P, [V, L, d] fp16 (what the task store holds and the server adds), CPU
+
+
+@dataclass
+class _Text:
+    """One text as its task reads it: token ids (a token task's: its words' alignment too, serving.words)."""
+
+    ids: dict
+    words: object = None
+    first: object = None
 
 
 class MultiTaskModel(nn.Module):
@@ -77,22 +88,17 @@ class MultiTaskModel(nn.Module):
         model.body.biased.remove_hooks()  # the rows are fused below; this model's own hooks are not needed
         self.heads[name] = model.head.eval()
         self.tasks[name] = _Task(model.spec, model.aot_config.max_length, pooling_row(model.pooling),
-                                 model.fused_rows())
+                                 model.fused_rows().to(torch.float16))
 
     def remove_task(self, name: str) -> None:
         if name not in self.tasks:
             raise ArtifactError(f"unknown task {name!r}; loaded: {', '.join(self.tasks) or '(none)'}")
         del self.tasks[name], self.heads[name]
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None, task_names: Sequence[str] = ()):
-        """`task_names`: one per row. Returns a SequenceClassifierOutput whose logits are [B, n] with n the widest
-        head's output count; a task with fewer outputs fills the rest of its rows with -inf."""
-        from transformers.modeling_outputs import SequenceClassifierOutput  # on first use: seconds to import
-
-        self._check_names(task_names, input_ids.shape[0])
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
+    def _outputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None,
+                 task_names: Sequence[str]) -> list[torch.Tensor]:
+        """Each row's head output: [n] (a pooled kind's logits or score, an embedding's vector [d]) or its tokens'
+        logits [S, n] (a token task's), from one pass of the encoder over the whole batch."""
         groups = {name: [i for i, n in enumerate(task_names) if n == name] for name in dict.fromkeys(task_names)}
         device = input_ids.device
         index = torch.zeros_like(input_ids)
@@ -102,38 +108,74 @@ class MultiTaskModel(nn.Module):
             rows.append(self.tasks[name].table[unique.cpu()])
             index[members] = inverse + offset
             offset += len(unique)
+        out: list = [None] * len(task_names)
         with torch.no_grad():
-            pooled = self.biased(input_ids, attention_mask, token_type_ids, torch.cat(rows).to(device), index)
-            width = max(self.tasks[n].spec.num_outputs for n in groups)
-            logits = torch.full((input_ids.shape[0], width), -torch.inf, device=device)
+            states = self.biased.states(input_ids, attention_mask, token_type_ids, torch.cat(rows).to(device), index)
+            pooled = pool_states(states, attention_mask)
             for name, members in groups.items():
-                out = self.heads[name](pooled[members, self.tasks[name].row])
-                logits[members, : out.shape[1]] = out
+                task = self.tasks[name]
+                read = states[members] if task.spec.kind in READS_TOKENS else pooled[members, task.row]
+                for i, row in zip(members, self.heads[name](read)):
+                    out[i] = row
+        return out
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, task_names: Sequence[str] = ()):
+        """`task_names`: one per row, of tasks that answer from a pooled state (a token task's answers come from
+        predict). Returns a SequenceClassifierOutput whose logits are [B, n] with n the widest head's output count
+        (an embedding task's: its vector); a task with fewer outputs fills the rest of its rows with -inf."""
+        from transformers.modeling_outputs import SequenceClassifierOutput  # on first use: seconds to import
+
+        self._check_names(task_names, input_ids.shape[0])
+        tokens = [n for n in task_names if self.tasks[n].spec.kind in READS_TOKENS]
+        if tokens:
+            raise ValueError(f"task {tokens[0]!r} tags tokens: its answers come from predict()")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        outputs = self._outputs(input_ids, attention_mask, token_type_ids, task_names)
+        logits = torch.full((input_ids.shape[0], max(len(o) for o in outputs)), -torch.inf, device=input_ids.device)
+        for i, row in enumerate(outputs):
+            logits[i, : len(row)] = row
         return SequenceClassifierOutput(logits=logits)
 
     def predict(self, texts: Sequence[str], task_names: Sequence[str], pairs: Sequence[str | None] | None = None,
                 batch_size: int = 32, on_batch: Callable[[int], None] | None = None) -> list[dict]:
-        """One answer per text, in order (training.answer.answer: task, label, logits, probabilities).
-        Each text is tokenized as its task was trained (its max length), then rows of similar length share a batch
-        whatever their tasks, on the device the model is on. `on_batch(n)`: after each batch of n texts (progress)."""
+        """One answer per text, in order: the task's name and its kind's answer (serving.answers). Each text is
+        tokenized as its task was trained (its max length; a token task's words as in serving.words), then rows of
+        similar length share a batch whatever their tasks and kinds, on the device the model is on. `on_batch(n)`:
+        after each batch of n texts (progress)."""
         self._check_names(task_names, len(texts))
         pairs = list(pairs) if pairs is not None else [None] * len(texts)
-        tokenizer = self.backbone.tokenizer
-        encoded = [tokenizer(t, p, truncation=True, max_length=self.tasks[n].max_length)
-                   for t, p, n in zip(texts, pairs, task_names)]
-        pad = tokenizer.pad_token_id or 0
+        encoded = [self._encode(t, p, self.tasks[n]) for t, p, n in zip(texts, pairs, task_names)]
+        pad = self.backbone.tokenizer.pad_token_id or 0
         device = next(self.biased.parameters()).device
-        order = sorted(range(len(texts)), key=lambda i: len(encoded[i]["input_ids"]))
+        order = sorted(range(len(texts)), key=lambda i: len(encoded[i].ids["input_ids"]))
         answers: list[dict] = [{}] * len(texts)
         for start in range(0, len(order), batch_size):
             rows = order[start:start + batch_size]
-            batch = {k: v.to(device) for k, v in _pad([encoded[i] for i in rows], pad).items()}
-            logits = self.forward(**batch, task_names=[task_names[i] for i in rows]).logits.cpu()
-            for i, row in zip(rows, logits):
-                answers[i] = answer(task_names[i], self.tasks[task_names[i]].spec, row)
+            batch = {k: v.to(device) for k, v in _pad([encoded[i].ids for i in rows], pad).items()}
+            outputs = self._outputs(**batch, task_names=[task_names[i] for i in rows])
+            for i, output in zip(rows, outputs):
+                answers[i] = {"task": task_names[i], **self._answer(self.tasks[task_names[i]], encoded[i], output)}
             if on_batch is not None:
                 on_batch(len(rows))
         return answers
+
+    def _encode(self, text: str, pair: str | None, task: _Task) -> _Text:
+        tokenizer = self.backbone.tokenizer
+        if task.spec.kind in READS_TOKENS:
+            ids, types, words, first = align(tokenizer, text, task.max_length)
+            return _Text({"input_ids": ids, **({"token_type_ids": types} if types else {})}, words, first)
+        return _Text(tokenizer(text, pair, truncation=True, max_length=task.max_length))
+
+    @staticmethod
+    def _answer(task: _Task, text: _Text, output: torch.Tensor) -> dict:
+        spec = task.spec
+        values = output.float().cpu().numpy()
+        if spec.kind in READS_TOKENS:
+            return tokens_answer(spec.labels, text.words, text.first, values[: len(text.ids["input_ids"])])
+        threshold = DEFAULT_THRESHOLD if spec.threshold is None else spec.threshold
+        return pooled_answer(spec.kind, spec.labels, values, threshold)
 
     def _check_names(self, task_names: Sequence[str], rows: int) -> None:
         if len(task_names) != rows:

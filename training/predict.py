@@ -9,15 +9,14 @@ from pathlib import Path
 import torch
 
 from serving.formats import JsonLine, json_lines
-from training.answer import answer
 from training.artifact import TaskArtifact, read_task
 from training.backbone import Backbone, load_backbone
 from training.data.task import Example
 from training.factory import load_task
+from training.kinds import Encoded, kind_for
 from training.method_registry import method_spec
 from training.model import TaskModel
 from training.multitask import MultiTaskModel
-from training.trainer import encode, predict_logits
 
 
 class Predictor:
@@ -30,19 +29,26 @@ class Predictor:
     def load(cls, task_dir: str | Path, backbone: Backbone | None = None, device: str = "cpu") -> "Predictor":
         return cls(*load_task(task_dir, backbone), device=device)
 
-    def logits(self, texts: list[str], pairs: list[str | None] | None = None) -> torch.Tensor:
+    def outputs(self, texts: list[str], pairs: list[str | None] | None = None) -> tuple[object, Encoded]:
+        """The kind's predictions of the texts (training.kinds), and the texts as it encoded them."""
         spec = self.artifact.spec
-        pairs = pairs or [None] * len(texts)
-        label = 0.0 if spec.is_regression else spec.labels[0]
-        examples = [Example(t, label, p) for t, p in zip(texts, pairs)]
-        encoded = encode(self.backbone.tokenizer, examples, spec, self.artifact.max_length)
-        pad = self.backbone.tokenizer.pad_token_id or 0
-        return predict_logits(self.model, encoded, pad, self.device)
+        examples = [Example(t, None, p) for t, p in zip(texts, pairs or [None] * len(texts))]
+        kind = kind_for(spec)
+        encoded = kind.encode(self.backbone.tokenizer, examples, spec, self.artifact.max_length)
+        return kind.predict(self.model, encoded, self.backbone.tokenizer.pad_token_id or 0, self.device), encoded
+
+    def logits(self, texts: list[str], pairs: list[str | None] | None = None) -> torch.Tensor | list[torch.Tensor]:
+        """What the head computes for each text: [N, n] logits (the score, for regression), [N, d] vectors
+        (embedding), or per text its tokens' logits [S, n] (tokens)."""
+        predictions, _ = self.outputs(texts, pairs)
+        return predictions[0] if self.artifact.kind == "embedding" else predictions
 
     def predict(self, texts: list[str], pairs: list[str | None] | None = None, name: str | None = None) -> list[dict]:
-        """answer() for each text; `name`: the task's name in them (default: the one it was trained as)."""
+        """The answer of the task's kind for each text (serving.answers), its task's name first (`name`; default:
+        the one it was trained as)."""
         spec = self.artifact.spec
-        return [answer(name or spec.name, spec, row) for row in self.logits(texts, pairs)]
+        predictions, encoded = self.outputs(texts, pairs)
+        return [{"task": name or spec.name, **a} for a in kind_for(spec).answers(spec, predictions, encoded)]
 
 
 # --- aot predict ------------------------------------------------------------------------------------------------------

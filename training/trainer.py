@@ -21,8 +21,9 @@ import torch
 from tqdm.auto import tqdm
 
 from training.data.task import Example, TaskData, TaskSpec
-from training.metrics import compute_metric
-from training.model import TaskModel, loss_fn
+from training.kinds import Encoded, kind_for
+from training.kinds.base import autocast, run_model
+from training.model import TaskModel
 
 
 @dataclass
@@ -52,12 +53,15 @@ class TrainConfig:
 
 @dataclass
 class TrainResult:
+    """`spec`: the task's, with what was tuned on dev after training (a multi-label threshold)."""
+
     dev_score: float
     best_step: int
     steps: int
     train_seconds: float
     history: list[dict] = field(default_factory=list)
     stopped: str = "epochs"
+    spec: TaskSpec | None = None
 
 
 def check_device(device: str) -> None:
@@ -114,67 +118,25 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-@dataclass
-class Encoded:
-    """Token ids of a split (unpadded) and its label tensor."""
-
-    input_ids: list[list[int]]
-    token_type_ids: list[list[int]] | None
-    labels: torch.Tensor
-
-
 def encode(tokenizer, examples: list[Example], spec: TaskSpec, max_length: int) -> Encoded:
-    texts = [ex.text for ex in examples]
-    with_pairs = any(ex.text_pair is not None for ex in examples)
-    pairs = [ex.text_pair or "" for ex in examples] if with_pairs else None
-    enc = tokenizer(texts, pairs, truncation=True, max_length=max_length)
-    if spec.is_regression:
-        labels = torch.tensor([float(ex.label) for ex in examples], dtype=torch.float32)
-    else:
-        index = {name: i for i, name in enumerate(spec.labels)}
-        labels = torch.tensor([index[ex.label] for ex in examples], dtype=torch.long)
-    return Encoded(enc["input_ids"], enc.get("token_type_ids"), labels)
+    """A split as its kind trains on it (training.kinds)."""
+    return kind_for(spec).encode(tokenizer, examples, spec, max_length)
 
 
-def collate(encoded: Encoded, rows, pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
-    length = max(len(encoded.input_ids[i]) for i in rows)
-    ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), length), dtype=torch.long)
-    types = torch.zeros((len(rows), length), dtype=torch.long)
-    for k, i in enumerate(rows):
-        seq = encoded.input_ids[i]
-        ids[k, : len(seq)] = torch.tensor(seq)
-        mask[k, : len(seq)] = 1
-        if encoded.token_type_ids is not None:
-            types[k, : len(seq)] = torch.tensor(encoded.token_type_ids[i])
-    batch = {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
-    return {k: v.to(device) for k, v in batch.items()}
+def evaluate(model: TaskModel, encoded: Encoded, spec: TaskSpec, pad_id: int, device: torch.device) -> float:
+    """The task's metric on a labelled split."""
+    return score(kind_for(spec).predict(model, encoded, pad_id, device), encoded, spec)
 
 
-def _autocast(device: torch.device):
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return torch.autocast("cpu", enabled=False)
+def predict_logits(model: TaskModel, encoded: Encoded, pad_id: int, device: torch.device) -> torch.Tensor:
+    """A pooled kind's head outputs for a split, [N, n] (logits; a regression's score): what the int8 accuracy gate
+    and re-fitting score (training.kinds.pooled)."""
+    return torch.stack(run_model(model, encoded, pad_id, device))
 
 
-@torch.no_grad()
-def predict_logits(model: TaskModel, encoded: Encoded, pad_id: int, device: torch.device,
-                   batch_size: int = 64) -> torch.Tensor:
-    model.eval()
-    order = sorted(range(len(encoded.input_ids)), key=lambda i: len(encoded.input_ids[i]))
-    out = torch.empty(len(order), model.head.out.out_features)
-    for start in range(0, len(order), batch_size):
-        rows = order[start:start + batch_size]
-        with _autocast(device):
-            logits = model.logits(**collate(encoded, rows, pad_id, device))
-        out[rows] = logits.float().cpu()
-    return out
-
-
-def score(logits: torch.Tensor, encoded: Encoded, spec: TaskSpec) -> float:
-    if spec.is_regression:
-        return compute_metric(spec.metric, logits.squeeze(-1).numpy(), encoded.labels.numpy(), 1)
-    return compute_metric(spec.metric, logits.argmax(-1).numpy(), encoded.labels.numpy(), spec.num_outputs)
+def score(predictions, encoded: Encoded, spec: TaskSpec) -> float:
+    """The task's metric of its kind's predictions on a labelled split."""
+    return kind_for(spec).score(predictions, encoded, spec)
 
 
 def train(model: TaskModel, data: TaskData, tokenizer, config: TrainConfig, progress: bool = True) -> TrainResult:
@@ -187,12 +149,13 @@ def train(model: TaskModel, data: TaskData, tokenizer, config: TrainConfig, prog
     if config.max_train_samples is not None and config.max_train_samples < len(train_examples):
         picker = random.Random(config.seed)
         train_examples = picker.sample(train_examples, config.max_train_samples)
-    train_enc = encode(tokenizer, train_examples, spec, config.max_length)
-    dev_enc = encode(tokenizer, data.dev, spec, config.max_length)
+    kind = kind_for(spec)
+    train_enc = kind.encode(tokenizer, train_examples, spec, config.max_length)
+    dev_enc = kind.encode(tokenizer, data.dev, spec, config.max_length)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     optimizer = make_optimizer(model, config)
     generator = torch.Generator().manual_seed(config.seed)
-    n = len(train_enc.input_ids)
+    n = len(train_enc)
     steps_per_epoch = -(-n // config.batch_size)
     eval_every = config.eval_every or steps_per_epoch
     total = steps_per_epoch * config.epochs if config.max_steps is None else min(config.max_steps,
@@ -212,10 +175,8 @@ def train(model: TaskModel, data: TaskData, tokenizer, config: TrainConfig, prog
             order = torch.randperm(n, generator=generator).tolist()
             for b in range(steps_per_epoch):
                 rows = order[b * config.batch_size:(b + 1) * config.batch_size]
-                batch = collate(train_enc, rows, pad_id, device)
-                with _autocast(device):
-                    logits = model.logits(**batch)
-                loss = loss_fn(logits, train_enc.labels[rows].to(device), spec)
+                with autocast(device):
+                    loss = kind.loss(model, train_enc, rows, pad_id, device, spec)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
@@ -224,7 +185,7 @@ def train(model: TaskModel, data: TaskData, tokenizer, config: TrainConfig, prog
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss.item():.4f}", dev=f"{best[0]:.4f}" if history else "-", refresh=False)
                 if step % eval_every == 0 or step == total:  # the last step too: its weights may be the best
-                    dev = score(predict_logits(model, dev_enc, pad_id, device), dev_enc, spec)
+                    dev = evaluate(model, dev_enc, spec, pad_id, device)
                     model.train()
                     elapsed = time.perf_counter() - start
                     history.append({"step": step, "epoch": epoch + (b + 1) / steps_per_epoch,
@@ -249,9 +210,10 @@ def train(model: TaskModel, data: TaskData, tokenizer, config: TrainConfig, prog
         bar.close()
     seconds = time.perf_counter() - start
     if not history:  # fewer steps than one evaluation period: evaluate what we have
-        dev = score(predict_logits(model, dev_enc, pad_id, device), dev_enc, spec)
+        dev = evaluate(model, dev_enc, spec, pad_id, device)
         best = (dev, model.trainable_state(), step)
         history.append({"step": step, "epoch": config.epochs, "dev": dev, "seconds": round(seconds, 2)})
     model.load_trainable_state(best[1])
     model.eval()
-    return TrainResult(best[0], best[2], step, seconds, history, stopped)
+    tuned = kind.calibrate(kind.predict(model, dev_enc, pad_id, device), dev_enc, spec) if kind.tunes else spec
+    return TrainResult(best[0], best[2], step, seconds, history, stopped, tuned)

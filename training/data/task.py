@@ -1,10 +1,11 @@
-"""What a task is: examples, a label set (or a regression target) and a metric."""
+"""What a task is: its kind, examples, a label set (or a regression target) and a metric."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from training.metrics import METRICS
+from serving.answers import KINDS, kind_of
+from training.metrics import KIND_METRICS, METRICS
 
 
 class DataError(ValueError):
@@ -15,47 +16,74 @@ class DataWarning(UserWarning):
     """Data that loads but may not mean what was assumed (`aot` prints it as `aot: warning: ...`)."""
 
 
-PROBLEMS = ("classification", "regression")
+PROBLEMS = KINDS  # `--problem`: the task's kind (serving.answers)
 
 
 @dataclass(frozen=True)
 class Example:
+    """One example. `label` by kind: a label name (classification), a number (regression), a tuple of label names
+    (multilabel), a tuple of BIO tags, one per word of `text`, whose words are joined by single spaces (tokens), the
+    pair's score or None (embedding: `text_pair` is the positive)."""
+
     text: str
-    label: str | float
+    label: str | float | tuple[str, ...] | None
     text_pair: str | None = None
 
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """The label space and metric of a task. `labels is None` means regression (one float target)."""
+    """The kind, label space and metric of a task. `kind` "" is a classification, or a regression when `labels` is
+    None (what a record without a kind means). `labels`: the classes (classification, multilabel) or the BIO tags
+    (tokens); None for regression and embedding. `threshold`: a multi-label task's, tuned on dev after training.
+    `normalize`: an embedding task answers unit vectors."""
 
     name: str
     labels: tuple[str, ...] | None
     metric: str
     has_pair: bool = False
+    kind: str = ""
+    threshold: float | None = None
+    normalize: bool = True
 
     def __post_init__(self):
+        kind = self.kind or kind_of({"labels": self.labels})
+        object.__setattr__(self, "kind", kind)
+        if kind not in KINDS:
+            raise DataError(f"unknown problem {kind!r}: expected one of {', '.join(KINDS)}")
         if self.metric not in METRICS:
             raise DataError(f"unknown metric {self.metric!r}: expected one of {', '.join(METRICS)}")
-        if self.labels is not None and len(self.labels) < 2:
-            raise DataError(f"task {self.name!r} needs at least 2 labels, got {list(self.labels)}")
+        if kind in KIND_METRICS and self.metric not in KIND_METRICS[kind]:
+            raise DataError(f"metric {self.metric!r} does not score a {kind} task: expected one of "
+                            f"{', '.join(KIND_METRICS[kind])}")
+        if (self.labels is None) != (kind in ("regression", "embedding")):
+            raise DataError(f"a {kind} task " + ("has no label set" if self.labels is not None else "needs labels"))
+        least = 1 if kind in ("multilabel", "tokens") else 2
+        if self.labels is not None and len(self.labels) < least:
+            raise DataError(f"task {self.name!r} needs at least {least} labels, got {list(self.labels)}")
 
     @property
     def is_regression(self) -> bool:
-        return self.labels is None
+        return self.kind == "regression"
 
     @property
     def num_outputs(self) -> int:
-        return 1 if self.labels is None else len(self.labels)
+        """The head's outputs: one per label (or tag), 1 for regression, 0 for an embedding (no head)."""
+        return len(self.labels) if self.labels is not None else int(self.kind == "regression")
 
     def to_json(self) -> dict:
-        return {"name": self.name, "labels": None if self.labels is None else list(self.labels),
-                "metric": self.metric, "has_pair": self.has_pair}
+        data = {"name": self.name, "labels": None if self.labels is None else list(self.labels),
+                "metric": self.metric, "has_pair": self.has_pair, "kind": self.kind}
+        if self.kind == "multilabel":
+            data["threshold"] = self.threshold
+        if self.kind == "embedding":
+            data["normalize"] = self.normalize
+        return data
 
     @classmethod
     def from_json(cls, data: dict) -> "TaskSpec":
         labels = data["labels"]
-        return cls(data["name"], None if labels is None else tuple(labels), data["metric"], bool(data["has_pair"]))
+        return cls(data["name"], None if labels is None else tuple(labels), data["metric"], bool(data["has_pair"]),
+                   kind_of(data), data.get("threshold"), bool(data.get("normalize", True)))
 
 
 @dataclass

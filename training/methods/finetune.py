@@ -7,7 +7,6 @@ from typing import ClassVar
 
 from torch import nn
 
-from serving_torch.encoder import pool_states
 from training.backbone import Backbone
 from training.method_registry import MethodConfig, MethodSpec, register
 
@@ -22,8 +21,7 @@ class PlainBody(nn.Module):
 
     def forward(self, input_ids, attention_mask, token_type_ids=None):
         extra = {"token_type_ids": token_type_ids} if self.uses_token_type_ids and token_type_ids is not None else {}
-        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
-        return pool_states(hidden, attention_mask)
+        return self.encoder(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
 
 
 @dataclass

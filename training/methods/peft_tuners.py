@@ -16,7 +16,6 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from serving_torch.encoder import pool_states
 from training.backbone import Backbone
 from training.method_registry import MethodConfig, MethodError, MethodSpec, register
 
@@ -78,7 +77,7 @@ class LoraBody(nn.Module):
     def forward(self, input_ids, attention_mask, token_type_ids=None):
         out = self.peft.base_model(input_ids=input_ids, attention_mask=attention_mask,
                                    **_extra(self.uses_token_type_ids, token_type_ids))
-        return pool_states(out.last_hidden_state, attention_mask)
+        return out.last_hidden_state
 
 
 class _PromptLearningBody(nn.Module):
@@ -118,7 +117,7 @@ class PrefixBody(_PromptLearningBody):
         cache = self.peft.get_prompt(batch_size=input_ids.shape[0])
         out = self.encoder(input_ids=input_ids, attention_mask=self._mask(attention_mask), past_key_values=cache,
                            use_cache=False, **_extra(self.uses_token_type_ids, token_type_ids))
-        return pool_states(out.last_hidden_state, attention_mask)
+        return out.last_hidden_state
 
 
 class PromptBody(_PromptLearningBody):
@@ -139,7 +138,7 @@ class PromptBody(_PromptLearningBody):
                                                  token_type_ids], dim=1)
         out = self.encoder(inputs_embeds=torch.cat([prompts.to(embeds.dtype), embeds], dim=1),
                            attention_mask=self._mask(attention_mask), **extra)
-        return pool_states(out.last_hidden_state[:, self.length:], attention_mask)  # the p prompts come first
+        return out.last_hidden_state[:, self.length:]  # the p prompts come first
 
 
 register(MethodSpec("lora", LoraConfig, LoraBody, "LoRA on query/value (PEFT)", 5e-4))

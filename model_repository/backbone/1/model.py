@@ -8,9 +8,12 @@ tritonserver, which has no native backends: serving.stages.Encoder.
 
 The AoT variant also does the lookup (TASK_VERSION + token ids -> rows of P) here, in this process: a separate
 lookup step would only add an IPC hop and a stub's CPU time per request (docs/benchmarks.md section 6, "Figures
-behind the serving code"). Each request is checked on its own and fails alone.
+behind the serving code"). Each request is checked on its own and fails alone. Beside pooled_hidden, token_hidden:
+every token's state for a token task's request (any request of the vanilla backbone, which knows no task), one
+row of zeros for the others.
 """
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from serving import protocol
@@ -34,8 +37,17 @@ class TritonPythonModel:
         task = self.step.task_version(request, ctx) if self.encoder.aot else None  # first: metrics
         return self.encoder.prepare(task, self.step.tokens(request))
 
+    def _run(self, batch: list[Prepared]):
+        return self.encoder.run(batch), batch
+
+    def _outputs(self, result, k):
+        pooled, batch = result
+        states = batch[k].states
+        if states is None:
+            states = np.zeros((1, pooled.shape[-1]), dtype=protocol.HIDDEN_DTYPE)
+        return [self.step.output(protocol.POOLED_HIDDEN, pooled[k:k + 1]),
+                self.step.output(protocol.TOKEN_HIDDEN, states[None, :])]
+
     def execute(self, requests):
         self.step.refresh()
-        return self.step.respond_batch(
-            requests, self._prepare, self.encoder.run,
-            lambda pooled, k: [self.step.output(protocol.POOLED_HIDDEN, pooled[k:k + 1])])
+        return self.step.respond_batch(requests, self._prepare, self._run, self._outputs)

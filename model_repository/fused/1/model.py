@@ -1,8 +1,8 @@
 """Triton python model: the whole request in one step, the `aot` and `vanilla` models of the CPU configs: TEXT
-(+ TEXT_PAIR) or token ids, TASK -> LOGITS, LABEL, TASK_VERSION. The three stages of the GPU ensembles' steps
-(serving.stages: TextInputs, Encoder, head_answers) run here in one process, so a request crosses the server once,
-not three times: on a CPU each crossing costs a python stub and tritonserver CPU time of their own (`aot bench tax`,
-docs/benchmarks.md section 6).
+(+ TEXT_PAIR) or token ids, TASK -> ANSWER, LOGITS, LABEL, TASK_VERSION. The three stages of the GPU ensembles'
+steps (serving.stages: TextInputs, Encoder; serving.heads: head_answers) run here in one process, so a request
+crosses the server once, not three times: on a CPU each crossing costs a python stub and tritonserver CPU time of
+their own (`aot bench tax`, docs/benchmarks.md section 6). A batch may mix tasks of every kind: one engine call.
 
 Parameter `aot`: "true" looks each request's rows of P up and runs the AoT graph; "false" runs the plain encoder
 with the task's head. Parameter `engine: torch` runs the torch engine (serving_torch.engine, imported here: importing
@@ -13,7 +13,8 @@ serves every stage.
 import triton_python_backend_utils as pb_utils
 
 from serving import protocol
-from serving.stages import Encoder, TextInputs, TextRequest, head_answers, pool_storage
+from serving.heads import HeadInput, head_answers
+from serving.stages import Encoder, TextInputs, TextRequest, pool_storage
 from serving.steps import Step, model_parameters
 
 
@@ -31,13 +32,17 @@ class TritonPythonModel:
 
     def _run(self, batch: list[TextRequest]):
         tasks = [r.task for r in batch]
-        tokens = self.text.encode(batch)
-        pooled = self.encoder.run([self.encoder.prepare(task, t) for task, t in zip(tasks, tokens)])
-        return [(task.version, *answer) for task, answer in zip(tasks, head_answers(tasks, pooled[:, None]))]
+        texts = self.text.encode(batch)
+        prepared = [self.encoder.prepare(task, t.tokens) for task, t in zip(tasks, texts)]
+        pooled = self.encoder.run(prepared)
+        inputs = [HeadInput(pooled[k], p.states, t.words, t.first) for k, (p, t) in enumerate(zip(prepared, texts))]
+        return [(task.version, answer) for task, answer in zip(tasks, head_answers(tasks, inputs))]
 
     def _outputs(self, answers, k):
-        version, logits, label = answers[k]
-        return [self.step.output(protocol.LOGITS, logits), self.step.bytes_output(protocol.LABEL, label),
+        version, answer = answers[k]
+        return [self.step.output(protocol.LOGITS, answer.values[None, :]),
+                self.step.bytes_output(protocol.LABEL, answer.label),
+                self.step.bytes_output(protocol.ANSWER, answer.json),
                 self.step.bytes_output(protocol.TASK_VERSION, version)]
 
     def execute(self, requests):

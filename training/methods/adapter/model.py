@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from torch import nn
 
-from serving_torch.encoder import pool_states
 from training.backbone import Backbone
 from training.methods.adapter.config import AdapterConfig
 from training.methods.adapter.layer import HoulsbyAdapter
@@ -29,7 +28,7 @@ class AdapterBody(nn.Module):
     def forward(self, input_ids, attention_mask, token_type_ids=None):
         extra = {"token_type_ids": token_type_ids} if self.uses_token_type_ids and token_type_ids is not None else {}
         hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
-        return pool_states(hidden, attention_mask)
+        return hidden
 
 
 def build_adapter(backbone: Backbone, config: AdapterConfig) -> AdapterBody:

@@ -83,12 +83,22 @@ class AotConfig:
     pooling: str | None = _help("what a new head reads: 'cls' (first token) or 'mean' (None: 'cls', or what a "
                                 "sentence-transformers folder declares). A sequence-classification model's own "
                                 "head reads the first token, so only 'cls' applies to it")
-    num_labels: int | None = _help("outputs of a new head on an AutoModel; 1 is regression (None: "
-                                   "model.config.num_labels). A sequence-classification model keeps its own")
+    problem: str | None = _help("the task's kind (PEFT's task_type): classification, regression, multilabel, "
+                                "tokens or embedding (None: what the model says: tokens for a token classifier, "
+                                "multilabel for a sequence classifier of problem_type multi_label_classification, "
+                                "regression for num_labels 1, else classification). An AutoModel takes any; "
+                                "embedding is an AutoModel's only")
+    num_labels: int | None = _help("outputs of a new head on an AutoModel; 1 is regression (None: as many as "
+                                   "`labels`, else model.config.num_labels). A classifier of sequences or tokens "
+                                   "keeps its own")
     labels: list[str] | None = _help("label names in output order (None: model.config.id2label); what serving "
                                      "answers with")
     metric: str | None = _help("the task's metric, recorded for reports: accuracy, f1, acc_f1, mcc or "
-                               "pearson_spearman (None: accuracy, or pearson_spearman for regression)")
+                               "pearson_spearman; micro_f1 or macro_f1 (multilabel); entity_f1 (tokens); recall@1, "
+                               "recall@5, recall@10 or spearman (embedding) (None: the kind's first)")
+    threshold: float | None = _help("multilabel: the sigmoid a label must reach to be answered (None: 0.5; aot "
+                                    "train tunes it on dev)")
+    normalize: bool = _help("embedding: answer unit vectors (the cosine is then a dot product)", True)
     task_name: str = _help("the task's name in the saved artifact", "task")
     max_length: int | None = _help("tokens per input at serving time (longer inputs are truncated): use the "
                                    "length you train with (None: 128, or the encoder's limit if lower)")

@@ -29,7 +29,7 @@ class AotBody(nn.Module):
 
     def forward(self, input_ids, attention_mask, token_type_ids=None) -> torch.Tensor:
         unique, inverse = torch.unique(input_ids, return_inverse=True)
-        return self.biased(input_ids, attention_mask, token_type_ids, self.rows(unique), inverse)
+        return self.biased.states(input_ids, attention_mask, token_type_ids, self.rows(unique), inverse)
 
 
 def build_fc(backbone: Backbone, config: FCConfig) -> AotBody:

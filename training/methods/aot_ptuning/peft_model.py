@@ -12,6 +12,7 @@ and the `aot` API import it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -26,22 +27,27 @@ from training.data.task import TaskSpec
 from training.methods.aot_ptuning.config import AotConfig
 from training.methods.aot_ptuning.model import AotBody
 from training.method_registry import MethodConfig, MethodError, method_spec
-from training.model import HEAD_ACTIVATIONS, ClassificationHead, TaskModel, init_head_from_pooler, loss_fn
+from training.metrics import KIND_METRICS
+from training.model import (HEAD_ACTIVATIONS, ClassificationHead, TaskModel, TokenHead, embedding_loss,
+                            init_head_from_pooler, loss_fn, make_head)
 
 DEFAULT_MAX_LENGTH = 128  # AotConfig.max_length None: this, or the encoder's limit if lower
 
 
 class AotModel(TaskModel):
-    """A frozen encoder with AoT's per-token biases (the body) and a trainable classification head.
+    """A frozen encoder with AoT's per-token biases (the body) and the trainable head of its task's kind.
 
-    forward takes what a transformers sequence classifier takes and returns a SequenceClassifierOutput, its loss
-    computed when `labels` are given (cross-entropy; mean squared error for one output). Only the AoT factors and
-    the head train. Untrained, it computes exactly what the frozen model computes: P starts at zero.
+    forward takes what a transformers classifier of sequences (or tokens) takes and returns its output, the loss
+    computed when `labels` are given (training.model.loss_fn: cross-entropy, mean squared error for one output,
+    binary cross-entropy for multilabel, token labels -100 ignored). An embedding task returns `embeddings` and,
+    given the positives (`pair_input_ids`, ...), the loss of the pairs (training.model.embedding_loss; `labels`:
+    their scores in [0, 1], or none for in-batch negatives). Only the AoT factors and the head train. Untrained, it
+    computes exactly what the frozen model computes: P starts at zero.
     """
 
-    def __init__(self, body: AotBody, head: ClassificationHead, config: AotConfig, method: MethodConfig,
+    def __init__(self, body: AotBody, head: nn.Module, config: AotConfig, method: MethodConfig,
                  spec: TaskSpec, identity: dict | None = None):
-        super().__init__(body, head, config.pooling)
+        super().__init__(body, head, config.pooling, spec.kind)
         self.aot_config, self.method, self.spec = config, method, spec
         self._identity = identity  # the backbone record save_pretrained writes; found on first save when None
 
@@ -51,14 +57,23 @@ class AotModel(TaskModel):
         return self.body.biased.encoder
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None):
-        from transformers.modeling_outputs import SequenceClassifierOutput  # on first use: seconds to import
+                token_type_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                pair_input_ids: torch.Tensor | None = None, pair_attention_mask: torch.Tensor | None = None,
+                pair_token_type_ids: torch.Tensor | None = None):
+        from transformers.modeling_outputs import SequenceClassifierOutput, TokenClassifierOutput  # seconds
 
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         logits = self.logits(input_ids, attention_mask, token_type_ids)
+        if self.kind == "embedding":
+            pair = loss = None
+            if pair_input_ids is not None:
+                mask = torch.ones_like(pair_input_ids) if pair_attention_mask is None else pair_attention_mask
+                pair = self.logits(pair_input_ids, mask, pair_token_type_ids)
+                loss = embedding_loss(logits, pair, None if labels is None else labels.to(logits.device))
+            return _embedding_output()(loss=loss, embeddings=logits, pair_embeddings=pair)
         loss = None if labels is None else loss_fn(logits, labels.to(logits.device), self.spec)
-        return SequenceClassifierOutput(loss=loss, logits=logits)
+        return (TokenClassifierOutput if self.kind == "tokens" else SequenceClassifierOutput)(loss=loss, logits=logits)
 
     def get_nb_trainable_parameters(self) -> tuple[int, int]:
         """(trainable, all) parameter counts, as PEFT's method of the same name."""
@@ -140,63 +155,92 @@ def _checked_identity(encoder: nn.Module, name: str | None) -> dict:
 def get_aot_model(model: nn.Module, config: AotConfig) -> AotModel:
     """Wrap a transformers encoder of a supported family (BERT, RoBERTa, XLM-R, DeBERTa-v2) as an AoT task.
 
-    `model`: an AutoModel (a new head on the pooled state, its dense layer started from BERT's pooler) or an
-    AutoModelForSequenceClassification (its own head, copied into the served head format and trained, as PEFT's
-    modules_to_save trains it). The encoder is frozen in place (requires_grad False) and shared, not copied.
-    Bad input raises one ValueError line naming the value.
+    `model`: an AutoModel (a new head of the task's kind, AotConfig.problem: a classification head on the pooled
+    state, its dense layer started from BERT's pooler; a token head; or, for an embedding, none), an
+    AutoModelForSequenceClassification or an AutoModelForTokenClassification (its own head, copied into the served
+    head format and trained, as PEFT's modules_to_save trains it). The encoder is frozen in place (requires_grad
+    False) and shared, not copied. Bad input raises one ValueError line naming the value.
     """
     from transformers import PreTrainedModel  # on first use: transformers takes seconds to import
 
     if not isinstance(model, PreTrainedModel):
-        raise MethodError(f"get_aot_model takes a transformers model (AutoModel or "
-                          f"AutoModelForSequenceClassification), got {type(model).__name__}")
+        raise MethodError(f"get_aot_model takes a transformers model (AutoModel, AutoModelForSequenceClassification "
+                          f"or AutoModelForTokenClassification), got {type(model).__name__}")
     architecture_for(model.config)
     encoder = model.base_model
     own_head = encoder is not model
-    if own_head and not type(model).__name__.endswith("ForSequenceClassification"):
-        raise MethodError(f"get_aot_model takes an AutoModel or AutoModelForSequenceClassification, got "
-                          f"{type(model).__name__}")
+    name_of = type(model).__name__
+    if own_head and not name_of.endswith(("ForSequenceClassification", "ForTokenClassification")):
+        raise MethodError(f"get_aot_model takes an AutoModel, AutoModelForSequenceClassification or "
+                          f"AutoModelForTokenClassification, got {name_of}")
+    problem = config.problem or _model_problem(model, own_head, config.num_labels)
     name = config.base_model_name_or_path or getattr(model, "name_or_path", "") or None
     if own_head:
-        if config.pooling not in (None, "cls"):
-            raise MethodError(f"AotConfig: pooling={config.pooling!r}, but {type(model).__name__}'s own head reads "
-                              f"the first token: leave pooling unset (or 'cls')")
-        if config.num_labels not in (None, model.config.num_labels):
-            raise MethodError(f"AotConfig: num_labels={config.num_labels}, but the model's head has "
-                              f"{model.config.num_labels} outputs")
-        if getattr(model.config, "problem_type", None) == "multi_label_classification":
-            raise MethodError("AotConfig: multi-label classification heads are not served (one label per input)")
+        _check_own_head(model, config, problem)
         pooling = "cls"
     else:
         local = name is not None and os.path.isdir(name)
         pooling = config.pooling or (declared_pooling(name) if local else "cls")
-    num_labels = config.num_labels or model.config.num_labels
+    num_labels = config.num_labels or (len(config.labels) if config.labels and not own_head else 0) \
+        or model.config.num_labels
     labels = config.labels
-    if labels is None and num_labels > 1:
+    if labels is None and problem not in ("regression", "embedding"):
         id2label = getattr(model.config, "id2label", None) or {}
         labels = [str(id2label.get(i, f"LABEL_{i}")) for i in range(num_labels)]
-    config = dataclasses.replace(config, pooling=pooling, num_labels=num_labels,
+    config = dataclasses.replace(config, problem=problem, pooling=pooling, num_labels=num_labels,
                                  labels=None if labels is None else list(labels), base_model_name_or_path=name)
     spec = _spec(config)
     backbone = Backbone(name or "", encoder, None, "")
-    make_head = (lambda: _own_head(model)) if own_head else (lambda: _new_head(backbone, spec))
-    return _wrap(backbone, config, spec, make_head)
+    make = (lambda: _own_head(model)) if own_head else (lambda: _new_head(backbone, spec))
+    return _wrap(backbone, config, spec, make)
+
+
+def _model_problem(model: nn.Module, own_head: bool, num_labels: int | None) -> str:
+    """The kind a model says its task is (AotConfig.problem None)."""
+    if type(model).__name__.endswith("ForTokenClassification"):
+        return "tokens"
+    if own_head and getattr(model.config, "problem_type", None) == "multi_label_classification":
+        return "multilabel"
+    return "regression" if (num_labels or model.config.num_labels) == 1 else "classification"
+
+
+def _check_own_head(model: nn.Module, config: AotConfig, problem: str) -> None:
+    """A classifier's own head serves its own kind: a token classifier's tokens, a sequence classifier's a pooled
+    classification (single- or multi-label, or a score) on the first token."""
+    tokens = type(model).__name__.endswith("ForTokenClassification")
+    if (problem == "tokens") != tokens or problem == "embedding":
+        raise MethodError(f"AotConfig: problem={problem!r}, but {type(model).__name__}'s own head "
+                          + ("tags tokens: use problem='tokens'" if tokens else
+                             "reads one pooled state: an embedding or token task starts from an AutoModel"))
+    if config.pooling not in (None, "cls"):
+        raise MethodError(f"AotConfig: pooling={config.pooling!r}, but {type(model).__name__}'s own head reads "
+                          f"the first token: leave pooling unset (or 'cls')")
+    if config.num_labels not in (None, model.config.num_labels):
+        raise MethodError(f"AotConfig: num_labels={config.num_labels}, but the model's head has "
+                          f"{model.config.num_labels} outputs")
 
 
 def _spec(config: AotConfig) -> TaskSpec:
+    kind = config.problem
+    metric = config.metric or {"classification": "accuracy", "regression": "pearson_spearman"}.get(kind) \
+        or KIND_METRICS[kind][0]
+    if kind == "embedding":
+        return TaskSpec(config.task_name, None, metric, kind=kind, normalize=config.normalize)
     if config.num_labels < 1:
         raise MethodError(f"AotConfig: num_labels must be at least 1 (1: regression), got {config.num_labels}")
-    if config.num_labels == 1:
-        if config.labels:
-            raise MethodError(f"AotConfig: labels={config.labels!r} given for a regression head (num_labels 1)")
-        return TaskSpec(config.task_name, None, config.metric or "pearson_spearman")
+    if kind == "regression":
+        if config.labels or config.num_labels != 1:
+            raise MethodError(f"AotConfig: a regression head has one output and no labels (num_labels "
+                              f"{config.num_labels}, labels {config.labels!r})")
+        return TaskSpec(config.task_name, None, metric, kind=kind)
     if len(config.labels) != config.num_labels:
         raise MethodError(f"AotConfig: {len(config.labels)} labels {config.labels!r} for a head with "
                           f"{config.num_labels} outputs")
-    return TaskSpec(config.task_name, tuple(config.labels), config.metric or "accuracy")
+    return TaskSpec(config.task_name, tuple(config.labels), metric, kind=kind,
+                    threshold=config.threshold if kind == "multilabel" else None)
 
 
-def _wrap(backbone: Backbone, config: AotConfig, spec: TaskSpec, make_head: Callable[[], ClassificationHead],
+def _wrap(backbone: Backbone, config: AotConfig, spec: TaskSpec, new_head: Callable[[], nn.Module],
           identity: dict | None = None) -> AotModel:
     """The one constructor of AoT task models (get_aot_model and aot train): body first, then the head, so the
     random init depends on the seed alone."""
@@ -210,20 +254,26 @@ def _wrap(backbone: Backbone, config: AotConfig, spec: TaskSpec, make_head: Call
     method = config.method_config(int(backbone.embeddings.shape[0]))
     backbone.encoder.requires_grad_(False)
     body = method_spec(method.method).build(backbone, method)
-    model = AotModel(body, make_head(), config, method, spec, identity)
+    model = AotModel(body, new_head(), config, method, spec, identity)
     return model.to(backbone.embeddings.device)
 
 
 def _new_head(backbone: Backbone, spec: TaskSpec, activation: str = "tanh",
-              inner_size: int | None = None) -> ClassificationHead:
-    head = ClassificationHead(backbone.hidden_size, spec.num_outputs, activation=activation, inner_size=inner_size)
+              inner_size: int | None = None) -> nn.Module:
+    head = make_head(spec, backbone.hidden_size, activation, inner_size)
     init_head_from_pooler(head, backbone.encoder)
     return head
 
 
-def _own_head(model: nn.Module) -> ClassificationHead:
-    """The sequence classifier's head as a ClassificationHead that computes exactly what it computes (in eval
-    mode; its dropouts where the family has them)."""
+def _own_head(model: nn.Module) -> nn.Module:
+    """The classifier's head as a ClassificationHead (a sequence classifier) or a TokenHead (a token classifier)
+    that computes exactly what it computes (in eval mode; its dropouts where the family has them)."""
+    if type(model).__name__.endswith("ForTokenClassification"):  # every family: dropout, then classifier
+        head = TokenHead(model.classifier.in_features, model.classifier.out_features, model.dropout.p)
+        with torch.no_grad():
+            head.out.weight.copy_(model.classifier.weight)
+            head.out.bias.copy_(model.classifier.bias)
+        return head
     kind = model.config.model_type
     if kind == "bert":  # pooler (dense, tanh) then dropout, classifier
         dense, out, activation = model.bert.pooler.dense, model.classifier, "tanh"
@@ -251,12 +301,28 @@ def _own_head(model: nn.Module) -> ClassificationHead:
 def aot_task_model(backbone: Backbone, method: MethodConfig, spec: TaskSpec, pooling: str, max_length: int | None,
                    head: dict | None = None) -> AotModel:
     """An AoT task on a loaded backbone (`aot train`, loading an artifact): the same constructor as get_aot_model.
-    `head`: the artifact's head record ({"activation", "inner_size"}), None for a new tanh head."""
-    config = AotConfig.from_method(method, pooling=pooling, num_labels=spec.num_outputs,
+    `head`: the artifact's head record ({"activation", "inner_size"} of a classification head), None for a new
+    head (tanh)."""
+    config = AotConfig.from_method(method, problem=spec.kind, pooling=pooling, num_labels=spec.num_outputs,
                                    labels=None if spec.labels is None else list(spec.labels), metric=spec.metric,
-                                   task_name=spec.name, max_length=max_length,
-                                   base_model_name_or_path=backbone.name)
+                                   threshold=spec.threshold, normalize=spec.normalize, task_name=spec.name,
+                                   max_length=max_length, base_model_name_or_path=backbone.name)
     head = head or {}
     activation, inner = head.get("activation", "tanh"), head.get("inner_size")
     return _wrap(backbone, config, spec, lambda: _new_head(backbone, spec, activation, inner),
                  backbone_identity(backbone) if backbone.fingerprint else None)
+
+
+@functools.cache
+def _embedding_output():
+    """The output of an embedding task's forward: a transformers ModelOutput (defined on first use: transformers
+    takes seconds to import)."""
+    from transformers.utils import ModelOutput
+
+    @dataclasses.dataclass
+    class EmbeddingOutput(ModelOutput):
+        loss: torch.Tensor | None = None
+        embeddings: torch.Tensor | None = None
+        pair_embeddings: torch.Tensor | None = None
+
+    return EmbeddingOutput

@@ -1,0 +1,171 @@
+"""Tasks of every kind served on one engine through the real tritonserver: each kind's answers equal `aot
+predict`'s (entity offsets exact in accented and emoji text, embeddings within 1e-5), a batch mixing every kind
+answers each request with its own kind in one execution, a bad request of one kind fails alone, the GPU ensemble's
+steps chained by hand answer as the fused step, and the client and CLI speak every kind."""
+
+import json
+
+import numpy as np
+import pytest
+
+from aot.cli import main
+from aot.client import Client
+from serving.admin_key import GRPC_ADMIN_HEADER
+from tests.helpers import make_repository, serve_for_tests
+from training.predict import predict_lines, task_folders
+
+pytestmark = pytest.mark.server
+
+TEXTS = ["good w1 bad movie", "😀 café  w3 superb! w4", "w5 Zoë-Ann awful plot 🎬 great", "w6", "lovely"]
+KEYS = {"cls": {"label", "logits", "probabilities"}, "ner": {"entities"}, "tags": {"labels", "scores"},
+        "search": {"embedding"}}
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory, tiny_models, kind_artifacts):
+    storages = {"cls": "fused", "ner": "fused", "tags": "factored", "search": "fused"}
+    return make_repository(tiny_models["bert"], tmp_path_factory.mktemp("kinds") / "repo",
+                           {n: (kind_artifacts[n], storages[n]) for n in storages}, max_batch_size=64,
+                           cpu_queue_delay_us=20000)
+
+
+@pytest.fixture(scope="module")
+def server(request, repo):
+    yield from serve_for_tests(request, repo, load=("aot", "task_list", "tokenizer", "backbone", "head"))
+
+
+@pytest.fixture(scope="module")
+def expected(kind_artifacts):
+    """`aot predict`'s answers (one MultiTaskModel batch mixing the kinds), by (task, text)."""
+    lines = [(k, {"text": t, "text_pair": None, "task": n}) for k, (n, t) in
+             enumerate((n, t) for n in KEYS for t in TEXTS)]
+    answers = predict_lines(task_folders([f"{n}={kind_artifacts[n]}" for n in KEYS]), lines, None)
+    return {(item["task"], item["text"]): answers[k] for k, item in lines}
+
+
+@pytest.fixture
+def client(server):
+    with Client(server.grpc_url) as c:
+        yield c
+
+
+def _executions(client, server) -> int:
+    """The fused step's executions so far (Triton's statistics: the admin key's)."""
+    stats = client._client.get_inference_statistics("aot", headers={GRPC_ADMIN_HEADER: server.admin_key})
+    return stats.model_stats[0].execution_count
+
+
+def _same(got: dict, want: dict, task: str) -> None:
+    """A served answer against `aot predict`'s (which adds P in fp16 as the store does)."""
+    assert set(got) == KEYS[task] | {"version"} and got["version"].startswith(task + "@")
+    if task == "search":
+        np.testing.assert_allclose(got["embedding"], want["embedding"], atol=1e-5)
+    elif task == "ner":
+        assert [{**e, "score": 0} for e in got["entities"]] == [{**e, "score": 0} for e in want["entities"]]
+        np.testing.assert_allclose([e["score"] for e in got["entities"]], [e["score"] for e in want["entities"]],
+                                   atol=1e-4)
+    elif task == "tags":
+        assert got["labels"] == want["labels"]
+        np.testing.assert_allclose(list(got["scores"].values()), list(want["scores"].values()), atol=1e-4)
+    else:
+        assert got["label"] == want["label"]
+        np.testing.assert_allclose(got["logits"], want["logits"], atol=1e-4)
+
+
+def test_every_kind_answers_as_predict_in_one_mixed_batch(server, client, expected):
+    """All kinds sent at once: fewer executions than requests (batches mix kinds: one engine call each), and every
+    answer is its own task's kind's, equal to `aot predict`'s; entities point into the caller's text in characters
+    (code points: 😀 is one), whatever the spacing."""
+    before = _executions(client, server)
+    items = [{"task": n, "text": t} for t in TEXTS for n in KEYS] * 3
+    answers = client.infer_many(items, concurrency=len(items))
+    for item, answer in zip(items, answers):
+        _same(answer, expected[(item["task"], item["text"])], item["task"])
+    executions = _executions(client, server) - before  # the supervisor's probes add one a second at most
+    assert executions < len(items) / 2, f"{executions} executions for {len(items)} requests of 4 kinds"
+    found = {e["text"]: (e["label"], e["start"], e["end"]) for a in answers if "entities" in a for e in a["entities"]}
+    start = TEXTS[1].index("superb!")  # 11: 😀 is one character (two in UTF-16, four in UTF-8)
+    assert found["superb!"] == ("pos", start, start + 7)
+    start = TEXTS[2].index("awful plot")
+    assert found["awful plot"] == ("neg", start, start + 10)
+
+
+def test_embed_returns_a_matrix_and_tasks_show_kinds(client, expected):
+    matrix = client.embed("search", TEXTS)
+    assert matrix.shape == (len(TEXTS), 32) and matrix.dtype == np.float32
+    np.testing.assert_allclose(matrix, [expected[("search", t)]["embedding"] for t in TEXTS], atol=1e-5)
+    np.testing.assert_allclose(np.linalg.norm(matrix, axis=1), 1, atol=1e-5)
+    with pytest.raises(Exception, match="not an embedding task"):
+        client.embed("ner", TEXTS[:1])
+    assert {t["name"]: t["kind"] for t in client.tasks()["tasks"]} == {
+        "cls": "classification", "ner": "tokens", "tags": "multilabel", "search": "embedding"}
+
+
+def test_a_bad_request_of_one_kind_fails_alone(server, client, expected, repo):
+    """A pair for an embedding task (trained on single texts), a blank text for a token task, token ids for a token
+    task (its entities are found in the text): each fails with 400 and a message, the rest of the batch answers."""
+    items = [{"task": "search", "text": TEXTS[0], "text_pair": "w1"}, {"task": "ner", "text": " \u200b "},
+             *[{"task": n, "text": TEXTS[0]} for n in KEYS]]
+    answers = client.infer_many(items)
+    assert answers[0]["error"].endswith("task 'search' was trained on single texts: send no TEXT_PAIR")
+    assert "TEXT is empty" in answers[1]["error"]
+    for item, answer in zip(items[2:], answers[2:]):
+        _same(answer, expected[(item["task"], item["text"])], item["task"])
+    tokenizing = Client(server.grpc_url, tokenizer=str(repo / "models" / "tokenizer" / "1" / "tokenizer"))
+    with tokenizing:  # it sends a token task TEXT all the same, and ids for the others
+        for name in KEYS:
+            _same(tokenizing.infer(name, TEXTS[1]), expected[(name, TEXTS[1])], name)
+    import tritonclient.grpc as grpcclient
+
+    ids = grpcclient.InferInput("input_ids", [1, 3], "INT64")
+    ids.set_data_from_numpy(np.array([[2, 7, 3]], dtype=np.int64))
+    task = grpcclient.InferInput("TASK", [1, 1], "BYTES")
+    task.set_data_from_numpy(np.array([[b"ner"]], dtype=np.object_))
+    mask = grpcclient.InferInput("attention_mask", [1, 3], "INT64")
+    mask.set_data_from_numpy(np.ones((1, 3), dtype=np.int64))
+    with pytest.raises(Exception, match="task 'ner' tags tokens: send TEXT"):
+        client._client.infer("aot", [ids, mask, task])
+
+
+def test_gpu_steps_chained_by_hand_answer_as_the_fused_step(server, client):
+    """tokenizer -> backbone -> head, the GPU ensemble's steps with its tensors (a token task's words and states
+    included), answer every kind as the fused step does."""
+    import tritonclient.grpc as grpcclient
+
+    def call(model, inputs):
+        tensors = []
+        for name, array in inputs.items():
+            dtype = "BYTES" if array.dtype == np.object_ else array.dtype.name.upper().replace("FLOAT", "FP")
+            t = grpcclient.InferInput(name, list(array.shape), dtype)
+            t.set_data_from_numpy(array)
+            tensors.append(t)
+        return client._client.infer(model, tensors)
+
+    for name in KEYS:
+        for text in TEXTS[:3]:
+            tokens = call("tokenizer", {"TEXT": np.array([[text.encode()]], dtype=np.object_),
+                                        "TASK": np.array([[name.encode()]], dtype=np.object_)})
+            take = ("input_ids", "attention_mask", "token_type_ids", "TASK_VERSION")
+            states = call("backbone", {n: tokens.as_numpy(n) for n in take})
+            head = call("head", {"TASK_VERSION": tokens.as_numpy("TASK_VERSION"),
+                                 "word_index": tokens.as_numpy("word_index"),
+                                 "word_text": tokens.as_numpy("word_text"),
+                                 **{n: states.as_numpy(n) for n in ("pooled_hidden", "token_hidden")}})
+            want = client.infer(name, text)
+            _same(json.loads(head.as_numpy("ANSWER")[0, 0]) | {"version": want["version"]}, want, name)
+
+
+def test_infer_and_predict_commands_stream_every_kind(server, kind_artifacts, tmp_path, capsys, expected):
+    lines = [{"id": k, "task": n, "text": t} for k, (n, t) in enumerate((n, t) for t in TEXTS[:2] for n in KEYS)]
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert main(["infer", "--url", server.grpc_url, "--input", str(path), "--no-progress"]) == 0
+    served = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert main(["predict", *[f"--task={n}={kind_artifacts[n]}" for n in KEYS], "--input", str(path)]) == 0
+    predicted = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    for line, got, want in zip(lines, served, predicted):
+        assert got["id"] == want["id"] == line["id"] and got["task"] == want["task"] == line["task"]
+        _same({k: v for k, v in got.items() if k not in ("id", "task")}, want, line["task"])
+    assert main(["tasks", "--url", server.grpc_url]) == 0
+    assert {json.loads(x)["kind"] for x in capsys.readouterr().out.splitlines()} == {
+        "classification", "tokens", "multilabel", "embedding"}
