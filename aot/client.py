@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from aot.errors import (InferenceError, InvalidInput, PermissionDenied, TaskNotFound, TaskUnavailable, Unavailable,
-                        from_triton, one_line)
+                        from_triton, one_line, reached_a_dead_instance)
 from serving import protocol
 from serving.answers import READS_TOKENS
 from serving.labels import answer
@@ -79,12 +79,17 @@ def channel_options() -> list[tuple[str, int]]:
 
 
 def found_no_server(exc) -> bool:
-    """A call that no server answered (refused, a dropped connection, a restarting server or replica): worth
-    sending again. `exc`: tritonclient's InferenceServerException, or any error."""
+    """A call that no server answered (refused, a dropped connection, a restarting server or replica), or that
+    reached a step instance whose process had died (Triton's INTERNAL "Stub process ... is not healthy": the
+    supervisor is replacing that instance while its sibling serves): worth sending again. `exc`: tritonclient's
+    InferenceServerException, or any error."""
+    if reached_a_dead_instance(one_line(exc)):
+        return True
+    text = one_line(exc).lower()
     status = exc.status() if hasattr(exc, "status") and callable(exc.status) else None
     if status is not None and "UNAVAILABLE" not in str(status) and "UNKNOWN" not in str(status):
         return False
-    return any(phrase in one_line(exc).lower() for phrase in _NO_SERVER)
+    return any(phrase in text for phrase in _NO_SERVER)
 
 
 class Backoff:

@@ -91,12 +91,20 @@ def one_line(exc) -> str:
     return " ".join(str(text).split())
 
 
+def reached_a_dead_instance(message: str) -> bool:
+    """Triton's INTERNAL answer of a step instance whose process died: the supervisor is replacing that instance
+    while its sibling serves, so the same request sent again is answered."""
+    return message.startswith("Stub process ") and message.endswith(" is not healthy.")
+
+
 def from_triton(exc, *, task: str | None = None, id=None) -> InferenceError:
     """The InferenceError of the class its status and message say (module docstring)."""
     message, status = one_line(exc), status_name(exc)
     kind = _BY_STATUS.get(status or "", InferenceError)
     if RESTRICTED in message:
         kind = PermissionDenied
+    elif reached_a_dead_instance(message):
+        kind = Unavailable
     elif kind is Unavailable and status in ("UNAVAILABLE", "503") and task and repr(task_name(task)) in message:
         kind = TaskUnavailable
     return kind(message, status, task=task, id=id)

@@ -317,12 +317,22 @@ class _Refusal(Exception):
     ("StatusCode.UNAVAILABLE", "task 'alpha' cannot be served: its table is damaged", False),  # the server's word
     ("StatusCode.INVALID_ARGUMENT", "text of 70000 bytes: at most 65536", False),
     ("StatusCode.UNKNOWN", "Received http2 header with status: 413", False),  # too large: refused for good
-    ("StatusCode.INTERNAL", "Stub process 'aot_1_0' is not healthy.", False),
+    ("StatusCode.INTERNAL", "Stub process 'aot_1_0' is not healthy.", True),  # a dead instance, being replaced
+    ("StatusCode.INTERNAL", "Failed to process the request(s) for model 'aot_0_0', message: boom", False),
 ])
 def test_client_sends_again_only_what_found_no_server(status, message, again):
     from aot.client import found_no_server
 
     assert found_no_server(_Refusal(status, message)) is again
+
+
+def test_a_dead_instance_is_a_retryable_error_and_other_internal_errors_are_not():
+    from aot.errors import Unavailable, from_triton
+
+    dead = from_triton(_Refusal("StatusCode.INTERNAL", "Stub process 'aot_1_0' is not healthy."), task="alpha")
+    assert type(dead) is Unavailable and dead.retryable and dead.status == "INTERNAL"
+    other = from_triton(_Refusal("StatusCode.INTERNAL", "Failed to process the request(s): boom"), task="alpha")
+    assert not other.retryable
 
 
 def test_client_retries_a_refused_connection_with_a_short_bounded_backoff(repo):
