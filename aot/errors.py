@@ -17,6 +17,8 @@ transport's never does; Triton answers a restricted API with UNAVAILABLE too, sa
 
 from __future__ import annotations
 
+import re
+
 RESTRICTED = "is restricted, expecting header"  # Triton's answer to a restricted API without the key
 
 
@@ -91,10 +93,15 @@ def one_line(exc) -> str:
     return " ".join(str(text).split())
 
 
+# a GPU ensemble puts "in ensemble 'aot', " before its step's message
+_DEAD_INSTANCE = re.compile(r"(?:^|, )Stub process '[^']+' is not healthy\.$")
+
+
 def reached_a_dead_instance(message: str) -> bool:
-    """Triton's INTERNAL answer of a step instance whose process died: the supervisor is replacing that instance
-    while its sibling serves, so the same request sent again is answered."""
-    return message.startswith("Stub process ") and message.endswith(" is not healthy.")
+    """Triton's INTERNAL answer of a step instance whose process died (the fused CPU step's, or a GPU ensemble's
+    step's): the supervisor is replacing that instance while its sibling serves, so the same request sent again is
+    answered."""
+    return _DEAD_INSTANCE.search(message) is not None
 
 
 def from_triton(exc, *, task: str | None = None, id=None) -> InferenceError:

@@ -209,10 +209,11 @@ def run_export_remove(args) -> int:
     return 0
 
 
-def _clean(store) -> None:
-    """Remove the temporary folders of exports that were killed; say so (a read-only store is left as it is)."""
+def _clean(store, sweep: bool = False) -> None:
+    """Remove the temporary folders of exports that were killed (`sweep`: and, in object storage, their uploads);
+    say so (a read-only store is left as it is)."""
     try:
-        removed = store.clean()
+        removed = store.clean(sweep)
     except OSError as exc:
         print(f"aot: warning: could not clean {store.root}: {exc.strerror}", file=sys.stderr)
         return
@@ -238,7 +239,7 @@ def run_export_verify(args) -> int:
     from serving.repository import read_repository
 
     store = TaskStore.of(read_repository(args.repo))
-    _clean(store)
+    _clean(store, sweep=True)
     found = store.verify()
     damaged = [name for name, problem in found.items() if problem]
     report([{"name": name, "ok": problem is None, **({"error": problem} if problem else {})}

@@ -12,8 +12,7 @@ of --counts (the store grows from one to the next), on a fresh server with the r
     zipf_rps, hot_rps, zipf_vs_hot      `warmup` + `requests` requests at `concurrency`: tasks drawn by Zipf, then
                                         all to one hot task, on the same server
     publish_to_served_s                 a task published while serving, until its first answer
-    index_bytes                         what a new reader reads of the index (the newest compaction and the changes
-                                        since)
+    index_bytes                         the index's files in the store (compactions and change logs it keeps)
     wrong                               sampled tasks (hot, cold, and again after the traffic evicted them) against
                                         PyTorch (the master task's model with the derived task's factors, as
                                         `aot predict` computes it), tolerance 1e-3

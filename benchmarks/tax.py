@@ -34,7 +34,8 @@ import numpy as np
 
 from benchmarks.report import markdown_table, new_figure, save_figure, write_json, write_text
 from benchmarks.serve import ServeBenchConfig, Store, _build, _closed_loop, _texts
-from exporter.configs import CPU_CONFIG, parse_pbtxt, set_cpu_instances, to_pbtxt
+from exporter import configs
+from exporter.configs import CPU_CONFIG, parse_pbtxt, to_pbtxt
 from serving.repository import read_repository
 
 STEP_NAMES = ("aot", "vanilla", "tokenizer", "backbone", "backbone_vanilla", "head", "aot_lookup", "task_list")
@@ -155,7 +156,7 @@ def set_cpu_instances(repo: Path, instances: int) -> None:
     for model in ("aot", "vanilla"):
         path = repo / "models" / model / CPU_CONFIG
         config = parse_pbtxt(path.read_text())
-        set_cpu_instances(config, instances)
+        configs.set_cpu_instances(config, instances)
         path.write_text(to_pbtxt(config))
 
 
@@ -174,7 +175,8 @@ def run_tax_bench(config: TaxBenchConfig, progress: bool = True) -> dict:
 
     out = Path(config.out)
     scratch = Path(tempfile.mkdtemp(prefix="aot-bench-tax-"))
-    repo, masters = _build(ServeBenchConfig(config.task, config.out, config.repo, storages=("fused",)), scratch)
+    repo, masters, _ = _build(ServeBenchConfig(config.task, config.out, config.repo, storages=("fused",)), scratch,
+                              "fp32")
     names = Store(repo, masters).set("fused", max(config.mixed_tasks, 1))
     max_length = read_task(config.task).max_length
     texts = _texts(config.requests)

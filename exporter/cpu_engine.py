@@ -67,8 +67,8 @@ def predict_lines_through(repo_dir: str | Path, tasks: dict[str, Path],
                           lines: list[tuple[int, dict]]) -> dict[int, dict]:
     """`aot predict --repo`: answers by line number (training.predict.predict_lines' lines and answers) through
     `repo_dir`'s CPU engine, each task an artifact (not exported: its rows come from its own body)."""
+    from serving.answers import DEFAULT_THRESHOLD, pooled_answer
     from serving.repository import read_repository
-    from training.answer import answer
     from training.artifact import check_fingerprint
     from training.backbone import load_backbone
     from training.predict import Predictor
@@ -83,7 +83,9 @@ def predict_lines_through(repo_dir: str | Path, tasks: dict[str, Path],
         check_fingerprint(predictor.artifact, repo.fingerprint, f"{repo.model} (repository {repo.path})")
         logits = engine.logits(task_from_model(predictor.model, predictor.artifact),
                                [(item["text"], item["text_pair"]) for _, item in mine])
-        for (number, item), row in zip(mine, logits):
-            answers[number] = ({"id": item["id"]} if "id" in item else {}) | answer(
-                name, predictor.artifact.spec, torch.from_numpy(row))
+        spec = predictor.artifact.spec
+        threshold = DEFAULT_THRESHOLD if spec.threshold is None else spec.threshold
+        for (number, item), row in zip(mine, logits):  # the answer aot predict gives (serving.answers)
+            answers[number] = ({"id": item["id"]} if "id" in item else {}) | {
+                "task": name, **pooled_answer(spec.kind, spec.labels, row[: spec.num_outputs], threshold)}
     return answers

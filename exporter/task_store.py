@@ -197,14 +197,18 @@ class TaskStore(StoreReader):
             plain_permissions(p.folder)  # safetensors writes 0600: a server running as another user could not read it
             entries[p.name] = {"folder": self.version_name(p.folder), "storage": p.storage,
                                "digests": folder_digests(p.folder), "meta": index_meta(p.folder)}
-        fsync_trees([p.folder for p in publications])
+        if not self.remote:  # a remote store's folders are uploaded, then deleted
+            fsync_trees([p.folder for p in publications])
         with self.locked():
             self.upgrade_identity()
             if self.remote:  # the version's objects first, the change that names them last
                 uploads = [(p.folder / file, f"{folder_name(self.version_name(p.folder))}/{file}")
                            for p in publications for file in sorted(entries[p.name]["digests"])]
-                with ThreadPoolExecutor(UPLOADS_AT_ONCE) as pool:  # a batch's many small objects: latency-bound
+                pool = ThreadPoolExecutor(UPLOADS_AT_ONCE)  # a batch's many small objects: latency-bound
+                try:
                     list(pool.map(lambda upload: self.backend.upload(*upload), uploads))
+                finally:  # the first failure (or Ctrl-C) ends the publish: the queued uploads are not sent
+                    pool.shutdown(wait=True, cancel_futures=True)
             else:
                 for p in publications:
                     p.folder.rename(self.root / folder_name(self.version_name(p.folder)))
@@ -212,7 +216,8 @@ class TaskStore(StoreReader):
 
             def change(state: StoreState) -> Change:
                 # TaskExporter.check refused a missing tenant before anything was written; a tenant deleted since
-                # refuses the change here, and the next change collects the folders renamed for it
+                # refuses the change here, and the next change collects the folders renamed for it (in object
+                # storage: the sweep at a compaction, once they are FOREIGN_DEBRIS_AGE old)
                 self.check_tenants(entries, state)
                 tasks, retired = {}, {}
                 for name, entry in entries.items():
@@ -245,15 +250,19 @@ class TaskStore(StoreReader):
             self._collect(state, committed)
         return removed[0]
 
-    def clean(self) -> list[str]:
+    def clean(self, sweep: bool = False) -> list[str]:
         """Remove the `.tmp-<pid>-*` folders of writers that died (a killed `aot export task` leaves one, up to the
-        size of a fused table); a live writer's folder is left alone. Returns the names removed."""
+        size of a fused table); a live writer's folder is left alone. `sweep`, in object storage: also the versions
+        no change names (a killed publisher's uploads) older than FOREIGN_DEBRIS_AGE (a listing of the whole store).
+        Returns the names removed."""
         removed = []
         with self.locked():
             for path in self.root.iterdir():
                 if path.is_dir() and path.name.startswith(".tmp-") and not _writer_alive(path):
                     shutil.rmtree(path, ignore_errors=True)
                     removed.append(path.name)
+            if sweep and self.remote:
+                removed += self._sweep(self.log.read_state(), set())
         return sorted(removed)
 
     def verify(self) -> dict[str, str | None]:
@@ -282,10 +291,20 @@ class TaskStore(StoreReader):
                 found[name] = str(exc).replace(str(self.root) + "/", "")
         return found
 
+    def _sweep(self, state: StoreState, skip: set[str]) -> list[str]:
+        """In object storage: delete the version folders `state` does not name, last written more than
+        FOREIGN_DEBRIS_AGE ago (a killed publisher's uploads; a publisher elsewhere may be uploading one now, to name
+        it in its next change). It lists the store: run at compactions and by clean(), never per publish."""
+        keep, now, removed = _kept_folders(state) | skip, time.time(), []
+        for name, modified in self.backend.folders(skip=keep).items():
+            if "@" in name and now - modified > FOREIGN_DEBRIS_AGE:
+                self.backend.delete_folder(name)
+                removed.append(name)
+        return removed
+
     def _collect(self, state: StoreState, change: Change) -> None:
         """Under the lock, after a change: remove the version folders nothing may read any more."""
-        keep = {folder_name(v) for e in state.tasks.values() if isinstance(e, dict) for v in held_versions(e)}
-        keep |= {folder_name(v) for v in state.retired}
+        keep = _kept_folders(state)
         if self.remote:
             # versions the change dropped, at once; at every compaction, a sweep for versions no change names (a
             # killed publisher's uploads) older than FOREIGN_DEBRIS_AGE: a publisher elsewhere may be uploading one
@@ -293,11 +312,8 @@ class TaskStore(StoreReader):
             gone = {folder_name(v) for v, info in change.retired.items() if info is None}
             for name in sorted(gone - keep):
                 self.backend.delete_folder(name)
-            if state.generation % COMPACT_EVERY == 0:
-                now = time.time()
-                for name, modified in self.backend.folders(skip=keep | gone).items():
-                    if "@" in name and now - modified > FOREIGN_DEBRIS_AGE:
-                        self.backend.delete_folder(name)
+            if change and state.generation % COMPACT_EVERY == 0:
+                self._sweep(state, gone)
             return
         for path in self.root.iterdir():  # by name first: a stat of every version would cost the store's size
             if path.name in keep or not (path.name.startswith(".tmp-") or "@" in path.name) or not path.is_dir():
@@ -307,6 +323,12 @@ class TaskStore(StoreReader):
                     shutil.rmtree(path, ignore_errors=True)
             elif task_of(path.name):
                 shutil.rmtree(path, ignore_errors=True)
+
+
+def _kept_folders(state: StoreState) -> set[str]:
+    """The version folders the state names: current, kept and retired versions."""
+    keep = {folder_name(v) for e in state.tasks.values() if isinstance(e, dict) for v in held_versions(e)}
+    return keep | {folder_name(v) for v in state.retired}
 
 
 def _retire(entry) -> dict[str, dict]:

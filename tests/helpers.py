@@ -96,8 +96,9 @@ class Load:
     raised or when they have no request count."""
 
     def __init__(self, url: str, texts: list[str], clients: int, pick: Callable[[int, int], tuple[str, int]],
-                 requests: int | None = None, timeout: float = 60.0):
+                 requests: int | None = None, timeout: float = 60.0, retry_seconds: float | None = None):
         self.url, self.texts, self.pick, self.requests, self.timeout = url, texts, pick, requests, timeout
+        self.retry_seconds = retry_seconds  # None: the client's default; 0: every failure the server answers is seen
         self.outcomes: list[Outcome] = []  # appended by every client (list.append is atomic)
         self._stop = threading.Event()
         self._clients = [threading.Thread(target=self._send, args=(k,)) for k in range(clients)]
@@ -105,7 +106,8 @@ class Load:
     def _send(self, k: int) -> None:
         from aot.client import Client, InferenceError
 
-        with Client(self.url, timeout=self.timeout) as client:
+        retry = {} if self.retry_seconds is None else {"retry_seconds": self.retry_seconds}
+        with Client(self.url, timeout=self.timeout, **retry) as client:
             for j in range(self.requests) if self.requests is not None else itertools.count():
                 if self._stop.is_set():
                     return

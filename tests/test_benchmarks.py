@@ -306,3 +306,21 @@ def test_tax_bench_tiny(tmp_path, tiny_models, sentiment_dir):
     text = (out / "tax.md").read_text()
     assert text.startswith("# The serving tax") and "Ceiling each process puts on a 16-core host" in text
     assert (out / "tax.png").stat().st_size > 1000
+
+
+def test_s3_bench_refuses_too_few_tasks_and_writes_its_reports(tmp_path, capsys):
+    """`aot bench s3` (the full run needs minutes: docs/benchmarks.md section 11): too few tasks for the cold
+    requests is one clear error; the reports hold every figure of a record."""
+    from benchmarks.s3_store import S3BenchConfig, write_s3_reports
+
+    assert main(["bench", "s3", "--task", str(tmp_path), "--tasks", "50", "--out", str(tmp_path / "out")]) == 2
+    assert "--tasks 50: expected at least 100" in capsys.readouterr().err
+    record = {"tasks": 100, "cached_rps_file": 40.0, "cached_rps_s3": 39.0, "cached_ratio": 0.975, "ready_one_s": 2.0,
+              "ready_many_s": 2.5, "ready_ratio": 1.25, "fetched_at_start": 0, "cold_p50_ms": 30.0,
+              "cold_p99_ms": 60.0, "paused_answers_cached": 500, "paused_failures_cached": 0,
+              "paused_cold_error": "TaskUnavailable: ... s3://b/p ...", "paused_cold_recovered_s": 0.1,
+              "publish_to_every_replica_p50_s": 1.5, "publish_to_every_replica_max_s": 1.8}
+    write_s3_reports(record, tmp_path / "out", S3BenchConfig("task", str(tmp_path / "out"), tasks=100))
+    assert json.loads((tmp_path / "out" / "s3.json").read_text())["record"] == record
+    table = (tmp_path / "out" / "s3.md").read_text()
+    assert "| S3 × file | 0.975 |" in table and "| ready, 100 tasks in the bucket (s) | 2.5 |" in table

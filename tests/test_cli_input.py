@@ -82,12 +82,12 @@ SCORES = {"train.csv": "text,label\na,1\nb,2.5\nc,4\n", "dev.csv": "text,label\n
 
 @pytest.mark.parametrize("task_json,message", [
     pytest.param({"metrc": "f1"}, "unknown key 'metrc' (did you mean 'metric'?): expected one of name, labels, metric, "
-                 "problem", id="misspelt key"),
-    pytest.param({"problem": "regresion"}, "problem 'regresion': expected one of classification, regression",
-                 id="misspelt problem"),
+                 "problem, label_separator", id="misspelt key"),
+    pytest.param({"problem": "regresion"}, "problem 'regresion': expected one of classification, regression, "
+                 "multilabel, tokens, embedding", id="misspelt problem"),
     pytest.param({"labels": "a,b"}, "labels 'a,b': expected a list of strings", id="labels not a list"),
-    pytest.param({"metric": "auc"}, "metric 'auc': expected one of accuracy, f1, acc_f1, mcc, pearson_spearman",
-                 id="unknown metric"),
+    pytest.param({"metric": "auc"}, "metric 'auc': expected one of accuracy, f1, acc_f1, mcc, pearson_spearman, "
+                 "entity_f1, micro_f1, macro_f1, spearman, recall@1, recall@5, recall@10", id="unknown metric"),
 ])
 def test_task_json_is_checked(tmp_path, capsys, task_json, message):
     data = _folder(tmp_path / "data", {**SCORES, "task.json": json.dumps(task_json)})

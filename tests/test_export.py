@@ -89,7 +89,8 @@ def test_aot_graph_uses_the_biases(tmp_path):
     assert np.abs(with_bias - without).max() > 0.1
     plain = ExportableBackbone(backbone, aot=False)
     with torch.no_grad():
-        expected = plain(feeds[protocol.INPUT_IDS], feeds[protocol.ATTENTION_MASK], feeds.get(protocol.TOKEN_TYPE_IDS)).numpy()
+        pooled, _ = plain(feeds[protocol.INPUT_IDS], feeds[protocol.ATTENTION_MASK], feeds.get(protocol.TOKEN_TYPE_IDS))
+    expected = pooled.numpy()  # the graph's first output: the pooled states (the second: the token states)
     assert np.abs(without - expected).max() < 1e-4
 
 
@@ -357,7 +358,7 @@ CONFIG_CASES = [ConfigCase(engine, interface, uses_tt) for engine in ("onnx", "t
 TARGETS = ("cpu", "gpu")
 MODELS = {"tokenizer", "aot_lookup", "backbone", "backbone_vanilla", "head", "task_list", "aot", "vanilla"}
 # What aot and vanilla answer, on either target
-ANSWER = [(protocol.LOGITS, [-1]), (protocol.LABEL, [1]), (protocol.TASK_VERSION, [1])]
+ANSWER = [(protocol.ANSWER, [1]), (protocol.LOGITS, [-1]), (protocol.LABEL, [1]), (protocol.TASK_VERSION, [1])]
 # Tokenizer and head run one thread per instance, so a GPU host runs several; one lookup (its own device pool)
 LIGHT_STEP_INSTANCES = {"cpu": 1, "gpu": GPU_STEP_INSTANCES}
 # The bias the GPU lookup step sends and the native backbone takes, per interface (dims after the batch axis):
@@ -402,7 +403,7 @@ def test_every_config_round_trips_through_triton_protobuf(case, target):
 @pytest.mark.parametrize("case", CONFIG_CASES, ids=str)
 def test_clients_send_optional_inputs_and_get_the_answer(case, target):
     """Every input optional (the first stage refuses what is missing), token ids of any length batched together in
-    the tokenizer step; aot and vanilla answer logits, label and the task version."""
+    the tokenizer step; aot and vanilla answer the JSON answer, logits, label and the task version."""
     configs = case.configs(target)
     for model in ("aot", "vanilla", "tokenizer"):
         assert [(i.name, i.optional) for i in configs[model].input] == [(n, True) for n in case.requests]

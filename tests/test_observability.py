@@ -149,7 +149,7 @@ def test_pool_series_on_the_default_cpu_layout(server, client):
     pool's series are there all the same, per instance."""
     samples = _samples(server)
     budgets = {lab["instance"]: v for n, lab, v in samples if n == "aot_pool_budget_bytes"}
-    assert set(budgets) == {"aot_0_0", "aot_0_1"} and all(v > 0 for v in budgets.values())
+    assert set(budgets) == {"aot_0_0", "aot_1_0"} and all(v > 0 for v in budgets.values())
     for name in ("aot_pool_hits_total", "aot_pool_misses_total", "aot_pool_resident_bytes"):
         assert {lab["instance"] for n, lab, _ in samples if n == name and lab["task"] == OTHER} == set(budgets)
 

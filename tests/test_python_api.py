@@ -198,7 +198,7 @@ def _gpt2():
     ("seqcls", AotConfig(pooling="mean"), r"pooling='mean', but .*own head reads the first token"),
     ("auto", AotConfig(pooling="max"), r"unknown pooling 'max'"),
     ("seqcls", AotConfig(num_labels=3), r"num_labels=3, but the model's head has 2 outputs"),
-    ("auto", AotConfig(labels=["a", "b", "c"]), r"3 labels .* for a head with 2 outputs"),
+    ("auto", AotConfig(labels=["a", "b", "c"], num_labels=2), r"3 labels .* for a head with 2 outputs"),
     ("auto", AotConfig(max_length=500), r"max_length 500 is outside what the encoder accepts \(1 to 72 tokens\)"),
     ("masked", AotConfig(), r"AutoModelForTokenClassification, got BertForMaskedLM"),
     ("linear", AotConfig(), r"takes a transformers model .* got Linear"),
@@ -290,7 +290,7 @@ def test_multitask_refuses_another_backbone(saved_tasks, tiny_models, tmp_path):
 def _predict(argv, capsys, stdin: str | None = None, monkeypatch=None):
     if stdin is not None:
         monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin.encode("utf-8"))))
-    code = main(["predict", *argv])
+    code = main(["predict", *argv, "--no-progress"])  # its bar: tests/test_cli_answers.py
     captured = capsys.readouterr()
     return code, [json.loads(line) for line in captured.out.splitlines()], captured.err.strip().splitlines()
 

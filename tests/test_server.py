@@ -318,6 +318,7 @@ class _Refusal(Exception):
     ("StatusCode.INVALID_ARGUMENT", "text of 70000 bytes: at most 65536", False),
     ("StatusCode.UNKNOWN", "Received http2 header with status: 413", False),  # too large: refused for good
     ("StatusCode.INTERNAL", "Stub process 'aot_1_0' is not healthy.", True),  # a dead instance, being replaced
+    ("StatusCode.INTERNAL", "in ensemble 'aot', Stub process 'head_0_1' is not healthy.", True),  # a GPU ensemble's
     ("StatusCode.INTERNAL", "Failed to process the request(s) for model 'aot_0_0', message: boom", False),
 ])
 def test_client_sends_again_only_what_found_no_server(status, message, again):
