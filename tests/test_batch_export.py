@@ -97,17 +97,17 @@ def test_a_killed_batch_leaves_every_task_as_it_was(tmp_path, tiny_models, artif
     export removes the debris."""
     repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"t0": (artifacts[0], "factored")})
     before = _state(repo)
-    batch = _batch(tmp_path / "b.jsonl", [{"task": str(artifacts[i % 2]), "name": f"t{i}"} for i in range(40)])
+    batch = _batch(tmp_path / "b.jsonl", [{"task": str(artifacts[i % 2]), "name": f"t{i}"} for i in range(80)])
     proc = subprocess.Popen([sys.executable, "-m", "aot", "export", "task", "--repo", str(repo), "--batch",
                              str(batch), "--storage", "factored", "--no-progress"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     store_root = read_repository(repo).store_root
     deadline = time.monotonic() + 300
-    while not [p for p in store_root.iterdir() if p.name.startswith(".tmp-")]:  # it writes its tasks now
+    # killed once its second task is being written: mid-batch however fast the machine (80 tasks to go)
+    while len([p for p in store_root.iterdir() if p.name.startswith(".tmp-")]) < 2:
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline
-        time.sleep(0.05)
-    time.sleep(0.5)
+        time.sleep(0.005)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     after_state, after_folders = _state(repo)

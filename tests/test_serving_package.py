@@ -119,17 +119,17 @@ def test_served_head_reads_its_pooling_row(tmp_path, recorded, row):
     pooled = np.array([[[0.5, -0.5, 0.0], [-0.25, 0.75, 0.0]]], np.float32)  # [B=1, P=2, d=3]
     np.testing.assert_allclose(task.logits(pooled), np.tanh(pooled[:, row, :2]), rtol=1e-6)
     # the served stage: its task's row must be finite (the other pooling's overflow is not this request's failure)
-    from serving.stages import head_answers
+    from serving.heads import HeadInput, head_answers
 
     other = pooled.copy()
     other[0, 1 - row] = np.inf
-    (logits, label), = head_answers([task], [other])
-    np.testing.assert_allclose(logits[0], np.tanh(pooled[0, row, :2]), rtol=1e-6)
-    assert label == ["a", "b"][int(np.argmax(logits[0]))]
+    answer, = head_answers([task], [HeadInput(other[0])])
+    np.testing.assert_allclose(answer.values, np.tanh(pooled[0, row, :2]), rtol=1e-6)
+    assert answer.label == ["a", "b"][int(np.argmax(answer.values))] == answer.body["label"]
     broken = pooled.copy()
     broken[0, row, 1] = np.nan
     with pytest.raises(FloatingPointError, match=f"the encoder's {task.pooling!r} states are not finite"):
-        head_answers([task, task], [pooled, broken])
+        head_answers([task, task], [HeadInput(pooled[0]), HeadInput(broken[0])])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -168,7 +168,7 @@ def test_protocol_dtypes_have_one_definition():
     assert protocol.triton_type(protocol.INPUT_IDS) == "INT64"
     assert protocol.triton_type(protocol.TASK_VERSION) == "BYTES"
     assert protocol.triton_type(protocol.AOT_BIAS) == "FP16"
-    assert protocol.PROTOCOL_VERSION == 5
+    assert protocol.PROTOCOL_VERSION == 6
     assert protocol.bias_inputs("dense") == [protocol.AOT_BIAS]
     with pytest.raises(ValueError, match="unknown bias interface 'ragged': expected one of rows, dense"):
         protocol.bias_inputs("ragged")
@@ -176,7 +176,8 @@ def test_protocol_dtypes_have_one_definition():
 
 
 @pytest.mark.parametrize("name,ok", [("sentiment", True), ("a.b-c_1", True), ("", False), (".hidden", False),
-                                     ("../etc", False), ("a/b", False), ("x" * 129, False), ("a b", False)])
+                                     ("../etc", False), ("a/b", True), ("a/b/c", False), ("/b", False),
+                                     ("a/", False), ("x" * 129, False), ("a b", False)])  # a/b: tenant a's task b
 def test_task_names(name, ok):
     if ok:
         assert check_task_name(name) == name

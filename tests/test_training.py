@@ -244,11 +244,14 @@ def test_one_label_rule_for_predict_and_serving(labels, logits, expected):
     assert served.label(np.array(logits, dtype=np.float32)) == expected
 
 
-def test_infer_input_errors_name_file_and_line(tmp_path, capsys):
+def test_infer_input_without_a_server_is_one_error_line(tmp_path, capsys):
+    """Bad lines are answered in place by a running server (tests/test_cli_output.py); with none, the stream is
+    one clear error, not a line each."""
     bad = tmp_path / "requests.jsonl"
     bad.write_text('{"task": "t", "text": "fine"}\n{"task": "t"}\n')
-    assert main(["infer", "--input", str(bad)]) == 2
-    assert f"{bad}:2: expected" in capsys.readouterr().err
+    assert main(["infer", "--input", str(bad), "--url", "127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("aot: error: cannot reach the server at 127.0.0.1:9") and err.count("\n") == 1
 
 
 # --- backbone length limit, damaged artifacts, offline loading -----------------------------------------------------
