@@ -259,7 +259,9 @@ def test_multitask_mixed_batch_equals_each_task_alone(saved_tasks):
             for answer in (mixed[i], single[k]):  # a regression task answers its score (serving.labels.answer)
                 assert answer["task"] == name
                 got = [answer["score"]] if name == "score" else answer["logits"]
-                torch.testing.assert_close(torch.tensor(got), expected, atol=1e-5, rtol=0)
+                # MultiTaskModel holds each task's rows in fp16, as the server does (its answers equal the served
+                # ones: tests/test_kinds_served.py); the task alone computes them in fp32
+                torch.testing.assert_close(torch.tensor(got), expected, atol=3e-3, rtol=0)
             assert ("probabilities" in mixed[i]) == (name != "score")
     logits = multi(**_padded(multi, TEXTS[:4]), task_names=["topic", "sent", "score", "topic"]).logits
     assert logits.shape == (4, 3) and torch.isinf(logits[1, 2]) and torch.isinf(logits[2, 1:]).all()

@@ -88,7 +88,7 @@ class MultiTaskModel(nn.Module):
         model.body.biased.remove_hooks()  # the rows are fused below; this model's own hooks are not needed
         self.heads[name] = model.head.eval()
         self.tasks[name] = _Task(model.spec, model.aot_config.max_length, pooling_row(model.pooling),
-                                 model.fused_rows())
+                                 model.fused_rows().to(torch.float16))
 
     def remove_task(self, name: str) -> None:
         if name not in self.tasks:
