@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aot.processes import stop_process_group
 from aot.server import Endpoints, LocalServer, ServerError, free_ports, port_is_free
 from serving.admin_key import resolve_admin_key
 from serving.lifecycle import WATCH_SECONDS, die_with_parent, raise_open_file_limit
@@ -306,13 +306,8 @@ class Fleet(Endpoints):
         self._stopping.set()
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(timeout=10)
-        if self.balancer is not None and self.balancer.poll() is None:
-            os.killpg(self.balancer.pid, signal.SIGTERM)
-            try:
-                self.balancer.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.balancer.pid, signal.SIGKILL)
-                self.balancer.wait()
+        if self.balancer is not None:
+            stop_process_group(self.balancer, grace=10)
         with ThreadPoolExecutor(len(self.servers)) as pool:
             list(pool.map(lambda s: s.stop(), self.servers))
         if not any(s.failed for s in self.servers):

@@ -23,6 +23,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from aot.processes import stop_process_group
 from aot.server import port_is_free
 
 HOST = "127.0.0.1"
@@ -116,15 +117,8 @@ class LocalS3:
         os.killpg(self.process.pid, signal.SIGCONT)
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGCONT)
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        if self.process is not None:
+            stop_process_group(self.process, grace=20, resume=True)  # paused: it must run to act on SIGTERM
 
     def __enter__(self) -> "LocalS3":
         return self.start()

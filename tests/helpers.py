@@ -26,6 +26,15 @@ def train_tiny_task(model_dir: Path, data_dir: Path, out: Path, method: str = "f
     return out
 
 
+TINY_TASKS = (("alpha", "fc"), ("beta", "kron"), ("gamma", "fc"), ("delta", "fc"))  # name, method; seed = position
+
+
+def train_tiny_tasks(model_dir: Path, data_dir: Path, root: Path, count: int) -> dict[str, Path]:
+    """The first `count` of TINY_TASKS trained under `root`: the modules' shared cast of tasks."""
+    return {name: train_tiny_task(model_dir, data_dir, root / name, method, seed=seed)
+            for seed, (name, method) in enumerate(TINY_TASKS[:count])}
+
+
 def make_repository(model_dir: Path, repo: Path, tasks: dict[str, tuple[Path, str]], **options) -> Path:
     """A repository with `tasks`: name -> (artifact, storage)."""
     from serving.repository import ServingOptions

@@ -35,7 +35,7 @@ from serving.repository import read_repository
 from serving.shm import SHM, STUB
 from serving.store_log import GENERATION, STORE_FILE, Change, log_key
 from serving.task_registry import TaskRegistry
-from tests.helpers import WITH_STEPS, Load, Outcome, make_repository, serve_for_tests, train_tiny_task
+from tests.helpers import WITH_STEPS, Load, Outcome, make_repository, serve_for_tests, train_tiny_tasks
 from training.predict import Predictor
 
 pytestmark = [pytest.mark.server, pytest.mark.faults]
@@ -51,10 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory, tiny_models, sentiment_dir):
-    root = tmp_path_factory.mktemp("fault-artifacts")
-    return {name: train_tiny_task(tiny_models["bert"], sentiment_dir, root / name, method, seed=seed)
-            for name, method, seed in (("alpha", "fc", 0), ("beta", "kron", 1), ("gamma", "fc", 2),
-                                       ("delta", "fc", 3))}
+    return train_tiny_tasks(tiny_models["bert"], sentiment_dir, tmp_path_factory.mktemp("fault-artifacts"), 4)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from aot.server import port_is_free
 from exporter.task_export import export_task
 from exporter.task_store import TaskStore
 from serving.repository import read_repository
-from tests.helpers import make_repository, train_tiny_task
+from tests.helpers import make_repository, train_tiny_tasks
 from training.predict import Predictor
 
 pytestmark = [pytest.mark.server, pytest.mark.faults]
@@ -28,9 +28,7 @@ ATOL = 1e-3
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory, tiny_models, sentiment_dir):
-    root = tmp_path_factory.mktemp("artifacts")
-    return {name: train_tiny_task(tiny_models["bert"], sentiment_dir, root / name, method, seed=seed)
-            for name, method, seed in (("alpha", "fc", 0), ("beta", "kron", 1), ("gamma", "fc", 2))}
+    return train_tiny_tasks(tiny_models["bert"], sentiment_dir, tmp_path_factory.mktemp("artifacts"), 3)
 
 
 @pytest.fixture(scope="module")

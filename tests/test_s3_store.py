@@ -21,7 +21,7 @@ from exporter.task_export import export_task
 from exporter.task_store import TaskStore
 from serving.repository import read_repository
 from serving.task_registry import REMOTE_POLL_SECONDS
-from tests.helpers import serve_for_tests, train_tiny_task
+from tests.helpers import serve_for_tests, train_tiny_tasks
 from training.predict import Predictor
 
 pytestmark = pytest.mark.server
@@ -45,9 +45,7 @@ def s3(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory, tiny_models, sentiment_dir):
-    root = tmp_path_factory.mktemp("s3-artifacts")
-    return {name: train_tiny_task(tiny_models["bert"], sentiment_dir, root / name, method, seed=seed)
-            for name, method, seed in (("alpha", "fc", 0), ("beta", "kron", 1))}
+    return train_tiny_tasks(tiny_models["bert"], sentiment_dir, tmp_path_factory.mktemp("s3-artifacts"), 2)
 
 
 @pytest.fixture(scope="module")

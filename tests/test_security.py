@@ -36,7 +36,7 @@ from exporter.task_store import TaskStore
 from serving.admin_key import ADMIN_HEADER, GRPC_ADMIN_HEADER, RESTRICTED_APIS
 from serving.procfs import stub_processes, stubs_of
 from serving.repository import read_repository
-from tests.helpers import WITH_STEPS, make_repository, serve_for_tests, train_tiny_task
+from tests.helpers import WITH_STEPS, make_repository, serve_for_tests, train_tiny_tasks
 from training.predict import Predictor
 
 pytestmark = [pytest.mark.server]
@@ -50,9 +50,7 @@ ATOL = 1e-3
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory, tiny_models, sentiment_dir):
-    root = tmp_path_factory.mktemp("security-artifacts")
-    return {name: train_tiny_task(tiny_models["bert"], sentiment_dir, root / name, method, seed=seed)
-            for name, method, seed in (("alpha", "fc", 0), ("beta", "kron", 1))}
+    return train_tiny_tasks(tiny_models["bert"], sentiment_dir, tmp_path_factory.mktemp("security-artifacts"), 2)
 
 
 @pytest.fixture(scope="module")
