@@ -7,7 +7,7 @@ import json
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -31,8 +31,10 @@ from training.artifact import TaskArtifact, check_fingerprint, read_task
 from training.factory import load_task
 from training.backbone import load_backbone
 from training.methods.aot_ptuning.model import AotBody
+from training.methods.aot_ptuning.peft_model import AotModel
 from training.method_registry import method_spec
 from training.model import TaskModel
+from training.multitask import MultiTaskModel
 from training.predict import Predictor
 
 VALIDATION_TEXTS = (
@@ -117,25 +119,37 @@ def _write_fused(body: AotBody, path: Path, vocab: int, chunk: int = 2048, progr
             f.write(body.rows(ids).float().numpy().astype(protocol.ROWS_DTYPE).tobytes())
 
 
-def validate_task(repo: RepositoryInfo, folder: Path, name: str, storage: str, predictor: Predictor,
-                  texts=VALIDATION_TEXTS, engine=None, tokens: Tokenization | None = None) -> float:
-    """Served path (tokenizer, lookup, the repository's backbone engine, head) against the PyTorch task: max
-    |difference| of what the head computes (logits, an embedding's vector, a token task's logits per token).
+def validate_tasks(repo: RepositoryInfo, versions: list[tuple[str, Path]], reference: MultiTaskModel,
+                   texts=VALIDATION_TEXTS, engine=None, tokens: Tokenization | None = None) -> list[float]:
+    """Served path (tokenizer, lookup, the repository's backbone engine, head) against PyTorch for each written
+    version (name, folder), all in one pass of each: max |difference| per version of what the head computes (logits,
+    an embedding's vector, a token task's logits per token). `reference` holds each version's PyTorch task under its
+    name (MultiTaskModel, rows in fp16 as stored); the texts of every version share one engine run and one PyTorch
+    pass, grouped by length, so a batch's validation costs the tokens it checks, not a padded forward per task.
     `engine` and `tokens`: built once by a caller that validates many tasks."""
-    served = load_task_version(folder, TaskStore.version_name(folder), repo.store_root)
     tokens = tokens or Tokenization(repo.tokenizer_dir, repo.uses_token_type_ids)
-    if served.kind in READS_TOKENS:
-        encoded = [t for t, _, _ in tokens.encode_words(list(texts), served.max_length)]
-    else:
-        encoded = [tokens.encode(text, None, served.max_length) for text in texts]
-    requests = [Prepared.for_task(t, served) for t in encoded]
-    for r in requests:
-        r.rows = served.rows(r.unique)
-        r.want_states = served.kind in READS_TOKENS
+    texts = list(texts)
+    served, requests = [], []
+    for name, folder in versions:
+        task = load_task_version(folder, TaskStore.version_name(folder), repo.store_root)
+        if task.kind in READS_TOKENS:
+            encoded = [t for t, _, _ in tokens.encode_words(texts, task.max_length)]
+        else:
+            encoded = [tokens.encode(text, None, task.max_length) for text in texts]
+        mine = [Prepared.for_task(t, task) for t in encoded]
+        for r in mine:
+            r.rows = task.rows(r.unique)
+            r.want_states = task.kind in READS_TOKENS
+        served.append((task, mine))
+        requests += mine
     hidden = (engine or validation_engine(repo)).run(requests)
-    expected = predictor.logits(list(texts))
-    return max(float(np.abs(got - want.numpy()).max())
-               for got, want in zip(_served_outputs(served, hidden, requests), expected))
+    expected = reference.outputs(texts * len(versions), [name for name, _ in versions for _ in texts])
+    diffs, at = [], 0
+    for task, mine in served:
+        got = _served_outputs(task, hidden[at:at + len(mine)], mine)
+        diffs.append(max(float(np.abs(g - w.float().numpy()).max()) for g, w in zip(got, expected[at:at + len(mine)])))
+        at += len(mine)
+    return diffs
 
 
 def validation_engine(repo: RepositoryInfo):
@@ -188,6 +202,15 @@ class WrittenTask:
     advice: dict
     bytes_on_disk: int
     served_dev: dict | None = None  # int8 repositories: exporter.accuracy_gate's result
+    model: AotModel | None = field(default=None, repr=False)  # the PyTorch task, until `validate` has checked it
+
+
+class ValidationError(StoreError):
+    """A written version whose served outputs differ from its PyTorch task's; `name` says which, `reason` how."""
+
+    def __init__(self, name: str, reason: str):
+        super().__init__(f"{reason}; nothing was published")
+        self.name, self.reason = name, reason
 
 
 class TaskExporter:
@@ -202,6 +225,7 @@ class TaskExporter:
         self._backbone = None
         self._engine = None
         self._tokens = None
+        self._reference: MultiTaskModel | None = None  # the PyTorch tasks validate() checks against
 
     def check(self, task_dir: str | Path, name: str, storage: str) -> TaskArtifact:
         """Every refusal that needs no backbone: the name, the storage, the artifact against the repository."""
@@ -235,22 +259,56 @@ class TaskExporter:
     def write(self, task_dir: str | Path, name: str, storage: str = "auto",
               tasks_in_store: int | None = None, allowed_drop: float | None = None,
               dev_data: str | Path | None = None) -> WrittenTask:
-        """Fuse P (or keep its factors), write the head, and check the served logits against PyTorch (and on an int8
-        repository its dev score through the int8 engine: exporter.accuracy_gate), into a new version folder of the
-        store that no reader sees yet. `tasks_in_store`: what `auto` counts (default: the
-        store's tasks and this one)."""
+        """write_files, then validate: one task version written and checked, not yet published."""
+        written = self.write_files(task_dir, name, storage, tasks_in_store, allowed_drop, dev_data)
+        try:
+            self.validate([written])
+        except BaseException:
+            self.discard(written)
+            raise
+        return written
+
+    def write_files(self, task_dir: str | Path, name: str, storage: str = "auto",
+                    tasks_in_store: int | None = None, allowed_drop: float | None = None,
+                    dev_data: str | Path | None = None) -> WrittenTask:
+        """Fuse P (or keep its factors) and write the head into a new version folder of the store that no reader sees
+        yet (on an int8 repository, after checking its dev score through the int8 engine: exporter.accuracy_gate).
+        Its served logits are checked by `validate`, which a batch runs for many versions at once.
+        `tasks_in_store`: what `auto` counts (default: the store's tasks and this one)."""
         start = time.perf_counter()
         self.check(task_dir, name, storage)
         if self._backbone is None:
             self._backbone = load_backbone(self.repo.model)
             self._engine = validation_engine(self.repo)
             self._tokens = Tokenization(self.repo.tokenizer_dir, self.repo.uses_token_type_ids)
+            self._reference = MultiTaskModel(self._backbone)
         # no copy of the encoder per task: the task's AoT hooks go into the shared one, and out again below
         predictor = Predictor(*load_task(task_dir, self._backbone, copy_encoder=False))
         try:
             return self._write(predictor, task_dir, name, storage, tasks_in_store, start, allowed_drop, dev_data)
         finally:
             predictor.model.body.biased.remove_hooks()
+
+    def validate(self, written: list[WrittenTask]) -> None:
+        """Check the written versions' served outputs against their PyTorch tasks, all in one pass (validate_tasks):
+        each gets its max |difference| and its share of the time; the first beyond LOGITS_TOLERANCE raises a
+        ValidationError naming it (the caller discards what it wrote)."""
+        start = time.perf_counter()
+        for w in written:
+            self._reference.add_model(w.name, w.model, fuse=False)
+        try:
+            diffs = validate_tasks(self.repo, [(w.name, w.folder) for w in written], self._reference,
+                                   engine=self._engine, tokens=self._tokens)
+        finally:
+            for w in written:
+                self._reference.remove_task(w.name)
+                w.model = None
+        share = (time.perf_counter() - start) / max(len(written), 1)
+        for w, diff in zip(written, diffs):
+            w.max_abs_logit_diff, w.seconds = diff, w.seconds + share
+            if not diff <= LOGITS_TOLERANCE:
+                raise ValidationError(w.name, f"task {w.name!r}: served logits differ from PyTorch by {diff:.3g} "
+                                              f"(> {LOGITS_TOLERANCE})")
 
     def _write(self, predictor: Predictor, task_dir, name: str, storage: str, tasks_in_store: int | None,
                start: float, allowed_drop: float | None = None, dev_data: str | Path | None = None) -> WrittenTask:
@@ -277,18 +335,13 @@ class TaskExporter:
             else:
                 with _writing(name, folder / "factors.safetensors"):
                     save_file(factors, folder / "factors.safetensors")
-            diff = validate_task(self.repo, folder, name, storage, predictor, engine=self._engine,
-                                 tokens=self._tokens)
-            if not diff <= LOGITS_TOLERANCE:
-                raise StoreError(f"task {name!r}: served logits differ from PyTorch by {diff:.3g} "
-                                 f"(> {LOGITS_TOLERANCE}); nothing was published")
             served_dev = check_served_accuracy(self.repo, folder, predictor, allowed_drop, dev_data)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
         size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
-        return WrittenTask(name, folder, storage, fused_bytes, diff, time.perf_counter() - start, advice, size,
-                           None if served_dev is None else served_dev.to_json())
+        return WrittenTask(name, folder, storage, fused_bytes, float("nan"), time.perf_counter() - start, advice,
+                           size, None if served_dev is None else served_dev.to_json(), model)
 
     @staticmethod
     def discard(written: WrittenTask) -> None:

@@ -92,6 +92,35 @@ def test_a_task_failing_midway_publishes_nothing(tmp_path, tiny_models, artifact
     assert [p.name for p in store.root.iterdir() if p.name.startswith(".tmp-")] == []
 
 
+def test_validation_in_passes_names_the_line_whose_served_outputs_differ(tmp_path, tiny_models, artifacts,
+                                                                         monkeypatch):
+    """Tasks are validated several at once (one PyTorch pass and one engine run): a written head that does not match
+    its task is caught in its pass, named by its line, and the versions of the passes before it are removed."""
+    import exporter.batch_export as batch_export
+    import exporter.task_export as task_export
+
+    monkeypatch.setattr(batch_export, "VALIDATED_TOGETHER", 2)
+    written_heads = []
+    real = task_export._head_arrays
+
+    def head_arrays(model):
+        arrays = real(model)
+        written_heads.append(1)
+        if len(written_heads) == 4:  # the fourth task's head is written wrong: the second pass's second task
+            arrays["out.bias"] = arrays["out.bias"] + 0.5
+        return arrays
+
+    monkeypatch.setattr(task_export, "_head_arrays", head_arrays)
+    repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"keep": (artifacts[0], "factored")})
+    written_heads.clear()
+    before = _state(repo)
+    batch = _batch(tmp_path / "b.jsonl", [{"task": str(artifacts[i % 2]), "name": f"v{i}"} for i in range(5)])
+    with pytest.raises(StoreError, match=r"b.jsonl:4: task 'v3': served logits differ from PyTorch by 0.5 "
+                                         r".*nothing of the batch was published"):
+        export_batch(repo, batch, "factored", progress=False)
+    assert _state(repo) == before and len(written_heads) == 4  # the fifth was never written
+
+
 def test_a_killed_batch_leaves_every_task_as_it_was(tmp_path, tiny_models, artifacts):
     """SIGKILL while the batch writes its tasks: the index is unchanged (every task old, none half), and the next
     export removes the debris."""

@@ -2,7 +2,9 @@
 (`aot predict` with several tasks) and the PyTorch counterpart of what the server does.
 
 Each task keeps its fused rows P [V, L, d] (computed once, in eval mode, kept in fp16 as the task store keeps them,
-so that its answers are the served ones) and its head. A batch with one task name
+so that its answers are the served ones) and its head; a task added unfused (`add_model(fuse=False)`, the
+exporter's validation of many tasks at once) computes the rows of each batch's tokens from its factors instead, the
+same fp16 values without a table of the whole vocabulary. A batch with one task name
 per row costs, beyond the plain encoder, one gather of each task's rows for its rows' distinct tokens and, per
 layer, the gather and add of BiasedEncoder (PEFT's mixed-adapter batches need a forward per adapter instead).
 """
@@ -34,7 +36,8 @@ class _Task:
     spec: TaskSpec
     max_length: int
     row: int  # the pooled row its head reads (serving.protocol.pooling_row)
-    table: torch.Tensor  # fused P, [V, L, d] fp16 (what the task store holds and the server adds), CPU
+    rows: Callable[[torch.Tensor], torch.Tensor]  # token ids -> P's rows [U, L, d] fp16 (what the task store holds
+    # and the server adds), CPU
 
 
 @dataclass
@@ -85,10 +88,23 @@ class MultiTaskModel(nn.Module):
                                 f"MultiTaskModel runs AoT tasks (fc, kron), which leave the encoder unchanged")
         _, model, _ = load_task(Path(path), self.backbone, copy_encoder=False)
         assert isinstance(model, AotModel)
-        model.body.biased.remove_hooks()  # the rows are fused below; this model's own hooks are not needed
+        model.body.biased.remove_hooks()  # the rows are added below; this model's own hooks are not needed
+        self.add_model(name, model)
+
+    def add_model(self, name: str, model: AotModel, fuse: bool = True) -> None:
+        """Add a loaded AoT task trained on this encoder, its hooks removed. `fuse`: compute its rows for the whole
+        vocabulary now ([V, L, d] fp16, ~140 MB for MiniLM); else each batch's rows from its factors on use."""
+        if name in self.tasks:
+            raise ArtifactError(f"task name {name!r} is already loaded: remove_task it first")
+        if fuse:
+            rows = model.fused_rows().to(torch.float16).__getitem__
+        else:
+            body = model.body.eval()
+
+            def rows(token_ids: torch.Tensor) -> torch.Tensor:
+                return body.rows(token_ids.to(body.embeddings.device)).float().cpu().to(torch.float16)
         self.heads[name] = model.head.eval()
-        self.tasks[name] = _Task(model.spec, model.aot_config.max_length, pooling_row(model.pooling),
-                                 model.fused_rows().to(torch.float16))
+        self.tasks[name] = _Task(model.spec, model.aot_config.max_length, pooling_row(model.pooling), rows)
 
     def remove_task(self, name: str) -> None:
         if name not in self.tasks:
@@ -103,13 +119,13 @@ class MultiTaskModel(nn.Module):
         device = input_ids.device
         index = torch.zeros_like(input_ids)
         rows, offset = [], 0
-        for name, members in groups.items():  # each task's rows for its own rows' distinct tokens
-            unique, inverse = torch.unique(input_ids[members], return_inverse=True)
-            rows.append(self.tasks[name].table[unique.cpu()])
-            index[members] = inverse + offset
-            offset += len(unique)
         out: list = [None] * len(task_names)
         with torch.no_grad():
+            for name, members in groups.items():  # each task's rows for its own rows' distinct tokens
+                unique, inverse = torch.unique(input_ids[members], return_inverse=True)
+                rows.append(self.tasks[name].rows(unique.cpu()))
+                index[members] = inverse + offset
+                offset += len(unique)
             states = self.biased.states(input_ids, attention_mask, token_type_ids, torch.cat(rows).to(device), index)
             pooled = pool_states(states, attention_mask)
             for name, members in groups.items():
@@ -144,22 +160,33 @@ class MultiTaskModel(nn.Module):
         tokenized as its task was trained (its max length; a token task's words as in serving.words), then rows of
         similar length share a batch whatever their tasks and kinds, on the device the model is on. `on_batch(n)`:
         after each batch of n texts (progress)."""
+        encoded, outputs = self._run(texts, task_names, pairs, batch_size, on_batch)
+        return [{"task": n, **self._answer(self.tasks[n], e, o)} for n, e, o in zip(task_names, encoded, outputs)]
+
+    def outputs(self, texts: Sequence[str], task_names: Sequence[str], pairs: Sequence[str | None] | None = None,
+                batch_size: int = 32) -> list[torch.Tensor]:
+        """What each text's task head computes, in order (batched as in predict): a pooled kind's logits or score
+        [n], an embedding's vector [d], a token task's logits of each of its tokens [S, n]."""
+        encoded, outputs = self._run(texts, task_names, pairs, batch_size)
+        return [o[: len(e.ids["input_ids"])] if self.tasks[n].spec.kind in READS_TOKENS else o
+                for n, e, o in zip(task_names, encoded, outputs)]
+
+    def _run(self, texts, task_names, pairs, batch_size, on_batch=None) -> tuple[list[_Text], list[torch.Tensor]]:
         self._check_names(task_names, len(texts))
         pairs = list(pairs) if pairs is not None else [None] * len(texts)
         encoded = [self._encode(t, p, self.tasks[n]) for t, p, n in zip(texts, pairs, task_names)]
         pad = self.backbone.tokenizer.pad_token_id or 0
         device = next(self.biased.parameters()).device
         order = sorted(range(len(texts)), key=lambda i: len(encoded[i].ids["input_ids"]))
-        answers: list[dict] = [{}] * len(texts)
+        outputs: list = [None] * len(texts)
         for start in range(0, len(order), batch_size):
             rows = order[start:start + batch_size]
             batch = {k: v.to(device) for k, v in _pad([encoded[i].ids for i in rows], pad).items()}
-            outputs = self._outputs(**batch, task_names=[task_names[i] for i in rows])
-            for i, output in zip(rows, outputs):
-                answers[i] = {"task": task_names[i], **self._answer(self.tasks[task_names[i]], encoded[i], output)}
+            for i, output in zip(rows, self._outputs(**batch, task_names=[task_names[i] for i in rows])):
+                outputs[i] = output
             if on_batch is not None:
                 on_batch(len(rows))
-        return answers
+        return encoded, outputs
 
     def _encode(self, text: str, pair: str | None, task: _Task) -> _Text:
         tokenizer = self.backbone.tokenizer
