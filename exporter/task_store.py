@@ -303,26 +303,34 @@ class TaskStore(StoreReader):
         return removed
 
     def _collect(self, state: StoreState, change: Change) -> None:
-        """Under the lock, after a change: remove the version folders nothing may read any more."""
-        keep = _kept_folders(state)
+        """Under the lock, after a change: remove the version folders the change dropped (a publish costs what it
+        changed, not the store's size) and the temporary folders of dead writers; at every compaction, also every
+        version folder no entry names (a killed publisher's). In object storage that sweep spares what was written
+        less than FOREIGN_DEBRIS_AGE ago: a publisher elsewhere may be uploading one now, to name it in its next
+        change."""
+        gone = sorted(v for v, info in change.retired.items() if info is None and not _names(state, v))
+        compaction = bool(change) and state.generation % COMPACT_EVERY == 0
         if self.remote:
-            # versions the change dropped, at once; at every compaction, a sweep for versions no change names (a
-            # killed publisher's uploads) older than FOREIGN_DEBRIS_AGE: a publisher elsewhere may be uploading one
-            # now, to name it in its next change. The sweep lists the store; a publish alone costs what it changed.
-            gone = {folder_name(v) for v, info in change.retired.items() if info is None}
-            for name in sorted(gone - keep):
-                self.backend.delete_folder(name)
-            if change and state.generation % COMPACT_EVERY == 0:
-                self._sweep(state, gone)
+            for version in gone:
+                self.backend.delete_folder(folder_name(version))
+            if compaction:
+                self._sweep(state, {folder_name(v) for v in gone})
             return
+        for version in gone:
+            shutil.rmtree(self.root / folder_name(version), ignore_errors=True)
+        keep = _kept_folders(state) if compaction else set()
         for path in self.root.iterdir():  # by name first: a stat of every version would cost the store's size
-            if path.name in keep or not (path.name.startswith(".tmp-") or "@" in path.name) or not path.is_dir():
-                continue
             if path.name.startswith(".tmp-"):
-                if not _writer_alive(path):
+                if path.is_dir() and not _writer_alive(path):
                     shutil.rmtree(path, ignore_errors=True)
-            elif task_of(path.name):
+            elif compaction and "@" in path.name and path.name not in keep and path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
+
+
+def _names(state: StoreState, version: str) -> bool:
+    """Whether the state still names a version (current, kept or retired): its folder must stay."""
+    entry = state.tasks.get(task_of(version))
+    return version in state.retired or (isinstance(entry, dict) and version in held_versions(entry))
 
 
 def _kept_folders(state: StoreState) -> set[str]:
@@ -332,10 +340,12 @@ def _kept_folders(state: StoreState) -> set[str]:
 
 
 def _retire(entry) -> dict[str, dict]:
-    """A replaced or removed version, kept with its digests for requests pinned to it (for RETIRED_GRACE seconds:
-    none when that is 0)."""
-    if not isinstance(entry, dict) or not isinstance(entry.get("folder"), str) or RETIRED_GRACE <= 0:
+    """A replaced or removed version, kept with its digests for requests pinned to it (for RETIRED_GRACE seconds;
+    when that is 0, marked gone at once: None, which the change's clean-up removes)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("folder"), str):
         return {}
+    if RETIRED_GRACE <= 0:
+        return {entry["folder"]: None}
     info = {"time": time.time()}
     if isinstance(entry.get("digests"), dict):
         info["digests"] = entry["digests"]
