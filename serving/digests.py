@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import threading
+from collections import OrderedDict
 from pathlib import Path
 
 from serving.store_backend import open_regular
@@ -19,6 +21,7 @@ from serving.store_backend import open_regular
 DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # a plain file of a version folder, never a path
 _CHUNK = 1 << 20
+VERIFIED_REMEMBERED = 65536  # files whose verified stamp a process remembers (verify_file_once), ~200 bytes each
 
 
 class DigestError(ValueError):
@@ -83,3 +86,50 @@ def verify_file(path: Path, digests: dict[str, str] | None, where: str) -> None:
         raise DigestError(f"{where}: {path.name}: {exc}".replace(str(path), path.name)) from None
     if actual != expected:
         raise DigestError(f"{where}: {path.name} is damaged (its sha256 differs from the one published)")
+
+
+class _Verified:
+    """The stamps of files this process hashed and found as published, by (path, digest), least recently used
+    first."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.stamps: OrderedDict[tuple[str, str], tuple[int, int, int, int]] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def holds(self, key: tuple[str, str], stamp: tuple[int, int, int, int]) -> bool:
+        with self.lock:
+            if self.stamps.get(key) != stamp:
+                return False
+            self.stamps.move_to_end(key)
+            return True
+
+    def add(self, key: tuple[str, str], stamp: tuple[int, int, int, int]) -> None:
+        with self.lock:
+            self.stamps[key] = stamp
+            self.stamps.move_to_end(key)
+            while len(self.stamps) > self.capacity:
+                self.stamps.popitem(last=False)
+
+
+_verified = _Verified(VERIFIED_REMEMBERED)
+
+
+def verify_file_once(path: Path, digests: dict[str, str] | None, where: str) -> None:
+    """verify_file, but a file this process already hashed and found as published is not hashed again while its
+    stamp is unchanged (any write changes its status-change time, which only the kernel sets): a version evicted
+    and loaded again costs its reads, not its hashes. The background audit (serving.task_audit) and `aot export
+    verify` hash every time, which is what finds bytes that rotted without a write."""
+    if digests is None or path.name not in digests:
+        verify_file(path, digests, where)
+        return
+    try:
+        stamp = file_stamp(path)
+    except OSError:
+        stamp = None
+    key = (str(path), digests[path.name])
+    if stamp is not None and _verified.holds(key, stamp):
+        return
+    verify_file(path, digests, where)
+    if stamp is not None:  # taken before the hash: a write during it changes the stamp, and the next load hashes
+        _verified.add(key, stamp)

@@ -32,7 +32,7 @@ from safetensors.numpy import load_file
 
 from serving import protocol
 from serving.answers import DEFAULT_THRESHOLD, kind_of
-from serving.digests import DigestError, check_regular, file_stamp, verify_file
+from serving.digests import DigestError, check_regular, file_stamp, verify_file, verify_file_once
 from serving.formats import FormatError, check_keys, read_json
 from serving.labels import label_for
 from serving.store import EMBEDDINGS, ROWS_DIR, STORAGES, StoreError, rows_graph_name, task_of
@@ -214,13 +214,14 @@ def load_task_version(folder: Path, version: str, store_root: Path, parts: str =
     `parts`: what a step needs: "meta" (the tokenizer, task_list), "head" (the head step), "rows" (the lookup: the
     table or factors, not the head), "all": with many tasks the heads alone are a large memory a step that does not
     read them need not hold (docs/benchmarks.md section 6, "Figures behind the serving code").
-    `digests` (the manifest's): every file read is checked against them; the fused table on its first use
-    (ServedTask.check_table), so that loading many tasks does not hash every table at once."""
+    `digests` (the manifest's): every file read is checked against them (once per process while its stamp is
+    unchanged: serving.digests.verify_file_once); the fused table on its first use (ServedTask.check_table), so that
+    loading many tasks does not hash every table at once."""
     def verified(name: str) -> Path:
         """A regular file of the version that holds its published bytes."""
         try:
             check_regular(folder / name)
-            verify_file(folder / name, digests, version)
+            verify_file_once(folder / name, digests, version)
         except DigestError as exc:
             raise StoreError(f"{version}: {exc}" if not str(exc).startswith(version) else str(exc)) from None
         return folder / name

@@ -194,3 +194,38 @@ def test_batch_write_validates_each_task_with_one_backbone(tmp_path, tiny_models
     exporter.publish(written)
     index = TaskStore(read_repository(repo).store_root).index()
     assert set(index.entries) == {"b0", "b1", "b2"} and index.generation == generation + 1  # one change
+
+
+def test_a_version_loaded_again_is_hashed_again_only_if_a_file_changed(tmp_path, tiny_models, artifacts,
+                                                                       monkeypatch):
+    """An evicted version loaded again costs its reads, not its hashes; any write to one of its files since (even
+    one that restores the bytes' size and the modification time) makes the next load hash it, and damage is found."""
+    import os
+
+    import serving.digests as digests
+    from serving.tasks import load_task_version
+
+    repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"t": (artifacts[0], "factored")})
+    store = TaskStore(read_repository(repo).store_root)
+    entry = store.entries()["t"]
+    folder = store.root / entry.folder
+    hashed = []
+    real = digests.file_digest
+    monkeypatch.setattr(digests, "file_digest", lambda path: hashed.append(path.name) or real(path))
+
+    def load():
+        hashed.clear()
+        return load_task_version(folder, entry.folder, store.root, "all", entry.digests)
+
+    load()
+    assert sorted(hashed) == ["factors.safetensors", "head.safetensors", "task.json"]
+    load()
+    assert hashed == []  # the same files, unchanged: nothing hashed again
+    factors = folder / "factors.safetensors"
+    data, stat = factors.read_bytes(), factors.stat()
+    damaged = data[:-8] + bytes(b ^ 0xFF for b in data[-8:])
+    factors.write_bytes(damaged)
+    os.utime(factors, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the size and the mtime as they were
+    with pytest.raises(Exception, match="factors.safetensors is damaged"):
+        load()
+    assert hashed == ["factors.safetensors"]  # the file written, alone
