@@ -324,3 +324,20 @@ def test_s3_bench_refuses_too_few_tasks_and_writes_its_reports(tmp_path, capsys)
     assert json.loads((tmp_path / "out" / "s3.json").read_text())["record"] == record
     table = (tmp_path / "out" / "s3.md").read_text()
     assert "| S3 × file | 0.975 |" in table and "| ready, 100 tasks in the bucket (s) | 2.5 |" in table
+
+
+def test_kinds_bench_tiny(tmp_path, tiny_models):
+    """`aot bench kinds` on the tiny encoder: 16 tasks of every kind served by one server, each task's served answers
+    equal `aot predict`'s, both sets measured without an error, the ratio of their medians reported."""
+    out = tmp_path / "bench"
+    assert main(["bench", "kinds", "--model", str(tiny_models["bert"]), "--requests", "16", "--concurrency", "2",
+                 "--repeats", "1", "--max-length", "16", "--check", "2", "--out", str(out), "--no-progress"]) == 0
+    result = json.loads((out / "kinds.json").read_text())
+    assert sorted(set(result["sets"]["mixed"])) == ["classification", "embedding", "multilabel", "tokens"]
+    assert len(result["check"]) == 16 and all(c["same"] and c["errors"] == 0 for c in result["check"])
+    assert result["summary"]["all_answers_equal_predict"] and result["summary"]["max_abs_diff"] < 1e-3
+    assert sorted((r["set"], r["repeat"]) for r in result["records"]) == [("classification", 0), ("mixed", 0)]
+    assert all(r["errors"] == 0 and r["throughput_rps"] > 0 for r in result["records"])
+    median = result["summary"]["median_rps"]
+    assert result["summary"]["ratio"] == pytest.approx(median["mixed"] / median["classification"], abs=1e-3)
+    assert (out / "kinds.md").is_file()
