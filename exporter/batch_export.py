@@ -2,9 +2,10 @@
 
 FILE holds JSON lines `{"task": DIR, "name": NAME}`. Every line is checked before any work (each bad one named by
 its line number), the backbone and the validation engine are loaded once, each task is written as a single export
-writes it and validated as one does (its served outputs against PyTorch), 32 tasks in one pass, and all of them are published in ONE change of the store's index: a running server sees the
-whole batch from its next batch of requests, or, if the export fails or is killed anywhere, none of it (every task
-stays as it was; the folders written so far are removed, or collected as debris by the next export).
+writes it and validated as one does (its served outputs against PyTorch), 32 tasks in one pass, and all of them are
+published in ONE change of the store's index: a running server sees the whole batch from its next batch of
+requests, or, if the export fails or is killed anywhere, none of it (every task stays as it was; the folders written
+so far are removed, or collected as debris by the next export).
 """
 
 from __future__ import annotations
