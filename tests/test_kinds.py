@@ -181,3 +181,15 @@ def test_token_classifier_and_embedding_in_the_peft_api(tiny_models, tmp_path):
         vector = model.eval()(**tokenizer(["w1 w2"], return_tensors="pt")).embeddings[0]
     np.testing.assert_allclose(answer["embedding"], vector.numpy(), atol=1e-5)
     assert abs(np.linalg.norm(answer["embedding"]) - 1) < 1e-5
+
+
+def test_a_task_reads_its_recorded_data_as_its_own_kind(kind_artifacts):
+    """The data a task records it was trained on is read back as its kind (the int8 gate and re-fitting score its dev
+    split through this), whatever the kind: a tagger's data as tokens, not as a classifier's."""
+    from training.artifact import read_task
+    from training.data import recorded_task_data
+
+    for name in ("cls", "ner", "tags", "search"):
+        artifact = read_task(kind_artifacts[name])
+        data = recorded_task_data(artifact.config["training"]["data"], artifact.spec)
+        assert data.spec.kind == artifact.spec.kind and data.dev, name

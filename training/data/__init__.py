@@ -39,4 +39,4 @@ def recorded_task_data(source: str, spec: TaskSpec) -> TaskData:
     as the task's kind: its labels, metric and problem."""
     name = source[len(BUILTIN_PREFIX):] if source.startswith(BUILTIN_PREFIX) else source
     return load_task_data(name, labels=None if spec.labels is None else list(spec.labels), metric=spec.metric,
-                          problem=PROBLEMS[spec.is_regression])
+                          problem=spec.kind)
