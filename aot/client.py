@@ -32,7 +32,6 @@ from aot.errors import (InferenceError, InvalidInput, PermissionDenied, TaskNotF
                         from_triton, one_line, reached_a_dead_instance)
 from serving import protocol
 from serving.answers import READS_TOKENS
-from serving.labels import answer
 from serving.store import MAX_NAME_LENGTH
 from serving.tenants import TENANT_KEY_ENV, TENANT_KEY_PARAMETER
 
@@ -139,8 +138,7 @@ class Client:
             raise ValueError(f"tokenizer {tokenizer}: no tokenizer.json (expected a repository's tokenizer folder)")
         self._tokenizer_dir = tokenizer
         self._tokens = None  # serving.tokenization.Tokenization, made on first use
-        self._max_lengths: dict[str, int] = {}
-        self._kinds: dict[str, str | None] = {}
+        self._listed: dict[str, dict] = {}  # task name -> its tasks() entry (kind, max length), read on first use
         key = tenant_key if tenant_key is not None else os.environ.get(TENANT_KEY_ENV)
         self._parameters = {TENANT_KEY_PARAMETER: key} if key else None
 
@@ -201,10 +199,16 @@ class Client:
 
     def _reads_words(self, task: str) -> bool:
         """A token task takes TEXT even from a client that tokenizes: its entities are found in the text."""
+        listed = self._listing(task)
+        return listed is not None and listed.get("kind") in READS_TOKENS
+
+    def _listing(self, task: str) -> dict | None:
+        """The task's entry in tasks() (TASK@VERSION: its current version's), read again once for a task not seen
+        yet; None for a task the server does not serve."""
         name = task.split("@", 1)[0]
-        if name not in self._kinds:
-            self._kinds.update({t["name"]: t.get("kind") for t in self.tasks()["tasks"]})
-        return self._kinds.get(name) in READS_TOKENS
+        if name not in self._listed:
+            self._listed.update({t["name"]: t for t in self.tasks()["tasks"]})
+        return self._listed.get(name)
 
     def _token_ids(self, task: str, text: str, pair: str | None) -> dict[str, np.ndarray]:
         """The ids the server's first stage would make: truncated to the task's max length (from tasks(), read
@@ -221,30 +225,23 @@ class Client:
                 raise from_triton(exc, task=task) from None
             types = any(i.name == protocol.TOKEN_TYPE_IDS for i in metadata.inputs)
             self._tokens = Tokenization(self._tokenizer_dir, types)
-        name = task.split("@", 1)[0]  # TASK@VERSION: the current version's max length (the server checks the pinned)
-        if name not in self._max_lengths:
-            self._max_lengths.update({t["name"]: t["max_length"] for t in self.tasks()["tasks"]})
-        max_length = self._max_lengths.get(name)
-        if max_length is None:
+        listed = self._listing(task)  # TASK@VERSION: the current version's max length (the server checks the pinned)
+        if listed is None:
             raise TaskNotFound(f"unknown task {task!r}: the server does not serve it", task=task)
         try:
-            return self._tokens.encode(text, pair, max_length)
+            return self._tokens.encode(text, pair, listed["max_length"])
         except RequestError as exc:
             raise InvalidInput(str(exc), task=task) from None
 
     def _outputs(self):
-        names = (protocol.ANSWER, protocol.LOGITS, protocol.LABEL, protocol.TASK_VERSION)
+        names = (protocol.ANSWER, protocol.TASK_VERSION)
         return [self._grpc.InferRequestedOutput(n) for n in names]
 
     @staticmethod
     def _decode(result) -> dict:
         """The answer of the task's kind (ANSWER, serving.answers) and the version that answered."""
         version = _text(result.as_numpy(protocol.TASK_VERSION).reshape(-1)[0])
-        body = result.as_numpy(protocol.ANSWER)
-        if body is not None:
-            return json.loads(_text(body.reshape(-1)[0])) | {"version": version}
-        logits = result.as_numpy(protocol.LOGITS).reshape(-1)  # a server without ANSWER: a classifier's outputs
-        return answer(_text(result.as_numpy(protocol.LABEL).reshape(-1)[0]), logits, version)
+        return json.loads(_text(result.as_numpy(protocol.ANSWER).reshape(-1)[0])) | {"version": version}
 
     def check_ready(self) -> None:
         from tritonclient.utils import InferenceServerException

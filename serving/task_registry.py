@@ -194,8 +194,8 @@ class TaskRegistry:
             raise self.unknown(name, key)
         if entry.route:
             versions = list(entry.route)
-            return self.version(_draw.choices(versions, [entry.route[v] for v in versions])[0], key)
-        return self.version(entry.folder, key)
+            return self._version(_draw.choices(versions, [entry.route[v] for v in versions])[0])
+        return self._version(entry.folder)
 
     def unknown(self, name: str, key: str | None) -> RequestError:
         """The answer for a task that does not exist, or that `key` does not open: the same bytes either way, naming
@@ -218,6 +218,10 @@ class TaskRegistry:
             raise RequestError(str(exc)) from None
         if not may_call(version, key, self.view.index.tenants, self.require_tenant_keys):
             raise _not_in_store(version)
+        return self._version(version)
+
+    def _version(self, version: str) -> ServedTask:
+        """version() for a caller whose key was checked already (resolve: one check per request)."""
         with self._lock:
             task = self._versions.get(version)
             if task is not None:

@@ -162,9 +162,10 @@ class ServedTask:
         """Which pooled state the head reads (versions exported before pooling was recorded read the first token)."""
         return self.meta.get("pooling", protocol.POOLING_BEFORE_V3)
 
-    @property
+    @functools.cached_property
     def kind(self) -> str:
-        """serving.answers.KINDS; a version exported before kinds is a classifier (a regressor without labels)."""
+        """serving.answers.KINDS; a version exported before kinds is a classifier (a regressor without labels). Read
+        on every request by several stages: derived once (meta does not change)."""
         return kind_of(self.meta)
 
     @property

@@ -92,10 +92,6 @@ class BiasedEncoder(nn.Module):
         finally:
             self._layer_bias = None
 
-    def plain(self, input_ids, attention_mask, token_type_ids=None) -> torch.Tensor:
-        """The encoder alone (no bias unless forward set one): the pooled states [B, P, d] (pool_states)."""
-        return pool_states(self.plain_states(input_ids, attention_mask, token_type_ids), attention_mask)
-
     def plain_states(self, input_ids, attention_mask, token_type_ids=None) -> torch.Tensor:
         """The encoder's final states [B, S, d] (with the bias forward or states set, else plain)."""
         extra = {"token_type_ids": token_type_ids} if self.uses_token_type_ids and token_type_ids is not None else {}

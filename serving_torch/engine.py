@@ -124,9 +124,11 @@ class TorchBackbone:
                     out, states = self._forward({k: v.to(self.device) for k, v in feeds.items()}, self.pool_rows)
             else:
                 out, states = self._run_with_rows(requests)
-            for b, r in enumerate(requests):
-                if r.want_states:
-                    r.states = states[b, : len(r.tokens[protocol.INPUT_IDS])].float().cpu().numpy()
+            if any(r.want_states for r in requests):  # one copy to the host for the batch, not one per request
+                host = states[: len(requests)].float().cpu().numpy()
+                for b, r in enumerate(requests):
+                    if r.want_states:
+                        r.states = host[b, : len(r.tokens[protocol.INPUT_IDS])]
             return out[: len(requests)].float().cpu().numpy()
 
     def _shape(self, batch: int, seq: int) -> tuple[int, int]:
