@@ -84,10 +84,12 @@ def fp32_reference(predictor: Predictor, scored: float) -> tuple[float, str]:
 
 
 def check_served_accuracy(repo: RepositoryInfo, folder: Path, predictor: Predictor,
-                          allowed_drop: float | None = None, dev_data: str | Path | None = None) -> ServedScore | None:
+                          allowed_drop: float | None = None, dev_data: str | Path | None = None,
+                          engine: CpuEngine | None = None) -> ServedScore | None:
     """For an int8 repository: score version `folder` (not yet published) on the task's dev examples through the
     int8 engine and against its fp32 reference; record the result in its task.json, or raise AccuracyDropError.
-    An fp32 repository serves what the task scored (checked to 1e-3 on the logits at export): None."""
+    An fp32 repository serves what the task scored (checked to 1e-3 on the logits at export): None. `engine`: the
+    repository's CpuEngine, built once by a caller that checks many tasks."""
     if repo.record.cpu_precision == "fp32":
         return None
     allowed = DEFAULT_ALLOWED_DROP if allowed_drop is None else allowed_drop
@@ -98,7 +100,7 @@ def check_served_accuracy(repo: RepositoryInfo, folder: Path, predictor: Predict
     fp32 = score(predict_logits(predictor.model, encoded, tokenizer.pad_token_id or 0, predictor.device), encoded,
                  spec)
     served = load_task_version(folder, TaskStore.version_name(folder), repo.store_root)
-    logits = CpuEngine(repo).logits(served, [(e.text, e.text_pair) for e in examples])
+    logits = (engine or CpuEngine(repo)).logits(served, [(e.text, e.text_pair) for e in examples])
     reference, origin = fp32_reference(predictor, fp32)
     result = ServedScore(repo.record.cpu_precision, spec.metric, score(torch.from_numpy(logits), encoded, spec),
                          reference, len(examples), allowed, origin)

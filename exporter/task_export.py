@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from exporter.accuracy_gate import check_served_accuracy
 from exporter.compose_env import keep_admin_key_private
+from exporter.cpu_engine import CpuEngine
 from exporter.task_store import Publication, TaskStore
 from serving import protocol
 from serving.answers import READS_TOKENS
@@ -227,6 +228,7 @@ class TaskExporter:
         self._engine = None
         self._tokens = None
         self._reference: MultiTaskModel | None = None  # the PyTorch tasks validate() checks against
+        self._cpu_engine: CpuEngine | None = None  # an int8 repository's served engine, for the accuracy gate
 
     def check(self, task_dir: str | Path, name: str, storage: str) -> TaskArtifact:
         """Every refusal that needs no backbone: the name, the storage, the artifact against the repository."""
@@ -337,7 +339,10 @@ class TaskExporter:
             else:
                 with _writing(name, folder / "factors.safetensors"):
                     save_file(factors, folder / "factors.safetensors")
-            served_dev = check_served_accuracy(self.repo, folder, predictor, allowed_drop, dev_data)
+            if self._cpu_engine is None and self.repo.record.cpu_precision != "fp32":
+                self._cpu_engine = CpuEngine(self.repo)  # the int8 graph's session, once for every task
+            served_dev = check_served_accuracy(self.repo, folder, predictor, allowed_drop, dev_data,
+                                               self._cpu_engine)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise

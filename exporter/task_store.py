@@ -234,20 +234,17 @@ class TaskStore(StoreReader):
 
     def remove(self, name: str) -> TaskEntry:
         """Take a task out of the index (its version stays RETIRED_GRACE seconds for pinned requests)."""
-        with self.locked():
-            removed: list[TaskEntry] = []
+        removed: list[TaskEntry] = []
 
-            def change(state: StoreState) -> Change:
-                if name not in state.tasks:
-                    known = sorted(state.tasks)
-                    listed = ", ".join(known[:10]) + (f", ... ({len(known) - 10} more)" if len(known) > 10 else "")
-                    raise StoreError(f"unknown task {name!r}; known tasks: {listed or '(none)'}")
-                removed[:] = [parse_entry(name, state.tasks[name], "the store's index")]
-                return Change(tasks={name: None}, retired={**retire_all(state.tasks[name]), **expired(state)})
+        def change(state: StoreState) -> Change:
+            if name not in state.tasks:
+                known = sorted(state.tasks)
+                listed = ", ".join(known[:10]) + (f", ... ({len(known) - 10} more)" if len(known) > 10 else "")
+                raise StoreError(f"unknown task {name!r}; known tasks: {listed or '(none)'}")
+            removed[:] = [parse_entry(name, state.tasks[name], "the store's index")]
+            return Change(tasks={name: None}, retired={**retire_all(state.tasks[name]), **expired(state)})
 
-            self.upgrade_identity()
-            state, committed = self.log.commit(change)
-            self._collect(state, committed)
+        self.commit(change)
         return removed[0]
 
     def clean(self, sweep: bool = False) -> list[str]:

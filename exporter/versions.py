@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 
-from exporter.task_store import TaskStore, as_kept
+from exporter.task_store import TaskStore, as_kept, held_versions
 from serving.store import RETIRED_GRACE, StoreError, check_task_name, check_version, parse_entry, task_of
 from serving.store_log import Change, StoreState
 
@@ -84,7 +84,7 @@ def route(store: TaskStore, name: str, weights: dict[str, float]) -> dict[str, f
 
     def change(state: StoreState) -> Change:
         entry = _entry(store, state, name)
-        held = {entry["folder"]} | {k["folder"] for k in entry.get("kept", [])}
+        held = set(held_versions(entry))
         missing = sorted(set(weights) - held)
         if missing:
             raise StoreError(f"{', '.join(missing)}: not a version {name!r} keeps (aot export versions {name} "

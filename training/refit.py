@@ -60,6 +60,8 @@ def fit_task(task_dir: str | Path, repo_dir: str | Path, out: str | Path, config
         result = train(model, data, tokenizer, config, progress=progress)
         if result.dev_score < before:  # fitting found nothing better: keep the task as it was
             model.load_trainable_state(original)
+        elif result.spec is not None:  # what the fit tuned on dev with its weights (a multi-label threshold)
+            spec = result.spec
         after = max(result.dev_score, before)
     fitted_fp32 = dev_score()
     model.to("cpu")
