@@ -15,7 +15,7 @@ from exporter.configs import CPU_CONFIG, FP16_FILE, PYTHON_MODELS, TEMPLATES, wr
 from exporter.onnx_export import FP16_TOLERANCE, example_inputs, export_backbone_graph, export_fp16_graph
 from exporter.quantize import check_int8, int8_difference, quantize_graph
 from exporter.rows_export import write_rows_graphs
-from exporter.task_store import TaskStore
+from exporter.task_store import STAGING, TaskStore
 from exporter.tensorrt import Profile, build_plan, build_script, write_parity_data
 from exporter.torch_export import export_torch_encoder
 from serving import protocol
@@ -254,7 +254,7 @@ def _write_repository(plan: ExportPlan, tmp: Path, record: BackboneRecord) -> No
         # Hard links: no data is copied, and the old store stays whole until the swap succeeds.
         # Its objects are never changed in place, only replaced or created, so the links stay the old store's.
         shutil.copytree(plan.keep_tasks.store_root, tmp / record.store, copy_function=os.link,
-                        ignore=shutil.ignore_patterns(".tmp-*", ".lock", ROWS_DIR))
+                        ignore=shutil.ignore_patterns(".tmp-*", STAGING, ".lock", ROWS_DIR))
     # a new store, or the kept one (upgraded from format v1 if it is one)
     TaskStore(tmp / record.store, plan.store_url).create(record.backbone,
                                                          backbone.embeddings.detach().float().numpy())

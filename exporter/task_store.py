@@ -1,6 +1,6 @@
 """Writing the task store (format `aot-task-store` v2; serving.store reads it, docs/formats.md).
 
-Publishing versions: each is written into `.tmp-<pid>.<host>-<name>@<id>/` and fsynced (no lock held); then, under an
+Publishing versions: each is written into `.staging/<pid>.<host>-<name>@<id>/` and fsynced (no lock held); then, under an
 exclusive lock on `tasks/.lock`, they are renamed into place and ONE change set of the index names them all
 (serving.store_log: readers see every version of a batch at once, or none of it), retiring the versions they replace;
 then garbage is collected. Everything that reads or changes the set of folders happens under that lock, so two
@@ -9,8 +9,9 @@ apart even without it).
 
 A retired version stays on disk for RETIRED_GRACE seconds: a request that the first served step pinned to it a
 moment before the re-export is still served by it. Garbage: retired versions past their grace (dropped from the
-index in the next change set), folders the index does not know, and `.tmp-*` debris of writers that died (a live
-writer's folder is left alone; one of another host is left for an hour).
+index in the next change set), folders the index does not know (at compactions: finding them lists the store), and
+the `.staging/` debris of writers that died (a live writer's folder is left alone; one of another host is left for an
+hour; `.tmp-*` folders in the store's own folder are debris of writers from before `.staging/`, swept at compactions).
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ from serving.formats import FormatError, read_json
 from serving.store import (DEFAULT_KEEP, EMBEDDINGS, RETIRED_GRACE, STORAGES, STORE_FORMAT, STORE_VERSION,
                            V1_MANIFEST, StoreError, StoreReader, TaskEntry, check_task_name, folder_name, parse_entry,
                            task_of, version_of_folder)
-from serving.store_log import COMPACT_EVERY, STORE_FILE, Change, StoreState
+from serving.store_log import STORE_FILE, Change, StoreState
+from serving.store_shards import StaleIndex
 from serving.tenants import tenant_of
 
 UPLOADS_AT_ONCE = 8  # objects a publisher uploads in parallel to a remote store
+STAGING = ".staging"  # where versions are written before they are published: hidden from readers, listed per publish
 FOREIGN_DEBRIS_AGE = 3600.0  # seconds before another host's unfinished export folder counts as debris
 # this host, in the names of export folders (pids are per host: a fleet's exports share one volume)
 HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
@@ -141,18 +144,22 @@ class TaskStore(StoreReader):
         (self.root / V1_MANIFEST).unlink()
         fsync_dir(self.root)
 
+    @property
+    def staging(self) -> Path:
+        return self.root / STAGING
+
     def new_version_folder(self, name: str) -> Path:
         """An empty folder to write a task version into (not yet visible to readers)."""
         check_task_name(name)
-        folder = self.root / f".tmp-{os.getpid()}.{HOST}-{folder_name(name)}@{uuid.uuid4().hex[:12]}"
+        folder = self.staging / f"{os.getpid()}.{HOST}-{folder_name(name)}@{uuid.uuid4().hex[:12]}"
         folder.mkdir(parents=True)
         return folder
 
     @staticmethod
     def version_name(folder: Path) -> str:
-        """The version a folder from new_version_folder becomes: `.tmp-<pid>.<host>-<name>@<id>` -> `<name>@<id>`
-        (a tenant's `T~TASK@<id>` -> `T/TASK@<id>`)."""
-        return version_of_folder(folder.name.split("-", 2)[2])
+        """The version a folder from new_version_folder becomes: `<pid>.<host>-<name>@<id>` -> `<name>@<id>` (a
+        tenant's `T~TASK@<id>` -> `T/TASK@<id>`)."""
+        return version_of_folder(folder.name.split("-", 1)[1])
 
     def commit(self, make) -> StoreState:
         """Under the store's lock: append the change `make(state)` computes from the newest state (a StoreError it
@@ -164,8 +171,9 @@ class TaskStore(StoreReader):
         return state
 
     def upgrade_identity(self) -> None:
-        """Under the lock, before a change: a store of format v2 becomes v3 (what this writer's changes may hold:
-        tenants, kept versions, routes; older servers then refuse the store instead of misreading it)."""
+        """Under the lock, before a change: an older store becomes the current format (what this writer's changes may
+        hold: tenants, kept versions, routes, sharded indexes; older servers then refuse the store instead of
+        misreading it)."""
         identity = self.identity()
         if identity["format_version"] != STORE_VERSION:
             self.backend.write(STORE_FILE, self._identity_bytes(identity["backbone"]))
@@ -248,19 +256,28 @@ class TaskStore(StoreReader):
         return removed[0]
 
     def clean(self, sweep: bool = False) -> list[str]:
-        """Remove the `.tmp-<pid>-*` folders of writers that died (a killed `aot export task` leaves one, up to the
-        size of a fused table); a live writer's folder is left alone. `sweep`, in object storage: also the versions
-        no change names (a killed publisher's uploads) older than FOREIGN_DEBRIS_AGE (a listing of the whole store).
-        Returns the names removed."""
-        removed = []
+        """Remove the staging folders of writers that died (a killed `aot export task` leaves one, up to the size of
+        a fused table); a live writer's folder is left alone. `sweep`, in object storage: also the versions no change
+        names (a killed publisher's uploads) older than FOREIGN_DEBRIS_AGE (a listing of the whole store). Returns
+        the names removed."""
         with self.locked():
-            for path in self.root.iterdir():
-                if path.is_dir() and path.name.startswith(".tmp-") and not _writer_alive(path):
-                    shutil.rmtree(path, ignore_errors=True)
-                    removed.append(path.name)
+            removed = self._remove_debris(everywhere=True)
             if sweep and self.remote:
                 removed += self._sweep(self.log.read_state(), set())
         return sorted(removed)
+
+    def _remove_debris(self, everywhere: bool) -> list[str]:
+        """Under the lock: the staging folders of dead writers; `everywhere`: also `.tmp-*` folders in the store's
+        folder (writers from before `.staging/`), which lists the store."""
+        candidates = list(self.staging.iterdir()) if self.staging.is_dir() else []
+        if everywhere:
+            candidates += [p for p in self.root.iterdir() if p.name.startswith(".tmp-")]
+        removed = []
+        for path in candidates:
+            if path.is_dir() and not _writer_alive(path):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path.name)
+        return removed
 
     def verify(self) -> dict[str, str | None]:
         """Check every current task version offline: each file against the digest the index publishes, and the
@@ -306,7 +323,8 @@ class TaskStore(StoreReader):
         less than FOREIGN_DEBRIS_AGE ago: a publisher elsewhere may be uploading one now, to name it in its next
         change."""
         gone = sorted(v for v, info in change.retired.items() if info is None and not _names(state, v))
-        compaction = bool(change) and state.generation % COMPACT_EVERY == 0
+        compaction = bool(change) and state.index_generation == state.generation
+        self._remove_debris(everywhere=compaction)
         if self.remote:
             for version in gone:
                 self.backend.delete_folder(folder_name(version))
@@ -315,18 +333,20 @@ class TaskStore(StoreReader):
             return
         for version in gone:
             shutil.rmtree(self.root / folder_name(version), ignore_errors=True)
-        keep = _kept_folders(state) if compaction else set()
-        for path in self.root.iterdir():  # by name first: a stat of every version would cost the store's size
-            if path.name.startswith(".tmp-"):
-                if path.is_dir() and not _writer_alive(path):
+        if compaction:
+            keep = _kept_folders(state)
+            for path in self.root.iterdir():  # by name first: a stat of every version would cost the store's size
+                if "@" in path.name and not path.name.startswith(".") and path.name not in keep and path.is_dir():
                     shutil.rmtree(path, ignore_errors=True)
-            elif compaction and "@" in path.name and path.name not in keep and path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
 
 
 def _names(state: StoreState, version: str) -> bool:
-    """Whether the state still names a version (current, kept or retired): its folder must stay."""
-    entry = state.tasks.get(task_of(version))
+    """Whether the state still names a version (current, kept or retired): its folder must stay (and may, when the
+    shard naming it was compacted away meanwhile: the next compaction's sweep decides)."""
+    try:
+        entry = state.tasks.get(task_of(version))
+    except StaleIndex:
+        return True
     return version in state.retired or (isinstance(entry, dict) and version in held_versions(entry))
 
 
@@ -390,11 +410,12 @@ def expired(state: StoreState) -> dict[str, None]:
 
 
 def _writer_alive(debris: Path) -> bool:
-    """`.tmp-<pid>.<host>-<version>`: is the process that writes it still running? A writer on another host (the
+    """`.staging/<pid>.<host>-<version>`: is the process that writes it still running? A writer on another host (the
     store is a shared volume of a fleet) cannot be asked: its folder counts as alive until it is FOREIGN_DEBRIS_AGE
-    seconds old. (`.tmp-<pid>-<version>`: a folder of a writer from before hosts were recorded.)"""
+    seconds old. (`.tmp-<pid>.<host>-<version>` and `.tmp-<pid>-<version>` in the store's folder: writers from before
+    `.staging/`, and from before hosts were recorded.)"""
     try:
-        writer = debris.name.split("-", 2)[1]
+        writer = debris.name.split("-", 2)[1] if debris.name.startswith(".tmp-") else debris.name.split("-", 1)[0]
         pid, _, host = writer.partition(".")
         if host and host != HOST:
             return time.time() - debris.stat().st_mtime < FOREIGN_DEBRIS_AGE

@@ -1,7 +1,8 @@
-"""The task store of a model repository, as readers see it: format `aot-task-store`, version 3 (docs/formats.md).
+"""The task store of a model repository, as readers see it: format `aot-task-store`, version 4 (docs/formats.md).
 
     REPO/tasks/store.json          the store's identity: format, version and the backbone its tasks were trained on
-    REPO/tasks/log/, index/, generation   the index of tasks, an append-only change log (serving.store_log)
+    REPO/tasks/log/, index/, shards/, generation   the index of tasks, an append-only change log (serving.store_log)
+                                   whose compactions keep the entries in shards by name (serving.store_shards)
     REPO/tasks/embeddings.npy      the backbone's embedding matrix E [V, d] fp32 (factored FC tasks use it)
     REPO/tasks/rows/<formula>.onnx the rows graphs factored tasks are computed with (fc-<activation>, kron)
     REPO/tasks/<name>@<id>/        one immutable version of a task (see serving.tasks); a tenant's task
@@ -12,8 +13,9 @@ A task's entry {"folder", "storage", "digests", "meta"} names its current versio
 learns every task from the index alone and reads a version's files only when a request first needs it. Format 3 adds
 to an entry its retention ("keep": how many versions are kept, the current one included), the versions kept besides
 the current one ("kept": the same fields and "time", newest first: each servable by pin, and a rollback target) and an
-optional weighted "route" {version: weight} for canaries; and tenants to the index (serving.tenants). A retired
-version ({"time", "digests"}) stays servable RETIRED_GRACE seconds for requests pinned to it.
+optional weighted "route" {version: weight} for canaries; and tenants to the index (serving.tenants). Format 4 keeps
+a compaction's entries in 256 shards by name instead of inline, so that a writer reads only the shards of the tasks it
+changes. A retired version ({"time", "digests"}) stays servable RETIRED_GRACE seconds for requests pinned to it.
 
 A reader follows the log (StoreView): a publish costs it one small object, whatever the number of tasks. Each entry
 is checked on its own: a bad entry fails only its task; a log or index object that cannot be read is reported and the
@@ -36,8 +38,8 @@ from serving.store_backend import BackendError, FileBackend
 from serving.store_log import STORE_FILE, ChangeLog, StoreState
 
 STORE_FORMAT = "aot-task-store"
-STORE_VERSION = 3
-READABLE_VERSIONS = (2, 3)  # a v2 store (no tenants, no kept versions) is read as it is; its first write upgrades it
+STORE_VERSION = 4
+READABLE_VERSIONS = (2, 3, 4)  # an older store is read as it is; its first write upgrades it
 DEFAULT_KEEP = 5  # versions of a task kept (the current one included) unless `aot export task --keep N` says
 FOLDER_SEPARATOR = "~"  # `TENANT/TASK@<id>` lives in the folder `TENANT~TASK@<id>`: a plain child of the store
 V1_MANIFEST = "manifest.json"  # format v1's index, read only to upgrade it
@@ -176,6 +178,11 @@ class StoreIndex:
     def current(self) -> set[str]:
         """The versions a bare task name may answer: each task's current one and the targets of its route."""
         return {e.folder for e in self.entries.values()} | {v for e in self.entries.values() for v in e.route or ()}
+
+    def is_current(self, version: str) -> bool:
+        """`version in current()`, without building the set of every task's (a load asks it: O(1))."""
+        entry = self.entries.get(task_of(version))
+        return entry is not None and (version == entry.folder or version in (entry.route or ()))
 
     def update(self, state: StoreState, names: set[str] | None) -> None:
         """Parse the entries of `names` from `state` (None: all of them) and its retired versions. New dicts replace

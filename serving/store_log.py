@@ -6,17 +6,20 @@
                               "retired": {version: {"time": t, "digests": {...}}, or null when it is gone},
                               "tenants": {tenant: {"key_sha256", "time"}, or null for a deleted one} (format 3;
                               absent: no tenant changed)}
-    index/<generation>.json   the whole state after generation g (a compaction): {"generation", "tasks", "retired",
-                              "tenants"}
+    index/<generation>.json   the state after generation g (a compaction): {"generation", "shards": {ss: the generation
+                              of the file holding shard ss}, "retired", "tenants"}; the task entries are in
+                              shards/ (serving.store_shards). An index of format 3 holds them inline ("tasks").
     generation                the newest generation, as text: a hint that readers poll cheaply (one stat, or one
                               conditional GET on S3); the log is the truth
 
 Generations are numbered from 1 and named with 16 digits. A writer appends generation g+1 with a create that fails if
 the object exists, so two publishers racing never both succeed: the loser reads the winner's change and tries again
 with g+2. A reader that holds generation g reads only log/g+1, g+2, ...: a publish costs every reader one small object,
-whatever the number of tasks. Every COMPACT_EVERY generations the writer also writes index/<g> and deletes the logs and
-indexes older than the previous index, so a new reader reads one index and at most 2 x COMPACT_EVERY logs; a reader
-left so far behind that its next log was deleted reads the newest index again.
+whatever the number of tasks. When COMPACT_EVERY generations or COMPACT_LOG_BYTES of logs followed the newest index,
+the writer also writes index/<g> (and the shards the logs since the previous index touched) and deletes the logs,
+indexes and shards older than the previous index, so a new reader reads one index and a bounded tail of logs; a reader
+left so far behind that its next log was deleted reads the newest index again. A writer reads the index, that tail,
+and only the shards of the tasks it changes: a publish costs it what it changes, not the store's size.
 
 Entries are opaque to this module (serving.store parses and checks them); it only applies change sets in order.
 """
@@ -30,12 +33,15 @@ from dataclasses import dataclass, field
 
 from serving.formats import FormatError
 from serving.store_backend import BackendError
+from serving.store_shards import SHARDS, StaleIndex, TaskEntries, parse_shard_key, shard_key
 
 LOG = "log"
 INDEX = "index"
 GENERATION = "generation"
 STORE_FILE = "store.json"
 COMPACT_EVERY = 128
+COMPACT_LOG_BYTES = 256 << 10  # logs since the newest index past which the writer compacts (a batch publish's are large)
+READ_ATTEMPTS = 5  # a reader that finds a shard compacted away under it reads the newest index again
 HINT_RECHECK = 10.0  # seconds after which a reader probes the next log even if the hint did not move
 
 
@@ -71,24 +77,25 @@ class Change:
 
 @dataclass
 class StoreState:
-    """The index as of `generation`: raw task entries, retired versions and tenants."""
+    """The index as of `generation`: raw task entries (read by shard, on first use), retired versions and tenants;
+    and what the writer's compaction needs: the generation of the index it was read from and the bytes of the logs
+    followed since."""
 
     generation: int = 0
-    tasks: dict[str, dict] = field(default_factory=dict)
+    tasks: TaskEntries = field(default_factory=TaskEntries)
     retired: dict[str, dict] = field(default_factory=dict)
     tenants: dict[str, dict] = field(default_factory=dict)
+    index_generation: int = 0
+    log_bytes: int = 0
 
     def apply(self, change: Change) -> None:
-        for mine, changed in ((self.tasks, change.tasks), (self.retired, change.retired),
-                              (self.tenants, change.tenants)):
+        self.tasks.apply(change.tasks)
+        for mine, changed in ((self.retired, change.retired), (self.tenants, change.tenants)):
             for key, value in changed.items():
                 if value is None:
                     mine.pop(key, None)
                 else:
                     mine[key] = value
-
-    def to_json(self) -> dict:
-        return {"generation": self.generation, "tasks": self.tasks, "retired": self.retired, "tenants": self.tenants}
 
 
 def _parse(data: bytes, where: str) -> dict:
@@ -127,8 +134,21 @@ class ChangeLog:
 
     # --- readers ----------------------------------------------------------------------------------------------------
 
-    def read_state(self) -> StoreState:
-        """The newest state: the newest index, then every log after it."""
+    def read_state(self, every_shard: bool = True) -> StoreState:
+        """The newest state: the newest index, then every log after it. `every_shard`: read every task entry now (a
+        reader that lists them); else a shard is read when an entry of it is first asked for (a writer)."""
+        for _ in range(READ_ATTEMPTS):
+            state = self._read_index()
+            try:
+                if every_shard:
+                    state.tasks.read_all(self._read_shard, self._parse_shard)
+            except StaleIndex:
+                continue  # a compaction replaced the index under us: read the new one
+            self._follow(state)
+            return state
+        raise BackendError(f"{self.backend!r}: the index kept changing while it was read ({READ_ATTEMPTS} attempts)")
+
+    def _read_index(self) -> StoreState:
         indexes = sorted(g for g in map(_generation_of, self.backend.list(INDEX)) if g is not None)
         for generation in reversed(indexes):
             data = self.backend.read(index_key(generation))
@@ -138,14 +158,30 @@ class ChangeLog:
             value = _parse(data, where)
             if value.get("generation") != generation:
                 raise FormatError(f"{where}: holds generation {value.get('generation')!r}, expected {generation}")
-            state = StoreState(generation, dict(_objects(value, where, "tasks", False)),
-                               dict(_objects(value, where, "retired", False)),
-                               dict(_objects(value, where, "tenants", False)))
-            break
-        else:
-            state = StoreState()
-        self._follow(state)
-        return state
+            if "shards" in value:
+                tasks = TaskEntries(files=_shard_files(value, where), load=self._load_shard)
+            else:  # format 3: every entry inline
+                tasks = TaskEntries(entries=dict(_objects(value, where, "tasks", False)))
+            return StoreState(generation, tasks, dict(_objects(value, where, "retired", False)),
+                              dict(_objects(value, where, "tenants", False)), index_generation=generation)
+        return StoreState()
+
+    def _read_shard(self, shard: str, generation: int) -> bytes:
+        data = self.backend.read(shard_key(generation, shard))
+        if data is None:
+            raise StaleIndex(shard_key(generation, shard))
+        return data
+
+    def _parse_shard(self, shard: str, generation: int, data: bytes) -> dict[str, dict]:
+        where = f"{self.backend!r} {shard_key(generation, shard)}"
+        value = _parse(data, where)
+        if value.get("generation") != generation or value.get("shard") != shard:
+            raise FormatError(f"{where}: holds shard {value.get('shard')!r} of generation "
+                              f"{value.get('generation')!r}, expected {shard!r} of {generation}")
+        return dict(_objects(value, where, "tasks", False))
+
+    def _load_shard(self, shard: str, generation: int) -> dict[str, dict]:
+        return self._parse_shard(shard, generation, self._read_shard(shard, generation))
 
     def changed(self) -> bool:
         """Cheap: whether the generation hint moved since the last call (or HINT_RECHECK seconds passed, in case a
@@ -164,8 +200,8 @@ class ChangeLog:
         if changed is not None:
             return changed
         fresh = self.read_state()
-        state.generation, state.tasks, state.retired, state.tenants = (fresh.generation, fresh.tasks, fresh.retired,
-                                                                       fresh.tenants)
+        for key in ("generation", "tasks", "retired", "tenants", "index_generation", "log_bytes"):
+            setattr(state, key, getattr(fresh, key))
         return None
 
     def _follow(self, state: StoreState) -> set[str] | None:
@@ -181,6 +217,7 @@ class ChangeLog:
             change = _change(data, generation, f"{self.backend!r} {log_key(generation)}")
             state.apply(change)
             state.generation = generation
+            state.log_bytes += len(data)
             changed |= set(change.tasks)
 
     def _compacted_past(self, generation: int) -> bool:
@@ -193,20 +230,27 @@ class ChangeLog:
     def commit(self, make: Callable[[StoreState], Change], attempts: int = 20) -> tuple[StoreState, Change]:
         """Append the change `make(state)` computes from the newest state, as the next generation; if another
         writer appended it first, read theirs and compute again. Returns the new state and the change (an empty
-        change appends nothing)."""
-        state = self.read_state()
+        change appends nothing). The state's shards are read as `make` asks for their entries."""
+        state = self.read_state(every_shard=False)
         for _ in range(attempts):
-            change = make(state)
+            try:
+                change = make(state)
+            except StaleIndex:  # another writer's compaction deleted a shard this state named
+                state = self.read_state(every_shard=False)
+                continue
             if not change:
                 return state, change
             generation = state.generation + 1
             record = {"generation": generation, "time": time.time(), "tasks": change.tasks, "retired": change.retired,
                       **({"tenants": change.tenants} if change.tenants else {})}
-            if self.backend.create(log_key(generation), json.dumps(record, separators=(",", ":")).encode()):
+            data = json.dumps(record, separators=(",", ":")).encode()
+            if self.backend.create(log_key(generation), data):
                 state.apply(change)
                 state.generation = generation
+                state.log_bytes += len(data)
                 self.backend.write(GENERATION, f"{generation}\n".encode())
-                if generation % COMPACT_EVERY == 0:
+                if (generation - state.index_generation >= COMPACT_EVERY
+                        or state.log_bytes >= COMPACT_LOG_BYTES):
                     self.compact(state)
                 return state, change
             self._follow(state)  # lost the race: another writer's change first
@@ -214,17 +258,50 @@ class ChangeLog:
                            "(other writers kept winning)")
 
     def compact(self, state: StoreState) -> None:
-        """Write the index of `state`, then delete what no reader needs: logs and indexes older than the previous
-        index (a reader at any generation since then still follows the logs)."""
-        self.backend.create(index_key(state.generation), json.dumps(state.to_json(), separators=(",", ":")).encode())
-        indexes = sorted(g for g in map(_generation_of, self.backend.list(INDEX)) if g is not None)
-        older = [g for g in indexes if g < state.generation]
+        """Write the index of `state`: the shards changed since the index it was read from, then the index naming
+        them and the unchanged shards' files. Then delete what no reader needs: logs, indexes and shards older than
+        the previous index (a reader at any generation since then still follows the logs)."""
+        g, files = state.generation, dict(state.tasks.files)
+        for shard in sorted(state.tasks.dirty):
+            entries = state.tasks.shard(shard)
+            files.pop(shard, None)
+            if entries:
+                record = {"generation": g, "shard": shard, "tasks": entries}
+                self.backend.create(shard_key(g, shard), json.dumps(record, separators=(",", ":")).encode())
+                files[shard] = g
+        head = {"generation": g, "shards": dict(sorted(files.items())), "retired": state.retired,
+                "tenants": state.tenants}
+        self.backend.create(index_key(g), json.dumps(head, separators=(",", ":")).encode())
+        state.tasks.indexed(files)
+        state.index_generation, state.log_bytes = g, 0
+        indexes = sorted(i for i in map(_generation_of, self.backend.list(INDEX)) if i is not None)
+        older = [i for i in indexes if i < g]
         if not older:
             return
         keep_from = older[-1]
-        for g in older[:-1]:
-            self.backend.delete(index_key(g))
+        kept_shards = {shard_key(gen, shard) for shard, gen in files.items()}
+        previous = self.backend.read(index_key(keep_from))
+        if previous is None:  # another writer compacted past it meanwhile: its own clean-up deletes the rest
+            return
+        where = f"{self.backend!r} {index_key(keep_from)}"
+        kept_shards |= {shard_key(gen, shard) for shard, gen in _shard_files(_parse(previous, where), where).items()}
+        for i in older[:-1]:
+            self.backend.delete(index_key(i))
         for key in list(self.backend.list(LOG)):
-            g = _generation_of(key)
-            if g is not None and g <= keep_from:
+            i = _generation_of(key)
+            if i is not None and i <= keep_from:
                 self.backend.delete(key)
+        for key in list(self.backend.list(SHARDS)):
+            parsed = parse_shard_key(key)
+            if parsed is not None and parsed[0] <= keep_from and key not in kept_shards:
+                self.backend.delete(key)
+
+
+def _shard_files(value: dict, where: str) -> dict[str, int]:
+    """An index's "shards": shard -> the generation of the file holding it."""
+    files = value.get("shards", {})
+    if not isinstance(files, dict) or not all(
+            isinstance(s, str) and len(s) == 2 and isinstance(g, int) and not isinstance(g, bool) and 0 < g
+            for s, g in files.items()):
+        raise FormatError(f"{where}: 'shards' must be an object of two hex digits -> generation")
+    return files

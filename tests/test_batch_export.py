@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from exporter.batch_export import export_batch
-from exporter.task_store import TaskStore
+from exporter.task_store import STAGING, TaskStore
 from serving.repository import read_repository
 from serving.store import StoreError
 from serving.task_registry import TaskRegistry
@@ -89,7 +89,7 @@ def test_a_task_failing_midway_publishes_nothing(tmp_path, tiny_models, artifact
         export_batch(repo, batch, "factored", progress=False)
     assert _state(repo) == before
     store = TaskStore(read_repository(repo).store_root)
-    assert [p.name for p in store.root.iterdir() if p.name.startswith(".tmp-")] == []
+    assert [p.name for p in store.staging.glob("*")] == []
 
 
 def test_validation_in_passes_names_the_line_whose_served_outputs_differ(tmp_path, tiny_models, artifacts,
@@ -133,7 +133,7 @@ def test_a_killed_batch_leaves_every_task_as_it_was(tmp_path, tiny_models, artif
     store_root = read_repository(repo).store_root
     deadline = time.monotonic() + 300
     # killed once its second task is being written: mid-batch however fast the machine (80 tasks to go)
-    while len([p for p in store_root.iterdir() if p.name.startswith(".tmp-")]) < 2:
+    while len(list((store_root / STAGING).glob("*"))) < 2:
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline
         time.sleep(0.005)
@@ -142,7 +142,7 @@ def test_a_killed_batch_leaves_every_task_as_it_was(tmp_path, tiny_models, artif
     after_state, after_folders = _state(repo)
     assert after_state == before[0] and after_folders == before[1]
     assert TaskStore(store_root).clean()  # the killed writer's folders
-    assert [p.name for p in store_root.iterdir() if p.name.startswith(".tmp-")] == []
+    assert [p.name for p in (store_root / STAGING).glob("*")] == []
 
 
 def test_the_command(tmp_path, tiny_models, artifacts):

@@ -19,9 +19,10 @@ from exporter.backbone_export import export_backbone
 from exporter.configs import instance_count, model_configs, parse_pbtxt, to_pbtxt
 from exporter.onnx_export import export_backbone_graph
 from exporter.task_export import export_task
-from exporter.task_store import StoreError, TaskStore
+from exporter.task_store import STAGING, StoreError, TaskStore
 from exporter.tensorrt import Profile, build_plan, build_script, trtexec_command
 from serving import protocol
+from serving.store import STORE_VERSION
 from serving.errors import RequestError
 from serving.repository import (GPU_STEP_INSTANCES, BackboneRecord, RepositoryError, ServingOptions,
                                 read_repository)
@@ -230,11 +231,11 @@ def test_killed_export_leaves_store_loadable(tmp_path, tiny_models, tasks):
     store_root = read_repository(repo).store_root
     registry = TaskRegistry(store_root)
     assert registry.names() == ["keep"] and not registry.errors()
-    assert any(p.name.startswith(f".tmp-{proc.pid}.") and "-new@" in p.name for p in store_root.iterdir())  # invisible
+    assert any(p.name.startswith(f"{proc.pid}.") and "-new@" in p.name for p in (store_root / STAGING).iterdir())
     export_task(tasks[("bert", "kron")], repo, "new", progress=False)
     registry.refresh()
     assert registry.names() == ["keep", "new"]
-    assert not any(p.name.startswith(".tmp-") for p in store_root.iterdir())  # a dead writer's debris is removed
+    assert not any((store_root / STAGING).iterdir())  # a dead writer's debris is removed
 
 
 def test_corrupt_task_does_not_hide_the_others(tmp_path, tiny_models, tasks):
@@ -285,7 +286,7 @@ def test_previous_release_repository_is_upgraded_with_its_tasks(tmp_path, tiny_m
 
     export_backbone(str(tiny_models["bert"]), repo, overwrite=True)
     store = TaskStore(read_repository(repo).store_root)
-    assert not (store.root / "manifest.json").exists() and store.identity()["format_version"] == 3
+    assert not (store.root / "manifest.json").exists() and store.identity()["format_version"] == STORE_VERSION
     entries = store.entries()
     assert {n: (e.folder, e.storage, e.digests) for n, e in entries.items()} == \
         {n: (e["folder"], e["storage"], e["digests"]) for n, e in old.items()}

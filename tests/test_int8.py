@@ -18,7 +18,7 @@ from exporter.backbone_export import export_backbone
 from exporter.cpu_engine import CpuEngine, predict_lines_through
 from exporter.onnx_export import ExportableBackbone, example_inputs, session
 from exporter.task_export import export_task
-from exporter.task_store import TaskStore
+from exporter.task_store import STAGING, TaskStore
 from serving import protocol
 from serving.repository import INT8_GRAPH, read_repository
 from serving.tasks import load_task_version
@@ -125,7 +125,7 @@ def test_gate_refuses_a_drop_with_both_figures_and_the_ways_out(repo, refused):
     assert "dev accuracy through the int8 engine is" in message and "below its fp32" in message
     assert f"aot train --fit-to {repo}" in message and "--allow-accuracy-drop" in message
     assert "plain" not in tasks_after  # nothing published, nothing left behind
-    assert not list(read_repository(repo).store_root.glob(".tmp-*"))
+    assert not list((read_repository(repo).store_root / STAGING).glob("*"))
 
 
 def test_gate_accepts_with_override_and_records_both_scores(repo, published):

@@ -214,6 +214,7 @@ def test_a_publish_interrupted_halfway_leaves_the_old_version(repo, server, arti
     serves); the next publish lands, and the sweep that runs at compactions removes the orphaned objects once they
     are old enough (both thresholds lowered here)."""
     import exporter.task_store as task_store
+    import serving.store_log as store_log
     from serving.s3 import S3Backend
 
     from exporter.task_export import TaskExporter
@@ -237,7 +238,7 @@ def test_a_publish_interrupted_halfway_leaves_the_old_version(repo, server, arti
         assert answer["version"] == old
         np.testing.assert_allclose(answer["logits"], expected["alpha"][0], atol=ATOL)
     monkeypatch.undo()
-    monkeypatch.setattr(task_store, "COMPACT_EVERY", 1)
+    monkeypatch.setattr(store_log, "COMPACT_EVERY", 1)
     monkeypatch.setattr(task_store, "FOREIGN_DEBRIS_AGE", 0.0)
     export_task(artifacts["alpha"], repo, "zeta", "factored", progress=False)
     left = set(bucket.folders())

@@ -770,7 +770,7 @@ def test_killed_export_debris_is_removed_by_export_list(tmp_path, repo, artifact
                                "--repo", str(copy), "--name", "gamma", "--no-progress"], env=env, cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     store = TaskStore(copy / "tasks")
-    debris = _wait(lambda: [p for p in store.root.iterdir() if p.name.startswith(".tmp-")], 120, 0.01)
+    debris = _wait(lambda: list(store.staging.glob("*")), 120, 0.01)
     export.kill()
     export.wait()
     assert debris, "the export never wrote its temporary folder"
@@ -778,7 +778,7 @@ def test_killed_export_debris_is_removed_by_export_list(tmp_path, repo, artifact
                             capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert "left by killed exports" in result.stderr
-    assert not [p for p in store.root.iterdir() if p.name.startswith(".tmp-")]
+    assert not list(store.staging.glob("*"))
     assert [json.loads(line)["name"] for line in result.stdout.splitlines()] == ["alpha", "beta"]
 
 

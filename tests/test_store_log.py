@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 
@@ -11,6 +12,7 @@ from serving import store_log
 from serving.formats import FormatError
 from serving.store_backend import BackendError, FileBackend
 from serving.store_log import Change, ChangeLog, index_key, log_key
+from serving.store_shards import SHARDS, shard_key, shard_of
 
 
 def _entry(i: int) -> dict:
@@ -126,3 +128,88 @@ def test_only_regular_files_are_read(tmp_path, plant):
 
 def test_index_key_names():
     assert index_key(12) == "index/0000000000000012.json" and log_key(1) == "log/0000000000000001.json"
+
+
+def _grown(tmp_path, tasks: int) -> ChangeLog:
+    """A store of `tasks` entries, compacted: its index names 256 shards at most."""
+    log = ChangeLog(FileBackend(tmp_path))
+    state, _ = log.commit(lambda state: Change(tasks={f"t{i}": _entry(i) for i in range(tasks)}))
+    if state.index_generation != state.generation:
+        log.compact(state)
+    return log
+
+
+@pytest.mark.parametrize("tasks", [10, 1000])
+def test_a_writer_reads_the_index_and_the_shard_of_the_task_it_changes_only(tmp_path, tasks):
+    _grown(tmp_path, tasks)
+    backend = FileBackend(tmp_path)
+    writer = ChangeLog(backend)
+    state, _ = writer.commit(lambda state: Change(tasks={"t7": {**state.tasks["t7"], "storage": "fused"}}))
+    head = len((tmp_path / index_key(1)).read_bytes())
+    shard = len((tmp_path / shard_key(1, shard_of("t7"))).read_bytes())
+    assert backend.bytes_read <= head + shard + 64  # and the generation hint: none of the other shards
+    fresh = ChangeLog(FileBackend(tmp_path)).read_state()
+    assert len(fresh.tasks) == tasks and fresh.tasks["t7"]["storage"] == "fused" and fresh.tasks["t8"] == _entry(8)
+
+
+def test_a_compaction_writes_only_the_shards_changed_since_the_last(tmp_path):
+    log = _grown(tmp_path, 1000)
+    before = set(os.listdir(tmp_path / SHARDS))
+    assert len(before) == len({shard_of(f"t{i}") for i in range(1000)}) > 200
+    state, _ = log.commit(_set("t3", _entry(3000)))
+    log.commit(lambda s: Change(tasks={"t4": None}))
+    log.compact(ChangeLog(FileBackend(tmp_path)).read_state(every_shard=False))
+    new = set(os.listdir(tmp_path / SHARDS)) - before
+    assert new == {shard_key(3, shard_of(n)).split("/")[1] for n in ("t3", "t4")}
+    fresh = ChangeLog(FileBackend(tmp_path)).read_state()
+    assert fresh.generation == 3 and len(fresh.tasks) == 999 and fresh.tasks["t3"] == _entry(3000)
+    assert "t4" not in fresh.tasks and fresh.tasks["t999"] == _entry(999)
+
+
+def test_an_inline_index_of_format_3_is_read_and_sharded_at_the_next_compaction(tmp_path):
+    (tmp_path / "index").mkdir()
+    inline = {"generation": 1, "tasks": {f"t{i}": _entry(i) for i in range(20)}, "retired": {}, "tenants": {}}
+    (tmp_path / index_key(1)).write_text(json.dumps(inline))
+    log = ChangeLog(FileBackend(tmp_path))
+    assert dict(log.read_state().tasks) == inline["tasks"]
+    state, _ = log.commit(_set("t0", _entry(100)))
+    log.compact(state)
+    assert json.loads((tmp_path / index_key(2)).read_text())["shards"]
+    assert dict(ChangeLog(FileBackend(tmp_path)).read_state().tasks) == {**inline["tasks"], "t0": _entry(100)}
+
+
+def test_a_shard_compacted_away_under_a_reader_or_a_writer_means_reading_the_new_index(tmp_path, monkeypatch):
+    """Every change touches task `a`, so each compaction writes its shard anew and the second one after an index
+    deletes the shard that index named."""
+    monkeypatch.setattr(store_log, "COMPACT_EVERY", 4)
+    other, written = ChangeLog(FileBackend(tmp_path)), []
+
+    def another_change():
+        other.commit(_set("a", _entry(len(written))))
+        written.append(len(written))
+
+    for _ in range(4):
+        another_change()
+
+    class Racing(FileBackend):
+        raced = False
+
+        def read(self, key):
+            if key.startswith(SHARDS) and not Racing.raced:
+                Racing.raced = True
+                for _ in range(8):  # two compactions: the second deletes the shard file this reader was about to read
+                    another_change()
+            return super().read(key)
+
+    state = ChangeLog(Racing(tmp_path)).read_state()
+    assert state.generation == 12 and state.tasks["a"] == _entry(11)
+    Racing.raced = False
+    writer = ChangeLog(Racing(tmp_path))
+    calls = []
+
+    def change(state):
+        calls.append(state.generation)
+        return Change(tasks={"a": {**state.tasks["a"], "storage": "fused"}})
+
+    state, _ = writer.commit(change)
+    assert calls == [12, 20] and state.generation == 21 and state.tasks["a"] == {**_entry(19), "storage": "fused"}

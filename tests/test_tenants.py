@@ -16,7 +16,7 @@ from aot.client import Client, InferenceError, TaskNotFound
 from exporter.task_export import export_task
 from exporter.task_store import TaskStore
 from serving.repository import read_repository
-from serving.store import StoreError, folder_name
+from serving.store import STORE_VERSION, StoreError, folder_name
 from serving.task_registry import TaskRegistry
 from serving.tenants import TENANT_KEY_PARAMETER, key_digest
 from tests.helpers import make_repository, run_cli, serve_for_tests, train_tiny_task
@@ -81,7 +81,7 @@ def test_the_store_keeps_only_the_keys_hash(repo, keys):
     stored = b"".join(p.read_bytes() for p in (repo / "tasks").rglob("*.json"))
     for key in keys.values():
         assert key.encode() not in stored and key_digest(key).encode() in stored
-    assert json.loads((repo / "tasks" / "store.json").read_text())["format_version"] == 3
+    assert json.loads((repo / "tasks" / "store.json").read_text())["format_version"] == STORE_VERSION
     version = TaskStore.of(read_repository(repo)).entries()["acme/intent"].folder
     assert (repo / "tasks" / folder_name(version)).is_dir() and folder_name(version).startswith("acme~intent@")
 

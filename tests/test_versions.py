@@ -14,7 +14,7 @@ from aot.client import Client, TaskNotFound
 from exporter.task_export import export_task
 from exporter.task_store import TaskStore
 from serving.repository import read_repository
-from serving.store import RETIRED_GRACE
+from serving.store import RETIRED_GRACE, STORE_VERSION
 from serving.store_log import Change
 from tests.helpers import make_repository, run_cli, serve_for_tests, train_tiny_task
 
@@ -150,5 +150,5 @@ def test_a_store_of_format_v2_is_read_and_upgraded(tmp_path_factory, tiny_models
     identity.write_text(json.dumps({**data, "format_version": 2}))
     assert _store(repo).entries()["old"].keep == 5  # an entry without retention reads as the default
     export_task(artifact, repo, "old", "factored", progress=False)
-    assert json.loads(identity.read_text())["format_version"] == 3
+    assert json.loads(identity.read_text())["format_version"] == STORE_VERSION
     assert len(_store(repo).entries()["old"].kept) == 1
