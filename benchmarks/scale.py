@@ -4,15 +4,16 @@ From one trained AoT task it derives N tasks with perturbed factors (factored st
 1 + 0.05 * N(0, 1), seeded per task) and publishes them into one store in batches of one change each; at each count
 of --counts (the store grows from one to the next), on a fresh server with the repository's default options:
 
-    publish_one_s, publish_bytes_read   one more task published by itself into the store of N, and what a serving
-                                        process (the StoreView the steps run) reads to apply it
+    publish_one_s, publish_bytes_read   one more task published by itself into the store of N (the median of
+    publish_writer_bytes                PUBLISHES), what a serving process (the StoreView the steps run) reads to
+                                        apply it, and what the publisher read of the store's index
     ready_s, rss_ready_mb, rss_after_mb start to ready; every server process's RSS at ready and after the traffic
     cold_p50_ms, cold_p99_ms            first requests of tasks no request touched yet, one at a time, after one
                                         request of task 0 (the engine's own first run)
     zipf_rps, hot_rps, zipf_vs_hot      `warmup` + `requests` requests at `concurrency`: tasks drawn by Zipf, then
                                         all to one hot task, on the same server
     publish_to_served_s                 a task published while serving, until its first answer
-    index_bytes                         the index's files in the store (compactions and change logs it keeps)
+    index_bytes                         the index's files in the store (compactions, shards and change logs it keeps)
     wrong                               sampled tasks (hot, cold, and again after the traffic evicted them) against
                                         PyTorch (the master task's model with the derived task's factors, as
                                         `aot predict` computes it), tolerance 1e-3
@@ -35,8 +36,10 @@ from exporter.task_store import Publication, TaskStore
 from serving.repository import read_repository
 from serving.shm import STUB
 from serving.store import StoreReader, StoreView
+from serving.store_shards import SHARDS
 
 ATOL = 1e-3
+PUBLISHES = 3  # single publishes timed at each count
 
 
 @dataclass
@@ -122,19 +125,26 @@ def _rss_by_process(process) -> dict[str, float]:
     return {k: round(v, 1) for k, v in sorted(out.items())}
 
 
-def _publish_cost(store: TaskStore, derived: DerivedStore, i: int) -> tuple[float, int]:
-    """One task published by itself into the store as it is: seconds, and the bytes a following reader reads."""
+def _publish_cost(store: TaskStore, derived: DerivedStore, publishes: int) -> dict:
+    """Tasks published one by one into the store as it is: the median seconds, and for the last, the bytes a
+    following reader reads and the bytes the publisher read of the index."""
     view = StoreView(StoreReader(store.root))
     view.refresh()
-    folder = derived.folder(i)
-    start = time.perf_counter()
-    store.publish(_name(i), folder, "factored")
-    seconds = time.perf_counter() - start
-    before = view.reader.backend.bytes_read
-    view.reader.log._probed = 0.0  # look now, as a step does before its next batch once the hint moved
-    view.refresh()
-    assert _name(i) in view.index.entries
-    return seconds, view.reader.backend.bytes_read - before
+    seconds = []
+    for _ in range(publishes):
+        i, folder = derived.count, derived.folder(derived.count)
+        writer_before = store.backend.bytes_read
+        start = time.perf_counter()
+        store.publish(_name(i), folder, "factored")
+        seconds.append(time.perf_counter() - start)
+        derived.count += 1
+        writer_bytes = store.backend.bytes_read - writer_before
+        before = view.reader.backend.bytes_read
+        view.reader.log._probed = 0.0  # look now, as a step does before its next batch once the hint moved
+        view.refresh()
+        assert _name(i) in view.index.entries
+    return {"publish_one_s": round(statistics.median(seconds), 4),
+            "publish_bytes_read": view.reader.backend.bytes_read - before, "publish_writer_bytes": writer_bytes}
 
 
 def _wrong(client, reference: Reference, picks: list[int], texts: list[str]) -> int:
@@ -153,8 +163,7 @@ def _measure(repo: Path, store: TaskStore, derived: DerivedStore, reference: Ref
     from aot.server import LocalServer
 
     rng = np.random.default_rng(n)
-    publish_s, publish_bytes = _publish_cost(store, derived, derived.count)
-    derived.count += 1
+    publish = _publish_cost(store, derived, min(PUBLISHES, n))
     total = derived.count
     weights = 1.0 / np.arange(1, total + 1)
     zipf = rng.choice(total, size=config.warmup + config.requests, p=weights / weights.sum())
@@ -193,7 +202,7 @@ def _measure(repo: Path, store: TaskStore, derived: DerivedStore, reference: Ref
             derived.count += 1
         ready = server.ready_seconds
     cold.sort()
-    return {"tasks": total, "publish_one_s": round(publish_s, 3), "publish_bytes_read": publish_bytes,
+    return {"tasks": total, **publish,
             "ready_s": round(ready, 2), "rss_ready_mb": rss_ready, "rss_after_mb": rss_after,
             "rss_ready_total_mb": round(sum(rss_ready.values()), 1),
             "rss_after_total_mb": round(sum(rss_after.values()), 1),
@@ -203,7 +212,8 @@ def _measure(repo: Path, store: TaskStore, derived: DerivedStore, reference: Ref
             "zipf_vs_hot": round(zipf_run["throughput_rps"] / hot_run["throughput_rps"], 3),
             "errors": zipf_run["errors"] + hot_run["errors"], "publish_to_served_s": round(publish_to_served, 3),
             "wrong": wrong,
-            "index_bytes": sum(p.stat().st_size for d in ("index", "log") for p in (store.root / d).glob("*.json"))}
+            "index_bytes": sum(p.stat().st_size for d in ("index", "log", SHARDS)
+                               for p in (store.root / d).glob("*.json"))}
 
 
 def run_scale_bench(config: ScaleBenchConfig, progress: bool = True) -> dict:
@@ -227,12 +237,12 @@ def run_scale_bench(config: ScaleBenchConfig, progress: bool = True) -> dict:
         reference = Reference(Path(config.task), derived.factors)
         texts = _texts(64)
         records = []
-        bar = tqdm(total=max(config.counts) + len(config.counts), desc="scale bench", unit="task",
+        bar = tqdm(total=max(config.counts) + len(config.counts) + 1, desc="scale bench", unit="task",
                    disable=not progress)
         for n in sorted(config.counts):
-            derived.grow(max(n - 1, derived.count), config.batch, bar.update)  # _measure publishes the n-th
+            derived.grow(max(n - min(PUBLISHES, n), derived.count), config.batch, bar.update)  # _measure: the rest
             records.append(_measure(repo, store, derived, reference, n, config, texts))
-            bar.update(1)
+            bar.update(min(PUBLISHES, n) + 1)
             write_scale_reports(records, out, config)
         bar.close()
         return {"out": str(out), "records": len(records), "config": asdict(config)}
@@ -249,10 +259,12 @@ def write_scale_reports(records: list[dict], out: Path, config: ScaleBenchConfig
     text = "# One server, many tasks (CPU, `aot serve` defaults)\n\n" + markdown_table(
         rows, ["tasks", "ready_s", "ready_vs_first", "rss_ready_total_mb", "rss_after_total_mb",
                "rss_after_vs_first_mb", "cold_p50_ms", "cold_p99_ms", "zipf_rps", "hot_rps", "zipf_vs_hot",
-               "publish_one_s", "publish_vs_first", "publish_bytes_read", "publish_to_served_s", "errors", "wrong"],
+               "publish_one_s", "publish_vs_first", "publish_writer_bytes", "publish_bytes_read", "publish_to_served_s",
+               "errors", "wrong"],
         ["tasks", "ready (s)", "× first", "RSS at ready (MB)", "RSS after traffic (MB)", "+MB vs first",
          "cold p50 ms", "cold p99 ms", "Zipf req/s", "hot req/s", "Zipf × hot", "publish one (s)", "× first",
-         "bytes a reader reads per publish", "publish → served (s)", "errors", "wrong answers"])
+         "bytes the publisher reads", "bytes a reader reads per publish", "publish → served (s)", "errors",
+         "wrong answers"])
     text += "\n## RSS of each server process after the traffic (MB)\n\n"
     for r in records:
         text += f"- {r['tasks']} tasks: " + ", ".join(f"{k} {v}" for k, v in r["rss_after_mb"].items()) + "\n"

@@ -244,7 +244,7 @@ def test_scale_bench_tiny(tmp_path, tiny_models, sentiment_dir):
     for r in records:
         assert r["errors"] == 0 and r["wrong"] == 0 and r["ready_s"] > 0 and r["rss_after_total_mb"] > 50
         assert r["cold_p99_ms"] >= r["cold_p50_ms"] > 0 and r["zipf_rps"] > 0 and r["hot_rps"] > 0
-        assert r["publish_bytes_read"] > 0 and r["publish_to_served_s"] > 0
+        assert r["publish_bytes_read"] > 0 and r["publish_writer_bytes"] > 0 and r["publish_to_served_s"] > 0
     one, many = records  # a publish costs a reader what changed, not the store's size
     assert many["publish_bytes_read"] <= 1.5 * one["publish_bytes_read"], records
     assert (out / "scale.md").read_text().startswith("# One server, many tasks") and (out / "scale.png").is_file()
