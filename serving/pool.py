@@ -91,7 +91,7 @@ class RowPool:
         self.storage = storage or HostRows()
         self.buffer = self.storage.allocate(self.slots, num_layers, hidden_size)
         self._lock = threading.RLock()  # rows_many holds it across slots_many and its gather
-        self._sources: dict[str, Callable[[np.ndarray], np.ndarray]] = {}
+        self._sources: dict[str, Callable[[np.ndarray], np.ndarray] | None] = {}  # None: let go (let_go)
         self.stats: dict[str, PoolStats] = {}
         self.touched: set[str] = set()  # versions whose stats changed since the last drain_touched()
         # resident mode: version -> first slot of its V rows; ranges of detached versions, reused first
@@ -122,13 +122,26 @@ class RowPool:
         return self._resident
 
     def attach(self, version: str, source: Callable[[np.ndarray], np.ndarray]) -> None:
-        """Serve `version` from the pool; `source(sorted ids) -> [U, L, d]` reads or computes missing rows."""
+        """Serve `version` from the pool; `source(sorted ids) -> [U, L, d]` reads or computes missing rows (an
+        attached version takes the new source: the one its loaded task offers now)."""
+        with self._lock:
+            known = version in self._sources
+            self._sources[version] = source
+            if not known:
+                self.stats[version] = PoolStats()
+                self._layout()
+
+    def let_go(self, version: str) -> None:
+        """Keep a version's rows but not its source (the task its registry dropped from memory): its next request
+        loads the task again and attaches its source before any row is filled."""
         with self._lock:
             if version in self._sources:
-                return
-            self._sources[version] = source
-            self.stats[version] = PoolStats()
-            self._layout()
+                self._sources[version] = None
+
+    def versions(self) -> list[str]:
+        """The attached versions."""
+        with self._lock:
+            return list(self._sources)
 
     def detach(self, version: str) -> None:
         """Drop a removed or replaced version's rows at once."""

@@ -61,8 +61,9 @@ class TaskRegistry:
                  on_index_error: Callable[[str], None] | None = None, pool: RowPool | None = None,
                  on_task_error: Callable[[str, str], None] | None = None, pool_fused: bool = True,
                  cache_bytes: int = DEFAULT_CACHE_BYTES, url: str | None = None, require_tenant_keys: bool = False):
-        """`pool`: keep the rows of the loaded current versions in this pool (serving.pool); a version that leaves
-        the index or the loaded set is detached from it (a request still pinned to one reads its storage directly).
+        """`pool`: keep the rows of the current versions in this pool (serving.pool); a version that leaves the
+        index is detached from it (a request still pinned to one reads its storage directly); one dropped from the
+        loaded set keeps its rows there until the pool evicts them, for when it is loaded again.
         `pool_fused` False: only factored versions' rows go in the pool, fused tables are read through their memory
         maps (a step of several instances on CPU: the page cache shares one copy of each table between them).
         `grace`: seconds a version that left the index stays loaded after it last served a request.
@@ -124,9 +125,11 @@ class TaskRegistry:
             if changed == set():
                 return
             current = self.view.index.current()
+            if self.pool is not None:  # rows of versions no bare name answers go at once (kept ones too)
+                for version in self.pool.versions():
+                    if version not in current:
+                        self.pool.detach(version)
             for version in [v for v in self._versions if v not in current]:
-                if self.pool is not None:
-                    self.pool.detach(version)
                 if time.monotonic() - self._last_used.get(version, 0.0) > self.grace:
                     self._drop(version)
 
@@ -306,7 +309,7 @@ class TaskRegistry:
         size = task.resident_bytes() if isinstance(task, ServedTask) else 0
         self._bytes[version] = size
         self.resident_bytes += size
-        if isinstance(task, ServedTask) and self.pool is not None and version in self.view.index.current() \
+        if isinstance(task, ServedTask) and self.pool is not None and self.view.index.is_current(version) \
                 and (self.pool_fused or task.storage != "fused"):
             self.pool.attach(version, task.rows)
         for old in list(self._versions):
@@ -316,11 +319,13 @@ class TaskRegistry:
                 self._drop(old)
 
     def _drop(self, version: str) -> None:
+        """Forget a loaded version. Its pooled rows stay (the pool evicts rows by its own budget): a version loaded
+        again finds them, and computes only the rows the pool no longer holds."""
         self._versions.pop(version, None)
         self.resident_bytes -= self._bytes.pop(version, 0)
         self._last_used.pop(version, None)
         if self.pool is not None:
-            self.pool.detach(version)
+            self.pool.let_go(version)
 
     def _damaged(self, version: str, exc: BaseException) -> StoreError:
         detail = str(exc).replace(str(self.store.root) + "/", "")
@@ -339,6 +344,8 @@ class TaskRegistry:
             return [None] * len(requests)
         with self._lock:
             pooled = [i for i, (task, _) in enumerate(requests) if self.pool.holds(task.version)]
+            for i in pooled:  # the loaded task fills its misses (a version dropped and loaded again: this one)
+                self.pool.attach(requests[i][0].version, requests[i][0].rows)
             try:
                 slots = self.pool.slots_many([(requests[i][0].version, requests[i][1]) for i in pooled])
             except MemoryError:

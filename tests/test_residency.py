@@ -14,6 +14,7 @@ from exporter.task_export import TaskExporter, export_task
 from exporter.task_store import TaskStore
 from serving.engine import BackboneRunner, Prepared
 from serving.errors import RequestError
+from serving.pool import RowPool
 from serving.repository import read_repository
 from serving.task_registry import TaskRegistry
 from serving.tokenization import Tokenization
@@ -76,6 +77,25 @@ def test_eviction_under_a_budget_of_two_tasks(repo, expected):
     for name in ("t3", "t4"):  # the two most recent stay: no load
         registry.resolve(name)
     assert registry.loads == 10
+
+
+def test_a_version_loaded_again_finds_its_rows_still_pooled(repo, expected):
+    """Dropped from the loaded set, a version's pooled rows stay: loaded again, it computes none of them again (the
+    pool's misses do not grow) and answers exactly."""
+    store_root = read_repository(repo).store_root
+    one = TaskRegistry(store_root)
+    task = one.resolve("t0")
+    pool = RowPool(4 * task.vocab_size * task.num_layers * task.hidden_size * 2, task.num_layers, task.hidden_size,
+                   task.vocab_size)
+    registry = TaskRegistry(store_root, cache_bytes=one.resident_bytes + one.resident_bytes // 2, pool=pool)
+    first = _served_logits(registry, repo, "t0")
+    version = registry.resolve("t0").version
+    misses = pool.stats[version].misses
+    _served_logits(registry, repo, "t1")  # the budget holds one version: t0 is dropped
+    assert version not in registry.loaded() and pool.holds(version)
+    np.testing.assert_allclose(_served_logits(registry, repo, "t0"), first, atol=1e-6)
+    np.testing.assert_allclose(first, expected[0], atol=1e-3)
+    assert registry.loads == 3 and pool.stats[version].misses == misses and pool.stats[version].hits > 0
 
 
 def test_concurrent_first_requests_load_once(repo):
