@@ -168,9 +168,9 @@ def test_int8_answers_do_not_depend_on_the_batch(repo, published):
     folder = store.root / store.entries()["plain"].folder
     served = load_task_version(folder, folder.name, info.store_root)
     engine = CpuEngine(info)
-    together = engine.logits(served, [(t, None) for t in TEXTS])
+    together = [a.values for a in engine.answers(served, [(t, None) for t in TEXTS])]
     for k, text in enumerate(TEXTS):
-        assert np.abs(engine.logits(served, [(text, None)])[0] - together[k]).max() < 1e-6  # batched: ~1e-1
+        assert np.abs(engine.answers(served, [(text, None)])[0].values - together[k]).max() < 1e-6  # batched: ~1e-1
 
 
 def test_fp32_repository_unchanged(tmp_path, model_dir, task):
