@@ -10,15 +10,19 @@ import pytest
 
 from aot.cli import main
 from aot.client import Client
+from exporter.accuracy_gate import AccuracyDropError
 from exporter.backbone_export import export_backbone
 from exporter.cpu_engine import predict_lines_through
 from exporter.task_export import export_task
 from serving.words import entity_spans, split_words
-from tests.helpers import make_repository, serve_for_tests
+from tests.helpers import make_repository, serve_for_tests, train_tiny_task
+from tests.tiny import save_outlier_model, write_kind_folder
 from training.artifact import read_task
 from training.data import recorded_task_data
 from training.metrics import compute_metric
 from training.predict import predict_lines, task_folders
+from training.refit import fit_task
+from training.trainer import TrainConfig
 
 KINDS = ("cls", "ner", "tags", "search")  # classification, tokens, multilabel, embedding (conftest.kind_artifacts)
 TEXTS = ["good w1 bad movie", "😀 café  w3 superb! w4", "w5 Zoë-Ann awful plot 🎬 great", "w6", "lovely"]
@@ -161,3 +165,25 @@ def test_gate_scores_every_kind_with_its_own_metric_on_what_int8_serves(int8_rep
             return [got[k] for k in range(len(texts))]
 
         assert gate["score"] == pytest.approx(_score_of_answers(spec, examples, answer), abs=1e-6), name
+
+
+def test_gate_refuses_an_embedding_that_loses_recall_and_it_can_be_refitted(tmp_path):
+    """On the encoder built to need care in int8 (tests/test_int8.py), an embedding task loses recall@1 through the
+    int8 engine: the gate refuses it (not only a classifier), scores it alike on its dev file given as --dev-data,
+    and re-fitting it to the int8 backbone, the way out the refusal names, runs for an embedding."""
+    model = save_outlier_model(tmp_path / "model")
+    data = write_kind_folder(tmp_path / "data", "embedding")
+    task = train_tiny_task(model, data, tmp_path / "search", problem="embedding", epochs=6)
+    repo = tmp_path / "repo"
+    export_backbone(str(model), repo, cpu_precision="int8")
+    with pytest.raises(AccuracyDropError, match=r"dev recall@1 through the int8 engine is [\d.]+, [\d.]+ points below"):
+        export_task(task, repo, "search", progress=False)
+    recorded = export_task(task, repo, "search", progress=False, allowed_drop=100).served_dev
+    given = export_task(task, repo, "search", progress=False, allowed_drop=100, dev_data=data / "dev.jsonl").served_dev
+    assert recorded["metric"] == "recall@1" and recorded["drop"] > 0.5
+    same = ("score", "fp32", "examples")
+    assert {k: given[k] for k in same} == {k: recorded[k] for k in same}
+    result = fit_task(task, repo, tmp_path / "fitted", TrainConfig(lr=3e-3, batch_size=16, max_steps=20, eval_every=10),
+                      progress=False)
+    assert result["metric"] == "recall@1" and result["int8_dev_before_fit"] < result["fp32_dev_before_fit"]
+    assert result["int8_dev"] >= result["int8_dev_before_fit"]
