@@ -68,8 +68,9 @@ def add_export(sub) -> None:
                    help="int8 repositories: publish the task even when its dev score through the int8 engine falls up "
                         "to POINTS below its fp32 score (default 0.5; the metric x 100)")
     t.add_argument("--dev-data", default=None, metavar="FILE",
-                   help="int8 repositories: the dev examples the task is scored on (JSONL/CSV/TSV: text, text_pair?, "
-                        "label); default: the dev split of the data it was trained on")
+                   help="int8 repositories: the dev examples the task is scored on, a split file of its kind "
+                        "(JSONL/CSV/TSV: text, text_pair?, label; a tagger's CoNLL or tokens/tags JSONL); default: "
+                        "the dev split of the data it was trained on")
     t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     t.set_defaults(run=run_export_task)
 

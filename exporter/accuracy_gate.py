@@ -1,8 +1,10 @@
 """No task silently loses accuracy on an int8 backbone: before a task is published into a repository whose CPU
 configs run int8 graphs, its own dev examples are scored through the int8 engine (exporter.cpu_engine, as served)
-and compared with its fp32 score on the same examples, with the task's own metric (whatever its kind: the artifact
-names it). More than `allowed_drop` points below (0.5 by default) is refused with both figures and the ways out.
-What was measured is recorded in the version's task.json (`served_dev`), which `aot tasks` shows."""
+and compared with its fp32 score on the same examples, with the task's own metric whatever its kind (the artifact
+names it): a classifier's on its served logits, a tagger's entity F1 on the tags its served logits give each word,
+an embedding's recall or correlation on the vectors served for its anchors and positives. More than `allowed_drop`
+points below (0.5 by default) is refused with both figures and the ways out. What was measured is recorded in the
+version's task.json (`served_dev`), which `aot tasks` shows."""
 
 from __future__ import annotations
 
@@ -11,18 +13,22 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from exporter.cpu_engine import CpuEngine
 from exporter.task_store import TaskStore
+from serving.answers import READS_TOKENS
+from serving.heads import Answer
 from serving.repository import RepositoryInfo
 from serving.store import StoreError
-from serving.tasks import load_task_version
+from serving.tasks import ServedTask, load_task_version
 from training.data import recorded_task_data
-from training.data.files import read_examples
+from training.data.files import read_examples, read_kind_file
 from training.data.task import DataError, Example
+from training.kinds import Encoded
 from training.predict import Predictor
-from training.trainer import encode, predict_logits, score
+from training.trainer import encode, evaluate, score
 
 DEFAULT_ALLOWED_DROP = 0.5  # points (the metric x 100)
 
@@ -54,20 +60,23 @@ class ServedScore:
 
 
 def dev_examples(predictor: Predictor, dev_data: str | Path | None) -> list[Example]:
-    """The task's dev examples: `dev_data` (a JSONL/CSV/TSV file with the training columns) when given, else the dev
-    split of the data the artifact records it was trained on."""
+    """The task's dev examples: `dev_data` (a file with the training columns of the task's kind, read as a split
+    file of that kind is) when given, else the dev split of the data the artifact records it was trained on."""
     spec = predictor.artifact.spec
     if dev_data is not None:
-        return [example for example, _ in read_examples(Path(dev_data), spec.is_regression)]
+        path = Path(dev_data)
+        if spec.kind in ("classification", "regression"):
+            return [example for example, _ in read_examples(path, spec.is_regression)]
+        return [example for example, _ in read_kind_file(path, spec.kind)]
     source = predictor.artifact.config.get("training", {}).get("data")
     if not source:
         raise StoreError(f"task {predictor.artifact.path} records no training data to score its dev examples: "
-                         "pass --dev-data FILE (text, text_pair?, label)")
+                         "pass --dev-data FILE (the training columns of its kind)")
     try:
         data = recorded_task_data(source, spec)
     except (DataError, OSError) as exc:
         raise StoreError(f"cannot read the dev examples of task {predictor.artifact.path} from its training data "
-                         f"{source!r}: {exc}; pass --dev-data FILE (text, text_pair?, label)") from None
+                         f"{source!r}: {exc}; pass --dev-data FILE (the training columns of its kind)") from None
     if not data.dev:
         raise StoreError(f"the training data {source!r} of task {predictor.artifact.path} has no dev examples: pass "
                          "--dev-data FILE")
@@ -81,6 +90,35 @@ def fp32_reference(predictor: Predictor, scored: float) -> tuple[float, str]:
     if fitted and fitted.get("fp32_dev") is not None:
         return float(fitted["fp32_dev"]), f"fitted from {fitted.get('task')}"
     return scored, "fp32 task"
+
+
+def _word_logits(answer: Answer, first: np.ndarray, labels: int) -> torch.Tensor:
+    """A tagger's served logits (each word's first token's, in order) placed at the tokens training aligned its
+    words to, [S, n]; the other rows are never read by its score."""
+    starts = first >= 0
+    values = answer.values.reshape(-1, labels)
+    if len(values) != int(starts.sum()):
+        raise StoreError(f"the served tokenizer finds {len(values)} words' first tokens where training finds "
+                         f"{int(starts.sum())}: the task cannot be scored as served")
+    out = np.zeros((len(first), labels), np.float32)
+    out[starts] = values
+    return torch.from_numpy(out)
+
+
+def served_predictions(engine: CpuEngine, task: ServedTask, examples: list[Example], encoded: Encoded):
+    """What the served step answers to the dev examples, in the form the task's kind scores (training.kinds: its
+    `predict`): a pooled kind's head outputs [N, n]; an embedding's vectors of the anchors and of their positives
+    (each text alone, as a search embeds it; the positives None without pairs); a tagger's logits per text."""
+    if task.kind == "embedding":
+        def vectors(texts: list[str]) -> torch.Tensor:
+            return torch.from_numpy(np.stack([a.values for a in engine.answers(task, [(t, None) for t in texts])]))
+
+        return (vectors([e.text for e in examples]),
+                None if encoded.pair is None else vectors([e.text_pair for e in examples]))
+    answers = engine.answers(task, [(e.text, e.text_pair) for e in examples])
+    if task.kind in READS_TOKENS:
+        return [_word_logits(a, first, len(task.labels)) for a, first in zip(answers, encoded.first)]
+    return torch.from_numpy(np.stack([a.values for a in answers]))
 
 
 def check_served_accuracy(repo: RepositoryInfo, folder: Path, predictor: Predictor,
@@ -97,13 +135,12 @@ def check_served_accuracy(repo: RepositoryInfo, folder: Path, predictor: Predict
     examples = dev_examples(predictor, dev_data)
     tokenizer = predictor.backbone.tokenizer
     encoded = encode(tokenizer, examples, spec, artifact.max_length)
-    fp32 = score(predict_logits(predictor.model, encoded, tokenizer.pad_token_id or 0, predictor.device), encoded,
-                 spec)
+    fp32 = evaluate(predictor.model, encoded, spec, tokenizer.pad_token_id or 0, predictor.device)
     served = load_task_version(folder, TaskStore.version_name(folder), repo.store_root)
-    logits = (engine or CpuEngine(repo)).logits(served, [(e.text, e.text_pair) for e in examples])
+    predictions = served_predictions(engine or CpuEngine(repo), served, examples, encoded)
     reference, origin = fp32_reference(predictor, fp32)
-    result = ServedScore(repo.record.cpu_precision, spec.metric, score(torch.from_numpy(logits), encoded, spec),
-                         reference, len(examples), allowed, origin)
+    result = ServedScore(repo.record.cpu_precision, spec.metric, score(predictions, encoded, spec), reference,
+                         len(examples), allowed, origin)
     if result.drop > allowed + 1e-9:
         raise AccuracyDropError(
             f"task {served.name!r}: dev {spec.metric} through the {result.precision} engine is "

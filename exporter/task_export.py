@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from exporter.accuracy_gate import check_served_accuracy
 from exporter.compose_env import keep_admin_key_private
 from exporter.cpu_engine import CpuEngine
+from exporter.task_record import head_arrays as _head_arrays, task_record
 from exporter.task_store import Publication, TaskStore
 from serving import protocol
 from serving.answers import READS_TOKENS
@@ -34,7 +35,6 @@ from training.backbone import load_backbone
 from training.methods.aot_ptuning.model import AotBody
 from training.methods.aot_ptuning.peft_model import AotModel
 from training.method_registry import method_spec
-from training.model import TaskModel
 from training.multitask import MultiTaskModel
 from training.predict import Predictor
 
@@ -58,32 +58,6 @@ class TaskExportReport:
     seconds: float
     storage_advice: dict
     served_dev: dict | None = None  # int8 repositories: the dev score through the served engine (accuracy_gate)
-
-
-def _head_arrays(model: TaskModel) -> dict[str, np.ndarray]:
-    """The head in the served format: names as in ClassificationHead or TokenHead, fp32 (an embedding task's has
-    none)."""
-    return {k: v.detach().float().numpy().copy() for k, v in model.head.state_dict().items()}
-
-
-def task_record(artifact: TaskArtifact, name: str, storage: str, shape: tuple[int, int, int],
-                fingerprint: str) -> dict:
-    """task.json of a version (docs/formats.md): what every served step reads of the task, by its kind; `shape`
-    is (L, d, V)."""
-    spec = artifact.spec
-    L, d, V = shape
-    meta = {"name": name, "kind": spec.kind, "labels": None if spec.labels is None else list(spec.labels),
-            "metric": spec.metric, "max_length": artifact.max_length, "pooling": artifact.pooling,
-            "has_pair": spec.has_pair}
-    if "activation" in artifact.head:  # a classification head's (tokens and embedding have no activation)
-        meta["head_activation"] = artifact.head["activation"]
-    if spec.kind == "multilabel":
-        meta["threshold"] = spec.threshold
-    if spec.kind == "embedding":
-        meta["normalize"] = spec.normalize
-    return meta | {"storage": storage, "method": artifact.config["method"], "num_layers": L, "hidden_size": d,
-                   "vocab_size": V, "backbone_fingerprint": fingerprint,
-                   "dev": artifact.metrics().get("dev")}
 
 
 def _served_outputs(served, hidden: np.ndarray, requests: list[Prepared]) -> list[np.ndarray]:

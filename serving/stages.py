@@ -121,24 +121,28 @@ class TextInputs:
         return has_pair is not None and has_pair != paired
 
     def encode(self, batch: list[TextRequest]) -> list[TokenizedText]:
-        """Each prepared request's token tensors: the texts of the batch in one encode_batch per max length (the
-        truncation is each task's; a token task's words in one call of their own), token ids as sent (padded to
-        the bucket)."""
-        out = [None if r.tokens is None else TokenizedText(self.tokens.to_bucket(r.tokens)) for r in batch]
-        by_length: dict[tuple[int, bool], list[int]] = {}
-        for k, r in enumerate(batch):
-            if r.tokens is None:
-                by_length.setdefault((r.task.max_length, r.task.kind in READS_TOKENS), []).append(k)
-        for (max_length, words), ks in by_length.items():
-            if words:
-                for k, (tensors, w, first) in zip(ks, self.tokens.encode_words([batch[k].text for k in ks],
-                                                                                 max_length)):
-                    out[k] = TokenizedText(tensors, w, first)
-                continue
-            texts = [(batch[k].text, batch[k].pair) for k in ks]
-            for k, encoded in zip(ks, self.tokens.encode_batch(texts, max_length)):
-                out[k] = TokenizedText(encoded)
-        return out
+        """Each prepared request's token tensors (encode_texts)."""
+        return encode_texts(self.tokens, batch)
+
+
+def encode_texts(tokens: Tokenization, batch: list[TextRequest]) -> list[TokenizedText]:
+    """Each checked request's token tensors: the texts of the batch in one encode_batch per max length (the
+    truncation is each task's; a token task's words in one call of their own), token ids as sent (padded to the
+    bucket). A function of its own: the repository's CPU engine in process (exporter.cpu_engine) encodes as served."""
+    out = [None if r.tokens is None else TokenizedText(tokens.to_bucket(r.tokens)) for r in batch]
+    by_length: dict[tuple[int, bool], list[int]] = {}
+    for k, r in enumerate(batch):
+        if r.tokens is None:
+            by_length.setdefault((r.task.max_length, r.task.kind in READS_TOKENS), []).append(k)
+    for (max_length, words), ks in by_length.items():
+        if words:
+            for k, (tensors, w, first) in zip(ks, tokens.encode_words([batch[k].text for k in ks], max_length)):
+                out[k] = TokenizedText(tensors, w, first)
+            continue
+        texts = [(batch[k].text, batch[k].pair) for k in ks]
+        for k, encoded in zip(ks, tokens.encode_batch(texts, max_length)):
+            out[k] = TokenizedText(encoded)
+    return out
 
 
 class Encoder:
@@ -161,12 +165,8 @@ class Encoder:
         self.runner = self.engine.build(step, aot, threads, log)
 
     def prepare(self, task: ServedTask | None, tokens: dict[str, np.ndarray]) -> Prepared:
-        """One request as the engine takes it: its token tensors, and for AoT its task and the request's distinct
-        tokens with each token's row among them. A token task's (or, with no task known, any) request asks for
-        every token's state too."""
-        prepared = Prepared.for_task(tokens, task) if self.aot else Prepared(tokens)
-        prepared.want_states = task is None or task.kind in READS_TOKENS
-        return prepared
+        """One request as the engine takes it (engine_request)."""
+        return engine_request(task, tokens, self.aot)
 
     def run(self, batch: list[Prepared]) -> np.ndarray:
         """The pooled states [B, P, d] of the batch, in its order (and each request's token states, `states`, where
@@ -181,3 +181,12 @@ class Encoder:
                 for p, rows in zip(batch, self.step.tasks.rows_many(requests)):
                     p.rows = rows
         return self.runner.run(batch)
+
+
+def engine_request(task: ServedTask | None, tokens: dict[str, np.ndarray], aot: bool = True) -> Prepared:
+    """One request as the engine takes it: its token tensors, and for AoT its task and the request's distinct tokens
+    with each token's row among them (its rows still to come). A token task's (or, with no task known, any) request
+    asks for every token's state too."""
+    prepared = Prepared.for_task(tokens, task) if aot else Prepared(tokens)
+    prepared.want_states = task is None or task.kind in READS_TOKENS
+    return prepared

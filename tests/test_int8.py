@@ -23,7 +23,7 @@ from serving import protocol
 from serving.repository import INT8_GRAPH, read_repository
 from serving.tasks import load_task_version
 from tests.helpers import one_line_error, serve_for_tests, train_tiny_task
-from tests.tiny import tiny_backbone
+from tests.tiny import save_outlier_model
 from training.backbone import load_backbone
 from training.quantized import emulate_int8
 from training.refit import fit_task
@@ -35,15 +35,7 @@ TEXTS = ["good w1 w2", "w3 awful w4 w5", "the movie was superb", "dull plot", "w
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    backbone = tiny_backbone("bert")
-    with torch.no_grad():
-        for module in backbone.encoder.modules():
-            if isinstance(module, torch.nn.LayerNorm):
-                module.bias[3] += OUTLIER
-    folder = tmp_path_factory.mktemp("outlier-model")
-    backbone.encoder.save_pretrained(folder)
-    backbone.tokenizer.save_pretrained(folder)
-    return folder
+    return save_outlier_model(tmp_path_factory.mktemp("outlier-model"), OUTLIER)
 
 
 @pytest.fixture(scope="module")
@@ -168,9 +160,9 @@ def test_int8_answers_do_not_depend_on_the_batch(repo, published):
     folder = store.root / store.entries()["plain"].folder
     served = load_task_version(folder, folder.name, info.store_root)
     engine = CpuEngine(info)
-    together = engine.logits(served, [(t, None) for t in TEXTS])
+    together = [a.values for a in engine.answers(served, [(t, None) for t in TEXTS])]
     for k, text in enumerate(TEXTS):
-        assert np.abs(engine.logits(served, [(text, None)])[0] - together[k]).max() < 1e-6  # batched: ~1e-1
+        assert np.abs(engine.answers(served, [(text, None)])[0].values - together[k]).max() < 1e-6  # batched: ~1e-1
 
 
 def test_fp32_repository_unchanged(tmp_path, model_dir, task):

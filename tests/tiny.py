@@ -73,6 +73,22 @@ def save_tiny_model(arch: str, folder: Path, seed: int = 0) -> Path:
     return folder
 
 
+def save_outlier_model(folder: Path, outlier: float = 30.0) -> Path:
+    """The tiny BERT built to need care in int8: every LayerNorm's bias carries `outlier` in channel 3, so each
+    layer's input has a wide range and the per-tensor activation scale is coarse (as real encoders' outlier channels
+    do, only more so): its tasks lose dev points through the int8 graph (tests/test_int8*.py)."""
+    import torch
+
+    backbone = tiny_backbone("bert")
+    with torch.no_grad():
+        for module in backbone.encoder.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.bias[3] += outlier
+    backbone.encoder.save_pretrained(folder)
+    backbone.tokenizer.save_pretrained(folder)
+    return folder
+
+
 def sentiment_examples(n: int, seed: int, pair: bool = False) -> list[dict]:
     """Label is positive iff the text holds a positive word: learnable by a tiny model in seconds."""
     rng = random.Random(seed)

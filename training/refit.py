@@ -19,7 +19,7 @@ from training.data import recorded_task_data
 from training.factory import load_task
 from training.method_registry import method_spec
 from training.quantized import QUANTIZATION, emulate_int8
-from training.trainer import TrainConfig, encode, predict_logits, resolve_device, score, train
+from training.trainer import TrainConfig, encode, evaluate, resolve_device, train
 
 
 def fit_task(task_dir: str | Path, repo_dir: str | Path, out: str | Path, config: TrainConfig,
@@ -49,7 +49,7 @@ def fit_task(task_dir: str | Path, repo_dir: str | Path, out: str | Path, config
     pad = tokenizer.pad_token_id or 0
 
     def dev_score() -> float:
-        return score(predict_logits(model.to(device), dev, pad, device), dev, spec)
+        return evaluate(model.to(device), dev, spec, pad, device)
 
     fp32 = dev_score()
     start = time.perf_counter()

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from training.data.task import Example, TaskData, TaskSpec
 from training.kinds import Encoded, kind_for
-from training.kinds.base import autocast, run_model
+from training.kinds.base import autocast
 from training.model import TaskModel
 
 
@@ -126,12 +126,6 @@ def encode(tokenizer, examples: list[Example], spec: TaskSpec, max_length: int) 
 def evaluate(model: TaskModel, encoded: Encoded, spec: TaskSpec, pad_id: int, device: torch.device) -> float:
     """The task's metric on a labelled split."""
     return score(kind_for(spec).predict(model, encoded, pad_id, device), encoded, spec)
-
-
-def predict_logits(model: TaskModel, encoded: Encoded, pad_id: int, device: torch.device) -> torch.Tensor:
-    """A pooled kind's head outputs for a split, [N, n] (logits; a regression's score): what the int8 accuracy gate
-    and re-fitting score (training.kinds.pooled)."""
-    return torch.stack(run_model(model, encoded, pad_id, device))
 
 
 def score(predictions, encoded: Encoded, spec: TaskSpec) -> float:
