@@ -137,6 +137,9 @@ def add_bench(sub) -> None:
     t.add_argument("--policy-requests", type=int, default=20000,
                    help="requests of the trace replayed through the pool per eviction policy (lru, lfu), in-process, "
                         "with the largest task count; 0 skips it")
+    t.add_argument("--warmup", type=_positive_int, default=None,
+                   help="--scale: warm-up requests before each measured run (default: as many as --requests); a "
+                        "longer warm-up measures the steady state, a short one includes more first loads")
     t.add_argument("--scale", action="store_true",
                    help="instead: one server and a store growing through --counts (e.g. 1,100,1000,10000) of "
                         "derived factored tasks, as `aot serve` runs them by default: start-up, RSS of every server "
@@ -211,8 +214,8 @@ def run_tasks(args) -> int:
     if args.scale:
         from benchmarks.scale import ScaleBenchConfig, run_scale_bench
 
-        config = ScaleBenchConfig(args.task, args.out, tuple(args.counts), args.requests, args.requests,
-                                  args.concurrency)
+        config = ScaleBenchConfig(args.task, args.out, tuple(args.counts), args.requests,
+                                  args.warmup or args.requests, args.concurrency)
         print(json.dumps(run_scale_bench(config, progress=not args.no_progress)))
         return 0
     from benchmarks.tasks import MODES, POPULARITIES, TasksBenchConfig, run_tasks_bench

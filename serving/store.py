@@ -188,10 +188,10 @@ class StoreIndex:
         """Parse the entries of `names` from `state` (None: all of them) and its retired versions. New dicts replace
         the old ones whole, so a thread iterating the index meanwhile (the audit) sees one generation or the other."""
         entries, errors = ({}, {}) if names is None else (dict(self.entries), dict(self.errors))
-        for name in sorted(state.tasks) if names is None else names:
+        changed = sorted(state.tasks.items()) if names is None else [(n, state.tasks.get(n)) for n in names]
+        for name, raw in changed:
             entries.pop(name, None)
             errors.pop(name, None)
-            raw = state.tasks.get(name)
             if raw is None:
                 continue
             try:

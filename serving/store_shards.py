@@ -131,6 +131,11 @@ class TaskEntries(MutableMapping):
         self.read_all()
         return iter([name for entries in self._shards.values() for name in entries])
 
+    def items(self) -> Iterator[tuple[str, dict]]:
+        """Every (name, entry), each shard's in turn: no hash of each name, as a lookup by name takes."""
+        self.read_all()
+        return iter([item for entries in self._shards.values() for item in entries.items()])
+
     def __len__(self) -> int:
         self.read_all()
         return sum(len(entries) for entries in self._shards.values())
