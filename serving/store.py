@@ -29,12 +29,14 @@ import hashlib
 import os
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from serving.digests import DigestError, check_digests
 from serving.formats import FormatError, check_keys, check_versioned, parse_json
 from serving.store_backend import BackendError, FileBackend
+from serving.store_entries import EntryView, ParsedEntries
 from serving.store_log import STORE_FILE, ChangeLog, StoreState
 
 STORE_FORMAT = "aot-task-store"
@@ -156,17 +158,33 @@ class TaskEntry:
                 "verified": self.digests is not None}
 
 
+def _parsed(name: str, raw: dict) -> TaskEntry | str:
+    """An index entry parsed, or why it is bad (no server path: clients read this)."""
+    try:
+        return parse_entry(name, raw, "the store's index")
+    except StoreError as exc:
+        return str(exc)
+
+
 @dataclass
 class StoreIndex:
     """The store's tasks as of one generation: the valid entries, an error per invalid one (that task fails alone),
-    and the versions retired recently."""
+    and the versions retired recently. Entries are parsed on first use (serving.store_entries): a step reads the
+    whole index at start but parses only the tasks it is asked for."""
 
-    entries: dict[str, TaskEntry] = field(default_factory=dict)
-    errors: dict[str, str] = field(default_factory=dict)
+    parsed: ParsedEntries = field(default_factory=lambda: ParsedEntries({}, _parsed))
     retired: dict[str, float] = field(default_factory=dict)
     retired_digests: dict[str, dict[str, str]] = field(default_factory=dict)
     tenants: dict[str, str] = field(default_factory=dict)  # tenant -> the sha256 of its key (serving.tenants)
     generation: int = 0
+
+    @property
+    def entries(self) -> Mapping[str, TaskEntry]:
+        return EntryView(self.parsed, errors=False)
+
+    @property
+    def errors(self) -> Mapping[str, str]:
+        return EntryView(self.parsed, errors=True)
 
     def digests(self, version: str) -> dict[str, str] | None:
         """The published digests of a current, kept or retired version (None: exported before digests existed)."""
@@ -185,19 +203,13 @@ class StoreIndex:
         return entry is not None and (version == entry.folder or version in (entry.route or ()))
 
     def update(self, state: StoreState, names: set[str] | None) -> None:
-        """Parse the entries of `names` from `state` (None: all of them) and its retired versions. New dicts replace
-        the old ones whole, so a thread iterating the index meanwhile (the audit) sees one generation or the other."""
-        entries, errors = ({}, {}) if names is None else (dict(self.entries), dict(self.errors))
-        changed = sorted(state.tasks.items()) if names is None else [(n, state.tasks.get(n)) for n in names]
-        for name, raw in changed:
-            entries.pop(name, None)
-            errors.pop(name, None)
-            if raw is None:
-                continue
-            try:
-                entries[name] = parse_entry(name, raw, "the store's index")  # no server path: clients read this
-            except StoreError as exc:
-                errors[name] = str(exc)
+        """Take the entries of `names` from `state` (None: all of them; each parsed on first use) and its retired
+        versions. New objects replace the old ones whole, so a thread reading the index meanwhile (the audit) sees
+        one generation or the other."""
+        if names is None:
+            parsed = ParsedEntries(dict(state.tasks.items()), _parsed)
+        else:
+            parsed = self.parsed.changed(state.tasks, names)
         retired, retired_digests = {}, {}
         for version, info in state.retired.items():
             if not _VERSION.fullmatch(version) or not isinstance(info.get("time"), (int, float)):
@@ -209,7 +221,7 @@ class StoreIndex:
                 retired_digests[version] = {}  # no file of it matches: refused, never read unverified
         tenants = {t: info["key_sha256"] for t, info in state.tenants.items()
                    if _TENANT.fullmatch(t) and isinstance(info.get("key_sha256"), str)}
-        self.entries, self.errors, self.retired, self.retired_digests = entries, errors, retired, retired_digests
+        self.parsed, self.retired, self.retired_digests = parsed, retired, retired_digests
         self.tenants = tenants
         self.generation = state.generation
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from serving.formats import FormatError
 from serving.store_backend import BackendError
-from serving.store_shards import SHARDS, StaleIndex, TaskEntries, parse_shard_key, shard_key
+from serving.store_shards import SHARDS, StaleIndex, TaskEntries, parse_shard_key, shard_key, shard_of
 
 LOG = "log"
 INDEX = "index"
@@ -178,7 +178,11 @@ class ChangeLog:
         if value.get("generation") != generation or value.get("shard") != shard:
             raise FormatError(f"{where}: holds shard {value.get('shard')!r} of generation "
                               f"{value.get('generation')!r}, expected {shard!r} of {generation}")
-        return dict(_objects(value, where, "tasks", False))
+        tasks = _objects(value, where, "tasks", False)
+        strays = [name for name in tasks if shard_of(name) != shard]
+        if strays:  # a lookup by name would never find them, a listing would: refused whole
+            raise FormatError(f"{where}: holds {len(strays)} task(s) of other shards, e.g. {strays[0][:80]!r}")
+        return dict(tasks)
 
     def _load_shard(self, shard: str, generation: int) -> dict[str, dict]:
         return self._parse_shard(shard, generation, self._read_shard(shard, generation))

@@ -122,8 +122,8 @@ class TaskRegistry:
             if self.view.error and self.view.error != self._reported_error and self.on_index_error is not None:
                 self.on_index_error(self.view.error)
             self._reported_error = self.view.error
-            if changed == set():
-                return
+            if changed == set() or not self._versions and (self.pool is None or not self.pool.versions()):
+                return  # nothing new, or nothing loaded that a change could take away (a start parses no entry)
             current = self.view.index.current()
             if self.pool is not None:  # rows of versions no bare name answers go at once (kept ones too)
                 for version in self.pool.versions():

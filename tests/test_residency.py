@@ -56,6 +56,11 @@ def _served_logits(registry: TaskRegistry, repo, name: str) -> np.ndarray:
 
 def test_start_reads_the_index_and_no_task(repo):
     registry = TaskRegistry(read_repository(repo).store_root)
+    assert registry.view.index.parsed.parsed() == 0  # not even an entry is parsed before a request names it
+    registry.resolve("t3")
+    assert registry.view.index.parsed.parsed() == 1 and registry.loads == 1
+    assert registry.names() == NAMES and registry.view.index.parsed.parsed() == len(NAMES)  # a listing parses all
+    registry = TaskRegistry(read_repository(repo).store_root)
     assert registry.names() == NAMES and registry.loads == 0 and registry.resident_bytes == 0
     assert registry.entries()["t1"].listing()["method"] == "kron"  # what `aot tasks` lists, from the index
 

@@ -213,3 +213,14 @@ def test_a_shard_compacted_away_under_a_reader_or_a_writer_means_reading_the_new
 
     state, _ = writer.commit(change)
     assert calls == [12, 20] and state.generation == 21 and state.tasks["a"] == {**_entry(19), "storage": "fused"}
+
+
+def test_a_shard_holding_another_shards_task_is_refused(tmp_path):
+    _grown(tmp_path, 20)
+    key = shard_key(1, shard_of("t0"))
+    record = json.loads((tmp_path / key).read_text())
+    stray = next(f"x{i}" for i in range(1000) if shard_of(f"x{i}") != shard_of("t0"))
+    record["tasks"][stray] = _entry(99)
+    (tmp_path / key).write_text(json.dumps(record))
+    with pytest.raises(FormatError, match=rf"holds 1 task\(s\) of other shards, e.g. '{stray}'"):
+        ChangeLog(FileBackend(tmp_path)).read_state()
