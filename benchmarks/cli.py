@@ -1,4 +1,4 @@
-"""`aot bench overhead | serve | tax | tasks | kinds | accuracy | s3`: a command this package brings to `aot` as a
+"""`aot bench overhead | serve | tax | tasks | kinds | accuracy | infinity | s3`: a command this package brings to `aot` as a
 plugin (entry point `bench` of the group `aot.commands` in pyproject.toml; aot.cli loads it), so that imports flow
 one way: benchmarks -> aot, never back."""
 
@@ -194,6 +194,21 @@ def add_bench(sub) -> None:
     a.add_argument("--workers", type=_positive_int, default=1, help="parallel training processes")
     _finish(a, run_accuracy)
 
+    i = kinds.add_parser("infinity", help="aot serve against Infinity on the same encoder and texts, fp32 and int8",
+                         description="Serves the task's encoder with Infinity (michaelfeil/infinity, its ONNX Runtime "
+                                     "engine, mean pooling; installed in an environment of its own, e.g. `python -m "
+                                     "venv V && V/bin/pip install 'infinity_emb[server,optimum]==0.0.78'`) and the "
+                                     "task with aot serve (`aot bench serve`: AoT, 8 tasks mixed, vanilla), each "
+                                     "precision in turn, through one closed loop at each concurrency; writes "
+                                     "infinity.json and infinity.md (and aot-serve/).")
+    i.add_argument("--task", required=True, help="an AoT task artifact of the MiniLM (or any encoder Infinity loads)")
+    i.add_argument("--infinity", required=True, help="the infinity_emb executable of Infinity's own environment")
+    i.add_argument("--precision", type=_names, default=["fp32", "int8"], help="fp32, int8 or fp32,int8")
+    i.add_argument("--concurrency", type=_ints, default=[1, 8, 32], help="concurrent clients, one measurement each")
+    i.add_argument("--requests", type=_positive_int, default=1000, help="requests per measurement")
+    _add_out(i, "infinity")
+    _finish(i, run_infinity)
+
     b = kinds.add_parser("s3", help="the task store in S3-compatible object storage against the file store",
                          description="A SeaweedFS started here (aot.local_s3) holds a store of tasks derived from "
                                      "--task: cached req/s against the file store, a replica's start with 1 and with "
@@ -289,6 +304,18 @@ def run_accuracy(args) -> int:
                          workers=args.workers,
                          progress=not args.no_progress)
     print(json.dumps(run_sweep(config)))
+    return 0
+
+
+def run_infinity(args) -> int:
+    from benchmarks.infinity import InfinityBenchConfig, run_infinity_bench
+
+    bad = [p for p in args.precision if p not in ("fp32", "int8")]
+    if bad:
+        raise ValueError(f"unknown precision {bad}: expected fp32 and/or int8")
+    config = InfinityBenchConfig(args.task, args.out, args.infinity, tuple(args.precision), tuple(args.concurrency),
+                                 args.requests)
+    print(json.dumps(run_infinity_bench(config, progress=not args.no_progress)))
     return 0
 
 

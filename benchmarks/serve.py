@@ -16,6 +16,7 @@ Clients are closed-loop threads on the same machine as the server (they share it
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import statistics
@@ -118,28 +119,25 @@ def _build(config: ServeBenchConfig, scratch: Path, precision: str) -> tuple[Pat
     return repo, masters, accuracy
 
 
-def _closed_loop(url: str, model: str, items: list[tuple[str, str]], concurrency: int,
-                 tokenizer: Path | None = None) -> dict:
-    """`concurrency` threads, each sending its share of requests one after another; per-request latency.
-    `tokenizer`: the clients tokenize and send token ids (aot.Client(tokenizer=...))."""
-    from aot.client import Client, InferenceError
-
+def closed_loop(open_sender, items: list, concurrency: int) -> dict:
+    """`concurrency` threads, each sending its share of `items` one after another through its own sender
+    (`open_sender()`: a context manager giving a function that sends one item and raises on a failed request);
+    per-request latency. Every server a benchmark compares is driven by this one loop."""
     latencies, errors, lock = [], [], threading.Lock()
-    queue = list(enumerate(items))
     position = [0]
 
     def worker():
-        with Client(url, model=model, tokenizer=tokenizer) as client:
+        with open_sender() as send:
             while True:
                 with lock:
-                    if position[0] >= len(queue):
+                    if position[0] >= len(items):
                         return
-                    _, (task, text) = queue[position[0]]
+                    item = items[position[0]]
                     position[0] += 1
                 start = time.perf_counter()
                 try:
-                    client.infer(task, text)
-                except InferenceError as exc:
+                    send(item)
+                except Exception as exc:  # noqa: BLE001 - a failed request is counted, the loop goes on
                     errors.append(str(exc))
                     continue
                 latencies.append((time.perf_counter() - start) * 1e3)
@@ -151,9 +149,25 @@ def _closed_loop(url: str, model: str, items: list[tuple[str, str]], concurrency
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
+    if not latencies:
+        raise RuntimeError(f"every request failed; the first: {errors[:1]}")
     return {"throughput_rps": round(len(latencies) / wall, 2), "p50_ms": round(float(np.percentile(latencies, 50)), 2),
             "p99_ms": round(float(np.percentile(latencies, 99)), 2), "errors": len(errors),
             "mean_ms": round(statistics.fmean(latencies), 2)}
+
+
+def _closed_loop(url: str, model: str, items: list[tuple[str, str]], concurrency: int,
+                 tokenizer: Path | None = None) -> dict:
+    """closed_loop over aot.Client: (task, text) items to `model` at `url`. `tokenizer`: the clients tokenize and
+    send token ids (aot.Client(tokenizer=...))."""
+    from aot.client import Client
+
+    @contextlib.contextmanager
+    def sender():
+        with Client(url, model=model, tokenizer=tokenizer) as client:
+            yield lambda item: client.infer(*item)
+
+    return closed_loop(sender, items, concurrency)
 
 
 def _pool_counters(metrics_url: str) -> tuple[float, float]:

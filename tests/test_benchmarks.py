@@ -341,3 +341,51 @@ def test_kinds_bench_tiny(tmp_path, tiny_models):
     median = result["summary"]["median_rps"]
     assert result["summary"]["ratio"] == pytest.approx(median["mixed"] / median["classification"], abs=1e-3)
     assert (out / "kinds.md").is_file()
+
+
+def test_infinity_bench_sender_loop_and_report(tmp_path):
+    """`aot bench infinity`'s HTTP sender through the closed loop every bench shares, against a stand-in
+    /embeddings that refuses every fifth request: each text sent once, the refusals counted as errors; the report
+    puts each row beside Infinity's at the same precision and concurrency."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from benchmarks.infinity import http_sender, write_infinity_reports
+    from benchmarks.serve import closed_loop
+
+    seen, lock = [], threading.Lock()
+
+    class Embeddings(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as Infinity's server
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with lock:
+                seen.append((self.path, body))
+                status = 500 if len(seen) % 5 == 0 else 200
+            data = b'{"data": [{"embedding": [0.0]}]}'
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Embeddings)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        result = closed_loop(http_sender(server.server_address[1]), [f"text {i}" for i in range(40)], 4)
+    finally:
+        server.shutdown()
+    assert result["errors"] == 8 and len(seen) == 40 and result["throughput_rps"] > 0
+    assert sorted(b["input"][0] for _, b in seen) == sorted(f"text {i}" for i in range(40))
+    assert {(path, b["model"]) for path, b in seen} == {("/embeddings", "minilm")}
+    row = {"precision": "int8", "concurrency": 8, "p50_ms": 1.0, "p99_ms": 2.0, "errors": 0}
+    write_infinity_reports([{**row, "server": "infinity", "model": "embeddings", "throughput_rps": 200.0},
+                            {**row, "server": "aot serve", "model": "vanilla", "throughput_rps": 300.0},
+                            {**row, "server": "aot serve", "model": "aot", "concurrency": 1, "throughput_rps": 90.0}],
+                           tmp_path)
+    lines = (tmp_path / "infinity.md").read_text().splitlines()
+    assert "| aot serve | vanilla | int8 | 8 | 300.0 | 1.5 |" in "\n".join(lines)
+    assert lines[6].startswith("| aot serve | aot | int8 | 1 | 90.0 | - |"), lines  # no Infinity row at concurrency 1
