@@ -198,7 +198,8 @@ def _run_export_batch(args) -> int:
 
 
 def run_export_remove(args) -> int:
-    from exporter.task_store import RETIRED_GRACE, TaskStore
+    from exporter.task_store import TaskStore
+    from serving.store import RETIRED_GRACE
     from serving.repository import read_repository
 
     store = TaskStore.of(read_repository(args.repo))

@@ -169,7 +169,7 @@ def measure_store(repo: Path, name: str, tasks: int = 10000) -> dict:
     import tempfile
 
     from exporter.task_store import TaskStore
-    from serving.store import StoreView
+    from serving.store_view import StoreView
     from serving.store_log import Change
 
     store = TaskStore(read_repository(repo).store_root)

@@ -35,7 +35,8 @@ from benchmarks.serve import _closed_loop, _texts
 from exporter.task_store import Publication, TaskStore
 from serving.repository import read_repository
 from serving.shm import STUB
-from serving.store import StoreReader, StoreView
+from serving.store import StoreReader
+from serving.store_view import StoreView
 from serving.store_shards import SHARDS
 
 ATOL = 1e-3

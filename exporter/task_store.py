@@ -1,7 +1,7 @@
-"""Writing the task store (format `aot-task-store` v2; serving.store reads it, docs/formats.md).
+"""Writing the task store (format `aot-task-store` v4; serving.store reads it, docs/formats.md).
 
-Publishing versions: each is written into `.staging/<pid>.<host>-<name>@<id>/` and fsynced (no lock held); then, under an
-exclusive lock on `tasks/.lock`, they are renamed into place and ONE change set of the index names them all
+Publishing versions: each is written into `.staging/<pid>.<host>-<name>@<id>/` and fsynced (no lock held); then, under
+an exclusive lock on `tasks/.lock`, they are renamed into place and ONE change set of the index names them all
 (serving.store_log: readers see every version of a batch at once, or none of it), retiring the versions they replace;
 then garbage is collected. Everything that reads or changes the set of folders happens under that lock, so two
 exports at once never delete each other's folders (and the change log's exclusive create keeps two writers' changes
@@ -36,9 +36,9 @@ import numpy as np
 from serving.atomic import fsync_dir, fsync_trees, pid_alive, plain_permissions, write_atomic
 from serving.digests import folder_digests
 from serving.formats import FormatError, read_json
-from serving.store import (DEFAULT_KEEP, EMBEDDINGS, RETIRED_GRACE, STORAGES, STORE_FORMAT, STORE_VERSION,
-                           V1_MANIFEST, StoreError, StoreReader, TaskEntry, check_task_name, folder_name, parse_entry,
-                           task_of, version_of_folder)
+from exporter.entry_history import expired, held_versions, retire_all, with_history
+from serving.store import (EMBEDDINGS, STORAGES, STORE_FORMAT, STORE_VERSION, V1_MANIFEST, StoreError, StoreReader,
+                           TaskEntry, check_task_name, folder_name, parse_entry, task_of, version_of_folder)
 from serving.store_log import STORE_FILE, Change, StoreState
 from serving.store_shards import StaleIndex
 from serving.tenants import tenant_of
@@ -354,59 +354,6 @@ def _kept_folders(state: StoreState) -> set[str]:
     """The version folders the state names: current, kept and retired versions."""
     keep = {folder_name(v) for e in state.tasks.values() if isinstance(e, dict) for v in held_versions(e)}
     return keep | {folder_name(v) for v in state.retired}
-
-
-def _retire(entry) -> dict[str, dict]:
-    """A replaced or removed version, kept with its digests for requests pinned to it (for RETIRED_GRACE seconds;
-    when that is 0, marked gone at once: None, which the change's clean-up removes)."""
-    if not isinstance(entry, dict) or not isinstance(entry.get("folder"), str):
-        return {}
-    if RETIRED_GRACE <= 0:
-        return {entry["folder"]: None}
-    info = {"time": time.time()}
-    if isinstance(entry.get("digests"), dict):
-        info["digests"] = entry["digests"]
-    return {entry["folder"]: info}
-
-
-def retire_all(entry) -> dict[str, dict]:
-    """A removed task's current and kept versions, retired."""
-    retired = _retire(entry)
-    for kept in entry.get("kept", []) if isinstance(entry, dict) else []:
-        retired.update(_retire(kept))
-    return retired
-
-
-def held_versions(entry: dict) -> list[str]:
-    """The versions a raw entry holds: its current one and its kept ones."""
-    kept = [k["folder"] for k in entry.get("kept", []) if isinstance(k, dict) and isinstance(k.get("folder"), str)]
-    return ([entry["folder"]] if isinstance(entry.get("folder"), str) else []) + kept
-
-
-def with_history(new: dict, old: dict | None, keep: int | None) -> tuple[dict, dict[str, dict]]:
-    """The entry of a newly published version `new` over the task's entry `old`: the old current version goes first
-    among the kept ones, the task keeps its retention (or takes `keep`), and what falls beyond it is retired. A new
-    version clears a route. Returns the entry and the versions retired."""
-    old = old if isinstance(old, dict) else {}
-    keep = keep or old.get("keep") or DEFAULT_KEEP
-    history = ([as_kept(old)] if isinstance(old.get("folder"), str) else []) + list(old.get("kept", []))
-    history = [k for k in history if isinstance(k, dict) and k.get("folder") != new["folder"]]
-    retired = {}
-    for gone in history[keep - 1:]:
-        retired.update(_retire(gone))
-    return {**new, "keep": keep, "kept": history[:keep - 1]}, retired
-
-
-def as_kept(entry: dict) -> dict:
-    """A current version's entry as a kept one: the same fields, and since when it is no longer current."""
-    return {k: entry[k] for k in ("folder", "storage", "digests", "meta") if k in entry} | {"time": time.time()}
-
-
-def expired(state: StoreState) -> dict[str, None]:
-    """Retired versions past their grace: dropped from the index by the next change."""
-    now = time.time()
-    return {v: None for v, info in state.retired.items()
-            if not isinstance(info.get("time"), (int, float)) or now - info["time"] >= RETIRED_GRACE}
 
 
 def _writer_alive(debris: Path) -> bool:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from exporter.task_store import TaskStore, expired, retire_all
+from exporter.entry_history import expired, retire_all
+from exporter.task_store import TaskStore
 from serving.store import check_tenant_name
 from serving.store_log import Change, StoreState
 from serving.tenants import key_digest, new_key, tenant_of

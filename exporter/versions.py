@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 import time
 
-from exporter.task_store import TaskStore, as_kept, held_versions
+from exporter.entry_history import as_kept, held_versions
+from exporter.task_store import TaskStore
 from serving.store import RETIRED_GRACE, StoreError, check_task_name, check_version, parse_entry, task_of
 from serving.store_log import Change, StoreState
 

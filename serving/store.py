@@ -17,10 +17,10 @@ optional weighted "route" {version: weight} for canaries; and tenants to the ind
 a compaction's entries in 256 shards by name instead of inline, so that a writer reads only the shards of the tasks it
 changes. A retired version ({"time", "digests"}) stays servable RETIRED_GRACE seconds for requests pinned to it.
 
-A reader follows the log (StoreView): a publish costs it one small object, whatever the number of tasks. Each entry
-is checked on its own: a bad entry fails only its task; a log or index object that cannot be read is reported and the
-last good state stays in use. The writer is exporter.task_store. A store of format v1 (one manifest.json rewritten
-at every publish) is upgraded by `aot export backbone --overwrite`, which keeps its tasks.
+A reader follows the log (serving.store_view.StoreView): a publish costs it one small object, whatever the number of
+tasks. Each entry is checked on its own: a bad entry fails only its task; a log or index object that cannot be read is
+reported and the last good state stays in use. The writer is exporter.task_store. A store of format v1 (one
+manifest.json rewritten at every publish) is upgraded by `aot export backbone --overwrite`, which keeps its tasks.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -381,41 +380,3 @@ class StoreReader:
         if not digests:
             raise StoreError(f"{version}: a version in object storage is served only with its published digests")
         return self.cache.folder(folder_name(version), digests)
-
-
-class StoreView:
-    """A reader's index that follows the store's change log: `refresh()` is a stat when nothing changed and one
-    small object per publish otherwise. A log that cannot be read is reported (`error`) and the last good index
-    stays in use; the next refresh tries again."""
-
-    RETRY_SECONDS = 1.0  # after a failed read, the whole index is read again at most this often
-
-    def __init__(self, reader: StoreReader):
-        self.reader = reader
-        self.index = StoreIndex()
-        self.error: str | None = None
-        self._state: StoreState | None = None
-        self._retry_at = 0.0
-
-    def refresh(self) -> set[str] | None:
-        """Apply what changed: the names whose entries changed (empty: nothing), or None when the whole index was
-        read (the first time, after an error, or for a reader left behind the log's compaction)."""
-        try:
-            if self._state is None:
-                if time.monotonic() < self._retry_at:
-                    return set()
-                state = self.reader.state()
-                self.index.update(state, None)
-                self._state, self.error = state, None
-                return None
-            if not self.reader.log.changed():
-                return set()
-            changed = self.reader.log.follow(self._state)
-        except (StoreError, FormatError, BackendError, OSError) as exc:
-            self.error = str(exc)
-            self._state = None  # read whole next time: a change set may have been half applied
-            self._retry_at = time.monotonic() + self.RETRY_SECONDS
-            return set()
-        self.index.update(self._state, changed)
-        self.error = None
-        return changed

@@ -3,7 +3,7 @@
 A server started on a store that cannot be read (its store.json missing: a wrong mount, a deleted file; or an index
 that cannot be parsed) serves no task: its steps have no last good index to fall back on. Triton still says ready,
 and so did /ready, with every model loaded and answering. Once the index was read after the start, the steps keep
-serving the last good one whatever happens to the files later (serving.store.StoreView), so only the start counts.
+serving the last good one whatever happens to the files later (serving.store_view.StoreView), so only the start counts.
 A store in object storage is not checked here: its steps follow it from a thread of their own, and report it."""
 
 from __future__ import annotations

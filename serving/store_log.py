@@ -40,7 +40,7 @@ INDEX = "index"
 GENERATION = "generation"
 STORE_FILE = "store.json"
 COMPACT_EVERY = 128
-COMPACT_LOG_BYTES = 256 << 10  # logs since the newest index past which the writer compacts (a batch publish's are large)
+COMPACT_LOG_BYTES = 256 << 10  # logs since the newest index past which the writer compacts (a batch's log is large)
 READ_ATTEMPTS = 5  # a reader that finds a shard compacted away under it reads the newest index again
 HINT_RECHECK = 10.0  # seconds after which a reader probes the next log even if the hint did not move
 

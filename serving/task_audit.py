@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass, field
 
 from serving.digests import DigestError, file_stamp, verify_file
-from serving.store import StoreReader, StoreView, folder_name
+from serving.store import StoreReader, folder_name
+from serving.store_view import StoreView
 
 STATS_PER_RUN = 4096  # versions stat'ed at most per run (a stat each file): bounded work with 100,000 tasks
 

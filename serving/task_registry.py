@@ -29,7 +29,8 @@ from serving import protocol
 from serving.digests import DigestError
 from serving.errors import RequestError
 from serving.pool import RowPool
-from serving.store import RETIRED_GRACE, StoreError, StoreReader, StoreView, TaskEntry, check_version, task_of
+from serving.store import RETIRED_GRACE, StoreError, StoreReader, TaskEntry, check_version, task_of
+from serving.store_view import StoreView
 from serving.store_backend import BackendError
 from serving.task_audit import TaskAudit
 from serving.tasks import PARTS, ServedTask, load_task_version

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import exporter.task_store
+import exporter.entry_history
 from exporter.backbone_export import export_backbone
 from exporter.configs import instance_count, model_configs, parse_pbtxt, to_pbtxt
 from exporter.onnx_export import export_backbone_graph
@@ -201,7 +201,7 @@ def test_reexport_swaps_and_remove(tmp_path, tiny_models, tasks, monkeypatch):
     assert second.folder != first and second.storage == "factored"
     # the superseded version stays a while for requests already pinned to it, then goes
     assert (store.root / first).is_dir() and first in store.index().retired
-    monkeypatch.setattr(exporter.task_store, "RETIRED_GRACE", 0.0)
+    monkeypatch.setattr(exporter.entry_history, "RETIRED_GRACE", 0.0)
     store.remove("t")
     assert store.entries() == {} and not (store.root / first).exists() and not (store.root / second.folder).exists()
     assert store.index().retired == {}
