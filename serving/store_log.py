@@ -255,7 +255,10 @@ class ChangeLog:
                 self.backend.write(GENERATION, f"{generation}\n".encode())
                 if (generation - state.index_generation >= COMPACT_EVERY
                         or state.log_bytes >= COMPACT_LOG_BYTES):
-                    self.compact(state)
+                    try:
+                        self.compact(state)
+                    except StaleIndex:  # another writer compacted meanwhile (it deleted a shard read here): the
+                        pass            # change is appended; the next writer compacts from the new index
                 return state, change
             self._follow(state)  # lost the race: another writer's change first
         raise BackendError(f"{self.backend!r}: could not append to the change log after {attempts} attempts "

@@ -224,3 +224,31 @@ def test_a_shard_holding_another_shards_task_is_refused(tmp_path):
     (tmp_path / key).write_text(json.dumps(record))
     with pytest.raises(FormatError, match=rf"holds 1 task\(s\) of other shards, e.g. '{stray}'"):
         ChangeLog(FileBackend(tmp_path)).read_state()
+
+
+def test_a_compaction_that_finds_a_shard_compacted_away_leaves_the_change_appended(tmp_path, monkeypatch):
+    """The writer's change touches a shard it never read; when its compaction reads it, another writer has compacted
+    it away twice: the change stays appended, and the store reads whole."""
+    monkeypatch.setattr(store_log, "COMPACT_EVERY", 4)
+    other = ChangeLog(FileBackend(tmp_path))
+    for i in range(4):
+        other.commit(_set("a", _entry(i)))  # index 4 names the shard of a
+
+    class Racing(FileBackend):
+        raced = False
+
+        def read(self, key):
+            if key.startswith(SHARDS) and not Racing.raced:
+                Racing.raced = True
+                for i in range(4, 12):  # compactions at 8 and 12: the shard file of index 4 is deleted
+                    other.commit(_set("a", _entry(i)))
+            return super().read(key)
+
+    writer = ChangeLog(Racing(tmp_path))
+    writer.commit(_set("z", _entry(99)))  # generations 5-7, none reads a shard
+    writer.commit(_set("z", _entry(98)))
+    writer.commit(_set("z", _entry(97)))
+    state, _ = writer.commit(lambda s: Change(tasks={"a": None}))  # generation 8: compacts, reads a's shard: races
+    assert Racing.raced
+    fresh = ChangeLog(FileBackend(tmp_path)).read_state()
+    assert fresh.tasks["z"] == _entry(97) and state.generation == 8
