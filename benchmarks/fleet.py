@@ -169,8 +169,9 @@ def measure_store(repo: Path, name: str, tasks: int = 10000) -> dict:
     import tempfile
 
     from exporter.task_store import TaskStore
-    from serving.store_view import StoreView
     from serving.store_log import Change
+    from serving.store_shards import SHARDS
+    from serving.store_view import StoreView
 
     store = TaskStore(read_repository(repo).store_root)
     entry = store.state().tasks[name]
@@ -196,7 +197,7 @@ def measure_store(repo: Path, name: str, tasks: int = 10000) -> dict:
         view.reader.log._probed = 0.0
         view.refresh()
         publish_bytes = view.reader.backend.bytes_read - before
-        index_bytes = sum(p.stat().st_size for p in (Path(scratch) / "index").iterdir())
+        index_bytes = sum(p.stat().st_size for d in ("index", SHARDS) for p in (Path(scratch) / d).iterdir())
     return {"task_files_bytes": files, "entry_bytes": len(json.dumps({name: entry})), "tasks": tasks,
             "index_bytes": index_bytes, "check_us": round(check_us, 2), "read_index_s": round(read_s, 3),
             "bytes_read_per_publish": publish_bytes}
