@@ -146,12 +146,11 @@ class RowPool:
     def detach(self, version: str) -> None:
         """Drop a removed or replaced version's rows at once."""
         with self._lock:
-            if self._sources.pop(version, None) is None:
+            if version not in self._sources:
                 return
+            del self._sources[version]
             self.touched.add(version)
-            self.stats.pop(version, None)
-            self._base.pop(version, None)
-            self._filled.discard(version)
+            self.stats.pop(version, None)  # its resident range, if any, goes back to the free ranges in _layout
             slot_of = self._slot_of.pop(version, None)
             if slot_of:
                 freed = np.fromiter(slot_of.values(), dtype=np.int64, count=len(slot_of))

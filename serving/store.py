@@ -192,12 +192,9 @@ class StoreIndex:
             return held.digests
         return self.retired_digests.get(version)
 
-    def current(self) -> set[str]:
-        """The versions a bare task name may answer: each task's current one and the targets of its route."""
-        return {e.folder for e in self.entries.values()} | {v for e in self.entries.values() for v in e.route or ()}
-
     def is_current(self, version: str) -> bool:
-        """`version in current()`, without building the set of every task's (a load asks it: O(1))."""
+        """Whether a bare task name may answer `version`: its task's current one or a target of its route (O(1):
+        one entry parsed)."""
         entry = self.entries.get(task_of(version))
         return entry is not None and (version == entry.folder or version in (entry.route or ()))
 

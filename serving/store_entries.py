@@ -34,7 +34,10 @@ class ParsedEntries:
                 raw.pop(name, None)
             else:
                 raw[name] = entry
-        return ParsedEntries(raw, self._parse, {k: v for k, v in self._cache.items() if k not in names})
+        cache = dict(self._cache)  # one copy under the GIL: request and audit threads add to it meanwhile
+        for name in names:
+            cache.pop(name, None)
+        return ParsedEntries(raw, self._parse, cache)
 
     def parsed(self) -> int:
         """How many entries were parsed so far (a test counts what a start-up read)."""

@@ -125,12 +125,12 @@ class TaskRegistry:
             self._reported_error = self.view.error
             if changed == set() or not self._versions and (self.pool is None or not self.pool.versions()):
                 return  # nothing new, or nothing loaded that a change could take away (a start parses no entry)
-            current = self.view.index.current()
+            index = self.view.index  # each version asked on its own: no entry parsed beyond those in use
             if self.pool is not None:  # rows of versions no bare name answers go at once (kept ones too)
                 for version in self.pool.versions():
-                    if version not in current:
+                    if not index.is_current(version):
                         self.pool.detach(version)
-            for version in [v for v in self._versions if v not in current]:
+            for version in [v for v in self._versions if not index.is_current(v)]:
                 if time.monotonic() - self._last_used.get(version, 0.0) > self.grace:
                     self._drop(version)
 

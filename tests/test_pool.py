@@ -39,6 +39,29 @@ def test_every_task_resident_while_all_fit():
     assert all(0 < s.fill_seconds <= elapsed for s in pool.stats.values())  # the fill's own time, in seconds
 
 
+@pytest.mark.parametrize("resident", [True, False])
+def test_a_version_let_go_keeps_its_rows_and_detaches_whole(resident):
+    """let_go keeps a version's rows (its next source fills only what is missing); detach then drops them all, its
+    stats with them, and a version attached again starts from nothing."""
+    tables = _tables(3)
+    pool = RowPool((3 if resident else 1) * V * L * D * 2, L, D, V)
+    _attach(pool, tables)
+    a, ids = next(iter(tables)), np.arange(0, 200, 3)
+    pool.rows_many([(a, ids)])
+    pool.let_go(a)
+    assert pool.holds(a) and pool.resident == resident
+    pool.attach(a, lambda i: tables[a][i])
+    misses = pool.stats[a].misses
+    np.testing.assert_array_equal(pool.rows_many([(a, ids)])[0], tables[a][ids])
+    assert pool.stats[a].misses == misses  # every row was still there
+    pool.let_go(a)
+    pool.detach(a)
+    assert not pool.holds(a) and a not in pool.stats and a in pool.drain_touched()
+    pool.attach(a, lambda i: tables[a][i])
+    np.testing.assert_array_equal(pool.rows_many([(a, ids)])[0], tables[a][ids])
+    assert pool.stats[a].resident_rows == (V if resident else len(ids)) and pool.stats[a].misses == len(ids)
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_cache_never_exceeds_budget_and_refills_identical_rows(policy):
     tables = _tables(6)
