@@ -24,8 +24,8 @@ from serving.repository import RepositoryInfo
 from serving.store import StoreError
 from serving.tasks import ServedTask, load_task_version
 from training.data import recorded_task_data
-from training.data.files import read_examples, read_kind_file
 from training.data.task import DataError, Example
+from training.evaluate import read_labelled_file
 from training.kinds import Encoded
 from training.predict import Predictor
 from training.trainer import encode, evaluate, score
@@ -64,10 +64,7 @@ def dev_examples(predictor: Predictor, dev_data: str | Path | None) -> list[Exam
     file of that kind is) when given, else the dev split of the data the artifact records it was trained on."""
     spec = predictor.artifact.spec
     if dev_data is not None:
-        path = Path(dev_data)
-        if spec.kind in ("classification", "regression"):
-            return [example for example, _ in read_examples(path, spec.is_regression)]
-        return [example for example, _ in read_kind_file(path, spec.kind)]
+        return read_labelled_file(dev_data, spec)
     source = predictor.artifact.config.get("training", {}).get("data")
     if not source:
         raise StoreError(f"task {predictor.artifact.path} records no training data to score its dev examples: "

@@ -10,7 +10,7 @@ import pytest
 
 from aot.cli import main
 from aot.client import Client
-from exporter.accuracy_gate import AccuracyDropError
+from exporter.accuracy_gate import AccuracyDropError, dev_examples
 from exporter.backbone_export import export_backbone
 from exporter.cpu_engine import predict_lines_through
 from exporter.task_export import export_task
@@ -19,8 +19,9 @@ from tests.helpers import make_repository, serve_for_tests, train_tiny_task
 from tests.tiny import save_outlier_model, write_kind_folder
 from training.artifact import read_task
 from training.data import recorded_task_data
+from training.data.task import DataError
 from training.metrics import compute_metric
-from training.predict import predict_lines, task_folders
+from training.predict import Predictor, predict_lines, task_folders
 from training.refit import fit_task
 from training.trainer import TrainConfig
 
@@ -187,3 +188,12 @@ def test_gate_refuses_an_embedding_that_loses_recall_and_it_can_be_refitted(tmp_
                       progress=False)
     assert result["metric"] == "recall@1" and result["int8_dev_before_fit"] < result["fp32_dev_before_fit"]
     assert result["int8_dev"] >= result["int8_dev_before_fit"]
+
+
+def test_gate_dev_data_with_a_label_the_task_does_not_know_names_the_row(tasks, tmp_path):
+    """--dev-data is read as `aot evaluate` reads a labelled file: a label outside the task's is named with its row,
+    not a KeyError from the scorer."""
+    data = tmp_path / "dev.jsonl"
+    data.write_text('{"text": "good w1", "label": "positive"}\n{"text": "w2", "label": "sideways"}\n')
+    with pytest.raises(DataError, match=r"dev.jsonl:2: label 'sideways' is not one of the task's labels"):
+        dev_examples(Predictor.load(tasks["cls"]), data)

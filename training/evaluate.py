@@ -6,17 +6,16 @@ from pathlib import Path
 
 from training.backbone import Backbone
 from training.data.files import read_examples, read_kind_file
-from training.data.task import DataError
+from training.data.task import DataError, Example, TaskSpec
 from training.predict import Predictor
 from training.trainer import encode, evaluate
 
 
-def evaluate_file(task_dir: str | Path, path: str | Path, backbone: Backbone | None = None) -> dict:
-    """The task's metric on a labelled file its kind's training reads: JSONL, CSV or TSV with the columns text,
+def read_labelled_file(path: str | Path, spec: TaskSpec) -> list[Example]:
+    """The examples of a labelled file its kind's training reads: JSONL, CSV or TSV with the columns text,
     text_pair?, label (classification, regression), labels (multilabel), text and text_pair (+ score) (embedding);
-    CoNLL or JSONL tags (tokens)."""
-    predictor = Predictor.load(task_dir, backbone)
-    spec = predictor.artifact.spec
+    CoNLL or JSONL tags (tokens). Every label must be one of the task's, and an embedding's pairs scored as its
+    metric needs (DataError naming the row)."""
     if spec.kind in ("classification", "regression"):
         rows = read_examples(Path(path), spec.is_regression)
     else:
@@ -29,7 +28,14 @@ def evaluate_file(task_dir: str | Path, path: str | Path, backbone: Backbone | N
     if spec.kind == "embedding" and (rows[0][0].label is not None) != (spec.metric == "spearman"):
         raise DataError(f"{path}: task {spec.name!r} is scored by {spec.metric}: give "
                         + ("scored pairs" if spec.metric == "spearman" else "pairs without scores"))
-    examples = [example for example, _ in rows]
+    return [example for example, _ in rows]
+
+
+def evaluate_file(task_dir: str | Path, path: str | Path, backbone: Backbone | None = None) -> dict:
+    """The task's metric on a labelled file its kind's training reads (read_labelled_file)."""
+    predictor = Predictor.load(task_dir, backbone)
+    spec = predictor.artifact.spec
+    examples = read_labelled_file(path, spec)
     tokenizer = predictor.backbone.tokenizer
     encoded = encode(tokenizer, examples, spec, predictor.artifact.max_length)
     score = evaluate(predictor.model, encoded, spec, tokenizer.pad_token_id or 0, predictor.device)
