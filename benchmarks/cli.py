@@ -1,9 +1,10 @@
-"""`aot bench overhead | serve | tax | tasks | kinds | accuracy | infinity | s3`: a command this package brings to `aot` as a
-plugin (entry point `bench` of the group `aot.commands` in pyproject.toml; aot.cli loads it), so that imports flow
-one way: benchmarks -> aot, never back."""
+"""`aot bench overhead | serve | tax | tasks | kinds | accuracy | infinity | s3`: a command this package brings to
+`aot` as a plugin (entry point `bench` of the group `aot.commands` in pyproject.toml; aot.cli loads it), so that
+imports flow one way: benchmarks -> aot, never back."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 from aot.arguments import add_command_group
@@ -15,6 +16,16 @@ from serving.protocol import POOLINGS
 
 
 TASK_HELP = "an AoT task artifact (fc or kron)"
+PRECISIONS = ("fp32", "int8")
+
+
+def _precisions(value: str) -> list[str]:
+    """--precision: fp32, int8 or both, comma-separated."""
+    chosen = _names(value)
+    bad = [p for p in chosen if p not in PRECISIONS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown precision {', '.join(bad)}: expected fp32 and/or int8")
+    return chosen
 
 
 def _add_out(parser, stem: str) -> None:
@@ -59,7 +70,7 @@ def add_bench(sub) -> None:
     o.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the models run")
     o.add_argument("--cuda-graphs", action="store_true", help="torch on cuda: replay each method as a CUDA graph")
     o.add_argument("--dtype", choices=["auto", "fp32", "fp16", "bf16"], default="auto", help="auto: fp16 on cuda")
-    o.add_argument("--precision", choices=["fp32", "int8"], default="fp32",
+    o.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="--engine onnxruntime on cpu: the fp32 graphs, or their int8 twins (aot export backbone "
                         "--precision int8), run one request at a time as the CPU configs run them")
     o.add_argument("--rank", type=_positive_int, default=8, help="LoRA rank (and FC rank of aot-factored)")
@@ -81,7 +92,7 @@ def add_bench(sub) -> None:
     s.add_argument("--concurrency", type=_ints, default=[1, 8, 32], help="concurrent clients, one measurement each")
     s.add_argument("--storage", type=_names, default=["fused", "factored"], help="task storages measured")
     s.add_argument("--requests", type=_positive_int, default=200, help="requests per measurement")
-    s.add_argument("--precision", type=_names, default=["fp32"],
+    s.add_argument("--precision", type=_precisions, default=["fp32"],
                    help="CPU graphs of the repositories the bench exports, measured one after the other in this run: "
                         "fp32, int8 or fp32,int8 (each int8 row also shows its throughput x fp32's)")
     s.add_argument("--engine", choices=["onnx", "torch"], default="onnx",
@@ -203,7 +214,7 @@ def add_bench(sub) -> None:
                                      "infinity.json and infinity.md (and aot-serve/).")
     i.add_argument("--task", required=True, help="an AoT task artifact of the MiniLM (or any encoder Infinity loads)")
     i.add_argument("--infinity", required=True, help="the infinity_emb executable of Infinity's own environment")
-    i.add_argument("--precision", type=_names, default=["fp32", "int8"], help="fp32, int8 or fp32,int8")
+    i.add_argument("--precision", type=_precisions, default=["fp32", "int8"], help="fp32, int8 or fp32,int8")
     i.add_argument("--concurrency", type=_ints, default=[1, 8, 32], help="concurrent clients, one measurement each")
     i.add_argument("--requests", type=_positive_int, default=1000, help="requests per measurement")
     _add_out(i, "infinity")
@@ -283,9 +294,6 @@ def run_serve(args) -> int:
     bad = [s for s in args.storage if s not in ("fused", "factored")]
     if bad:
         raise ValueError(f"unknown storage {bad}: expected fused and/or factored")
-    bad = [p for p in args.precision if p not in ("fp32", "int8")]
-    if bad:
-        raise ValueError(f"unknown precision {bad}: expected fp32 and/or int8")
     config = ServeBenchConfig(task=args.task, out=args.out, repo=args.repo, task_counts=tuple(args.tasks),
                               concurrency=tuple(args.concurrency), storages=tuple(args.storage),
                               requests=args.requests, engine=args.engine, device=args.device,
@@ -310,9 +318,6 @@ def run_accuracy(args) -> int:
 def run_infinity(args) -> int:
     from benchmarks.infinity import InfinityBenchConfig, run_infinity_bench
 
-    bad = [p for p in args.precision if p not in ("fp32", "int8")]
-    if bad:
-        raise ValueError(f"unknown precision {bad}: expected fp32 and/or int8")
     config = InfinityBenchConfig(args.task, args.out, args.infinity, tuple(args.precision), tuple(args.concurrency),
                                  args.requests)
     print(json.dumps(run_infinity_bench(config, progress=not args.no_progress)))

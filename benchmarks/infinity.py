@@ -20,13 +20,14 @@ import http.client
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from aot.processes import stop_process_group
+from aot.server import free_port
 from benchmarks.report import markdown_table, write_json, write_text
 from benchmarks.serve import ServeBenchConfig, _texts, closed_loop, run_serve_bench
 
@@ -55,12 +56,6 @@ class InfinityBenchConfig:
     requests: int = 1000
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def model_folder(model: str, python: str, folder: Path, precision: str) -> Path:
     """The encoder's files and its ONNX export(s) for Infinity: tokenizer, config and pooling as packaged."""
     from training.backbone import resolve_model_path
@@ -73,15 +68,15 @@ def model_folder(model: str, python: str, folder: Path, precision: str) -> Path:
 
 @contextlib.contextmanager
 def infinity_server(executable: str, folder: Path, log: Path):
-    """Infinity serving `folder` on a free port: yields its base URL once /health answers."""
-    port = _free_port()
+    """Infinity serving `folder` on a free port: yields the port once /health answers."""
+    port = free_port()
     # Infinity names the ONNX file by its path under the model id, which optimum compares with the files' bare names:
     # so the files lie at the folder's top, the folder is the working directory and the id "."; its optimized graph
     # goes to a cache of this folder's own
     command = [executable, "v2", "--model-id", ".", "--engine", "optimum", "--device", "cpu",
                "--port", str(port), "--host", "127.0.0.1", "--served-model-name", "minilm", "--pooling-method", "mean"]
     with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=folder,
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=folder, start_new_session=True,
                                    env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(folder / ".cache"),
                                         "INFINITY_ANONYMOUS_USAGE_STATS": "0", "DO_NOT_TRACK": "1"})
     try:
@@ -101,11 +96,7 @@ def infinity_server(executable: str, folder: Path, log: Path):
             time.sleep(0.5)
         yield port
     finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop_process_group(process, grace=30)
 
 
 def http_sender(port: int):

@@ -389,3 +389,14 @@ def test_infinity_bench_sender_loop_and_report(tmp_path):
     lines = (tmp_path / "infinity.md").read_text().splitlines()
     assert "| aot serve | vanilla | int8 | 8 | 300.0 | 1.5 |" in "\n".join(lines)
     assert lines[6].startswith("| aot serve | aot | int8 | 1 | 90.0 | - |"), lines  # no Infinity row at concurrency 1
+
+
+@pytest.mark.parametrize("bench", ["serve", "infinity"])
+def test_an_unknown_precision_is_refused_before_any_work(bench, tmp_path, capsys):
+    extra = ["--infinity", str(tmp_path / "infinity_emb")] if bench == "infinity" else []
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", bench, "--task", str(tmp_path), *extra, "--out", str(tmp_path / "out"), "--precision",
+              "fp32,fp16"])
+    assert exit_.value.code == 2
+    assert "unknown precision fp16: expected fp32 and/or int8" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
