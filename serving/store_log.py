@@ -141,7 +141,7 @@ class ChangeLog:
             state = self._read_index()
             try:
                 if every_shard:
-                    state.tasks.read_all(self._read_shard, self._parse_shard)
+                    state.tasks.read_all()
             except StaleIndex:
                 continue  # a compaction replaced the index under us: read the new one
             self._follow(state)
@@ -159,7 +159,7 @@ class ChangeLog:
             if value.get("generation") != generation:
                 raise FormatError(f"{where}: holds generation {value.get('generation')!r}, expected {generation}")
             if "shards" in value:
-                tasks = TaskEntries(files=_shard_files(value, where), load=self._load_shard)
+                tasks = TaskEntries(files=_shard_files(value, where), read=self._read_shard, parse=self._parse_shard)
             else:  # format 3: every entry inline
                 tasks = TaskEntries(entries=dict(_objects(value, where, "tasks", False)))
             return StoreState(generation, tasks, dict(_objects(value, where, "retired", False)),
@@ -183,9 +183,6 @@ class ChangeLog:
         if strays:  # a lookup by name would never find them, a listing would: refused whole
             raise FormatError(f"{where}: holds {len(strays)} task(s) of other shards, e.g. {strays[0][:80]!r}")
         return dict(tasks)
-
-    def _load_shard(self, shard: str, generation: int) -> dict[str, dict]:
-        return self._parse_shard(shard, generation, self._read_shard(shard, generation))
 
     def changed(self) -> bool:
         """Cheap: whether the generation hint moved since the last call (or HINT_RECHECK seconds passed, in case a

@@ -36,15 +36,14 @@ def parse_shard_key(key: str) -> tuple[int, str] | None:
     """(generation, shard) of a shard file's key; None for any other name."""
     stem = key.rsplit("/", 1)[-1].removesuffix(".json")
     generation, _, shard = stem.partition("-")
-    if len(generation) == 16 and generation.isdigit() and len(shard) == 2 and shard == shard.lower() and all(
-            c in "0123456789abcdef" for c in shard):
+    hexadecimal = len(shard) == 2 and all(c in "0123456789abcdef" for c in shard)
+    if len(generation) == 16 and generation.isdigit() and hexadecimal:
         return int(generation), shard
     return None
 
 
-# the shard's entries, read from its file at `generation` (raises StaleIndex when the file is gone)
-ShardLoader = Callable[[str, int], dict[str, dict]]
-ShardReader = Callable[[str, int], bytes]
+ShardReader = Callable[[str, int], bytes]  # (shard, generation) -> its file's bytes (StaleIndex when it is gone)
+ShardParser = Callable[[str, int, bytes], dict[str, dict]]  # (shard, generation, bytes) -> its entries
 
 
 class TaskEntries(MutableMapping):
@@ -54,10 +53,10 @@ class TaskEntries(MutableMapping):
     writes)."""
 
     def __init__(self, entries: dict[str, dict] | None = None, files: dict[str, int] | None = None,
-                 load: ShardLoader | None = None):
+                 read: ShardReader | None = None, parse: ShardParser | None = None):
         self.files = dict(files or {})
         self._unread = dict(self.files)
-        self._load = load
+        self._read, self._parse = read, parse
         self._shards: dict[str, dict[str, dict]] = {}
         self._overlay: dict[str, dict[str, dict | None]] = {}
         self.dirty: set[str] = set()
@@ -85,20 +84,19 @@ class TaskEntries(MutableMapping):
     def shard(self, shard: str) -> dict[str, dict]:
         """The entries of one shard (read now if it was not)."""
         if shard in self._unread:
-            self._merge(shard, self._load(shard, self._unread[shard]))
+            generation = self._unread[shard]
+            self._merge(shard, self._parse(shard, generation, self._read(shard, generation)))
         return self._shards.get(shard, {})
 
-    def read_all(self, read: ShardReader | None = None, parse: Callable[[str, int, bytes], dict] | None = None) -> None:
-        """Read every unread shard: with `read` and `parse`, the reads in parallel and the parsing here."""
+    def read_all(self) -> None:
+        """Read every unread shard: the reads in parallel (object storage is latency-bound), the parsing here."""
         unread = sorted(self._unread.items())
-        if read is None or parse is None or len(unread) < 2:
-            for shard, _ in unread:
-                self.shard(shard)
+        if not unread:
             return
-        with ThreadPoolExecutor(READS_AT_ONCE) as pool:
-            data = list(pool.map(lambda item: read(*item), unread))
+        with ThreadPoolExecutor(min(READS_AT_ONCE, len(unread))) as pool:
+            data = list(pool.map(lambda item: self._read(*item), unread))
         for (shard, generation), raw in zip(unread, data):
-            self._merge(shard, parse(shard, generation, raw))
+            self._merge(shard, self._parse(shard, generation, raw))
 
     def _merge(self, shard: str, entries: dict[str, dict]) -> None:
         del self._unread[shard]
