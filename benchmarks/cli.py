@@ -208,10 +208,10 @@ def add_bench(sub) -> None:
     i = kinds.add_parser("infinity", help="aot serve against Infinity on the same encoder and texts, fp32 and int8",
                          description="Serves the task's encoder with Infinity (michaelfeil/infinity, its ONNX Runtime "
                                      "engine, mean pooling; installed in an environment of its own, e.g. `python -m "
-                                     "venv V && V/bin/pip install 'infinity_emb[server,optimum]==0.0.78'`) and the "
-                                     "task with aot serve (`aot bench serve`: AoT, 8 tasks mixed, vanilla), each "
-                                     "precision in turn, through one closed loop at each concurrency; writes "
-                                     "infinity.json and infinity.md (and aot-serve/).")
+                                     "venv V && V/bin/pip install torch==2.13.0 'infinity_emb[server,optimum]==0.0.78'`"
+                                     ") and the task with aot serve (`aot bench serve`: AoT, 8 tasks mixed, "
+                                     "vanilla), each precision in turn, through one closed loop at each concurrency; "
+                                     "writes infinity.json and infinity.md (and aot-serve/).")
     i.add_argument("--task", required=True, help="an AoT task artifact of the MiniLM (or any encoder Infinity loads)")
     i.add_argument("--infinity", required=True, help="the infinity_emb executable of Infinity's own environment")
     i.add_argument("--precision", type=_precisions, default=["fp32", "int8"], help="fp32, int8 or fp32,int8")
