@@ -1,10 +1,7 @@
 """A real local Triton server (the `tritonserver` binary of the nvidia-pytriton wheel), no Docker.
 
-Set-up that the binary needs (../shared notes, docs/formats.md): a backends folder whose python/ links the wheel's
-python backend and the stub for the steps' Python; that Python's bin/ first on PATH (the stub runs `python3`, which
-must have numpy<2 and this project); LD_LIBRARY_PATH with its libpython. The steps' Python is the one running aot,
-or the one AOT_STEP_PYTHON names (a client environment with numpy 2 can serve through a numpy<2 environment beside
-it); it is probed before the server starts, so that a wrong one fails with its reason rather than in the stubs.
+Set-up that the binary needs (its folder, the steps' Python, the backends folder): aot.triton_setup; the steps'
+Python's bin/ first on PATH and LD_LIBRARY_PATH with its libpython, here.
 
 Security (README "Security model"): every API a client does not need (model repository, model config, shared
 memory, statistics, trace, logging) is restricted to the deployment's admin key: AOT_ADMIN_KEY or the file
@@ -23,7 +20,6 @@ when the server had already exited (crashed) by itself.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import socket
@@ -35,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aot.triton_setup import SERVER_MALLOC, StepPython, backends_folder, step_python, triton_home
 from serving.admin_key import resolve_admin_key
 from serving.health import HealthServer
 from serving.lifecycle import ServerError, ServerExited, ServerLifecycle, compile_steps, http_ok, log_tail
@@ -49,97 +46,6 @@ MAX_RESTARTS = 3
 # docs/benchmarks.md section 4, "What moved the numbers").
 SINGLE_THREADED_BLAS = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 RESTART_WINDOW = 60.0
-STEP_PYTHON_ENV = "AOT_STEP_PYTHON"
-
-
-def triton_home() -> Path:
-    """The folder of the wheel's tritonserver, found without importing pytriton (its imports need more)."""
-    spec = importlib.util.find_spec("pytriton")
-    if spec is None or not spec.submodule_search_locations:
-        raise ServerError("tritonserver not found: pip install --no-deps nvidia-pytriton==0.7.0")
-    home = Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
-    if not (home / "bin" / "tritonserver").is_file():
-        raise ServerError(f"{home}/bin/tritonserver is missing; reinstall nvidia-pytriton==0.7.0")
-    return home
-
-
-@dataclass(frozen=True)
-class StepPython:
-    """The Python the python-backend stubs run: the `python3` beside it on PATH, its version and libpython's folder."""
-
-    bin_dir: Path
-    version: str
-    libdir: str
-
-
-# `-c` puts the current folder first on sys.path, where the stub (an embedded interpreter) has nothing: drop it, so
-# that `serving` is found the way the stub finds it (PYTHONPATH, relative entries included, site-packages, .pth)
-_PROBE = ("import sys; sys.path[:1] = [p for p in sys.path[:1] if p]; import sysconfig, numpy, serving; "
-          "print(f'{sys.version_info[0]}.{sys.version_info[1]}'); "
-          "print(sysconfig.get_config_var('LIBDIR') or ''); print(numpy.__version__)")
-
-
-def step_python() -> StepPython:
-    """AOT_STEP_PYTHON, else the Python running aot, checked as the stubs need it: a `python3` in its folder (what
-    the stub runs), numpy<2 (the stub is built against numpy 1's ABI: with numpy 2 its BYTES inputs crash and its
-    outputs come back empty) and this project's `serving` package."""
-    chosen = os.environ.get(STEP_PYTHON_ENV) or sys.executable
-    if os.sep not in chosen:  # a bare name, as on a command line
-        chosen = shutil.which(chosen) or chosen
-    python3 = Path(chosen).absolute().parent / "python3"
-    where = f"{chosen} (the Python the steps run; {STEP_PYTHON_ENV} names another)"
-    if not python3.is_file():
-        raise ServerError(f"{where}: no python3 beside it, which the tritonserver python stub runs")
-    try:
-        out = subprocess.run([str(python3), "-c", _PROBE], capture_output=True, text=True, timeout=120)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise ServerError(f"{where}: could not be run: {exc}") from None
-    if out.returncode != 0:
-        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
-        raise ServerError(f"{where}: cannot import numpy and this project's serving package: {last}")
-    version, libdir, numpy_version = out.stdout.splitlines()[-3:]
-    if int(numpy_version.split(".")[0]) >= 2:
-        raise ServerError(f"{where} has numpy {numpy_version}; the tritonserver python stub needs numpy<2: install "
-                          f"numpy<2 there, or point {STEP_PYTHON_ENV} at a Python that has it")
-    return StepPython(python3.parent, version, libdir)
-
-
-# tritonserver's own allocations: chunks from 64 KiB up are mapped and unmapped, and free memory is given back from
-# 64 KiB. With glibc's defaults the gRPC buffers of an oversized request stayed in malloc's arenas after the request
-# was refused (hundreds of MB, measured). The steps keep glibc's defaults: their stub drops the setting
-# (stub_wrapper), as a fixed threshold would map and fault every large array of every batch afresh.
-SERVER_MALLOC = "glibc.malloc.mmap_threshold=65536:glibc.malloc.trim_threshold=65536"
-
-
-def stub_wrapper(stub: Path) -> str:
-    """The stub as tritonserver launches it: without tritonserver's malloc settings (SERVER_MALLOC)."""
-    return (f'#!/bin/sh\n# generated by aot serve (aot/server.py)\n[ "$GLIBC_TUNABLES" = "{SERVER_MALLOC}" ] && '
-            f'unset GLIBC_TUNABLES\nexec "{stub}" "$@"\n')
-
-
-def backends_folder(root: Path, version: str) -> Path:
-    """`root/backends/python/` with links to the wheel's python backend, and the stub for Python `version` run
-    through stub_wrapper."""
-    home = triton_home()
-    stub = home / "python_backend_stubs" / version / "triton_python_backend_stub"
-    if not stub.is_file():
-        raise ServerError(f"the tritonserver wheel has no python backend stub for Python {version}")
-    python = root / "backends" / "python"
-    python.mkdir(parents=True, exist_ok=True)
-    wrapper = python / stub.name
-    if not wrapper.is_file() or wrapper.is_symlink():
-        wrapper.unlink(missing_ok=True)
-        wrapper.write_text(stub_wrapper(stub))
-        wrapper.chmod(0o755)
-    for target in (home / "backends" / "python" / "libtriton_python.so",
-                   home / "backends" / "python" / "triton_python_backend_utils.py"):
-        link = python / target.name
-        if link.is_symlink() or link.exists():
-            if link.resolve() == target.resolve():
-                continue
-            link.unlink()
-        link.symlink_to(target)
-    return root / "backends"
 
 
 def port_is_free(host: str, port: int) -> bool:

@@ -30,7 +30,8 @@ import pytest
 import yaml
 
 from aot.client import Client, InferenceError
-from aot.server import LocalServer, backends_folder, free_port, step_python
+from aot.server import LocalServer, free_port
+from aot.triton_setup import backends_folder, step_python
 from exporter.task_export import export_task
 from exporter.task_store import TaskStore
 from serving.admin_key import ADMIN_HEADER, GRPC_ADMIN_HEADER, RESTRICTED_APIS
@@ -110,7 +111,7 @@ def served(request, repo, tmp_path_factory):
         command[0] = sys.executable
         env["PATH"] = f"{python.bin_dir}{os.pathsep}{env['PATH']}"
         env["LD_LIBRARY_PATH"] = python.libdir
-        from aot.server import triton_home
+        from aot.triton_setup import triton_home
 
         command[3] = str(triton_home() / "bin" / "tritonserver")
     log = open(work / "stdout", "w")

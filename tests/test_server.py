@@ -584,7 +584,8 @@ def test_serve_command_checks_the_python_the_steps_run(tmp_path, repo, probe, me
 def test_step_python_is_found_as_the_stub_finds_it(tmp_path, monkeypatch):
     """AOT_STEP_PYTHON relative to the current folder works (the server's PATH gets its absolute folder); one with
     no python3 beside it (what the stub runs) is refused naming it."""
-    from aot.server import ServerError, step_python
+    from aot.server import ServerError
+    from aot.triton_setup import step_python
 
     monkeypatch.setenv("AOT_STEP_PYTHON", os.path.relpath(sys.executable))
     found = step_python()
