@@ -28,12 +28,20 @@ class DigestError(ValueError):
     """A file whose bytes are not the ones published."""
 
 
+_buffers = threading.local()  # each thread's read buffer, reused: a fresh one per read costs its page faults
+
+
 def file_digest(path: Path) -> str:
-    """The digest of a regular file (a symbolic link, device or FIFO planted in its place is refused, never read)."""
+    """The digest of a regular file (a symbolic link, device or FIFO planted in its place is refused, never read).
+    Read into one buffer per thread, reused: a version's first load hashes its files in the request's path, and
+    reading them into new memory took a quarter longer (docs/benchmarks.md section 8)."""
+    buffer = getattr(_buffers, "buffer", None)
+    if buffer is None:
+        buffer = _buffers.buffer = memoryview(bytearray(_CHUNK))
     digest = hashlib.sha256()
-    with os.fdopen(open_regular(path), "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
+    with os.fdopen(open_regular(path), "rb", buffering=0) as f:
+        while size := f.readinto(buffer):
+            digest.update(buffer[:size])
     return f"sha256:{digest.hexdigest()}"
 
 
