@@ -92,6 +92,10 @@ def add_bench(sub) -> None:
     s.add_argument("--concurrency", type=_ints, default=[1, 8, 32], help="concurrent clients, one measurement each")
     s.add_argument("--storage", type=_names, default=["fused", "factored"], help="task storages measured")
     s.add_argument("--requests", type=_positive_int, default=200, help="requests per measurement")
+    s.add_argument("--rounds", type=_positive_int, default=3,
+                   help="passes of each ensemble at each concurrency, in rotating order after one untimed pass of "
+                        "each; the report gives their medians (one pass each drifted by up to ~10 %% between passes "
+                        "of the same server: docs/benchmarks.md section 10)")
     s.add_argument("--precision", type=_precisions, default=["fp32"],
                    help="CPU graphs of the repositories the bench exports, measured one after the other in this run: "
                         "fp32, int8 or fp32,int8 (each int8 row also shows its throughput x fp32's)")
@@ -297,7 +301,8 @@ def run_serve(args) -> int:
     config = ServeBenchConfig(task=args.task, out=args.out, repo=args.repo, task_counts=tuple(args.tasks),
                               concurrency=tuple(args.concurrency), storages=tuple(args.storage),
                               requests=args.requests, engine=args.engine, device=args.device,
-                              pool_bytes=args.pool_bytes, precisions=tuple(args.precision))
+                              pool_bytes=args.pool_bytes, precisions=tuple(args.precision),
+                              rounds=args.rounds)
     print(json.dumps(run_serve_bench(config, progress=not args.no_progress)))
     return 0
 

@@ -144,7 +144,7 @@ def run_infinity_bench(config: InfinityBenchConfig, progress: bool = True) -> di
                     write_infinity_reports(records, out)
         serve = ServeBenchConfig(config.task, str(out / "aot-serve"), task_counts=(1,),
                                  concurrency=config.concurrency, storages=("factored",), requests=config.requests,
-                                 precisions=config.precisions)
+                                 precisions=config.precisions, rounds=1)  # one pass, as Infinity's
         run_serve_bench(serve, progress=progress)
         for r in json.loads((out / "aot-serve" / "serve.json").read_text()):
             if r["kind"] == "latency":

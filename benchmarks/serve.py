@@ -7,7 +7,8 @@ factored storage) and measures, each on a fresh server:
                 after one request to every task (fused tables are memory-mapped: only touched rows count)
     latency     the AoT ensemble (1 task, or 8 tasks mixed request by request) against the vanilla ensemble (same
                 tokenizer and head steps, backbone without bias inputs, 1 task) at each concurrency: throughput,
-                p50/p99 latency, errors, the task pool's hit rate (its counters on the metrics port; each AoT pass
+                p50/p99 latency, errors (after one untimed pass of each; --rounds passes in rotating order,
+                their medians), the task pool's hit rate (its counters on the metrics port; each AoT pass
                 costs a second's wait and one request to publish them), and the bytes the lookup moves to the
                 backbone per request (and the dense per-token bias it replaces)
 
@@ -49,6 +50,7 @@ class ServeBenchConfig:
     device: str = "cpu"  # aot serve --device: cuda needs engine torch
     pool_bytes: int | None = None  # aot serve --pool-bytes (None: the repository's)
     precisions: tuple[str, ...] = ("fp32",)  # the CPU graphs of the repositories the bench exports, side by side
+    rounds: int = 3  # passes of each (model, concurrency), in rotating order; the records hold their medians
 
 
 def _texts(n: int) -> list[str]:
@@ -297,27 +299,52 @@ def _bench_repository(config: ServeBenchConfig, repo: Path, store: Store, precis
                 client.model = "vanilla"
                 client.infer(names[0], texts[0])
             metrics = f"http://{server.host}:{server.metrics_port}/metrics"
+            passes = (("vanilla", 1), ("aot", 1), ("aot", config.mixed_tasks))
+            for model, mix in passes:  # untimed: every pass's first requests (steps, rows, the OS's caches)
+                _closed_loop(server.grpc_url, model, _items(names, mix, texts[:max(1, len(texts) // 4)]),
+                             config.concurrency[0])
             counters = _published_counters(server.grpc_url, metrics, names[0], texts[0]) if pool_bytes else None
             for concurrency in config.concurrency:
-                for model, mix in (("vanilla", 1), ("aot", 1), ("aot", config.mixed_tasks)):
-                    items = [(names[i % mix], text) for i, text in enumerate(texts)]
-                    before = _memory_fallbacks(server.log_path)
-                    result = _closed_loop(server.grpc_url, model, items, concurrency)
-                    hit_rate = None
-                    if model == "aot" and pool_bytes:  # rows found in the pool, of those the pass looked up
-                        now = _published_counters(server.grpc_url, metrics, names[0], texts[0])
-                        lookups = sum(now) - sum(counters)
-                        hit_rate = round((now[0] - counters[0]) / lookups, 4) if lookups else None
-                        counters = now
+                results: dict[tuple[str, int], list[dict]] = {key: [] for key in passes}
+                hits = {key: [0.0, 0.0] for key in passes}  # rows found in the pool, rows looked up
+                fallbacks = {key: 0 for key in passes}
+                for round_ in range(config.rounds):  # each round in another order: no pass always runs first
+                    for model, mix in passes[round_ % len(passes):] + passes[:round_ % len(passes)]:
+                        before = _memory_fallbacks(server.log_path)
+                        results[model, mix].append(_closed_loop(server.grpc_url, model,
+                                                                _items(names, mix, texts), concurrency))
+                        fallbacks[model, mix] += _memory_fallbacks(server.log_path) - before
+                        if model == "aot" and pool_bytes:
+                            now = _published_counters(server.grpc_url, metrics, names[0], texts[0])
+                            hits[model, mix][0] += now[0] - counters[0]
+                            hits[model, mix][1] += sum(now) - sum(counters)
+                            counters = now
+                for (model, mix), runs in results.items():
+                    found, lookups = hits[model, mix]
                     records.append({"kind": "latency", "precision": precision, "model": model, "storage": storage,
-                                    "tasks_in_flight": mix,
-                                    "concurrency": concurrency, "requests": len(items), "pool_bytes": pool_bytes,
-                                    "pool_hit_rate": hit_rate, **result,
-                                    "memory_fallbacks": _memory_fallbacks(server.log_path) - before,
+                                    "tasks_in_flight": mix, "concurrency": concurrency, "requests": len(texts),
+                                    "rounds": len(runs), "pool_bytes": pool_bytes,
+                                    "pool_hit_rate": round(found / lookups, 4) if lookups else None,
+                                    **_median_pass(runs),
+                                    "memory_fallbacks": fallbacks[model, mix],
                                     "lookup_bytes_per_request": None if model == "vanilla" else round(ours),
                                     "dense_bias_bytes_per_request": None if model == "vanilla" else round(dense)})
-                    save()
+                save()
         bar.update(1)
+
+
+def _items(names: list[str], mix: int, texts: list[str]) -> list[tuple[str, str]]:
+    """A pass's requests: the texts in order, sent to `mix` tasks in turn."""
+    return [(names[i % mix], text) for i, text in enumerate(texts)]
+
+
+def _median_pass(runs: list[dict]) -> dict:
+    """The rounds of one pass as one result: each figure's median over the rounds, every round's req/s beside it, and
+    the errors of all of them."""
+    figures = {key: round(float(np.median([r[key] for r in runs])), 2)
+               for key in ("throughput_rps", "p50_ms", "p99_ms", "mean_ms")}
+    return {**figures, "throughput_rps_rounds": [r["throughput_rps"] for r in runs],
+            "errors": sum(r["errors"] for r in runs)}
 
 
 def write_reports(records: list[dict], out: Path, device: str = "CPU") -> None:
@@ -346,13 +373,14 @@ def write_reports(records: list[dict], out: Path, device: str = "CPU") -> None:
         r["ratio"] = f"{r['throughput_rps'] / base[0]['throughput_rps']:.3f}" if base and r["model"] == "aot" else ""
         fp32 = [v for v in same if v.get("precision", "fp32") == "fp32" and v["model"] == r["model"]
                 and v["tasks_in_flight"] == r["tasks_in_flight"]]
+        r["rounds_rps"] = " / ".join(f"{x:.0f}" for x in r.get("throughput_rps_rounds", []))
         r["vs_fp32"] = f"{r['throughput_rps'] / fp32[0]['throughput_rps']:.2f}" if fp32 and r["precision"] != "fp32" \
             else ""
     text += markdown_table(latency, ["precision", "storage", "model", "tasks_in_flight", "concurrency",
-                                     "throughput_rps", "ratio", "vs_fp32", "p50_ms", "p99_ms", "errors",
+                                     "throughput_rps", "rounds_rps", "ratio", "vs_fp32", "p50_ms", "p99_ms", "errors",
                                      "pool_hit_rate", "memory_fallbacks", "lookup_bytes_per_request",
                                      "dense_bias_bytes_per_request"],
-                           ["precision", "storage", "ensemble", "tasks", "concurrency", "req/s",
+                           ["precision", "storage", "ensemble", "tasks", "concurrency", "req/s (median)", "each round",
                             "× vanilla (1 task, same precision)", "× fp32", "p50 ms", "p99 ms", "errors",
                             "task pool hit rate", "memory pool fallbacks (log)", "lookup→backbone bytes/req",
                             "dense bias bytes/req"])

@@ -7,6 +7,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from aot import cli
@@ -102,7 +103,6 @@ def test_bound_session_equals_a_plain_run(tmp_path, tiny_models):
     """The onnxruntime engine's GPU path (inputs bound in place, the lookup on the device) on the CPU device: both
     bias interfaces give the states of the server's own lookup and batching (serving.engine.BackboneRunner), with
     each request's own rows laid out as Triton's batcher concatenates them (a padded request included)."""
-    import numpy as np
     import torch
 
     from benchmarks.overhead_cases import make_case
@@ -180,6 +180,9 @@ def test_serve_bench_tiny(tmp_path, tiny_models, sentiment_dir, engine):
         (p, m, n) for p in precisions for m, n in (("vanilla", 1), ("aot", 1), ("aot", 8))}
     for r in latency:
         assert r["errors"] == 0 and r["throughput_rps"] > 0 and r["p99_ms"] >= r["p50_ms"] > 0
+        # three rounds (the default) in rotating order, the record their median
+        assert r["rounds"] == 3
+        assert r["throughput_rps"] == pytest.approx(np.median(r["throughput_rps_rounds"]), abs=0.01)
         assert isinstance(r["memory_fallbacks"], int)  # counted from the server log (test_memory_fallbacks_...)
         assert r["pool_bytes"] == (60000 if pool else 1 << 30)
         # torch: the pool holds the rows; onnx: the fused step's 2 instances read fused tables through their shared
