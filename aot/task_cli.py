@@ -196,7 +196,7 @@ def add_predict(sub) -> None:
 def run_predict(args) -> int:
     from tqdm.auto import tqdm
 
-    from training.predict import predict_lines, read_input_lines, task_folders
+    from training.predict import predict_lines, read_input_lines, task_folders, text_lines
     from training.trainer import check_device, resolve_device
 
     check_device(args.device)
@@ -206,8 +206,7 @@ def run_predict(args) -> int:
     if args.texts:
         if len(tasks) != 1:
             raise ValueError(f"TEXT arguments run on one --task, got {len(tasks)}: use --input for several")
-        lines = [{"text": t, "text_pair": args.pair, "task": next(iter(tasks))} for t in args.texts]
-        parsed, errors = list(enumerate(lines, 1)), []
+        parsed, errors = text_lines(args.texts, args.pair, tasks)
     else:
         if args.pair is not None:
             raise ValueError("--pair applies to TEXT arguments; in --input lines, give text_pair")

@@ -323,12 +323,37 @@ def test_predict_jsonl_mixes_tasks(saved_tasks, tmp_path, capsys, monkeypatch):
 
 
 def test_predict_reads_stdin_with_a_default_task(saved_tasks, capsys, monkeypatch):
-    stdin = json.dumps({"text": "good w1"}) + "\n" + json.dumps({"text": "awful", "text_pair": "w3"}) + "\n"
+    stdin = json.dumps({"text": "good w1"}) + "\n" + json.dumps({"text": "awful w3"}) + "\n"
     code, out, err = _predict(["--task", str(saved_tasks["sent"]), "--input", "-"], capsys, stdin, monkeypatch)
     assert code == 0 and err == [] and [row["task"] for row in out] == ["sent", "sent"]
     code, positional, _ = _predict(["--task", str(saved_tasks["sent"]), "good w1"], capsys)
     assert positional[0]["label"] == out[0]["label"]
     assert positional[0]["logits"] == pytest.approx(out[0]["logits"], abs=1e-6)  # batched with a longer line
+
+
+def test_predict_refuses_each_line_the_server_refuses(saved_tasks, tiny_models, tmp_path, capsys, monkeypatch):
+    """A blank text, a pair sent to a task trained on single texts and a single text sent to a pair task
+    (AotConfig.text_pairs, recorded as the artifact's has_pair, which the server checks) each fail alone, for the
+    server's reasons; a blank pair counts as none, as served."""
+    base = load(tiny_models["bert"], "auto", seed=7)
+    config = AotConfig(method="fc", rank=4, max_length=32, task_name="nli", labels=LABELS, text_pairs=True)
+    get_aot_model(base, config).save_pretrained(tmp_path / "nli")
+    assert read_task(tmp_path / "nli").spec.has_pair and not read_task(saved_tasks["sent"]).spec.has_pair
+    lines = [{"text": "good w1", "task": "sent", "text_pair": "w2"}, {"text": " \u200b\t", "task": "sent"},
+             {"text": "good w1", "task": "nli"}, {"text": "good w1", "task": "nli", "text_pair": "w2"},
+             {"text": "good w1", "task": "sent", "text_pair": " "}]
+    stdin = "".join(json.dumps(line) + "\n" for line in lines)
+    code, out, err = _predict(["--task", f"sent={saved_tasks['sent']}", "--task", f"nli={tmp_path / 'nli'}",
+                               "--input", "-"], capsys, stdin, monkeypatch)
+    assert code == 0 and [row["task"] for row in out] == ["nli", "sent"]
+    assert err == ["aot: line 1: task 'sent' was trained on single texts: give no text_pair",
+                   "aot: line 2: text is empty (or only whitespace, control or zero-width characters)",
+                   "aot: line 3: task 'nli' was trained on text pairs: give text_pair too",
+                   "aot: 3 of 5 lines failed"]
+    code, positional, err = _predict(["--task", str(tmp_path / "nli"), "good w1", "--pair", "w2"], capsys)
+    assert code == 0 and err == [] and positional[0]["logits"] == pytest.approx(out[0]["logits"], abs=1e-6)
+    with pytest.raises(ValueError, match="text_pairs applies to classification, regression and multilabel"):
+        get_aot_model(load(tiny_models["bert"], "auto"), AotConfig(problem="embedding", text_pairs=True))
 
 
 @pytest.mark.parametrize("stdin,argv,message", [
@@ -374,7 +399,7 @@ def test_predict_runs_a_baseline_task_alone(tiny_models, sentiment_dir, saved_ta
 
     task = train_tiny_task(tiny_models["bert"], sentiment_dir, tmp_path / "bitfit", "bitfit", epochs=1)
     capsys.readouterr()  # what training printed
-    stdin = json.dumps({"text": "good w1", "id": "a"}) + "\n" + json.dumps({"text": "w2", "text_pair": "w3"}) + "\n"
+    stdin = json.dumps({"text": "good w1", "id": "a"}) + "\n" + json.dumps({"text": "w2 w3"}) + "\n"
     code, out, err = _predict(["--task", str(task), "--input", "-"], capsys, stdin, monkeypatch)
     assert code == 0 and err == [] and out[0]["id"] == "a" and [row["task"] for row in out] == ["bitfit"] * 2
     code, out, err = _predict(["--task", str(task), "--task", str(saved_tasks["sent"]), "--input", "-"], capsys,

@@ -99,6 +99,9 @@ class AotConfig:
     threshold: float | None = _help("multilabel: the sigmoid a label must reach to be answered (None: 0.5; aot "
                                     "train tunes it on dev)")
     normalize: bool = _help("embedding: answer unit vectors (the cosine is then a dot product)", True)
+    text_pairs: bool = _help("trained on text pairs (premise and hypothesis, question and passage; classification, "
+                             "regression or multilabel): the server and `aot predict` then answer a text with its "
+                             "pair and refuse a single text, as a task trained on single texts refuses a pair", False)
     task_name: str = _help("the task's name in the saved artifact", "task")
     max_length: int | None = _help("tokens per input at serving time (longer inputs are truncated): use the "
                                    "length you train with (None: 128, or the encoder's limit if lower)")

@@ -224,6 +224,9 @@ def _spec(config: AotConfig) -> TaskSpec:
     kind = config.problem
     metric = config.metric or {"classification": "accuracy", "regression": "pearson_spearman"}.get(kind) \
         or KIND_METRICS[kind][0]
+    if config.text_pairs and kind not in ("classification", "regression", "multilabel"):
+        raise MethodError(f"AotConfig: text_pairs applies to classification, regression and multilabel tasks, not "
+                          f"{kind} (an embedding task's pairs are its training examples; it answers one text)")
     if kind == "embedding":
         return TaskSpec(config.task_name, None, metric, kind=kind, normalize=config.normalize)
     if config.num_labels < 1:
@@ -232,11 +235,11 @@ def _spec(config: AotConfig) -> TaskSpec:
         if config.labels or config.num_labels != 1:
             raise MethodError(f"AotConfig: a regression head has one output and no labels (num_labels "
                               f"{config.num_labels}, labels {config.labels!r})")
-        return TaskSpec(config.task_name, None, metric, kind=kind)
+        return TaskSpec(config.task_name, None, metric, config.text_pairs, kind=kind)
     if len(config.labels) != config.num_labels:
         raise MethodError(f"AotConfig: {len(config.labels)} labels {config.labels!r} for a head with "
                           f"{config.num_labels} outputs")
-    return TaskSpec(config.task_name, tuple(config.labels), metric, kind=kind,
+    return TaskSpec(config.task_name, tuple(config.labels), metric, config.text_pairs, kind=kind,
                     threshold=config.threshold if kind == "multilabel" else None)
 
 
@@ -305,7 +308,8 @@ def aot_task_model(backbone: Backbone, method: MethodConfig, spec: TaskSpec, poo
     head (tanh)."""
     config = AotConfig.from_method(method, problem=spec.kind, pooling=pooling, num_labels=spec.num_outputs,
                                    labels=None if spec.labels is None else list(spec.labels), metric=spec.metric,
-                                   threshold=spec.threshold, normalize=spec.normalize, task_name=spec.name,
+                                   threshold=spec.threshold, normalize=spec.normalize, text_pairs=spec.has_pair,
+                                   task_name=spec.name,
                                    max_length=max_length, base_model_name_or_path=backbone.name)
     head = head or {}
     activation, inner = head.get("activation", "tanh"), head.get("inner_size")
