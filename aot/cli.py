@@ -15,11 +15,7 @@ from importlib.metadata import entry_points
 
 from aot import export_cli, serve_cli, task_cli
 from aot.arguments import Parser
-
-# The extra that brings each top-level package a command may need (`pip install '.[EXTRA]'`).
-EXTRA_OF_MODULE = {"torch": "train", "training": "train", "peft": "train", "transformers": "train",
-                   "sklearn": "train", "onnx": "export", "onnxscript": "export", "matplotlib": "bench",
-                   "onnxruntime": "serve", "tokenizers": "serve", "tritonclient": "client", "tqdm": "client"}
+from aot.output import missing_extra
 
 
 # Packages whose warnings speak to the user (training.data.DataWarning): printed as `aot: warning: ...`.
@@ -123,14 +119,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _missing(exc: ImportError) -> int:
-    module = (exc.name or "").split(".")[0]
-    extra = EXTRA_OF_MODULE.get(module, "train")
-    print(f"aot: error: this command needs the [{extra}] extra (module {module or exc} is missing): "
-          f"pip install 'aot-ptuning[{extra}]'", file=sys.stderr)
-    return 2
-
-
 def _utf8_stdout() -> None:
     """JSON lines are UTF-8 text (RFC 8259), and answers print labels and texts as they are (`ensure_ascii=False`):
     standard output writes UTF-8 whatever the locale says."""
@@ -152,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as exc:
         if os.environ.get("AOT_DEBUG") or not exc.name:
             raise
-        return _missing(exc)
+        return missing_extra(exc)
     except (ValueError, OSError, RuntimeError) as exc:
         if os.environ.get("AOT_DEBUG"):
             raise

@@ -11,7 +11,7 @@ from pathlib import Path
 from aot.arguments import fraction as _fraction
 from aot.arguments import positive_float as _positive_float
 from aot.arguments import positive_int as _positive_int
-from aot.output import report
+from aot.output import missing_extra, report
 from serving.protocol import POOLINGS
 
 
@@ -26,7 +26,7 @@ def add_train(sub) -> None:
     except ImportError as exc:  # a client-only install: `aot train` says what to install
         p = sub.add_parser("train", help="train a task (needs the [train] extra)", prefix_chars="\0")
         p.add_argument("arguments", nargs="*")  # whatever was given: the answer is what to install
-        p.set_defaults(run=lambda args, error=exc: _missing(error))
+        p.set_defaults(run=lambda args, error=exc: missing_extra(error))
         return
     p = sub.add_parser("train", help="train a task on a frozen encoder and write a task artifact",
                        description="Train one task with AoT P-Tuning (fc, kron) or a baseline and write the task "
