@@ -15,7 +15,7 @@
 # Results: $OUT/<stage>/ (the device tool's folder; else runs/gpu-check), written as they are measured: serve.json,
 # serve.md, serve.png (overhead.*), and $OUT/gpu-check.log. Environment: PYTHON (default python3), AOT_GPU_DEVICE
 # (cuda; cpu rehearses the stages on a machine without one), AOT_GPU_KIT (.gpu-kit), AOT_GPU_WORK (/tmp/aot-gpu),
-# AOT_GPU_REQUESTS (2000 per serve and pool measurement).
+# AOT_GPU_REQUESTS (2000 per serve and pool measurement), AOT_GPU_ROUNDS (1: aot bench serve --rounds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -105,7 +105,9 @@ fi
 serve_bench() {  # NAME ARGS...: aot bench serve into $out/NAME
   local name=$1; shift
   local start=$SECONDS
-  aot bench serve --task "$task" --engine torch --device "$device" --out "$out/$name" --no-progress "$@"
+  # one round: smoke and serve share a 10-minute device call (370 s for serve on the H100 with single passes)
+  aot bench serve --task "$task" --engine torch --device "$device" --out "$out/$name" --no-progress \
+    --rounds "${AOT_GPU_ROUNDS:-1}" "$@"
   echo "== $name: $((SECONDS - start)) s"
 }
 table_bytes=$("$py" -c 'import json, sys; c = json.load(open(sys.argv[1])); print(c["vocab_size"] * c["num_hidden_layers"] * c["hidden_size"] * 2)' "$model/config.json")
