@@ -30,7 +30,7 @@ from serving.errors import RequestError
 from serving.pool import RowStorage
 from serving.steps import RequestContext
 from serving.tasks import ServedTask
-from serving.tokenization import Tokenization, is_blank
+from serving.tokenization import Tokenization, given_pair, is_blank, pair_mismatch
 from serving.words import Words
 
 
@@ -85,7 +85,7 @@ class TextInputs:
             raise RequestError(f"send either {protocol.TEXT} or {protocol.INPUT_IDS} (token ids tokenized by the "
                                "client), not both and not neither")
         pair = step.text(request, protocol.TEXT_PAIR, required=False)
-        pair = None if pair is None or is_blank(pair) else pair
+        pair = given_pair(pair)
         task = step.resolve(request)
         ctx.version = task.version
         if ids is not None and task.kind in READS_TOKENS:
@@ -100,25 +100,18 @@ class TextInputs:
                                    f"{task.name!r} reads at most {task.max_length}")
             if protocol.TOKEN_TYPE_IDS in tokens:  # a second segment is the pair (architectures with token types)
                 paired = bool(tokens[protocol.TOKEN_TYPE_IDS].any())
-                if self._pair_mismatch(task, paired):
+                if pair_mismatch(task.meta.get("has_pair"), paired):
                     raise RequestError(f"task {task.name!r} was trained on "
                                        + ("single texts: these token ids hold a second segment" if paired else
                                           "text pairs: these token ids hold no second segment (token_type_ids 1)"))
             return TextRequest(task, tokens=tokens)
-        if self._pair_mismatch(task, pair is not None):
+        if pair_mismatch(task.meta.get("has_pair"), pair is not None):
             raise RequestError(f"task {task.name!r} was trained on " + (
                 f"single texts: send no {protocol.TEXT_PAIR}" if pair is not None else
                 f"text pairs: send {protocol.TEXT_PAIR} too"))
         if is_blank(text):
             raise RequestError(f"{protocol.TEXT} is empty (or only whitespace, control or zero-width characters)")
         return TextRequest(task, text, pair)
-
-    @staticmethod
-    def _pair_mismatch(task: ServedTask, paired: bool) -> bool:
-        """A pair sent to a task trained on single texts, or none to a pair task, would silently change the answer
-        (`has_pair` None: a version exported before it was recorded accepts both)."""
-        has_pair = task.meta.get("has_pair")
-        return has_pair is not None and has_pair != paired
 
     def encode(self, batch: list[TextRequest]) -> list[TokenizedText]:
         """Each prepared request's token tensors (encode_texts)."""

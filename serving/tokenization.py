@@ -25,6 +25,18 @@ def is_blank(text: str) -> bool:
     return all(unicodedata.category(ch)[0] in "CZ" for ch in text)
 
 
+def given_pair(pair: str | None) -> str | None:
+    """A request's second text as served: none when absent or blank (is_blank)."""
+    return None if pair is None or is_blank(pair) else pair
+
+
+def pair_mismatch(has_pair: bool | None, paired: bool) -> bool:
+    """A pair sent to a task trained on single texts, or none sent to a pair task: refused by the server and by `aot
+    predict` alike, as it would silently change the answer (`has_pair` None: a version exported before it was
+    recorded accepts both)."""
+    return has_pair is not None and has_pair != paired
+
+
 def bucket_length(length: int, buckets: tuple[int, ...]) -> int:
     for b in buckets:
         if length <= b:

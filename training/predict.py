@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 
 from serving.formats import JsonLine, json_lines
-from serving.tokenization import is_blank
+from serving.tokenization import given_pair, is_blank, pair_mismatch
 from training.artifact import TaskArtifact, read_task
 from training.backbone import Backbone, load_backbone
 from training.data.task import Example
@@ -74,11 +74,22 @@ def read_input_lines(path: str, tasks: dict[str, Path]) -> tuple[list[Line], lis
     """The good lines of a JSONL file (`-`: standard input) and, for each bad one, (line number, why). Blank lines
     are skipped. A file that cannot be opened is one OSError; a line that is not UTF-8, not a JSON object, lacks a
     string "text", names no loaded task or is one the server refuses (check_line) fails alone."""
+    return _checked_lines(json_lines(path), tasks)
+
+
+def text_lines(texts: list[str], pair: str | None, tasks: dict[str, Path]) -> tuple[list[Line], list[tuple[int, str]]]:
+    """TEXT arguments of the one task (each with `pair`), read as read_input_lines reads a file's lines: numbered
+    from 1, each checked alone."""
+    return _checked_lines((JsonLine("<arguments>", number, {"text": text, "text_pair": pair})
+                           for number, text in enumerate(texts, 1)), tasks)
+
+
+def _checked_lines(lines: Iterable[JsonLine], tasks: dict[str, Path]) -> tuple[list[Line], list[tuple[int, str]]]:
     default = next(iter(tasks)) if len(tasks) == 1 else None
-    pairs = _pair_tasks(tasks)
+    pairs = {name: read_task(folder).spec.has_pair for name, folder in tasks.items()}
     good: list[Line] = []
     bad: list[tuple[int, str]] = []
-    for line in json_lines(path):
+    for line in lines:
         try:
             good.append((line.number, check_line(_request(line, tasks, default), pairs)))
         except ValueError as exc:
@@ -86,35 +97,14 @@ def read_input_lines(path: str, tasks: dict[str, Path]) -> tuple[list[Line], lis
     return good, bad
 
 
-def text_lines(texts: list[str], pair: str | None, tasks: dict[str, Path]) -> tuple[list[Line], list[tuple[int, str]]]:
-    """TEXT arguments of one task (each with `pair`) as read_input_lines gives a file's lines: numbered from 1, each
-    checked alone."""
-    name = next(iter(tasks))
-    pairs = _pair_tasks(tasks)
-    good: list[Line] = []
-    bad: list[tuple[int, str]] = []
-    for number, text in enumerate(texts, 1):
-        try:
-            good.append((number, check_line({"text": text, "text_pair": pair, "task": name}, pairs)))
-        except ValueError as exc:
-            bad.append((number, str(exc)))
-    return good, bad
-
-
-def _pair_tasks(tasks: dict[str, Path]) -> dict[str, bool]:
-    """Each task's name -> whether it was trained on text pairs."""
-    return {name: read_task(folder).spec.has_pair for name, folder in tasks.items()}
-
-
 def check_line(item: dict, pairs: dict[str, bool]) -> dict:
-    """`item`, if the server would answer it: a text with something to read (serving.tokenization.is_blank), and a
-    text_pair exactly when its task was trained on pairs (a blank pair counts as none, as served); otherwise the
-    ValueError the server's refusal names."""
+    """`item`, if the server would answer it (the same rules: serving.tokenization's is_blank, given_pair and
+    pair_mismatch), its blank pair dropped as served; otherwise a ValueError naming the refusal. `pairs`: each
+    task's name -> whether it was trained on text pairs."""
     if is_blank(item["text"]):
         raise ValueError("text is empty (or only whitespace, control or zero-width characters)")
-    pair = item["text_pair"]
-    pair = None if pair is None or is_blank(pair) else pair
-    if pairs[item["task"]] != (pair is not None):
+    pair = given_pair(item["text_pair"])
+    if pair_mismatch(pairs[item["task"]], pair is not None):
         raise ValueError(f"task {item['task']!r} was trained on " + (
             "single texts: give no text_pair" if pair is not None else "text pairs: give text_pair too"))
     return {**item, "text_pair": pair}
