@@ -13,19 +13,22 @@ from aot.arguments import names as _names
 from aot.arguments import non_negative_int as _non_negative_int
 from aot.arguments import positive_int as _positive_int
 from serving.protocol import POOLINGS
+from serving.store import STORAGES
 
 
 TASK_HELP = "an AoT task artifact (fc or kron)"
 PRECISIONS = ("fp32", "int8")
 
 
-def _precisions(value: str) -> list[str]:
-    """--precision: fp32, int8 or both, comma-separated."""
-    chosen = _names(value)
-    bad = [p for p in chosen if p not in PRECISIONS]
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown precision {', '.join(bad)}: expected fp32 and/or int8")
-    return chosen
+def _some_of(known: tuple[str, ...], what: str):
+    """An argparse type: a comma-separated list of some of `known` (a value outside them names itself and them)."""
+    def parse(value: str) -> list[str]:
+        chosen = _names(value)
+        bad = [v for v in chosen if v not in known]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(bad)}: expected some of {', '.join(known)}")
+        return chosen
+    return parse
 
 
 def _add_out(parser, stem: str) -> None:
@@ -90,13 +93,14 @@ def add_bench(sub) -> None:
     _add_served_task(s, "serve")
     s.add_argument("--tasks", type=_ints, default=[1, 8, 32], help="task counts for the memory measurement")
     s.add_argument("--concurrency", type=_ints, default=[1, 8, 32], help="concurrent clients, one measurement each")
-    s.add_argument("--storage", type=_names, default=["fused", "factored"], help="task storages measured")
+    s.add_argument("--storage", type=_some_of(STORAGES, "storage"), default=list(STORAGES),
+                   help="task storages measured")
     s.add_argument("--requests", type=_positive_int, default=200, help="requests per measurement")
     s.add_argument("--rounds", type=_positive_int, default=3,
                    help="passes of each ensemble at each concurrency, in rotating order after one untimed pass of "
                         "each; the report gives their medians (one pass each drifted by up to ~10 %% between passes "
                         "of the same server: docs/benchmarks.md section 10)")
-    s.add_argument("--precision", type=_precisions, default=["fp32"],
+    s.add_argument("--precision", type=_some_of(PRECISIONS, "precision"), default=["fp32"],
                    help="CPU graphs of the repositories the bench exports, measured one after the other in this run: "
                         "fp32, int8 or fp32,int8 (each int8 row also shows its throughput x fp32's)")
     s.add_argument("--engine", choices=["onnx", "torch"], default="onnx",
@@ -218,7 +222,8 @@ def add_bench(sub) -> None:
                                      "writes infinity.json and infinity.md (and aot-serve/).")
     i.add_argument("--task", required=True, help="an AoT task artifact of the MiniLM (or any encoder Infinity loads)")
     i.add_argument("--infinity", required=True, help="the infinity_emb executable of Infinity's own environment")
-    i.add_argument("--precision", type=_precisions, default=["fp32", "int8"], help="fp32, int8 or fp32,int8")
+    i.add_argument("--precision", type=_some_of(PRECISIONS, "precision"), default=["fp32", "int8"],
+                   help="fp32, int8 or fp32,int8")
     i.add_argument("--concurrency", type=_ints, default=[1, 8, 32], help="concurrent clients, one measurement each")
     i.add_argument("--requests", type=_positive_int, default=1000, help="requests per measurement")
     _add_out(i, "infinity")
@@ -295,9 +300,6 @@ def run_overhead(args) -> int:
 def run_serve(args) -> int:
     from benchmarks.serve import ServeBenchConfig, run_serve_bench
 
-    bad = [s for s in args.storage if s not in ("fused", "factored")]
-    if bad:
-        raise ValueError(f"unknown storage {bad}: expected fused and/or factored")
     config = ServeBenchConfig(task=args.task, out=args.out, repo=args.repo, task_counts=tuple(args.tasks),
                               concurrency=tuple(args.concurrency), storages=tuple(args.storage),
                               requests=args.requests, engine=args.engine, device=args.device,

@@ -306,7 +306,8 @@ def _bench_repository(config: ServeBenchConfig, repo: Path, store: Store, precis
             counters = _published_counters(server.grpc_url, metrics, names[0], texts[0]) if pool_bytes else None
             for concurrency in config.concurrency:
                 results: dict[tuple[str, int], list[dict]] = {key: [] for key in passes}
-                hits = {key: [0.0, 0.0] for key in passes}  # rows found in the pool, rows looked up
+                found = {key: 0.0 for key in passes}  # rows the pool held, of those each pass looked up
+                looked_up = {key: 0.0 for key in passes}
                 fallbacks = {key: 0 for key in passes}
                 for round_ in range(config.rounds):  # each round in another order: no pass always runs first
                     for model, mix in passes[round_ % len(passes):] + passes[:round_ % len(passes)]:
@@ -316,15 +317,15 @@ def _bench_repository(config: ServeBenchConfig, repo: Path, store: Store, precis
                         fallbacks[model, mix] += _memory_fallbacks(server.log_path) - before
                         if model == "aot" and pool_bytes:
                             now = _published_counters(server.grpc_url, metrics, names[0], texts[0])
-                            hits[model, mix][0] += now[0] - counters[0]
-                            hits[model, mix][1] += sum(now) - sum(counters)
+                            found[model, mix] += now[0] - counters[0]
+                            looked_up[model, mix] += sum(now) - sum(counters)
                             counters = now
                 for (model, mix), runs in results.items():
-                    found, lookups = hits[model, mix]
+                    lookups = looked_up[model, mix]
                     records.append({"kind": "latency", "precision": precision, "model": model, "storage": storage,
                                     "tasks_in_flight": mix, "concurrency": concurrency, "requests": len(texts),
                                     "rounds": len(runs), "pool_bytes": pool_bytes,
-                                    "pool_hit_rate": round(found / lookups, 4) if lookups else None,
+                                    "pool_hit_rate": round(found[model, mix] / lookups, 4) if lookups else None,
                                     **_median_pass(runs),
                                     "memory_fallbacks": fallbacks[model, mix],
                                     "lookup_bytes_per_request": None if model == "vanilla" else round(ours),

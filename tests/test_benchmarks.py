@@ -401,5 +401,13 @@ def test_an_unknown_precision_is_refused_before_any_work(bench, tmp_path, capsys
         main(["bench", bench, "--task", str(tmp_path), *extra, "--out", str(tmp_path / "out"), "--precision",
               "fp32,fp16"])
     assert exit_.value.code == 2
-    assert "unknown precision fp16: expected fp32 and/or int8" in capsys.readouterr().err
+    assert "unknown precision fp16: expected some of fp32, int8" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unknown_storage_is_refused_before_any_work(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "serve", "--task", str(tmp_path), "--out", str(tmp_path / "out"), "--storage", "fused,table"])
+    assert exit_.value.code == 2
+    assert "unknown storage table: expected some of fused, factored" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
