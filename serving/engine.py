@@ -9,6 +9,7 @@ this package registers itself when its package is imported: the torch engine (se
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,21 +161,21 @@ class BackboneRunner:
 
     def _run(self, requests: list[Prepared]) -> np.ndarray:
         longest = max(len(r.tokens[protocol.INPUT_IDS]) for r in requests)
-        feeds = {}
-        for name in protocol.token_inputs(protocol.TOKEN_TYPE_IDS in self.inputs):
-            feeds[name] = np.stack([np.pad(r.tokens[name], (0, longest - len(r.tokens[name]))) for r in requests])
+        feeds = {name: padded([r.tokens[name] for r in requests], longest)
+                 for name in protocol.token_inputs(protocol.TOKEN_TYPE_IDS in self.inputs)}
         if self.dense:
             bias = np.zeros((len(requests), longest, *self.row_shape), protocol.ROWS_DTYPE)
             for b, r in enumerate(requests):
                 bias[b, :len(r.index)] = protocol.dense_bias(r.rows.reshape(-1, *self.row_shape), r.index)
             feeds[protocol.AOT_BIAS] = bias
         elif self.aot:
-            feeds[protocol.AOT_INDEX] = np.stack([np.pad(r.index, (0, longest - len(r.index)))
-                                                  for r in requests]).astype(protocol.INDEX_DTYPE)
+            feeds[protocol.AOT_INDEX] = padded([r.index for r in requests], longest, protocol.INDEX_DTYPE)
             rows = [r.rows.reshape(-1) for r in requests]
-            feeds[protocol.AOT_ROWS] = np.concatenate(rows).astype(protocol.ROWS_DTYPE, copy=False)
-            feeds[protocol.AOT_ROW_OFFSETS] = np.concatenate([[0], np.cumsum([len(x) for x in rows])]).astype(
-                protocol.INDEX_DTYPE)
+            feeds[protocol.AOT_ROWS] = (rows[0] if len(rows) == 1 else np.concatenate(rows)).astype(
+                protocol.ROWS_DTYPE, copy=False)
+            offsets = np.zeros(len(rows) + 1, protocol.INDEX_DTYPE)
+            np.cumsum([len(x) for x in rows], out=offsets[1:])
+            feeds[protocol.AOT_ROW_OFFSETS] = offsets
         if not any(r.want_states for r in requests):  # the graph's token states are then never copied out
             return self.session.run([protocol.POOLED_HIDDEN], feeds)[0]
         pooled, states = self.session.run([protocol.POOLED_HIDDEN, protocol.TOKEN_HIDDEN], feeds)
@@ -182,6 +183,25 @@ class BackboneRunner:
             if r.want_states:
                 r.states = states[b, : len(r.tokens[protocol.INPUT_IDS])]
         return pooled
+
+
+def padded(arrays: list[np.ndarray], length: int, dtype: np.dtype | None = None) -> np.ndarray:
+    """[len(arrays), length]: each 1-D array from the start of its row, zeros past its end. One request of the full
+    length is a view, not a copy: built per request (an int8 graph runs each alone), np.pad and np.stack cost as much
+    as a tenth of the smallest graphs' own extra work (docs/benchmarks.md section 10)."""
+    dtype = np.dtype(dtype or arrays[0].dtype)
+    if len(arrays) == 1 and len(arrays[0]) == length:
+        return np.ascontiguousarray(arrays[0][None], dtype)
+    out = np.zeros((len(arrays), length), dtype)
+    for b, a in enumerate(arrays):
+        out[b, :len(a)] = a
+    return out
+
+
+def instance_threads(instances: int) -> int:
+    """The engine threads of one of a step's `instances` when its model config names none: this host's cores shared
+    among them (at least one)."""
+    return max(len(os.sched_getaffinity(0)) // instances, 1)
 
 
 def _onnx_backbone(step, aot: bool, threads: int, log: Callable[[str], None] | None = None) -> BackboneRunner:

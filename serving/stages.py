@@ -18,14 +18,13 @@ length, one head call per task version).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
 from serving import protocol
 from serving.answers import READS_TOKENS
-from serving.engine import Engine, Prepared, find_engine
+from serving.engine import Engine, Prepared, find_engine, instance_threads
 from serving.errors import RequestError
 from serving.pool import RowStorage
 from serving.steps import RequestContext
@@ -154,7 +153,7 @@ class Encoder:
         self.step, self.aot = step, aot
         params = step.parameters
         self.engine = step_engine(params)
-        threads = int(params.get("threads", "0")) or max(len(os.sched_getaffinity(0)) // step.instances, 1)
+        threads = int(params.get("threads", "0")) or instance_threads(step.instances)
         self.runner = self.engine.build(step, aot, threads, log)
 
     def prepare(self, task: ServedTask | None, tokens: dict[str, np.ndarray]) -> Prepared:

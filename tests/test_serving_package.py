@@ -321,6 +321,20 @@ def test_length_groups_bound_padding_and_cover_every_request():
     assert [len(g) for g in length_groups(lengths, 10.0)] == [len(lengths)]
 
 
+def test_padded_lays_each_array_from_its_row_start_and_passes_one_full_request_through():
+    """The engine's token, index and row-offset tensors: zeros past each array's end, the dtype asked for; one
+    request of the batch's length is handed to the graph without a copy (a request run alone, as int8 runs them)."""
+    from serving.engine import padded
+
+    ids = np.array([101, 7, 8, 102], np.int64)
+    alone = padded([ids], 4)
+    assert alone.shape == (1, 4) and np.shares_memory(alone, ids) and alone.flags.c_contiguous
+    assert padded([ids], 4, np.int32).dtype == np.int32 and padded([ids], 4, np.int32).tolist() == [ids.tolist()]
+    batch = padded([ids, ids[:2], ids[:1]], 5)
+    assert batch.dtype == np.int64 and batch.tolist() == [[101, 7, 8, 102, 0], [101, 7, 0, 0, 0], [101, 0, 0, 0, 0]]
+    assert padded([ids[:3]], 4).tolist() == [[101, 7, 8, 0]]
+
+
 def test_backbone_runner_split_by_length_gives_each_request_its_states(tmp_path):
     """A batch of mixed lengths split into runs (rows interface, AoT): each request's states equal those of the
     batch padded whole, in the requests' order."""
