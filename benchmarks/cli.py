@@ -76,6 +76,11 @@ def add_bench(sub) -> None:
     o.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="--engine onnxruntime on cpu: the fp32 graphs, or their int8 twins (aot export backbone "
                         "--precision int8), run one request at a time as the CPU configs run them")
+    o.add_argument("--threads", type=_non_negative_int, default=0,
+                   help="--engine onnxruntime on cpu: ONNX Runtime threads of each graph (0: what one instance of "
+                        "the CPU server's fused step runs with the repository defaults, the cores divided among "
+                        "--cpu-instances' default). Above 1, idle threads sleep between operators as served, and "
+                        "waking them costs the AoT graph's small operators more than their work at batch 1")
     o.add_argument("--rank", type=_positive_int, default=8, help="LoRA rank (and FC rank of aot-factored)")
     o.add_argument("--adapter-rank", type=_positive_int, default=64, help="bottleneck width of the adapters")
     o.add_argument("--prompt-length", type=_positive_int, default=20, help="p of P-Tuning v1/v2")
@@ -292,7 +297,8 @@ def run_overhead(args) -> int:
                             methods=args.methods or list(METHODS), engine=args.engine, device=args.device,
                             cuda_graphs=args.cuda_graphs, rank=args.rank, adapter_rank=args.adapter_rank,
                             prompt_length=args.prompt_length, warmup=args.warmup, repeats=args.repeats,
-                            out=args.out, dtype=args.dtype, precision=args.precision)
+                            out=args.out, dtype=args.dtype, precision=args.precision,
+                            threads=args.threads)
     print(json.dumps(run(config, progress=not args.no_progress)))
     return 0
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.overhead_cases import METHODS, OverheadConfig
-from benchmarks.overhead_onnxruntime import run_onnxruntime
+from benchmarks.overhead_onnxruntime import cpu_threads, run_onnxruntime
 from benchmarks.overhead_torch import run_torch
 from benchmarks.report import markdown_table, new_figure, save_figure, write_json, write_text
 
@@ -83,11 +83,16 @@ def run_overhead(config: OverheadConfig, progress: bool = True) -> dict:
         raise ValueError(f"--precision {config.precision!r}: expected fp32 or int8")
     if config.precision == "int8" and (config.engine != "onnxruntime" or config.device != "cpu"):
         raise ValueError("--precision int8 applies to --engine onnxruntime --device cpu (the CPU configs' int8 graphs)")
+    if config.threads and (config.engine != "onnxruntime" or config.device != "cpu"):
+        raise ValueError(f"--threads {config.threads} applies to --engine onnxruntime --device cpu (torch takes its "
+                         "threads from torch.set_num_threads' default: the host's cores)")
     runner = run_torch if config.engine == "torch" else run_onnxruntime
     out = Path(config.out)
     graphs = " + CUDA graphs" if config.cuda_graphs else ""
     title = f"Inference overhead, {config.engine}{graphs} on {config.device}" + (
-        ", int8 graphs" if config.precision == "int8" else "")
+        ", int8 graphs" if config.precision == "int8" else "") + (
+        f", {cpu_threads(config)} thread(s) per graph" if config.engine == "onnxruntime" and config.device == "cpu"
+        else "")
     # reports are rewritten after every size: an interrupted run keeps what it measured
     records = runner(config, progress, on_size=lambda recs: write_reports(recs, out, title))
     return {"out": str(out), "records": len(records), "config": asdict(config)}

@@ -70,6 +70,7 @@ class OverheadConfig:
     out: str = "runs/bench"
     dtype: str = "auto"  # fp16 on cuda, fp32 on cpu
     precision: str = "fp32"  # --engine onnxruntime on cpu: fp32 graphs, or their int8 twins (exporter.quantize)
+    threads: int = 0  # --engine onnxruntime on cpu: ONNX Runtime threads per graph (0: as the CPU server runs one)
 
 
 @dataclass

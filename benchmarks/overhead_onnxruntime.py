@@ -111,6 +111,18 @@ def device_bias_feeds(case: Case, table: torch.Tensor, interface: str) -> dict[s
             protocol.AOT_ROW_OFFSETS: torch.from_numpy(offsets).to(table.device)}
 
 
+def cpu_threads(config: OverheadConfig) -> int:
+    """ONNX Runtime threads per graph on CPU: --threads, else what one instance of the CPU server's fused step runs
+    with the repository defaults (the cores shared among --cpu-instances' default), so that the ratios are those of
+    the served path. With more than one, every small operator of the AoT graph wakes the sleeping pool threads
+    (serving.engine.BackboneRunner: no spinning), which costs more than the operator's work at batch 1
+    (docs/benchmarks.md section 10)."""
+    from serving.engine import instance_threads
+    from serving.repository import ServingOptions
+
+    return config.threads or instance_threads(ServingOptions().cpu_instances)
+
+
 class _Callable(Method):
     def __init__(self, name: str, fn: Callable):
         self.name, self.fn = name, fn
@@ -150,7 +162,8 @@ def run_onnxruntime(config: OverheadConfig, progress: bool = True,
             resident = torch.from_numpy(np.array(table)).to(device)
         else:
             # int8 graphs run one request at a time, as served (exporter.quantize)
-            runners_by_graph = {k: BackboneRunner(g, per_request=graph_dtype == "int8") for k, g in graphs.items()}
+            runners_by_graph = {k: BackboneRunner(g, threads=cpu_threads(config), per_request=graph_dtype == "int8")
+                                for k, g in graphs.items()}
             prompt = FCPrompt(FCConfig(rank=config.rank), L, d, embedding_std=0.05).eval()
             factors = {k: v.detach().numpy() for k, v in prompt.state_dict().items()}
             store = scratch / model_name / "store"
@@ -201,7 +214,7 @@ def run_onnxruntime(config: OverheadConfig, progress: bool = True,
             times = time_methods(methods, config.warmup, config.repeats, device)
             common = {"model": model_name, "batch": batch, "seq": seq, "engine": "onnxruntime", "device": device.type,
                       "dtype": graph_dtype, "cuda_graphs": False,
-                      "repeats": config.repeats}
+                      "repeats": config.repeats, **({"threads": cpu_threads(config)} if device.type == "cpu" else {})}
             records += size_records(config.methods, times, skipped, common)
             on_size(records)
             bar.update(1)

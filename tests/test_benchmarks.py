@@ -139,17 +139,35 @@ def test_bound_session_equals_a_plain_run(tmp_path, tiny_models):
     np.testing.assert_allclose(states["rows"], states["dense"], atol=1e-4)
 
 
-def test_overhead_int8_tiny(tmp_path, tiny_models):
+def test_overhead_int8_tiny(tmp_path, tiny_models, capsys):
     """--precision int8 times the int8 twins of the graphs, one request at a time, as the CPU configs run them."""
     out = tmp_path / "bench"
     assert main(["bench", "overhead", "--models", str(tiny_models["bert"]), "--batch", "2", "--seq", "16",
                  "--repeats", "2", "--warmup", "1", "--engine", "onnxruntime", "--methods", "aot-fused",
-                 "--precision", "int8", "--out", str(out), "--no-progress"]) == 0
+                 "--precision", "int8", "--threads", "1", "--out", str(out), "--no-progress"]) == 0
     records = json.loads((out / "overhead.json").read_text())
     assert {r["method"] for r in records} == {"vanilla", "aot-fused"} and {r["dtype"] for r in records} == {"int8"}
-    assert all(r["median_ms"] > 0 for r in records)
-    assert "int8 graphs" in (out / "overhead.md").read_text()
+    assert all(r["median_ms"] > 0 for r in records) and {r["threads"] for r in records} == {1}
+    assert "int8 graphs, 1 thread(s) per graph" in (out / "overhead.md").read_text()
     assert main(["bench", "overhead", "--precision", "int8", "--out", str(out)]) == 2  # the torch engine: refused
+    assert main(["bench", "overhead", "--threads", "2", "--out", str(out)]) == 2
+    assert "--threads 2 applies to --engine onnxruntime --device cpu" in capsys.readouterr().err
+
+
+def test_overhead_threads_default_to_one_served_instance(monkeypatch):
+    """Without --threads the graphs run with the threads one instance of the CPU server's fused step gets by
+    default: the cores divided among the default --cpu-instances."""
+    from benchmarks.overhead_cases import OverheadConfig
+    from benchmarks.overhead_onnxruntime import cpu_threads
+    from serving.repository import ServingOptions
+
+    config = OverheadConfig(models=["minilm"], batches=[1], seqs=[8], methods=["vanilla"], engine="onnxruntime")
+    instances = ServingOptions().cpu_instances
+    for cores in (1, 2, 8):
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        assert cpu_threads(config) == max(cores // instances, 1)
+    config.threads = 3
+    assert cpu_threads(config) == 3
 
 
 def test_overhead_rejects_unknown_method(tmp_path, capsys):
