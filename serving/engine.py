@@ -187,8 +187,8 @@ class BackboneRunner:
 
 def padded(arrays: list[np.ndarray], length: int, dtype: np.dtype | None = None) -> np.ndarray:
     """[len(arrays), length]: each 1-D array from the start of its row, zeros past its end. One request of the full
-    length is a view, not a copy: built per request (an int8 graph runs each alone), np.pad and np.stack cost as much
-    as a tenth of the smallest graphs' own extra work (docs/benchmarks.md section 10)."""
+    length is a view, not a copy. The int8 configs build these for every request (each runs alone), where np.pad and
+    np.stack per input cost far more (docs/benchmarks.md section 10)."""
     dtype = np.dtype(dtype or arrays[0].dtype)
     if len(arrays) == 1 and len(arrays[0]) == length:
         return np.ascontiguousarray(arrays[0][None], dtype)
