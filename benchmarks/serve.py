@@ -25,8 +25,9 @@ import tempfile
 import threading
 import time
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -172,16 +173,27 @@ def _closed_loop(url: str, model: str, items: list[tuple[str, str]], concurrency
     return closed_loop(sender, items, concurrency)
 
 
-def _pool_counters(metrics_url: str) -> tuple[float, float]:
+class PoolCounters(NamedTuple):
+    """The task pool's counters summed over the server's steps: rows found in the pool, rows it had to fill."""
+
+    hits: float
+    misses: float
+
+    @property
+    def lookups(self) -> float:
+        return self.hits + self.misses
+
+
+def _pool_counters(metrics_url: str) -> PoolCounters:
     text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
 
     def total(name):
         return sum(float(v) for v in re.findall(rf"^{name}\{{[^}}]*\}} (\S+)", text, re.M))
 
-    return total("aot_pool_hits_total"), total("aot_pool_misses_total")
+    return PoolCounters(total("aot_pool_hits_total"), total("aot_pool_misses_total"))
 
 
-def _published_counters(url: str, metrics_url: str, task: str, text: str) -> tuple[float, float]:
+def _published_counters(url: str, metrics_url: str, task: str, text: str) -> PoolCounters:
     """The pool counters once the steps have published them: they publish at most once a second, after a batch,
     so wait that long and send one request (it is counted too: one request in a measured pass of hundreds)."""
     from aot.client import Client
@@ -305,33 +317,42 @@ def _bench_repository(config: ServeBenchConfig, repo: Path, store: Store, precis
                              config.concurrency[0])
             counters = _published_counters(server.grpc_url, metrics, names[0], texts[0]) if pool_bytes else None
             for concurrency in config.concurrency:
-                results: dict[tuple[str, int], list[dict]] = {key: [] for key in passes}
-                found = {key: 0.0 for key in passes}  # rows the pool held, of those each pass looked up
-                looked_up = {key: 0.0 for key in passes}
-                fallbacks = {key: 0 for key in passes}
+                tallies = {key: PassTally() for key in passes}
                 for round_ in range(config.rounds):  # each round in another order: no pass always runs first
                     for model, mix in passes[round_ % len(passes):] + passes[:round_ % len(passes)]:
+                        tally = tallies[model, mix]
                         before = _memory_fallbacks(server.log_path)
-                        results[model, mix].append(_closed_loop(server.grpc_url, model,
-                                                                _items(names, mix, texts), concurrency))
-                        fallbacks[model, mix] += _memory_fallbacks(server.log_path) - before
+                        tally.runs.append(_closed_loop(server.grpc_url, model, _items(names, mix, texts), concurrency))
+                        tally.fallbacks += _memory_fallbacks(server.log_path) - before
                         if model == "aot" and pool_bytes:
                             now = _published_counters(server.grpc_url, metrics, names[0], texts[0])
-                            found[model, mix] += now[0] - counters[0]
-                            looked_up[model, mix] += sum(now) - sum(counters)
+                            tally.found += now.hits - counters.hits
+                            tally.looked_up += now.lookups - counters.lookups
                             counters = now
-                for (model, mix), runs in results.items():
-                    lookups = looked_up[model, mix]
+                for (model, mix), tally in tallies.items():
                     records.append({"kind": "latency", "precision": precision, "model": model, "storage": storage,
                                     "tasks_in_flight": mix, "concurrency": concurrency, "requests": len(texts),
-                                    "rounds": len(runs), "pool_bytes": pool_bytes,
-                                    "pool_hit_rate": round(found[model, mix] / lookups, 4) if lookups else None,
-                                    **_median_pass(runs),
-                                    "memory_fallbacks": fallbacks[model, mix],
+                                    "rounds": len(tally.runs), "pool_bytes": pool_bytes,
+                                    "pool_hit_rate": tally.hit_rate(), **_median_pass(tally.runs),
+                                    "memory_fallbacks": tally.fallbacks,
                                     "lookup_bytes_per_request": None if model == "vanilla" else round(ours),
                                     "dense_bias_bytes_per_request": None if model == "vanilla" else round(dense)})
                 save()
         bar.update(1)
+
+
+@dataclass
+class PassTally:
+    """One pass's rounds at one concurrency: each round's closed-loop result, the memory-pool fallbacks the server
+    logged during them, and of the rows they looked up, those the task pool held."""
+
+    runs: list[dict] = field(default_factory=list)
+    fallbacks: int = 0
+    found: float = 0.0
+    looked_up: float = 0.0
+
+    def hit_rate(self) -> float | None:
+        return round(self.found / self.looked_up, 4) if self.looked_up else None
 
 
 def _items(names: list[str], mix: int, texts: list[str]) -> list[tuple[str, str]]:
