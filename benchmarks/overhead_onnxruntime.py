@@ -147,6 +147,7 @@ def run_onnxruntime(config: OverheadConfig, progress: bool = True,
     from training.backbone import Backbone
 
     device = torch.device(config.device)
+    threads = cpu_threads(config)
     records = []
     scratch = Path(tempfile.mkdtemp(prefix="aot-bench-ort-"))
     sizes = [(b, s) for b in config.batches for s in config.seqs]
@@ -162,7 +163,7 @@ def run_onnxruntime(config: OverheadConfig, progress: bool = True,
             resident = torch.from_numpy(np.array(table)).to(device)
         else:
             # int8 graphs run one request at a time, as served (exporter.quantize)
-            runners_by_graph = {k: BackboneRunner(g, threads=cpu_threads(config), per_request=graph_dtype == "int8")
+            runners_by_graph = {k: BackboneRunner(g, threads=threads, per_request=graph_dtype == "int8")
                                 for k, g in graphs.items()}
             prompt = FCPrompt(FCConfig(rank=config.rank), L, d, embedding_std=0.05).eval()
             factors = {k: v.detach().numpy() for k, v in prompt.state_dict().items()}
@@ -214,7 +215,7 @@ def run_onnxruntime(config: OverheadConfig, progress: bool = True,
             times = time_methods(methods, config.warmup, config.repeats, device)
             common = {"model": model_name, "batch": batch, "seq": seq, "engine": "onnxruntime", "device": device.type,
                       "dtype": graph_dtype, "cuda_graphs": False,
-                      "repeats": config.repeats, **({"threads": cpu_threads(config)} if device.type == "cpu" else {})}
+                      "repeats": config.repeats, **({"threads": threads} if device.type == "cpu" else {})}
             records += size_records(config.methods, times, skipped, common)
             on_size(records)
             bar.update(1)
