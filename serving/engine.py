@@ -9,6 +9,7 @@ this package registers itself when its package is imported: the torch engine (se
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -173,9 +174,8 @@ class BackboneRunner:
             rows = [r.rows.reshape(-1) for r in requests]
             feeds[protocol.AOT_ROWS] = (rows[0] if len(rows) == 1 else np.concatenate(rows)).astype(
                 protocol.ROWS_DTYPE, copy=False)
-            offsets = np.zeros(len(rows) + 1, protocol.INDEX_DTYPE)
-            np.cumsum([len(x) for x in rows], out=offsets[1:])
-            feeds[protocol.AOT_ROW_OFFSETS] = offsets
+            feeds[protocol.AOT_ROW_OFFSETS] = np.array([0, *itertools.accumulate(len(x) for x in rows)],
+                                                       protocol.INDEX_DTYPE)
         if not any(r.want_states for r in requests):  # the graph's token states are then never copied out
             return self.session.run([protocol.POOLED_HIDDEN], feeds)[0]
         pooled, states = self.session.run([protocol.POOLED_HIDDEN, protocol.TOKEN_HIDDEN], feeds)

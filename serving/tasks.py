@@ -122,7 +122,7 @@ class ServedTask:
     vocab_size: int
     head: dict[str, np.ndarray]
     meta: dict = field(default_factory=dict)  # task.json: source, metric, dev score, method, ...
-    table: np.ndarray | None = None  # fused: memory-mapped [V, L, d]
+    table: np.ndarray | None = None  # fused: [V, L, d], a plain array over the file's memory map
     compute_rows: Callable[[np.ndarray], np.ndarray] | None = None  # factored
     digests: dict[str, str] | None = None  # published digests (None: exported before digests, unverified)
     table_path: Path | None = None
@@ -262,6 +262,8 @@ def load_task_version(folder: Path, version: str, store_root: Path, parts: str =
             raise StoreError(f"{version}: table.npy cannot be mapped ({exc}): truncated or not a table") from None
         if task.table.shape != shape or task.table.dtype != protocol.ROWS_DTYPE:
             raise StoreError(f"{version}: table.npy is {task.table.dtype} {task.table.shape}, expected fp16 {shape}")
+        # a plain array over the same mapping: np.memmap's indexing runs Python code on every lookup (per request)
+        task.table = np.asarray(task.table)
         task.table_bytes = file_stamp(task.table_path)[1]
     else:
         method = meta["method"]

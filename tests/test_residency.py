@@ -254,3 +254,19 @@ def test_a_version_loaded_again_is_hashed_again_only_if_a_file_changed(tmp_path,
     with pytest.raises(Exception, match="factors.safetensors is damaged"):
         load()
     assert hashed == ["factors.safetensors"]  # the file written, alone
+
+
+def test_a_fused_table_is_a_plain_array_over_its_file(tmp_path, tiny_models, artifacts):
+    """The fused table is read through the file's memory map (no copy in the process), as a plain array: np.memmap's
+    indexing would run Python code on every request's lookup. Its rows are the file's."""
+    from serving.tasks import load_task_version
+
+    repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"t": (artifacts[0], "fused")})
+    store = TaskStore(read_repository(repo).store_root)
+    entry = store.entries()["t"]
+    task = load_task_version(store.root / entry.folder, entry.folder, store.root, "all", entry.digests)
+    assert type(task.table) is np.ndarray and not task.table.flags.owndata and not task.table.flags.writeable
+    assert isinstance(task.table.base, np.memmap)
+    ids = np.array([0, 5, 17], dtype=np.int64)
+    on_disk = np.load(store.root / entry.folder / "table.npy")
+    np.testing.assert_array_equal(task.rows(ids), on_disk[ids])
