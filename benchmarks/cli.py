@@ -136,6 +136,9 @@ def add_bench(sub) -> None:
     x.add_argument("--cpu-instances", type=_ints, default=[1, 2],
                    help="instances of the fused CPU step (aot export backbone --cpu-instances), each layout measured "
                         "on a server of its own; each instance's engine gets this host's cores divided among them")
+    x.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="the CPU graphs: fp32, or int8 (a repository exported with --precision int8, or --repo one; "
+                        "the engine alone then runs the int8 twins one request at a time, as the CPU configs do)")
     _finish(x, run_tax)
 
     t = kinds.add_parser("tasks",
@@ -285,7 +288,7 @@ def run_tax(args) -> int:
 
     config = TaxBenchConfig(task=args.task, out=args.out, repo=args.repo, concurrency=tuple(args.concurrency),
                             requests=args.requests, batches=tuple(args.batch), cores=args.cores,
-                            cpu_instances=tuple(args.cpu_instances))
+                            cpu_instances=tuple(args.cpu_instances), precision=args.precision)
     print(json.dumps(run_tax_bench(config, progress=not args.no_progress)))
     return 0
 

@@ -54,6 +54,7 @@ class TaxBenchConfig:
     mixed_tasks: int = 8
     cores: int = 16  # the host the ceilings are stated for
     cpu_instances: tuple[int, ...] = (1, 2)  # instances of the fused step, each layout on a server of its own
+    precision: str = "fp32"  # the CPU graphs served and timed alone: fp32, or int8 (one request at a time)
 
 
 def server_processes(pid: int) -> dict[str, int]:
@@ -107,17 +108,20 @@ def engine_alone(repo: Path, sequences: list[dict[str, np.ndarray]], batches: tu
     """A graph on the served step's code, no server: each batch size over every sequence, in order; batches split
     by length as the served step splits them (serving.engine.length_groups), and (vanilla) padded whole to their
     longest sequence as Triton's native backends pad them. `graph` "aot": the AoT graph, each sequence with its
-    rows of P from task `task` (the limit of the AoT passes: the bias is the method's cost, not the server's)."""
+    rows of P from task `task` (the limit of the AoT passes: the bias is the method's cost, not the server's). The
+    graphs are the ones the repository's CPU configs run (serving.repository.BackboneRecord.cpu_graph): an int8
+    repository's int8 twins, one sequence at a time whatever the batch, as its steps run them."""
     from serving.engine import BackboneRunner, Prepared
     from serving.task_registry import TaskRegistry
 
     info = read_repository(repo)
     records = []
-    onnx = info.models / ("backbone" if graph == "aot" else "backbone_vanilla") / "1" / "model.onnx"
+    graph_file = info.record.cpu_graph("backbone" if graph == "aot" else "backbone_vanilla")
+    per_request = info.record.cpu_precision == "int8"
     threads = info.options.cpu_threads
-    runners = {"by length": BackboneRunner(onnx, threads=threads)}
-    if graph == "vanilla":
-        runners["padded"] = BackboneRunner(onnx, threads=threads, max_padding=None)
+    runners = {"by length": BackboneRunner(info.models / graph_file, threads=threads, per_request=per_request)}
+    if graph == "vanilla" and not per_request:
+        runners["padded"] = BackboneRunner(info.models / graph_file, threads=threads, max_padding=None)
         sequences = [Prepared(s) for s in sequences]
     else:
         served = TaskRegistry(info.store_root, parts="rows").resolve(task)
@@ -134,7 +138,8 @@ def engine_alone(repo: Path, sequences: list[dict[str, np.ndarray]], batches: tu
             runner.run(sequences[i:i + batch])
             calls.append((time.perf_counter() - t) * 1e3)
         wall, cpu = time.perf_counter() - start, own_cpu_seconds() - cpu0
-        records.append({"kind": "engine", "graph": graph, "batch": batch, "grouping": grouping,
+        records.append({"kind": "engine", "graph": graph, "graph_file": graph_file, "per_request": per_request,
+                        "batch": batch, "grouping": grouping,
                         "sequences": len(sequences),
                         "throughput_rps": round(len(sequences) / wall, 1),
                         "p50_ms": round(float(np.percentile(calls, 50)), 2),
@@ -176,7 +181,7 @@ def run_tax_bench(config: TaxBenchConfig, progress: bool = True) -> dict:
     out = Path(config.out)
     scratch = Path(tempfile.mkdtemp(prefix="aot-bench-tax-"))
     repo, masters, _ = _build(ServeBenchConfig(config.task, config.out, config.repo, storages=("fused",)), scratch,
-                              "fp32")
+                              config.precision)
     names = Store(repo, masters).set("fused", max(config.mixed_tasks, 1))
     max_length = read_task(config.task).max_length
     texts = _texts(config.requests)
@@ -224,9 +229,11 @@ def served_passes(repo: Path, names: list[str], texts: list[str], tokenizer: Pat
                 after, own = cpu_seconds(pids), own_cpu_seconds() - own0
                 done = max(len(items) - result["errors"], 1)
                 cpu_us = {p: round((after[p] - before[p]) * 1e6 / done, 1) for p in after if p in before}
-                records.append({"kind": "served", "model": model, "tasks_in_flight": mix, "token_ids": ids,
-                                "cpu_instances": instances, "concurrency": concurrency, "requests": len(items), **result,
-                                "cpu_us_per_request": cpu_us, "server_cpu_us_per_request": round(sum(cpu_us.values()), 1),
+                records.append({"kind": "served", "precision": config.precision, "model": model,
+                                "tasks_in_flight": mix, "token_ids": ids, "cpu_instances": instances,
+                                "concurrency": concurrency, "requests": len(items), **result,
+                                "cpu_us_per_request": cpu_us,
+                                "server_cpu_us_per_request": round(sum(cpu_us.values()), 1),
                                 "client_cpu_us_per_request": round(own * 1e6 / done, 1),
                                 "loadavg": [round(load0, 2), round(os.getloadavg()[0], 2)]})
                 bar.update(1)
@@ -276,9 +283,9 @@ def write_reports(records: list[dict], out: Path, config: TaxBenchConfig) -> Non
     engine = [r for r in records if r["kind"] == "engine"]
     served = [r for r in records if r["kind"] == "served"]
     loads = [r["loadavg"][0] for r in records if r["kind"] == "load"]
-    text = (f"# The serving tax (CPU, {os.cpu_count()} cores; load average {loads[0]:.2f} at the start, "
-            f"{loads[-1]:.2f} at the end)\n\n## The engine alone (the vanilla graph, and the AoT graph with one "
-            "task's rows; no server)\n\n")
+    text = (f"# The serving tax (CPU, {config.precision} graphs, {os.cpu_count()} cores; load average "
+            f"{loads[0]:.2f} at the start, {loads[-1]:.2f} at the end)\n\n## The engine alone (the vanilla graph, "
+            "and the AoT graph with one task's rows; no server)\n\n")
     text += markdown_table(engine, ["graph", "batch", "grouping", "sequences", "throughput_rps", "p50_ms",
                                     "cpu_us_per_sequence"],
                            ["graph", "batch", "batch split", "sequences", "seq/s", "p50 ms per call",
@@ -292,11 +299,13 @@ def write_reports(records: list[dict], out: Path, config: TaxBenchConfig) -> Non
             r[f"us:{p}"] = r["cpu_us_per_request"].get(p)
             r[f"ceiling:{p}"] = r["ceilings_rps"].get(p)
     text += "\n## Served (closed loop, clients on the same cores)\n\n"
-    text += markdown_table(served, ["ensemble", "cpu_instances", "concurrency", "throughput_rps", "x_engine", "x_vanilla", "p50_ms",
-                                    "p99_ms", "p50_over_engine_ms", "errors", "server_cpu_us_per_request",
-                                    "tax_us_per_request", "tax_same_graph_us", "engine_step_over_engine_us", "outside_engine_step_us",
+    text += markdown_table(served, ["ensemble", "cpu_instances", "concurrency", "throughput_rps", "x_engine",
+                                    "x_vanilla", "p50_ms", "p99_ms", "p50_over_engine_ms", "errors",
+                                    "server_cpu_us_per_request", "tax_us_per_request", "tax_same_graph_us",
+                                    "engine_step_over_engine_us", "outside_engine_step_us",
                                     "client_cpu_us_per_request", "loadavg"],
-                           ["model", "instances", "conc.", "req/s", "x engine (best batch)", "x vanilla", "p50 ms", "p99 ms",
+                           ["model", "instances", "conc.", "req/s", "x engine (best batch)", "x vanilla", "p50 ms",
+                            "p99 ms",
                             "p50 - engine's (ms)", "errors", "server CPU us/req", "tax us/req",
                             "tax vs the same graph alone",
                             "of which the engine's step - engine", "of which outside the engine's step",
@@ -316,7 +325,8 @@ def write_reports(records: list[dict], out: Path, config: TaxBenchConfig) -> Non
     write_text(out / "tax.md", text)
     fig, (left, right) = new_figure(11, 4.5, ncols=2)
     for key in sorted({(r["model"], r["tasks_in_flight"], r["cpu_instances"]) for r in served}):
-        rows = [r for r in served if (r["model"], r["tasks_in_flight"], r["cpu_instances"]) == key and not r["token_ids"]]
+        rows = [r for r in served
+                if (r["model"], r["tasks_in_flight"], r["cpu_instances"]) == key and not r["token_ids"]]
         if rows:
             x = [r["concurrency"] for r in rows]
             style = dict(marker="o", linestyle="-" if key[2] == 1 else "--", label=_label(rows[0]))

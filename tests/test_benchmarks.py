@@ -311,6 +311,7 @@ def test_tax_bench_tiny(tmp_path, tiny_models, sentiment_dir):
         ("aot", 1, "by length"), ("aot", 4, "by length"),
         ("vanilla", 1, "by length"), ("vanilla", 4, "by length"), ("vanilla", 4, "padded")]
     assert all(r["throughput_rps"] > 0 and r["cpu_us_per_sequence"] > 0 for r in engine)
+    assert all(r["graph_file"].endswith("/1/model.onnx") and not r["per_request"] for r in engine)
     assert sorted((r["model"], r["tasks_in_flight"], r["cpu_instances"], r["concurrency"], r["token_ids"])
                   for r in served) == sorted((m, n, k, c, ids) for m, n in (("vanilla", 1), ("aot", 1), ("aot", 8))
                                              for k in (1, 2) for c in (1, 4) for ids in (False, True))
@@ -325,8 +326,29 @@ def test_tax_bench_tiny(tmp_path, tiny_models, sentiment_dir):
         assert set(r["ceilings_rps"]) == {"tritonserver"}  # the fused steps run the engine: no one-thread ceiling
         assert r["x_vanilla"] is not None and r["x_engine"] > 0
     text = (out / "tax.md").read_text()
-    assert text.startswith("# The serving tax") and "Ceiling each process puts on a 16-core host" in text
+    assert text.startswith("# The serving tax (CPU, fp32 graphs")
+    assert "Ceiling each process puts on a 16-core host" in text
     assert (out / "tax.png").stat().st_size > 1000
+
+
+@pytest.mark.server
+def test_tax_bench_int8_tiny(tmp_path, tiny_models, sentiment_dir):
+    """--precision int8: the int8 repository is served, and the engine alone runs its int8 twins one request at a
+    time whatever the batch, as its steps run them."""
+    task = train_tiny_task(tiny_models["bert"], sentiment_dir, tmp_path / "task", "fc", epochs=1)
+    out = tmp_path / "bench"
+    assert main(["bench", "tax", "--task", str(task), "--out", str(out), "--concurrency", "4", "--requests", "16",
+                 "--batch", "1,4", "--cpu-instances", "2", "--precision", "int8", "--no-progress"]) == 0
+    records = json.loads((out / "tax.json").read_text())
+    engine = [r for r in records if r["kind"] == "engine"]
+    served = [r for r in records if r["kind"] == "served"]
+    assert sorted((r["graph"], r["batch"], r["grouping"]) for r in engine) == [
+        ("aot", 1, "by length"), ("aot", 4, "by length"), ("vanilla", 1, "by length"), ("vanilla", 4, "by length")]
+    assert all(r["graph_file"].endswith("/1/model.int8.onnx") and r["per_request"] for r in engine)
+    assert sorted((r["precision"], r["model"], r["tasks_in_flight"], r["token_ids"]) for r in served) == sorted(
+        ("int8", m, n, ids) for m, n in (("vanilla", 1), ("aot", 1), ("aot", 8)) for ids in (False, True))
+    assert all(r["errors"] == 0 and r["cpu_us_per_request"][r["model"]] > 0 for r in served)
+    assert (out / "tax.md").read_text().startswith("# The serving tax (CPU, int8 graphs")
 
 
 def test_s3_bench_refuses_too_few_tasks_and_writes_its_reports(tmp_path, capsys):
