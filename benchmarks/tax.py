@@ -120,8 +120,9 @@ def engine_alone(repo: Path, sequences: list[dict[str, np.ndarray]], batches: tu
     per_request = info.record.cpu_precision == "int8"
     threads = info.options.cpu_threads
     runners = {"by length": BackboneRunner(info.models / graph_file, threads=threads, per_request=per_request)}
-    if graph == "vanilla" and not per_request:
-        runners["padded"] = BackboneRunner(info.models / graph_file, threads=threads, max_padding=None)
+    if graph == "vanilla":
+        if not per_request:  # one request at a time: nothing is padded
+            runners["padded"] = BackboneRunner(info.models / graph_file, threads=threads, max_padding=None)
         sequences = [Prepared(s) for s in sequences]
     else:
         served = TaskRegistry(info.store_root, parts="rows").resolve(task)
@@ -305,8 +306,7 @@ def write_reports(records: list[dict], out: Path, config: TaxBenchConfig) -> Non
                                     "engine_step_over_engine_us", "outside_engine_step_us",
                                     "client_cpu_us_per_request", "loadavg"],
                            ["model", "instances", "conc.", "req/s", "x engine (best batch)", "x vanilla", "p50 ms",
-                            "p99 ms",
-                            "p50 - engine's (ms)", "errors", "server CPU us/req", "tax us/req",
+                            "p99 ms", "p50 - engine's (ms)", "errors", "server CPU us/req", "tax us/req",
                             "tax vs the same graph alone",
                             "of which the engine's step - engine", "of which outside the engine's step",
                             "load generator CPU us/req", "load average (before, after)"])
