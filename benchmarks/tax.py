@@ -109,20 +109,20 @@ def engine_alone(repo: Path, sequences: list[dict[str, np.ndarray]], batches: tu
     by length as the served step splits them (serving.engine.length_groups), and (vanilla) padded whole to their
     longest sequence as Triton's native backends pad them. `graph` "aot": the AoT graph, each sequence with its
     rows of P from task `task` (the limit of the AoT passes: the bias is the method's cost, not the server's). The
-    graphs are the ones the repository's CPU configs run (serving.repository.BackboneRecord.cpu_graph): an int8
+    graphs are the ones the repository's CPU configs run (serving.repository.RepositoryInfo.cpu_graph): an int8
     repository's int8 twins, one sequence at a time whatever the batch, as its steps run them."""
     from serving.engine import BackboneRunner, Prepared
     from serving.task_registry import TaskRegistry
 
     info = read_repository(repo)
     records = []
-    graph_file = info.record.cpu_graph("backbone" if graph == "aot" else "backbone_vanilla")
-    per_request = info.record.cpu_precision == "int8"
+    onnx = info.cpu_graph("backbone" if graph == "aot" else "backbone_vanilla")
+    per_request = info.record.cpu_per_request
     threads = info.options.cpu_threads
-    runners = {"by length": BackboneRunner(info.models / graph_file, threads=threads, per_request=per_request)}
+    runners = {"by length": BackboneRunner(onnx, threads=threads, per_request=per_request)}
     if graph == "vanilla":
         if not per_request:  # one request at a time: nothing is padded
-            runners["padded"] = BackboneRunner(info.models / graph_file, threads=threads, max_padding=None)
+            runners["padded"] = BackboneRunner(onnx, threads=threads, max_padding=None)
         sequences = [Prepared(s) for s in sequences]
     else:
         served = TaskRegistry(info.store_root, parts="rows").resolve(task)
@@ -139,7 +139,8 @@ def engine_alone(repo: Path, sequences: list[dict[str, np.ndarray]], batches: tu
             runner.run(sequences[i:i + batch])
             calls.append((time.perf_counter() - t) * 1e3)
         wall, cpu = time.perf_counter() - start, own_cpu_seconds() - cpu0
-        records.append({"kind": "engine", "graph": graph, "graph_file": graph_file, "per_request": per_request,
+        records.append({"kind": "engine", "graph": graph, "graph_file": str(onnx.relative_to(info.models)),
+                        "per_request": per_request,
                         "batch": batch, "grouping": grouping,
                         "sequences": len(sequences),
                         "throughput_rps": round(len(sequences) / wall, 1),

@@ -175,10 +175,10 @@ def _engine_parameters(backbone: str, target: str, record: BackboneRecord) -> di
     options = record.serving
     if options.engine == "torch":
         return {"engine": "torch", "device": "cpu" if target == "cpu" else "cuda", "threads": str(options.cpu_threads)}
-    int8 = target == "cpu" and record.cpu_precision == "int8"
+    alone = target == "cpu" and record.cpu_per_request
     graph = record.cpu_graph(backbone) if target == "cpu" else f"{backbone}/1/model.onnx"
     return {"engine": "onnx", "onnx_file": graph,
-            "threads": str(options.cpu_threads), **({"per_request": "true"} if int8 else {})}
+            "threads": str(options.cpu_threads), **({"per_request": "true"} if alone else {})}
 
 
 def _fused(name: str, backbone: str, record: BackboneRecord):

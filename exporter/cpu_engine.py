@@ -34,7 +34,7 @@ class CpuEngine:
         self.repo = repo
         self.tokens = Tokenization(repo.tokenizer_dir, repo.uses_token_type_ids)
         self.runner = BackboneRunner(repo.cpu_graph("backbone"), threads=threads,
-                                     per_request=repo.record.cpu_precision == "int8")
+                                     per_request=repo.record.cpu_per_request)
 
     def answers(self, task: ServedTask, items: list[tuple[str, str | None]]) -> list[Answer]:
         """The served step's answer to each of `items` (text, pair or None), in their order: its ANSWER (`body`) and

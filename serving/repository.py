@@ -194,6 +194,12 @@ class BackboneRecord:
         return f"{backbone}/1/{INT8_GRAPH if self.cpu_precision == 'int8' else 'model.onnx'}"
 
     @property
+    def cpu_per_request(self) -> bool:
+        """The CPU graph runs each request alone: an int8 graph's activation scale is taken over its whole input, so
+        batched, one request's answer would depend on its neighbours (exporter.quantize)."""
+        return self.cpu_precision == "int8"
+
+    @property
     def fingerprint(self) -> str:
         return self.backbone["fingerprint"]
 

@@ -46,10 +46,16 @@ _erf = np.vectorize(math.erf, otypes=[np.float64])  # numpy has no erf; a head's
 HEAD_ACTIVATIONS = {"tanh": np.tanh, "gelu": lambda x: 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))}
 
 
+def mapped_array(path: Path) -> np.ndarray:
+    """A .npy file memory-mapped read-only, as a plain array over the map: np.memmap's indexing runs Python code on
+    every lookup, and the served lookups index per request (docs/benchmarks.md section 10)."""
+    return np.asarray(np.load(path, mmap_mode="r"))
+
+
 @functools.lru_cache(maxsize=4)
 def shared_embeddings(path: Path, stamp: tuple[int, int]) -> np.ndarray:
     """The store's E, memory-mapped once per process and shared by every factored FC task."""
-    return np.load(path, mmap_mode="r")
+    return mapped_array(path)
 
 
 @functools.lru_cache(maxsize=16)
@@ -257,13 +263,11 @@ def load_task_version(folder: Path, version: str, store_root: Path, parts: str =
         except DigestError as exc:
             raise StoreError(f"{version}: {exc}") from None
         try:
-            task.table = np.load(task.table_path, mmap_mode="r")  # refuses a file shorter than its header says
+            task.table = mapped_array(task.table_path)  # np.load refuses a file shorter than its header says
         except (ValueError, OSError) as exc:
             raise StoreError(f"{version}: table.npy cannot be mapped ({exc}): truncated or not a table") from None
         if task.table.shape != shape or task.table.dtype != protocol.ROWS_DTYPE:
             raise StoreError(f"{version}: table.npy is {task.table.dtype} {task.table.shape}, expected fp16 {shape}")
-        # a plain array over the same mapping: np.memmap's indexing runs Python code on every lookup (per request)
-        task.table = np.asarray(task.table)
         task.table_bytes = file_stamp(task.table_path)[1]
     else:
         method = meta["method"]

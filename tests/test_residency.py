@@ -256,17 +256,22 @@ def test_a_version_loaded_again_is_hashed_again_only_if_a_file_changed(tmp_path,
     assert hashed == ["factors.safetensors"]  # the file written, alone
 
 
-def test_a_fused_table_is_a_plain_array_over_its_file(tmp_path, tiny_models, artifacts):
-    """The fused table is read through the file's memory map (no copy in the process), as a plain array: np.memmap's
-    indexing would run Python code on every request's lookup. Its rows are the file's."""
+def test_mapped_arrays_are_plain_arrays_over_their_files(tmp_path, tiny_models, artifacts):
+    """A fused table and the store's shared E (a factored FC task's) are read through their files' memory maps (no
+    copy in the process), as plain arrays: np.memmap's indexing would run Python code on every request's lookup.
+    Their rows are the files'."""
     from serving.tasks import load_task_version
 
-    repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"t": (artifacts[0], "fused")})
+    repo = make_repository(tiny_models["bert"], tmp_path / "repo",
+                           {"fused": (artifacts[0], "fused"), "factored": (artifacts[0], "factored")})
     store = TaskStore(read_repository(repo).store_root)
-    entry = store.entries()["t"]
-    task = load_task_version(store.root / entry.folder, entry.folder, store.root, "all", entry.digests)
-    assert type(task.table) is np.ndarray and not task.table.flags.owndata and not task.table.flags.writeable
-    assert isinstance(task.table.base, np.memmap)
+    entries = store.entries()
+    fused, factored = (load_task_version(store.root / entries[n].folder, entries[n].folder, store.root, "all",
+                                         entries[n].digests) for n in ("fused", "factored"))
     ids = np.array([0, 5, 17], dtype=np.int64)
-    on_disk = np.load(store.root / entry.folder / "table.npy")
-    np.testing.assert_array_equal(task.rows(ids), on_disk[ids])
+    embeddings = factored.compute_rows.embeddings
+    for array, path in ((fused.table, fused.table_path), (embeddings, factored.compute_rows.embeddings_path)):
+        assert type(array) is np.ndarray and not array.flags.owndata and not array.flags.writeable
+        assert isinstance(array.base, np.memmap)
+        np.testing.assert_array_equal(array[ids], np.load(path)[ids])
+    np.testing.assert_array_equal(fused.rows(ids), np.load(fused.table_path)[ids])
