@@ -7,6 +7,11 @@ uint8 at run time, one scale per tensor (DynamicQuantizeLinear, QAttention, Dyna
 (docs/benchmarks.md, "int8 on CPU"). Their one record is training.quantized.QUANTIZATION, which emulates exactly
 these in PyTorch for re-fitting; the repository records it (`aot_repository.json`: `quantization`).
 
+Each of ONNX Runtime's SkipLayerNormalization nodes is then written as the ops it fuses: Add (the MatMul's bias, which
+ONNX Runtime then folds into DynamicQuantizeMatMul), Add (the residual) and ONNX's LayerNormalization. On CPU its
+contrib kernel is several times slower than those three (docs/benchmarks.md, "int8 on CPU"); the int8 twin runs only
+on CPU, while the fp32 graph, which the GPU configs share, keeps its fused nodes.
+
 The activation scale is taken over the whole input tensor, so in a batch of several sequences one sequence's range
 (and padding) would change another's answer: the int8 graph is run one request at a time
 (serving.engine.BackboneRunner, `per_request`), which keeps every answer independent of its neighbours.
@@ -42,6 +47,43 @@ def quantize_graph(src: Path, dst: Path) -> None:
                          extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
     finally:
         root.setLevel(level)
+    model = onnx.load(str(dst))
+    if unfuse_skip_layer_norms(model):
+        onnx.save_model(model, str(dst))
+
+
+def unfuse_skip_layer_norms(model) -> int:
+    """Rewrite each SkipLayerNormalization of `model` (onnx.ModelProto, in place) whose mean and inverse deviation no
+    node reads as Add(input, bias), Add(·, skip) and LayerNormalization(·, gamma, beta) over the last axis: the same
+    arithmetic up to rounding (the bias is added first, where ONNX Runtime folds it into the MatMul that produced the
+    input); its sum output, when read, is the second Add's. Returns how many were rewritten (none where the graph's
+    ONNX opset predates LayerNormalization, 17)."""
+    from onnx import helper
+
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if opset < 17:
+        return 0
+    read = {name for node in model.graph.node for name in node.input if name} | {o.name for o in model.graph.output}
+    nodes, rewritten = [], 0
+    for node in model.graph.node:
+        outputs = list(node.output) + [""] * (4 - len(node.output))
+        if node.op_type != "SkipLayerNormalization" or node.domain != "com.microsoft" or read & {*outputs[1:3]}:
+            nodes.append(node)
+            continue
+        epsilon = next((a.f for a in node.attribute if a.name == "epsilon"), 1e-12)
+        x, skip, gamma, beta, bias = (list(node.input) + [""] * 2)[:5]
+        prefix = f"{node.name or 'SkipLayerNormalization'}/unfused{rewritten}"
+        if bias:
+            nodes.append(helper.make_node("Add", [x, bias], [f"{prefix}/biased"], name=f"{prefix}/bias_add"))
+            x = f"{prefix}/biased"
+        total = outputs[3] or f"{prefix}/sum"
+        nodes.append(helper.make_node("Add", [x, skip], [total], name=f"{prefix}/skip_add"))
+        nodes.append(helper.make_node("LayerNormalization", [total, gamma] + ([beta] if beta else []), [outputs[0]],
+                                      name=f"{prefix}/layer_norm", axis=-1, epsilon=epsilon))
+        rewritten += 1
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return rewritten
 
 
 def int8_difference(path: Path, backbone, aot: bool, interface: str = "rows") -> float:

@@ -5,6 +5,7 @@ The tiny encoder here is built to need care in int8: every LayerNorm's bias carr
 each layer's input has a wide range and the per-tensor activation scale is coarse (as real encoders' outlier
 channels do, only more so). Its task loses several points of dev accuracy through the int8 graph."""
 
+import collections
 import json
 
 import numpy as np
@@ -88,6 +89,30 @@ def test_int8_repository_records_and_runs_int8_graphs(repo):
         gpu = (info.models / folder / "config.pbtxt").read_text()
         assert "int8" not in gpu  # the GPU configs keep their fp16 / fp32 graph
     assert 0 < info.record.parity_max_abs_diff["backbone-int8"] < 1.0
+
+
+def test_int8_graphs_unfuse_skip_layer_norms_and_keep_the_answers(repo, model_dir, tmp_path):
+    """The int8 twins run ONNX's LayerNormalization where the fp32 graph runs ONNX Runtime's SkipLayerNormalization
+    (several times slower on CPU), and the rewrite alone changes no answer beyond rounding."""
+    import onnx
+
+    from exporter.quantize import unfuse_skip_layer_norms
+
+    backbone = load_backbone(str(model_dir))
+    for folder, aot in (("backbone", True), ("backbone_vanilla", False)):
+        graphs = repo / "models" / folder / "1"
+        ops = collections.Counter(n.op_type for n in onnx.load(str(graphs / INT8_GRAPH)).graph.node)
+        assert ops["SkipLayerNormalization"] == 0 and ops["LayerNormalization"] == 2 * backbone.num_layers
+        unfused = onnx.load(str(graphs / "model.onnx"))
+        assert unfuse_skip_layer_norms(unfused) == 2 * backbone.num_layers
+        assert not [n for n in unfused.graph.node if n.op_type == "SkipLayerNormalization"]
+        onnx.save_model(unfused, str(tmp_path / f"{folder}.onnx"))
+        before, after = session(graphs / "model.onnx"), session(tmp_path / f"{folder}.onnx")
+        names = {i.name for i in before.get_inputs()}
+        for seq in (5, 17):
+            feeds = {n: v.numpy() for n, v in example_inputs(backbone, aot, 2, seq, seed=seq).items() if n in names}
+            for want, got in zip(before.run(None, feeds), after.run(None, feeds)):
+                assert np.abs(want - got).max() < 1e-5
 
 
 def test_emulation_equals_the_int8_graph(repo, model_dir):
