@@ -14,6 +14,7 @@ import torch
 from benchmarks.overhead_cases import (Case, Method, OverheadConfig, fused_table, load_model, make_case, size_records,
                                        sync, time_methods)
 from serving import protocol
+from serving.engine import cpu_session
 from training.methods.aot_ptuning.config import FCConfig
 from training.methods.aot_ptuning.layer import FCPrompt
 
@@ -65,12 +66,15 @@ class BoundSession:
             raise ValueError(f"--engine onnxruntime --device {device.type} needs onnxruntime with {provider} "
                              f"(this onnxruntime has {', '.join(ort.get_available_providers())}): install "
                              "onnxruntime-gpu")
-        options = ort.SessionOptions()
-        if threads:
-            options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        options_cuda = [{"device_id": device.index or 0}] if device.type == "cuda" else None
-        self.session = ort.InferenceSession(str(path), options, providers=[provider], provider_options=options_cuda)
+        if device.type == "cuda":
+            options = ort.SessionOptions()
+            if threads:
+                options.intra_op_num_threads = threads
+            options.inter_op_num_threads = 1
+            self.session = ort.InferenceSession(str(path), options, providers=[provider],
+                                                provider_options=[{"device_id": device.index or 0}])
+        else:  # as the CPU server's engine runs it
+            self.session = cpu_session(path, threads)
         self.device = device
         self.inputs = {i.name for i in self.session.get_inputs()}
 

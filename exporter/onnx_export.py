@@ -18,6 +18,7 @@ from torch import nn
 
 from exporter.configs import FP16_FILE
 from serving import protocol
+from serving.engine import cpu_session
 from training.backbone import Backbone
 from serving_torch.encoder import BiasedEncoder, pool_states
 
@@ -189,13 +190,8 @@ def fused_op_counts(path: Path) -> dict[str, int]:
 
 
 def session(path: Path, threads: int = 0):
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    if threads:
-        options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    """The graph at `path` in ONNX Runtime on CPU, as the CPU server's engine runs it."""
+    return cpu_session(path, threads)
 
 
 def max_abs_difference(path: Path, backbone: Backbone, aot: bool, interface: str = "rows",

@@ -116,23 +116,15 @@ class BackboneRunner:
     graph's interface: ragged rows concatenated with the accumulated row offsets, or each request's dense bias
     rows[index] (zero past its end)."""
 
-    def __init__(self, onnx_path: str | Path, threads: int = 0, providers: list[str] | None = None,
-                 max_padding: float | None = 0.125, per_request: bool = False):
+    def __init__(self, onnx_path: str | Path, threads: int = 0, max_padding: float | None = 0.125,
+                 per_request: bool = False):
         """`max_padding`: see length_groups; None pads the whole batch to its longest sequence, as Triton's native
         backends do. `per_request`: run each request alone (an int8 graph, whose activation scale is taken over the
         whole batch: batched, a request's answer would depend on its neighbours; exporter.quantize)."""
-        import onnxruntime as ort
-
-        options = ort.SessionOptions()
-        if threads:
-            options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
         # Idle intra-op threads sleep instead of spinning: the served backbone shares its cores with tritonserver, the
         # other steps and often the clients, and spinning threads burned the CPU the backbone itself needed
         # (docs/benchmarks.md section 6, "Figures behind the serving code").
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.session = ort.InferenceSession(str(onnx_path), options,
-                                            providers=providers or ["CPUExecutionProvider"])
+        self.session = cpu_session(onnx_path, threads, spinning=False)
         self.inputs = [i.name for i in self.session.get_inputs()]
         self.dense = protocol.AOT_BIAS in self.inputs
         self.aot = self.dense or protocol.AOT_ROWS in self.inputs
@@ -196,6 +188,35 @@ def padded(arrays: list[np.ndarray], length: int, dtype: np.dtype | None = None)
     for b, a in enumerate(arrays):
         out[b, :len(a)] = a
     return out
+
+
+# ONNX Runtime's session-time fusion of Add + Add + LayerNormalization into its SkipLayerNormalization kernel, several
+# times slower on CPU than the three it replaces (docs/benchmarks.md section 10). The int8 twins are written without
+# that kernel (exporter.quantize); no CPU session puts it back.
+CPU_DISABLED_FUSIONS = ("SkipLayerNormFusion",)
+
+
+def cpu_session_options(threads: int = 0, spinning: bool = True):
+    """ONNX Runtime's options for a graph on CPU: `threads` intra-op threads (0: ONNX Runtime's default), one inter-op
+    thread, idle threads spinning or asleep, none of CPU_DISABLED_FUSIONS."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    if not spinning:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("optimization.disable_specified_optimizers", ",".join(CPU_DISABLED_FUSIONS))
+    return options
+
+
+def cpu_session(onnx_path: str | Path, threads: int = 0, spinning: bool = True):
+    """An ONNX Runtime session of the graph at `onnx_path` on CPU, with cpu_session_options."""
+    import onnxruntime as ort
+
+    return ort.InferenceSession(str(onnx_path), cpu_session_options(threads, spinning),
+                                providers=["CPUExecutionProvider"])
 
 
 def instance_threads(instances: int) -> int:

@@ -21,6 +21,7 @@ from exporter.onnx_export import ExportableBackbone, example_inputs, session
 from exporter.task_export import export_task
 from exporter.task_store import STAGING, TaskStore
 from serving import protocol
+from serving.engine import cpu_session_options
 from serving.repository import INT8_GRAPH, read_repository
 from serving.tasks import load_task_version
 from tests.helpers import one_line_error, serve_for_tests, train_tiny_task
@@ -113,6 +114,22 @@ def test_int8_graphs_unfuse_skip_layer_norms_and_keep_the_answers(repo, model_di
             feeds = {n: v.numpy() for n, v in example_inputs(backbone, aot, 2, seq, seed=seq).items() if n in names}
             for want, got in zip(before.run(None, feeds), after.run(None, feeds)):
                 assert np.abs(want - got).max() < 1e-5
+
+
+def test_cpu_sessions_do_not_fuse_the_layer_norms_back(repo, tmp_path):
+    """ONNX Runtime would fuse the int8 vanilla graph's Add + Add + LayerNormalization back into its slow
+    SkipLayerNormalization when a session starts; the options every CPU session takes keep it out."""
+    import onnx
+    import onnxruntime as ort
+
+    graph = repo / "models" / "backbone_vanilla" / "1" / INT8_GRAPH
+    fused = {}
+    for name, options in (("default", ort.SessionOptions()), ("cpu", cpu_session_options(threads=1))):
+        options.optimized_model_filepath = str(tmp_path / f"{name}.onnx")
+        ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
+        nodes = onnx.load(str(tmp_path / f"{name}.onnx"), load_external_data=False).graph.node
+        fused[name] = sum(n.op_type == "SkipLayerNormalization" for n in nodes)
+    assert fused["default"] > 0 and fused["cpu"] == 0
 
 
 def test_emulation_equals_the_int8_graph(repo, model_dir):
