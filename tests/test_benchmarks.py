@@ -451,3 +451,29 @@ def test_an_unknown_storage_is_refused_before_any_work(tmp_path, capsys):
     assert exit_.value.code == 2
     assert "unknown storage table: expected some of fused, factored" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_int8_data_writes_the_regression_and_pair_sets_aot_train_reads(tmp_path):
+    """The int8 accuracy benchmark's two derived sets, read back by `aot train`'s loader: Rotten Tomatoes as 0/1
+    scores in its own split, and BBC article pairs labelled by whether their topics match, half of each."""
+    from benchmarks.int8_data import main as write_data
+    from training.data import load_task_data
+    from training.data.builtin import bbc_news, rotten_tomatoes
+
+    assert write_data(["--out", str(tmp_path), "--pairs", "40", "--dev-pairs", "12"]) == 0
+    score = load_task_data(str(tmp_path / "rt_score"), problem="regression")
+    reviews = rotten_tomatoes()
+    assert score.spec.kind == "regression" and score.spec.metric == "pearson_spearman"
+    for split in ("train", "dev"):
+        assert [(ex.text, ex.label) for ex in score.splits[split]] == [
+            (ex.text, 1.0 if ex.label == "positive" else 0.0) for ex in reviews.splits[split]]
+    pairs = load_task_data(str(tmp_path / "bbc_pairs"))
+    articles = bbc_news()
+    for split, count in (("train", 40), ("dev", 12)):
+        topic = {ex.text: ex.label for ex in articles.splits[split]}  # each pair from its own split's articles
+        rows = pairs.splits[split]
+        assert len(rows) == count and sum(ex.label == "same" for ex in rows) == count // 2
+        assert all(ex.text != ex.text_pair for ex in rows)
+        assert all((topic[ex.text] == topic[ex.text_pair]) == (ex.label == "same") for ex in rows)
+    with pytest.raises(SystemExit):
+        write_data(["--out", str(tmp_path), "--pairs", "1"])
