@@ -4,8 +4,8 @@ tasks can be trained again from the packaged data alone.
 
     python -m benchmarks.int8_data --out runs/int8/data      # then rt_score/ and bbc_pairs/ under it
 
-- `rt_score`: Rotten Tomatoes as a regression (`label` 1.0 for a positive review, 0.0 for a negative one; train with
-  `--problem regression`), in the built-in split.
+- `rt_score`: Rotten Tomatoes as a regression (`label` 1.0 for a positive review, 0.0 for a negative one; its
+  `task.json` declares the problem, so the numbers are never read as two class names), in the built-in split.
 - `bbc_pairs`: two BBC News articles of one split, labelled `same` when they share a topic and `different` when they
   do not, half of each; `--pairs` of them from the training articles and `--dev-pairs` from the dev articles.
 """
@@ -30,6 +30,8 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 def rt_score(out: Path) -> None:
     """Rotten Tomatoes' train and dev splits with each label as a number."""
     data = rotten_tomatoes()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "task.json").write_text(json.dumps({"problem": "regression"}) + "\n", encoding="utf-8")
     for split in ("train", "dev"):
         write_jsonl(out / f"{split}.jsonl", [{"text": ex.text, "label": float(ex.label == "positive")}
                                              for ex in data.splits[split]])
@@ -58,7 +60,7 @@ def bbc_pairs(out: Path, pairs: int, dev_pairs: int, seed: int = SPLIT_SEED) -> 
     write_jsonl(out / "dev.jsonl", article_pairs(data.dev, dev_pairs, rng))
 
 
-def _positive(text: str) -> int:
+def _at_least_two(text: str) -> int:
     value = int(text)
     if value < 2:
         raise argparse.ArgumentTypeError(f"expected a whole number of at least 2, got {text}")
@@ -69,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.int8_data", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--out", required=True, type=Path, help="folder to write rt_score/ and bbc_pairs/ into")
-    parser.add_argument("--pairs", type=_positive, default=2000, help="training pairs of BBC articles")
-    parser.add_argument("--dev-pairs", type=_positive, default=300, help="dev pairs of BBC articles")
+    parser.add_argument("--pairs", type=_at_least_two, default=2000, help="training pairs of BBC articles")
+    parser.add_argument("--dev-pairs", type=_at_least_two, default=300, help="dev pairs of BBC articles")
     args = parser.parse_args(argv)
     rt_score(args.out / "rt_score")
     bbc_pairs(args.out / "bbc_pairs", args.pairs, args.dev_pairs)

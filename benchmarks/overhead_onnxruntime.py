@@ -73,7 +73,7 @@ class BoundSession:
             options.inter_op_num_threads = 1
             self.session = ort.InferenceSession(str(path), options, providers=[provider],
                                                 provider_options=[{"device_id": device.index or 0}])
-        else:  # as the CPU server's engine runs it
+        else:  # with the CPU engine's graph optimizations
             self.session = cpu_session(path, threads)
         self.device = device
         self.inputs = {i.name for i in self.session.get_inputs()}

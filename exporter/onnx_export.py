@@ -190,7 +190,8 @@ def fused_op_counts(path: Path) -> dict[str, int]:
 
 
 def session(path: Path, threads: int = 0):
-    """The graph at `path` in ONNX Runtime on CPU, as the CPU server's engine runs it."""
+    """The graph at `path` in ONNX Runtime on CPU, with the CPU engine's graph optimizations
+    (serving.engine.cpu_session_options)."""
     return cpu_session(path, threads)
 
 

@@ -47,7 +47,7 @@ def quantize_graph(src: Path, dst: Path) -> None:
                          extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
     finally:
         root.setLevel(level)
-    model = onnx.load(str(dst))
+    model = onnx.load(str(dst), load_external_data=False)  # the rewrite touches nodes, never a weight
     if unfuse_skip_layer_norms(model):
         onnx.save_model(model, str(dst))
 

@@ -461,7 +461,7 @@ def test_int8_data_writes_the_regression_and_pair_sets_aot_train_reads(tmp_path)
     from training.data.builtin import bbc_news, rotten_tomatoes
 
     assert write_data(["--out", str(tmp_path), "--pairs", "40", "--dev-pairs", "12"]) == 0
-    score = load_task_data(str(tmp_path / "rt_score"), problem="regression")
+    score = load_task_data(str(tmp_path / "rt_score"))  # its task.json says regression
     reviews = rotten_tomatoes()
     assert score.spec.kind == "regression" and score.spec.metric == "pearson_spearman"
     for split in ("train", "dev"):

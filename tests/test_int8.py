@@ -21,7 +21,7 @@ from exporter.onnx_export import ExportableBackbone, example_inputs, session
 from exporter.task_export import export_task
 from exporter.task_store import STAGING, TaskStore
 from serving import protocol
-from serving.engine import cpu_session_options
+from serving.engine import CPU_DISABLED_FUSIONS, BackboneRunner, cpu_session_options
 from serving.repository import INT8_GRAPH, read_repository
 from serving.tasks import load_task_version
 from tests.helpers import one_line_error, serve_for_tests, train_tiny_task
@@ -116,6 +116,59 @@ def test_int8_graphs_unfuse_skip_layer_norms_and_keep_the_answers(repo, model_di
                 assert np.abs(want - got).max() < 1e-5
 
 
+# name: (bias input, beta input, sum output read, mean output read, ONNX opset) of one SkipLayerNormalization
+SKIP_LAYER_NORMS = {
+    "bias and beta": (True, True, False, False, 17),
+    "no bias": (False, True, False, False, 17),
+    "no beta": (True, False, False, False, 17),
+    "its sum read too": (True, True, True, False, 17),
+    "its mean read: left fused": (True, True, False, True, 17),
+    "opset 16, before LayerNormalization: left fused": (True, True, False, False, 16),
+}
+
+
+@pytest.mark.parametrize("case", SKIP_LAYER_NORMS)
+def test_unfuse_skip_layer_norms_cases(case, tmp_path):
+    """One SkipLayerNormalization with non-zero gamma, beta and bias and an epsilon not LayerNormalization's default:
+    rewritten, it answers as the fused node (every output read); where it cannot be, it is left as it was."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from exporter.quantize import unfuse_skip_layer_norms
+
+    bias, beta, sum_read, mean_read, opset = SKIP_LAYER_NORMS[case]
+    hidden, epsilon, rng = 16, 0.25, np.random.default_rng(3)
+    used = ["gamma"] + (["beta"] if beta else []) + (["bias"] if bias else [])
+    weights = [numpy_helper.from_array((1 + rng.normal(size=hidden)).astype(np.float32), name) for name in used]
+    outputs = ["y", "mean" if mean_read else "", "", "sum" if sum_read else ""]
+    node = helper.make_node("SkipLayerNormalization",
+                            ["x", "skip", "gamma", "beta" if beta else "", "bias" if bias else ""],
+                            [name for name in outputs], domain="com.microsoft", epsilon=epsilon, name="sln")
+    tensor = [1, 5, hidden]
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, tensor)
+                                           for n in ("x", "skip")],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs if n],
+                              weights)
+    fused = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    unfused = onnx.ModelProto.FromString(fused.SerializeToString())
+    left = mean_read or opset < 17
+    assert unfuse_skip_layer_norms(unfused) == (0 if left else 1)
+    if left:
+        assert unfused == fused
+        return
+    [norm] = [n for n in unfused.graph.node if n.op_type == "LayerNormalization"]
+    assert {a.name: helper.get_attribute_value(a) for a in norm.attribute} == {"axis": -1, "epsilon": epsilon}
+    assert not [n for n in unfused.graph.node if n.op_type == "SkipLayerNormalization"]
+    feeds = {n: rng.normal(size=tensor).astype(np.float32) for n in ("x", "skip")}
+    answers = []
+    for name, model in (("fused", fused), ("unfused", unfused)):
+        onnx.save_model(model, str(tmp_path / f"{name}.onnx"))
+        answers.append(session(tmp_path / f"{name}.onnx").run(None, feeds))
+    for want, got in zip(*answers):
+        assert np.abs(want - got).max() < 1e-5
+
+
 def test_cpu_sessions_do_not_fuse_the_layer_norms_back(repo, tmp_path):
     """ONNX Runtime would fuse the int8 vanilla graph's Add + Add + LayerNormalization back into its slow
     SkipLayerNormalization when a session starts; the options every CPU session takes keep it out."""
@@ -130,6 +183,9 @@ def test_cpu_sessions_do_not_fuse_the_layer_norms_back(repo, tmp_path):
         nodes = onnx.load(str(tmp_path / f"{name}.onnx"), load_external_data=False).graph.node
         fused[name] = sum(n.op_type == "SkipLayerNormalization" for n in nodes)
     assert fused["default"] > 0 and fused["cpu"] == 0
+    runner = BackboneRunner(graph)  # what the served step, the gate and aot predict run
+    config = runner.session.get_session_options().get_session_config_entry
+    assert config("optimization.disable_specified_optimizers") == ",".join(CPU_DISABLED_FUSIONS)
 
 
 def test_emulation_equals_the_int8_graph(repo, model_dir):
