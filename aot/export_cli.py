@@ -36,7 +36,9 @@ def add_export(sub) -> None:
     add_dataclass_arguments(b, ServingOptions)
     b.add_argument("--opt-batch", type=positive_int, default=8, help="TensorRT profile: optimal batch")
     b.add_argument("--opt-seq", type=positive_int, default=128, help="TensorRT profile: optimal sequence length")
-    b.add_argument("--overwrite", action="store_true", help="replace an existing repository's backbone (tasks kept)")
+    b.add_argument("--overwrite", action="store_true",
+                   help="replace an existing repository's backbone (tasks kept; to int8, only tasks the same int8 "
+                        "graph scored)")
     b.add_argument("--store", default=None,
                    help="s3://BUCKET/PREFIX: keep the tasks in S3-compatible object storage instead of the repository "
                         "(a fleet with no shared volume: each replica fetches a task on its first request into a local "

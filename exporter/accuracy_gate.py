@@ -49,6 +49,7 @@ class ServedScore:
     examples: int
     allowed_drop: float  # points
     reference: str  # "fp32 task" or "fitted from <dir>"
+    graph: str  # sha256 of the int8 graph that scored it: a re-export keeps the task only onto the same graph
 
     @property
     def drop(self) -> float:
@@ -134,10 +135,11 @@ def check_served_accuracy(repo: RepositoryInfo, folder: Path, predictor: Predict
     encoded = encode(tokenizer, examples, spec, artifact.max_length)
     fp32 = evaluate(predictor.model, encoded, spec, tokenizer.pad_token_id or 0, predictor.device)
     served = load_task_version(folder, TaskStore.version_name(folder), repo.store_root)
-    predictions = served_predictions(engine or CpuEngine(repo), served, examples, encoded)
+    engine = engine or CpuEngine(repo)
+    predictions = served_predictions(engine, served, examples, encoded)
     reference, origin = fp32_reference(predictor, fp32)
     result = ServedScore(repo.record.cpu_precision, spec.metric, score(predictions, encoded, spec), reference,
-                         len(examples), allowed, origin)
+                         len(examples), allowed, origin, engine.graph_digest)
     if result.drop > allowed + 1e-9:
         raise AccuracyDropError(
             f"task {served.name!r}: dev {spec.metric} through the {result.precision} engine is "

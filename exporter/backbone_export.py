@@ -20,6 +20,7 @@ from exporter.tensorrt import Profile, build_plan, build_script, write_parity_da
 from exporter.torch_export import export_torch_encoder
 from serving import protocol
 from serving.atomic import atomic_directory, write_json
+from serving.digests import file_digest
 from serving.store import ROWS_DIR
 from serving.repository import (CPU_PRECISIONS, INT8_GRAPH, MODELS_DIR, RECORD, BackboneRecord, RepositoryError,
                                 RepositoryInfo, ServingOptions, read_repository)
@@ -108,6 +109,8 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
     report = BackboneExportReport(str(plan.repo), {}, {}, {}, 0.0)
     with atomic_directory(plan.repo, private=(ADMIN_KEY_FILE,)) as tmp:  # the key: 0600, the rest one mode
         precision = _export_graphs(plan, tmp, report)
+        if plan.keep_tasks is not None and plan.cpu_precision == "int8":
+            _check_kept_tasks_graph(plan.keep_tasks, tmp / MODELS_DIR / "backbone" / "1" / INT8_GRAPH)
         _write_repository(plan, tmp, _record(plan, precision, report))
         report.sizes = {p.relative_to(tmp).as_posix(): p.stat().st_size
                         for pattern in ("*.onnx", f"{ENCODER_DIR}/*.safetensors") for p in tmp.rglob(pattern)}
@@ -179,6 +182,19 @@ def _check_kept_tasks_int8(repo: RepositoryInfo) -> None:
     if unchecked:
         raise RepositoryError(f"{repo.path} holds tasks never scored through an int8 engine ({', '.join(unchecked)}); "
                               "an int8 backbone would serve them unchecked: export it into a new repository "
+                              "(--precision int8) and publish the tasks there, where each is scored on its dev "
+                              "examples")
+
+
+def _check_kept_tasks_graph(repo: RepositoryInfo, graph: Path) -> None:
+    """A re-export to int8 keeps the store's tasks only onto the int8 graph that scored them: another graph (a newer
+    ONNX Runtime, another exporter) answers a little differently, and a task near its allowed drop may pass it."""
+    digest = file_digest(graph)
+    stale = [entry.name for entry in TaskStore.of(repo).entries().values()
+             if (entry.meta.get("served_dev") or {}).get("graph") != digest]
+    if stale:
+        raise RepositoryError(f"{repo.path} holds tasks scored on another int8 graph than this export writes "
+                              f"({', '.join(stale)}); nothing was replaced: export into a new repository "
                               "(--precision int8) and publish the tasks there, where each is scored on its dev "
                               "examples")
 

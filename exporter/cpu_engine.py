@@ -13,6 +13,7 @@ import torch
 
 from exporter.task_record import head_arrays, task_record
 from serving import protocol
+from serving.digests import file_digest
 from serving.engine import BackboneRunner
 from serving.heads import Answer, HeadInput, head_answers
 from serving.repository import RepositoryInfo
@@ -33,8 +34,16 @@ class CpuEngine:
     def __init__(self, repo: RepositoryInfo, threads: int = 0):
         self.repo = repo
         self.tokens = Tokenization(repo.tokenizer_dir, repo.uses_token_type_ids)
-        self.runner = BackboneRunner(repo.cpu_graph("backbone"), threads=threads,
-                                     per_request=repo.record.cpu_per_request)
+        self.graph = Path(repo.cpu_graph("backbone"))
+        self.runner = BackboneRunner(self.graph, threads=threads, per_request=repo.record.cpu_per_request)
+        self._graph_digest: str | None = None
+
+    @property
+    def graph_digest(self) -> str:
+        """The sha256 of the graph this engine runs (hashed once): what a task's served score was measured on."""
+        if self._graph_digest is None:
+            self._graph_digest = file_digest(self.graph)
+        return self._graph_digest
 
     def answers(self, task: ServedTask, items: list[tuple[str, str | None]]) -> list[Answer]:
         """The served step's answer to each of `items` (text, pair or None), in their order: its ANSWER (`body`) and

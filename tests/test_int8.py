@@ -21,6 +21,7 @@ from exporter.onnx_export import ExportableBackbone, example_inputs, session
 from exporter.task_export import export_task
 from exporter.task_store import STAGING, TaskStore
 from serving import protocol
+from serving.digests import file_digest
 from serving.engine import CPU_DISABLED_FUSIONS, BackboneRunner, cpu_session_options
 from serving.repository import INT8_GRAPH, read_repository
 from serving.tasks import load_task_version
@@ -301,3 +302,26 @@ def test_int8_accuracy_benchmark(tmp_path, repo, task, published):
     assert row["refit_steps"] == 100 and row["refit_drop"] < row["drop"]
     assert {"bench", "bench-refit"} <= set(TaskStore(read_repository(repo).store_root).entries())
     assert "re-fitted int8" in (tmp_path / "int8_accuracy.md").read_text()
+
+
+def test_int8_re_export_keeps_tasks_only_onto_the_graph_that_scored_them(tmp_path, model_dir, task):
+    """--overwrite keeps the store's tasks: onto the same int8 graph they stay as scored; onto another one (here the
+    dense bias interface's), or onto int8 from fp32, the export is refused and the repository left as it was."""
+    from serving.repository import RepositoryError, ServingOptions
+
+    path = tmp_path / "repo"
+    export_backbone(str(model_dir), path, cpu_precision="int8")
+    scored = export_task(task, path, "plain", progress=False, allowed_drop=100).served_dev
+    graph = path / "models" / "backbone" / "1" / INT8_GRAPH
+    assert scored["graph"] == file_digest(graph)
+    export_backbone(str(model_dir), path, cpu_precision="int8", overwrite=True)  # the same graph: kept
+    assert set(TaskStore(read_repository(path).store_root).entries()) == {"plain"}
+    with pytest.raises(RepositoryError, match=r"scored on another int8 graph than this export writes \(plain\)"):
+        export_backbone(str(model_dir), path, ServingOptions(bias_interface="dense"), cpu_precision="int8",
+                        overwrite=True)
+    assert file_digest(graph) == scored["graph"] and read_repository(path).record.serving.bias_interface == "rows"
+    fp32 = tmp_path / "fp32"
+    export_backbone(str(model_dir), fp32)
+    export_task(task, fp32, "plain", progress=False)
+    with pytest.raises(RepositoryError, match=r"never scored through an int8 engine \(plain\)"):
+        export_backbone(str(model_dir), fp32, cpu_precision="int8", overwrite=True)
