@@ -144,7 +144,7 @@ def test_unfuse_skip_layer_norms_cases(case, tmp_path):
     outputs = ["y", "mean" if mean_read else "", "", "sum" if sum_read else ""]
     node = helper.make_node("SkipLayerNormalization",
                             ["x", "skip", "gamma", "beta" if beta else "", "bias" if bias else ""],
-                            [name for name in outputs], domain="com.microsoft", epsilon=epsilon, name="sln")
+                            outputs, domain="com.microsoft", epsilon=epsilon, name="sln")
     tensor = [1, 5, hidden]
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, tensor)
                                            for n in ("x", "skip")],
