@@ -110,7 +110,7 @@ def export_backbone(model: str, repo: str | Path, options: ServingOptions | None
     with atomic_directory(plan.repo, private=(ADMIN_KEY_FILE,)) as tmp:  # the key: 0600, the rest one mode
         precision = _export_graphs(plan, tmp, report)
         if plan.keep_tasks is not None and plan.cpu_precision == "int8":
-            _check_kept_tasks_graph(plan.keep_tasks, tmp / MODELS_DIR / "backbone" / "1" / INT8_GRAPH)
+            _check_kept_tasks_int8(plan.keep_tasks, tmp / MODELS_DIR / "backbone" / "1" / INT8_GRAPH)
         _write_repository(plan, tmp, _record(plan, precision, report))
         report.sizes = {p.relative_to(tmp).as_posix(): p.stat().st_size
                         for pattern in ("*.onnx", f"{ENCODER_DIR}/*.safetensors") for p in tmp.rglob(pattern)}
@@ -174,29 +174,24 @@ def _validate(model: str, repo: Path, options: ServingOptions, precision: str | 
                       cpu_precision)
 
 
-def _check_kept_tasks_int8(repo: RepositoryInfo) -> None:
+def _check_kept_tasks_int8(repo: RepositoryInfo, graph: Path | None = None) -> None:
     """A re-export to int8 keeps the store's tasks: each must have been scored through an int8 engine when it was
-    published (exporter.accuracy_gate), or it would start serving a lower score unchecked."""
-    unchecked = [entry.name for entry in TaskStore.of(repo).entries().values()
-                 if (entry.meta.get("served_dev") or {}).get("precision") != "int8"]
-    if unchecked:
-        raise RepositoryError(f"{repo.path} holds tasks never scored through an int8 engine ({', '.join(unchecked)}); "
-                              "an int8 backbone would serve them unchecked: export it into a new repository "
-                              "(--precision int8) and publish the tasks there, where each is scored on its dev "
-                              "examples")
-
-
-def _check_kept_tasks_graph(repo: RepositoryInfo, graph: Path) -> None:
-    """A re-export to int8 keeps the store's tasks only onto the int8 graph that scored them: another graph (a newer
-    ONNX Runtime, another exporter) answers a little differently, and a task near its allowed drop may pass it."""
-    digest = file_digest(graph)
-    stale = [entry.name for entry in TaskStore.of(repo).entries().values()
-             if (entry.meta.get("served_dev") or {}).get("graph") != digest]
-    if stale:
-        raise RepositoryError(f"{repo.path} holds tasks scored on another int8 graph than this export writes "
-                              f"({', '.join(stale)}); nothing was replaced: export into a new repository "
-                              "(--precision int8) and publish the tasks there, where each is scored on its dev "
-                              "examples")
+    published (exporter.accuracy_gate), or it would start serving a lower score unchecked; once the new int8 `graph`
+    is written, on that very graph (its sha256, `served_dev.graph`), since another graph (another ONNX Runtime,
+    exporter or bias interface) answers a little differently and a task near its allowed drop could pass it. Checked
+    without `graph` before the export, so that a repository of fp32 tasks is refused before any graph is built."""
+    digest = file_digest(graph) if graph is not None else None
+    refused = []
+    for entry in TaskStore.of(repo).entries().values():
+        scored = entry.meta.get("served_dev") or {}
+        if scored.get("precision") != "int8" or (digest is not None and scored.get("graph") != digest):
+            refused.append(entry.name)
+    if refused:
+        what = ("never scored through an int8 engine" if digest is None
+                else "scored on another int8 graph than this export writes")
+        raise RepositoryError(f"{repo.path} holds tasks {what} ({', '.join(refused)}); nothing was replaced: export "
+                              "into a new repository (--precision int8) and publish the tasks there, where each is "
+                              "scored on its dev examples")
 
 
 def _export_graphs(plan: ExportPlan, tmp: Path, report: BackboneExportReport) -> str | None:

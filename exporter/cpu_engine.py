@@ -6,6 +6,7 @@ entities from its tokens' states, an embedding's vector, not only a pooled head'
 
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -36,14 +37,11 @@ class CpuEngine:
         self.tokens = Tokenization(repo.tokenizer_dir, repo.uses_token_type_ids)
         self.graph = Path(repo.cpu_graph("backbone"))
         self.runner = BackboneRunner(self.graph, threads=threads, per_request=repo.record.cpu_per_request)
-        self._graph_digest: str | None = None
 
-    @property
+    @cached_property
     def graph_digest(self) -> str:
         """The sha256 of the graph this engine runs (hashed once): what a task's served score was measured on."""
-        if self._graph_digest is None:
-            self._graph_digest = file_digest(self.graph)
-        return self._graph_digest
+        return file_digest(self.graph)
 
     def answers(self, task: ServedTask, items: list[tuple[str, str | None]]) -> list[Answer]:
         """The served step's answer to each of `items` (text, pair or None), in their order: its ANSWER (`body`) and

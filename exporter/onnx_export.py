@@ -189,18 +189,12 @@ def fused_op_counts(path: Path) -> dict[str, int]:
     return {op: counts[op] for op in FUSED_OPS if counts[op]}
 
 
-def session(path: Path, threads: int = 0):
-    """The graph at `path` in ONNX Runtime on CPU, with the CPU engine's graph optimizations
-    (serving.engine.cpu_session_options)."""
-    return cpu_session(path, threads)
-
-
 def max_abs_difference(path: Path, backbone: Backbone, aot: bool, interface: str = "rows",
                        trials: tuple[tuple[int, int], ...] = ((3, 13), (1, 5))) -> float:
     """ONNX Runtime against PyTorch at shapes other than the export's, with random non-zero biases: the pooled
     states and every real token's state."""
     module = ExportableBackbone(backbone, aot, interface).eval()
-    sess = session(path)
+    sess = cpu_session(path)  # with the CPU engine's graph optimizations
     names = {i.name for i in sess.get_inputs()}
     worst = 0.0
     try:

@@ -55,7 +55,8 @@ def test_dense_bias_graph_equals_the_rows_graph(tmp_path, arch):
     the same fusions, and has the shapes a bucketed TensorRT profile needs: [batch, sequence, L, d]."""
     import onnx
 
-    from exporter.onnx_export import example_inputs, session
+    from exporter.onnx_export import example_inputs
+    from serving.engine import cpu_session
 
     backbone = tiny_backbone(arch)
     rows = export_backbone_graph(backbone, tmp_path / "rows", aot=True)
@@ -69,7 +70,7 @@ def test_dense_bias_graph_equals_the_rows_graph(tmp_path, arch):
     outputs = {}
     for interface, g in (("rows", rows), ("dense", dense)):
         feeds = example_inputs(backbone, True, 3, 11, seed=9, interface=interface)
-        outputs[interface] = session(g.optimized).run(None, {k: v.numpy() for k, v in feeds.items()})[0]
+        outputs[interface] = cpu_session(g.optimized).run(None, {k: v.numpy() for k, v in feeds.items()})[0]
     assert np.abs(outputs["rows"] - outputs["dense"]).max() < 1e-4
     assert np.abs(outputs["rows"]).max() > 0.1
 
@@ -78,12 +79,13 @@ def test_aot_graph_uses_the_biases(tmp_path):
     """Random non-zero rows move the output: the parity check is not comparing two unbiased graphs."""
     import torch
 
-    from exporter.onnx_export import ExportableBackbone, example_inputs, session
+    from exporter.onnx_export import ExportableBackbone, example_inputs
+    from serving.engine import cpu_session
 
     backbone = tiny_backbone("bert")
     graph = export_backbone_graph(backbone, tmp_path, aot=True)
     feeds = example_inputs(backbone, True, 2, 9, seed=5)
-    sess = session(graph.optimized)
+    sess = cpu_session(graph.optimized)
     with_bias = sess.run(None, {k: v.numpy() for k, v in feeds.items()})[0]
     feeds[protocol.AOT_ROWS] = torch.zeros_like(feeds[protocol.AOT_ROWS])
     without = sess.run(None, {k: v.numpy() for k, v in feeds.items()})[0]

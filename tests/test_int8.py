@@ -17,12 +17,12 @@ from aot.client import Client
 from exporter.accuracy_gate import AccuracyDropError
 from exporter.backbone_export import export_backbone
 from exporter.cpu_engine import CpuEngine, predict_lines_through
-from exporter.onnx_export import ExportableBackbone, example_inputs, session
+from exporter.onnx_export import ExportableBackbone, example_inputs
 from exporter.task_export import export_task
 from exporter.task_store import STAGING, TaskStore
 from serving import protocol
 from serving.digests import file_digest
-from serving.engine import CPU_DISABLED_FUSIONS, BackboneRunner, cpu_session_options
+from serving.engine import CPU_DISABLED_FUSIONS, BackboneRunner, cpu_session, cpu_session_options
 from serving.repository import INT8_GRAPH, read_repository
 from serving.tasks import load_task_version
 from tests.helpers import one_line_error, serve_for_tests, train_tiny_task
@@ -109,7 +109,7 @@ def test_int8_graphs_unfuse_skip_layer_norms_and_keep_the_answers(repo, model_di
         assert unfuse_skip_layer_norms(unfused) == 2 * backbone.num_layers
         assert not [n for n in unfused.graph.node if n.op_type == "SkipLayerNormalization"]
         onnx.save_model(unfused, str(tmp_path / f"{folder}.onnx"))
-        before, after = session(graphs / "model.onnx"), session(tmp_path / f"{folder}.onnx")
+        before, after = cpu_session(graphs / "model.onnx"), cpu_session(tmp_path / f"{folder}.onnx")
         names = {i.name for i in before.get_inputs()}
         for seq in (5, 17):
             feeds = {n: v.numpy() for n, v in example_inputs(backbone, aot, 2, seq, seed=seq).items() if n in names}
@@ -165,7 +165,7 @@ def test_unfuse_skip_layer_norms_cases(case, tmp_path):
     answers = []
     for name, model in (("fused", fused), ("unfused", unfused)):
         onnx.save_model(model, str(tmp_path / f"{name}.onnx"))
-        answers.append(session(tmp_path / f"{name}.onnx").run(None, feeds))
+        answers.append(cpu_session(tmp_path / f"{name}.onnx").run(None, feeds))
     for want, got in zip(*answers):
         assert np.abs(want - got).max() < 1e-5
 
@@ -194,7 +194,7 @@ def test_emulation_equals_the_int8_graph(repo, model_dir):
     backbone = load_backbone(str(model_dir))
     for folder, aot in (("backbone", True), ("backbone_vanilla", False)):
         module = ExportableBackbone(backbone, aot).eval()
-        graph, fp32 = (session(repo / "models" / folder / "1" / name) for name in (INT8_GRAPH, "model.onnx"))
+        graph, fp32 = (cpu_session(repo / "models" / folder / "1" / name) for name in (INT8_GRAPH, "model.onnx"))
         names = {i.name for i in graph.get_inputs()}
         try:
             for seq in (5, 17):
