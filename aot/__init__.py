@@ -1,24 +1,40 @@
-"""AoT P-Tuning: the Python API (PEFT-shaped: AotConfig, get_aot_model, AotModel, MultiTaskModel, PairCollator; needs
-the [train] extra), the `aot` command, the gRPC client and the local server launcher."""
+"""AoT P-Tuning: many tasks on one frozen encoder. The one top-level package; its rooms, top to bottom (each imports
+only those below it: pyproject.toml [tool.importlinter], tests/test_imports.py):
+
+    benchmarks        `aot bench`: the measurements behind docs/benchmarks.md (a plugin of the command)
+    cli               the `aot` command
+    local             servers started on this machine: tritonserver, a fleet behind HAProxy, SeaweedFS
+    client            the gRPC client (`from aot import Client`): no torch
+    exporter          a trained task into a served repository: the backbone, the configs, the task store
+    training          tasks trained on a frozen encoder: AoT P-Tuning (FC, Kronecker) and the baselines
+    serving_torch     the torch engine of the served steps
+    serving           the ground floor the Triton steps run, torch-free: the request path, the task store
+                      (serving.store) and the supervision of a running server (serving.supervision)
+    model_repository  the Triton python models (templates an export copies; thin adapters over serving)
+
+The Python API below is imported on first use (PEFT-shaped: AotConfig, get_aot_model, AotModel, MultiTaskModel,
+PairCollator need the [train] extra), so that `import aot` stays cheap for the command, the client and the
+Triton steps, which import aot.serving.
+"""
 
 __version__ = "0.1.0"
 
 # name -> (module, attribute), imported on first use: `import aot` stays cheap for the CLI and the client.
 _LAZY = {
-    "Client": ("aot.client", "Client"),
-    "InferenceError": ("aot.errors", "InferenceError"),
-    "TaskNotFound": ("aot.errors", "TaskNotFound"),
-    "InvalidInput": ("aot.errors", "InvalidInput"),
-    "TaskUnavailable": ("aot.errors", "TaskUnavailable"),
-    "Unavailable": ("aot.errors", "Unavailable"),
-    "PermissionDenied": ("aot.errors", "PermissionDenied"),
-    "LocalServer": ("aot.server", "LocalServer"),
-    "AotConfig": ("training.methods.aot_ptuning.config", "AotConfig"),
-    "AotModel": ("training.methods.aot_ptuning.peft_model", "AotModel"),
-    "get_aot_model": ("training.methods.aot_ptuning.peft_model", "get_aot_model"),
-    "MultiTaskModel": ("training.multitask", "MultiTaskModel"),
-    "PairCollator": ("training.pair_collator", "PairCollator"),
-    "model_path": ("training.backbone", "resolve_model_path"),
+    "Client": ("aot.client.client", "Client"),
+    "InferenceError": ("aot.client.errors", "InferenceError"),
+    "TaskNotFound": ("aot.client.errors", "TaskNotFound"),
+    "InvalidInput": ("aot.client.errors", "InvalidInput"),
+    "TaskUnavailable": ("aot.client.errors", "TaskUnavailable"),
+    "Unavailable": ("aot.client.errors", "Unavailable"),
+    "PermissionDenied": ("aot.client.errors", "PermissionDenied"),
+    "LocalServer": ("aot.local.server", "LocalServer"),
+    "AotConfig": ("aot.training.methods.aot_ptuning.config", "AotConfig"),
+    "AotModel": ("aot.training.methods.aot_ptuning.peft_model", "AotModel"),
+    "get_aot_model": ("aot.training.methods.aot_ptuning.peft_model", "get_aot_model"),
+    "MultiTaskModel": ("aot.training.multitask", "MultiTaskModel"),
+    "PairCollator": ("aot.training.pair_collator", "PairCollator"),
+    "model_path": ("aot.training.backbone", "resolve_model_path"),
 }
 
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from aot.cli import main
+from aot.cli.main import main
 
 sys.exit(main())

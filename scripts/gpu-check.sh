@@ -73,12 +73,12 @@ fi
 export PYTHONPATH="$work/client:$kit/data:$root${PYTHONPATH:+:$PYTHONPATH}"
 export AOT_STEP_PYTHON=$work/step/bin/python3 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # this checkout is on PYTHONPATH, not installed: no entry points, so `aot bench` comes registered in code
-aot() { "$py" -m benchmarks "$@"; }
+aot() { "$py" -m aot.benchmarks "$@"; }
 
 echo "== gpu-check $(date -u +%FT%TZ): device $device, stages: $*"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 "$py" -c 'import numpy, torch, transformers; print(f"aot python: torch {torch.__version__} (cuda {torch.version.cuda}, available {torch.cuda.is_available()}), transformers {transformers.__version__}, numpy {numpy.__version__}")'
-"$AOT_STEP_PYTHON" -c 'import numpy, torch, serving; from transformers import AutoModel; print(f"step python: numpy {numpy.__version__}, torch {torch.__version__}, transformers imports")'
+"$AOT_STEP_PYTHON" -c 'import numpy, torch, aot.serving; from transformers import AutoModel; print(f"step python: numpy {numpy.__version__}, torch {torch.__version__}, transformers imports")'
 stub=$(ls "$work"/client/pytriton/tritonserver/python_backend_stubs/*/triton_python_backend_stub)
 libdir=$("$AOT_STEP_PYTHON" -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR") or "")')
 LD_LIBRARY_PATH=$libdir ldd "$stub" | grep -E 'libpython|libcudart|not found' || true

@@ -58,4 +58,4 @@ size=$(du -sm "$tmp" | cut -f1)
 rm -rf "$KIT"
 mv "$tmp" "$KIT"
 trap - EXIT
-echo "gpu-kit: $KIT ($size MiB). On the GPU machine: bash scripts/gpu-check.sh (docs/benchmarks.md section 5)"
+echo "gpu-kit: $KIT ($size MiB). On the GPU machine: bash scripts/gpu-check.sh (docs/benchmarks.md, "GPU serving: the torch engine")"

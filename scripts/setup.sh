@@ -8,7 +8,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 VPY=.venv/bin/python
 # Debian packages, best effort (root + apt): docker-compose (1.29) validates docker-compose.yml offline in the tests;
-# haproxy is the load balancer of `aot serve --replicas N` (aot/fleet.py).
+# haproxy is the load balancer of `aot serve --replicas N` (aot/local/fleet.py).
 apt_install() {  # COMMAND PACKAGE WHAT-FAILS
   if ! command -v "$1" >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     apt-get install -y -q "$2" >/dev/null 2>&1 \

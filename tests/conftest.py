@@ -4,10 +4,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from tests.tiny import ARCHS, save_tiny_model, tiny_backbone, write_sentiment_folder  # noqa: E402
+from tests.tiny import ARCHS, save_tiny_model, tiny_backbone, write_sentiment_folder
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

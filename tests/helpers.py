@@ -11,16 +11,16 @@ from typing import Callable
 
 import numpy as np
 
-from exporter.backbone_export import export_backbone
-from exporter.task_export import export_task
-from training.api import train_task
+from aot.exporter.backbone_export import export_backbone
+from aot.exporter.task_export import export_task
+from aot.training.api import train_task
 
 QUICK = dict(batch_size=16, epochs=3, patience=3, max_length=32, progress=False)
 
 
 def train_tiny_task(model_dir: Path, data_dir: Path, out: Path, method: str = "fc", seed: int = 0, **kw) -> Path:
-    # lr 3e-3, inside the paper's range: at 1e-2 (or 5e-3) tiny Kron tasks grow rows so large that their fp16 table misses
-    # the exporter's 1e-3 logit tolerance (it then refuses them, as it should).
+    # lr 3e-3, inside the paper's range: at 1e-2 (or 5e-3) tiny Kron tasks grow rows so large that their fp16 table
+    # misses the exporter's 1e-3 logit tolerance (it then refuses them, as it should).
     train_task(model=str(model_dir), data=str(data_dir), method=method, out=str(out), lr=3e-3, seed=seed,
                **{**QUICK, **kw})
     return out
@@ -37,7 +37,7 @@ def train_tiny_tasks(model_dir: Path, data_dir: Path, root: Path, count: int) ->
 
 def make_repository(model_dir: Path, repo: Path, tasks: dict[str, tuple[Path, str]], **options) -> Path:
     """A repository with `tasks`: name -> (artifact, storage)."""
-    from serving.repository import ServingOptions
+    from aot.serving.repository import ServingOptions
 
     export_backbone(str(model_dir), repo, ServingOptions(**options) if options else None)
     for name, (artifact, storage) in tasks.items():
@@ -53,7 +53,7 @@ WITH_STEPS = ("aot", "vanilla", "task_list", "tokenizer", "backbone", "backbone_
 def serve_for_tests(request, repo: Path, load: tuple[str, ...] | None = None):
     """A LocalServer for a test module's fixture (yield from it); prints the server's log when a test failed.
     `load`: the models to load (default: what the CPU configs serve clients)."""
-    from aot.server import LocalServer
+    from aot.local.server import LocalServer
 
     failed_before = request.session.testsfailed
     server = LocalServer(repo, load=load).start()
@@ -69,7 +69,7 @@ def run_cli(*argv: str, exit_code: int = 0) -> tuple[list[dict], str]:
     import io
     import json
 
-    from aot.cli import main
+    from aot.cli.main import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -113,7 +113,7 @@ class Load:
         self._clients = [threading.Thread(target=self._send, args=(k,)) for k in range(clients)]
 
     def _send(self, k: int) -> None:
-        from aot.client import Client, InferenceError
+        from aot.client.client import Client, InferenceError
 
         retry = {} if self.retry_seconds is None else {"retry_seconds": self.retry_seconds}
         with Client(self.url, timeout=self.timeout, **retry) as client:

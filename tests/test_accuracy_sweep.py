@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.accuracy import run_sweep
-from benchmarks.accuracy_plan import RECORD_FIELDS, SweepConfig, grid_points
-from benchmarks.accuracy_report import curves
-from training.data import DataError
-from training.methods import MethodError
+from aot.benchmarks.accuracy import run_sweep
+from aot.benchmarks.accuracy_plan import RECORD_FIELDS, SweepConfig, grid_points
+from aot.benchmarks.accuracy_report import curves
+from aot.training.data import DataError
+from aot.training.methods import MethodError
 
 TINY = dict(seeds=2, grid="small", max_train_samples=48, max_length=24, epochs=1, patience=1, eval_every=0,
             progress=False)
@@ -142,7 +142,7 @@ def test_steps_budget_trains_every_method_the_same_steps_and_plots_curves(tiny_m
 
 
 def test_defaults_grid_is_what_aot_train_runs_without_flags():
-    from training.methods import make_config, method_spec
+    from aot.training.methods import make_config, method_spec
 
     for method in ("fc", "lora", "bitfit", "adapter", "kron"):
         (point,) = grid_points("defaults", method)
@@ -152,7 +152,7 @@ def test_defaults_grid_is_what_aot_train_runs_without_flags():
 
 
 def test_run_ids_change_with_pooling(tiny_models, with_test_dir, tmp_path):
-    from benchmarks.accuracy_plan import Run, run_id
+    from aot.benchmarks.accuracy_plan import Run, run_id
 
     base = SweepConfig(model=str(tiny_models["bert"]), datasets=[str(with_test_dir)], methods=["fc"],
                        out=str(tmp_path / "out"), **TINY)

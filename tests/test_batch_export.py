@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from exporter.batch_export import export_batch
-from exporter.task_store import STAGING, TaskStore
-from serving.repository import read_repository
-from serving.store import StoreError
-from serving.task_registry import TaskRegistry
+from aot.exporter.batch_export import export_batch
+from aot.exporter.task_store import STAGING, TaskStore
+from aot.serving.repository import read_repository
+from aot.serving.store.reader import StoreError
+from aot.serving.task_registry import TaskRegistry
 from tests.helpers import make_repository, train_tiny_task
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,12 +96,12 @@ def test_validation_in_passes_names_the_line_whose_served_outputs_differ(tmp_pat
                                                                          monkeypatch):
     """Tasks are validated several at once (one PyTorch pass and one engine run): a written head that does not match
     its task is caught in its pass, named by its line, and the versions of the passes before it are removed."""
-    import exporter.batch_export as batch_export
-    import exporter.task_export as task_export
+    import aot.exporter.batch_export as batch_export
+    import aot.exporter.task_export as task_export
 
     monkeypatch.setattr(batch_export, "VALIDATED_TOGETHER", 2)
     written_heads = []
-    real = task_export._head_arrays
+    real = task_export.head_arrays
 
     def head_arrays(model):
         arrays = real(model)
@@ -110,7 +110,7 @@ def test_validation_in_passes_names_the_line_whose_served_outputs_differ(tmp_pat
             arrays["out.bias"] = arrays["out.bias"] + 0.5
         return arrays
 
-    monkeypatch.setattr(task_export, "_head_arrays", head_arrays)
+    monkeypatch.setattr(task_export, "head_arrays", head_arrays)
     repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"keep": (artifacts[0], "factored")})
     written_heads.clear()
     before = _state(repo)

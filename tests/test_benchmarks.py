@@ -4,15 +4,15 @@ comes from the benchmarks package as a plugin of `aot`.
 
 import json
 import sys
-import tomllib
 from pathlib import Path
 
 import numpy as np
 import pytest
+import tomllib
 
-from aot import cli
-from aot.cli import main
-from benchmarks.cli import add_bench
+from aot.benchmarks.cli import add_bench
+from aot.cli import main as cli
+from aot.cli.main import main
 from tests.helpers import train_tiny_task
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,7 +27,7 @@ def bench_plugin(monkeypatch):
 
 def test_bench_plugin_is_the_declared_entry_point():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    assert project["entry-points"]["aot.commands"] == {"bench": "benchmarks.cli:add_bench"}
+    assert project["entry-points"]["aot.commands"] == {"bench": "aot.benchmarks.cli:add_bench"}
     assert cli.SHIPPED_PLUGINS == {"bench": "bench"} and "bench" in project["optional-dependencies"]
 
 
@@ -54,11 +54,11 @@ def test_commands_come_from_installed_entry_points(tmp_path, monkeypatch, capsys
 
 
 def test_python_m_benchmarks_is_aot_with_bench_from_a_checkout():
-    """`python -m benchmarks` (scripts/gpu-check.sh): `aot` with `bench` for a checkout on PYTHONPATH, installed or
+    """`python -m aot.benchmarks` (scripts/gpu-check.sh): `aot` with `bench` for a checkout on PYTHONPATH, installed or
     not."""
     import subprocess
 
-    done = subprocess.run([sys.executable, "-m", "benchmarks", "bench", "--help"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "aot.benchmarks", "bench", "--help"], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: aot bench") and "overhead" in done.stdout
@@ -101,15 +101,15 @@ def test_overhead_tiny(tmp_path, tiny_models, engine, capsys):
 
 def test_bound_session_equals_a_plain_run(tmp_path, tiny_models):
     """The onnxruntime engine's GPU path (inputs bound in place, the lookup on the device) on the CPU device: both
-    bias interfaces give the states of the server's own lookup and batching (serving.engine.BackboneRunner), with
+    bias interfaces give the states of the server's own lookup and batching (aot.serving.engine.BackboneRunner), with
     each request's own rows laid out as Triton's batcher concatenates them (a padded request included)."""
     import torch
 
-    from benchmarks.overhead_cases import make_case
-    from benchmarks.overhead_onnxruntime import BoundSession, device_bias_feeds
-    from exporter.onnx_export import export_backbone_graph
-    from serving import protocol
-    from serving.engine import BackboneRunner, Prepared
+    from aot.benchmarks.overhead_cases import make_case
+    from aot.benchmarks.overhead_onnxruntime import BoundSession, device_bias_feeds
+    from aot.exporter.onnx_export import export_backbone_graph
+    from aot.serving import protocol
+    from aot.serving.engine import BackboneRunner, Prepared
     from tests.tiny import tiny_backbone
 
     backbone = tiny_backbone("bert")
@@ -157,9 +157,9 @@ def test_overhead_int8_tiny(tmp_path, tiny_models, capsys):
 def test_overhead_threads_default_to_one_served_instance(monkeypatch):
     """Without --threads the graphs run with the threads one instance of the CPU server's fused step gets by
     default: the cores divided among the default --cpu-instances."""
-    from benchmarks.overhead_cases import OverheadConfig
-    from benchmarks.overhead_onnxruntime import cpu_threads
-    from serving.repository import ServingOptions
+    from aot.benchmarks.overhead_cases import OverheadConfig
+    from aot.benchmarks.overhead_onnxruntime import cpu_threads
+    from aot.serving.repository import ServingOptions
 
     config = OverheadConfig(models=["minilm"], batches=[1], seqs=[8], methods=["vanilla"], engine="onnxruntime")
     instances = ServingOptions().cpu_instances
@@ -274,8 +274,8 @@ def test_scale_bench_tiny(tmp_path, tiny_models, sentiment_dir):
 def test_policy_replay_evicts_and_counts_every_lookup(tmp_path, tiny_models):
     """The replay of `aot bench tasks` through a pool of 8 rows for 20 tasks: it evicts, and hits + misses are every
     distinct token of the trace's second half."""
-    from benchmarks.tasks import replay_policies
-    from serving.repository import read_repository
+    from aot.benchmarks.tasks import replay_policies
+    from aot.serving.repository import read_repository
     from tests.helpers import make_repository
 
     info = read_repository(make_repository(tiny_models["bert"], tmp_path / "repo", {}))
@@ -287,7 +287,7 @@ def test_policy_replay_evicts_and_counts_every_lookup(tmp_path, tiny_models):
 
 
 def test_memory_fallbacks_are_counted_from_the_server_log(tmp_path):
-    from benchmarks.serve import _memory_fallbacks
+    from aot.benchmarks.serve import _memory_fallbacks
 
     log = tmp_path / "tritonserver.log"
     log.write_text('W1123 pinned_memory_manager.cc:170] "failed to allocate pinned system memory: no pinned memory '
@@ -352,9 +352,9 @@ def test_tax_bench_int8_tiny(tmp_path, tiny_models, sentiment_dir):
 
 
 def test_s3_bench_refuses_too_few_tasks_and_writes_its_reports(tmp_path, capsys):
-    """`aot bench s3` (the full run needs minutes: docs/benchmarks.md section 11): too few tasks for the cold
+    """`aot bench s3` (the full run needs minutes: docs/benchmarks.md, "The task store on S3"): too few tasks for the cold
     requests is one clear error; the reports hold every figure of a record."""
-    from benchmarks.s3_store import S3BenchConfig, write_s3_reports
+    from aot.benchmarks.s3_store import S3BenchConfig, write_s3_reports
 
     assert main(["bench", "s3", "--task", str(tmp_path), "--tasks", "50", "--out", str(tmp_path / "out")]) == 2
     assert "--tasks 50: expected at least 100" in capsys.readouterr().err
@@ -393,8 +393,8 @@ def test_infinity_bench_sender_loop_and_report(tmp_path):
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from benchmarks.infinity import http_sender, write_infinity_reports
-    from benchmarks.serve import closed_loop
+    from aot.benchmarks.infinity import http_sender, write_infinity_reports
+    from aot.benchmarks.serve import closed_loop
 
     seen, lock = [], threading.Lock()
 
@@ -456,9 +456,9 @@ def test_an_unknown_storage_is_refused_before_any_work(tmp_path, capsys):
 def test_int8_data_writes_the_regression_and_pair_sets_aot_train_reads(tmp_path):
     """The int8 accuracy benchmark's two derived sets, read back by `aot train`'s loader: Rotten Tomatoes as 0/1
     scores in its own split, and BBC article pairs labelled by whether their topics match, half of each."""
-    from benchmarks.int8_data import main as write_data
-    from training.data import load_task_data
-    from training.data.builtin import bbc_news, rotten_tomatoes
+    from aot.benchmarks.int8_data import main as write_data
+    from aot.training.data import load_task_data
+    from aot.training.data.builtin import bbc_news, rotten_tomatoes
 
     assert write_data(["--out", str(tmp_path), "--pairs", "40", "--dev-pairs", "12"]) == 0
     score = load_task_data(str(tmp_path / "rt_score"))  # its task.json says regression

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from aot.cli import build_parser, main
-from tests.helpers import make_repository, train_tiny_task
+from aot.cli.main import build_parser, main
+from tests.helpers import make_repository
 from tests.tiny import sentiment_examples
 
 LABELS = {"positive": "positif 👍", "negative": "négatif"}
@@ -49,7 +49,7 @@ def test_labels_print_as_written_and_top_k_names_them(french, capsys):
     full = [json.loads(line) for line in out.splitlines()]
     assert main(["predict", "--task", str(french), "--top-k", "1", "good w1", "bad w2"]) == 0
     top = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    for answer, whole in zip(top, full):
+    for answer, whole in zip(top, full, strict=True):
         assert list(answer) == ["task", "label", "top"]
         assert answer["top"] == [{"label": whole["label"], "probability": max(whole["probabilities"])}]
     assert main(["predict", "--task", str(french), "--top-k", "5", "good w1"]) == 0
@@ -126,7 +126,7 @@ MINILM = SimpleNamespace(num_layers=6, hidden_size=384, vocab_size=30522)  # a t
                  "computed per request)", id="no pool"),
 ])
 def test_start_up_line_counts_the_tasks_the_pool_holds(instances, pool, storages, said):
-    from aot.serve_cli import pool_summary
+    from aot.cli.serve import pool_summary
 
     repo = SimpleNamespace(**vars(MINILM), options=SimpleNamespace(cpu_instances=instances))
     assert pool_summary(repo, pool, "cpu", storages) == said
@@ -134,9 +134,9 @@ def test_start_up_line_counts_the_tasks_the_pool_holds(instances, pool, storages
 
 def test_vanilla_is_loaded_only_when_asked(repo, monkeypatch):
     """`aot serve` loads the fused `aot` step and the task list; the plain encoder only with --vanilla, and the
-    container (serving.supervisor) every model but the plain encoder unless AOT_LOAD_VANILLA=1."""
-    from aot.server import LocalServer
-    from serving.supervisor import load_flags
+    container (aot.serving.supervision.main) every model but the plain encoder unless AOT_LOAD_VANILLA=1."""
+    from aot.local.server import LocalServer
+    from aot.serving.supervision.main import load_flags
 
     assert LocalServer(repo).models() == ["aot", "task_list"]
     assert LocalServer(repo, vanilla=True).models() == ["aot", "task_list", "vanilla"]

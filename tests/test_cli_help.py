@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from aot.cli import main
+from aot.cli.main import main
 
 
 def _parsers(parser=None, path="aot"):
     """Every (command path, parser) of `aot`, subcommands of subcommands included."""
     import argparse
 
-    from aot.cli import build_parser
+    from aot.cli.main import build_parser
 
     parser = parser or build_parser()
     yield path, parser
@@ -49,7 +49,7 @@ def test_version(capsys):
 
 
 def test_infer_calls_an_ensemble_and_keeps_the_old_flag():
-    from aot.cli import build_parser
+    from aot.cli.main import build_parser
 
     parser = build_parser()
     assert parser.parse_args(["infer", "--ensemble", "vanilla", "x"]).ensemble == "vanilla"

@@ -8,9 +8,8 @@ import json
 import pytest
 import torch
 
-from aot.cli import main
+from aot.cli.main import main
 from tests.helpers import one_line_error
-
 
 # --- devices --------------------------------------------------------------------------------------------------------
 
@@ -66,7 +65,7 @@ def test_csv_mistakes_are_named(tmp_path, capsys, files, message):
 
 
 def test_byte_order_mark_is_skipped(tmp_path):
-    from training.data import load_task_data
+    from aot.training.data import load_task_data
 
     bom = "\ufeff".encode()
     data = _folder(tmp_path, {"train.csv": bom + b"text,label\na,x\nb,y\n", "dev.jsonl": bom + b'{"text": "c", '
@@ -103,7 +102,7 @@ def test_problem_is_checked(tmp_path, capsys):
 
 
 def test_numeric_labels_warn_and_problem_decides(tmp_path, recwarn):
-    from training.data import DataWarning, load_task_data
+    from aot.training.data import DataWarning, load_task_data
 
     data = _folder(tmp_path, SCORES)
     assert load_task_data(str(data)).spec.labels == ("1", "2.5", "4")
@@ -135,7 +134,7 @@ def test_builtin_data_keeps_its_problem(capsys):
 # --- model names ----------------------------------------------------------------------------------------------------
 
 def test_packaged_model_name_ignores_case():
-    from training.backbone import canonical_model, resolve_model_path
+    from aot.training.backbone import canonical_model, resolve_model_path
 
     assert canonical_model("MiniLM") == "minilm" and resolve_model_path("MiniLM") == resolve_model_path("minilm")
 

@@ -9,9 +9,8 @@ import json
 import pytest
 import torch
 
-from aot.cli import main
+from aot.cli.main import main
 from tests.helpers import one_line_error
-
 
 # --- tiny tasks and a server ----------------------------------------------------------------------------------------
 
@@ -48,7 +47,7 @@ def _json_lines(text: str) -> list[dict]:
 
 @pytest.mark.server
 def test_regression_answers_a_score_everywhere(tasks, server, capsys):
-    from aot.client import Client
+    from aot.client.client import Client
 
     assert main(["predict", "--task", str(tasks["score"]), "good w1", "w2 awful"]) == 0
     predicted = _json_lines(capsys.readouterr().out)
@@ -58,7 +57,7 @@ def test_regression_answers_a_score_everywhere(tasks, server, capsys):
     inferred = _json_lines(capsys.readouterr().out)
     with Client(server.grpc_url) as client:
         answers = [client.infer("score", "good w1"), *client.infer_many([{"task": "score", "text": "w2 awful"}])]
-    for p, i, c in zip(predicted, inferred, answers):
+    for p, i, c in zip(predicted, inferred, answers, strict=True):
         assert list(i) == list(c) == ["score", "version"] and abs(p["score"] - i["score"]) < 1e-3
         # two served answers of one text agree to float noise (one may have been batched with others), one version
         assert i["version"] == c["version"] and abs(i["score"] - c["score"]) < 1e-5
@@ -66,7 +65,7 @@ def test_regression_answers_a_score_everywhere(tasks, server, capsys):
 
 @pytest.mark.server
 def test_classification_answers_probabilities(tasks, server, capsys):
-    from aot.client import Client
+    from aot.client.client import Client
 
     assert main(["predict", "--task", str(tasks["sentiment"]), "good w1"]) == 0
     [predicted] = _json_lines(capsys.readouterr().out)
@@ -134,9 +133,7 @@ def test_evaluate_scores_a_labelled_file(tasks, sentiment_dir, tmp_path, capsys)
 def test_client_spellings_and_address_from_the_environment(server, capsys, monkeypatch):
     """`text_pair` (as in infer_many and the data) and the older `pair=` send the same request; AOT_URL is the
     address of aot tasks, aot infer and Client() when none is given."""
-    from aot.client import Client
-
-    from aot.client import InferenceError
+    from aot.client.client import Client, InferenceError
 
     monkeypatch.setenv("AOT_URL", server.grpc_url)
     refused = "task 'sentiment' was trained on single texts: send no TEXT_PAIR"  # so each spelling sent the pair
@@ -216,7 +213,7 @@ def test_artifact_files_share_one_mode(tasks):
 
 
 def test_local_server_removes_its_temporary_folder_unless_it_failed(tmp_path):
-    from aot.server import LocalServer
+    from aot.local.server import LocalServer
 
     server = LocalServer(tmp_path)
     folder = server.log_path.parent

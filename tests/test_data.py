@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from training.data import DataError, load_task_data
-from training.metrics import compute_metric
+from aot.training.data import DataError, load_task_data
+from aot.training.metrics import compute_metric
 
 
 def _write(folder, name, text):

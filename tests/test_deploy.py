@@ -48,17 +48,18 @@ def test_compose_serves_the_local_binary_release_on_a_gpu():
 
 
 def test_dockerfile_installs_only_the_pinned_serving_extra():
-    """The image gets `serving`, `serving_torch` and the model files, the [serve] and [serve-torch] extras pinned,
-    and no training code."""
+    """The image gets `aot.serving`, `aot.serving_torch` and the model files, the [serve] and [serve-torch] extras
+    pinned, and no training code."""
     import re
+
     import tomllib
 
     text = (ROOT / "docker" / "Dockerfile").read_text()
-    for package in ("serving", "model_repository"):
-        assert f"COPY {package} ./{package}" in text
-    for package in ("aot", "training", "exporter", "benchmarks"):
-        assert f"COPY {package} " not in text
-    assert "COPY serving_torch ./serving_torch" in text and 'python3 -c "import serving_torch.engine"' in text
+    for package in ("serving", "serving_torch", "model_repository"):
+        assert f"COPY aot/{package} ./aot/{package}" in text
+    for package in ("cli", "client", "local", "training", "exporter", "benchmarks"):
+        assert f"COPY aot/{package} " not in text
+    assert "COPY aot " not in text and 'python3 -c "import aot.serving_torch.engine"' in text
     pins = dict(re.findall(r"([a-z_]+)==([0-9.]+)", text))
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     for requirement in extras["serve"] + extras["serve-torch"]:
@@ -71,17 +72,17 @@ def test_dockerfile_installs_only_the_pinned_serving_extra():
 def test_compose_runs_tritonserver_under_the_supervisor():
     spec = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     command = spec["services"]["triton"]["command"]
-    assert command[:4] == ["python3", "-m", "serving.supervisor", "tritonserver"]
+    assert command[:4] == ["python3", "-m", "aot.serving", "tritonserver"]
 
 
 @pytest.mark.parametrize("engine", ["onnx", "torch"])
 def test_compose_env_of_a_repository_sizes_the_memory_pools(tmp_path, tiny_models, engine):
     """`docker compose --env-file REPO/compose.env` resolves the repository, its engine's image and the memory pools
     computed from its largest batch (validated offline by docker-compose)."""
-    from serving.repository import memory_pool_bytes, read_repository
-    from tests.helpers import make_repository
-
     import os
+
+    from aot.serving.repository import memory_pool_bytes, read_repository
+    from tests.helpers import make_repository
 
     repo = make_repository(tiny_models["bert"], tmp_path / "repo", {}, engine=engine)
     written = (repo / "compose.env").read_text()
@@ -116,7 +117,7 @@ def _gpu_check(*stages, **env):
     pytest.param(("smoke",), "no-kit", ("no-kit: run bash scripts/gpu-kit.sh",), id="no kit"),
 ])
 def test_gpu_check_refuses_what_it_cannot_run(tmp_path, stages, kit, said):
-    """scripts/gpu-check.sh (the GPU run, docs/benchmarks.md section 5) names what is wrong before it sets anything
+    """scripts/gpu-check.sh (the GPU run, docs/benchmarks.md, "GPU serving: the torch engine") names what is wrong before it sets anything
     up."""
     out = _gpu_check(*stages, OUT=str(tmp_path / "out"), **({"AOT_GPU_KIT": str(tmp_path / kit)} if kit else {}))
     assert out.returncode == 2 and all(words in out.stderr for words in said)
@@ -168,7 +169,7 @@ def test_kubernetes_fleet_serves_the_shared_store_safely(rendered):
     deployment = rendered["Deployment"]
     pod = deployment["spec"]["template"]["spec"]
     [triton] = pod["containers"]
-    assert triton["command"] == ["python3", "-m", "serving.supervisor", "tritonserver"]
+    assert triton["command"] == ["python3", "-m", "aot.serving", "tritonserver"]
     assert triton["image"] == "aot-ptuning-triton:24.10"  # docker/Dockerfile's image, as docker-compose.yml tags it
     for probe, path in (("startupProbe", "/ready"), ("readinessProbe", "/ready"), ("livenessProbe", "/live")):
         assert triton[probe]["httpGet"] == {"path": path, "port": "health"}
@@ -232,7 +233,7 @@ def test_cpu_overlay_serves_the_cpu_configs_without_gpus():
         kubernetes_validate.validate(doc, KUBERNETES, strict=True)
         assert "nvidia.com/gpu" not in yaml.safe_dump(doc) and "cuda-memory-pool" not in yaml.safe_dump(doc)
     [triton] = cpu["Deployment"]["spec"]["template"]["spec"]["containers"]
-    assert triton["command"] == ["python3", "-m", "serving.supervisor", "tritonserver"]
+    assert triton["command"] == ["python3", "-m", "aot.serving", "tritonserver"]
     assert triton["image"] == "aot-ptuning-triton:24.10"  # the NGC-based image runs on CPU nodes
     assert {"--model-config-name=cpu", "--model-control-mode=explicit", "--load-model=aot",
             "--load-model=task_list", "--model-repository=/mnt/aot/$(AOT_REPOSITORY)/models"} <= set(triton["args"])
@@ -278,6 +279,7 @@ def test_publisher_image_installs_the_pinned_export_extra():
     """docker/Dockerfile.publish: PyTorch's CPU wheel and every package of the [export] extra, pinned, and the
     project's code the exporter needs (no benchmarks), checked by running `aot export task --help` at build."""
     import re
+
     import tomllib
 
     text = (ROOT / "docker" / "Dockerfile.publish").read_text()
@@ -289,9 +291,9 @@ def test_publisher_image_installs_the_pinned_export_extra():
             if name != "aot-ptuning":
                 assert name in pins, f"{name} of the [{extra}] extra is not pinned in docker/Dockerfile.publish"
     assert "download.pytorch.org/whl/cpu" in text and pins["torch"] == "2.13.0"
-    for package in ("aot", "serving", "serving_torch", "training", "exporter", "model_repository"):
-        assert f"COPY {package} ./{package}" in text
-    assert "COPY benchmarks" not in text and "aot export task --help" in text
+    for package in ("cli", "client", "local", "serving", "serving_torch", "training", "exporter", "model_repository"):
+        assert f"COPY aot/{package} ./aot/{package}" in text
+    assert "COPY aot/benchmarks" not in text and "COPY aot " not in text and "aot export task --help" in text
     assert "USER 1000" in text  # as the Job's runAsUser and the replicas' triton-server user
 
 

@@ -1,6 +1,7 @@
 """Exporter on tiny BERT / RoBERTa / DeBERTa-v2: parity, fusions, storage, atomicity, configs."""
 
 import dataclasses
+import itertools
 import json
 import os
 import shutil
@@ -14,22 +15,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import exporter.entry_history
-from exporter.backbone_export import export_backbone
-from exporter.configs import instance_count, model_configs, parse_pbtxt, to_pbtxt
-from exporter.onnx_export import export_backbone_graph
-from exporter.task_export import export_task
-from exporter.task_store import STAGING, StoreError, TaskStore
-from exporter.tensorrt import Profile, build_plan, build_script, trtexec_command
-from serving import protocol
-from serving.store import STORE_VERSION
-from serving.errors import RequestError
-from serving.repository import (GPU_STEP_INSTANCES, BackboneRecord, RepositoryError, ServingOptions,
-                                read_repository)
-from serving.task_registry import TaskRegistry
+import aot.exporter.entry_history
+from aot.exporter.backbone_export import export_backbone
+from aot.exporter.configs import instance_count, model_configs, parse_pbtxt, to_pbtxt
+from aot.exporter.onnx_export import export_backbone_graph
+from aot.exporter.task_export import export_task
+from aot.exporter.task_store import STAGING, StoreError, TaskStore
+from aot.exporter.tensorrt import Profile, build_plan, build_script, trtexec_command
+from aot.serving import protocol
+from aot.serving.errors import RequestError
+from aot.serving.repository import GPU_STEP_INSTANCES, BackboneRecord, RepositoryError, ServingOptions, read_repository
+from aot.serving.store.reader import STORE_VERSION
+from aot.serving.task_registry import TaskRegistry
+from aot.training.artifact import FingerprintMismatch
 from tests.helpers import make_repository, train_tiny_task
 from tests.tiny import ARCHS, save_tiny_model, tiny_backbone
-from training.artifact import FingerprintMismatch
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -55,8 +55,8 @@ def test_dense_bias_graph_equals_the_rows_graph(tmp_path, arch):
     the same fusions, and has the shapes a bucketed TensorRT profile needs: [batch, sequence, L, d]."""
     import onnx
 
-    from exporter.onnx_export import example_inputs
-    from serving.engine import cpu_session
+    from aot.exporter.onnx_export import example_inputs
+    from aot.serving.engine import cpu_session
 
     backbone = tiny_backbone(arch)
     rows = export_backbone_graph(backbone, tmp_path / "rows", aot=True)
@@ -79,8 +79,8 @@ def test_aot_graph_uses_the_biases(tmp_path):
     """Random non-zero rows move the output: the parity check is not comparing two unbiased graphs."""
     import torch
 
-    from exporter.onnx_export import ExportableBackbone, example_inputs
-    from serving.engine import cpu_session
+    from aot.exporter.onnx_export import ExportableBackbone, example_inputs
+    from aot.serving.engine import cpu_session
 
     backbone = tiny_backbone("bert")
     graph = export_backbone_graph(backbone, tmp_path, aot=True)
@@ -128,7 +128,7 @@ def test_task_parity_fused_and_factored(tmp_path, tiny_models, tasks, arch):
 def test_dense_rows_gathered_from_the_pool_slots_equal_rows_by_index(tmp_path, tiny_models, tasks):
     """TaskRegistry.rows_many with indexes (the dense lookup step): each token's row, gathered straight from the
     pool's slots (resident and cache mode) or from storage without a pool, is rows[index], fused and factored."""
-    from serving.pool import RowPool
+    from aot.serving.pool import RowPool
 
     repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"f": (tasks[("bert", "fc")], "fused"),
                                                                     "k": (tasks[("bert", "kron")], "factored")})
@@ -140,7 +140,7 @@ def test_dense_rows_gathered_from_the_pool_slots_equal_rows_by_index(tmp_path, t
     for pool in (None, RowPool(2 * V * L * d * 2, L, d, V), RowPool(20 * L * d * 2, L, d, V)):
         registry = TaskRegistry(info.store_root, pool=pool)
         wanted = [(registry.resolve("f"), ids[0]), (registry.resolve("k"), ids[1])]
-        for (task, unique), index, bias in zip(wanted, indexes, registry.rows_many(wanted, indexes=indexes)):
+        for (task, unique), index, bias in zip(wanted, indexes, registry.rows_many(wanted, indexes=indexes), strict=True):
             assert bias.shape == (12, L, d)
             np.testing.assert_allclose(bias, task.rows(unique)[index], atol=1e-3)
         if pool is not None:
@@ -151,8 +151,8 @@ def test_factored_storage_is_small(tmp_path, sentiment_dir):
     """With a realistic vocabulary the factors are a sliver of the fused table (< 2 %)."""
     import torch
 
+    from aot.training.backbone import encoder_from_config
     from tests.tiny import tiny_config, tiny_tokenizer
-    from training.backbone import encoder_from_config
 
     torch.manual_seed(0)
     tokenizer = tiny_tokenizer("bert")
@@ -203,7 +203,7 @@ def test_reexport_swaps_and_remove(tmp_path, tiny_models, tasks, monkeypatch):
     assert second.folder != first and second.storage == "factored"
     # the superseded version stays a while for requests already pinned to it, then goes
     assert (store.root / first).is_dir() and first in store.index().retired
-    monkeypatch.setattr(exporter.entry_history, "RETIRED_GRACE", 0.0)
+    monkeypatch.setattr(aot.exporter.entry_history, "RETIRED_GRACE", 0.0)
     store.remove("t")
     assert store.entries() == {} and not (store.root / first).exists() and not (store.root / second.folder).exists()
     assert store.index().retired == {}
@@ -216,7 +216,7 @@ def test_killed_export_leaves_store_loadable(tmp_path, tiny_models, tasks):
     repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"keep": (tasks[("bert", "fc")], "fused")})
     script = textwrap.dedent(f"""
         import time, numpy as np
-        import exporter.task_export as te
+        import aot.exporter.task_export as te
         real = te._write_fused
         def slow(*a, **k):
             real(*a, **k)
@@ -284,7 +284,7 @@ def test_previous_release_repository_is_upgraded_with_its_tasks(tmp_path, tiny_m
     old = _as_v3_with_a_v1_store(repo)
     with pytest.raises(RepositoryError, match=r"not an aot-repository v4 file .* --overwrite`: it keeps the tasks"):
         read_repository(repo)
-    from exporter.backbone_export import export_backbone
+    from aot.exporter.backbone_export import export_backbone
 
     export_backbone(str(tiny_models["bert"]), repo, overwrite=True)
     store = TaskStore(read_repository(repo).store_root)
@@ -300,7 +300,7 @@ def test_previous_release_repository_is_upgraded_with_its_tasks(tmp_path, tiny_m
 
 def test_existing_repository_needs_overwrite(tmp_path, tiny_models, tasks):
     repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"t": (tasks[("bert", "fc")], "fused")})
-    from exporter.backbone_export import export_backbone
+    from aot.exporter.backbone_export import export_backbone
 
     with pytest.raises(RepositoryError, match="already exists"):
         export_backbone(str(tiny_models["bert"]), repo)
@@ -316,6 +316,24 @@ def test_existing_repository_needs_overwrite(tmp_path, tiny_models, tasks):
     with pytest.raises(RepositoryError, match="holds tasks for backbone"):
         export_backbone(str(tiny_models["roberta"]), repo, overwrite=True)
 
+
+
+def test_repository_of_the_previous_protocol_is_upgraded_with_its_tasks(tmp_path, tiny_models, tasks):
+    """A repository exported before the one top-level package (protocol 6: its model files import `serving`) is
+    refused with the command that upgrades it; that command rewrites the model files and keeps the tasks."""
+    repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"t": (tasks[("bert", "fc")], "fused")})
+    record = json.loads((repo / "aot_repository.json").read_text())
+    (repo / "aot_repository.json").write_text(json.dumps({**record, "protocol_version": 6}))
+    model_file = repo / "models" / "aot" / "1" / "model.py"
+    model_file.write_text(model_file.read_text().replace("from aot.serving", "from serving"))
+    with pytest.raises(RepositoryError, match=r"protocol version 6 is not 7 .* --overwrite` keeps its tasks"):
+        read_repository(repo)
+    from aot.exporter.backbone_export import export_backbone
+
+    export_backbone(str(tiny_models["bert"]), repo, overwrite=True)
+    assert read_repository(repo).record.protocol_version == 7
+    assert "from serving" not in model_file.read_text() and "from aot.serving" in model_file.read_text()
+    assert list(TaskStore(read_repository(repo).store_root).entries()) == ["t"]
 
 # --- the generated configs: one table of repositories, each concern checked on every row it applies to ---------
 
@@ -552,7 +570,7 @@ def test_tensorrt_repository_saves_parity_data_that_polygraphy_checks(tmp_path, 
     (TensorRT is absent): the files load, agree, and a wrong output fails the check."""
     import shlex
 
-    from exporter.tensorrt import PARITY_OUTPUTS, parity_command
+    from aot.exporter.tensorrt import PARITY_OUTPUTS, parity_command
 
     repo = tmp_path / "repo"
     export_backbone(str(tiny_models["bert"]), repo, ServingOptions(engine="tensorrt"))
@@ -585,7 +603,7 @@ def test_tensorrt_repository_saves_parity_data_that_polygraphy_checks(tmp_path, 
 
 def test_config_checks_find_what_triton_would_refuse(tmp_path, tiny_models):
     """Both config sets of a written repository pass; each broken copy is named by its problem."""
-    from exporter.config_checks import check_configs
+    from aot.exporter.config_checks import check_configs
 
     repo = make_repository(tiny_models["bert"], tmp_path / "repo", {})
     models = repo / "models"
@@ -625,7 +643,7 @@ def test_dense_tensorrt_repository_and_its_cuda_graph_specs(tmp_path, tiny_model
     """--format tensorrt --bias-interface dense: the plan is built from a graph taking aot_bias in the profile's
     shapes, its configs pass the checks, and graph specs Triton's TensorRT backend would refuse (or never capture)
     are named. The torch engine has no lookup step: the option is refused there."""
-    from exporter.config_checks import check_configs
+    from aot.exporter.config_checks import check_configs
 
     repo = make_repository(tiny_models["bert"], tmp_path / "repo", {}, engine="tensorrt", bias_interface="dense",
                            buckets=(8, 16), max_batch_size=4)
@@ -663,8 +681,8 @@ def test_dense_tensorrt_repository_and_its_cuda_graph_specs(tmp_path, tiny_model
 def test_export_backbone_flags_come_from_the_serving_options():
     """`aot export backbone`'s serving flags are generated from ServingOptions' fields: the same defaults, the
     option's limits as one-line usage errors, values landing in the options."""
-    from aot.arguments import dataclass_from_arguments
-    from aot.cli import build_parser
+    from aot.cli.arguments import dataclass_from_arguments
+    from aot.cli.main import build_parser
 
     def options(*flags):
         args = build_parser().parse_args(["export", "backbone", "--model", "m", "--repo", "r", *flags])
@@ -682,7 +700,7 @@ def test_export_backbone_flags_come_from_the_serving_options():
 def test_graph_batch_sizes_bound_the_padding():
     """A batch replays the graph of the next size up: steps of at most 1.5x above 4 (Triton's own default list jumps
     from 16 to max_batch_size, so at 32 a batch of 17 would compute 32 sequences)."""
-    from exporter.configs import graph_batch_sizes
+    from aot.exporter.configs import graph_batch_sizes
 
     assert graph_batch_sizes(32) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
     assert graph_batch_sizes(100) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 100]
@@ -690,13 +708,13 @@ def test_graph_batch_sizes_bound_the_padding():
     for top in range(1, 130):
         sizes = graph_batch_sizes(top)
         assert sizes[0] == 1 and sizes[-1] == top
-        assert all(b / a <= 1.5 for a, b in zip(sizes, sizes[1:]) if a >= 4)
+        assert all(b / a <= 1.5 for a, b in itertools.pairwise(sizes) if a >= 4)
 
 
 def test_graph_spec_checks_follow_the_tensorrt_backend():
     """The spec checks accept what tensorrt_backend accepts (a spec without a lower bound; a ragged input's 1-D
     shape, with the batch input's) and name what it refuses or never captures."""
-    from exporter.config_checks import _check_graph_specs
+    from aot.exporter.config_checks import _check_graph_specs
 
     options = ServingOptions(engine="tensorrt", bias_interface="rows", buckets=(16, 128), max_batch_size=8)
     rows = model_configs(_config_record(options, uses_tt=False, max_seq=128), "gpu")["backbone"]
@@ -734,7 +752,7 @@ def test_graph_spec_checks_follow_the_tensorrt_backend():
 def test_onnx_gpu_config_runs_the_fp16_graph_where_parity_allows(tmp_path, tiny_models):
     """Default --format onnx: an fp16 twin of each graph, checked against PyTorch, for ONNX Runtime on the GPU; the
     CPU configs keep the fp32 graph. --precision fp32 keeps fp32 everywhere; a twin beyond the tolerance is not kept."""
-    from exporter.onnx_export import FP16_FILE, FP16_TOLERANCE, export_fp16_graph
+    from aot.exporter.onnx_export import FP16_FILE, FP16_TOLERANCE, export_fp16_graph
     from tests.tiny import tiny_backbone
 
     report = export_backbone(str(tiny_models["bert"]), tmp_path / "a")

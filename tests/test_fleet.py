@@ -1,4 +1,4 @@
-"""A local fleet of 2 tritonservers behind the real HAProxy (aot/fleet.py): one fleet for the whole module."""
+"""A local fleet of 2 tritonservers behind the real HAProxy (aot/local/fleet.py): one fleet for the whole module."""
 
 import os
 import re
@@ -11,14 +11,14 @@ import urllib.request
 import numpy as np
 import pytest
 
-from aot.client import Client, InferenceError
-from aot.fleet import Fleet
-from aot.server import port_is_free
-from exporter.task_export import export_task
-from exporter.task_store import TaskStore
-from serving.repository import read_repository
+from aot.client.client import Client, InferenceError
+from aot.exporter.task_export import export_task
+from aot.exporter.task_store import TaskStore
+from aot.local.fleet import Fleet
+from aot.local.server import port_is_free
+from aot.serving.repository import read_repository
+from aot.training.predict import Predictor
 from tests.helpers import make_repository, train_tiny_tasks
-from training.predict import Predictor
 
 pytestmark = [pytest.mark.server, pytest.mark.faults]
 
@@ -109,11 +109,11 @@ def test_fleet_answers_as_predict_and_balances(fleet, expected):
     with Client(fleet.grpc_url) as client:
         answers = client.infer_many(items, concurrency=8)
     versions = _versions(fleet.repo)
-    for item, answer in zip(items, answers):
+    for item, answer in zip(items, answers, strict=True):
         np.testing.assert_allclose(answer["logits"], expected[item["task"]][TEXTS.index(item["text"])], atol=ATOL)
         assert answer["version"] == versions[item["task"]]
     deadline = time.monotonic() + 10  # Triton counts a request just after its answer is sent
-    while sum(served := [_ensemble_requests(s) - b for s, b in zip(fleet.servers, before)]) < len(items):
+    while sum(served := [_ensemble_requests(s) - b for s, b in zip(fleet.servers, before, strict=True)]) < len(items):
         assert time.monotonic() < deadline, served
         time.sleep(0.1)
     assert sum(served) >= len(items) and min(served) > 0, served  # more: the supervisors' probes (one a second)
@@ -245,8 +245,8 @@ def test_oversized_requests_are_refused_before_any_replica(fleet):
 
     import tritonclient.grpc as grpcclient
 
-    from serving.procfs import stub_processes
-    from serving.shm import allocated_bytes
+    from aot.serving.shm import allocated_bytes
+    from aot.serving.supervision.procfs import stub_processes
 
     def replica_state():
         regions = [s.shm_region for r in fleet.servers for s in stub_processes(r.process.pid)]
@@ -275,7 +275,7 @@ def test_idle_connections_are_closed_by_the_balancer(fleet):
     HAProxy closes them all within its idle timeout (they cannot hold its connection slots for long)."""
     import socket
 
-    from aot.fleet import CLIENT_IDLE_SECONDS, REQUEST_SECONDS
+    from aot.local.fleet import CLIENT_IDLE_SECONDS, REQUEST_SECONDS
 
     host, port = fleet.grpc_url.rsplit(":", 1)
     idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(2000)]
@@ -307,7 +307,7 @@ def test_serve_command_with_replicas(repo, tmp_path):
     import subprocess
     import sys
 
-    from aot.server import free_ports
+    from aot.local.server import free_ports
 
     grpc, http, metrics, health = free_ports(4)
     if not all(port_is_free("127.0.0.1", p) for p in (metrics + 2, health + 2)):

@@ -12,25 +12,25 @@ import numpy as np
 import pytest
 import torch
 
-from aot.cli import main
-from aot.client import Client
-from exporter.accuracy_gate import AccuracyDropError
-from exporter.backbone_export import export_backbone
-from exporter.cpu_engine import CpuEngine, predict_lines_through
-from exporter.onnx_export import ExportableBackbone, example_inputs
-from exporter.task_export import export_task
-from exporter.task_store import STAGING, TaskStore
-from serving import protocol
-from serving.digests import file_digest
-from serving.engine import CPU_DISABLED_FUSIONS, BackboneRunner, cpu_session, cpu_session_options
-from serving.repository import INT8_GRAPH, read_repository
-from serving.tasks import load_task_version
+from aot.cli.main import main
+from aot.client.client import Client
+from aot.exporter.accuracy_gate import AccuracyDropError
+from aot.exporter.backbone_export import export_backbone
+from aot.exporter.cpu_engine import CpuEngine, predict_lines_through
+from aot.exporter.onnx_export import ExportableBackbone, example_inputs
+from aot.exporter.task_export import export_task
+from aot.exporter.task_store import STAGING, TaskStore
+from aot.serving import protocol
+from aot.serving.engine import CPU_DISABLED_FUSIONS, BackboneRunner, cpu_session, cpu_session_options
+from aot.serving.repository import INT8_GRAPH, read_repository
+from aot.serving.store.digests import file_digest
+from aot.serving.tasks import load_task_version
+from aot.training.backbone import load_backbone
+from aot.training.quantized import emulate_int8
+from aot.training.refit import fit_task
+from aot.training.trainer import TrainConfig
 from tests.helpers import one_line_error, serve_for_tests, train_tiny_task
 from tests.tiny import save_outlier_model
-from training.backbone import load_backbone
-from training.quantized import emulate_int8
-from training.refit import fit_task
-from training.trainer import TrainConfig
 
 OUTLIER = 30.0  # added to channel 3 of every LayerNorm's bias
 TEXTS = ["good w1 w2", "w3 awful w4 w5", "the movie was superb", "dull plot", "w7", " ".join(["w9 great"] * 40)]
@@ -98,7 +98,7 @@ def test_int8_graphs_unfuse_skip_layer_norms_and_keep_the_answers(repo, model_di
     (several times slower on CPU), and the rewrite alone changes no answer beyond rounding."""
     import onnx
 
-    from exporter.quantize import unfuse_skip_layer_norms
+    from aot.exporter.quantize import unfuse_skip_layer_norms
 
     backbone = load_backbone(str(model_dir))
     for folder, aot in (("backbone", True), ("backbone_vanilla", False)):
@@ -113,7 +113,7 @@ def test_int8_graphs_unfuse_skip_layer_norms_and_keep_the_answers(repo, model_di
         names = {i.name for i in before.get_inputs()}
         for seq in (5, 17):
             feeds = {n: v.numpy() for n, v in example_inputs(backbone, aot, 2, seq, seed=seq).items() if n in names}
-            for want, got in zip(before.run(None, feeds), after.run(None, feeds)):
+            for want, got in zip(before.run(None, feeds), after.run(None, feeds), strict=True):
                 assert np.abs(want - got).max() < 1e-5
 
 
@@ -135,7 +135,7 @@ def test_unfuse_skip_layer_norms_cases(case, tmp_path):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from exporter.quantize import unfuse_skip_layer_norms
+    from aot.exporter.quantize import unfuse_skip_layer_norms
 
     bias, beta, sum_read, mean_read, opset = SKIP_LAYER_NORMS[case]
     hidden, epsilon, rng = 16, 0.25, np.random.default_rng(3)
@@ -166,7 +166,7 @@ def test_unfuse_skip_layer_norms_cases(case, tmp_path):
     for name, model in (("fused", fused), ("unfused", unfused)):
         onnx.save_model(model, str(tmp_path / f"{name}.onnx"))
         answers.append(cpu_session(tmp_path / f"{name}.onnx").run(None, feeds))
-    for want, got in zip(*answers):
+    for want, got in zip(*answers, strict=True):
         assert np.abs(want - got).max() < 1e-5
 
 
@@ -245,7 +245,7 @@ def test_served_int8_answers_equal_the_in_process_engine(server, repo, task, fit
     with Client(server.grpc_url) as client:
         answers = client.infer_many([{"task": item["task"], "text": item["text"]} for _, item in lines])
         listing = {t["name"]: t for t in client.tasks()["tasks"]}
-    for (k, _), answer in zip(lines, answers):
+    for (k, _), answer in zip(lines, answers, strict=True):
         assert np.abs(np.array(answer["logits"]) - np.array(expected[k]["logits"])).max() < 1e-4
     assert listing["fitted"]["served_dev"]["precision"] == "int8"
     assert listing["plain"]["dev"] is not None and listing["plain"]["served_dev"]["allowed_drop"] == 50
@@ -292,7 +292,7 @@ def test_cli_refusals(tmp_path, capsys, model_dir, task, repo):
 def test_int8_accuracy_benchmark(tmp_path, repo, task, published):
     """The benchmark publishes the task as a user would, measures its drop, and re-fits it where the drop is past
     the threshold; its report holds both figures."""
-    from benchmarks.int8_accuracy import main as bench
+    from aot.benchmarks.int8_accuracy import main as bench
 
     assert bench(["--repo", str(repo), "--tasks", f"bench={task}", "--out", str(tmp_path), "--refit-steps", "100",
                   "--refit-lr", "3e-3"]) == 0
@@ -307,7 +307,7 @@ def test_int8_accuracy_benchmark(tmp_path, repo, task, published):
 def test_int8_re_export_keeps_tasks_only_onto_the_graph_that_scored_them(tmp_path, model_dir, task):
     """--overwrite keeps the store's tasks: onto the same int8 graph they stay as scored; onto another one (here the
     dense bias interface's), or onto int8 from fp32, the export is refused and the repository left as it was."""
-    from serving.repository import RepositoryError, ServingOptions
+    from aot.serving.repository import RepositoryError, ServingOptions
 
     path = tmp_path / "repo"
     export_backbone(str(model_dir), path, cpu_precision="int8")

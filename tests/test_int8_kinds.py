@@ -1,4 +1,4 @@
-"""Every kind of task on a repository's CPU engine in process (exporter.cpu_engine): `aot predict --repo` answers a
+"""Every kind of task on a repository's CPU engine in process (aot.exporter.cpu_engine): `aot predict --repo` answers a
 tagger, a multi-label task and an embedding as the served step does (fp32: as PyTorch; int8: as a real
 tritonserver), and the int8 accuracy gate scores each kind with its own dev metric on what the int8 engine serves,
 not only classifiers. The int8 outlier model and the classifier's gate: tests/test_int8.py."""
@@ -8,22 +8,22 @@ import json
 import numpy as np
 import pytest
 
-from aot.cli import main
-from aot.client import Client
-from exporter.accuracy_gate import AccuracyDropError, dev_examples
-from exporter.backbone_export import export_backbone
-from exporter.cpu_engine import predict_lines_through
-from exporter.task_export import export_task
-from serving.words import entity_spans, split_words
+from aot.cli.main import main
+from aot.client.client import Client
+from aot.exporter.accuracy_gate import AccuracyDropError, dev_examples
+from aot.exporter.backbone_export import export_backbone
+from aot.exporter.cpu_engine import predict_lines_through
+from aot.exporter.task_export import export_task
+from aot.serving.words import entity_spans, split_words
+from aot.training.artifact import read_task
+from aot.training.data import recorded_task_data
+from aot.training.data.task import DataError
+from aot.training.metrics import compute_metric
+from aot.training.predict import Predictor, predict_lines, task_folders
+from aot.training.refit import fit_task
+from aot.training.trainer import TrainConfig
 from tests.helpers import make_repository, serve_for_tests, train_tiny_task
 from tests.tiny import save_outlier_model, write_kind_folder
-from training.artifact import read_task
-from training.data import recorded_task_data
-from training.data.task import DataError
-from training.metrics import compute_metric
-from training.predict import Predictor, predict_lines, task_folders
-from training.refit import fit_task
-from training.trainer import TrainConfig
 
 KINDS = ("cls", "ner", "tags", "search")  # classification, tokens, multilabel, embedding (conftest.kind_artifacts)
 TEXTS = ["good w1 bad movie", "😀 café  w3 superb! w4", "w5 Zoë-Ann awful plot 🎬 great", "w6", "lovely"]
@@ -110,7 +110,7 @@ def test_predict_through_an_int8_repo_answers_every_kind_as_served(int8_server, 
     assert max(np.abs(a - b).max() for a, b in vectors) > 1e-4  # it ran the int8 graph, not fp32
     with Client(int8_server.grpc_url) as client:
         served = client.infer_many([{"task": item["task"], "text": item["text"]} for _, item in lines])
-    for (k, item), answer in zip(lines, served):
+    for (k, item), answer in zip(lines, served, strict=True):
         assert answer["version"].startswith(item["task"] + "@")
         _same(answer, through[k], atol=1e-4)
 
@@ -135,7 +135,7 @@ def _score_of_answers(spec, examples, answer) -> float:
     answers = answer([e.text for e in examples])
     labels = list(spec.labels)
     if spec.kind == "tokens":
-        tags = [_tags(a, e.text) for a, e in zip(answers, examples)]
+        tags = [_tags(a, e.text) for a, e in zip(answers, examples, strict=True)]
         assert any(entity_spans(t) for t in tags)
         return compute_metric(spec.metric, tags, [e.label for e in examples], len(labels))
     if spec.kind == "multilabel":

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from aot.cli import main
-from serving.tokenization import Tokenization
-from serving.words import entity_spans, split_words
-from training.artifact import read_task
-from training.data import DataError, load_task_data
-from training.kinds.tokens import IGNORED, TokensKind, align
-from training.predict import Predictor, predict_lines, task_folders
+from aot.cli.main import main
+from aot.serving.tokenization import Tokenization
+from aot.serving.words import entity_spans, split_words
+from aot.training.artifact import read_task
+from aot.training.data import DataError, load_task_data
+from aot.training.kinds.tokens import IGNORED, TokensKind, align
+from aot.training.predict import Predictor, predict_lines, task_folders
 
 
 @pytest.mark.parametrize("content, error", [
@@ -77,14 +77,15 @@ def test_multilabel_and_pair_rows(tmp_path):
 def test_tags_align_to_first_pieces_as_served(tmp_path):
     """A word of several pieces carries its tag on its first piece; the others, and special tokens, are ignored by
     the loss. The served tokenizer finds the same pieces and words (the real MiniLM WordPiece tokenizer)."""
-    from aot import model_path
     from transformers import AutoTokenizer
+
+    from aot import model_path
 
     tokenizer = AutoTokenizer.from_pretrained(model_path("minilm"))
     tokenizer.save_pretrained(tmp_path)
     words, tags = ["Unbelievably", "naïve", "Zoë", "😀", "emojis!"], ["B-x", "O", "B-per", "O", "B-x"]
     text = "  Unbelievably naïve\tZoë 😀  emojis!"  # any whitespace between words
-    from training.data.task import Example, TaskSpec
+    from aot.training.data.task import Example, TaskSpec
 
     spec = TaskSpec("t", ("O", "B-per", "B-x"), "entity_f1", kind="tokens")
     encoded = TokensKind().encode(tokenizer, [Example(text, tuple(tags))], spec, 64)
@@ -154,7 +155,7 @@ def test_token_classifier_and_embedding_in_the_peft_api(tiny_models, tmp_path):
     from transformers import AutoModel, AutoModelForTokenClassification, Trainer, TrainingArguments
 
     from aot import AotConfig, get_aot_model
-    from training.pair_collator import PairCollator
+    from aot.training.pair_collator import PairCollator
 
     folder = str(tiny_models["bert"])
     tagger = AutoModelForTokenClassification.from_pretrained(folder, num_labels=3).eval()
@@ -174,7 +175,7 @@ def test_token_classifier_and_embedding_in_the_peft_api(tiny_models, tmp_path):
                              save_strategy="no", report_to=[])
     before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
     Trainer(model=model, args=args, train_dataset=rows, data_collator=PairCollator(tokenizer)).train()
-    assert any(not torch.equal(a, p) for a, p in zip(before, [p for p in model.parameters() if p.requires_grad]))
+    assert any(not torch.equal(a, p) for a, p in zip(before, [p for p in model.parameters() if p.requires_grad], strict=True))
     model.save_pretrained(tmp_path / "task")
     answer = Predictor.load(tmp_path / "task").predict(["w1 w2"])[0]
     with torch.no_grad():
@@ -186,8 +187,8 @@ def test_token_classifier_and_embedding_in_the_peft_api(tiny_models, tmp_path):
 def test_a_task_reads_its_recorded_data_as_its_own_kind(kind_artifacts):
     """The data a task records it was trained on is read back as its kind (the int8 gate and re-fitting score its dev
     split through this), whatever the kind: a tagger's data as tokens, not as a classifier's."""
-    from training.artifact import read_task
-    from training.data import recorded_task_data
+    from aot.training.artifact import read_task
+    from aot.training.data import recorded_task_data
 
     for name in ("cls", "ner", "tags", "search"):
         artifact = read_task(kind_artifacts[name])

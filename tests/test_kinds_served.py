@@ -8,11 +8,11 @@ import json
 import numpy as np
 import pytest
 
-from aot.cli import main
-from aot.client import Client
-from serving.admin_key import GRPC_ADMIN_HEADER
+from aot.cli.main import main
+from aot.client.client import Client
+from aot.serving.supervision.admin_key import GRPC_ADMIN_HEADER
+from aot.training.predict import predict_lines, task_folders
 from tests.helpers import make_repository, serve_for_tests
-from training.predict import predict_lines, task_folders
 
 pytestmark = pytest.mark.server
 
@@ -79,7 +79,7 @@ def test_every_kind_answers_as_predict_in_one_mixed_batch(server, client, expect
     before = _executions(client, server)
     items = [{"task": n, "text": t} for t in TEXTS for n in KEYS] * 3
     answers = client.infer_many(items, concurrency=len(items))
-    for item, answer in zip(items, answers):
+    for item, answer in zip(items, answers, strict=True):
         _same(answer, expected[(item["task"], item["text"])], item["task"])
     executions = _executions(client, server) - before  # the supervisor's probes add one a second at most
     assert executions < len(items) / 2, f"{executions} executions for {len(items)} requests of 4 kinds"
@@ -109,7 +109,7 @@ def test_a_bad_request_of_one_kind_fails_alone(server, client, expected, repo):
     answers = client.infer_many(items)
     assert answers[0]["error"].endswith("task 'search' was trained on single texts: send no TEXT_PAIR")
     assert "TEXT is empty" in answers[1]["error"]
-    for item, answer in zip(items[2:], answers[2:]):
+    for item, answer in zip(items[2:], answers[2:], strict=True):
         _same(answer, expected[(item["task"], item["text"])], item["task"])
     tokenizing = Client(server.grpc_url, tokenizer=str(repo / "models" / "tokenizer" / "1" / "tokenizer"))
     with tokenizing:  # it sends a token task TEXT all the same, and ids for the others
@@ -163,7 +163,7 @@ def test_infer_and_predict_commands_stream_every_kind(server, kind_artifacts, tm
     served = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert main(["predict", *[f"--task={n}={kind_artifacts[n]}" for n in KEYS], "--input", str(path)]) == 0
     predicted = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
-    for line, got, want in zip(lines, served, predicted):
+    for line, got, want in zip(lines, served, predicted, strict=True):
         assert got["id"] == want["id"] == line["id"] and got["task"] == want["task"] == line["task"]
         _same({k: v for k, v in got.items() if k not in ("id", "task")}, want, line["task"])
     assert main(["tasks", "--url", server.grpc_url]) == 0

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
+from aot.training.data.task import TaskSpec
+from aot.training.factory import build_task_model
+from aot.training.methods import METHODS, MethodError, make_config
+from aot.training.methods.aot_ptuning.model import AotBody
+from aot.training.methods.finetune import PlainBody
 from tests.tiny import ARCHS, tiny_backbone
-from training.data.task import TaskSpec
-from training.factory import build_task_model
-from training.methods import METHODS, MethodError, make_config
-from training.methods.aot_ptuning.model import AotBody
-from training.methods.finetune import PlainBody
 
 SPEC = TaskSpec("t", ("negative", "positive"), "accuracy")
 
@@ -148,7 +148,7 @@ def test_unknown_method():
 @pytest.mark.parametrize("embedding_std", [0.02, 0.056, 0.5])
 def test_fc_first_projection_is_of_order_one(embedding_std):
     """W1's init adapts to the scale of E, so that f sees inputs of order one for fresh and pretrained models."""
-    from training.methods.aot_ptuning.layer import FCPrompt
+    from aot.training.methods.aot_ptuning.layer import FCPrompt
 
     torch.manual_seed(0)
     E = torch.randn(2000, 64) * embedding_std

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from aot.client import Client
-from aot.errors import InvalidInput, PermissionDenied, TaskNotFound, TaskUnavailable, Unavailable, from_triton
-from serving.metric_labels import NONE, OTHER, UNKNOWN
-from serving.step_metrics import LATENCY_BUCKETS, StepMetrics
+from aot.client.client import Client
+from aot.client.errors import InvalidInput, PermissionDenied, TaskNotFound, TaskUnavailable, Unavailable, from_triton
+from aot.serving.metric_labels import NONE, OTHER, UNKNOWN
+from aot.serving.step_metrics import LATENCY_BUCKETS, StepMetrics
 from tests.helpers import make_repository, train_tiny_task
 
 pytestmark = pytest.mark.server
@@ -38,8 +38,8 @@ def repo(tmp_path_factory, tiny_models, sentiment_dir):
     repo = make_repository(tiny_models["bert"], root / "repo",
                            {"alpha": (first, "fused"), "beta": (second, "fused"), "gamma": (second, "factored"),
                             "delta": (first, "fused"), "broken": (first, "fused")})
-    from exporter.task_store import TaskStore
-    from serving.repository import read_repository
+    from aot.exporter.task_store import TaskStore
+    from aot.serving.repository import read_repository
 
     store = TaskStore(read_repository(repo).store_root)
     table = store.version_folder(store.entries()["broken"].folder) / "table.npy"
@@ -54,7 +54,7 @@ def log_path(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(request, repo, log_path):
-    from aot.server import LocalServer
+    from aot.local.server import LocalServer
 
     with pytest.MonkeyPatch.context() as env:  # what `aot serve --metrics-tasks 2 --request-log FILE` sets
         env.setenv("AOT_METRICS_TASKS", str(K))
@@ -187,9 +187,10 @@ def test_client_errors_are_typed(client, call, kind, status, retryable):
 
 
 def test_unreachable_server_is_retryable_and_restricted_api_is_permission(server):
-    from aot.server import free_port
     from tritonclient.grpc import InferenceServerClient
     from tritonclient.utils import InferenceServerException
+
+    from aot.local.server import free_port
 
     with Client(f"127.0.0.1:{free_port()}", timeout=5) as nobody:
         with pytest.raises(Unavailable) as caught:
@@ -273,7 +274,7 @@ def test_grafana_dashboard_queries_parse_and_read_served_series(server, client):
 
 
 def test_infer_top_k_names_the_labels_from_the_server(server, client, capsys):
-    from aot.cli import main
+    from aot.cli.main import main
 
     assert main(["infer", "--url", server.grpc_url, "--task", "alpha", "--top-k", "1", "good w1"]) == 0
     answer = json.loads(capsys.readouterr().out)

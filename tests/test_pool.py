@@ -8,7 +8,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from serving.pool import POLICIES, RowPool
+from aot.serving.pool import POLICIES, RowPool
 
 V, L, D = 500, 2, 4
 
@@ -73,7 +73,7 @@ def test_cache_never_exceeds_budget_and_refills_identical_rows(policy):
     versions = list(tables)
     for _ in range(300):
         batch = [(versions[rng.integers(6)], np.unique(rng.zipf(1.3, 60) % V)) for _ in range(8)]
-        for (version, ids), rows in zip(batch, pool.rows_many(batch)):
+        for (version, ids), rows in zip(batch, pool.rows_many(batch), strict=True):
             np.testing.assert_array_equal(rows, tables[version][ids])  # including rows evicted and refilled
         held = (pool._owner >= 0).sum()
         assert held <= pool.slots and held == sum(s.resident_rows for s in pool.stats.values())
@@ -134,12 +134,12 @@ def test_served_through_a_small_pool_equals_predict(tmp_path_factory, tiny_model
     (ONNX Runtime step) or beside the torch engine, whose forward gathers from it in place. With 2 instances of the
     fused step each holds half the budget, and in host memory the fused table is then read through its memory map
     (shared by the instances through the page cache): only the factored rows are pooled."""
-    from aot.client import Client
-    from aot.server import LocalServer
-    from serving.repository import read_repository
-    from serving.steps import StepMetrics
+    from aot.client.client import Client
+    from aot.local.server import LocalServer
+    from aot.serving.repository import read_repository
+    from aot.serving.steps import StepMetrics
+    from aot.training.predict import Predictor
     from tests.helpers import make_repository, train_tiny_task
-    from training.predict import Predictor
 
     root = tmp_path_factory.mktemp("pool")
     artifacts = {n: train_tiny_task(tiny_models["bert"], sentiment_dir, root / n, m, seed=s, epochs=1)

@@ -13,15 +13,22 @@ import sys
 import numpy as np
 import pytest
 import torch
-from transformers import (AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification, GPT2Config,
-                          GPT2Model, Trainer, TrainingArguments)
+from transformers import (
+    AutoModel,
+    AutoModelForMaskedLM,
+    AutoModelForSequenceClassification,
+    GPT2Config,
+    GPT2Model,
+    Trainer,
+    TrainingArguments,
+)
 from transformers.modeling_outputs import SequenceClassifierOutput
 
 from aot import AotConfig, AotModel, MultiTaskModel, get_aot_model
-from aot.cli import main
-from serving_torch.encoder import pool_states
+from aot.cli.main import main
+from aot.serving_torch.encoder import pool_states
+from aot.training.artifact import read_task
 from tests.tiny import ARCHS, sentiment_examples, tiny_tokenizer
-from training.artifact import read_task
 
 CLASSES = {"auto": AutoModel, "seqcls": AutoModelForSequenceClassification}
 CASES = [(arch, kind, method) for arch in ARCHS for kind in CLASSES for method in ("fc", "kron")]
@@ -256,7 +263,7 @@ def test_multitask_mixed_batch_equals_each_task_alone(saved_tasks):
         for k, i in enumerate(rows):
             inputs = tokenizer(TEXTS[i], truncation=True, max_length=32, return_tensors="pt")
             expected = alone(**inputs).logits[0]
-            for answer in (mixed[i], single[k]):  # a regression task answers its score (serving.labels.answer)
+            for answer in (mixed[i], single[k]):  # a regression task answers its score (aot.serving.answer_labels.answer)
                 assert answer["task"] == name
                 got = [answer["score"]] if name == "score" else answer["logits"]
                 # MultiTaskModel holds each task's rows in fp16, as the server does (its answers equal the served
@@ -300,7 +307,7 @@ def _predict(argv, capsys, stdin: str | None = None, monkeypatch=None):
 def test_predict_jsonl_mixes_tasks(saved_tasks, tmp_path, capsys, monkeypatch):
     tasks = [f"{n}={p}" for n, p in saved_tasks.items()]
     lines = [{"text": t, "task": n, "id": i} for i, (t, n) in enumerate(zip(TEXTS, ["sent", "topic", "mean",
-                                                                                      "score", "sent", "topic"]))]
+                                                                                      "score", "sent", "topic"], strict=True))]
     raw = [json.dumps(line) for line in lines]
     raw.insert(2, "{not json")
     raw.insert(4, json.dumps({"text": "good", "task": "nope"}))
@@ -310,7 +317,7 @@ def test_predict_jsonl_mixes_tasks(saved_tasks, tmp_path, capsys, monkeypatch):
                               capsys)
     assert code == 0 and [row["id"] for row in out] == list(range(len(lines)))
     expected = MultiTaskModel.from_pretrained(saved_tasks).predict(TEXTS, [line["task"] for line in lines])
-    for row, want in zip(out, expected):
+    for row, want in zip(out, expected, strict=True):
         assert {k: v for k, v in row.items() if k != "id"}.keys() == want.keys()
         if "score" in want:  # the regression task
             assert row["score"] == pytest.approx(want["score"], abs=1e-6)
@@ -372,8 +379,8 @@ def test_predict_fails_only_when_every_line_failed(saved_tasks, capsys, monkeypa
 @pytest.mark.server
 def test_saved_task_exports_and_serves_what_predict_answers(tiny_models, tmp_path, capsys):
     """A DeBERTa-v2 classifier's own head (gelu) trained through get_aot_model: served as `aot predict` answers."""
-    from aot.client import Client
-    from aot.server import LocalServer
+    from aot.client.client import Client
+    from aot.local.server import LocalServer
     from tests.helpers import make_repository
 
     _, model = aot_model(tiny_models, "deberta-v2", "seqcls", "fc", seed=1)  # a head that answers both labels
@@ -386,7 +393,7 @@ def test_saved_task_exports_and_serves_what_predict_answers(tiny_models, tmp_pat
     try:
         with Client(server.grpc_url) as client:
             for name in ("fused", "factored"):
-                for text, row in zip(TEXTS, predicted):
+                for text, row in zip(TEXTS, predicted, strict=True):
                     got = client.infer(name, text)
                     np.testing.assert_allclose(got["logits"], row["logits"], atol=1e-3)
                     assert got["label"] == row["label"]
@@ -410,13 +417,13 @@ def test_predict_runs_a_baseline_task_alone(tiny_models, sentiment_dir, saved_ta
 
 @pytest.mark.parametrize("activation", [None, "tanh", "gelu", "swish"])
 def test_served_head_computes_the_training_head(tmp_path, activation):
-    """serving.tasks (numpy) against training.model.ClassificationHead (torch), with a head wider than d as
+    """aot.serving.tasks (numpy) against aot.training.model.ClassificationHead (torch), with a head wider than d as
     DeBERTa-v2's pooler may be; an unknown activation fails that version alone, naming it."""
     from safetensors.numpy import save_file
 
-    from serving.store import StoreError
-    from serving.tasks import load_task_version
-    from training.model import ClassificationHead
+    from aot.serving.store.reader import StoreError
+    from aot.serving.tasks import load_task_version
+    from aot.training.model import ClassificationHead
 
     torch.manual_seed(0)
     head = ClassificationHead(4, 3, activation=activation if activation in ("tanh", "gelu") else "tanh",

@@ -62,7 +62,7 @@ def test_every_block_runs_or_says_why(document):
 @pytest.mark.server
 @pytest.mark.parametrize("document", DOCUMENTS)
 def test_blocks_run(tmp_path, tiny_models, sentiment_dir, document):
-    from aot.server import free_port
+    from aot.local.server import free_port
 
     ports = {flag: free_port() for flag in ("--grpc-port", "--http-port", "--metrics-port", "--health-port")}
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",

@@ -1,4 +1,4 @@
-"""Lazy, bounded residency of task versions (serving.task_registry) and the change-log index behind it: a step reads
+"""Lazy, bounded residency of task versions (aot.serving.task_registry) and the change-log index behind it: a step reads
 the index at start and nothing per task, loads a version on its first request, keeps the loaded ones under a byte
 budget, and follows a publish by reading what changed. Answers are checked against `aot predict` (PyTorch) through
 the served path: the tokenizer, the registry's rows, the ONNX AoT graph and the head."""
@@ -10,16 +10,16 @@ import threading
 import numpy as np
 import pytest
 
-from exporter.task_export import TaskExporter, export_task
-from exporter.task_store import TaskStore
-from serving.engine import BackboneRunner, Prepared
-from serving.errors import RequestError
-from serving.pool import RowPool
-from serving.repository import read_repository
-from serving.task_registry import TaskRegistry
-from serving.tokenization import Tokenization
+from aot.exporter.task_export import TaskExporter, export_task
+from aot.exporter.task_store import TaskStore
+from aot.serving.engine import BackboneRunner, Prepared
+from aot.serving.errors import RequestError
+from aot.serving.pool import RowPool
+from aot.serving.repository import read_repository
+from aot.serving.task_registry import TaskRegistry
+from aot.serving.tokenization import Tokenization
+from aot.training.predict import Predictor
 from tests.helpers import make_repository, train_tiny_task
-from training.predict import Predictor
 
 TEXTS = ["good w1 w2", "w3 awful w4 w5", "the movie was superb"]
 NAMES = [f"t{i}" for i in range(5)]
@@ -49,7 +49,7 @@ def _served_logits(registry: TaskRegistry, repo, name: str) -> np.ndarray:
     task = registry.resolve(name)
     tokens = Tokenization(info.tokenizer_dir, info.uses_token_type_ids)
     requests = [Prepared.for_task(tokens.encode(t, None, task.max_length), task) for t in TEXTS]
-    for r, rows in zip(requests, registry.rows_many([(r.task, r.unique) for r in requests])):
+    for r, rows in zip(requests, registry.rows_many([(r.task, r.unique) for r in requests]), strict=True):
         r.rows = rows
     return task.logits(BackboneRunner(info.backbone_onnx).run(requests))
 
@@ -227,8 +227,8 @@ def test_a_version_loaded_again_is_hashed_again_only_if_a_file_changed(tmp_path,
     one that restores the bytes' size and the modification time) makes the next load hash it, and damage is found."""
     import os
 
-    import serving.digests as digests
-    from serving.tasks import load_task_version
+    import aot.serving.store.digests as digests
+    from aot.serving.tasks import load_task_version
 
     repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"t": (artifacts[0], "factored")})
     store = TaskStore(read_repository(repo).store_root)
@@ -260,7 +260,7 @@ def test_mapped_arrays_are_plain_arrays_over_their_files(tmp_path, tiny_models, 
     """A fused table and the store's shared E (a factored FC task's) are read through their files' memory maps (no
     copy in the process), as plain arrays: np.memmap's indexing would run Python code on every request's lookup.
     Their rows are the files'."""
-    from serving.tasks import load_task_version
+    from aot.serving.tasks import load_task_version
 
     repo = make_repository(tiny_models["bert"], tmp_path / "repo",
                            {"fused": (artifacts[0], "fused"), "factored": (artifacts[0], "factored")})

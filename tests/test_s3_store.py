@@ -1,5 +1,5 @@
-"""A task store in S3-compatible object storage, against a real SeaweedFS started here (aot.local_s3): export into a
-bucket and serve from it, publish while serving, the store paused under load, a corrupted object, racing
+"""A task store in S3-compatible object storage, against a real SeaweedFS started here (aot.local.s3_server): export
+into a bucket and serve from it, publish while serving, the store paused under load, a corrupted object, racing
 publishers."""
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from aot.client import Client, InferenceError
-from aot.local_s3 import LocalS3
-from exporter.backbone_export import export_backbone
-from exporter.task_export import export_task
-from exporter.task_store import TaskStore
-from serving.repository import read_repository
-from serving.task_registry import REMOTE_POLL_SECONDS
+from aot.client.client import Client, InferenceError
+from aot.exporter.backbone_export import export_backbone
+from aot.exporter.task_export import export_task
+from aot.exporter.task_store import TaskStore
+from aot.local.s3_server import LocalS3
+from aot.serving.repository import read_repository
+from aot.serving.task_registry import REMOTE_POLL_SECONDS
+from aot.training.predict import Predictor
 from tests.helpers import serve_for_tests, train_tiny_tasks
-from training.predict import Predictor
 
 pytestmark = pytest.mark.server
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,7 +69,7 @@ def server(request, repo):
 
 def _check(client, expected, names=("alpha", "beta")):
     for name in names:
-        for text, want in zip(TEXTS, expected[name]):
+        for text, want in zip(TEXTS, expected[name], strict=True):
             np.testing.assert_allclose(client.infer(name, text)["logits"], want, atol=ATOL)
 
 
@@ -160,7 +160,7 @@ def test_the_store_paused_under_load(repo, server, artifacts, expected, s3):
 
 
 def test_a_corrupted_object_is_refused_then_retried(repo, server, artifacts, expected, s3):
-    from serving.s3 import S3Backend
+    from aot.serving.store.s3 import S3Backend
 
     export_task(artifacts["alpha"], repo, "eps", "factored", progress=False)
     store = TaskStore.of(read_repository(repo))
@@ -187,7 +187,7 @@ def test_a_corrupted_object_is_refused_then_retried(repo, server, artifacts, exp
 
 _PUBLISHER = r"""
 import sys, time
-from exporter.task_export import export_task
+from aot.exporter.task_export import export_task
 repo, task, name, start = sys.argv[1:5]
 while time.time() < float(start):
     time.sleep(0.001)
@@ -213,11 +213,10 @@ def test_a_publish_interrupted_halfway_leaves_the_old_version(repo, server, arti
     """Objects uploaded, then the publisher dies before its change: readers never see the new version (the old one
     serves); the next publish lands, and the sweep that runs at compactions removes the orphaned objects once they
     are old enough (both thresholds lowered here)."""
-    import exporter.task_store as task_store
-    import serving.store_log as store_log
-    from serving.s3 import S3Backend
-
-    from exporter.task_export import TaskExporter
+    import aot.exporter.task_store as task_store
+    import aot.serving.store.log as store_log
+    from aot.exporter.task_export import TaskExporter
+    from aot.serving.store.s3 import S3Backend
 
     exporter = TaskExporter(repo, progress=False)
     old = exporter.store.entries()["alpha"].folder

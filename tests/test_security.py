@@ -29,16 +29,16 @@ import numpy as np
 import pytest
 import yaml
 
-from aot.client import Client, InferenceError
-from aot.server import LocalServer, free_port
-from aot.triton_setup import backends_folder, step_python
-from exporter.task_export import export_task
-from exporter.task_store import TaskStore
-from serving.admin_key import ADMIN_HEADER, GRPC_ADMIN_HEADER, RESTRICTED_APIS
-from serving.procfs import stub_processes, stubs_of
-from serving.repository import read_repository
+from aot.client.client import Client, InferenceError
+from aot.exporter.task_export import export_task
+from aot.exporter.task_store import TaskStore
+from aot.local.server import LocalServer, free_port
+from aot.local.triton_setup import backends_folder, step_python
+from aot.serving.repository import read_repository
+from aot.serving.supervision.admin_key import ADMIN_HEADER, GRPC_ADMIN_HEADER, RESTRICTED_APIS
+from aot.serving.supervision.procfs import stub_processes, stubs_of
+from aot.training.predict import Predictor
 from tests.helpers import WITH_STEPS, make_repository, serve_for_tests, train_tiny_tasks
-from training.predict import Predictor
 
 pytestmark = [pytest.mark.server]
 
@@ -85,7 +85,7 @@ def _wait_ready(health: str, timeout: float = 120) -> None:
 @pytest.fixture(scope="module", params=["aot serve", "compose command"])
 def served(request, repo, tmp_path_factory):
     """The server as `aot serve` runs it (the command itself), or as docker-compose.yml's command runs it in the
-    container (python3 -m serving.supervisor tritonserver ..., the key from a secret file), on this machine's CPU."""
+    container (python3 -m aot.serving tritonserver ..., the key from a secret file), on this machine's CPU."""
     work = tmp_path_factory.mktemp("served")
     ports = {name: free_port() for name in ("http", "grpc", "metrics", "health")}
     env = dict(os.environ)
@@ -107,11 +107,11 @@ def served(request, repo, tmp_path_factory):
                    "--model-config-name=cpu", "--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0",
                    *(f"--{n}-address=127.0.0.1" for n in ("http", "grpc", "metrics")),
                    *(f"--{n}-port={ports[n]}" for n in ("http", "grpc", "metrics"))]
-        assert command[:3] == ["python3", "-m", "serving.supervisor"]
+        assert command[:3] == ["python3", "-m", "aot.serving"]
         command[0] = sys.executable
         env["PATH"] = f"{python.bin_dir}{os.pathsep}{env['PATH']}"
         env["LD_LIBRARY_PATH"] = python.libdir
-        from aot.triton_setup import triton_home
+        from aot.local.triton_setup import triton_home
 
         command[3] = str(triton_home() / "bin" / "tritonserver")
     log = open(work / "stdout", "w")
@@ -172,7 +172,7 @@ def test_repository_key_is_private_and_task_files_share_one_mode(tmp_path, tiny_
         assert {path.name: _mode(path) for path in folder.iterdir()} == {path.name: plain for path in folder.iterdir()}
     assert "head.safetensors" in {p.name for p in (store / TaskStore(store).entries()["beta"].folder).iterdir()}
 
-    from exporter.backbone_export import export_backbone
+    from aot.exporter.backbone_export import export_backbone
 
     export_backbone(str(tiny_models["bert"]), repo, overwrite=True)
     assert _mode(repo / "admin-key") == 0o600 and (repo / "admin-key").read_text() == key
@@ -544,7 +544,7 @@ TritonPythonModel.execute = _stuck
 def test_one_instance_stuck_in_a_batch_is_found_while_the_other_answers_the_probes(request, tmp_path, repo,
                                                                                      expected):
     """The fused step runs 2 instances; probes go to whichever is free, so a deadlocked one would hold its batch
-    forever behind the other's answers. Each instance records when its running `execute` began (serving.watch):
+    forever behind the other's answers. Each instance records when its running `execute` began (aot.serving.watch):
     one stuck for hung_seconds without using CPU is killed and replaced alone: the other instance keeps its stub and
     serves meanwhile. The stuck call is injected into the second instance's batch computation, after the watch
     began."""
@@ -682,7 +682,7 @@ def test_made_up_task_versions_add_no_metric_series(scratch):
 
     with Client(scratch.grpc_url) as c:  # a request after the flush interval (1 s) makes the head publish
         assert _wait(lambda: c.infer("alpha", TEXTS[0]) and versions() & served, 20, 0.5), "no aot_ series published"
-    from serving.metric_labels import PLACEHOLDERS  # <unknown>, <none>, <other>: no task name can take them
+    from aot.serving.metric_labels import PLACEHOLDERS  # <unknown>, <none>, <other>: no task name can take them
 
     assert versions() <= {*served, *PLACEHOLDERS}, sorted(versions())[:5]
 
@@ -694,7 +694,7 @@ def _served_versions(server) -> set[str]:
 
 def _held_memory(server_pid: int) -> int:
     """Bytes tritonserver and its stubs hold: their anonymous memory and their shared-memory regions' pages."""
-    from serving.shm import allocated_bytes
+    from aot.serving.shm import allocated_bytes
 
     def anonymous(pid: int) -> int:
         try:

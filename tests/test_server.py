@@ -13,14 +13,14 @@ import time
 import numpy as np
 import pytest
 
-from aot.client import Client, InferenceError
-from exporter.task_export import export_task
-from exporter.task_store import TaskStore
-from serving.admin_key import GRPC_ADMIN_HEADER
-from serving.repository import read_repository
+from aot.client.client import Client, InferenceError
+from aot.exporter.task_export import export_task
+from aot.exporter.task_store import TaskStore
+from aot.serving.repository import read_repository
+from aot.serving.supervision.admin_key import GRPC_ADMIN_HEADER
+from aot.training.predict import Predictor
 from tests.helpers import make_repository, serve_for_tests, train_tiny_task
 from tests.tiny import write_sentiment_folder
-from training.predict import Predictor
 
 pytestmark = pytest.mark.server
 
@@ -83,7 +83,7 @@ def test_served_logits_equal_predict(client, expected):
             got = client.infer(name, text)
             np.testing.assert_allclose(got["logits"], expected[name][i], atol=1e-3)
             assert got["label"] == ["negative", "positive"][int(np.argmax(expected[name][i]))]
-    for i, (text, pair) in enumerate(zip(TEXTS, PAIRS)):  # pairs truncated longest-first, as in training
+    for i, (text, pair) in enumerate(zip(TEXTS, PAIRS, strict=True)):  # pairs truncated longest-first, as in training
         np.testing.assert_allclose(client.infer("zeta", text, pair)["logits"], expected[("zeta", "pair")][i], atol=1e-3)
 
 
@@ -122,7 +122,7 @@ def test_mixed_tasks_batch_into_one_execution(server, client):
 def test_unknown_task_fails_alone(client, expected):
     items = [{"task": "alpha", "text": TEXTS[0]}, {"task": "nope", "text": TEXTS[0]}] * 8
     answers = client.infer_many(items, concurrency=16)
-    for item, answer in zip(items, answers):
+    for item, answer in zip(items, answers, strict=True):
         if item["task"] == "nope":
             assert "unknown task 'nope'" in answer["error"] and "alpha, beta, gamma" in answer["error"]
         else:
@@ -168,7 +168,7 @@ def test_token_ids_client_gets_the_answers_of_a_text_client(server, repo, client
     """A client that tokenizes on its side (Client(tokenizer=REPO/tokenizer)) sends token ids, truncated to each
     task's max length: every answer equals the text client's (and `aot predict`'s), pairs included."""
     items = [{"task": n, "text": t} for n in ("alpha", "beta", "gamma") for t in TEXTS]
-    items += [{"task": "zeta", "text": t, "text_pair": p} for t, p in zip(TEXTS, PAIRS)]
+    items += [{"task": "zeta", "text": t, "text_pair": p} for t, p in zip(TEXTS, PAIRS, strict=True)]
     with Client(server.grpc_url, tokenizer=read_repository(repo).tokenizer_dir) as ids_client:
         by_ids = ids_client.infer_many(items)
         np.testing.assert_allclose(ids_client.infer("alpha", TEXTS[-1])["logits"], expected["alpha"][-1], atol=1e-3)
@@ -176,7 +176,7 @@ def test_token_ids_client_gets_the_answers_of_a_text_client(server, repo, client
             ids_client.infer("alpha", " ")
         with pytest.raises(InferenceError, match="unknown task 'nope'"):
             ids_client.infer("nope", TEXTS[0])
-    for item, by_text, by_id in zip(items, client.infer_many(items), by_ids):
+    for item, by_text, by_id in zip(items, client.infer_many(items), by_ids, strict=True):
         assert by_id["label"] == by_text["label"], item  # logits alike up to the float rounding of other batches
         np.testing.assert_allclose(by_id["logits"], by_text["logits"], atol=1e-5)
         want = expected[("zeta", "pair")] if item["task"] == "zeta" else expected[item["task"]]
@@ -234,7 +234,7 @@ def test_batched_steps_give_each_request_its_own_answer(server, client, expected
     items = [bad.get(i, item) for i, item in enumerate(items)]
     before = {m: _stats(client, m, server) for m in ("aot",)}
     answers = client.infer_many(items, concurrency=96)
-    for i, (item, answer) in enumerate(zip(items, answers)):
+    for i, (item, answer) in enumerate(zip(items, answers, strict=True)):
         if i in bad:
             assert set(answer) == {"task", "error", "error_type", "status", "retryable"}, (i, answer)  # no answer
             assert answer["task"] == item["task"], (i, answer)
@@ -244,7 +244,7 @@ def test_batched_steps_give_each_request_its_own_answer(server, client, expected
     assert "TEXT is empty" in answers[7]["error"] and "unknown task 'nope'" in answers[30]["error"]
     assert "send TEXT_PAIR too" in answers[55]["error"] and "send no TEXT_PAIR" in answers[81]["error"]
     for model, (requests0, executions0) in before.items():
-        requests, executions = (a - b for a, b in zip(_stats(client, model, server), (requests0, executions0)))
+        requests, executions = (a - b for a, b in zip(_stats(client, model, server), (requests0, executions0), strict=True))
         assert executions < requests, f"{model}: {executions} executions for {requests} requests"
 
 
@@ -256,7 +256,7 @@ def steps_server(request, repo):
 
 def test_gpu_ensemble_steps_chained_by_hand_answer_as_the_fused_step(steps_server, server, expected):
     """The GPU ensembles run tokenizer -> backbone -> head as three steps; the CPU configs run the same stages
-    (serving.stages) in one. Chained by hand here, in the ensemble's order and tensors, they give the fused step's
+    (aot.serving.stages) in one. Chained by hand here, in the ensemble's order and tensors, they give the fused step's
     answers and `aot predict`'s, for the AoT and the vanilla backbone."""
     import tritonclient.grpc as grpcclient
 
@@ -322,13 +322,13 @@ class _Refusal(Exception):
     ("StatusCode.INTERNAL", "Failed to process the request(s) for model 'aot_0_0', message: boom", False),
 ])
 def test_client_sends_again_only_what_found_no_server(status, message, again):
-    from aot.client import found_no_server
+    from aot.client.client import found_no_server
 
     assert found_no_server(_Refusal(status, message)) is again
 
 
 def test_a_dead_instance_is_a_retryable_error_and_other_internal_errors_are_not():
-    from aot.errors import Unavailable, from_triton
+    from aot.client.errors import Unavailable, from_triton
 
     dead = from_triton(_Refusal("StatusCode.INTERNAL", "Stub process 'aot_1_0' is not healthy."), task="alpha")
     assert type(dead) is Unavailable and dead.retryable and dead.status == "INTERNAL"
@@ -339,7 +339,7 @@ def test_a_dead_instance_is_a_retryable_error_and_other_internal_errors_are_not(
 def test_client_retries_a_refused_connection_with_a_short_bounded_backoff(repo):
     """A call to a port where no server listens yet is sent again (0.05 s doubling to 1 s) until the server is
     there; with nothing there it fails after retry_seconds, with the reason."""
-    from aot.server import LocalServer, free_port
+    from aot.local.server import LocalServer, free_port
 
     port = free_port()
     answers = []
@@ -565,8 +565,8 @@ def test_serve_command_port_taken_and_missing_repo(tmp_path, repo):
 
 @pytest.mark.parametrize("probe,message", [
     ("printf '3.11\\n/usr/lib\\n2.1.0\\n'", "has numpy 2.1.0; the tritonserver python stub needs numpy<2"),
-    ("echo \"ModuleNotFoundError: No module named 'serving'\" >&2; exit 1",
-     "cannot import numpy and this project's serving package: ModuleNotFoundError: No module named 'serving'"),
+    ("echo \"ModuleNotFoundError: No module named 'aot'\" >&2; exit 1",
+     "cannot import numpy and this project's aot.serving package: ModuleNotFoundError: No module named 'aot'"),
 ])
 def test_serve_command_checks_the_python_the_steps_run(tmp_path, repo, probe, message):
     """AOT_STEP_PYTHON names the Python the stubs run (the `python3` in its folder); one they could not run the
@@ -584,8 +584,8 @@ def test_serve_command_checks_the_python_the_steps_run(tmp_path, repo, probe, me
 def test_step_python_is_found_as_the_stub_finds_it(tmp_path, monkeypatch):
     """AOT_STEP_PYTHON relative to the current folder works (the server's PATH gets its absolute folder); one with
     no python3 beside it (what the stub runs) is refused naming it."""
-    from aot.server import ServerError
-    from aot.triton_setup import step_python
+    from aot.local.server import ServerError
+    from aot.local.triton_setup import step_python
 
     monkeypatch.setenv("AOT_STEP_PYTHON", os.path.relpath(sys.executable))
     found = step_python()
@@ -626,5 +626,5 @@ def test_infer_command_file_mixed_tasks(server, tmp_path, expected):
     assert proc.wait(120) == 0, proc.stderr.read()
     answers = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(answers) == 12
-    for item, answer, i in zip(items, answers, range(12)):
+    for item, answer, i in zip(items, answers, range(12), strict=True):
         np.testing.assert_allclose(answer["logits"], expected[item["task"]][i % len(TEXTS)], atol=1e-3)

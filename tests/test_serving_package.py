@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from serving import protocol
-from serving.formats import FormatError, read_versioned_json
-from serving.store import EMBEDDINGS, StoreError, check_task_name, check_version
-from serving.tasks import FactoredRows
-from serving.tokenization import Tokenization
+from aot.serving import protocol
+from aot.serving.formats import FormatError, read_versioned_json
+from aot.serving.store.reader import EMBEDDINGS, StoreError, check_task_name, check_version
+from aot.serving.tasks import FactoredRows
+from aot.serving.tokenization import Tokenization
+from aot.training.methods.aot_ptuning.config import ACTIVATIONS, FCConfig, KronConfig
+from aot.training.methods.aot_ptuning.layer import FCPrompt, KronPrompt
 from tests.tiny import ARCHS, tiny_tokenizer
-from training.methods.aot_ptuning.config import ACTIVATIONS, FCConfig, KronConfig
-from training.methods.aot_ptuning.layer import FCPrompt, KronPrompt
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,14 +27,16 @@ def test_serving_and_steps_import_neither_torch_nor_training():
     script = f"""
 import sys, types, importlib.util, pkgutil
 sys.modules["triton_python_backend_utils"] = types.ModuleType("triton_python_backend_utils")
-import serving
-for info in pkgutil.iter_modules(serving.__path__):
-    importlib.import_module("serving." + info.name)
-for path in sorted(__import__("pathlib").Path({str(ROOT / "model_repository")!r}).glob("*/1/model.py")):
+import aot.serving
+names = [info.name for info in pkgutil.walk_packages(aot.serving.__path__, "aot.serving.")]
+assert "aot.serving.store.reader" in names and "aot.serving.supervision.supervisor" in names, names
+for name in names:
+    importlib.import_module(name)
+for path in sorted(__import__("pathlib").Path({str(ROOT / "aot" / "model_repository")!r}).glob("*/1/model.py")):
     spec = importlib.util.spec_from_file_location(path.parent.parent.name, path)
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
-bad = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "training", "exporter", "benchmarks", "aot",
-                                                              "transformers"))
+above = ("aot.training", "aot.exporter", "aot.benchmarks", "aot.cli", "aot.client", "aot.local", "aot.serving_torch")
+bad = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers") or m.startswith(above))
 print(",".join(bad))
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
@@ -45,7 +47,7 @@ print(",".join(bad))
 @pytest.fixture(scope="module")
 def rows_store(tmp_path_factory):
     """A store with the exported rows graphs (3 layers, d = 16) and an embedding matrix."""
-    from exporter.rows_export import write_rows_graphs
+    from aot.exporter.rows_export import write_rows_graphs
 
     store = tmp_path_factory.mktemp("store")
     assert sorted(write_rows_graphs(store, num_layers=3, hidden_size=16)) == sorted(
@@ -101,7 +103,7 @@ def test_served_head_reads_its_pooling_row(tmp_path, recorded, row):
     token; an unknown one fails that version alone, naming it."""
     from safetensors.numpy import save_file
 
-    from serving.tasks import load_task_version
+    from aot.serving.tasks import load_task_version
 
     folder = tmp_path / "t@0123456789ab"
     folder.mkdir()
@@ -119,7 +121,7 @@ def test_served_head_reads_its_pooling_row(tmp_path, recorded, row):
     pooled = np.array([[[0.5, -0.5, 0.0], [-0.25, 0.75, 0.0]]], np.float32)  # [B=1, P=2, d=3]
     np.testing.assert_allclose(task.logits(pooled), np.tanh(pooled[:, row, :2]), rtol=1e-6)
     # the served stage: its task's row must be finite (the other pooling's overflow is not this request's failure)
-    from serving.heads import HeadInput, head_answers
+    from aot.serving.heads import HeadInput, head_answers
 
     other = pooled.copy()
     other[0, 1 - row] = np.inf
@@ -168,7 +170,7 @@ def test_protocol_dtypes_have_one_definition():
     assert protocol.triton_type(protocol.INPUT_IDS) == "INT64"
     assert protocol.triton_type(protocol.TASK_VERSION) == "BYTES"
     assert protocol.triton_type(protocol.AOT_BIAS) == "FP16"
-    assert protocol.PROTOCOL_VERSION == 6
+    assert protocol.PROTOCOL_VERSION == 7
     assert protocol.bias_inputs("dense") == [protocol.AOT_BIAS]
     with pytest.raises(ValueError, match="unknown bias interface 'ragged': expected one of rows, dense"):
         protocol.bias_inputs("ragged")
@@ -213,7 +215,7 @@ def test_versioned_json_reader_names_the_problem(tmp_path):
 @pytest.mark.parametrize("groups,count", [([{"count": 2, "kind": "KIND_CPU"}], 2), ([{"kind": "KIND_CPU"}], 1),
                                           ([{"count": 3}, {"count": 1}], 4), ([], 1)])
 def test_instance_count_reads_the_model_config(groups, count):
-    from serving.steps import instance_count
+    from aot.serving.steps import instance_count
 
     assert instance_count({"model_config": json.dumps({"instance_group": groups})}) == count
 
@@ -221,7 +223,7 @@ def test_instance_count_reads_the_model_config(groups, count):
 def test_repository_of_another_format_says_how_to_upgrade(tmp_path):
     """v2 (the task store unchanged since): `--overwrite` re-exports the backbone and keeps the tasks, and
     read_repository(older=True) reads it for that; anything older or unreadable: export afresh."""
-    from serving.repository import RECORD, RepositoryError, read_repository
+    from aot.serving.repository import RECORD, RepositoryError, read_repository
 
     (tmp_path / "models").mkdir()
     for version, hint in ((2, "--overwrite`: it keeps the tasks"), (1, "into a new folder"), ("x", "into a new folder")):
@@ -240,7 +242,7 @@ def test_supervisor_gives_up_a_model_after_three_failed_repairs():
     import os
     import socket
 
-    from serving.repairs import MAX_ATTEMPTS, Supervisor
+    from aot.serving.supervision.supervisor import MAX_ATTEMPTS, Supervisor
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -259,7 +261,7 @@ def test_supervisor_keeps_watching_after_a_check_fails():
     import os
     import threading
 
-    from serving.repairs import Supervisor
+    from aot.serving.supervision.supervisor import Supervisor
 
     logged, calls, twice = [], [], threading.Event()
     supervisor = Supervisor(os.getpid(), "127.0.0.1:9", interval=0.05, log=logged.append)
@@ -291,7 +293,7 @@ class Block(importlib.abc.MetaPathFinder):
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 sys.meta_path.insert(0, Block())
 from aot import Client
-from aot.cli import main
+from aot.cli.main import main
 code = main(["train", "--model", "m", "--data", "d", "--method", "fc", "--out", "o"])
 print("TRAIN", code)
 assert "torch" not in sys.modules
@@ -303,13 +305,13 @@ assert "torch" not in sys.modules
         "aot: error: this command needs the [train] extra (module torch is missing): pip install 'aot-ptuning[train]'"]
     for command in (["infer", "--help"], ["tasks", "--help"]):
         helped = subprocess.run([sys.executable, "-c", script.split("from aot import Client")[0]
-                                 + f"from aot.cli import main\nmain({command!r})"], capture_output=True, text=True,
+                                 + f"from aot.cli.main import main\nmain({command!r})"], capture_output=True, text=True,
                                 cwd=ROOT)
         assert helped.returncode == 0 and "usage: aot" in helped.stdout, helped.stderr
 
 
 def test_length_groups_bound_padding_and_cover_every_request():
-    from serving.engine import length_groups
+    from aot.serving.engine import length_groups
 
     lengths = [10, 64, 12, 60, 30, 31, 11, 64, 5]
     for max_padding in (0.0, 0.125, 0.5):
@@ -324,7 +326,7 @@ def test_length_groups_bound_padding_and_cover_every_request():
 def test_padded_lays_each_array_from_its_row_start_and_passes_one_full_request_through():
     """The engine's token, index and row-offset tensors: zeros past each array's end, the dtype asked for; one
     request of the batch's length is handed to the graph without a copy (a request run alone, as int8 runs them)."""
-    from serving.engine import padded
+    from aot.serving.engine import padded
 
     ids = np.array([101, 7, 8, 102], np.int64)
     alone = padded([ids], 4)
@@ -338,8 +340,8 @@ def test_padded_lays_each_array_from_its_row_start_and_passes_one_full_request_t
 def test_backbone_runner_split_by_length_gives_each_request_its_states(tmp_path):
     """A batch of mixed lengths split into runs (rows interface, AoT): each request's states equal those of the
     batch padded whole, in the requests' order."""
-    from exporter.onnx_export import export_backbone_graph
-    from serving.engine import BackboneRunner, Prepared
+    from aot.exporter.onnx_export import export_backbone_graph
+    from aot.serving.engine import BackboneRunner, Prepared
     from tests.tiny import tiny_backbone
 
     backbone = tiny_backbone("bert")
@@ -361,11 +363,11 @@ def test_backbone_runner_split_by_length_gives_each_request_its_states(tmp_path)
 
 def test_engines_are_found_by_name_and_an_unregistered_one_says_what_provides_it(monkeypatch):
     """The ground floor never imports an engine's package: ONNX Runtime is its own, the torch engine registers itself
-    when serving_torch.engine is imported (in a fresh interpreter); an engine asked for before it was registered, or
+    when aot.serving_torch.engine is imported (in a fresh interpreter); an engine asked for before it was registered, or
     unknown, fails naming it and what to install or import."""
-    from serving import engine
+    from aot.serving import engine
 
-    script = ("import serving.engine as e; before = sorted(e._ENGINES); import serving_torch.engine; "
+    script = ("import aot.serving.engine as e; before = sorted(e._ENGINES); import aot.serving_torch.engine; "
               "print(before, sorted(e._ENGINES), e.find_engine('torch').gathers_slots)")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr

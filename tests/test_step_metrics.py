@@ -1,5 +1,6 @@
 """Per-task metrics stay bounded: the K busiest tasks of a step instance have series of their own, the rest count
-under one label (serving.metric_labels, serving.step_metrics), and the request log's lines (serving.request_log).
+under one label (aot.serving.metric_labels, aot.serving.step_metrics), and the request log's lines
+(aot.serving.request_log).
 
 StepMetrics publishes through Triton's python-backend metric API; here it publishes into a small registry with that
 API's semantics as tests/test_observability.py shows them on the real server: a MetricFamily object owns its
@@ -13,10 +14,10 @@ import os
 import numpy as np
 import pytest
 
-from serving.metric_labels import HYSTERESIS, NONE, OTHER, UNKNOWN, TaskLabels, metrics_tasks
-from serving.pool import RowPool
-from serving.request_log import LoggedRequest, RequestLog, RequestLogSettings
-from serving.step_metrics import LATENCY_BUCKETS, StepMetrics
+from aot.serving.metric_labels import HYSTERESIS, NONE, OTHER, UNKNOWN, TaskLabels, metrics_tasks
+from aot.serving.pool import RowPool
+from aot.serving.request_log import LoggedRequest, RequestLog, RequestLogSettings
+from aot.serving.step_metrics import LATENCY_BUCKETS, StepMetrics
 
 
 class MetricsPort:
@@ -73,7 +74,7 @@ def _zipf_counts(tasks: list[str], total: int, seed: int) -> dict[str, int]:
     rng = np.random.default_rng(seed)
     weights = 1.0 / np.arange(1, len(tasks) + 1)
     counts = rng.multinomial(total, weights / weights.sum())
-    return {t: int(c) for t, c in zip(tasks, counts) if c}
+    return {t: int(c) for t, c in zip(tasks, counts, strict=True) if c}
 
 
 PER_TASK = ("aot_task_requests_total", "aot_task_duration_us_total", "aot_task_latency_seconds",

@@ -1,4 +1,4 @@
-"""The change-log index of a task store (serving.store_log) over a folder (serving.store_backend)."""
+"""The change-log index of a task store (aot.serving.store.log) over a folder (aot.serving.store.backend)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import threading
 
 import pytest
 
-from serving import store_log
-from serving.formats import FormatError
-from serving.store_backend import BackendError, FileBackend
-from serving.store_log import Change, ChangeLog, index_key, log_key
-from serving.store_shards import SHARDS, shard_key, shard_of
+from aot.serving.formats import FormatError
+from aot.serving.store import log as store_log
+from aot.serving.store.backend import BackendError, FileBackend
+from aot.serving.store.log import Change, ChangeLog, index_key, log_key
+from aot.serving.store.shards import SHARDS, shard_key, shard_of
 
 
 def _entry(i: int) -> dict:

@@ -12,13 +12,13 @@ import urllib.request
 import numpy as np
 import pytest
 
-from aot.client import Client, InferenceError, TaskNotFound
-from exporter.task_export import export_task
-from exporter.task_store import TaskStore
-from serving.repository import read_repository
-from serving.store import STORE_VERSION, StoreError, folder_name
-from serving.task_registry import TaskRegistry
-from serving.tenants import TENANT_KEY_PARAMETER, key_digest
+from aot.client.client import Client, InferenceError, TaskNotFound
+from aot.exporter.task_export import export_task
+from aot.exporter.task_store import TaskStore
+from aot.serving.repository import read_repository
+from aot.serving.store.reader import STORE_VERSION, StoreError, folder_name
+from aot.serving.store.tenants import TENANT_KEY_PARAMETER, key_digest
+from aot.serving.task_registry import TaskRegistry
 from tests.helpers import make_repository, run_cli, serve_for_tests, train_tiny_task
 
 pytestmark = pytest.mark.server

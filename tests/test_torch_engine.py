@@ -11,24 +11,29 @@ import numpy as np
 import pytest
 import torch
 
-from aot.client import Client
-from exporter.configs import parse_pbtxt
-from serving import protocol
-from serving.admin_key import GRPC_ADMIN_HEADER
-from serving.pool import RowPool
-from serving.engine import Prepared
-from serving.repository import (BackboneRecord, ServingOptions, largest_batch_bytes, memory_pool_bytes,
-                                read_repository)
-from serving_torch.engine import DeviceRows, TorchBackbone
+from aot.client.client import Client
+from aot.exporter.configs import parse_pbtxt
+from aot.serving import protocol
+from aot.serving.engine import Prepared
+from aot.serving.pool import RowPool
+from aot.serving.repository import (
+    BackboneRecord,
+    ServingOptions,
+    largest_batch_bytes,
+    memory_pool_bytes,
+    read_repository,
+)
+from aot.serving.supervision.admin_key import GRPC_ADMIN_HEADER
+from aot.serving_torch.engine import DeviceRows, TorchBackbone
+from aot.training.predict import Predictor
 from tests.helpers import make_repository, train_tiny_task
-from training.predict import Predictor
 
 TEXTS = ["good w1 w2", "w3 awful w4 w5 the movie", "superb plot w7 w8 w9", "dull w10", " ".join(["w9 great"] * 40)]
 
 
 @pytest.mark.parametrize("arch", ["bert", "roberta", "deberta-v2"])
 def test_export_writes_the_encoder_checked_through_the_engine(tmp_path, tiny_models, arch):
-    from exporter.backbone_export import export_backbone
+    from aot.exporter.backbone_export import export_backbone
 
     report = export_backbone(str(tiny_models[arch]), tmp_path / "repo", ServingOptions(engine="torch"))
     assert 0 <= report.max_abs_diff["torch"] <= 1e-4
@@ -66,7 +71,7 @@ def _engine_batch(repo, rows_of, names, lengths, seed=0):
 
 def test_engine_pool_slots_rows_and_mixed_batches_agree(tmp_path, tiny_models):
     """The same batch through pool slots (resident and cached), through rows, and mixed, gives the same states."""
-    from exporter.backbone_export import export_backbone
+    from aot.exporter.backbone_export import export_backbone
 
     export_backbone(str(tiny_models["bert"]), tmp_path / "repo", ServingOptions(engine="torch"))
     repo = read_repository(tmp_path / "repo")
@@ -85,7 +90,7 @@ def test_engine_pool_slots_rows_and_mixed_batches_agree(tmp_path, tiny_models):
         engine.pool_rows = pool.buffer
         slots = pool.slots_many([("t@1", u) for _, u in batch])
         assert pool.resident == (budget_rows == 2 * V)
-        for (p, _), s in zip(batch, slots):
+        for (p, _), s in zip(batch, slots, strict=True):
             p.rows, p.slots = None, s
         np.testing.assert_allclose(engine.run([p for p, _ in batch]), expected, atol=1e-5)
         batch[1][0].slots, batch[1][0].rows = None, table[batch[1][1]]  # one request brings its own rows
@@ -130,13 +135,13 @@ def expected(artifacts):
 def test_served_torch_engine_equals_predict_with_and_without_a_pool(request, repo, expected):
     """Concurrent mixed tasks (fused, FC and Kron factored), long texts; then with no pool (rows brought per
     request, the eager path)."""
-    from aot.server import LocalServer
+    from aot.local.server import LocalServer
 
     for pool_bytes in (None, 0):
         with LocalServer(repo, pool_bytes=pool_bytes) as server, Client(server.grpc_url) as client:
             items = [{"task": "abc"[k % 3], "text": TEXTS[k % len(TEXTS)]} for k in range(45)]
             answers = client.infer_many(items, concurrency=12)
-            for item, k, answer in zip(items, range(45), answers):
+            for item, k, answer in zip(items, range(45), answers, strict=True):
                 assert "error" not in answer, answer
                 np.testing.assert_allclose(answer["logits"], expected[item["task"]][k % len(TEXTS)], atol=1e-3)
             stats = client._client.get_inference_statistics(
@@ -158,7 +163,7 @@ def test_serve_device_is_checked_before_a_server_starts(tmp_path, repo, tiny_mod
 
 def test_cuda_server_flags_come_from_the_repository(repo):
     """--device cuda: the GPU configs and memory pools of twice the largest batch (never below Triton's defaults)."""
-    from aot.server import LocalServer
+    from aot.local.server import LocalServer
 
     info = read_repository(repo)
     args = LocalServer(repo, device="cuda").device_args()
@@ -191,11 +196,11 @@ def test_lookup_step_serves_the_bias_from_a_host_or_a_torch_pool(tmp_path, tiny_
     import tritonclient.grpc as grpcclient
     from google.protobuf.json_format import MessageToJson
 
-    from aot.server import LocalServer
-    from serving.engine import BackboneRunner
-    from serving.task_registry import TaskRegistry
-    from serving.tasks import token_index
-    from serving.tokenization import Tokenization
+    from aot.local.server import LocalServer
+    from aot.serving.engine import BackboneRunner
+    from aot.serving.task_registry import TaskRegistry
+    from aot.serving.tasks import token_index
+    from aot.serving.tokenization import Tokenization
 
     repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"a": (artifacts["a"], "fused"),
                                                                     "b": (artifacts["b"], "factored")},

@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from aot.cli import main
-from serving_torch.encoder import pool_states
+from aot.cli.main import main
+from aot.serving_torch.encoder import pool_states
+from aot.training.api import train_task
+from aot.training.artifact import ArtifactError, FingerprintMismatch, read_task
+from aot.training.backbone import load_backbone
+from aot.training.factory import load_task
+from aot.training.predict import Predictor
 from tests.tiny import tiny_backbone
-from training.api import train_task
-from training.artifact import ArtifactError, FingerprintMismatch, read_task
-from training.backbone import load_backbone
-from training.factory import load_task
-from training.predict import Predictor
 
 FAST = dict(batch_size=16, epochs=8, patience=8, max_length=32, progress=False)
 
@@ -46,11 +46,11 @@ def test_artifact_round_trip_gives_identical_logits(tmp_path, sentiment_dir, tin
 
 
 def _dev_accuracy(task, data_dir):
-    from training.data import load_task_data
+    from aot.training.data import load_task_data
 
     data = load_task_data(str(data_dir))
     pred = Predictor.load(task).predict([e.text for e in data.dev])
-    return sum(p["label"] == e.label for p, e in zip(pred, data.dev)) / len(data.dev)
+    return sum(p["label"] == e.label for p, e in zip(pred, data.dev, strict=True)) / len(data.dev)
 
 
 def test_fingerprint_mismatch_is_refused(tmp_path, sentiment_dir, tiny_models):
@@ -66,7 +66,7 @@ def test_fingerprint_mismatch_is_refused(tmp_path, sentiment_dir, tiny_models):
 def test_fingerprint_ignores_tokenizer_call_state(tiny_models):
     backbone = load_backbone(str(tiny_models["bert"]))
     backbone.tokenizer(["good w1"] * 2, truncation=True, max_length=4, padding="max_length")
-    from training.backbone import backbone_fingerprint
+    from aot.training.backbone import backbone_fingerprint
 
     assert backbone_fingerprint(backbone.encoder, backbone.tokenizer) == backbone.fingerprint
 
@@ -76,7 +76,7 @@ def test_failed_write_keeps_old_artifact(tmp_path, sentiment_dir, tiny_models, m
     train_task(model=str(tiny_models["bert"]), data=str(sentiment_dir), method="fc", out=str(out),
                **{**FAST, "epochs": 1})
     before = (out / "weights.safetensors").read_bytes()
-    import training.artifact as artifact_module
+    import aot.training.artifact as artifact_module
 
     def crash(*args, **kwargs):
         raise RuntimeError("disk full")
@@ -186,7 +186,7 @@ def test_bad_method_option_is_one_line(tmp_path, capsys, method, option, message
 def test_training_guide_lists_every_method_option():
     from pathlib import Path
 
-    from training.method_registry import METHODS, option_types
+    from aot.training.method_registry import METHODS, option_types
 
     guide = Path(__file__).resolve().parents[1].joinpath("docs", "training.md").read_text(encoding="utf-8")
     table = guide[guide.index("Method options:"):].split("\n\n")[1]  # the table after that paragraph
@@ -209,7 +209,7 @@ def test_the_last_step_is_evaluated(tmp_path, sentiment_dir, tiny_models):
 def test_unsupported_architecture_is_named(tmp_path):
     from transformers import GPT2Config
 
-    from training.backbone import BackboneError, encoder_from_config
+    from aot.training.backbone import BackboneError, encoder_from_config
 
     with pytest.raises(BackboneError, match="unsupported model_type 'gpt2'"):
         encoder_from_config(GPT2Config(n_layer=1, n_embd=8, n_head=2))
@@ -221,7 +221,7 @@ def test_same_seed_same_model_whatever_ran_before(tmp_path, sentiment_dir, tiny_
     train_task(out=str(tmp_path / "a"), **kw)
     torch.randn(1000)  # unrelated use of the global generator
     train_task(out=str(tmp_path / "b"), **kw)
-    from training.artifact import read_task
+    from aot.training.artifact import read_task
 
     a, b = read_task(tmp_path / "a").weights(), read_task(tmp_path / "b").weights()
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -235,8 +235,8 @@ def test_same_seed_same_model_whatever_ran_before(tmp_path, sentiment_dir, tiny_
 def test_one_label_rule_for_predict_and_serving(labels, logits, expected):
     import numpy as np
 
-    from serving.tasks import ServedTask
-    from serving.labels import label_for
+    from aot.serving.answer_labels import label_for
+    from aot.serving.tasks import ServedTask
 
     assert label_for(labels, logits) == expected
     served = ServedTask(name="t", version="t@1", labels=None if labels is None else list(labels), max_length=8,
@@ -277,8 +277,8 @@ def test_max_positions_is_the_real_limit(arch, expected):
 def test_max_positions_of_known_configs():
     from transformers import AutoConfig, XLMRobertaConfig
 
+    from aot.training.backbone import architecture_for, resolve_model_path
     from tests.tiny import tiny_config
-    from training.backbone import architecture_for, resolve_model_path
 
     def limit(config):
         return architecture_for(config).max_positions(config)
@@ -305,9 +305,9 @@ def test_train_refuses_max_length_beyond_backbone(tmp_path, sentiment_dir, tiny_
 
 
 def test_prompt_methods_use_the_real_position_limit():
-    from training.data.task import TaskSpec
-    from training.methods import make_config
-    from training.factory import build_task_model
+    from aot.training.data.task import TaskSpec
+    from aot.training.factory import build_task_model
+    from aot.training.methods import make_config
 
     model = build_task_model(tiny_backbone("roberta"), make_config("prompt", rank=4), TaskSpec("t", ("a", "b"), "accuracy"))
     assert model.body.max_input_length == 70 - 4
@@ -418,7 +418,7 @@ def test_recorded_hub_id_loads_from_the_local_cache(tmp_path, trained_task, tiny
 
 
 def test_pool_states_mean_ignores_padding():
-    from serving_torch.encoder import pool_states
+    from aot.serving_torch.encoder import pool_states
 
     hidden = torch.randn(2, 5, 4)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
@@ -442,7 +442,7 @@ def test_pool_states_mean_stays_finite_in_an_fp16_onnx_graph(tmp_path):
     from onnx.reference import ReferenceEvaluator
     from onnxruntime.transformers.onnx_model import OnnxModel
 
-    from serving_torch.encoder import pool_states
+    from aot.serving_torch.encoder import pool_states
 
     class Pool(torch.nn.Module):
         def forward(self, hidden, mask):
@@ -516,16 +516,16 @@ def test_artifact_without_pooling_reads_the_first_token(tmp_path, sentiment_dir,
     (0.96, "linear", [k / 10 for k in range(1, 10)] + [1.0]),
 ])
 def test_learning_rate_schedule(warmup, decay, expected):
-    from training.trainer import schedule
+    from aot.training.trainer import schedule
 
     assert [schedule(k, 10, warmup, decay) for k in range(10)] == pytest.approx(expected)
 
 
 def test_head_gets_its_own_learning_rate():
-    from training.data.task import TaskSpec
-    from training.methods import make_config
-    from training.factory import build_task_model
-    from training.trainer import TrainConfig, make_optimizer
+    from aot.training.data.task import TaskSpec
+    from aot.training.factory import build_task_model
+    from aot.training.methods import make_config
+    from aot.training.trainer import TrainConfig, make_optimizer
 
     model = build_task_model(tiny_backbone("bert"), make_config("fc"), TaskSpec("t", ("a", "b"), "accuracy"))
     groups = make_optimizer(model, TrainConfig(lr=1e-3, head_lr=5e-3)).param_groups

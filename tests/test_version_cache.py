@@ -1,4 +1,4 @@
-"""The local cache of versions fetched from a remote store (serving.version_cache), over a folder backend."""
+"""The local cache of versions fetched from a remote store (aot.serving.store.version_cache), over a folder backend."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from serving import version_cache
-from serving.digests import DigestError, folder_digests
-from serving.store_backend import FileBackend
-from serving.version_cache import COMPLETE, VersionCache
+from aot.serving.store import version_cache
+from aot.serving.store.backend import FileBackend
+from aot.serving.store.digests import DigestError, folder_digests
+from aot.serving.store.version_cache import COMPLETE, VersionCache
 
 
 def _remote(tmp_path, versions: dict[str, int]) -> tuple[FileBackend, dict[str, dict]]:

@@ -10,12 +10,12 @@ from collections import Counter
 
 import pytest
 
-from aot.client import Client, TaskNotFound
-from exporter.task_export import export_task
-from exporter.task_store import TaskStore
-from serving.repository import read_repository
-from serving.store import RETIRED_GRACE, STORE_VERSION
-from serving.store_log import Change
+from aot.client.client import Client, TaskNotFound
+from aot.exporter.task_export import export_task
+from aot.exporter.task_store import TaskStore
+from aot.serving.repository import read_repository
+from aot.serving.store.log import Change
+from aot.serving.store.reader import RETIRED_GRACE, STORE_VERSION
 from tests.helpers import make_repository, run_cli, serve_for_tests, train_tiny_task
 
 pytestmark = pytest.mark.server

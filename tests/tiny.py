@@ -9,7 +9,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import BertConfig, DebertaV2Config, PreTrainedTokenizerFast, RobertaConfig
 
-from training.backbone import Backbone, backbone_fingerprint, encoder_from_config
+from aot.training.backbone import Backbone, backbone_fingerprint, encoder_from_config
 
 POSITIVE = ["good", "great", "superb", "lovely", "fine"]
 NEGATIVE = ["bad", "awful", "poor", "dull", "boring"]

@@ -1,0 +1,17 @@
+"""`aot bench`: the measurements behind docs/benchmarks.md, each side by side in one run (a plugin of `aot`).
+
+    cli                 the `aot bench` subcommands
+    overhead            the paper's inference-overhead comparison; overhead_cases (shared), overhead_torch and
+                        overhead_onnxruntime (its two engines)
+    serve               end to end through the real local tritonserver
+    tax                 the serving tax: CPU per request beyond the engine's
+    tasks               serving against the number of tasks; scale: ever more tasks, as `aot serve` runs them
+    kinds               tasks of mixed kinds against classifiers
+    accuracy            the paper's accuracy protocol; accuracy_plan (its grids and runs), accuracy_report
+    int8_accuracy       what int8 costs each task; int8_data (its data sets)
+    infinity            `aot serve` against Infinity
+    s3_store            the task store in object storage against the file system
+    fleet               the local fleet's figures
+    python_api          figures of the Python API
+    report              JSON records, Markdown tables and plots
+"""

@@ -1,0 +1,11 @@
+"""The `aot` command (entry point aot.cli.main:main): one module per group of subcommands, each a thin layer over
+the library below it.
+
+    main        the parser, the subcommands and the plugins (`bench`, from aot.benchmarks), warnings and errors
+    arguments   argument types shared by the subcommands: a bad value is named in argparse's one-line error
+    output      results as JSON lines on standard output, summaries on standard error; the missing-extra hint
+    task        train (and re-fit), predict, evaluate, inspect: over aot.training, imported when a command runs
+    export      export backbone | task | remove | list | verify | tenant | versions | rollback | route
+    serve       serve (a local tritonserver, or a fleet), tasks and infer (the gRPC client)
+    ranking     --top-k of predict and infer: a classification answer's K most probable labels
+"""

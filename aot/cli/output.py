@@ -1,0 +1,31 @@
+"""What every `aot` command prints: results as JSON on standard output, for scripts and pipes; for people, on
+standard error, a short summary and the next step (beside progress, warnings and errors)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def report(result: dict | list[dict], *summary: str) -> None:
+    """`result` as one JSON line (a list: one line per item; text as it is, not escaped), then the summary lines,
+    each prefixed `aot: `."""
+    for item in result if isinstance(result, list) else [result]:
+        print(json.dumps(item, ensure_ascii=False), flush=True)
+    for line in summary:
+        print(f"aot: {line}", file=sys.stderr, flush=True)
+
+
+# The extra that brings each top-level package a command may need (`pip install '.[EXTRA]'`).
+EXTRA_OF_MODULE = {"torch": "train", "peft": "train", "transformers": "train",
+                   "sklearn": "train", "onnx": "export", "onnxscript": "export", "matplotlib": "bench",
+                   "onnxruntime": "serve", "tokenizers": "serve", "tritonclient": "client", "tqdm": "client"}
+
+
+def missing_extra(exc: ImportError) -> int:
+    """A command whose package is not installed: the extra that brings it, named on standard error; exit code 2."""
+    module = (exc.name or "").split(".")[0]
+    extra = EXTRA_OF_MODULE.get(module, "train")
+    print(f"aot: error: this command needs the [{extra}] extra (module {module or exc} is missing): "
+          f"pip install 'aot-ptuning[{extra}]'", file=sys.stderr)
+    return 2

@@ -1,0 +1,420 @@
+"""`aot serve` (a local Triton server, no Docker) and `aot infer` (the gRPC client)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+
+from aot import settings
+from aot.cli.arguments import non_negative_int, positive_int
+from aot.cli.output import report
+from aot.serving.formats import json_lines
+
+
+def pool_summary(repo, pool_bytes: int, device: str, storages: dict[str, str]) -> str:
+    """What the task pool will hold of the served tasks (`storages`: name -> fused or factored), as `aot serve` says
+    it at start-up: on CPU each instance of the fused step holds an equal share of the budget, and with several
+    instances fused tables are read through their memory maps (one copy in the page cache), not the pool."""
+    table = repo.num_layers * repo.hidden_size * 2 * repo.vocab_size  # one task's V rows, fp16
+    instances = repo.options.cpu_instances if device == "cpu" else 1
+    share = pool_bytes // instances
+    fused = sum(1 for s in storages.values() if s == "fused")
+    pooled = len(storages) - fused if instances > 1 else len(storages)
+    if pool_bytes == 0:
+        return "no task pool (fused tables read through their memory maps, factored rows computed per request)"
+    room = share // table
+    kind = "factored task(s)" if instances > 1 else "task(s)"
+    if pooled == 0:
+        held = f"room for {room} {kind} fully resident, none served"
+    elif room >= pooled:
+        held = f"all {pooled} {kind} fully resident"
+    else:
+        held = f"{room} of {pooled} {kind} fully resident, the others' rows cached as they are used"
+    if instances == 1:
+        return f"task pool {pool_bytes / 2**20:.0f} MiB: {held}"
+    return (f"task pool {share / 2**20:.0f} MiB in each of {instances} instances: {held}; {fused} fused table(s) read "
+            "through their memory maps")
+
+
+def _share(text: str) -> float:
+    """A share of requests, in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a share of requests in (0, 1], got {text!r}")
+    return value
+
+
+def add_serve(sub) -> None:
+    p = sub.add_parser("serve",
+                       help="serve a model repository with a local tritonserver on CPU or CUDA (no Docker)",
+                       description="Start tritonserver (from the nvidia-pytriton wheel) on the repository's CPU "
+                                   "configs (--device cpu) or, for a repository exported with --format torch, on "
+                                   "its GPU configs with memory pools sized from the repository (--device cuda), "
+                                   "wait until it is ready, print the endpoints, and stop it cleanly on Ctrl-C or "
+                                   "SIGTERM. Its python steps run the Python running aot, which needs numpy<2 (the "
+                                   "Triton 2.51 stub's ABI), or the one the environment variable AOT_STEP_PYTHON "
+                                   "names; it is checked before the server starts. The model-control, "
+                                   "config, shared-memory, statistics, trace and logging APIs answer only requests "
+                                   "with the header aot-admin-key: the key of AOT_ADMIN_KEY, or of the file "
+                                   "AOT_ADMIN_KEY_FILE names, else one generated for this server and written to "
+                                   "the 0600 file printed at start-up (README: Security model).")
+    p.add_argument("--repo", required=True, help="model repository (from `aot export backbone`)")
+    p.add_argument("--host", default="127.0.0.1", help="address of the HTTP and gRPC ports")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address of the metrics and health ports (they name every task: loopback unless a scraper "
+                        "elsewhere needs them)")
+    p.add_argument("--grpc-port", type=positive_int, default=8001, help="gRPC port (aot infer, aot.Client)")
+    p.add_argument("--http-port", type=positive_int, default=8000,
+                   help="HTTP port (health, inference; the control API needs the admin key)")
+    p.add_argument("--metrics-port", type=positive_int, default=8002,
+                   help="Prometheus metrics port (per-task series name every task: keep it off public interfaces)")
+    p.add_argument("--health-port", type=positive_int, default=8003,
+                   help="GET /ready (200 only when every model is loaded and answering) and /live")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate: serve gRPC over TLS (with --tls-key)")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-ca", default=None,
+                   help="PEM CA: require client certificates signed by it (mutual TLS; with --tls-cert)")
+    p.add_argument("--log", default=None,
+                   help="server log file (default: a temporary file, removed when aot serve stops unless it failed)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, or cuda (cuda:N): the torch engine on a GPU, fp16 with CUDA graphs (a repository "
+                        "exported with --format torch; the local tritonserver has no native GPU backends)")
+    p.add_argument("--replicas", type=positive_int, default=1,
+                   help="tritonservers on this repository behind HAProxy (a local fleet, docs/deploy-fleet.md): "
+                        "HAProxy takes --grpc-port and --http-port, checks each replica's /ready and retries a "
+                        "request a dead replica did not answer on another; replica i serves metrics on "
+                        "--metrics-port + 2*i and /ready on --health-port + 2*i. 1: one server, no load balancer")
+    p.add_argument("--pool-bytes", type=non_negative_int, default=None,
+                   help="memory of the task pool (rows of P kept in RAM; 0: none) instead of the repository's "
+                        "serving option (printed at start-up)")
+    p.add_argument("--vanilla", action="store_true",
+                   help="also serve `vanilla`, the plain encoder without tasks' biases (comparisons, `aot infer "
+                        "--ensemble vanilla`): one more engine and step processes; off by default")
+    p.add_argument("--metrics-tasks", type=non_negative_int, default=None, metavar="K",
+                   help="tasks with metric series of their own in each step instance: the K busiest (decayed request "
+                        f"counts); the others count under task=\"<other>\" (default {settings.METRICS_TASKS.default}; "
+                        "environment AOT_METRICS_TASKS)")
+    p.add_argument("--request-log", default=None, metavar="FILE",
+                   help="append one JSON line per request and step to FILE (time, step, task, version, latency_ms, "
+                        "status; no text unless --request-log-text), created 0600")
+    p.add_argument("--request-log-sample", type=_share, default=1.0, metavar="SHARE",
+                   help="the share of requests the request log writes, drawn per request (default 1: all)")
+    p.add_argument("--require-tenant-keys", action="store_true",
+                   help="tasks without a tenant answer only requests that carry a valid tenant key (default: they "
+                        "are public; a tenant's tasks TENANT/TASK always need its key)")
+    p.add_argument("--request-log-text", action="store_true",
+                   help="write each logged request's text and text pair too (they are the callers' data)")
+    p.set_defaults(run=run_serve)
+
+
+def run_serve(args) -> int:
+    from aot.local.server import LocalServer
+    from aot.serving.repository import memory_pool_bytes, read_repository
+    from aot.serving.task_registry import TaskRegistry
+
+    repo = read_repository(args.repo)
+    _check_device(args.device, repo.options.engine)
+    registry = TaskRegistry(repo.store_root, parts="meta", url=repo.store_url)  # the index only: no task version is read at start
+    if registry.index_error:
+        print(f"aot: warning: {registry.index_error} (no task serves until it is fixed)",
+              file=sys.stderr)
+    errors = registry.errors()
+    for error in errors.values():
+        print(f"aot: warning: {error} (its requests will fail; the other tasks serve)", file=sys.stderr)
+    if not registry.index_error and not registry.entries() and not errors:
+        print(f"aot: warning: {repo.path} has no task yet: the server answers no task until one is published "
+              f"(aot export task --repo {repo.path} ...; a running server picks it up)", file=sys.stderr)
+    pool_bytes = repo.options.pool_bytes if args.pool_bytes is None else args.pool_bytes
+    os.environ.update(_step_environment(args))  # the steps of every server started below read it
+    if args.replicas > 1:
+        single = [flag for flag, value in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
+                                           ("--tls-ca", args.tls_ca), ("--log", args.log)) if value]
+        if single:
+            raise ValueError(f"--replicas {args.replicas}: {single[0]} is for one server (each replica keeps its own "
+                             "log; terminate TLS in front of the fleet)")
+        from aot.local.fleet import Fleet
+
+        server = Fleet(repo.path, args.replicas, args.host, args.http_port, args.grpc_port, args.metrics_port,
+                       args.health_port, server_options={"pool_bytes": pool_bytes, "device": args.device,
+                                                         "vanilla": args.vanilla})
+    else:
+        server = LocalServer(repo.path, args.host, args.http_port, args.grpc_port, args.metrics_port,
+                             health_port=args.health_port, metrics_host=args.metrics_host, log_path=args.log,
+                             pool_bytes=pool_bytes, device=args.device, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                             tls_ca=args.tls_ca, vanilla=args.vanilla)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start()
+    try:
+        served = {name: entry for name, entry in registry.entries().items() if name not in errors}
+        tasks = sorted(served)
+        replicas = getattr(server, "servers", [server])
+        endpoints = [{"metrics": f"{r.metrics_host}:{r.metrics_port}", "health": r.health_url, "log": str(r.log_path),
+                      "ready_seconds": round(r.ready_seconds, 2)} for r in replicas]
+        print(json.dumps({"grpc": server.grpc_url, "http": server.http_url, "device": args.device,
+                          **(endpoints[0] if args.replicas == 1 else {"replicas": endpoints,
+                                                                      "balancer_log": str(server.log_path)}),
+                          "tls": args.tls_cert is not None, "admin_key_file": str(server.admin_key_path),
+                          "tasks": tasks, "pool_bytes": pool_bytes,
+                          "memory_pools": None if args.device == "cpu" else memory_pool_bytes(repo)}), flush=True)
+        print(f"serving {repo.path} on {args.device}"
+              + (f" with {args.replicas} replicas behind HAProxy" if args.replicas > 1 else "")
+              + f", grpc {server.grpc_url}: {len(tasks)} task(s); "
+              + pool_summary(repo, pool_bytes, args.device, {n: t.storage for n, t in served.items()})
+              + (f"; request log {args.request_log}" if args.request_log else "") + " (Ctrl-C stops)",
+              file=sys.stderr, flush=True)
+        print(f'aot: next: aot infer --url {server.grpc_url} --task {tasks[0] if tasks else "NAME"} "some text"',
+              file=sys.stderr, flush=True)
+        while not stop.wait(0.5):
+            if server.failed:
+                print(f"aot: error: {server.failed}" + ("" if args.replicas > 1 else f" (log: {server.log_path})"),
+                      file=sys.stderr)
+                return 1
+    finally:
+        server.stop()
+    print(f"aot: stopped serving {repo.path}" + (f" (log: {args.log})" if args.log else ""), file=sys.stderr)
+    return 0
+
+
+def _step_environment(args) -> dict[str, str]:
+    """What the served steps read from their environment: K of the metrics (aot.serving.metric_labels) and the request
+    log (aot.serving.request_log), whose file is created here so that a bad path fails before the server starts."""
+    from aot.serving.request_log import RequestLog, RequestLogSettings
+
+    env = {} if args.metrics_tasks is None else {settings.METRICS_TASKS.name: str(args.metrics_tasks)}
+    env[settings.REQUIRE_TENANT_KEYS.name] = "1" if args.require_tenant_keys else ""
+    if args.request_log is None:
+        os.environ.pop(settings.REQUEST_LOG.name, None)
+        return env
+    log = RequestLogSettings(os.path.abspath(args.request_log), args.request_log_sample, args.request_log_text)
+    RequestLog(log, "aot serve").close()  # --request-log FILE: cannot be opened for appending (...)
+    return env | log.as_environment()
+
+
+def _check_device(device: str, engine: str) -> None:
+    """`cpu` serves any repository; `cuda` a torch-engine one, on a machine whose PyTorch sees CUDA (the torch
+    engine's own check, aot.serving_torch.engine.check_device)."""
+    if device == "cpu":
+        return
+    from aot.serving_torch.engine import check_device
+
+    try:
+        check_device(device, present=False)
+        if engine != "torch":
+            raise ValueError(f"device {device!r}: this repository's backbone engine is {engine!r}; the local "
+                             "tritonserver has only the python backend, so GPU serving here needs a repository "
+                             "exported with `aot export backbone --format torch` (serve onnx and tensorrt ones with "
+                             "docker compose on the NGC image)")
+        check_device(device)
+    except ValueError as exc:
+        raise ValueError(f"--{exc}") from None
+
+
+def add_connection_arguments(p: argparse.ArgumentParser) -> None:
+    """How `aot tasks` and `aot infer` reach the server: its gRPC address (aot.client.client.server_url) and, for a TLS
+    server, the CA and a client certificate (aot.Client's tls, ca, cert, key)."""
+    p.add_argument("--url", default=None,
+                   help="gRPC address of the server (default: the environment variable AOT_URL, else 127.0.0.1:8001)")
+    p.add_argument("--tls", action="store_true", help="gRPC over TLS, trusting the system's CAs (or --ca)")
+    p.add_argument("--ca", default=None, help="PEM CA that signed the server's certificate (implies --tls)")
+    p.add_argument("--cert", default=None, help="PEM client certificate, for a server that asks for one")
+    p.add_argument("--key", default=None, help="PEM private key of --cert")
+    p.add_argument("--tenant-key", default=None,
+                   help="a tenant's key (aot export tenant create): its tasks TENANT/TASK answer (default: the "
+                        "environment variable AOT_TENANT_KEY)")
+
+
+def connect(args, **kwargs):
+    from aot.client.client import Client
+
+    return Client(args.url, tls=args.tls, ca=args.ca, cert=args.cert, key=args.key, tenant_key=args.tenant_key,
+                  **kwargs)
+
+
+def add_tasks(sub) -> None:
+    p = sub.add_parser("tasks", help="list the tasks a running server serves (read from the server)",
+                       description="One JSON line per served task, from the server's store index: name, version, "
+                                   "kind (classification, regression, multilabel, tokens, embedding), storage, "
+                                   "labels, max length, method, metric, dev score (fp32, as trained), served_dev (on "
+                                   "an int8 backbone: the dev score through the int8 engine, beside its fp32 "
+                                   "reference, measured when it was published; null on fp32), whether its files "
+                                   "carry digests; then one line per task whose requests fail, with the reason. The "
+                                   "summary says how many match and how far the background audit got.")
+    add_connection_arguments(p)
+    p.add_argument("--limit", type=positive_int, default=None, help="list at most this many tasks (by name)")
+    p.add_argument("--match", default="", help="only tasks whose name holds this text")
+    p.set_defaults(run=run_tasks)
+
+
+def run_tasks(args) -> int:
+    from aot.client.client import InferenceError
+
+    with connect(args) as client:
+        try:
+            client.check_ready()
+            listing = client.tasks(args.limit, args.match)
+        except InferenceError as exc:
+            raise ValueError(str(exc)) from None
+    failing = [{"name": name, "error": error} for name, error in listing["errors"].items() if args.match in name]
+    audit = listing.get("audit") or {}
+    shown = len(listing["tasks"])
+    report(listing["tasks"] + failing, f"{shown} task(s) served at {client.url}"
+           + (f" (of {listing['total']} matching)" if listing.get("total", shown) > shown else "")
+           + (f"; {len(failing)} failing (the lines with an error say why)" if failing else "")
+           + (f"; audit: {audit['verified']} of {audit['versions']} versions checked against their digests"
+              if audit.get("versions") else ""))
+    return 0
+
+
+def add_infer(sub) -> None:
+    p = sub.add_parser("infer", help="call a served task over gRPC; one JSON line per input",
+                       description='Prints the answer of the task\'s kind per TEXT, like `aot predict` plus the '
+                                   'task version that answered: {"label", "logits", "probabilities", "version"} '
+                                   '(regression: {"score", ...}; multilabel: {"labels", "scores", ...}; tokens: '
+                                   '{"entities": [{"text", "label", "start", "end", "score"}], ...}; embedding: '
+                                   '{"embedding", ...}); or, with --input, answers JSON lines mixing tasks of any kind '
+                                   '{"task", "text", "text_pair"?, "id"?} concurrently, in input order, each answer '
+                                   "echoing the line's task and id. Lines whose request fails are answered "
+                                   '{"error": ...} and counted on stderr; the exit code is 2 when every line failed, '
+                                   "or any with --strict, else 0.")
+    add_connection_arguments(p)
+    p.add_argument("--task", default=None,
+                   help="task id (its latest version), or TASK@VERSION to pin a version the store still holds: for "
+                        "TEXT arguments, and for --input lines without one")
+    p.add_argument("--pair", default=None, help="second text for every TEXT")
+    p.add_argument("--input", default=None, metavar="FILE",
+                   help="JSONL requests (mixed tasks allowed), or - for standard input")
+    p.add_argument("--output", default=None, help="write answers here instead of stdout")
+    p.add_argument("--strict", action="store_true", help="exit 2 if any --input line fails (default: only if all do)")
+    p.add_argument("--concurrency", type=positive_int, default=16, help="requests in flight")
+    p.add_argument("--ensemble", default="aot", help="ensemble to call (aot, or vanilla for comparisons)")
+    p.add_argument("--model", dest="ensemble", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # its old name
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar of --input")
+    p.add_argument("--top-k", type=positive_int, default=None, metavar="K",
+                   help="answer the K most probable labels by name ({\"top\": [{\"label\", \"probability\"}, "
+                        "...]}, the names from the server's task list) instead of every logit and probability")
+    p.add_argument("texts", nargs="*", metavar="TEXT", help="texts for --task, one JSON line each")
+    p.set_defaults(run=run_infer)
+
+
+@dataclass
+class InputLine:
+    """One non-blank line of `aot infer --input`: the request it holds, or the answer it gets for being bad."""
+
+    number: int
+    request: dict | None
+    answer: dict | None = None
+
+
+def _read_requests(path: str, task: str | None) -> list[InputLine]:
+    """JSONL requests (`-`: standard input), a line without a task taking `task`. A bad line (not UTF-8, not a JSON
+    object, no string task and text) is answered in place with its error and its line number; the others are sent.
+    A file that cannot be opened, or holds no line, is an error."""
+    from aot.client.errors import InvalidInput
+
+    name = "<stdin>" if path == "-" else path
+    lines = []
+    for line in json_lines(path):
+        record = line.item
+        if record is not None and task is not None:
+            record.setdefault("task", task)
+        if record is not None and all(isinstance(record.get(k), str) for k in ("task", "text")):
+            lines.append(InputLine(line.number, record))
+            continue
+        reason = line.error or ('expected {"task": "...", "text": "..."}' + ("" if task else
+                                                                             " (or --task for lines without one)"))
+        echo = {k: record[k] for k in ("id", "task") if k in record} if record is not None else {}
+        error = InvalidInput(f"line {line.number}: {reason}", task=echo.get("task"), id=echo.get("id"))
+        lines.append(InputLine(line.number, None, error.answer()))
+    if not lines:
+        raise ValueError(f"{name}: no requests")
+    return lines
+
+
+def _top_k(answers: list[dict], listing: dict, k: int) -> list[dict]:
+    """Each classification answer with its k most probable labels, named from the server's task listing
+    (aot.cli.ranking); an answer whose version's names the listing cannot give keeps its logits and probabilities, with
+    a warning."""
+    from aot.cli.ranking import ServedLabels, top_labels
+
+    labels, unnamed = ServedLabels(listing), set()
+    out = []
+    for answer in answers:
+        names = labels.of(answer) if "probabilities" in answer else None
+        if names is None and "probabilities" in answer:
+            unnamed.add(answer.get("version", "?"))
+        out.append(answer if names is None else top_labels(answer, names, k))
+    if unnamed:
+        print(f"aot: warning: --top-k: no label names for {', '.join(sorted(unnamed))} (a version the server no "
+              "longer lists, whose labels changed since): those answers keep their logits and probabilities",
+              file=sys.stderr)
+    return out
+
+
+def _send(args, items: list[dict]) -> list[dict]:
+    """The answers of `items`, in order: one request (a failure is the command's error), or many concurrently."""
+    from tqdm.auto import tqdm
+
+    from aot.client.client import InferenceError
+
+    with connect(args, model=args.ensemble) as client:
+        client.check_ready()
+        if len(items) == 1 and not args.input:
+            try:
+                answers = [client.infer(items[0]["task"], items[0]["text"], items[0].get("text_pair"))]
+            except InferenceError as exc:
+                raise ValueError(str(exc)) from None
+        else:
+            bar = tqdm(total=len(items), disable=args.no_progress or not args.input, unit="req", desc="infer")
+            answers = client.infer_many(items, args.concurrency, on_done=lambda i, r: bar.update(1))
+            bar.close()
+        if args.top_k is not None:
+            answers = _top_k(answers, client.tasks(), args.top_k)
+    return answers
+
+
+def run_infer(args) -> int:
+    if args.input and args.texts:
+        raise ValueError("give either TEXT arguments or --input, not both")
+    if args.input:
+        lines = _read_requests(args.input, args.task)
+        items = [line.request for line in lines if line.request is not None]
+    else:
+        if not args.texts or not args.task:
+            raise ValueError("give --task and at least one TEXT (or --input FILE.jsonl)")
+        items = [{"task": args.task, "text": t, "text_pair": args.pair} for t in args.texts]
+    answers = _send(args, items) if items else []  # every --input line bad: nothing to send
+    if args.input:  # each answer says which line it answers; bad lines are answered where they stood
+        sent = iter(answers)
+        answers = [line.answer or {k: line.request[k] for k in ("id", "task") if k in line.request} | next(sent)
+                   for line in lines]
+    text = "".join(json.dumps(a, ensure_ascii=False) + "\n" for a in answers)
+    if args.output:
+        from aot.serving.store.atomic import write_atomic
+
+        write_atomic(args.output, text)
+    else:
+        sys.stdout.write(text)
+    failed = [i for i, a in enumerate(answers) if "error" in a]
+    if not failed:
+        return 0
+    if not args.input:
+        print(f"aot: error: {answers[failed[0]]['error']}", file=sys.stderr)
+        return 2
+    error = answers[failed[0]]["error"]
+    first = error if lines[failed[0]].answer else f"line {lines[failed[0]].number}: {error}"
+    if len(failed) == len(answers) or args.strict:
+        print(f"aot: error: {len(failed)} of {len(answers)} requests failed (first: {first})", file=sys.stderr)
+        return 2
+    print(f"aot: warning: {len(failed)} of {len(answers)} requests failed, answered {{\"error\": ...}} "
+          f"(first: {first}); --strict makes that exit 2", file=sys.stderr)
+    return 0

@@ -1,0 +1,351 @@
+"""Calling a served repository over gRPC with a task id.
+
+    from aot import Client
+    with Client() as client:   # $AOT_URL, else 127.0.0.1:8001
+        client.infer("sentiment", "A fine film.")   # {"label", "logits", "probabilities", "version": "sentiment@<id>"}
+        client.infer("sentiment@3f2a9c41d0e7", "A fine film.")   # exactly that version, while the store holds it
+        client.infer_many([{"task": "sentiment", "text": "...", "text_pair": None}, ...])   # concurrent, in order
+        client.infer("ner", "Ana flew to Lisboa")   # {"entities": [{"text", "label", "start", "end", "score"}], ...}
+        client.embed("search", ["a query", "a document"])   # [2, d] float32
+    with Client(tenant_key=KEY) as client:   # $AOT_TENANT_KEY: a tenant's tasks, TENANT/TASK
+    (aot.serving.store.tenants)
+        client.infer("acme/intent", "Where is my parcel?")
+
+Each answer is its task's kind's (aot.serving.answers): classification {label, logits, probabilities}, regression
+{score}, multilabel {labels, scores}, tokens {entities}, embedding {embedding}, and the `version` that answered.
+One request per text, sent concurrently (Triton batches them, across tasks, on the server). With
+`Client(tokenizer=REPO/models/tokenizer/1/tokenizer)` the client tokenizes (truncating to each task's max length,
+as the server does) and sends token ids: the server's first stage then only checks them, which saves its CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+from aot import settings
+from aot.client.errors import (
+    InferenceError,
+    InvalidInput,
+    PermissionDenied,
+    TaskNotFound,
+    TaskUnavailable,
+    Unavailable,
+    from_triton,
+    one_line,
+    reached_a_dead_instance,
+)
+from aot.serving import protocol
+from aot.serving.answers import READS_TOKENS
+from aot.serving.store.reader import MAX_NAME_LENGTH
+from aot.serving.store.tenants import TENANT_KEY_PARAMETER
+
+__all__ = ["Client", "InferenceError", "InvalidInput", "PermissionDenied", "TaskNotFound", "TaskUnavailable",
+           "Unavailable", "server_url"]
+
+_ERRORS = {e.__name__: e for e in (InferenceError, InvalidInput, PermissionDenied, TaskNotFound, TaskUnavailable,
+                                   Unavailable)}
+
+
+# Reconnecting: gRPC's default backoff between connection attempts starts at 1 s and grows 1.6x up to 120 s, so a
+# client kept failing for seconds after a restarted server was back (docs/serving.md, "Restarts"). Milliseconds.
+RECONNECT_BACKOFF_MS = {"grpc.initial_reconnect_backoff_ms": 100, "grpc.min_reconnect_backoff_ms": 100,
+                        "grpc.max_reconnect_backoff_ms": 1000}
+UNAVAILABLE_RETRY_SECONDS = 10.0  # how long a call that found no server (refused, dropped, restarting) is tried again
+RETRY_BACKOFF = (0.05, 1.0)  # seconds: the first wait between two tries, doubled up to the second
+# What gRPC (or a load balancer with no live replica) says when a call found no server to answer it: the call is
+# sent again, as inference is idempotent. A server's own refusal (a bad request, a damaged task) is never retried.
+_NO_SERVER = ("failed to connect to all addresses", "stream removed", "socket closed", "connection reset",
+              "broken pipe", "connection refused", "goaway", "http2 header with status: 502",
+              "http2 header with status: 503", "http2 header with status: 504", "no available versions")
+
+
+def server_url(url: str | None = None) -> str:
+    """The server's gRPC address: `url`, else the environment variable AOT_URL, else the local default (what
+    `aot serve` binds), so a non-default address is said once."""
+    return url or settings.URL.read()
+
+
+def channel_options() -> list[tuple[str, int]]:
+    """tritonclient's own channel defaults (unbounded message sizes, its keepalive settings) and a short reconnect
+    backoff (RECONNECT_BACKOFF_MS)."""
+    from tritonclient.grpc import KeepAliveOptions
+    from tritonclient.grpc._client import MAX_GRPC_MESSAGE_SIZE
+
+    keepalive = KeepAliveOptions()
+    return [("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
+            ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
+            ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
+            ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
+            ("grpc.keepalive_permit_without_calls", int(keepalive.keepalive_permit_without_calls)),
+            ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
+            *RECONNECT_BACKOFF_MS.items()]
+
+
+def found_no_server(exc) -> bool:
+    """A call that no server answered (refused, a dropped connection, a restarting server or replica), or that
+    reached a step instance whose process had died (Triton's INTERNAL "Stub process ... is not healthy": the
+    supervisor is replacing that instance while its sibling serves): worth sending again. `exc`: tritonclient's
+    InferenceServerException, or any error."""
+    if reached_a_dead_instance(one_line(exc)):
+        return True
+    text = one_line(exc).lower()
+    status = exc.status() if hasattr(exc, "status") and callable(exc.status) else None
+    if status is not None and "UNAVAILABLE" not in str(status) and "UNKNOWN" not in str(status):
+        return False
+    return any(phrase in text for phrase in _NO_SERVER)
+
+
+class Backoff:
+    """The waits between tries of one call: RETRY_BACKOFF doubling, for at most `seconds` in all."""
+
+    def __init__(self, seconds: float):
+        self.deadline = time.monotonic() + seconds
+        self.wait = RETRY_BACKOFF[0]
+
+    def next_wait(self) -> float | None:
+        """Seconds to wait before the next try; None when the time is up."""
+        wait, self.wait = self.wait, min(self.wait * 2, RETRY_BACKOFF[1])
+        return wait if time.monotonic() + wait < self.deadline else None
+
+
+def _text(value) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+class Client:
+    def __init__(self, url: str | None = None, model: str = "aot", timeout: float = 60.0, *,
+                 tls: bool = False, ca: str | None = None, cert: str | None = None, key: str | None = None,
+                 tokenizer: str | os.PathLike | None = None, tenant_key: str | None = None,
+                 retry_seconds: float = UNAVAILABLE_RETRY_SECONDS):
+        """`url`: see server_url. `tls`: gRPC over TLS, trusting the system's CAs or the PEM file `ca`; `cert` +
+        `key`: this client's certificate for a server that asks for one (mutual TLS). `ca` or `cert` imply `tls`.
+        `tokenizer`: the served repository's tokenizer folder (REPO/models/tokenizer/1/tokenizer): tokenize here
+        and send token ids (each task's max length is read from tasks() once per task name). `tenant_key`: the key
+        of a tenant (`aot export tenant create`), sent with every request as the parameter aot-tenant-key (default:
+        the environment variable AOT_TENANT_KEY): its tasks TENANT/TASK answer, and tasks() lists them.
+        `retry_seconds`: how long a call that found no server (refused, dropped, a restarting server) is sent again,
+        with a short backoff (0 never)."""
+        import tritonclient.grpc as grpcclient
+
+        self._grpc = grpcclient
+        self.url, self.model, self.timeout = server_url(url), model, timeout
+        self.retry_seconds = retry_seconds
+        if (cert is None) != (key is None):
+            raise ValueError("a client certificate needs its key: give cert and key together")
+        for what, path in (("ca", ca), ("cert", cert), ("key", key)):
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{what} {path}: no such file")
+        tls = tls or ca is not None or cert is not None
+        self._client = grpcclient.InferenceServerClient(self.url, ssl=tls, root_certificates=ca, private_key=key,
+                                                        certificate_chain=cert, channel_args=channel_options())
+        if tokenizer is not None and not os.path.isfile(os.path.join(tokenizer, "tokenizer.json")):
+            raise ValueError(f"tokenizer {tokenizer}: no tokenizer.json (expected a repository's tokenizer folder)")
+        self._tokenizer_dir = tokenizer
+        self._tokens = None  # aot.serving.tokenization.Tokenization, made on first use
+        self._listed: dict[str, dict] = {}  # task name -> its tasks() entry (kind, max length), read on first use
+        key = tenant_key if tenant_key is not None else settings.TENANT_KEY.read()
+        self._parameters = {TENANT_KEY_PARAMETER: key} if key else None
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _call(self, method: Callable, *args, **kwargs):
+        """`method` of the gRPC client, sent again while it finds no server (found_no_server), for retry_seconds."""
+        backoff = Backoff(self.retry_seconds)
+        while True:
+            try:
+                return method(*args, **kwargs)
+            except Exception as exc:  # tritonclient's errors, imported lazily; others re-raised
+                wait = backoff.next_wait() if found_no_server(exc) else None
+                if wait is None:
+                    raise
+                time.sleep(wait)
+
+    def _send_async(self, inputs, callback: Callable, backoff: Backoff | None = None) -> None:
+        """async_infer whose answer goes to `callback(result, error)`; a call that found no server is sent again
+        after the backoff's wait (from a timer: a gRPC callback must not sleep)."""
+        backoff = backoff or Backoff(self.retry_seconds)
+
+        def done(result, error):
+            wait = backoff.next_wait() if error is not None and found_no_server(error) else None
+            if wait is None:
+                callback(result, error)
+            else:
+                threading.Timer(wait, self._send_async, args=(inputs, callback, backoff)).start()
+
+        self._client.async_infer(self.model, inputs, outputs=self._outputs(), client_timeout=self.timeout,
+                                 parameters=self._parameters, callback=done)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _inputs(self, task: str, text: str, pair: str | None):
+        if len(task) > MAX_NAME_LENGTH:  # checked here: a huge name would fail as a gRPC transport error
+            raise InvalidInput(f"task name of {len(task)} characters: task names have at most {MAX_NAME_LENGTH}",
+                               task=task[:MAX_NAME_LENGTH])
+        tensors = []
+        if self._tokenizer_dir is not None and not self._reads_words(task):
+            for name, array in self._token_ids(task, text, pair).items():
+                t = self._grpc.InferInput(name, [1, len(array)], "INT64")
+                t.set_data_from_numpy(array[None, :])
+                tensors.append(t)
+            text = pair = None
+        for name, value in ((protocol.TEXT, text), (protocol.TASK, task), (protocol.TEXT_PAIR, pair)):
+            if value is None:
+                continue
+            t = self._grpc.InferInput(name, [1, 1], "BYTES")
+            t.set_data_from_numpy(np.array([[value.encode("utf-8")]], dtype=np.object_))
+            tensors.append(t)
+        return tensors
+
+    def _reads_words(self, task: str) -> bool:
+        """A token task takes TEXT even from a client that tokenizes: its entities are found in the text."""
+        listed = self._listing(task)
+        return listed is not None and listed.get("kind") in READS_TOKENS
+
+    def _listing(self, task: str) -> dict | None:
+        """The task's entry in tasks() (TASK@VERSION: its current version's), read again once for a task not seen
+        yet; None for a task the server does not serve."""
+        name = task.split("@", 1)[0]
+        if name not in self._listed:
+            self._listed.update({t["name"]: t for t in self.tasks()["tasks"]})
+        return self._listed.get(name)
+
+    def _token_ids(self, task: str, text: str, pair: str | None) -> dict[str, np.ndarray]:
+        """The ids the server's first stage would make: truncated to the task's max length (from tasks(), read
+        again for a task not seen yet); token_type_ids where the served model takes them."""
+        from aot.serving.errors import RequestError
+        from aot.serving.tokenization import Tokenization
+
+        if self._tokens is None:
+            from tritonclient.utils import InferenceServerException
+
+            try:
+                metadata = self._call(self._client.get_model_metadata, self.model)
+            except InferenceServerException as exc:
+                raise from_triton(exc, task=task) from None
+            types = any(i.name == protocol.TOKEN_TYPE_IDS for i in metadata.inputs)
+            self._tokens = Tokenization(self._tokenizer_dir, types)
+        listed = self._listing(task)  # TASK@VERSION: the current version's max length (the server checks the pinned)
+        if listed is None:
+            raise TaskNotFound(f"unknown task {task!r}: the server does not serve it", task=task)
+        try:
+            return self._tokens.encode(text, pair, listed["max_length"])
+        except RequestError as exc:
+            raise InvalidInput(str(exc), task=task) from None
+
+    def _outputs(self):
+        names = (protocol.ANSWER, protocol.TASK_VERSION)
+        return [self._grpc.InferRequestedOutput(n) for n in names]
+
+    @staticmethod
+    def _decode(result) -> dict:
+        """The answer of the task's kind (ANSWER, aot.serving.answers) and the version that answered."""
+        version = _text(result.as_numpy(protocol.TASK_VERSION).reshape(-1)[0])
+        return json.loads(_text(result.as_numpy(protocol.ANSWER).reshape(-1)[0])) | {"version": version}
+
+    def check_ready(self) -> None:
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            ready = self._call(self._client.is_model_ready, self.model)
+        except InferenceServerException as exc:
+            error = from_triton(exc)
+            raise type(error)(f"cannot reach the server at {self.url}: {error}", error.status) from None
+        if not ready:
+            raise Unavailable(f"model {self.model!r} is not ready on {self.url}")
+
+    def tasks(self, limit: int | None = None, match: str = "") -> dict:
+        """What the server serves now, from its store's index: {"tasks": [{name, version, storage, labels,
+        max_length, method, metric, dev, verified}], "total": how many match, "errors": {name: why its requests
+        fail}, "audit": the background check's progress}. `match`: only names holding this substring; `limit`: at
+        most this many tasks (by name)."""
+        from tritonclient.utils import InferenceServerException
+
+        parameters = {k: v for k, v in (("limit", limit), ("match", match)) if v} | (self._parameters or {})
+        try:
+            result = self._call(self._client.infer, "task_list", [],
+                                outputs=[self._grpc.InferRequestedOutput(protocol.TASKS)], client_timeout=self.timeout,
+                                parameters=parameters or None)
+        except InferenceServerException as exc:
+            raise from_triton(exc) from None
+        return json.loads(result.as_numpy(protocol.TASKS).reshape(-1)[0])
+
+    def infer(self, task: str, text: str, text_pair: str | None = None, *, pair: str | None = None) -> dict:
+        """One answer of the task's kind (aot.serving.answers), with the version that answered. `text_pair` is named as
+        in infer_many's items and training data; `pair=` is its older spelling. A failure raises the InferenceError
+        of its cause (aot.client.errors: TaskNotFound, InvalidInput, TaskUnavailable, Unavailable, which is `retryable`,
+        PermissionDenied)."""
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            inputs = self._inputs(task, text, text_pair if pair is None else pair)
+            result = self._call(self._client.infer, self.model, inputs, outputs=self._outputs(),
+                                client_timeout=self.timeout, parameters=self._parameters)
+        except InferenceServerException as exc:
+            raise from_triton(exc, task=task) from None
+        return self._decode(result)
+
+    def embed(self, task: str, texts: Iterable[str], concurrency: int = 16) -> np.ndarray:
+        """An embedding task's vectors of `texts`, one row each, [N, d] float32, sent concurrently (as infer_many).
+        A text that fails raises the InferenceError of its cause (as infer), naming the text's index; a task of
+        another kind is refused (InvalidInput)."""
+        texts = list(texts)
+        answers = self.infer_many([{"task": task, "text": t} for t in texts], concurrency)
+        rows = []
+        for k, item in enumerate(answers):
+            if "error" in item:
+                error = _ERRORS.get(item["error_type"], InferenceError)
+                raise error(f"text {k}: {item['error']}", item["status"], task=task)
+            if "embedding" not in item:
+                raise InvalidInput(f"task {task!r} is not an embedding task (it answers {sorted(item)})", task=task)
+            rows.append(item["embedding"])
+        return np.asarray(rows, dtype=np.float32).reshape(len(texts), -1)
+
+    def infer_many(self, items: Iterable[dict], concurrency: int = 16,
+                   on_done: Callable[[int, dict], None] | None = None) -> list[dict]:
+        """Items `{"task", "text", "text_pair"?, "id"?}`; answers in input order. A failed item's answer is
+        InferenceError.answer(): `{"id"?, "task", "error": message, "error_type", "status", "retryable"}`; the
+        others still complete."""
+        items = list(items)
+        results: list[dict | None] = [None] * len(items)
+        slots = threading.Semaphore(concurrency)
+        done = queue.Queue()
+
+        def callback(index, result=None, error=None):
+            if error is not None and not isinstance(error, InferenceError):
+                item = items[index]
+                error = from_triton(error, task=item.get("task"), id=item.get("id"))
+            results[index] = error.answer() if error is not None else self._decode(result)
+            slots.release()
+            done.put(index)
+
+        for i, item in enumerate(items):
+            slots.acquire()
+            try:
+                inputs = self._inputs(item["task"], item["text"], item.get("text_pair"))
+            except (KeyError, AttributeError, TypeError) as exc:
+                echo = item if isinstance(item, dict) else {}
+                callback(i, error=InvalidInput(f"item {i + 1}: expected {{\"task\": \"...\", \"text\": \"...\"}}, "
+                                               f"missing or wrong {exc}", task=echo.get("task"), id=echo.get("id")))
+                continue
+            except InferenceError as exc:
+                exc.task, exc.id = exc.task or item.get("task"), item.get("id")
+                callback(i, error=exc)
+                continue
+            self._send_async(inputs, lambda result, error, i=i: callback(i, result, error))
+        for _ in range(len(items)):
+            index = done.get()
+            if on_done is not None:
+                on_done(index, results[index])
+        return results  # type: ignore[return-value]

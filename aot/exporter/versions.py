@@ -1,0 +1,125 @@
+"""`aot export versions | rollback | route`: the versions a task keeps, and which of them its bare name answers.
+
+A task keeps its last `keep` versions (`aot export task --keep N`, default aot.serving.store.reader.DEFAULT_KEEP; the
+current one included): each stays servable by pin (`TASK@<id>`) for as long as it is kept, whatever its age, and a
+version pushed out is retired (servable RETIRED_GRACE seconds more, then deleted). A rollback makes a kept version
+current again (the current one becomes kept); a route splits the bare name's requests between kept versions by weight,
+one draw per request (aot.serving.task_registry), each answer naming its version. Publishing a new version, or a
+rollback, clears the route. Every command is one change of the store's index: servers follow it from their next batch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from aot.exporter.entry_history import as_kept, held_versions
+from aot.exporter.task_store import TaskStore
+from aot.serving.store.log import Change, StoreState
+from aot.serving.store.reader import RETIRED_GRACE, StoreError, check_task_name, check_version, parse_entry, task_of
+
+
+def _entry(store: TaskStore, state: StoreState, name: str) -> dict:
+    check_task_name(name)
+    if name not in state.tasks:
+        raise StoreError(f"unknown task {name!r} in {store.location} (aot export list names its tasks)")
+    return state.tasks[name]
+
+
+def list_versions(store: TaskStore, name: str) -> list[dict]:
+    """Every version of task `name` the store still serves by pin, newest first: the current one, the kept ones,
+    and retired ones within their grace (with the seconds left)."""
+    state = store.state()
+    entry = parse_entry(name, _entry(store, state, name), "the store's index")
+    route = entry.route or {}
+    total = sum(route.values())
+    out = []
+    for held in entry.held().values():
+        current = held.version == entry.folder
+        out.append({"version": held.version, "status": "current" if current else "kept", "storage": held.storage,
+                    **{k: held.meta.get(k) for k in ("metric", "dev")},
+                    "since": None if current else round(held.time, 3),
+                    "route_share": round(route[held.version] / total, 4) if held.version in route else None})
+    now = time.time()
+    for version, info in sorted(state.retired.items(), key=lambda item: -item[1].get("time", 0)):
+        left = RETIRED_GRACE - (now - info.get("time", 0))
+        if task_of(version) == name and left > 0:
+            out.append({"version": version, "status": "retired", "expires_in_seconds": round(left)})
+    return out
+
+
+def rollback(store: TaskStore, name: str, version: str) -> str:
+    """Make kept `version` the current version of `name`; returns the version it replaced."""
+    _check_of(name, version)
+    replaced: list[str] = []
+
+    def change(state: StoreState) -> Change:
+        entry = _entry(store, state, name)
+        kept = {k["folder"]: k for k in entry.get("kept", [])}
+        if version == entry["folder"]:
+            raise StoreError(f"{version} is already the current version of {name!r}")
+        if version not in kept:
+            raise StoreError(f"{version} is not a version {name!r} keeps (aot export versions {name} --repo REPO "
+                             "lists them)")
+        target = kept[version]
+        rest = [as_kept(entry)] + [k for k in entry.get("kept", []) if k["folder"] != version]
+        new = {k: v for k, v in entry.items() if k not in ("folder", "storage", "digests", "meta", "kept", "route")}
+        new.update({k: target[k] for k in ("folder", "storage", "digests", "meta") if k in target}, kept=rest)
+        replaced[:] = [entry["folder"]]
+        return Change(tasks={name: new})
+
+    store.commit(change)
+    return replaced[0]
+
+
+def route(store: TaskStore, name: str, weights: dict[str, float]) -> dict[str, float] | None:
+    """Split the bare name's requests between kept versions by weight (positive numbers); one version that is the
+    current one clears the route. Returns the route set (None: cleared)."""
+    if not weights:
+        raise StoreError("give at least one VERSION=WEIGHT")
+    for version, weight in weights.items():
+        _check_of(name, version)
+        if not (weight > 0 and math.isfinite(weight)):
+            raise StoreError(f"weight {weight!r} of {version}: expected a positive number")
+    chosen: list[dict | None] = []
+
+    def change(state: StoreState) -> Change:
+        entry = _entry(store, state, name)
+        held = set(held_versions(entry))
+        missing = sorted(set(weights) - held)
+        if missing:
+            raise StoreError(f"{', '.join(missing)}: not a version {name!r} keeps (aot export versions {name} "
+                             "--repo REPO lists them)")
+        new = dict(entry)
+        new.pop("route", None)
+        if set(weights) != {entry["folder"]}:
+            new["route"] = dict(weights)
+        chosen[:] = [new.get("route")]
+        return Change(tasks={name: new})
+
+    store.commit(change)
+    return chosen[0]
+
+
+def parse_weights(pairs: list[str]) -> dict[str, float]:
+    """`VERSION=WEIGHT` arguments -> {version: weight}."""
+    weights = {}
+    for pair in pairs:
+        version, sep, weight = pair.rpartition("=")
+        try:
+            value = float(weight)
+        except ValueError:
+            value = None
+        if not sep or value is None:
+            raise StoreError(f"{pair!r}: expected VERSION=WEIGHT (a version as answers name it, NAME@ID, and a "
+                             "positive number)")
+        if version in weights:
+            raise StoreError(f"{version} is given twice")
+        weights[version] = value
+    return weights
+
+
+def _check_of(name: str, version: str) -> None:
+    check_version(version)
+    if task_of(version) != name:
+        raise StoreError(f"{version} is a version of {task_of(version)!r}, not of {name!r}")

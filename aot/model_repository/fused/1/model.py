@@ -1,0 +1,54 @@
+"""Triton python model: the whole request in one step, the `aot` and `vanilla` models of the CPU configs: TEXT
+(+ TEXT_PAIR) or token ids, TASK -> ANSWER, LOGITS, LABEL, TASK_VERSION. The three stages of the GPU ensembles'
+steps (aot.serving.stages: TextInputs, Encoder; aot.serving.heads: head_answers) run here in one process, so a request
+crosses the server once, not three times: on a CPU each crossing costs a python stub and tritonserver CPU time of
+their own (`aot bench tax`, docs/benchmarks.md, "The serving tax"). A batch may mix tasks of every kind: one engine
+call.
+
+Parameter `aot`: "true" looks each request's rows of P up and runs the AoT graph; "false" runs the plain encoder
+with the task's head. Parameter `engine: torch` runs the torch engine (aot.serving_torch.engine, imported here:
+importing it registers the engine). Each request is checked on its own and fails alone; its task version is resolved
+once and serves every stage.
+"""
+
+import triton_python_backend_utils as pb_utils
+
+from aot.serving import protocol
+from aot.serving.heads import HeadInput, head_answers
+from aot.serving.stages import Encoder, TextInputs, TextRequest, pool_storage
+from aot.serving.steps import Step, model_parameters
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = model_parameters(args)
+        if params.get("engine") == "torch":
+            import aot.serving_torch.engine  # importing it registers the torch engine
+
+        aot = params.get("aot") == "true"
+        self.step = Step(args, pb_utils, args["model_name"], parts="all" if aot else "head",
+                         pool_storage=pool_storage(params) if aot else None)
+        self.text = TextInputs(self.step)
+        self.encoder = Encoder(self.step, aot, log=pb_utils.Logger.log_info)
+
+    def _run(self, batch: list[TextRequest]):
+        tasks = [r.task for r in batch]
+        texts = self.text.encode(batch)
+        prepared = [self.encoder.prepare(task, t.tokens) for task, t in zip(tasks, texts)]
+        pooled = self.encoder.run(prepared)
+        inputs = [HeadInput(pooled[k], p.states, t.words, t.first) for k, (p, t) in enumerate(zip(prepared, texts))]
+        return [(task.version, answer) for task, answer in zip(tasks, head_answers(tasks, inputs))]
+
+    def _outputs(self, answers, k):
+        version, answer = answers[k]
+        return [self.step.output(protocol.LOGITS, answer.values[None, :]),
+                self.step.bytes_output(protocol.LABEL, answer.label),
+                self.step.bytes_output(protocol.ANSWER, answer.json),
+                self.step.bytes_output(protocol.TASK_VERSION, version)]
+
+    def execute(self, requests):
+        self.step.refresh()
+        return self.step.respond_batch(requests, self.text.prepare, self._run, self._outputs)
+
+    def finalize(self):
+        self.step.close()

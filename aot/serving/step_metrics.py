@@ -1,0 +1,221 @@
+"""Per-task metrics of a served step on Triton's metrics port (pb_utils.MetricFamily), bounded in the number of
+tasks.
+
+Series (labels step, instance, task; the counters and pool series add version; the request series add tenant, the
+task's tenant or "" for a public task: aot.serving.store.tenants):
+    aot_task_requests_total, aot_task_failures_total, aot_task_duration_us_total   per task version
+    aot_task_latency_seconds (a histogram: _bucket{le}, _sum, _count)             per task
+    aot_pool_hits_total, _misses_total, _evictions_total, _fill_us_total, aot_pool_resident_bytes   per task version
+    aot_pool_budget_bytes                                                          per instance with a pool
+    aot_task_errors_total (step, task, version), aot_store_manifest_errors_total (step)
+
+Only the K busiest tasks of an instance have series of their own (aot.serving.metric_labels.TaskLabels); the others
+count under task="<other>", requests for a task the store does not hold under "<unknown>", and requests refused
+before they named a task under "<none>". Each instance labels its series with `instance`: the series of a task
+that leaves the K busiest are removed, and Triton shares one series between instances that create the same labels
+(removing it under one instance would leave the other writing to a freed series).
+
+Removing a series: the python backend keeps every Metric alive in its MetricFamily object until that object is
+deleted, so each task gets MetricFamily objects of its own (TaskSeries): deleting them removes exactly its series.
+
+Every Metric call is a round trip to the server process, so counts are summed here and published at most every
+FLUSH_SECONDS, after a batch (publishing per request and per pool version cost much of the throughput with many
+tasks: docs/benchmarks.md, "Figures behind the serving code"); the latency histogram takes one round trip
+per observation. A scrape therefore lags by at most that interval plus the time to the instance's next batch (with
+several instances, an idle one publishes what it counted at its next request). Counters of microseconds follow
+Triton's own convention (nv_inference_request_duration_us): rate() of the duration over rate() of the requests is
+the mean time a task's requests spend in a step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from aot.serving.metric_labels import NONE, OTHER, PLACEHOLDERS, UNKNOWN, TaskLabels, metrics_tasks
+from aot.serving.pool import RowPool
+from aot.serving.store.reader import task_of
+from aot.serving.store.tenants import tenant_of
+
+# A request's latency in a step (seconds): from the start of its batch's execute to its answer.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+# name -> (Prometheus name, help, kind); kind "histogram" takes LATENCY_BUCKETS
+FAMILIES = {
+    "requests": ("aot_task_requests_total", "Requests per task version and step", "counter"),
+    "failures": ("aot_task_failures_total", "Failed requests per task version and step", "counter"),
+    "duration": ("aot_task_duration_us_total", "Time requests of a task version spent in a step, microseconds",
+                 "counter"),
+    "latency": ("aot_task_latency_seconds", "Latency of a task's requests in a step, from the start of their batch "
+                                            "to their answer, seconds", "histogram"),
+    "pool_hits": ("aot_pool_hits_total", "Rows found in the task pool", "counter"),
+    "pool_misses": ("aot_pool_misses_total", "Rows read or computed into the task pool", "counter"),
+    "pool_evictions": ("aot_pool_evictions_total", "Rows evicted from the task pool", "counter"),
+    "pool_fill_us": ("aot_pool_fill_us_total", "Time spent filling the task pool, microseconds", "counter"),
+    "pool_resident_bytes": ("aot_pool_resident_bytes", "Bytes of a task version's rows held in the pool", "gauge"),
+    "pool_budget_bytes": ("aot_pool_budget_bytes", "Bytes of this instance's task pool", "gauge"),
+    "task_errors": ("aot_task_errors_total", "Task versions found damaged or failing to load (refused until "
+                                             "re-exported)", "counter"),
+    "manifest_errors": ("aot_store_manifest_errors_total", "Task store manifests that could not be read (the last "
+                                                           "good one stays in use)", "counter"),
+}
+POOL_COUNTERS = ("pool_hits", "pool_misses", "pool_evictions", "pool_fill_us")
+
+
+class TaskSeries:
+    """The Metric objects of one task label in one step instance, in MetricFamily objects of their own: close()
+    deletes them, which removes exactly these series from the metrics port."""
+
+    def __init__(self, pb_utils, base_labels: dict[str, str]):
+        self.pb, self.base = pb_utils, base_labels
+        self._families: dict[str, object] = {}
+        self._metrics: dict[tuple, object] = {}
+
+    def metric(self, family: str, **labels: str):
+        key = (family, *sorted(labels.items()))
+        if key not in self._metrics:
+            if family not in self._families:
+                name, description, kind = FAMILIES[family]
+                kinds = {"counter": self.pb.MetricFamily.COUNTER, "gauge": self.pb.MetricFamily.GAUGE,
+                         "histogram": self.pb.MetricFamily.HISTOGRAM}
+                self._families[family] = self.pb.MetricFamily(name, description, kinds[kind])
+            extra = {"buckets": list(LATENCY_BUCKETS)} if FAMILIES[family][2] == "histogram" else {}
+            self._metrics[key] = self._families[family].Metric(labels={**self.base, **labels}, **extra)
+        return self._metrics[key]
+
+    def close(self) -> None:
+        """Metrics first, then their families (the backend refuses a family deleted before its metrics)."""
+        self._metrics.clear()
+        self._families.clear()
+
+
+@dataclass
+class _Counts:
+    """What one task version's requests added since the last flush."""
+
+    requests: int = 0
+    failures: int = 0
+    duration_us: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+
+
+class StepMetrics:
+    """Per-task metrics of one step instance (module docstring): `request()` per request, `flush()` after each
+    batch."""
+
+    FLUSH_SECONDS = 1.0
+
+    def __init__(self, pb_utils, step: str, pool: RowPool | None = None, instance: str = "",
+                 task_limit: int | None = None):
+        """`instance`: the step instance (Triton's model instance name); `task_limit`: K, the tasks with series of
+        their own (default: AOT_METRICS_TASKS, aot.settings)."""
+        self.pb, self.step, self.pool, self.instance = pb_utils, step, pool, instance
+        self.labels = TaskLabels(metrics_tasks() if task_limit is None else task_limit)
+        base = {"step": step, "instance": instance}
+        self._series: dict[str, TaskSeries] = {label: TaskSeries(pb_utils, base) for label in PLACEHOLDERS}
+        self._base = base
+        self._errors = TaskSeries(pb_utils, {"step": step})  # damaged versions and manifests: few, never removed
+        self._pending: dict[str, _Counts] = defaultdict(_Counts)  # by version, or by placeholder
+        self._pool_last: dict[str, tuple] = {}
+        self._flushed = time.monotonic()
+        if pool is not None:  # the pool's series exist from the start, whatever the layout puts in it
+            self._series[OTHER].metric("pool_budget_bytes").set(pool.budget_bytes)
+            for family in (*POOL_COUNTERS, "pool_resident_bytes"):
+                self._series[OTHER].metric(family, task=OTHER, version=OTHER)
+
+    def request(self, version: str, status: str, seconds: float, latency: float) -> None:
+        """One request: its task version ("" if it named none the store holds), its status ("ok" or a
+        aot.serving.errors kind, "internal" for a fault of the server), its share of the step's time and its latency
+        (seconds)."""
+        key = version or (UNKNOWN if status == "not_found" else NONE)
+        counts = self._pending[key]
+        counts.requests += 1
+        counts.failures += status != "ok"
+        counts.duration_us += seconds * 1e6
+        counts.latencies.append(latency)
+
+    def task_error(self, version: str) -> None:
+        self._errors.metric("task_errors", task=task_of(version), version=version).increment(1)
+
+    def manifest_error(self) -> None:
+        self._errors.metric("manifest_errors").increment(1)
+
+    def flush(self, force: bool = False) -> None:
+        """Publish what was counted since the last flush (after a batch; at most every FLUSH_SECONDS)."""
+        if not force and time.monotonic() - self._flushed < self.FLUSH_SECONDS:
+            return
+        self._flushed = time.monotonic()
+        pending, self._pending = self._pending, defaultdict(_Counts)
+        busy: dict[str, int] = defaultdict(int)
+        for key, counts in pending.items():
+            if key not in PLACEHOLDERS:
+                busy[task_of(key)] += counts.requests
+        change = self.labels.update(busy)
+        for task in change.removed:
+            if task in self._series:
+                self._series.pop(task).close()
+        for key, counts in pending.items():
+            self._publish(key, counts)
+        if self.pool is not None:
+            self._pool_counts()
+
+    def close(self) -> None:
+        """The step unloads (its `finalize`): what was counted since the last flush is published, then the series
+        are removed from the metrics port."""
+        self.flush(force=True)
+        for series in [*self._series.values(), self._errors]:
+            series.close()
+        self._series.clear()
+
+    def _where(self, version: str) -> tuple[TaskSeries, dict[str, str]]:
+        """The series and labels a version's counts go to: its own while its task is among the busiest, else
+        OTHER's (a placeholder goes to its own)."""
+        if version in PLACEHOLDERS:
+            return self._series[version], {"task": version, "version": version}
+        label = self.labels.label(task_of(version))
+        if label == OTHER:
+            return self._series[OTHER], {"task": OTHER, "version": OTHER}
+        if label not in self._series:
+            self._series[label] = TaskSeries(self.pb, self._base)
+        return self._series[label], {"task": label, "version": version}
+
+    def _publish(self, version: str, counts: _Counts) -> None:
+        series, labels = self._where(version)
+        # a tenant's requests also carry its name (aot.serving.store.tenants), under <other> too: series per tenant,
+        # bounded by the store's tenants, never by what clients send; "" for public tasks and placeholders
+        tenant = "" if version in PLACEHOLDERS else tenant_of(version) or ""
+        labels = {**labels, "tenant": tenant}
+        series.metric("requests", **labels).increment(counts.requests)
+        if counts.failures:
+            series.metric("failures", **labels).increment(counts.failures)
+        series.metric("duration", **labels).increment(counts.duration_us)
+        histogram = series.metric("latency", task=labels["task"], tenant=tenant)
+        for latency in counts.latencies:
+            histogram.observe(latency)
+
+    def _pool_counts(self) -> None:
+        """The pool's counters of the versions touched since the last flush, as increments; the resident bytes of
+        the tasks without series of their own, summed under OTHER."""
+        other_resident = 0
+        for version, stats in list(self.pool.stats.items()):
+            if self.labels.label(task_of(version)) == OTHER:
+                other_resident += stats.resident_rows * self.pool.row_bytes
+        for version in self.pool.drain_touched():
+            series, labels = self._where(version)
+            stats = self.pool.stats.get(version)
+            if stats is None:  # detached: its rows are gone
+                if labels["task"] != OTHER:
+                    series.metric("pool_resident_bytes", **labels).set(0)
+                self._pool_last.pop(version, None)
+                continue
+            last = self._pool_last.get(version, (0, 0, 0, 0.0))
+            now = (stats.hits, stats.misses, stats.evictions, stats.fill_seconds)
+            for family, new, old in zip(POOL_COUNTERS, now, last):
+                amount = (new - old) * (1e6 if family == "pool_fill_us" else 1)
+                if amount > 0:
+                    series.metric(family, **labels).increment(amount)
+            if labels["task"] != OTHER:
+                series.metric("pool_resident_bytes", **labels).set(stats.resident_rows * self.pool.row_bytes)
+            self._pool_last[version] = now
+        self._series[OTHER].metric("pool_resident_bytes", task=OTHER, version=OTHER).set(other_resident)

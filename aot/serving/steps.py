@@ -1,0 +1,345 @@
+"""What every served Triton python step shares: its configuration, input checks, one response per request, and
+per-task metrics. The model files in aot/model_repository/ are thin adapters over these functions and aot.serving.tasks.
+
+Rules every step follows (a client must never be able to hurt another client's requests):
+- each request is checked on its own (shapes, dtypes, ranges, one sequence per request) and fails alone, with a
+  message that names the problem and no server internals (tracebacks go to the server log only);
+- every response gets its own TritonError object: one error object shared between responses is freed once per
+  response by the python backend, which corrupts the server's memory (a crash seen with batches of 2+);
+- a batch that fails as a whole is retried request by request, so one request cannot fail the others;
+- a client mistake answers 400 (gRPC INVALID_ARGUMENT), an unknown task or version 404 (NOT_FOUND), a task that
+  cannot be served 503 (UNAVAILABLE), a fault of the server 500 (aot.serving.errors);
+- metric labels come only from task versions the store holds (a client's string never becomes a label);
+- a request with the parameter protocol.PROBE_PARAMETER is a liveness probe (aot.serving.supervision.supervisor):
+  answered at once with no outputs, never counted in the metrics. It proves the step's process runs its `execute`; and
+  each instance records when its running `execute` began (aot.serving.watch), so that one stuck instance is found while
+  another answers the probes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from aot.serving import protocol
+from aot.serving.errors import STATUS, TRITON_CODES, RequestError
+from aot.serving.pool import RowPool
+from aot.serving.repository import RepositoryInfo, repository_of_model
+from aot.serving.request_log import LoggedRequest, RequestLog, RequestLogSettings
+from aot.serving.shm import make_own_region_private
+from aot.serving.step_metrics import StepMetrics
+from aot.serving.store.reader import check_task_spec, task_of
+from aot.serving.store.tenants import key_of_parameters, require_tenant_keys
+from aot.serving.task_registry import TaskRegistry
+from aot.serving.watch import ExecuteWatch
+
+__all__ = ["RequestContext", "RequestError", "Step", "StepMetrics"]
+
+
+def model_parameters(args: dict) -> dict[str, str]:
+    """The `parameters` of a Triton python model's config, as strings."""
+    config = json.loads(args["model_config"])
+    return {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+
+
+def instance_count(args: dict) -> int:
+    """How many instances of this model its config asks for (the sum of its instance groups' counts; a KIND_GPU
+    group's count is per GPU, and our GPU steps run one GPU each)."""
+    config = json.loads(args["model_config"])
+    return max(sum(int(g.get("count", 1)) for g in config.get("instance_group", [])), 1)
+
+
+@dataclass
+class RequestContext:
+    """What a step learns of one request while it serves it, for its metrics: the task version that serves it
+    ("" until the request names one the store holds)."""
+
+    version: str = ""
+
+
+class Step:
+    """Base of a served python step: the repository record, the task registry, checks and responses."""
+
+    def __init__(self, args: dict, pb_utils, name: str, parts: str = "meta", pool_storage=None):
+        """`parts`: the parts of each task version this step needs (aot.serving.tasks.PARTS: meta, head, rows, all), or
+        "none" (the vanilla backbone). `pool_storage`: where the task pool's rows live (host memory by default; the
+        engine's storage, aot.serving.engine.Engine.storage, for an engine that keeps them on its device)."""
+        self.name = name
+        self.pb = pb_utils
+        self.parameters = model_parameters(args)
+        self.instances = instance_count(args)
+        make_own_region_private()  # before any request reaches this stub (aot.serving.shm)
+        self.watch = ExecuteWatch(args["model_instance_name"])  # the supervisor sees a batch this instance is stuck in
+        self.model_dir = Path(args["model_repository"])
+        self.repo: RepositoryInfo = repository_of_model(self.model_dir)
+        self.options = self.repo.options
+        self.tasks = None
+        self.pool = None
+        if parts in ("rows", "all") and self.options.pool_bytes > 0:
+            # each instance of a step is its own process with its own pool: they share the budget
+            self.pool = RowPool(self.options.pool_bytes // self.instances, self.repo.num_layers,
+                                self.repo.hidden_size, self.repo.vocab_size, storage=pool_storage)
+            self.pb.Logger.log_info(f"{name}: task pool of {self.pool.budget_bytes} bytes ({self.pool.slots} rows; "
+                                    f"{self.pool.slots // self.repo.vocab_size} tasks fully resident)")
+        self.metrics = StepMetrics(pb_utils, name, self.pool, args["model_instance_name"])
+        log = RequestLogSettings.from_environment()
+        self.request_log = RequestLog(log, name) if log is not None else None
+        if parts != "none":
+            # several instances on the host: each fused table once, in the page cache, not in every pool
+            pool_fused = self.instances == 1 or pool_storage is not None
+            self.tasks = TaskRegistry(self.repo.store_root, parts=parts, on_index_error=self._index_error,
+                                      url=self.repo.store_url,
+                                      pool=self.pool, on_task_error=self._task_error, pool_fused=pool_fused,
+                                      cache_bytes=self.options.task_cache_bytes,
+                                      require_tenant_keys=require_tenant_keys())
+            self.pb.Logger.log_info(f"{name}: task versions loaded on first use, at most "
+                                    f"{self.options.task_cache_bytes} bytes of them kept")
+
+    def close(self) -> None:
+        """The model's `finalize` (Triton unloads it): the store's watch thread stops, the metrics counted since the
+        last flush are published, the request log is closed."""
+        if self.tasks is not None:
+            self.tasks.close()
+        self.metrics.close()
+        if self.request_log is not None:
+            self.request_log.close()
+
+    def refresh(self) -> None:
+        """Before each batch: pick up what changed in the store's index (a stat when nothing changed)."""
+        if self.tasks is not None:
+            self.tasks.refresh()
+
+    def _task_error(self, version: str, message: str) -> None:
+        """A version that does not load or was found damaged: refused (its requests alone), logged, counted."""
+        self.pb.Logger.log_error(f"{self.name}: {message}")
+        self.metrics.task_error(version)
+
+    def _index_error(self, message: str) -> None:
+        self.pb.Logger.log_error(f"{self.name}: {message}; serving the last good index")
+        self.metrics.manifest_error()
+
+    # --- reading one request's inputs ---------------------------------------------------------------------------
+
+    def tensor(self, request, name: str, required: bool = True) -> np.ndarray | None:
+        tensor = self.pb.get_input_tensor_by_name(request, name)
+        if tensor is None:
+            if required:
+                raise RequestError(f"missing input {name}")
+            return None
+        return tensor.as_numpy()
+
+    def one_value(self, request, name: str, required: bool = True):
+        """The single element of a BYTES input: this protocol serves one sequence per request."""
+        array = self.tensor(request, name, required)
+        if array is None:
+            return None
+        if array.size != 1:
+            raise RequestError(f"{name} holds {array.size} values: send one text per request (batch size 1) and "
+                               "send requests concurrently for throughput")
+        return array.reshape(-1)[0]
+
+    def text(self, request, name: str, required: bool = True) -> str | None:
+        raw = self.one_value(request, name, required)
+        if raw is None:
+            return None
+        if isinstance(raw, str):
+            raw = raw.encode("utf-8", "surrogatepass")
+        raw = bytes(raw)
+        if len(raw) > self.options.max_text_bytes:
+            raise RequestError(f"{name} is {len(raw)} bytes; this server accepts at most "
+                               f"{self.options.max_text_bytes} (serving option max_text_bytes)")
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RequestError(f"{name} is not valid UTF-8 (byte {exc.start}: {raw[exc.start:exc.start + 1]!r})") from None
+
+    def task_name(self, request) -> str:
+        name = self.text(request, protocol.TASK)
+        try:
+            return check_task_spec(name)
+        except ValueError as exc:
+            raise RequestError(f"unknown task: {exc}") from None
+
+    @staticmethod
+    def tenant_key(request) -> str | None:
+        """The request's tenant key (aot.serving.store.tenants; Triton forwards an ensemble's parameters to its steps)."""
+        return key_of_parameters(request.parameters())
+
+    def resolve(self, request):
+        """The task version the request's TASK names, for the caller its tenant key says (aot.serving.task_registry)."""
+        return self.tasks.resolve(self.task_name(request), self.tenant_key(request))
+
+    def task_version(self, request, ctx: RequestContext):
+        """The task version the first step pinned for this request, loaded (fails the request if it is gone, or if
+        its tenant key does not open it: a step called directly). Only a version the store holds becomes the
+        request's metric label: a client calling a step directly with made-up versions must not grow the metrics
+        without bound."""
+        task = self.tasks.version(self.text(request, protocol.TASK_VERSION), self.tenant_key(request))
+        ctx.version = task.version
+        return task
+
+    def sequence(self, request, name: str) -> np.ndarray:
+        """A [1, S] (or [S]) tensor of one sequence, as 1-D."""
+        array = self.tensor(request, name)
+        if array.ndim == 2 and array.shape[0] != 1 or array.ndim not in (1, 2):
+            raise RequestError(f"{name} has shape {list(array.shape)}: expected one sequence per request, [1, S]")
+        return array.reshape(-1)
+
+    def tokens(self, request) -> dict[str, np.ndarray]:
+        """The token tensors of one sequence, checked against the backbone's limits."""
+        names = protocol.token_inputs(self.repo.uses_token_type_ids)
+        tensors = {n: self.sequence(request, n) for n in names}
+        ids, mask = tensors[protocol.INPUT_IDS], tensors[protocol.ATTENTION_MASK]
+        length = len(ids)
+        if not 1 <= length <= self.repo.max_positions:
+            raise RequestError(f"{protocol.INPUT_IDS} has {length} tokens: expected 1 to {self.repo.max_positions}")
+        for name, array in tensors.items():
+            if len(array) != length:
+                raise RequestError(f"{name} has {len(array)} values but {protocol.INPUT_IDS} has {length}")
+        limits = {protocol.INPUT_IDS: self.repo.vocab_size, protocol.ATTENTION_MASK: 2,
+                  protocol.TOKEN_TYPE_IDS: max(self.repo.type_vocab_size, 1)}
+        for name, array in tensors.items():
+            if array.min() < 0 or array.max() >= limits[name]:
+                bad = array[(array < 0) | (array >= limits[name])][0]
+                raise RequestError(f"{name} holds {int(bad)}: expected values in [0, {limits[name] - 1}]")
+        if not mask[0]:
+            raise RequestError(f"{protocol.ATTENTION_MASK} must start with 1 (the first token is always read)")
+        if mask[: int(mask.sum())].min() == 0:
+            raise RequestError(f"{protocol.ATTENTION_MASK} must be 1s followed by 0s (right padding)")
+        return tensors
+
+    # --- responses ---------------------------------------------------------------------------------------------
+
+    def error_response(self, message: str, reason: str | None = None):
+        """A new error object per response; `reason` (aot.serving.errors.TRITON_CODES) a client's fault, None the
+        server's."""
+        code = getattr(self.pb.TritonError, TRITON_CODES[reason]) if reason else self.pb.TritonError.INTERNAL
+        return self.pb.InferenceResponse(error=self.pb.TritonError(message, code))
+
+    def request_error(self, exc: RequestError):
+        return self.error_response(str(exc), exc.reason)
+
+    def internal_error(self, exc: BaseException):
+        self.pb.Logger.log_error(f"{self.name}: {''.join(traceback.format_exception(exc))}")
+        return self.error_response(f"{self.name}: internal error ({type(exc).__name__}); the server log has the "
+                                   "details")
+
+    @staticmethod
+    def is_probe(request) -> bool:
+        """A liveness probe (protocol.PROBE_PARAMETER among the request's parameters, a JSON object)."""
+        parameters = request.parameters()
+        return protocol.PROBE_PARAMETER in parameters and protocol.PROBE_PARAMETER in json.loads(parameters)
+
+    def _with_probes(self, requests, respond: Callable) -> list:
+        """`respond` answers the real requests; each probe gets an empty response of its own. The whole `execute`
+        runs under the instance's watch (aot.serving.watch)."""
+        with self.watch:
+            probes = [self.is_probe(r) for r in requests]
+            if not any(probes):
+                return respond(requests)
+            answers = iter(respond([r for r, probe in zip(requests, probes) if not probe]))
+            return [self.pb.InferenceResponse([]) if probe else next(answers) for probe in probes]
+
+    def respond_each(self, requests, handle: Callable) -> list:
+        """`handle(request, ctx) -> output tensors`, one request at a time; ctx (a RequestContext) names its task
+        version."""
+        return self._with_probes(requests, lambda real: self._respond_each(real, handle))
+
+    def _respond_each(self, requests, handle: Callable) -> list:
+        responses, contexts, statuses, seconds = [], [], [], []
+        for request in requests:
+            ctx = RequestContext()
+            start = time.perf_counter()
+            try:
+                responses.append(self.pb.InferenceResponse(handle(request, ctx)))
+                status = "ok"
+            except RequestError as exc:
+                responses.append(self.request_error(exc))
+                status = exc.reason
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
+                responses.append(self.internal_error(exc))
+                status = "internal"
+            contexts.append(ctx)
+            statuses.append(status)
+            seconds.append(time.perf_counter() - start)
+        self._account(requests, contexts, statuses, seconds, seconds)
+        return responses
+
+    def respond_batch(self, requests, prepare: Callable, run: Callable, outputs: Callable) -> list:
+        """A batched step: `prepare(request, ctx)` checks each request (ctx: its RequestContext); `run(prepared
+        list)` computes the batch; `outputs(result, k)` is request k's tensors. A failing batch is retried request
+        by request."""
+        return self._with_probes(requests, lambda real: self._respond_batch(real, prepare, run, outputs))
+
+    def _respond_batch(self, requests, prepare: Callable, run: Callable, outputs: Callable) -> list:
+        start = time.perf_counter()
+        responses, ready, contexts = [None] * len(requests), [], []
+        statuses = ["internal"] * len(requests)  # until answered
+        for i, request in enumerate(requests):
+            ctx = RequestContext()
+            contexts.append(ctx)
+            try:
+                ready.append((i, prepare(request, ctx)))
+            except RequestError as exc:
+                responses[i], statuses[i] = self.request_error(exc), exc.reason
+            except Exception as exc:  # noqa: BLE001
+                responses[i] = self.internal_error(exc)
+        groups = [ready] if ready else []
+        while groups:
+            group = groups.pop()
+            try:
+                result = run([prepared for _, prepared in group])
+                done = [(i, outputs(result, k)) for k, (i, _) in enumerate(group)]
+            except Exception as exc:  # noqa: BLE001
+                if len(group) > 1:
+                    groups.extend([item] for item in group)  # isolate the request that fails
+                else:
+                    responses[group[0][0]] = self.internal_error(exc)
+                continue
+            for i, tensors in done:
+                responses[i], statuses[i] = self.pb.InferenceResponse(tensors), "ok"
+        latency = time.perf_counter() - start  # every request of the batch waited for all of it
+        share = latency / max(len(requests), 1)
+        self._account(requests, contexts, statuses, [share] * len(requests), [latency] * len(requests))
+        return responses
+
+    def _account(self, requests, contexts: list[RequestContext], statuses: list[str], shares: list[float],
+                 latencies: list[float]) -> None:
+        """Count each request in the metrics (its share of the step's time, its latency) and write the sampled
+        ones to the request log."""
+        for ctx, status, share, latency in zip(contexts, statuses, shares, latencies):
+            self.metrics.request(ctx.version, status, share, latency)
+        self.metrics.flush()
+        if self.request_log is not None:
+            self.request_log.write([self._logged(r, ctx, status, latency)
+                                    for r, ctx, status, latency in zip(requests, contexts, statuses, latencies)
+                                    if self.request_log.sampled()])
+
+    def _logged(self, request, ctx: RequestContext, status: str, latency: float) -> LoggedRequest:
+        """A request as the log writes it: the task the client named when the store holds none of that name, its
+        texts only when the log asks for them (read here, raw: they may be what failed the request)."""
+        texts = {}
+        if self.request_log.settings.text:
+            texts = {key: self._raw_text(request, name) for key, name in (("text", protocol.TEXT),
+                                                                          ("text_pair", protocol.TEXT_PAIR))}
+        task = task_of(ctx.version) if ctx.version else self._raw_text(request, protocol.TASK)
+        return LoggedRequest(task, ctx.version or None, latency, STATUS[status], **texts)
+
+    def _raw_text(self, request, name: str) -> str | None:
+        tensor = self.pb.get_input_tensor_by_name(request, name)
+        if tensor is None or tensor.as_numpy().size == 0:
+            return None
+        value = tensor.as_numpy().reshape(-1)[0]
+        return bytes(value).decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+    def output(self, name: str, array: np.ndarray):
+        return self.pb.Tensor(name, array)
+
+    def bytes_output(self, name: str, text: str):
+        return self.pb.Tensor(name, np.array([[text.encode("utf-8")]], dtype=np.object_))

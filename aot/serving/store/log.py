@@ -1,0 +1,312 @@
+"""The task store's index as an append-only change log: a publish costs what it changes, for writer and readers.
+
+    store.json                the store's identity: {"format": "aot-task-store", "format_version": 4, "backbone"}
+    log/<generation>.json     one change set, written once and never changed: {"generation": g, "time": t,
+                              "tasks": {name: entry, or null for a removed task},
+                              "retired": {version: {"time": t, "digests": {...}}, or null when it is gone},
+                              "tenants": {tenant: {"key_sha256", "time"}, or null for a deleted one} (format 3;
+                              absent: no tenant changed)}
+    index/<generation>.json   the state after generation g (a compaction): {"generation", "shards": {ss: the generation
+                              of the file holding shard ss}, "retired", "tenants"}; the task entries are in
+                              shards/ (aot.serving.store.shards). An index of format 3 holds them inline ("tasks").
+    generation                the newest generation, as text: a hint that readers poll cheaply (one stat, or one
+                              conditional GET on S3); the log is the truth
+
+Generations are numbered from 1 and named with 16 digits. A writer appends generation g+1 with a create that fails if
+the object exists, so two publishers racing never both succeed: the loser reads the winner's change and tries again
+with g+2. A reader that holds generation g reads only log/g+1, g+2, ...: a publish costs every reader one small object,
+whatever the number of tasks. When COMPACT_EVERY generations or COMPACT_LOG_BYTES of logs followed the newest index,
+the writer also writes index/<g> (and the shards the logs since the previous index touched) and deletes the logs,
+indexes and shards older than the previous index, so a new reader reads one index and a bounded tail of logs; a reader
+left so far behind that its next log was deleted reads the newest index again. A writer reads the index, that tail,
+and only the shards of the tasks it changes: a publish costs it what it changes, not the store's size.
+
+Entries are opaque to this module (aot.serving.store.reader parses and checks them); it only applies change sets in
+order.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from aot.serving.formats import FormatError
+from aot.serving.store.backend import BackendError
+from aot.serving.store.shards import SHARDS, StaleIndex, TaskEntries, parse_shard_key, shard_key, shard_of
+
+LOG = "log"
+INDEX = "index"
+GENERATION = "generation"
+STORE_FILE = "store.json"
+COMPACT_EVERY = 128
+COMPACT_LOG_BYTES = 256 << 10  # logs since the newest index past which the writer compacts (a batch's log is large)
+READ_ATTEMPTS = 5  # a reader that finds a shard compacted away under it reads the newest index again
+HINT_RECHECK = 10.0  # seconds after which a reader probes the next log even if the hint did not move
+
+
+def _name(generation: int) -> str:
+    return f"{generation:016d}.json"
+
+
+def log_key(generation: int) -> str:
+    return f"{LOG}/{_name(generation)}"
+
+
+def index_key(generation: int) -> str:
+    return f"{INDEX}/{_name(generation)}"
+
+
+def _generation_of(key: str) -> int | None:
+    stem = key.rsplit("/", 1)[-1].removesuffix(".json")
+    return int(stem) if len(stem) == 16 and stem.isdigit() else None
+
+
+@dataclass
+class Change:
+    """One change set: task entries set (a dict) or removed (None), retired versions added (a dict) or dropped,
+    tenants set (a dict) or deleted (None)."""
+
+    tasks: dict[str, dict | None] = field(default_factory=dict)
+    retired: dict[str, dict | None] = field(default_factory=dict)
+    tenants: dict[str, dict | None] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.tasks or self.retired or self.tenants)
+
+
+@dataclass
+class StoreState:
+    """The index as of `generation`: raw task entries (read by shard, on first use), retired versions and tenants;
+    and what the writer's compaction needs: the generation of the index it was read from and the bytes of the logs
+    followed since."""
+
+    generation: int = 0
+    tasks: TaskEntries = field(default_factory=TaskEntries)
+    retired: dict[str, dict] = field(default_factory=dict)
+    tenants: dict[str, dict] = field(default_factory=dict)
+    index_generation: int = 0
+    log_bytes: int = 0
+
+    def apply(self, change: Change) -> None:
+        self.tasks.apply(change.tasks)
+        for mine, changed in ((self.retired, change.retired), (self.tenants, change.tenants)):
+            for key, value in changed.items():
+                if value is None:
+                    mine.pop(key, None)
+                else:
+                    mine[key] = value
+
+
+def _parse(data: bytes, where: str) -> dict:
+    try:
+        value = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"{where}: not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise FormatError(f"{where}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _objects(value, where: str, key: str, nullable: bool) -> dict:
+    found = value.get(key, {})
+    if not isinstance(found, dict) or not all(isinstance(k, str) and (isinstance(v, dict) or nullable and v is None)
+                                              for k, v in found.items()):
+        raise FormatError(f"{where}: {key!r} must be an object of name -> object{' or null' if nullable else ''}")
+    return found
+
+
+def _change(data: bytes, generation: int, where: str) -> Change:
+    value = _parse(data, where)
+    if value.get("generation") != generation:
+        raise FormatError(f"{where}: holds generation {value.get('generation')!r}, expected {generation}")
+    return Change(_objects(value, where, "tasks", True), _objects(value, where, "retired", True),
+                  _objects(value, where, "tenants", True))
+
+
+class ChangeLog:
+    """Reads and appends a store's change log through a backend (aot.serving.store.backend)."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self._hint_tag = None
+        self._probed = 0.0
+
+    # --- readers ----------------------------------------------------------------------------------------------------
+
+    def read_state(self, every_shard: bool = True) -> StoreState:
+        """The newest state: the newest index, then every log after it. `every_shard`: read every task entry now (a
+        reader that lists them); else a shard is read when an entry of it is first asked for (a writer)."""
+        for _ in range(READ_ATTEMPTS):
+            state = self._read_index()
+            try:
+                if every_shard:
+                    state.tasks.read_all()
+            except StaleIndex:
+                continue  # a compaction replaced the index under us: read the new one
+            self._follow(state)
+            return state
+        raise BackendError(f"{self.backend!r}: the index kept changing while it was read ({READ_ATTEMPTS} attempts)")
+
+    def _read_index(self) -> StoreState:
+        indexes = sorted(g for g in map(_generation_of, self.backend.list(INDEX)) if g is not None)
+        for generation in reversed(indexes):
+            data = self.backend.read(index_key(generation))
+            if data is None:  # compacted away between the listing and the read
+                continue
+            where = f"{self.backend!r} {index_key(generation)}"
+            value = _parse(data, where)
+            if value.get("generation") != generation:
+                raise FormatError(f"{where}: holds generation {value.get('generation')!r}, expected {generation}")
+            if "shards" in value:
+                tasks = TaskEntries(files=_shard_files(value, where), read=self._read_shard, parse=self._parse_shard)
+            else:  # format 3: every entry inline
+                tasks = TaskEntries(entries=dict(_objects(value, where, "tasks", False)))
+            return StoreState(generation, tasks, dict(_objects(value, where, "retired", False)),
+                              dict(_objects(value, where, "tenants", False)), index_generation=generation)
+        return StoreState()
+
+    def _read_shard(self, shard: str, generation: int) -> bytes:
+        data = self.backend.read(shard_key(generation, shard))
+        if data is None:
+            raise StaleIndex(shard_key(generation, shard))
+        return data
+
+    def _parse_shard(self, shard: str, generation: int, data: bytes) -> dict[str, dict]:
+        where = f"{self.backend!r} {shard_key(generation, shard)}"
+        value = _parse(data, where)
+        if value.get("generation") != generation or value.get("shard") != shard:
+            raise FormatError(f"{where}: holds shard {value.get('shard')!r} of generation "
+                              f"{value.get('generation')!r}, expected {shard!r} of {generation}")
+        tasks = _objects(value, where, "tasks", False)
+        strays = [name for name in tasks if shard_of(name) != shard]
+        if strays:  # a lookup by name would never find them, a listing would: refused whole
+            raise FormatError(f"{where}: holds {len(strays)} task(s) of other shards, e.g. {strays[0][:80]!r}")
+        return dict(tasks)
+
+    def changed(self) -> bool:
+        """Cheap: whether the generation hint moved since the last call (or HINT_RECHECK seconds passed, in case a
+        writer died between its log and the hint)."""
+        data, self._hint_tag = self.backend.read_if_changed(GENERATION, self._hint_tag)
+        now = time.monotonic()
+        if data is not None or now - self._probed > HINT_RECHECK:
+            self._probed = now
+            return True
+        return False
+
+    def follow(self, state: StoreState) -> set[str] | None:
+        """Apply the logs after `state.generation` to it; the names of the tasks whose entries changed (an empty set:
+        nothing new), or None when the state had to be read again whole (it fell behind the compaction)."""
+        changed = self._follow(state)
+        if changed is not None:
+            return changed
+        fresh = self.read_state()
+        for key in ("generation", "tasks", "retired", "tenants", "index_generation", "log_bytes"):
+            setattr(state, key, getattr(fresh, key))
+        return None
+
+    def _follow(self, state: StoreState) -> set[str] | None:
+        changed: set[str] = set()
+        start = state.generation
+        while True:
+            generation = state.generation + 1
+            data = self.backend.read(log_key(generation))
+            if data is None:  # the end of the log, or (when no log followed) a reader left behind the compaction
+                if state.generation == start and self._compacted_past(start):
+                    return None
+                return changed
+            change = _change(data, generation, f"{self.backend!r} {log_key(generation)}")
+            state.apply(change)
+            state.generation = generation
+            state.log_bytes += len(data)
+            changed |= set(change.tasks)
+
+    def _compacted_past(self, generation: int) -> bool:
+        """Whether the log after `generation` was deleted (an index newer than it exists, and so do logs after it)."""
+        indexes = [g for g in map(_generation_of, self.backend.list(INDEX)) if g is not None]
+        return any(g > generation for g in indexes)
+
+    # --- writers ----------------------------------------------------------------------------------------------------
+
+    def commit(self, make: Callable[[StoreState], Change], attempts: int = 20) -> tuple[StoreState, Change]:
+        """Append the change `make(state)` computes from the newest state, as the next generation; if another
+        writer appended it first, read theirs and compute again. Returns the new state and the change (an empty
+        change appends nothing). The state's shards are read as `make` asks for their entries."""
+        state = self.read_state(every_shard=False)
+        for _ in range(attempts):
+            try:
+                change = make(state)
+            except StaleIndex:  # another writer's compaction deleted a shard this state named
+                state = self.read_state(every_shard=False)
+                continue
+            if not change:
+                return state, change
+            generation = state.generation + 1
+            record = {"generation": generation, "time": time.time(), "tasks": change.tasks, "retired": change.retired,
+                      **({"tenants": change.tenants} if change.tenants else {})}
+            data = json.dumps(record, separators=(",", ":")).encode()
+            if self.backend.create(log_key(generation), data):
+                state.apply(change)
+                state.generation = generation
+                state.log_bytes += len(data)
+                self.backend.write(GENERATION, f"{generation}\n".encode())
+                if (generation - state.index_generation >= COMPACT_EVERY
+                        or state.log_bytes >= COMPACT_LOG_BYTES):
+                    try:
+                        self.compact(state)
+                    except StaleIndex:  # another writer compacted meanwhile (it deleted a shard read here): the
+                        pass            # change is appended; the next writer compacts from the new index
+                return state, change
+            self._follow(state)  # lost the race: another writer's change first
+        raise BackendError(f"{self.backend!r}: could not append to the change log after {attempts} attempts "
+                           "(other writers kept winning)")
+
+    def compact(self, state: StoreState) -> None:
+        """Write the index of `state`: the shards changed since the index it was read from, then the index naming
+        them and the unchanged shards' files. Then delete what no reader needs: logs, indexes and shards older than
+        the previous index (a reader at any generation since then still follows the logs)."""
+        g, files = state.generation, dict(state.tasks.files)
+        for shard in sorted(state.tasks.dirty):
+            entries = state.tasks.shard(shard)
+            files.pop(shard, None)
+            if entries:
+                record = {"generation": g, "shard": shard, "tasks": entries}
+                self.backend.create(shard_key(g, shard), json.dumps(record, separators=(",", ":")).encode())
+                files[shard] = g
+        head = {"generation": g, "shards": dict(sorted(files.items())), "retired": state.retired,
+                "tenants": state.tenants}
+        self.backend.create(index_key(g), json.dumps(head, separators=(",", ":")).encode())
+        state.tasks.indexed(files)
+        state.index_generation, state.log_bytes = g, 0
+        indexes = sorted(i for i in map(_generation_of, self.backend.list(INDEX)) if i is not None)
+        older = [i for i in indexes if i < g]
+        if not older:
+            return
+        keep_from = older[-1]
+        kept_shards = {shard_key(gen, shard) for shard, gen in files.items()}
+        previous = self.backend.read(index_key(keep_from))
+        if previous is None:  # another writer compacted past it meanwhile: its own clean-up deletes the rest
+            return
+        where = f"{self.backend!r} {index_key(keep_from)}"
+        kept_shards |= {shard_key(gen, shard) for shard, gen in _shard_files(_parse(previous, where), where).items()}
+        for i in older[:-1]:
+            self.backend.delete(index_key(i))
+        for key in list(self.backend.list(LOG)):
+            i = _generation_of(key)
+            if i is not None and i <= keep_from:
+                self.backend.delete(key)
+        for key in list(self.backend.list(SHARDS)):
+            parsed = parse_shard_key(key)
+            if parsed is not None and parsed[0] <= keep_from and key not in kept_shards:
+                self.backend.delete(key)
+
+
+def _shard_files(value: dict, where: str) -> dict[str, int]:
+    """An index's "shards": shard -> the generation of the file holding it."""
+    files = value.get("shards", {})
+    if not isinstance(files, dict) or not all(
+            isinstance(s, str) and len(s) == 2 and isinstance(g, int) and not isinstance(g, bool) and 0 < g
+            for s, g in files.items()):
+        raise FormatError(f"{where}: 'shards' must be an object of two hex digits -> generation")
+    return files

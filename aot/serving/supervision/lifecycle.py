@@ -1,0 +1,259 @@
+"""One tritonserver under a supervisor, from start to reaped: what both the container's entry point
+(`python3 -m aot.serving`) and `aot serve` (aot.local.server.LocalServer) run.
+
+- start: tritonserver with the control API restricted to the admin key (aot.serving.supervision.admin_key), and the
+  open-file limit raised to its hard limit (each client connection takes a descriptor: at a common soft limit of 1,024,
+  2,000 idle connections left tritonserver unable to accept any more);
+- wait_ready: until Triton's own readiness says 200 (enough while it starts), then the Supervisor
+  (aot.serving.supervision.supervisor) watches its stubs and models;
+- forward: a stop signal reaches the server after the supervisor has stopped repairing (the models a stopping
+  server unloads are not dead steps to reload);
+- watch: until the server exits; a server whose supervisor gave a model up (`failed`) is stopped, and its owner
+  starts a new one (the container's restart policy, or LocalServer);
+- stop: SIGTERM, then SIGKILL to the server alone (its stubs then remove their shared memory), then `reap`: the
+  stubs may outlive the server (they ignore SIGTERM by design and check their parent only every 300 ms, and a
+  zombie parent still looks alive), so they are killed and their shared-memory regions and watch files removed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aot.serving.shm import remove_regions
+from aot.serving.supervision.admin_key import restriction_args
+from aot.serving.supervision.procfs import alive, stub_processes
+from aot.serving.supervision.supervisor import Supervisor
+from aot.serving.watch import remove_watches
+
+_PR_SET_PDEATHSIG = 1
+WATCH_SECONDS = 0.05  # how often a watched server's exit is checked (a restart begins that much after a crash)
+# The gRPC front end (Triton 2.51's flags; its HTTP front end has none, and none is an idle timeout): the server pings
+# each connection every 30 s, idle or not, and closes one whose peer has not answered within 10 s (a client host that
+# vanished); every connection is closed after 10 minutes (GOAWAY: clients reconnect at once, calls in flight get 30 s
+# to finish), so an idle one holds its descriptor that long at most (times in ms). No request objects are kept for
+# reuse: a kept one keeps the largest message it ever held (an oversized request's hundreds of MB, measured).
+FRONT_END_FLAGS = {"--grpc-keepalive-time": 30_000, "--grpc-keepalive-timeout": 10_000,
+                   "--grpc-keepalive-permit-without-calls": 1, "--grpc-http2-max-pings-without-data": 0,
+                   "--grpc-max-connection-age": 600_000, "--grpc-max-connection-age-grace": 30_000,
+                   "--grpc-infer-allocation-pool-size": 0}
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+class ServerExited(ServerError):
+    """tritonserver exited by itself before it was ready."""
+
+
+def compile_steps(models: Path, python: str | Path = "python3") -> None:
+    """Each step's model.py compiled by the Python its stub runs, before tritonserver starts. Else the stub's first
+    import writes `__pycache__` into the model's version folder while Triton loads it, Triton takes the model for
+    modified since, and the supervisor's in-place replacement of one instance (aot.serving.supervision.instance_groups)
+    becomes a reload of the whole model. A read-only repository is left alone (its stubs cannot write there either)."""
+    try:
+        subprocess.run([str(python), "-m", "compileall", "-q", str(models)], capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+
+
+def front_end_args(command: list[str]) -> list[str]:
+    """FRONT_END_FLAGS that `command` does not set itself."""
+    given = {a.split("=", 1)[0] for a in command}
+    return [f"{flag}={value}" for flag, value in FRONT_END_FLAGS.items() if flag not in given]
+
+
+def die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the process that started it dies (Linux prctl)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except OSError:
+        pass
+
+
+def raise_open_file_limit() -> int:
+    """This process's soft limit of open files raised to its hard limit (children inherit it; an unlimited hard
+    limit means the kernel's fs.nr_open); the new soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:
+        try:
+            target = int(Path("/proc/sys/fs/nr_open").read_text())
+        except (OSError, ValueError):
+            return soft
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+        return soft
+    return target
+
+
+def http_ok(url: str, timeout: float) -> bool:
+    """GET `url` answers 200."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(text[-lines:])
+
+
+def reap(server_pid: int, regions: Iterable[str] = ()) -> None:
+    """After the server exited: SIGKILL its stubs and remove their (and `regions`') shared memory."""
+    stubs = {s.pid: s for s in stub_processes(server_pid)}
+    for stub in stubs.values():
+        try:
+            os.kill(stub.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 5
+    while any(alive(s.pid) for s in stubs.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    remove_regions({s.shm_region for s in stubs.values()} | set(regions))
+    remove_watches(server_pid)
+
+
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+@dataclass
+class ServerLifecycle:
+    """tritonserver processes one after the other (LocalServer starts a new one when one died): `process` is the
+    latest, `supervisor` the one that watches it once it was ready (the previous one until then)."""
+
+    http_url: str  # host:port of the server's HTTP API: its readiness, the supervisor's calls
+    admin_key: str = field(repr=False)  # the control API's key (never in a repr or a log)
+    supervise: bool = True
+    log: Callable[[str], None] = _to_stderr
+    log_path: Path | None = None  # the server's output (None: this process's own, as in the container)
+    own_group: bool = False  # a process group of its own that dies with the thread that started it (LocalServer)
+    stop_timeout: float | None = 15.0  # SIGTERM to SIGKILL when a failed server is stopped (None: wait)
+    region_bytes: int | None = None  # a stub's shared memory past this is replaced (aot.serving.limits; None: no bound)
+    store_check: Callable | None = None  # what /ready checks beside the steps (Supervisor.store_check)
+    process: subprocess.Popen | None = None
+    supervisor: Supervisor | None = None
+    ready_seconds: float | None = None
+
+    def __post_init__(self):
+        self._stopping = threading.Event()  # a stop signal was forwarded: no supervisor starts, none repairs
+        self._started = 0.0
+
+    def start(self, command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        """tritonserver `command` (its binary and flags), the API restrictions and the front end's flags added. Its
+        output goes to log_path, overwritten by the first process and appended to by the next ones."""
+        raise_open_file_limit()
+        command = command + front_end_args(command)
+        self._started = time.monotonic()
+        options = {}
+        if self.own_group:
+            options = {"stdin": subprocess.DEVNULL, "start_new_session": True, "preexec_fn": die_with_parent}
+        if self.log_path is None:
+            self.process = subprocess.Popen(command + restriction_args(self.admin_key), env=env, **options)
+            return self.process
+        with open(self.log_path, "w" if self.process is None else "a") as log:
+            self.process = subprocess.Popen(command + restriction_args(self.admin_key), env=env, stdout=log,
+                                            stderr=subprocess.STDOUT, **options)
+        return self.process
+
+    def triton_ready(self) -> bool:
+        """Triton's own readiness: enough while it starts (the supervisor begins after it)."""
+        return http_ok(f"http://{self.http_url}/v2/health/ready", 1)
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Until the server is ready (`ready_seconds` after start), then start its supervisor. ServerExited when it
+        exits first (after a forwarded stop too); ServerError when it is not ready within `timeout` seconds (it is
+        stopped then)."""
+        while timeout is None or time.monotonic() - self._started < timeout:
+            if self.process.poll() is not None:
+                raise ServerExited(f"tritonserver exited with code {self.process.returncode} before it was ready"
+                                   + self._tail())
+            if not self._stopping.is_set() and self.triton_ready():
+                self.ready_seconds = time.monotonic() - self._started
+                if self.supervise:
+                    self.supervisor = Supervisor(self.process.pid, self.http_url, self.admin_key, log=self.log,
+                                                 region_bytes=self.region_bytes, store_check=self.store_check).start()
+                return
+            time.sleep(0.05)
+        self.stop(self.stop_timeout)
+        raise ServerError(f"tritonserver was not ready after {timeout:.0f} s{self._tail()}")
+
+    def _tail(self) -> str:
+        return "" if self.log_path is None else f":\n{log_tail(self.log_path)}"
+
+    def current_supervisor(self) -> Supervisor | None:
+        """The supervisor of the running tritonserver (None while it starts or restarts): what /ready asks."""
+        process, supervisor = self.process, self.supervisor
+        if process is None or process.poll() is not None or supervisor is None:
+            return None
+        return supervisor if supervisor.server_pid == process.pid else None
+
+    @property
+    def failed(self) -> list[str]:
+        """The models the supervisor gave up: the server cannot serve them."""
+        return [] if self.supervisor is None else self.supervisor.failed
+
+    def forward(self, sig: int, _frame=None) -> None:
+        """A stop signal (a signal handler): the supervisor stops first, then the server gets the signal."""
+        self._stopping.set()
+        if self.supervisor is not None:
+            self.supervisor.stop_watching()
+        self.process.send_signal(sig)
+
+    def watch(self, until: threading.Event | None = None) -> int | None:
+        """Until the server exits (its exit code) or `until` is set (None). A server with a model its supervisor
+        gave up is stopped: only a new server serves that model again."""
+        until = until or threading.Event()
+        while not until.wait(WATCH_SECONDS):
+            if self.process.poll() is not None:
+                return self.process.returncode
+            if self.failed and not self._stopping.is_set():
+                self.log(f"supervisor: {', '.join(self.failed)} could not be reloaded; stopping tritonserver")
+                self.stop(self.stop_timeout)
+        return None
+
+    def stop(self, timeout: float | None = 15) -> int | None:
+        """Stop the supervisor and the server (SIGTERM; after `timeout` seconds SIGKILL to the server alone, so that
+        its stubs still remove their shared memory), then reap; safe to call again, and after the server exited."""
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            if self.own_group:  # start_new_session: the server leads its own group
+                os.killpg(self.process.pid, signal.SIGTERM)
+            else:
+                self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.kill(self.process.pid, signal.SIGKILL)  # alone first: the stubs then clean their shared memory
+                self.process.wait()
+                time.sleep(2)
+        reap(self.process.pid, self.supervisor.regions if self.supervisor else ())
+        if self.own_group:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return self.process.returncode

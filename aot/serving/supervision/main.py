@@ -1,0 +1,93 @@
+"""The supervisor's main: tritonserver under a supervisor, its control API closed to clients. The container runs it
+as `python3 -m aot.serving tritonserver ARGS...` (docker-compose.yml, deploy/kubernetes; aot/serving/__main__.py
+gives it the task store's check).
+
+What it puts together: admin_key (the key and the API restrictions), lifecycle (one server from start to reaped),
+supervisor (the Supervisor: dead, stopped or silent steps repaired), health (/ready and /live on the health port),
+procfs (the stubs, from /proc), and the request path's shm and watch.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from aot import settings
+from aot.serving.limits import region_bound_of
+from aot.serving.repository import VANILLA_MODELS
+from aot.serving.supervision.admin_key import (
+    RESTRICTED_APIS,
+    RESTRICTION_FLAGS,
+    AdminKeyError,
+    admin_key_from_environment,
+    generate_admin_key,
+)
+from aot.serving.supervision.health import HealthServer
+from aot.serving.supervision.lifecycle import ServerExited, ServerLifecycle, compile_steps
+
+
+def load_flags(command: list[str]) -> list[str]:
+    """What the server loads when the command does not say: every model of its repository but the plain encoder
+    (aot.serving.repository.VANILLA_MODELS: comparisons only, one more engine on the GPU), which AOT_LOAD_VANILLA=1
+    adds."""
+    repo = next((a.split("=", 1)[1] for a in command if a.startswith("--model-repository=")), None)
+    if repo is None or settings.LOAD_VANILLA.read() or not os.path.isdir(repo):
+        return ["--load-model=*"]
+    return [f"--load-model={p.name}" for p in sorted(Path(repo).iterdir())
+            if (p / "config.pbtxt").is_file() and p.name not in VANILLA_MODELS]
+
+
+def main(argv: list[str] | None = None, store_check_of: Callable[[str], Callable | None] | None = None) -> int:
+    """Run the server under a supervisor. Adds explicit model control and the API restrictions (the admin key from
+    AOT_ADMIN_KEY or AOT_ADMIN_KEY_FILE, else one generated for this run and known to the supervisor alone), serves
+    /ready and /live on AOT_HEALTH_PORT (default 8003), forwards SIGTERM/SIGINT, and reaps the stubs when the server
+    exits; a server with a model that could not be reloaded is stopped, and the exit code is 1 (the container's
+    restart policy starts anew)."""
+    command = list(sys.argv[1:] if argv is None else argv)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        print("usage: python3 -m aot.serving tritonserver [ARGS...]", file=sys.stderr)
+        return 2
+    if any(a.split("=", 1)[0] in RESTRICTION_FLAGS for a in command):
+        print(f"supervisor: do not pass {' or '.join(RESTRICTION_FLAGS)}: the supervisor restricts "
+              f"{', '.join(RESTRICTED_APIS)} itself; give the key through {settings.ADMIN_KEY.name} or {settings.ADMIN_KEY_FILE.name}",
+              file=sys.stderr)
+        return 2
+    try:
+        key = admin_key_from_environment() or generate_admin_key()
+        health_port = settings.HEALTH_PORT.read()
+        health_address = settings.HEALTH_ADDRESS.read()
+    except (AdminKeyError, settings.SettingError) as exc:
+        print(f"supervisor: {exc}", file=sys.stderr)
+        return 2
+    if not any(a.startswith("--model-control-mode") for a in command):
+        command += ["--model-control-mode=explicit", *load_flags(command)]
+    port = next((a.split("=", 1)[1] for a in command if a.startswith("--http-port=")), "8000")
+    models = next((a.split("=", 1)[1] for a in command if a.startswith(("--model-repository=", "--model-store="))),
+                  None)
+    server = ServerLifecycle(f"127.0.0.1:{port}", key, stop_timeout=None,  # the container's runtime kills
+                             region_bytes=region_bound_of(models) if models else None,
+                             store_check=store_check_of(models) if models and store_check_of else None)
+    if models:
+        compile_steps(Path(models))  # the stubs run the `python3` on PATH
+    server.start(command)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, server.forward)
+    health = HealthServer(server.current_supervisor, health_address,
+                          health_port).start()
+    try:
+        server.wait_ready()
+        server.watch()
+    except ServerExited:  # before it was ready (a stop included): its exit code says why
+        pass
+    health.stop()
+    code = server.stop(None)
+    return 1 if server.failed else code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,295 @@
+"""A served task version, without torch: loading and verifying its folder, its rows and its head (the registry a
+step keeps of the store's versions: aot.serving.task_registry).
+
+A version folder `REPO/tasks/<name>@<id>/` is immutable:
+    task.json               kind, labels, metric, max length, pooling, head_activation, storage, method config, L, d,
+                            V, source, dev (+ threshold: multilabel; normalize: embedding). Without `kind` (exported
+                            before kinds): a classifier, or a regressor if it has no labels
+    head.safetensors        a pooled kind's: dense.weight [k, d], dense.bias, out.weight [n, k], out.bias (k: d, or
+                            the head's own width); logits = out(f(dense(h))), f task.json's head_activation (tanh if
+                            absent). A token task's: out.weight [n, d], out.bias, on every token's state. An
+                            embedding task has none: its vector is its pooled state
+    table.npy               fused: P for every token and layer, [V, L, d] fp16, token-major (memory-mapped)
+    factors.safetensors     factored: FC w1 [L, d, r], b1 [L, r], w2 [L, r, d], b2 [L, d];
+                            Kron w_left [L, a, r], w_mid [L, b, r], w_right [L, r*r, d]
+
+Factored rows are computed by the store's rows graphs: training's own formulas (aot.training.methods.aot_ptuning.layer,
+eval mode: no dropout) exported to ONNX and run with ONNX Runtime; export checks served logits against PyTorch before
+a task is published.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file
+
+from aot.serving import protocol
+from aot.serving.answer_labels import label_for
+from aot.serving.answers import DEFAULT_THRESHOLD, kind_of
+from aot.serving.formats import FormatError, check_keys, read_json
+from aot.serving.store.digests import DigestError, check_regular, file_stamp, verify_file, verify_file_once
+from aot.serving.store.reader import EMBEDDINGS, ROWS_DIR, STORAGES, StoreError, rows_graph_name, task_of
+
+_TASK_KEYS = {"labels": (list, type(None)), "max_length": int, "storage": str, "method": dict, "num_layers": int,
+              "hidden_size": int, "vocab_size": int}
+
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])  # numpy has no erf; a head's dense output is small
+# The activations a served head applies (aot.training.model.HEAD_ACTIVATIONS, the same functions in torch).
+HEAD_ACTIVATIONS = {"tanh": np.tanh, "gelu": lambda x: 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))}
+
+
+def mapped_array(path: Path) -> np.ndarray:
+    """A .npy file memory-mapped read-only, as a plain array over the map: np.memmap's indexing runs Python code on
+    every lookup, and the served lookups index per request (docs/benchmarks.md, "int8 on CPU")."""
+    return np.asarray(np.load(path, mmap_mode="r"))
+
+
+@functools.lru_cache(maxsize=4)
+def shared_embeddings(path: Path, stamp: tuple[int, int]) -> np.ndarray:
+    """The store's E, memory-mapped once per process and shared by every factored FC task."""
+    return mapped_array(path)
+
+
+@functools.lru_cache(maxsize=16)
+def rows_session(path: Path, stamp: tuple[int, int]):
+    """One ONNX Runtime session per rows graph and process, shared by every task of that formula. One thread: a
+    batch's rows are small GEMMs, and the backbone's session owns the cores."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+class FactoredRows:
+    """A factored task's rows, computed by the store's rows graph for its formula (aot.exporter.rows_export: training's
+    own formula exported to ONNX) from its factors: sorted token ids -> [U, L, d] fp16, one session run."""
+
+    def __init__(self, store_root: Path, method: dict, factors: dict[str, np.ndarray]):
+        graph = Path(store_root) / ROWS_DIR / f"{rows_graph_name(method)}.onnx"
+        if not graph.is_file():
+            raise StoreError(f"the task store has no rows graph {ROWS_DIR}/{graph.name} for method "
+                             f"{method.get('method')!r}: re-export the backbone (aot export backbone) to write it")
+        st = graph.stat()
+        self.session = rows_session(graph, (st.st_ino, st.st_mtime_ns))
+        names = [i.name for i in self.session.get_inputs()]
+        missing = [n for n in names if n not in factors and n not in ("e", "token_ids")]
+        if missing:
+            raise StoreError(f"factors.safetensors lacks {', '.join(missing)} (formula {rows_graph_name(method)})")
+        self.feeds = {n: np.ascontiguousarray(factors[n], dtype=np.float32) for n in names if n in factors}
+        self.embeddings = None
+        if "e" in names:
+            self.embeddings_path = Path(store_root) / EMBEDDINGS
+            st = self.embeddings_path.stat()
+            self.embeddings = shared_embeddings(self.embeddings_path, (st.st_ino, st.st_mtime_ns))
+            self.embeddings_bytes = st.st_size
+
+    def __call__(self, token_ids: np.ndarray) -> np.ndarray:
+        feeds = dict(self.feeds)
+        if self.embeddings is not None:
+            guard_mapped(self.embeddings_path, self.embeddings_bytes, EMBEDDINGS)
+            feeds["e"] = np.asarray(self.embeddings[token_ids], dtype=np.float32)
+        else:
+            feeds["token_ids"] = np.asarray(token_ids, dtype=np.int64)
+        return self.session.run(None, feeds)[0]
+
+
+def guard_mapped(path: Path, size: int, what: str) -> None:
+    """Before touching a memory map: a file truncated under it would kill the process with SIGBUS (every task of
+    the step failing), so a file shorter than when it was mapped is refused first (one stat: cheap beside the read,
+    docs/benchmarks.md, "Figures behind the serving code")."""
+    try:
+        now = os.stat(path).st_size
+    except OSError:
+        now = -1
+    if now < size:
+        raise StoreError(f"{what} is {max(now, 0)} bytes, {size} when it was mapped: truncated or removed under the "
+                         "server")
+
+
+@dataclass
+class ServedTask:
+    name: str
+    version: str  # the version folder `<name>@<id>`
+    labels: list[str] | None
+    max_length: int
+    storage: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    head: dict[str, np.ndarray]
+    meta: dict = field(default_factory=dict)  # task.json: source, metric, dev score, method, ...
+    table: np.ndarray | None = None  # fused: [V, L, d], a plain array over the file's memory map
+    compute_rows: Callable[[np.ndarray], np.ndarray] | None = None  # factored
+    digests: dict[str, str] | None = None  # published digests (None: exported before digests, unverified)
+    table_path: Path | None = None
+    table_bytes: int = 0
+    table_stamp: tuple | None = None  # aot.serving.store.digests.file_stamp of table.npy when it last matched its digest
+
+    def rows(self, token_ids: np.ndarray) -> np.ndarray:
+        """Rows of P for sorted distinct token ids, [U, L, d] fp16, from the task's own storage (no pool).
+        Fused: only these rows are read from disk; factored: computed in one matmul per layer stack."""
+        if self.table is not None:
+            guard_mapped(self.table_path, self.table_bytes, f"{self.version}/table.npy")
+            return np.ascontiguousarray(self.table[token_ids], dtype=protocol.ROWS_DTYPE)
+        return self.compute_rows(token_ids)
+
+    def check_table(self) -> None:
+        """Before a request reads the fused table: it is the file that was published. The digest is computed on
+        the first request and again only when the file changes on disk (a stat per request otherwise)."""
+        if self.table is None:
+            return
+        try:
+            stamp = file_stamp(self.table_path)
+        except OSError:
+            raise StoreError(f"{self.version}: table.npy is missing") from None
+        if stamp == self.table_stamp:
+            return
+        if stamp[1] != self.table_bytes:
+            raise StoreError(f"{self.version}: table.npy is {stamp[1]} bytes, expected {self.table_bytes} "
+                             "(truncated or replaced)")
+        try:
+            verify_file(self.table_path, self.digests, self.version)
+        except DigestError as exc:
+            raise StoreError(str(exc)) from None
+        self.table_stamp = stamp
+
+    @property
+    def pooling(self) -> str:
+        """Which pooled state the head reads (versions exported before pooling was recorded read the first token)."""
+        return self.meta.get("pooling", protocol.POOLING_BEFORE_V3)
+
+    @functools.cached_property
+    def kind(self) -> str:
+        """aot.serving.answers.TASK_KINDS; a version exported before kinds is a classifier (a regressor without labels). Read
+        on every request by several stages: derived once (meta does not change)."""
+        return kind_of(self.meta)
+
+    @property
+    def threshold(self) -> float:
+        """A multi-label task's: the sigmoid a label must reach to be answered."""
+        value = self.meta.get("threshold")
+        return DEFAULT_THRESHOLD if value is None else float(value)
+
+    def logits(self, pooled: np.ndarray) -> np.ndarray:
+        """The task head (aot.training.model.ClassificationHead in eval mode) on the task's pooling: pooled [B, P, d]
+        (every pooling, protocol.POOLINGS) -> out(f(dense(h))) [B, n], f the task's head_activation."""
+        chosen = pooled[:, protocol.pooling_row(self.pooling)].astype(np.float32)
+        activation = HEAD_ACTIVATIONS[self.meta.get("head_activation", "tanh")]
+        h = activation(chosen @ self.head["dense.weight"].T + self.head["dense.bias"]).astype(np.float32)
+        return (h @ self.head["out.weight"].T + self.head["out.bias"]).astype(protocol.LOGITS_DTYPE)
+
+    def token_logits(self, states: np.ndarray) -> np.ndarray:
+        """A token task's head (aot.training.model.TokenHead in eval mode) on every token's state [S, d] -> [S, n]."""
+        out = states.astype(np.float32) @ self.head["out.weight"].T + self.head["out.bias"]
+        return out.astype(protocol.LOGITS_DTYPE)
+
+    def embeddings(self, pooled: np.ndarray) -> np.ndarray:
+        """An embedding task's vectors (aot.training.model.EmbeddingHead): the pooled state of its pooling, [B, d], of
+        unit length if it normalizes."""
+        chosen = pooled[:, protocol.pooling_row(self.pooling)].astype(np.float32)
+        if self.meta.get("normalize", True):
+            chosen = chosen / np.maximum(np.linalg.norm(chosen, axis=-1, keepdims=True), 1e-12)
+        return chosen.astype(protocol.LOGITS_DTYPE)
+
+    def label(self, logits: np.ndarray) -> str:
+        return label_for(self.labels, logits)
+
+    def resident_bytes(self) -> int:
+        """The memory this version holds of its own (head, factors; a fused table is mapped, in the page cache)."""
+        arrays = list(self.head.values())
+        if isinstance(self.compute_rows, FactoredRows):
+            arrays += list(self.compute_rows.feeds.values())
+        return sum(a.nbytes for a in arrays)
+
+
+PARTS = ("meta", "head", "rows", "all")
+
+
+def load_task_version(folder: Path, version: str, store_root: Path, parts: str = "all",
+                      digests: dict[str, str] | None = None) -> ServedTask:
+    """Load a version folder (`folder` may still be an export's temporary; `version` is the name it will have).
+    `parts`: what a step needs: "meta" (the tokenizer, task_list), "head" (the head step), "rows" (the lookup: the
+    table or factors, not the head), "all": with many tasks the heads alone are a large memory a step that does not
+    read them need not hold (docs/benchmarks.md, "Figures behind the serving code").
+    `digests` (the manifest's): every file read is checked against them (once per process while its stamp is
+    unchanged: aot.serving.store.digests.verify_file_once); the fused table on its first use (ServedTask.check_table),
+    so that loading many tasks does not hash every table at once."""
+    def verified(name: str) -> Path:
+        """A regular file of the version that holds its published bytes."""
+        try:
+            check_regular(folder / name)
+            verify_file_once(folder / name, digests, version)
+        except DigestError as exc:
+            raise StoreError(f"{version}: {exc}" if not str(exc).startswith(version) else str(exc)) from None
+        return folder / name
+
+    try:
+        meta = check_keys(read_json(verified("task.json")), _TASK_KEYS, f"{version}/task.json")
+    except FormatError as exc:
+        raise StoreError(str(exc).replace(str(folder), version)) from None
+    if meta["storage"] not in STORAGES:
+        raise StoreError(f"{version}: unknown storage {meta['storage']!r}")
+    try:
+        protocol.pooling_row(meta.get("pooling", protocol.POOLING_BEFORE_V3))
+    except ValueError as exc:
+        raise StoreError(f"{version}: {exc}") from None
+    if meta.get("head_activation", "tanh") not in HEAD_ACTIVATIONS:
+        raise StoreError(f"{version}: unknown head_activation {meta['head_activation']!r}: expected one of "
+                         f"{', '.join(HEAD_ACTIVATIONS)}")
+    try:
+        kind = kind_of(meta)
+    except ValueError as exc:
+        raise StoreError(f"{version}: {exc}") from None
+    head = load_file(verified("head.safetensors")) if parts in ("head", "all") and kind != "embedding" else {}
+    task = ServedTask(task_of(version), version, meta["labels"], meta["max_length"], meta["storage"],
+                      meta["num_layers"], meta["hidden_size"], meta["vocab_size"], head, meta, digests=digests)
+    if parts not in ("rows", "all"):
+        return task
+    shape = (task.vocab_size, task.num_layers, task.hidden_size)
+    if task.storage == "fused":
+        task.table_path = folder / "table.npy"
+        try:
+            check_regular(task.table_path)
+        except DigestError as exc:
+            raise StoreError(f"{version}: {exc}") from None
+        try:
+            task.table = mapped_array(task.table_path)  # np.load refuses a file shorter than its header says
+        except (ValueError, OSError) as exc:
+            raise StoreError(f"{version}: table.npy cannot be mapped ({exc}): truncated or not a table") from None
+        if task.table.shape != shape or task.table.dtype != protocol.ROWS_DTYPE:
+            raise StoreError(f"{version}: table.npy is {task.table.dtype} {task.table.shape}, expected fp16 {shape}")
+        task.table_bytes = file_stamp(task.table_path)[1]
+    else:
+        method = meta["method"]
+        if method.get("method") not in ("fc", "kron"):
+            raise StoreError(f"{version}: method {method.get('method')!r} cannot be served from factors")
+        task.compute_rows = FactoredRows(store_root, method, load_file(verified("factors.safetensors")))
+        probe = task.compute_rows(np.array([0], dtype=np.int64))
+        if probe.shape != (1,) + shape[1:]:
+            raise StoreError(f"{version}: factors give rows of shape {probe.shape[1:]}, expected {shape[1:]}")
+    return task
+
+
+def token_index(input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct tokens of one sequence (sorted) and, for each token, its row among them (padding: row 0)."""
+    valid = attention_mask.astype(bool)
+    unique, inverse = np.unique(input_ids[valid], return_inverse=True)
+    index = np.zeros(input_ids.shape[0], dtype=protocol.INDEX_DTYPE)
+    index[valid] = inverse
+    return unique, index
+
+
+def lookup(task: ServedTask, input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The AoT lookup for one sequence from the task's storage: distinct tokens' rows (flat fp16), row numbers."""
+    unique, index = token_index(input_ids, attention_mask)
+    return task.rows(unique).reshape(-1), index

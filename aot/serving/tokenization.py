@@ -1,0 +1,113 @@
+"""Text (+ pair) -> token ids, truncated to the task's max length exactly as in training and `aot predict`.
+
+The exported tokenizer folder is what transformers' save_pretrained wrote; serving reads its `tokenizer.json`
+with the `tokenizers` library (what transformers' fast tokenizers run underneath), so no transformers or torch is
+imported by a served step. Truncation is transformers' `truncation=True`: longest_first, on the tokenizer's
+truncation side; tests check the ids equal transformers' for every architecture.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from pathlib import Path
+
+import numpy as np
+
+from aot.serving import protocol
+from aot.serving.errors import RequestError
+from aot.serving.formats import read_json
+from aot.serving.words import Words, first_pieces, split_words
+
+
+def is_blank(text: str) -> bool:
+    """Nothing to read: only whitespace, control characters (NUL...) or invisible format characters (zero-width
+    space, joiners, BOM). Such a text is refused like an empty one, by the server and by `aot predict` alike."""
+    return all(unicodedata.category(ch)[0] in "CZ" for ch in text)
+
+
+def given_pair(pair: str | None) -> str | None:
+    """A request's second text as served: none when absent or blank (is_blank)."""
+    return None if pair is None or is_blank(pair) else pair
+
+
+def pair_mismatch(has_pair: bool | None, paired: bool) -> bool:
+    """A pair sent to a task trained on single texts, or none sent to a pair task: refused by the server and by `aot
+    predict` alike, as it would silently change the answer (`has_pair` None: a version exported before it was
+    recorded accepts both)."""
+    return has_pair is not None and has_pair != paired
+
+
+def bucket_length(length: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if length <= b:
+            return b
+    return length
+
+
+def _token_text(value) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class Tokenization:
+    def __init__(self, tokenizer_dir: str | Path, uses_token_type_ids: bool, buckets: tuple[int, ...] = ()):
+        from tokenizers import Tokenizer
+
+        tokenizer_dir = Path(tokenizer_dir)
+        self.tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+        self.tokenizer.no_padding()
+        config = read_json(tokenizer_dir / "tokenizer_config.json")
+        pad = _token_text(config.get("pad_token"))
+        self.pad_id = (self.tokenizer.token_to_id(pad) if pad else None) or 0
+        self.truncation_side = config.get("truncation_side", "right")
+        self.uses_token_type_ids = uses_token_type_ids
+        self.buckets = tuple(sorted(buckets))
+
+    def encode(self, text: str, pair: str | None, max_length: int) -> dict[str, np.ndarray]:
+        return self.encode_batch([(text, pair)], max_length)[0]
+
+    def encode_batch(self, items: list[tuple[str, str | None]], max_length: int) -> list[dict[str, np.ndarray]]:
+        """Every (text, pair) of one max length in one call of the Rust tokenizer (a served step encodes a whole
+        `execute` batch so, not one Python round trip per request); each item's own token tensors."""
+        for text, _ in items:
+            if is_blank(text):
+                raise RequestError("TEXT is empty (or only whitespace, control or zero-width characters)")
+        self.tokenizer.enable_truncation(max_length, strategy="longest_first", direction=self.truncation_side)
+        encodings = self.tokenizer.encode_batch([(t, p) if p else t for t, p in items])
+        return [self._tensors(enc) for enc in encodings]
+
+    def encode_words(self, texts: list[str], max_length: int) -> list[tuple[dict[str, np.ndarray], Words, np.ndarray]]:
+        """A token task's texts: each split into words (aot.serving.words), its words joined by single spaces encoded
+        in one call, and per token the word it starts (-1: none; padded to the bucket with -1): what training
+        aligns tags with (aot.training.kinds.tokens.align)."""
+        words = [split_words(text) for text in texts]
+        self.tokenizer.enable_truncation(max_length, strategy="longest_first", direction=self.truncation_side)
+        out = []
+        for w, enc in zip(words, self.tokenizer.encode_batch([w.joined for w in words])):
+            tensors = self._tensors(enc)
+            first = np.full(len(tensors[protocol.INPUT_IDS]), -1, dtype=protocol.INDEX_DTYPE)
+            first[: len(enc.ids)] = first_pieces(enc.offsets, enc.special_tokens_mask, w)
+            out.append((tensors, w, first))
+        return out
+
+    def to_bucket(self, tokens: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A client's token tensors (one sequence, right-padded) padded up to this step's bucket, as a text's are."""
+        n = len(tokens[protocol.INPUT_IDS])
+        size = bucket_length(n, self.buckets)
+        if size == n:
+            return tokens
+        fill = {protocol.INPUT_IDS: self.pad_id}
+        return {name: np.pad(a, (0, size - n), constant_values=fill.get(name, 0)) for name, a in tokens.items()}
+
+    def _tensors(self, enc) -> dict[str, np.ndarray]:
+        ids = np.asarray(enc.ids, dtype=protocol.TOKEN_DTYPE)
+        n = len(ids)
+        size = bucket_length(n, self.buckets)
+        out = {protocol.INPUT_IDS: np.full(size, self.pad_id, dtype=protocol.TOKEN_DTYPE),
+               protocol.ATTENTION_MASK: np.zeros(size, protocol.TOKEN_DTYPE)}
+        out[protocol.INPUT_IDS][:n] = ids
+        out[protocol.ATTENTION_MASK][:n] = 1
+        if self.uses_token_type_ids:
+            types = np.zeros(size, dtype=protocol.TOKEN_DTYPE)
+            types[:n] = enc.type_ids
+            out[protocol.TOKEN_TYPE_IDS] = types
+        return out

@@ -1,0 +1,64 @@
+"""Each python step instance says when its current `execute` began, so that the supervisor finds one instance stuck
+in a batch even while another instance of the same model answers its liveness probes (probes go to whichever
+instance is free: with 2 fused CPU instances, or 6 tokenizer and head instances on a GPU, a deadlocked instance
+would otherwise hold its batch forever, unseen).
+
+A file per instance in shared memory, /dev/shm/aot-busy-<tritonserver pid>-<instance>, holds one float: the
+CLOCK_MONOTONIC time (system-wide on Linux) the running `execute` began, 0 between batches. Writing it is one pwrite
+per batch (a few microseconds)."""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from pathlib import Path
+
+from aot.serving.shm import SHM
+
+PREFIX = "aot-busy-"
+_VALUE = struct.Struct("d")
+
+
+def watch_path(server_pid: int, instance: str) -> Path:
+    return SHM / f"{PREFIX}{server_pid}-{instance}"
+
+
+class ExecuteWatch:
+    """The stub's side: `with watch:` around each `execute`."""
+
+    def __init__(self, instance: str):
+        self.path = watch_path(os.getppid(), instance)  # the stub's parent is tritonserver
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.pwrite(self.fd, _VALUE.pack(0.0), 0)
+
+    def __enter__(self) -> "ExecuteWatch":
+        os.pwrite(self.fd, _VALUE.pack(time.monotonic()), 0)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.pwrite(self.fd, _VALUE.pack(0.0), 0)
+
+
+def busy_since(server_pid: int, instance: str) -> float | None:
+    """The supervisor's side: when the instance's running `execute` began (time.monotonic()), or None when it runs
+    none (or has no watch file: a step of another kind, or one that has not started)."""
+    try:
+        data = watch_path(server_pid, instance).read_bytes()
+    except OSError:
+        return None
+    if len(data) != _VALUE.size:
+        return None
+    since = _VALUE.unpack(data)[0]
+    return since or None
+
+
+def remove_watch(server_pid: int, instance: str) -> None:
+    """An instance that left the server: its watch file."""
+    watch_path(server_pid, instance).unlink(missing_ok=True)
+
+
+def remove_watches(server_pid: int) -> None:
+    """After the server exited: its instances' watch files."""
+    for path in SHM.glob(f"{PREFIX}{server_pid}-*"):
+        path.unlink(missing_ok=True)

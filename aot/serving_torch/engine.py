@@ -1,0 +1,254 @@
+"""The torch engine: the served backbone in PyTorch, the task pool's rows beside it on the same device.
+
+A batch's bias is gathered from the pool buffer inside the encoder's forward (aot.serving_torch.encoder.BiasedEncoder:
+each token's pool slot picks its row, layer by layer), so rows never travel between processes or devices once they
+are in the pool. On CUDA the encoder runs in fp16 and each (batch, sequence) bucket is captured at start-up as a CUDA
+graph whose inputs are the token tensors and each token's slot, and whose gather reads the pool buffer in place; on
+CPU it runs eagerly in fp32 (what `aot predict` runs), padded to the batch's longest sequence.
+
+A request the pool does not hold (no pool, a version that left the manifest, a batch larger than the pool) brings
+its own rows; such a batch runs eagerly on a rows tensor assembled for it.
+
+Importing this module registers the engine as `torch` (aot.serving.engine.find_engine), with its pool storage
+(DeviceRows): the model files that run `engine: torch` import it before they build their step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from aot.serving import protocol
+from aot.serving.engine import Engine, Prepared, register_engine
+from aot.serving_torch.encoder import BiasedEncoder, load_encoder, pool_states
+
+DEVICES = ("cpu", "cuda")
+# Encoder families whose forward copies a host tensor to the device (DeBERTa-v2's log-bucketed relative positions:
+# `torch.tensor(mid - 1)` in make_log_bucket_position), which CUDA graph capture forbids: they run eagerly.
+NO_CUDA_GRAPHS = ("deberta-v2",)
+
+
+def check_device(device: str, present: bool = True) -> str:
+    """`cpu`, `cuda` or `cuda:N`; with `present`, also a CUDA device this PyTorch sees when one is asked for."""
+    kind, _, number = device.partition(":")
+    if kind not in DEVICES or (number and (kind == "cpu" or not number.isdigit())):
+        raise ValueError(f"device {device!r}: expected cpu, cuda or cuda:N")
+    if present and kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: this PyTorch ({torch.__version__}) sees no CUDA device")
+    return device
+
+
+class DeviceRows:
+    """Pool rows in torch memory on one device (aot.serving.pool.RowPool's storage): device memory on a GPU."""
+
+    def __init__(self, device: str):
+        self.device = torch.device(device)
+
+    def allocate(self, slots: int, num_layers: int, hidden_size: int) -> torch.Tensor:
+        # Uninitialised, like the host pool: a slot is read only after it was filled (TorchBackbone pads with
+        # filled slots; only the warm-up before a CUDA-graph capture reads slot 0 as it is, and drops the result).
+        return torch.empty((slots, num_layers, hidden_size), dtype=torch.float16, device=self.device)
+
+    def write(self, buffer: torch.Tensor, slots: np.ndarray, rows: np.ndarray) -> None:
+        buffer.index_copy_(0, self._index(slots), torch.from_numpy(np.ascontiguousarray(rows)).to(self.device))
+
+    def gather(self, buffer: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
+        return buffer[self._index(slots)]
+
+    def _index(self, slots: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(self.device)
+
+
+def _bucket(value: int, buckets: tuple[int, ...]) -> int | None:
+    return next((b for b in buckets if b >= value), None)
+
+
+class TorchBackbone:
+    """The encoder (AoT: with the bias gather + add before every layer) for batches of prepared requests."""
+
+    def __init__(self, encoder_dir: Path, uses_token_type_ids: bool, aot: bool, device: str = "cpu",
+                 threads: int = 0, seq_buckets: tuple[int, ...] = (), max_batch: int = 32, cuda_graphs: bool = True):
+        self.device = torch.device(check_device(device))
+        cuda = self.device.type == "cuda"
+        if threads and not cuda:
+            torch.set_num_threads(threads)
+        self.dtype = torch.float16 if cuda else torch.float32
+        self.encoder = load_encoder(encoder_dir, str(self.device), self.dtype)
+        self.uses_token_type_ids = uses_token_type_ids
+        self.names = protocol.token_inputs(uses_token_type_ids)
+        self.biased = BiasedEncoder(self.encoder, uses_token_type_ids)
+        self.aot = aot
+        self.pool_rows: torch.Tensor | None = None  # the pool buffer on this device (set by the step)
+        # CUDA graphs over (batch, sequence) buckets: batch sizes 1, 2, 4, ... up to max_batch.
+        self.graphs = (cuda and cuda_graphs and bool(seq_buckets)
+                       and self.encoder.config.model_type not in NO_CUDA_GRAPHS)
+        self.seq_buckets = tuple(sorted(seq_buckets))
+        self.batch_buckets = tuple(sorted({min(1 << k, max_batch) for k in range(max_batch.bit_length() + 1)}))
+        self._captured: dict[tuple[int, int], tuple] = {}
+        self._uncapturable: set[tuple[int, int]] = set()  # buckets whose capture failed: they run eagerly
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
+
+    def _on_device(self):
+        """Make this engine's GPU the current one (kernels, capture streams), so that cuda:N works."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
+    @torch.inference_mode()
+    def capture_all(self) -> list[tuple[int, int]]:
+        """Capture every bucket now (at start-up) rather than on the first request of each: a capture synchronizes
+        the device and runs two warm-up passes. Returns the buckets that will run eagerly instead."""
+        if self.graphs:
+            with self._on_device():
+                for shape in sorted(self._graph_shapes()):
+                    self._try_capture(shape)
+        return sorted(self._uncapturable)
+
+    # --- one batch ------------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, requests: list[Prepared]) -> np.ndarray:
+        """The pooled states [B, P, d] (fp32) of a batch (aot.serving_torch.encoder.pool_states); a request that wants
+        them gets its token states (Prepared.states, [S, d] fp32)."""
+        pooled = self.aot and self.pool_rows is not None and all(r.slots is not None for r in requests)
+        with self._on_device():
+            if not self.aot or pooled:
+                shape = self._shape(len(requests), max(len(r.tokens[protocol.INPUT_IDS]) for r in requests))
+                feeds = self._feeds(requests, shape, pooled)
+                if self.graphs and shape in self._graph_shapes() and self._try_capture(shape):
+                    out, states = self._replay(shape, feeds)
+                else:
+                    out, states = self._forward({k: v.to(self.device) for k, v in feeds.items()}, self.pool_rows)
+            else:
+                out, states = self._run_with_rows(requests)
+            if any(r.want_states for r in requests):  # one copy to the host for the batch, not one per request
+                host = states[: len(requests)].float().cpu().numpy()
+                for b, r in enumerate(requests):
+                    if r.want_states:
+                        r.states = host[b, : len(r.tokens[protocol.INPUT_IDS])]
+            return out[: len(requests)].float().cpu().numpy()
+
+    def _shape(self, batch: int, seq: int) -> tuple[int, int]:
+        """The padded shape: a captured bucket on CUDA, else exactly the batch and its longest sequence."""
+        if self.graphs:
+            b, s = _bucket(batch, self.batch_buckets), _bucket(seq, self.seq_buckets)
+            if b is not None and s is not None:
+                return b, s
+        return batch, seq
+
+    def _graph_shapes(self):
+        return {(b, s) for b in self.batch_buckets for s in self.seq_buckets}
+
+    def _feeds(self, requests: list[Prepared], shape: tuple[int, int], pooled: bool,
+               offsets: list[int] | None = None) -> dict[str, torch.Tensor]:
+        """Host tensors of `shape`: tokens right-padded (a padded row attends to its first position only), and
+        for AoT each token's slot in the pool (or, with `offsets`, its row in the batch's own rows tensor)."""
+        batch, seq = shape
+        feeds = {n: np.zeros(shape, dtype=np.int64) for n in self.names}
+        feeds[protocol.ATTENTION_MASK][:, 0] = 1
+        if self.aot:
+            # Padding takes a row that holds numbers (a request's first token's): a NaN in an unfilled slot would
+            # reach every position through the attention scores, masked or not.
+            first = requests[0].slots[requests[0].index[0]] if pooled else 0
+            feeds["index"] = np.full(shape, first, dtype=np.int64)
+        for b, r in enumerate(requests):
+            n = len(r.tokens[protocol.INPUT_IDS])
+            for name in self.names:
+                feeds[name][b, :n] = r.tokens[name]
+            if self.aot:
+                feeds["index"][b] = r.slots[r.index[0]] if pooled else offsets[b]
+                feeds["index"][b, :n] = r.slots[r.index] if pooled else r.index + offsets[b]
+        return {k: torch.from_numpy(v) for k, v in feeds.items()}
+
+    def _forward(self, feeds: dict[str, torch.Tensor], rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pooled states [B, P, d] and every token's final state [B, S, d]."""
+        ids, mask = feeds[protocol.INPUT_IDS], feeds[protocol.ATTENTION_MASK]
+        types = feeds.get(protocol.TOKEN_TYPE_IDS)
+        if not self.aot:
+            states = self.biased.plain_states(ids, mask, types)
+        else:
+            states = self.biased.states(ids, mask, types, rows, feeds["index"])
+        return pool_states(states, mask), states
+
+    def _run_with_rows(self, requests: list[Prepared]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Eager: the batch's rows (gathered from the pool, or brought by the request) in one tensor of its own."""
+        parts, offsets, total = [], [], 0
+        for r in requests:
+            if r.slots is not None:
+                part = self.pool_rows[torch.from_numpy(r.slots.astype(np.int64)).to(self.device)]
+            else:
+                part = torch.from_numpy(np.ascontiguousarray(r.rows)).to(self.device)
+            parts.append(part)
+            offsets.append(total)
+            total += part.shape[0]
+        shape = (len(requests), max(len(r.tokens[protocol.INPUT_IDS]) for r in requests))
+        feeds = self._feeds(requests, shape, pooled=False, offsets=offsets)
+        return self._forward({k: v.to(self.device) for k, v in feeds.items()}, torch.cat(parts))
+
+    # --- CUDA graphs ----------------------------------------------------------------------------------------------
+
+    def _try_capture(self, shape: tuple[int, int]) -> bool:
+        """Whether the bucket has a graph, capturing it if it was never tried; a capture that fails is reported once
+        and the bucket runs eagerly from then on (a failed request would fail again at every retry)."""
+        if shape in self._captured:
+            return True
+        if shape in self._uncapturable:
+            return False
+        try:
+            self._captured[shape] = self._capture(shape)
+            return True
+        except RuntimeError as exc:
+            self._uncapturable.add(shape)
+            print(f"torch engine: CUDA graph capture failed for bucket {shape}; it runs eagerly ({exc})",
+                  file=sys.stderr, flush=True)
+            return False
+
+    def _replay(self, shape: tuple[int, int], feeds: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the inputs into the bucket's static tensors and replay its graph."""
+        graph, static, out = self._captured[shape]
+        for name, value in feeds.items():
+            static[name].copy_(value, non_blocking=True)
+        graph.replay()
+        return out
+
+    def _capture(self, shape: tuple[int, int]):
+        """Capture the forward for one bucket. The pool buffer is read in place, so rows filled later are seen."""
+        static = {n: torch.zeros(shape, dtype=torch.int64, device=self.device) for n in self.names}
+        static[protocol.ATTENTION_MASK][:, 0] = 1
+        if self.aot:
+            static["index"] = torch.zeros(shape, dtype=torch.int64, device=self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up runs before capture (lazy initialisation must not be captured)
+            for _ in range(2):
+                self._forward(static, self.pool_rows)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool, stream=side):
+            out = self._forward(static, self.pool_rows)
+        return graph, static, out
+
+    def captured(self) -> list[tuple[int, int]]:
+        """The (batch, sequence) buckets captured so far."""
+        return sorted(self._captured)
+
+
+def _torch_backbone(step, aot: bool, threads: int, log: Callable[[str], None] | None = None) -> TorchBackbone:
+    """A served step's torch backbone (aot.serving.stages.Encoder) on its parameter `device`, reading the step's task
+    pool in place; every bucket's CUDA graph is captured now, not on live requests."""
+    repo, options = step.repo, step.options
+    backbone = TorchBackbone(repo.encoder_dir, repo.uses_token_type_ids, aot, step.parameters["device"], threads,
+                             options.buckets, options.max_batch_size)
+    if step.pool is not None:
+        backbone.pool_rows = step.pool.buffer
+    eager = backbone.capture_all()
+    if backbone.graphs and log is not None:
+        log(f"{step.name}: {len(backbone.captured())} CUDA graphs captured"
+            + (f"; buckets run eagerly: {eager}" if eager else ""))
+    return backbone
+
+
+register_engine(Engine("torch", _torch_backbone, storage=DeviceRows, gathers_slots=True))

@@ -1,0 +1,107 @@
+"""What a task is: its kind, examples, a label set (or a regression target) and a metric."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from aot.serving.answers import TASK_KINDS, kind_of
+from aot.training.metrics import KIND_METRICS, METRICS
+
+
+class DataError(ValueError):
+    """Bad training data; the message names the file, the line and the problem."""
+
+
+class DataWarning(UserWarning):
+    """Data that loads but may not mean what was assumed (`aot` prints it as `aot: warning: ...`)."""
+
+
+PROBLEMS = TASK_KINDS  # `--problem`: the task's kind (aot.serving.answers)
+
+
+@dataclass(frozen=True)
+class Example:
+    """One example. `label` by kind: a label name (classification), a number (regression), a tuple of label names
+    (multilabel), a tuple of BIO tags, one per word of `text`, whose words are joined by single spaces (tokens), the
+    pair's score or None (embedding: `text_pair` is the positive)."""
+
+    text: str
+    label: str | float | tuple[str, ...] | None
+    text_pair: str | None = None
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """The kind, label space and metric of a task. `kind` "" is a classification, or a regression when `labels` is
+    None (what a record without a kind means). `labels`: the classes (classification, multilabel) or the BIO tags
+    (tokens); None for regression and embedding. `threshold`: a multi-label task's, tuned on dev after training.
+    `normalize`: an embedding task answers unit vectors."""
+
+    name: str
+    labels: tuple[str, ...] | None
+    metric: str
+    has_pair: bool = False
+    kind: str = ""
+    threshold: float | None = None
+    normalize: bool = True
+
+    def __post_init__(self):
+        kind = self.kind or kind_of({"labels": self.labels})
+        object.__setattr__(self, "kind", kind)
+        if kind not in TASK_KINDS:
+            raise DataError(f"unknown problem {kind!r}: expected one of {', '.join(TASK_KINDS)}")
+        if self.metric not in METRICS:
+            raise DataError(f"unknown metric {self.metric!r}: expected one of {', '.join(METRICS)}")
+        if kind in KIND_METRICS and self.metric not in KIND_METRICS[kind]:
+            raise DataError(f"metric {self.metric!r} does not score a {kind} task: expected one of "
+                            f"{', '.join(KIND_METRICS[kind])}")
+        if (self.labels is None) != (kind in ("regression", "embedding")):
+            raise DataError(f"a {kind} task " + ("has no label set" if self.labels is not None else "needs labels"))
+        least = 1 if kind in ("multilabel", "tokens") else 2
+        if self.labels is not None and len(self.labels) < least:
+            raise DataError(f"task {self.name!r} needs at least {least} labels, got {list(self.labels)}")
+
+    @property
+    def is_regression(self) -> bool:
+        return self.kind == "regression"
+
+    @property
+    def num_outputs(self) -> int:
+        """The head's outputs: one per label (or tag), 1 for regression, 0 for an embedding (no head)."""
+        return len(self.labels) if self.labels is not None else int(self.kind == "regression")
+
+    def to_json(self) -> dict:
+        data = {"name": self.name, "labels": None if self.labels is None else list(self.labels),
+                "metric": self.metric, "has_pair": self.has_pair, "kind": self.kind}
+        if self.kind == "multilabel":
+            data["threshold"] = self.threshold
+        if self.kind == "embedding":
+            data["normalize"] = self.normalize
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> "TaskSpec":
+        labels = data["labels"]
+        return cls(data["name"], None if labels is None else tuple(labels), data["metric"], bool(data["has_pair"]),
+                   kind_of(data), data.get("threshold"), bool(data.get("normalize", True)))
+
+
+@dataclass
+class TaskData:
+    """A task and its splits. `train` and `dev` are required; `test` is optional."""
+
+    spec: TaskSpec
+    splits: dict[str, list[Example]] = field(default_factory=dict)
+    source: str = ""
+
+    @property
+    def train(self) -> list[Example]:
+        return self.splits["train"]
+
+    @property
+    def dev(self) -> list[Example]:
+        return self.splits["dev"]
+
+    @property
+    def test(self) -> list[Example] | None:
+        return self.splits.get("test")
