@@ -134,14 +134,15 @@ def test_start_up_line_counts_the_tasks_the_pool_holds(instances, pool, storages
 
 def test_vanilla_is_loaded_only_when_asked(repo, monkeypatch):
     """`aot serve` loads the fused `aot` step and the task list; the plain encoder only with --vanilla, and the
-    container (aot.serving.supervision.main) every model but the plain encoder unless AOT_LOAD_VANILLA=1."""
+    container (aot.serving.supervision.main) what the GPU configs serve: the native ensembles and their steps, the plain
+    encoder only with AOT_LOAD_VANILLA=1; a folder that is not an AoT repository, everything."""
     from aot.local.server import LocalServer
     from aot.serving.supervision.main import load_flags
 
     assert LocalServer(repo).models() == ["aot", "task_list"]
     assert LocalServer(repo, vanilla=True).models() == ["aot", "task_list", "vanilla"]
-    gpu = LocalServer(repo, device="cuda").models()
-    assert "vanilla" not in gpu and "backbone_vanilla" not in gpu and {"aot", "backbone", "head"} <= set(gpu)
+    gpu = LocalServer(repo, device="cuda").models()  # an ONNX repository: the native ensemble and its steps
+    assert "vanilla" not in gpu and "backbone_vanilla" not in gpu and {"aot", "aot_lookup", "backbone", "head"} <= set(gpu)
     assert {"vanilla", "backbone_vanilla"} <= set(LocalServer(repo, device="cuda", vanilla=True).models())
     command = ["tritonserver", f"--model-repository={repo / 'models'}"]
     monkeypatch.delenv("AOT_LOAD_VANILLA", raising=False)
@@ -149,7 +150,8 @@ def test_vanilla_is_loaded_only_when_asked(repo, monkeypatch):
     assert "--load-model=aot" in flags and "--load-model=aot_lookup" in flags
     assert not {"--load-model=vanilla", "--load-model=backbone_vanilla"} & set(flags)
     monkeypatch.setenv("AOT_LOAD_VANILLA", "1")
-    assert load_flags(command) == ["--load-model=*"]
+    assert {"--load-model=vanilla", "--load-model=backbone_vanilla", "--load-model=aot"} <= set(load_flags(command))
+    assert load_flags(["tritonserver", f"--model-repository={repo}"]) == ["--load-model=*"]  # not an AoT repository
     parser = build_parser()
     assert parser.parse_args(["serve", "--repo", "r"]).vanilla is False
     assert parser.parse_args(["serve", "--repo", "r", "--vanilla"]).vanilla is True

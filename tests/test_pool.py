@@ -56,14 +56,20 @@ def test_a_version_let_go_keeps_its_rows_and_detaches_whole(resident):
     assert pool.stats[a].misses == misses  # every row was still there
     pool.let_go(a)
     pool.detach(a)
-    assert not pool.holds(a) and a not in pool.stats and a in pool.drain_touched()
+    assert not pool.holds(a) and a not in pool.stats and a in pool.snapshot()[0]
     pool.attach(a, lambda i: tables[a][i])
     np.testing.assert_array_equal(pool.rows_many([(a, ids)])[0], tables[a][ids])
     assert pool.stats[a].resident_rows == (V if resident else len(ids)) and pool.stats[a].misses == len(ids)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_cache_never_exceeds_budget_and_refills_identical_rows(policy):
+@pytest.mark.parametrize("dense_share", [0.0, 1 / 64, 2.0])  # slots in arrays at once, past 1/64 of V, never
+def test_cache_never_exceeds_budget_and_refills_identical_rows(policy, dense_share, monkeypatch):
+    """A random trace through a pool of 2 tables' rows for 6: every row as stored, whatever evicted and refilled,
+    the slots found through dicts, arrays, or a version's switch from one to the other."""
+    from aot.serving import pool as pool_module
+
+    monkeypatch.setattr(pool_module, "DENSE_SHARE", dense_share)
     tables = _tables(6)
     pool = RowPool(2 * V * L * D * 2 + 5, L, D, V, policy)  # room for 2 of 6 tables (and part of a row: ignored)
     assert pool.slots == 2 * V and pool.budget_bytes == 2 * V * L * D * 2
@@ -79,6 +85,8 @@ def test_cache_never_exceeds_budget_and_refills_identical_rows(policy):
         assert held <= pool.slots and held == sum(s.resident_rows for s in pool.stats.values())
     stats = pool.stats.values()
     assert sum(s.evictions for s in stats) > 0 and sum(s.hits for s in stats) > sum(s.misses for s in stats)
+    arrays = sum(isinstance(t, np.ndarray) for t in pool._slot_of.values())
+    assert arrays == (0 if dense_share > 1 else len(pool._slot_of)) or 0 < dense_share < 1, (dense_share, arrays)
 
 
 def test_detached_version_rows_are_dropped_and_never_served_for_another():

@@ -248,6 +248,90 @@ def test_batched_steps_give_each_request_its_own_answer(server, client, expected
         assert executions < requests, f"{model}: {executions} executions for {requests} requests"
 
 
+
+def _many(server, tasks: list[str], texts: list[str], pairs: list[str] | None = None):
+    """One request of N texts through plain tritonclient: TEXT, TASK (and TEXT_PAIR) [N, 1]."""
+    import tritonclient.grpc as grpcclient
+
+    inputs = []
+    for name, values in (("TEXT", texts), ("TASK", tasks), ("TEXT_PAIR", pairs)):
+        if values is not None:
+            tensor = grpcclient.InferInput(name, [len(values), 1], "BYTES")
+            tensor.set_data_from_numpy(np.array([[v.encode()] for v in values], dtype=np.object_))
+            inputs.append(tensor)
+    with grpcclient.InferenceServerClient(server.grpc_url) as raw:
+        return raw.infer("aot", inputs)
+
+
+def test_a_request_of_many_texts_is_answered_in_order(server, expected):
+    """One request of 8 texts of 4 tasks, a pair task among them (its items carry a pair, the others ""): each row of
+    ANSWER, LOGITS and TASK_VERSION answers its own item, as a request of one text would."""
+    names = ["alpha", "zeta", "beta", "gamma", "alpha", "zeta", "gamma", "beta"]
+    texts = [TEXTS[(3 * k) % len(TEXTS)] for k in range(len(names))]
+    pairs = [PAIRS[TEXTS.index(t)] if n == "zeta" else "" for n, t in zip(names, texts, strict=True)]
+    result = _many(server, names, texts, pairs)
+    answers = [json.loads(a) for a in result.as_numpy("ANSWER").reshape(-1)]
+    versions = [v.decode() for v in result.as_numpy("TASK_VERSION").reshape(-1)]
+    logits = result.as_numpy("LOGITS")
+    assert logits.shape == (8, 2) and len(answers) == len(versions) == 8
+    for k, (name, text) in enumerate(zip(names, texts, strict=True)):
+        want = expected[("zeta", "pair")] if name == "zeta" else expected[name]
+        np.testing.assert_allclose(answers[k]["logits"], want[TEXTS.index(text)], atol=1e-3, err_msg=str(k))
+        np.testing.assert_allclose(logits[k], answers[k]["logits"], rtol=1e-6)
+        assert versions[k].startswith(f"{name}@"), versions[k]
+
+
+def test_a_request_with_one_bad_item_is_refused_naming_it(server, client, expected):
+    """Item 3 of 4 names no task the store holds: the request fails as a whole with a message naming the item (the
+    status of its cause), and the server goes on answering."""
+    from tritonclient.utils import InferenceServerException
+
+    with pytest.raises(InferenceServerException) as caught:
+        _many(server, ["alpha", "beta", "nope", "gamma"], TEXTS[:4])
+    assert "item 3 of 4: unknown task 'nope'" in str(caught.value), caught.value
+    assert "NOT_FOUND" in str(caught.value.status()), caught.value.status()
+    np.testing.assert_allclose(client.infer("alpha", TEXTS[0])["logits"], expected["alpha"][0], atol=1e-3)
+
+
+def test_infer_many_packs_lines_and_a_bad_line_fails_alone(server, client, expected):
+    """40 lines, 16 to a request: 3 requests; the one holding two bad lines is refused and sent again line by line
+    (16 requests), so each bad line fails alone, with its own cause, and the 38 others are answered, in order, each
+    echoing its id and task."""
+    items = [{"id": i, "task": ("alpha", "beta", "gamma")[i % 3], "text": TEXTS[i % len(TEXTS)]} for i in range(40)]
+    items[3] = {"id": 3, "task": "nope", "text": TEXTS[0]}
+    items[9] = {"id": 9, "task": "alpha", "text": " "}
+    sent = []
+    send = client._client.async_infer
+
+    def counted(model, inputs, **kwargs):
+        sent.append(inputs[0].shape()[0])  # TASK [N, 1]: the texts of the request
+        return send(model, inputs, **kwargs)
+
+    client._client.async_infer = counted
+    try:
+        answers = client.infer_many(items, pack=16)
+    finally:
+        client._client.async_infer = send
+    for i, (item, answer) in enumerate(zip(items, answers, strict=True)):
+        assert answer["id"] == i and answer["task"] == item["task"], answer
+        if i in (3, 9):
+            continue
+        np.testing.assert_allclose(answer["logits"], expected[item["task"]][TEXTS.index(item["text"])], atol=1e-3)
+    assert "unknown task 'nope'" in answers[3]["error"] and answers[3]["status"] == "NOT_FOUND"
+    assert "TEXT is empty" in answers[9]["error"] and "item" not in answers[9]["error"]
+    assert sent == [16, 16, 8] + [1] * 16, sent
+
+
+def test_infer_many_splits_a_pack_larger_than_the_max_batch(server, client, expected):
+    """pack=100 on a server whose max batch size is 64: the first request is refused by Triton, split to 64, and
+    every line is answered; the client remembers the limit."""
+    items = [{"task": "alpha", "text": TEXTS[i % len(TEXTS)]} for i in range(70)]
+    with Client(server.grpc_url) as fresh:
+        answers = fresh.infer_many(items, pack=100)
+        assert fresh._pack_limit == 64
+    for i, answer in enumerate(answers):
+        np.testing.assert_allclose(answer["logits"], expected["alpha"][i % len(TEXTS)], atol=1e-3)
+
 @pytest.fixture(scope="module")
 def steps_server(request, repo):
     """The GPU ensembles' separate steps on their CPU configs (no ensemble chains them here)."""

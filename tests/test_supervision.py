@@ -76,9 +76,14 @@ class FakeSupervisor:
     reasons: list[str] = field(default_factory=list)
     asked: int = 0
 
+    warned: list[str] = field(default_factory=list)
+
     def health(self) -> tuple[bool, list[str]]:
         self.asked += 1
         return self.ready, list(self.reasons)
+
+    def warnings(self) -> list[str]:
+        return list(self.warned)
 
 
 def _gone_pid() -> int:
@@ -109,10 +114,37 @@ def test_ready_is_the_supervisors_health_with_its_reasons(health_server):
     server, current = health_server
     supervisor = FakeSupervisor(server_pid=_gone_pid())
     current[0] = supervisor
-    assert server.answer("/ready") == (200, {"ready": True, "reasons": []})
+    assert server.answer("/ready") == (200, {"ready": True, "reasons": [], "warnings": []})
     supervisor.ready, supervisor.reasons = False, ["model aot is not ready", "the task store cannot be read"]
-    assert server.answer("/ready?verbose=1") == (503, {"ready": False, "reasons": supervisor.reasons})
+    assert server.answer("/ready?verbose=1") == (503, {"ready": False, "reasons": supervisor.reasons,
+                                                       "warnings": []})
     assert supervisor.asked == 2
+
+
+def test_ready_carries_the_steps_warnings_and_stays_200(health_server):
+    """A warning a step's start left (a CUDA graph that could not be captured) is a line of /ready, not a 503."""
+    server, current = health_server
+    current[0] = FakeSupervisor(server_pid=_gone_pid(), warned=["aot: CUDA graphs failed for (8, 64): eager"])
+    assert server.answer("/ready") == (200, {"ready": True, "reasons": [],
+                                             "warnings": ["aot: CUDA graphs failed for (8, 64): eager"]})
+
+
+def test_step_notes_reach_the_supervisor_once_each_and_go_with_the_server(monkeypatch, tmp_path):
+    """A step instance's notes (aot.serving.watch) are read by the supervisor of its server, each line once, and
+    removed with the instance or the server."""
+    from aot.serving import watch
+
+    monkeypatch.setattr(watch, "SHM", tmp_path)
+    monkeypatch.setattr(watch.os, "getppid", lambda: 4242)
+    watch.add_note("aot_0", "aot: capture failed for (1, 64)")
+    watch.add_note("aot_0", "aot: capture failed for (1, 64)")
+    watch.add_note("aot_1", "aot:   capture\nfailed for (2, 64)")  # one line, whitespace collapsed
+    assert watch.notes(4242) == ["aot: capture failed for (1, 64)", "aot: capture failed for (2, 64)"]
+    assert watch.notes(4243) == []
+    watch.remove_watch(4242, "aot_0")
+    assert watch.notes(4242) == ["aot: capture failed for (2, 64)"]
+    watch.remove_watches(4242)
+    assert watch.notes(4242) == [] and not list(tmp_path.iterdir())
 
 
 def test_live_follows_the_server_process(health_server):
@@ -142,10 +174,11 @@ def test_health_server_answers_over_http():
             urllib.request.urlopen(f"http://127.0.0.1:{server.port}/ready", timeout=5)
         assert caught.value.code == 503
         assert caught.value.headers["Content-Type"] == "application/json"
-        assert json.loads(caught.value.read()) == {"ready": False, "reasons": ["repairing backbone"]}
+        assert json.loads(caught.value.read()) == {"ready": False, "reasons": ["repairing backbone"], "warnings": []}
         supervisor.ready, supervisor.reasons = True, []
         with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/ready", timeout=5) as response:
-            assert response.status == 200 and json.loads(response.read()) == {"ready": True, "reasons": []}
+            assert response.status == 200 and json.loads(response.read()) == {"ready": True, "reasons": [],
+                                                                               "warnings": []}
     finally:
         server.stop()
     assert supervisor.asked == 2

@@ -47,11 +47,13 @@ def test_export_writes_the_encoder_checked_through_the_engine(tmp_path, tiny_mod
         assert config.parameters["engine"].string_value == "torch"
         assert config.parameters["device"].string_value == device
         assert protocol.TASK_VERSION in [i.name for i in config.input]
-    ensemble = parse_pbtxt((repo.models / "aot" / "config.pbtxt").read_text())  # GPU: the steps, chained
-    assert [s.model_name for s in ensemble.ensemble_scheduling.step] == ["tokenizer", "backbone", "head"]
-    fused = parse_pbtxt((repo.models / "aot" / "configs/cpu.pbtxt").read_text())  # CPU: one step, the torch engine
-    assert fused.backend == "python" and fused.parameters["engine"].string_value == "torch"
-    assert fused.parameters["device"].string_value == "cpu" and fused.parameters["aot"].string_value == "true"
+    for name, device in (("config.pbtxt", "cuda"), ("configs/cpu.pbtxt", "cpu")):  # one step, the torch engine
+        fused = parse_pbtxt((repo.models / "aot" / name).read_text())
+        assert fused.backend == "python" and fused.parameters["engine"].string_value == "torch"
+        assert fused.parameters["device"].string_value == device and fused.parameters["aot"].string_value == "true"
+    gpu = parse_pbtxt((repo.models / "aot" / "config.pbtxt").read_text())  # sized for a GPU: two instances on it
+    assert [(g.kind, g.count) for g in gpu.instance_group] == [(gpu.instance_group[0].KIND_GPU, 1)] * 2
+    assert gpu.dynamic_batching.max_queue_delay_microseconds == ServingOptions().backbone_queue_delay_us > 0
 
 
 def _engine_batch(repo, rows_of, names, lengths, seed=0):
@@ -250,3 +252,65 @@ def test_lookup_step_serves_the_bias_from_a_host_or_a_torch_pool(tmp_path, tiny_
         log = server.log_path.read_text()
     assert "aot_lookup: task pool rows in host memory" in log
     assert "aot_lookup: task pool rows in torch memory on cpu, out through DLPack" in log
+
+
+class HostGuard(torch.overrides.TorchFunctionMode):
+    """Records every call that makes a host tensor, reads one back or branches on a tensor's value in Python: what a
+    CUDA graph capture forbids ("Cannot copy between CPU and CUDA tensors during CUDA graph capture", "operation not
+    permitted when stream is capturing"). On a CPU nothing fails, so the guard is how a test sees them here."""
+
+    HOST = {torch.tensor, torch.as_tensor, torch.from_numpy, torch.Tensor.item, torch.Tensor.tolist,
+            torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
+            torch.Tensor.__index__}
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.HOST:
+            self.calls.append(getattr(func, "__name__", repr(func)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("arch", ["bert", "roberta"])
+def test_the_captured_forward_touches_nothing_on_the_host(tiny_models, arch):
+    """What a CUDA graph captures (TorchBackbone._forward: embeddings, the bias gather and add before every layer,
+    attention, pooling) makes no host tensor, reads nothing back and branches on no value, whatever transformers'
+    own mask helpers do (the engine passes its own additive mask); and the states equal the encoder's with its own
+    2D mask, padding included."""
+    bb = TorchBackbone(tiny_models[arch], arch == "bert", aot=True)
+    g = torch.Generator().manual_seed(0)
+    feeds = {n: torch.randint(1, 50, (3, 7), generator=g) for n in bb.names}
+    if protocol.TOKEN_TYPE_IDS in feeds:
+        feeds[protocol.TOKEN_TYPE_IDS].zero_()
+    mask = feeds[protocol.ATTENTION_MASK]
+    mask.fill_(1)
+    mask[1, 4:], mask[2, 2:] = 0, 0
+    feeds["index"] = torch.randint(0, 3, (3, 7), generator=g)
+    rows = torch.randn((3, bb.biased.num_layers, bb.biased.hidden_size), generator=g)
+    with torch.inference_mode():
+        with HostGuard() as guard:
+            pooled, states = bb._forward(feeds, rows)
+        assert guard.calls == []
+        with HostGuard() as planted:  # the guard itself: a read-back is seen
+            (states.sum() > 0).item()
+        assert planted.calls == ["item"]
+        reference = bb.biased.states(feeds[protocol.INPUT_IDS], mask, feeds.get(protocol.TOKEN_TYPE_IDS), rows,
+                                     feeds["index"])
+    read = mask.bool()
+    assert states.shape == (3, 7, bb.biased.hidden_size) and pooled.shape[:2] == (3, len(protocol.POOLINGS))
+    torch.testing.assert_close(states[read], reference[read], rtol=0, atol=1e-6)
+
+
+def test_batches_that_miss_their_graph_are_counted(tiny_models):
+    """Where graphs are on, a batch that runs eagerly (its bucket's capture failed) counts in eager_batches, which the
+    step publishes as aot_engine_eager_batches_total; an engine without graphs counts none (None)."""
+    bb = TorchBackbone(tiny_models["bert"], True, aot=False)
+    assert bb.graphs is False and bb.eager_batches is None
+    bb.graphs, bb.eager_batches, bb.seq_buckets = True, 0, (8,)  # as on a GPU whose every capture failed
+    bb._uncapturable = set(bb.graph_shapes())
+    tokens = {n: np.ones(5, dtype=np.int64) for n in bb.names}
+    for count in (1, 2):
+        bb.run([Prepared(dict(tokens)) for _ in range(count)])
+    assert bb.eager_batches == 2

@@ -4,7 +4,8 @@
     overhead            the paper's inference-overhead comparison; overhead_cases (shared), overhead_torch and
                         overhead_onnxruntime (its two engines)
     serve               end to end through the real local tritonserver
-    tax                 the serving tax: CPU per request beyond the engine's
+    tax                 the serving tax: CPU per request beyond the engine's; tax_torch: the GPU configs' path
+                        (the torch engine's fused step) on this CPU
     tasks               serving against the number of tasks; scale: ever more tasks, as `aot serve` runs them
     kinds               tasks of mixed kinds against classifiers
     accuracy            the paper's accuracy protocol; accuracy_plan (its grids and runs), accuracy_report

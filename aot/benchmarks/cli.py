@@ -138,6 +138,12 @@ def add_bench(sub) -> None:
     x.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="the CPU graphs: fp32, or int8 (a repository exported with --precision int8, or --repo one; "
                         "the engine alone then runs the int8 twins one request at a time, as the CPU configs do)")
+    x.add_argument("--engine", choices=["onnx", "torch"], default="onnx",
+                   help="torch: the GPU configs' path on this CPU instead (the torch engine's one fused step): the "
+                        "server's CPU per request and per text outside the engine (every process less the engines' "
+                        "own, aot_engine_cpu_us_total) for each --texts-per-request; writes tax-torch.json and .md")
+    x.add_argument("--texts-per-request", type=_ints, default=[1, 64],
+                   help="--engine torch: texts each request carries (aot.Client.infer_many's pack), one pass each")
     _finish(x, run_tax)
 
     t = kinds.add_parser("tasks",
@@ -283,6 +289,14 @@ def run_kinds(args) -> int:
 
 
 def run_tax(args) -> int:
+    if args.engine == "torch":
+        from aot.benchmarks.tax_torch import TorchTaxConfig, run_torch_tax
+
+        config = TorchTaxConfig(task=args.task, out=args.out, repo=args.repo,
+                                texts_per_request=tuple(args.texts_per_request), concurrency=tuple(args.concurrency),
+                                texts=args.requests)
+        print(json.dumps(run_torch_tax(config, progress=not args.no_progress)))
+        return 0
     from aot.benchmarks.tax import TaxBenchConfig, run_tax_bench
 
     config = TaxBenchConfig(task=args.task, out=args.out, repo=args.repo, concurrency=tuple(args.concurrency),

@@ -296,6 +296,10 @@ def add_infer(sub) -> None:
     p.add_argument("--output", default=None, help="write answers here instead of stdout")
     p.add_argument("--strict", action="store_true", help="exit 2 if any --input line fails (default: only if all do)")
     p.add_argument("--concurrency", type=positive_int, default=16, help="requests in flight")
+    p.add_argument("--pack", type=positive_int, default=32,
+                   help="lines sent in one request (a request carries many texts, each with its own task); a request "
+                        "refused for one of its lines is sent again line by line, so a bad line fails alone; one "
+                        "larger than the server's max batch size is split to it")
     p.add_argument("--ensemble", default="aot", help="ensemble to call (aot, or vanilla for comparisons)")
     p.add_argument("--model", dest="ensemble", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # its old name
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar of --input")
@@ -375,7 +379,7 @@ def _send(args, items: list[dict]) -> list[dict]:
                 raise ValueError(str(exc)) from None
         else:
             bar = tqdm(total=len(items), disable=args.no_progress or not args.input, unit="req", desc="infer")
-            answers = client.infer_many(items, args.concurrency, on_done=lambda i, r: bar.update(1))
+            answers = client.infer_many(items, args.concurrency, on_done=lambda i, r: bar.update(1), pack=args.pack)
             bar.close()
         if args.top_k is not None:
             answers = _top_k(answers, client.tasks(), args.top_k)

@@ -4,7 +4,7 @@
     with Client() as client:   # $AOT_URL, else 127.0.0.1:8001
         client.infer("sentiment", "A fine film.")   # {"label", "logits", "probabilities", "version": "sentiment@<id>"}
         client.infer("sentiment@3f2a9c41d0e7", "A fine film.")   # exactly that version, while the store holds it
-        client.infer_many([{"task": "sentiment", "text": "...", "text_pair": None}, ...])   # concurrent, in order
+        client.infer_many([{"task": "sentiment", "text": "...", "text_pair": None}, ...])   # packed, in order
         client.infer("ner", "Ana flew to Lisboa")   # {"entities": [{"text", "label", "start", "end", "score"}], ...}
         client.embed("search", ["a query", "a document"])   # [2, d] float32
     with Client(tenant_key=KEY) as client:   # $AOT_TENANT_KEY: a tenant's tasks, TENANT/TASK
@@ -13,7 +13,9 @@
 
 Each answer is its task's kind's (aot.serving.answers): classification {label, logits, probabilities}, regression
 {score}, multilabel {labels, scores}, tokens {entities}, embedding {embedding}, and the `version` that answered.
-One request per text, sent concurrently (Triton batches them, across tasks, on the server). With
+infer sends one text a request; infer_many packs up to `pack` texts (32) into each request (a request carries many
+texts, each with its own task: aot.serving.items) and keeps `concurrency` requests in flight (Triton batches them,
+across tasks, on the server). With
 `Client(tokenizer=REPO/models/tokenizer/1/tokenizer)` the client tokenizes (truncating to each task's max length,
 as the server does) and sends token ids: the server's first stage then only checks them, which saves its CPU.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -57,6 +60,7 @@ _ERRORS = {e.__name__: e for e in (InferenceError, InvalidInput, PermissionDenie
 # client kept failing for seconds after a restarted server was back (docs/serving.md, "Restarts"). Milliseconds.
 RECONNECT_BACKOFF_MS = {"grpc.initial_reconnect_backoff_ms": 100, "grpc.min_reconnect_backoff_ms": 100,
                         "grpc.max_reconnect_backoff_ms": 1000}
+PACK = 32  # texts per request infer_many sends (split further to the server's max batch size when it refuses more)
 UNAVAILABLE_RETRY_SECONDS = 10.0  # how long a call that found no server (refused, dropped, restarting) is tried again
 RETRY_BACKOFF = (0.05, 1.0)  # seconds: the first wait between two tries, doubled up to the second
 # What gRPC (or a load balancer with no live replica) says when a call found no server to answer it: the call is
@@ -150,6 +154,7 @@ class Client:
         self._tokenizer_dir = tokenizer
         self._tokens = None  # aot.serving.tokenization.Tokenization, made on first use
         self._listed: dict[str, dict] = {}  # task name -> its tasks() entry (kind, max length), read on first use
+        self._pack_limit: int | None = None  # the server's max batch size, once it refused a larger request
         key = tenant_key if tenant_key is not None else settings.TENANT_KEY.read()
         self._parameters = {TENANT_KEY_PARAMETER: key} if key else None
 
@@ -190,22 +195,46 @@ class Client:
         self.close()
 
     def _inputs(self, task: str, text: str, pair: str | None):
+        """One item's request tensors (a request of one text)."""
+        return self._pack_inputs([self._entry(task, text, pair)])
+
+    def _entry(self, task: str, text: str, pair: str | None) -> dict:
+        """One item as it will be sent, checked here: its task, and its text (+ pair) or, with a client tokenizer,
+        its token ids (a token task's text stays text: its entities are found in it)."""
+        if not isinstance(task, str) or not isinstance(text, str) or not isinstance(pair, (str, type(None))):
+            raise InvalidInput(f"expected a task name, a text and an optional pair as strings, got "
+                               f"{type(task).__name__}, {type(text).__name__} and {type(pair).__name__}", task=None)
         if len(task) > MAX_NAME_LENGTH:  # checked here: a huge name would fail as a gRPC transport error
             raise InvalidInput(f"task name of {len(task)} characters: task names have at most {MAX_NAME_LENGTH}",
                                task=task[:MAX_NAME_LENGTH])
-        tensors = []
         if self._tokenizer_dir is not None and not self._reads_words(task):
-            for name, array in self._token_ids(task, text, pair).items():
-                t = self._grpc.InferInput(name, [1, len(array)], "INT64")
-                t.set_data_from_numpy(array[None, :])
+            return {protocol.TASK: task, "ids": self._token_ids(task, text, pair)}
+        return {protocol.TASK: task, protocol.TEXT: text, protocol.TEXT_PAIR: pair}
+
+    def _pack_inputs(self, entries: list[dict]):
+        """The request tensors of several items (all texts, or all token ids: a request sends one or the other),
+        one row each: BYTES [N, 1], token ids [N, S] right-padded to the longest with a mask of 0s."""
+        n = len(entries)
+
+        def column(name: str, values: list[str]):
+            t = self._grpc.InferInput(name, [n, 1], "BYTES")
+            t.set_data_from_numpy(np.array([[v.encode("utf-8")] for v in values], dtype=np.object_))
+            return t
+
+        tensors = [column(protocol.TASK, [e[protocol.TASK] for e in entries])]
+        if "ids" in entries[0]:
+            longest = max(len(e["ids"][protocol.INPUT_IDS]) for e in entries)
+            for name in entries[0]["ids"]:
+                array = np.zeros((n, longest), dtype=np.int64)
+                for k, e in enumerate(entries):
+                    array[k, : len(e["ids"][name])] = e["ids"][name]
+                t = self._grpc.InferInput(name, list(array.shape), "INT64")
+                t.set_data_from_numpy(array)
                 tensors.append(t)
-            text = pair = None
-        for name, value in ((protocol.TEXT, text), (protocol.TASK, task), (protocol.TEXT_PAIR, pair)):
-            if value is None:
-                continue
-            t = self._grpc.InferInput(name, [1, 1], "BYTES")
-            t.set_data_from_numpy(np.array([[value.encode("utf-8")]], dtype=np.object_))
-            tensors.append(t)
+            return tensors
+        tensors.append(column(protocol.TEXT, [e[protocol.TEXT] for e in entries]))
+        if any(e[protocol.TEXT_PAIR] is not None for e in entries):  # "" is no pair (a blank pair is none)
+            tensors.append(column(protocol.TEXT_PAIR, [e[protocol.TEXT_PAIR] or "" for e in entries]))
         return tensors
 
     def _reads_words(self, task: str) -> bool:
@@ -251,8 +280,14 @@ class Client:
     @staticmethod
     def _decode(result) -> dict:
         """The answer of the task's kind (ANSWER, aot.serving.answers) and the version that answered."""
-        version = _text(result.as_numpy(protocol.TASK_VERSION).reshape(-1)[0])
-        return json.loads(_text(result.as_numpy(protocol.ANSWER).reshape(-1)[0])) | {"version": version}
+        return Client._decode_rows(result)[0]
+
+    @staticmethod
+    def _decode_rows(result) -> list[dict]:
+        """Each item's answer of a request, in order (ANSWER and TASK_VERSION are [N, 1])."""
+        versions = result.as_numpy(protocol.TASK_VERSION).reshape(-1)
+        answers = result.as_numpy(protocol.ANSWER).reshape(-1)
+        return [json.loads(_text(a)) | {"version": _text(v)} for a, v in zip(answers, versions, strict=True)]
 
     def check_ready(self) -> None:
         from tritonclient.utils import InferenceServerException
@@ -313,39 +348,89 @@ class Client:
         return np.asarray(rows, dtype=np.float32).reshape(len(texts), -1)
 
     def infer_many(self, items: Iterable[dict], concurrency: int = 16,
-                   on_done: Callable[[int, dict], None] | None = None) -> list[dict]:
-        """Items `{"task", "text", "text_pair"?, "id"?}`; answers in input order. A failed item's answer is
+                   on_done: Callable[[int, dict], None] | None = None, pack: int = PACK) -> list[dict]:
+        """Items `{"task", "text", "text_pair"?, "id"?}`; answers in input order, each echoing its item's `task`
+        (and `id`, if it has one). Items go `pack` to a request (a request carries many texts, each with its own
+        task: aot.serving.items), `concurrency` requests in flight. A failed item's answer is
         InferenceError.answer(): `{"id"?, "task", "error": message, "error_type", "status", "retryable"}`; the
-        others still complete."""
+        others still complete: a request refused for one of its items is sent again item by item, and one larger
+        than the server's max batch size is split to it."""
+        if pack < 1:
+            raise ValueError(f"pack {pack!r}: expected a positive number of texts per request")
         items = list(items)
         results: list[dict | None] = [None] * len(items)
+        events: queue.Queue = queue.Queue()  # ("send", [indexes]) or ("done", index), handled by this thread
         slots = threading.Semaphore(concurrency)
-        done = queue.Queue()
+        entries: dict[int, dict] = {}
 
-        def callback(index, result=None, error=None):
-            if error is not None and not isinstance(error, InferenceError):
-                item = items[index]
-                error = from_triton(error, task=item.get("task"), id=item.get("id"))
-            results[index] = error.answer() if error is not None else self._decode(result)
+        def finish(i: int, answer: dict) -> None:
+            item = items[i] if isinstance(items[i], dict) else {}
+            echo = {k: item[k] for k in ("id", "task") if k in item}
+            results[i] = echo | answer
+            events.put(("done", i))
+
+        def answered(indexes: list[int], result=None, error=None) -> None:
             slots.release()
-            done.put(index)
+            if error is None:
+                for i, answer in zip(indexes, self._decode_rows(result), strict=True):
+                    finish(i, answer)
+                return
+            limit = _batch_limit(error)
+            if len(indexes) > 1 and limit is not None and limit < len(indexes):
+                self._pack_limit = limit
+                for start in range(0, len(indexes), limit):
+                    events.put(("send", indexes[start:start + limit]))
+            elif len(indexes) > 1 and not found_no_server(error):  # one item's fault: each alone, to find it
+                for i in indexes:
+                    events.put(("send", [i]))
+            else:
+                for i in indexes:
+                    failure = error if isinstance(error, InferenceError) else \
+                        from_triton(error, task=items[i].get("task"), id=items[i].get("id"))
+                    finish(i, failure.answer())
 
         for i, item in enumerate(items):
-            slots.acquire()
             try:
-                inputs = self._inputs(item["task"], item["text"], item.get("text_pair"))
+                entries[i] = self._entry(item["task"], item["text"], item.get("text_pair"))
             except (KeyError, AttributeError, TypeError) as exc:
                 echo = item if isinstance(item, dict) else {}
-                callback(i, error=InvalidInput(f"item {i + 1}: expected {{\"task\": \"...\", \"text\": \"...\"}}, "
-                                               f"missing or wrong {exc}", task=echo.get("task"), id=echo.get("id")))
-                continue
+                finish(i, InvalidInput(f"item {i + 1}: expected {{\"task\": \"...\", \"text\": \"...\"}}, "
+                                       f"missing or wrong {exc}", task=echo.get("task"), id=echo.get("id")).answer())
             except InferenceError as exc:
                 exc.task, exc.id = exc.task or item.get("task"), item.get("id")
-                callback(i, error=exc)
+                finish(i, exc.answer())
+        size = pack if self._pack_limit is None else min(pack, self._pack_limit)
+        for group in _packs([(i, "ids" in e) for i, e in entries.items()], size):
+            events.put(("send", group))
+        left = len(items)
+        while left:
+            kind, value = events.get()
+            if kind == "done":
+                left -= 1
+                if on_done is not None:
+                    on_done(value, results[value])
                 continue
-            self._send_async(inputs, lambda result, error, i=i: callback(i, result, error))
-        for _ in range(len(items)):
-            index = done.get()
-            if on_done is not None:
-                on_done(index, results[index])
+            slots.acquire()
+            self._send_async(self._pack_inputs([entries[i] for i in value]),
+                             lambda result, error, group=value: answered(group, result, error))
         return results  # type: ignore[return-value]
+
+
+def _packs(entries: list[tuple[int, bool]], size: int) -> list[list[int]]:
+    """Items in input order, in groups of at most `size` that send the same inputs (texts, or token ids)."""
+    groups: list[list[int]] = []
+    last = None
+    for i, ids in entries:
+        if groups and ids == last and len(groups[-1]) < size:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+        last = ids
+    return groups
+
+
+def _batch_limit(error) -> int | None:
+    """The server's max batch size when it refused a request for carrying more items (Triton: "inference request
+    batch-size must be <= N"), else None."""
+    match = re.search(r"batch-size must be <= (\d+)", str(error))
+    return int(match.group(1)) if match else None

@@ -79,6 +79,15 @@ def set_cpu_instances(config, instances: int) -> None:
         config.instance_group.add(name=group, kind=pb.ModelInstanceGroup.KIND_CPU, count=1, host_policy=group)
 
 
+def set_gpu_instances(config, instances: int) -> None:
+    """`instances` GPU instances of a python step, a group each (one instance per GPU each), so that the supervisor
+    can replace one alone, as set_cpu_instances."""
+    pb = _pb()
+    del config.instance_group[:]
+    for i in range(instances):
+        config.instance_group.add(name=f"{config.name}_{i}", kind=pb.ModelInstanceGroup.KIND_GPU, count=1)
+
+
 def instance_count(config) -> int:
     """How many instances a config asks for (the sum of its groups' counts)."""
     return sum(g.count for g in config.instance_group)
@@ -181,13 +190,19 @@ def _engine_parameters(backbone: str, target: str, record: BackboneRecord) -> di
             "threads": str(options.cpu_threads), **({"per_request": "true"} if alone else {})}
 
 
-def _fused(name: str, backbone: str, record: BackboneRecord):
-    """The CPU configs' `aot` / `vanilla`: one python step doing what the GPU ensemble's steps do (tokenizer, lookup,
-    encoder, head; aot/model_repository/fused), with the client's inputs and the ensemble's outputs. One hop through the
-    server instead of three: docs/benchmarks.md, "The serving tax"."""
+def _fused(name: str, backbone: str, record: BackboneRecord, target: str):
+    """`aot` / `vanilla` as one python step doing what the native GPU ensemble's steps do (tokenizer, lookup, encoder,
+    head; aot/model_repository/fused), with the client's inputs and the ensemble's outputs: the CPU configs, and the
+    torch engine's GPU configs (its pool and CUDA graphs on the GPU; `gpu_instances` of it, so that one prepares a
+    batch while another's runs, batching with the backbone's queue delay). One hop through the server instead of
+    three: docs/benchmarks.md, "The serving tax"."""
     options = record.serving
-    params = {"aot": "true" if backbone == "backbone" else "false", **_engine_parameters(backbone, "cpu", record)}
-    config = _python_model(name, options, params, options.cpu_queue_delay_us, instances=options.cpu_instances)
+    params = {"aot": "true" if backbone == "backbone" else "false", **_engine_parameters(backbone, target, record)}
+    if target == "cpu":
+        config = _python_model(name, options, params, options.cpu_queue_delay_us, instances=options.cpu_instances)
+    else:
+        config = _python_model(name, options, params, options.backbone_queue_delay_us)
+        set_gpu_instances(config, options.gpu_instances)
     config.input.extend(_request_inputs(record, ragged=True))
     _answer_outputs(config)
     return config
@@ -203,8 +218,10 @@ def _answer_outputs(config) -> None:
 
 
 def _ensemble(name: str, backbone: str, record: BackboneRecord, target: str):
-    if target == "cpu":
-        return _fused(name, backbone, record)
+    """What clients call: one fused step (the CPU configs, the torch engine), or the native GPU ensemble of the
+    separate steps (a native backend's engine is not Python: tokenizer, lookup and head around it)."""
+    if target == "cpu" or record.serving.engine == "torch":
+        return _fused(name, backbone, record, target)
     pb = _pb()
     options = record.serving
     config = pb.ModelConfig(name=name, platform="ensemble", max_batch_size=options.max_batch_size)
@@ -265,7 +282,10 @@ def model_configs(record: BackboneRecord, target: str) -> dict:
     # Tokenizer and head run one thread per instance: ServingOptions.instances of each (the backbone's engine
     # threads itself; the lookup stays one instance: each would hold its own task pool in device memory)
     instances = options.instances(target)
-    tok = _python_model("tokenizer", options, {"buckets": buckets}, instances=instances)
+    # a native backbone taking ragged rows (one row offset per request) takes one text per request
+    one = not _in_process_lookup(target, options) and options.bias_interface == "rows"
+    tok = _python_model("tokenizer", options, {"buckets": buckets, **({"one_text_per_request": "true"} if one else {})},
+                        instances=instances)
     tok.input.extend(_request_inputs(record, ragged=True))
     tok.output.extend([_tensor(pb.ModelOutput, n, [-1]) for n in tokens]
                       + [_tensor(pb.ModelOutput, protocol.TASK_VERSION, [1]),

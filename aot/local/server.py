@@ -34,7 +34,7 @@ from pathlib import Path
 from aot import settings
 from aot.local.triton_setup import SERVER_MALLOC, StepPython, backends_folder, step_python, triton_home
 from aot.serving.limits import region_bound_of
-from aot.serving.repository import CPU_MODELS, VANILLA_MODELS, memory_pool_bytes, read_repository
+from aot.serving.repository import memory_pool_bytes, models_to_load, read_repository
 from aot.serving.store.check import store_check_of
 from aot.serving.supervision.admin_key import resolve_admin_key
 from aot.serving.supervision.health import HealthServer
@@ -222,16 +222,11 @@ class LocalServer(Endpoints):
                 f"--pinned-memory-pool-byte-size={pools['pinned']}"]
 
     def models(self) -> list[str]:
-        """The models to load: on CPU the fused `aot` step and `task_list` (CPU_MODELS: the GPU ensembles' separate
-        steps would only hold a second engine and task pool); with the GPU configs every model folder but `aot_lookup`
-        (the torch engine's backbone looks rows up itself). The plain encoder (VANILLA_MODELS) only with `vanilla`."""
+        """The models to load (aot.serving.repository.models_to_load: the fused `aot` step and the task list on CPU and
+        for the torch engine on a GPU; the plain encoder only with `vanilla`), or those `load` names."""
         if self.load is not None:
             return sorted(self.load)
-        if self.device == "cpu":
-            return sorted(CPU_MODELS + (VANILLA_MODELS[:1] if self.vanilla else ()))
-        skip = {"aot_lookup", *(() if self.vanilla else VANILLA_MODELS)}
-        return sorted(p.name for p in (self.repo / "models").iterdir()
-                      if (p / "config.pbtxt").is_file() and p.name not in skip)
+        return models_to_load(read_repository(self.repo), "cpu" if self.device == "cpu" else "gpu", self.vanilla)
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)

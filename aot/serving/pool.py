@@ -26,6 +26,7 @@ resident rows (`stats`).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +38,9 @@ import numpy as np
 from aot.serving import protocol
 
 EVICT_FRACTION = 16  # evict 1/16 of the buffer when it is full: one argpartition per many fills
+# a version holding this share of the vocabulary's rows finds its slots in an array (4 bytes per token of the
+# vocabulary) rather than a dict: memory stays bounded (at most 1 / DENSE_SHARE of the pool's rows in such versions)
+DENSE_SHARE = 1 / 64
 FILL_CHUNK = 1024  # a resident fill computes its V rows this many at a time: ONNX Runtime keeps its peak working
 # memory, so one run over all of a table's rows would keep several times the RSS of chunks (docs/benchmarks.md, "Second pass")
 POLICIES = ("lru", "lfu")
@@ -93,16 +97,18 @@ class RowPool:
         self._lock = threading.RLock()  # rows_many holds it across slots_many and its gather
         self._sources: dict[str, Callable[[np.ndarray], np.ndarray] | None] = {}  # None: let go (let_go)
         self.stats: dict[str, PoolStats] = {}
-        self.touched: set[str] = set()  # versions whose stats changed since the last drain_touched()
+        self.touched: set[str] = set()  # versions whose stats changed since the last snapshot()
         # resident mode: version -> first slot of its V rows; ranges of detached versions, reused first
         self._base: dict[str, int] = {}
         self._free_bases: list[int] = []
         self._next_base = 0
         self._filled: set[str] = set()
-        # cache mode: per version a dict token -> slot (memory grows with the rows held, not with V x versions);
-        # per slot its key (version number * V + token, -1 free) and its last use
+        # cache mode: per version its tokens' slots, a dict token -> slot while it holds few rows (memory grows with
+        # the rows held, not with V x versions), an int32 array over the vocabulary once it holds DENSE_SHARE of it
+        # (a batch's lookup is then one vectorised take, not Python per token); per slot its key (version number *
+        # V + token, -1 free) and its last use
         self._resident = True
-        self._slot_of: dict[str, dict[int, int]] = {}
+        self._slot_of: dict[str, dict[int, int] | np.ndarray] = {}
         self._owner = np.full(self.slots, -1, dtype=np.int64)  # version number * V + token, -1 free
         self._owner_version: list[str] = []
         self._version_number: dict[str, int] = {}
@@ -152,8 +158,11 @@ class RowPool:
             self.touched.add(version)
             self.stats.pop(version, None)  # its resident range, if any, goes back to the free ranges in _layout
             slot_of = self._slot_of.pop(version, None)
-            if slot_of:
-                freed = np.fromiter(slot_of.values(), dtype=np.int64, count=len(slot_of))
+            if isinstance(slot_of, np.ndarray):
+                freed = slot_of[slot_of >= 0].astype(np.int64)
+            else:
+                freed = np.fromiter((slot_of or {}).values(), dtype=np.int64, count=len(slot_of or {}))
+            if len(freed):
                 self._owner[freed] = -1
                 self._release(freed)
             self._layout()
@@ -186,11 +195,13 @@ class RowPool:
                 self._slot_of = {}
                 return
 
-    def drain_touched(self) -> set[str]:
-        """The versions whose counters changed since the last call (metrics publish only those)."""
+    def snapshot(self) -> tuple[set[str], dict[str, PoolStats]]:
+        """The versions whose counters changed since the last call (metrics publish only those), and a copy of every
+        version's counters, taken together under the pool's lock (the metrics thread reads them while requests
+        change them)."""
         with self._lock:
             touched, self.touched = self.touched, set()
-            return touched
+            return touched, {version: dataclasses.replace(stats) for version, stats in self.stats.items()}
 
     def slots_many(self, requests: list[tuple[str, np.ndarray]]) -> list[np.ndarray]:
         """The buffer slots of each (version, sorted distinct token ids) of a batch, its misses filled. The slots
@@ -228,7 +239,11 @@ class RowPool:
         return base + ids
 
     def _slots(self, version: str, ids: np.ndarray) -> np.ndarray:
-        get = self._slot_of.setdefault(version, {}).get
+        """Each token's slot (-1: not held)."""
+        slot_of = self._slot_of.setdefault(version, {})
+        if isinstance(slot_of, np.ndarray):
+            return slot_of[ids].astype(np.int64)
+        get = slot_of.get
         return np.fromiter((get(t, -1) for t in ids.tolist()), dtype=np.int64, count=len(ids))
 
     def _cached_slots(self, requests: list[tuple[str, np.ndarray]]) -> list[np.ndarray]:
@@ -283,10 +298,13 @@ class RowPool:
         numbers, tokens = np.divmod(self._owner[oldest], self.vocab_size)
         for number in np.unique(numbers).tolist():
             version = self._owner_version[number]
-            slot_of, gone = self._slot_of.get(version), tokens[numbers == number].tolist()
+            slot_of, gone = self._slot_of.get(version), tokens[numbers == number]
             if slot_of is not None:
-                for token in gone:
-                    del slot_of[token]
+                if isinstance(slot_of, np.ndarray):
+                    slot_of[gone] = -1
+                else:
+                    for token in gone.tolist():
+                        del slot_of[token]
                 self.stats[version].evictions += len(gone)
                 self.stats[version].resident_rows -= len(gone)
                 self.touched.add(version)
@@ -303,7 +321,15 @@ class RowPool:
         start = time.perf_counter()
         slots = self._take(len(ids))
         self.storage.write(self.buffer, slots, self._sources[version](ids))
-        self._slot_of[version].update(zip(ids.tolist(), slots.tolist()))
+        slot_of = self._slot_of[version]
+        if isinstance(slot_of, dict):
+            slot_of.update(zip(ids.tolist(), slots.tolist()))
+            if len(slot_of) >= self.vocab_size * DENSE_SHARE:  # many rows: one array over the vocabulary from now on
+                dense = np.full(self.vocab_size, -1, dtype=np.int32)
+                dense[np.fromiter(slot_of, dtype=np.int64)] = np.fromiter(slot_of.values(), dtype=np.int32)
+                self._slot_of[version] = dense
+        else:
+            slot_of[ids] = slots
         self._owner[slots] = self._number(version) * self.vocab_size + ids
         self._last_use[slots] = self._tick  # rows filled for this batch are not evicted by its next fill
         self._filled_since_aging += len(slots)

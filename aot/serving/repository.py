@@ -29,9 +29,9 @@ ENGINES = ("onnx", "tensorrt", "torch")
 # server's request rate at what that thread can do; 6 lift each step's ceiling above what the server's own CPU per
 # request allows on a large host (`aot bench tax`; the figures: docs/benchmarks.md, "The serving tax").
 GPU_STEP_INSTANCES = 6
-# What a server on the CPU configs loads: `aot` is one fused step there (tokenizer, lookup, encoder, head); the GPU
-# ensembles' separate steps are not needed.
-CPU_MODELS = ("aot", "task_list")
+# What a server loads where `aot` is one fused step (tokenizer, lookup, encoder, head): the CPU configs, and the torch
+# engine's GPU configs; the native GPU ensembles' separate steps are not needed there (models_to_load).
+FUSED_MODELS = ("aot", "task_list")
 # The plain encoder, for comparisons (benchmarks): loaded only when asked (`aot serve --vanilla`; in a container,
 # AOT_LOAD_VANILLA=1), each one more engine and, on CPU, more step processes.
 VANILLA_MODELS = ("vanilla", "backbone_vanilla")
@@ -48,11 +48,12 @@ class ServingOptions:
     or `choices`."""
 
     max_batch_size: int = field(default=32, metadata={
-        "flag": "--max-batch-size", "minimum": 1, "help": "Triton max_batch_size of every step"})
+        "flag": "--max-batch-size", "minimum": 1,
+        "help": "Triton max_batch_size of every step: the most texts one batch runs, and one request may carry"})
     backbone_queue_delay_us: int = field(default=500, metadata={
         "flag": "--queue-delay-us", "minimum": 0,
-        "help": "dynamic-batching queue delay of the GPU configs' backbone (µs; the CPU configs: "
-                "--cpu-queue-delay-us)"})
+        "help": "dynamic-batching queue delay of the GPU configs' batched step: the native backbone, or the torch "
+                "engine's one step (µs; the CPU configs: --cpu-queue-delay-us)"})
     cpu_threads: int = field(default=0, metadata={
         "flag": "--cpu-threads", "minimum": 0,
         "help": "engine threads of each CPU step that runs the encoder (0: the host's cores divided among its "
@@ -89,6 +90,11 @@ class ServingOptions:
                 "thread, so one instance caps a server at 1e6 / (its microseconds per request) requests/s (`aot bench "
                 "tax`). 0: 6 in the GPU configs (1 in their CPU configs, which the local server loads only when asked; "
                 "the CPU configs serve clients from one fused step, --cpu-instances)"})
+    gpu_instances: int = field(default=2, metadata={
+        "flag": "--gpu-instances", "minimum": 1,
+        "help": "instances of the torch engine's GPU step (`aot`, `vanilla`: tokenizer, lookup, encoder and head in "
+                "one process on the GPU), each with its own CUDA graphs and an equal share of the task pool: one "
+                "prepares its batch on the CPU while another's runs on the GPU"})
     cpu_instances: int = field(default=2, metadata={
         "flag": "--cpu-instances", "minimum": 1,
         "help": "instances of the CPU configs' one step (`aot`, `vanilla`: tokenizer, lookup, encoder and head in one "
@@ -364,6 +370,16 @@ def memory_pool_bytes(info: RepositoryInfo) -> dict[str, int]:
 
 # The oldest record whose task store a backbone re-export keeps (the store's format has not changed since)
 OLDEST_KEPT_VERSION = 2
+
+
+def models_to_load(info: RepositoryInfo, target: str, vanilla: bool = False) -> list[str]:
+    """The models a server of `target` ("cpu" or "gpu") loads: where `aot` is one fused step (the CPU configs, the
+    torch engine's GPU configs) that step and the task list; the native GPU ensembles with their steps. The plain
+    encoder (VANILLA_MODELS: comparisons only, one more engine) only with `vanilla`."""
+    if target == "cpu" or info.options.engine == "torch":
+        return sorted(FUSED_MODELS + (VANILLA_MODELS[:1] if vanilla else ()))
+    skip = () if vanilla else VANILLA_MODELS
+    return sorted(p.name for p in info.models.iterdir() if (p / "config.pbtxt").is_file() and p.name not in skip)
 
 
 def read_repository(path: str | Path, older: bool = False) -> RepositoryInfo:

@@ -18,6 +18,7 @@ length, one head call per task version).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +27,7 @@ from aot.serving import protocol
 from aot.serving.answers import READS_TOKENS
 from aot.serving.engine import Engine, Prepared, find_engine, instance_threads
 from aot.serving.errors import RequestError
+from aot.serving.items import Item
 from aot.serving.pool import RowStorage
 from aot.serving.steps import RequestContext
 from aot.serving.tasks import ServedTask
@@ -75,17 +77,16 @@ class TextInputs:
         self.step = step
         self.tokens = Tokenization(step.repo.tokenizer_dir, step.repo.uses_token_type_ids, buckets)
 
-    def prepare(self, request, ctx: RequestContext) -> TextRequest:
-        """The request's task version (pinned in `ctx`) and its text or token ids, checked."""
+    def prepare(self, item: Item, ctx: RequestContext) -> TextRequest:
+        """The item's task version (pinned in `ctx`) and its text or token ids, checked."""
         step = self.step
-        text = step.text(request, protocol.TEXT, required=False)
-        ids = step.tensor(request, protocol.INPUT_IDS, required=False)
+        text = step.text(item, protocol.TEXT, required=False)
+        ids = item.array(protocol.INPUT_IDS, required=False)
         if (text is None) == (ids is None):
             raise RequestError(f"send either {protocol.TEXT} or {protocol.INPUT_IDS} (token ids tokenized by the "
                                "client), not both and not neither")
-        pair = step.text(request, protocol.TEXT_PAIR, required=False)
-        pair = given_pair(pair)
-        task = step.resolve(request)
+        pair = given_pair(step.text(item, protocol.TEXT_PAIR, required=False))
+        task = step.resolve(item)
         ctx.version = task.version
         if ids is not None and task.kind in READS_TOKENS:
             raise RequestError(f"task {task.name!r} tags tokens: send {protocol.TEXT} (its entities are found in the "
@@ -93,7 +94,7 @@ class TextInputs:
         if ids is not None:
             if pair is not None:
                 raise RequestError(f"send {protocol.TEXT_PAIR} with {protocol.TEXT}: token ids already hold the pair")
-            tokens = step.tokens(request)
+            tokens = step.tokens(item)
             if len(tokens[protocol.INPUT_IDS]) > task.max_length:
                 raise RequestError(f"{protocol.INPUT_IDS} has {len(tokens[protocol.INPUT_IDS])} tokens: task "
                                    f"{task.name!r} reads at most {task.max_length}")
@@ -157,6 +158,10 @@ class Encoder:
         self.engine = step_engine(params)
         threads = int(params.get("threads", "0")) or instance_threads(step.instances)
         self.runner = self.engine.build(step, aot, threads, log)
+        # an engine that replays CUDA graphs counts the batches it ran eagerly (aot_engine_eager_batches_total)
+        self._eager = getattr(self.runner, "eager_batches", None)
+        if self._eager is not None:
+            step.metrics.eager_batches(0)
 
     def prepare(self, task: ServedTask | None, tokens: dict[str, np.ndarray]) -> Prepared:
         """One request as the engine takes it (engine_request)."""
@@ -172,9 +177,15 @@ class Encoder:
                 for p, slots in zip(batch, self.step.tasks.pool_slots(requests)):
                     p.slots, p.rows = slots, p.task.rows(p.unique) if slots is None else None
             else:
-                for p, rows in zip(batch, self.step.tasks.rows_many(requests)):
+                for p, rows in zip(batch, self.step.tasks.rows_many(requests), strict=True):
                     p.rows = rows
-        return self.runner.run(batch)
+        cpu = time.process_time()
+        pooled = self.runner.run(batch)
+        self.step.metrics.engine_time(time.process_time() - cpu)
+        if self._eager is not None and self.runner.eager_batches != self._eager:
+            self.step.metrics.eager_batches(self.runner.eager_batches - self._eager)
+            self._eager = self.runner.eager_batches
+        return pooled
 
 
 def engine_request(task: ServedTask | None, tokens: dict[str, np.ndarray], aot: bool = True) -> Prepared:

@@ -8,6 +8,8 @@ task's tenant or "" for a public task: aot.serving.store.tenants):
     aot_pool_hits_total, _misses_total, _evictions_total, _fill_us_total, aot_pool_resident_bytes   per task version
     aot_pool_budget_bytes                                                          per instance with a pool
     aot_task_errors_total (step, task, version), aot_store_manifest_errors_total (step)
+    aot_engine_eager_batches_total (step, instance)   batches run eagerly by an engine that replays CUDA graphs
+    aot_engine_cpu_us_total (step, instance)          CPU time spent in the engine (the rest is serving's own)
 
 Only the K busiest tasks of an instance have series of their own (aot.serving.metric_labels.TaskLabels); the others
 count under task="<other>", requests for a task the store does not hold under "<unknown>", and requests refused
@@ -18,17 +20,18 @@ that leaves the K busiest are removed, and Triton shares one series between inst
 Removing a series: the python backend keeps every Metric alive in its MetricFamily object until that object is
 deleted, so each task gets MetricFamily objects of its own (TaskSeries): deleting them removes exactly its series.
 
-Every Metric call is a round trip to the server process, so counts are summed here and published at most every
-FLUSH_SECONDS, after a batch (publishing per request and per pool version cost much of the throughput with many
-tasks: docs/benchmarks.md, "Figures behind the serving code"); the latency histogram takes one round trip
-per observation. A scrape therefore lags by at most that interval plus the time to the instance's next batch (with
-several instances, an idle one publishes what it counted at its next request). Counters of microseconds follow
+Every Metric call is a round trip to the server process, so counts are summed here (`request()`: a few dict updates
+under a lock) and a thread of their own publishes them every FLUSH_SECONDS, off the request path (publishing per
+request and per pool version cost much of the throughput with many tasks: docs/benchmarks.md, "Figures behind the
+serving code"; published after each batch, it still took 5-6 % of a GPU step's time); the latency histogram takes
+one round trip per observation. A scrape therefore lags by at most that interval. Counters of microseconds follow
 Triton's own convention (nv_inference_request_duration_us): rate() of the duration over rate() of the requests is
 the mean time a task's requests spend in a step.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -59,6 +62,11 @@ FAMILIES = {
                                              "re-exported)", "counter"),
     "manifest_errors": ("aot_store_manifest_errors_total", "Task store manifests that could not be read (the last "
                                                            "good one stays in use)", "counter"),
+    "engine_cpu_us": ("aot_engine_cpu_us_total", "CPU time the step's engine spent encoding batches (every thread "
+                                                 "of the step's process), microseconds: the server's CPU less this "
+                                                 "is what serving costs beside the encoder", "counter"),
+    "eager_batches": ("aot_engine_eager_batches_total", "Batches an engine that replays CUDA graphs ran eagerly (a "
+                                                        "capture that failed, a shape no graph covers)", "counter"),
 }
 POOL_COUNTERS = ("pool_hits", "pool_misses", "pool_evictions", "pool_fill_us")
 
@@ -101,8 +109,8 @@ class _Counts:
 
 
 class StepMetrics:
-    """Per-task metrics of one step instance (module docstring): `request()` per request, `flush()` after each
-    batch."""
+    """Per-task metrics of one step instance (module docstring): `request()` per item served, published by a thread
+    of their own every FLUSH_SECONDS (`start()`), and at `close()`."""
 
     FLUSH_SECONDS = 1.0
 
@@ -119,21 +127,48 @@ class StepMetrics:
         self._pending: dict[str, _Counts] = defaultdict(_Counts)  # by version, or by placeholder
         self._pool_last: dict[str, tuple] = {}
         self._flushed = time.monotonic()
+        self._lock = threading.Lock()  # _pending: filled by the request thread, taken by the publishing one
+        self._engine_us = 0.0  # engine CPU time not published yet (under _lock too)
+        self._stop = threading.Event()
+        self._publisher: threading.Thread | None = None
         if pool is not None:  # the pool's series exist from the start, whatever the layout puts in it
             self._series[OTHER].metric("pool_budget_bytes").set(pool.budget_bytes)
             for family in (*POOL_COUNTERS, "pool_resident_bytes"):
                 self._series[OTHER].metric(family, task=OTHER, version=OTHER)
 
+    def start(self) -> "StepMetrics":
+        """Publish from a thread of its own every FLUSH_SECONDS (a step starts it; tests call flush() instead)."""
+        self._publisher = threading.Thread(target=self._publish_loop, name="aot-metrics", daemon=True)
+        self._publisher.start()
+        return self
+
+    def _publish_loop(self) -> None:
+        while not self._stop.wait(self.FLUSH_SECONDS):
+            try:
+                self.flush(force=True)
+            except Exception as exc:  # noqa: BLE001 - the next interval publishes again; a request never fails
+                self.pb.Logger.log_error(f"{self.step}: metrics not published ({type(exc).__name__}: {exc})")
+
     def request(self, version: str, status: str, seconds: float, latency: float) -> None:
-        """One request: its task version ("" if it named none the store holds), its status ("ok" or a
-        aot.serving.errors kind, "internal" for a fault of the server), its share of the step's time and its latency
-        (seconds)."""
+        """One item served: its task version ("" if it named none the store holds), its status ("ok" or an
+        aot.serving.errors reason, "internal" for a fault of the server), its share of the step's time and its
+        latency (seconds)."""
         key = version or (UNKNOWN if status == "not_found" else NONE)
-        counts = self._pending[key]
-        counts.requests += 1
-        counts.failures += status != "ok"
-        counts.duration_us += seconds * 1e6
-        counts.latencies.append(latency)
+        with self._lock:
+            counts = self._pending[key]
+            counts.requests += 1
+            counts.failures += status != "ok"
+            counts.duration_us += seconds * 1e6
+            counts.latencies.append(latency)
+
+    def engine_time(self, cpu_seconds: float) -> None:
+        """CPU time one batch spent in the step's engine (published with the other counts)."""
+        with self._lock:
+            self._engine_us += cpu_seconds * 1e6
+
+    def eager_batches(self, count: int) -> None:
+        """Batches the step's engine ran eagerly where it replays CUDA graphs (0: the series exists from start)."""
+        self._errors.metric("eager_batches", instance=self.instance).increment(count)
 
     def task_error(self, version: str) -> None:
         self._errors.metric("task_errors", task=task_of(version), version=version).increment(1)
@@ -146,7 +181,11 @@ class StepMetrics:
         if not force and time.monotonic() - self._flushed < self.FLUSH_SECONDS:
             return
         self._flushed = time.monotonic()
-        pending, self._pending = self._pending, defaultdict(_Counts)
+        with self._lock:
+            pending, self._pending = self._pending, defaultdict(_Counts)
+            engine_us, self._engine_us = self._engine_us, 0.0
+        if engine_us:
+            self._errors.metric("engine_cpu_us", instance=self.instance).increment(engine_us)
         busy: dict[str, int] = defaultdict(int)
         for key, counts in pending.items():
             if key not in PLACEHOLDERS:
@@ -161,8 +200,11 @@ class StepMetrics:
             self._pool_counts()
 
     def close(self) -> None:
-        """The step unloads (its `finalize`): what was counted since the last flush is published, then the series
-        are removed from the metrics port."""
+        """The step unloads (its `finalize`): the publishing thread stops, what was counted since the last flush is
+        published, then the series are removed from the metrics port."""
+        self._stop.set()
+        if self._publisher is not None:
+            self._publisher.join(timeout=5 * self.FLUSH_SECONDS)
         self.flush(force=True)
         for series in [*self._series.values(), self._errors]:
             series.close()
@@ -196,26 +238,26 @@ class StepMetrics:
 
     def _pool_counts(self) -> None:
         """The pool's counters of the versions touched since the last flush, as increments; the resident bytes of
-        the tasks without series of their own, summed under OTHER."""
-        other_resident = 0
-        for version, stats in list(self.pool.stats.items()):
-            if self.labels.label(task_of(version)) == OTHER:
-                other_resident += stats.resident_rows * self.pool.row_bytes
-        for version in self.pool.drain_touched():
+        the tasks without series of their own, summed under OTHER. Read from one snapshot the pool takes under its
+        lock: the request thread keeps changing them."""
+        touched, stats = self.pool.snapshot()
+        other_resident = sum(s.resident_rows for version, s in stats.items()
+                             if self.labels.label(task_of(version)) == OTHER) * self.pool.row_bytes
+        for version in touched:
             series, labels = self._where(version)
-            stats = self.pool.stats.get(version)
-            if stats is None:  # detached: its rows are gone
+            counts = stats.get(version)
+            if counts is None:  # detached: its rows are gone
                 if labels["task"] != OTHER:
                     series.metric("pool_resident_bytes", **labels).set(0)
                 self._pool_last.pop(version, None)
                 continue
             last = self._pool_last.get(version, (0, 0, 0, 0.0))
-            now = (stats.hits, stats.misses, stats.evictions, stats.fill_seconds)
-            for family, new, old in zip(POOL_COUNTERS, now, last):
+            now = (counts.hits, counts.misses, counts.evictions, counts.fill_seconds)
+            for family, new, old in zip(POOL_COUNTERS, now, last, strict=True):
                 amount = (new - old) * (1e6 if family == "pool_fill_us" else 1)
                 if amount > 0:
                     series.metric(family, **labels).increment(amount)
             if labels["task"] != OTHER:
-                series.metric("pool_resident_bytes", **labels).set(stats.resident_rows * self.pool.row_bytes)
+                series.metric("pool_resident_bytes", **labels).set(counts.resident_rows * self.pool.row_bytes)
             self._pool_last[version] = now
         self._series[OTHER].metric("pool_resident_bytes", task=OTHER, version=OTHER).set(other_resident)

@@ -27,17 +27,18 @@ from pathlib import Path
 
 import numpy as np
 
-from aot.serving import protocol
+from aot.serving import items, protocol
 from aot.serving.errors import STATUS, TRITON_CODES, RequestError
+from aot.serving.items import Item, RequestInputs
 from aot.serving.pool import RowPool
 from aot.serving.repository import RepositoryInfo, repository_of_model
 from aot.serving.request_log import LoggedRequest, RequestLog, RequestLogSettings
 from aot.serving.shm import make_own_region_private
 from aot.serving.step_metrics import StepMetrics
-from aot.serving.store.reader import check_task_spec, task_of
+from aot.serving.store.reader import task_of
 from aot.serving.store.tenants import key_of_parameters, require_tenant_keys
 from aot.serving.task_registry import TaskRegistry
-from aot.serving.watch import ExecuteWatch
+from aot.serving.watch import ExecuteWatch, add_note
 
 __all__ = ["RequestContext", "RequestError", "Step", "StepMetrics"]
 
@@ -57,14 +58,18 @@ def instance_count(args: dict) -> int:
 
 @dataclass
 class RequestContext:
-    """What a step learns of one request while it serves it, for its metrics: the task version that serves it
-    ("" until the request names one the store holds)."""
+    """What a step learns of one item while it serves it, for its metrics and the request log: the task version
+    that serves it ("" until the item names one the store holds), and its row in the request."""
 
     version: str = ""
+    row: int = 0
 
 
 class Step:
     """Base of a served python step: the repository record, the task registry, checks and responses."""
+
+    # inputs whose batch dimension says how many items a request carries (the first a step's request has)
+    ITEM_INPUTS = (protocol.TEXT, protocol.INPUT_IDS, protocol.TASK, protocol.TASK_VERSION, protocol.POOLED_HIDDEN)
 
     def __init__(self, args: dict, pb_utils, name: str, parts: str = "meta", pool_storage=None):
         """`parts`: the parts of each task version this step needs (aot.serving.tasks.PARTS: meta, head, rows, all), or
@@ -75,7 +80,8 @@ class Step:
         self.parameters = model_parameters(args)
         self.instances = instance_count(args)
         make_own_region_private()  # before any request reaches this stub (aot.serving.shm)
-        self.watch = ExecuteWatch(args["model_instance_name"])  # the supervisor sees a batch this instance is stuck in
+        self.instance = args["model_instance_name"]
+        self.watch = ExecuteWatch(self.instance)  # the supervisor sees a batch this instance is stuck in
         self.model_dir = Path(args["model_repository"])
         self.repo: RepositoryInfo = repository_of_model(self.model_dir)
         self.options = self.repo.options
@@ -87,7 +93,7 @@ class Step:
                                 self.repo.hidden_size, self.repo.vocab_size, storage=pool_storage)
             self.pb.Logger.log_info(f"{name}: task pool of {self.pool.budget_bytes} bytes ({self.pool.slots} rows; "
                                     f"{self.pool.slots // self.repo.vocab_size} tasks fully resident)")
-        self.metrics = StepMetrics(pb_utils, name, self.pool, args["model_instance_name"])
+        self.metrics = StepMetrics(pb_utils, name, self.pool, self.instance).start()
         log = RequestLogSettings.from_environment()
         self.request_log = RequestLog(log, name) if log is not None else None
         if parts != "none":
@@ -100,6 +106,11 @@ class Step:
                                       require_tenant_keys=require_tenant_keys())
             self.pb.Logger.log_info(f"{name}: task versions loaded on first use, at most "
                                     f"{self.options.task_cache_bytes} bytes of them kept")
+
+    def warn(self, message: str) -> None:
+        """A warning of this step's start: the server log, and the supervisor's /ready (aot.serving.watch notes)."""
+        self.pb.Logger.log_warn(f"{self.name}: warning: {message}")
+        add_note(self.instance, f"{self.name}: {message}")
 
     def close(self) -> None:
         """The model's `finalize` (Triton unloads it): the store's watch thread stops, the metrics counted since the
@@ -124,95 +135,33 @@ class Step:
         self.pb.Logger.log_error(f"{self.name}: {message}; serving the last good index")
         self.metrics.manifest_error()
 
-    # --- reading one request's inputs ---------------------------------------------------------------------------
+    # --- reading one item's inputs (aot.serving.items) ---------------------------------------------------------
 
-    def tensor(self, request, name: str, required: bool = True) -> np.ndarray | None:
-        tensor = self.pb.get_input_tensor_by_name(request, name)
-        if tensor is None:
-            if required:
-                raise RequestError(f"missing input {name}")
-            return None
-        return tensor.as_numpy()
+    def text(self, item: Item, name: str, required: bool = True) -> str | None:
+        return items.text(item, name, self.options.max_text_bytes, required)
 
-    def one_value(self, request, name: str, required: bool = True):
-        """The single element of a BYTES input: this protocol serves one sequence per request."""
-        array = self.tensor(request, name, required)
-        if array is None:
-            return None
-        if array.size != 1:
-            raise RequestError(f"{name} holds {array.size} values: send one text per request (batch size 1) and "
-                               "send requests concurrently for throughput")
-        return array.reshape(-1)[0]
+    def tokens(self, item: Item) -> dict[str, np.ndarray]:
+        """The token tensors of one item, checked against the backbone's limits."""
+        return items.tokens(item, self.repo)
 
-    def text(self, request, name: str, required: bool = True) -> str | None:
-        raw = self.one_value(request, name, required)
-        if raw is None:
-            return None
-        if isinstance(raw, str):
-            raw = raw.encode("utf-8", "surrogatepass")
-        raw = bytes(raw)
-        if len(raw) > self.options.max_text_bytes:
-            raise RequestError(f"{name} is {len(raw)} bytes; this server accepts at most "
-                               f"{self.options.max_text_bytes} (serving option max_text_bytes)")
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise RequestError(f"{name} is not valid UTF-8 (byte {exc.start}: {raw[exc.start:exc.start + 1]!r})") from None
+    def resolve(self, item: Item):
+        """The task version the item's TASK names, for the caller its request's tenant key says
+        (aot.serving.task_registry)."""
+        return self.tasks.resolve(items.task_name(item, self.options.max_text_bytes), item.inputs.tenant_key)
 
-    def task_name(self, request) -> str:
-        name = self.text(request, protocol.TASK)
-        try:
-            return check_task_spec(name)
-        except ValueError as exc:
-            raise RequestError(f"unknown task: {exc}") from None
-
-    @staticmethod
-    def tenant_key(request) -> str | None:
-        """The request's tenant key (aot.serving.store.tenants; Triton forwards an ensemble's parameters to its steps)."""
-        return key_of_parameters(request.parameters())
-
-    def resolve(self, request):
-        """The task version the request's TASK names, for the caller its tenant key says (aot.serving.task_registry)."""
-        return self.tasks.resolve(self.task_name(request), self.tenant_key(request))
-
-    def task_version(self, request, ctx: RequestContext):
-        """The task version the first step pinned for this request, loaded (fails the request if it is gone, or if
+    def task_version(self, item: Item, ctx: RequestContext):
+        """The task version the first step pinned for this item, loaded (fails the request if it is gone, or if
         its tenant key does not open it: a step called directly). Only a version the store holds becomes the
-        request's metric label: a client calling a step directly with made-up versions must not grow the metrics
+        item's metric label: a client calling a step directly with made-up versions must not grow the metrics
         without bound."""
-        task = self.tasks.version(self.text(request, protocol.TASK_VERSION), self.tenant_key(request))
+        task = self.tasks.version(self.text(item, protocol.TASK_VERSION), item.inputs.tenant_key)
         ctx.version = task.version
         return task
 
-    def sequence(self, request, name: str) -> np.ndarray:
-        """A [1, S] (or [S]) tensor of one sequence, as 1-D."""
-        array = self.tensor(request, name)
-        if array.ndim == 2 and array.shape[0] != 1 or array.ndim not in (1, 2):
-            raise RequestError(f"{name} has shape {list(array.shape)}: expected one sequence per request, [1, S]")
-        return array.reshape(-1)
-
-    def tokens(self, request) -> dict[str, np.ndarray]:
-        """The token tensors of one sequence, checked against the backbone's limits."""
-        names = protocol.token_inputs(self.repo.uses_token_type_ids)
-        tensors = {n: self.sequence(request, n) for n in names}
-        ids, mask = tensors[protocol.INPUT_IDS], tensors[protocol.ATTENTION_MASK]
-        length = len(ids)
-        if not 1 <= length <= self.repo.max_positions:
-            raise RequestError(f"{protocol.INPUT_IDS} has {length} tokens: expected 1 to {self.repo.max_positions}")
-        for name, array in tensors.items():
-            if len(array) != length:
-                raise RequestError(f"{name} has {len(array)} values but {protocol.INPUT_IDS} has {length}")
-        limits = {protocol.INPUT_IDS: self.repo.vocab_size, protocol.ATTENTION_MASK: 2,
-                  protocol.TOKEN_TYPE_IDS: max(self.repo.type_vocab_size, 1)}
-        for name, array in tensors.items():
-            if array.min() < 0 or array.max() >= limits[name]:
-                bad = array[(array < 0) | (array >= limits[name])][0]
-                raise RequestError(f"{name} holds {int(bad)}: expected values in [0, {limits[name] - 1}]")
-        if not mask[0]:
-            raise RequestError(f"{protocol.ATTENTION_MASK} must start with 1 (the first token is always read)")
-        if mask[: int(mask.sum())].min() == 0:
-            raise RequestError(f"{protocol.ATTENTION_MASK} must be 1s followed by 0s (right padding)")
-        return tensors
+    @staticmethod
+    def tenant_key(request) -> str | None:
+        """A request's tenant key (aot.serving.store.tenants; Triton forwards an ensemble's parameters to its steps)."""
+        return key_of_parameters(request.parameters())
 
     # --- responses ---------------------------------------------------------------------------------------------
 
@@ -268,78 +217,117 @@ class Step:
             contexts.append(ctx)
             statuses.append(status)
             seconds.append(time.perf_counter() - start)
-        self._account(requests, contexts, statuses, seconds, seconds)
+        self._account(list(zip(requests, contexts, statuses, seconds, seconds, strict=True)))
         return responses
 
     def respond_batch(self, requests, prepare: Callable, run: Callable, outputs: Callable) -> list:
-        """A batched step: `prepare(request, ctx)` checks each request (ctx: its RequestContext); `run(prepared
-        list)` computes the batch; `outputs(result, k)` is request k's tensors. A failing batch is retried request
-        by request."""
+        """A batched step over the requests' items (aot.serving.items: a request carries N >= 1 texts or
+        sequences): `prepare(item, ctx)` checks each item (ctx: its RequestContext); `run(prepared list)` computes
+        the batch's items at once; `outputs(result, ks)` is the tensors of one request whose items are rows `ks` of
+        the result. A request with a refused item fails as a whole, naming the item; a failing batch is retried
+        request by request."""
         return self._with_probes(requests, lambda real: self._respond_batch(real, prepare, run, outputs))
 
     def _respond_batch(self, requests, prepare: Callable, run: Callable, outputs: Callable) -> list:
         start = time.perf_counter()
-        responses, ready, contexts = [None] * len(requests), [], []
-        statuses = ["internal"] * len(requests)  # until answered
+        responses = [None] * len(requests)
+        ready: list[tuple[int, list]] = []  # (request, its items' prepared), requests whose every item passed
+        contexts: list[list[RequestContext]] = []
+        statuses: list[str] = ["internal"] * len(requests)  # until answered
         for i, request in enumerate(requests):
-            ctx = RequestContext()
-            contexts.append(ctx)
+            mine: list[RequestContext] = []
+            contexts.append(mine)
             try:
-                ready.append((i, prepare(request, ctx)))
+                prepared = self._prepare_items(request, prepare, mine)
             except RequestError as exc:
                 responses[i], statuses[i] = self.request_error(exc), exc.reason
-            except Exception as exc:  # noqa: BLE001
+                continue
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
                 responses[i] = self.internal_error(exc)
+                continue
+            ready.append((i, prepared))
         groups = [ready] if ready else []
         while groups:
             group = groups.pop()
             try:
-                result = run([prepared for _, prepared in group])
-                done = [(i, outputs(result, k)) for k, (i, _) in enumerate(group)]
+                result = run([p for _, prepared in group for p in prepared])
+                done, at = [], 0
+                for i, prepared in group:
+                    done.append((i, outputs(result, range(at, at + len(prepared)))))
+                    at += len(prepared)
             except Exception as exc:  # noqa: BLE001
                 if len(group) > 1:
-                    groups.extend([item] for item in group)  # isolate the request that fails
+                    groups.extend([entry] for entry in group)  # isolate the request that fails
                 else:
                     responses[group[0][0]] = self.internal_error(exc)
                 continue
             for i, tensors in done:
                 responses[i], statuses[i] = self.pb.InferenceResponse(tensors), "ok"
-        latency = time.perf_counter() - start  # every request of the batch waited for all of it
-        share = latency / max(len(requests), 1)
-        self._account(requests, contexts, statuses, [share] * len(requests), [latency] * len(requests))
+        latency = time.perf_counter() - start  # every item of the batch waited for all of it
+        count = sum(len(mine) for mine in contexts)
+        share = latency / max(count, 1)
+        self._account([(r, ctx, status, share, latency) for r, mine, status in zip(requests, contexts, statuses,
+                                                                                    strict=True) for ctx in mine])
         return responses
 
-    def _account(self, requests, contexts: list[RequestContext], statuses: list[str], shares: list[float],
-                 latencies: list[float]) -> None:
-        """Count each request in the metrics (its share of the step's time, its latency) and write the sampled
-        ones to the request log."""
-        for ctx, status, share, latency in zip(contexts, statuses, shares, latencies):
+    def _prepare_items(self, request, prepare: Callable, contexts: list[RequestContext]) -> list:
+        """Each item of the request prepared (`contexts` gets one RequestContext per item read); the first item
+        refused fails the request, its message naming the item when the request carries several."""
+        inputs = RequestInputs(self.pb, request)
+        count = inputs.count(self.ITEM_INPUTS)
+        prepared = []
+        for row in range(count):
+            ctx = RequestContext(row=row)
+            contexts.append(ctx)
+            try:
+                prepared.append(prepare(Item(inputs, row, count), ctx))
+            except RequestError as exc:
+                if count == 1:
+                    raise
+                raise RequestError(f"item {row + 1} of {count}: {exc}", exc.reason) from None
+        return prepared
+
+    def _account(self, served: list[tuple]) -> None:
+        """Count each item in the metrics (its share of the step's time, its latency) and write the sampled ones to
+        the request log; `served`: (request, RequestContext, status, share, latency) per item."""
+        for _, ctx, status, share, latency in served:
             self.metrics.request(ctx.version, status, share, latency)
-        self.metrics.flush()
         if self.request_log is not None:
-            self.request_log.write([self._logged(r, ctx, status, latency)
-                                    for r, ctx, status, latency in zip(requests, contexts, statuses, latencies)
+            self.request_log.write([self._logged(r, ctx, status, latency) for r, ctx, status, _, latency in served
                                     if self.request_log.sampled()])
 
     def _logged(self, request, ctx: RequestContext, status: str, latency: float) -> LoggedRequest:
-        """A request as the log writes it: the task the client named when the store holds none of that name, its
+        """An item as the log writes it: the task the client named when the store holds none of that name, its
         texts only when the log asks for them (read here, raw: they may be what failed the request)."""
         texts = {}
         if self.request_log.settings.text:
-            texts = {key: self._raw_text(request, name) for key, name in (("text", protocol.TEXT),
-                                                                          ("text_pair", protocol.TEXT_PAIR))}
-        task = task_of(ctx.version) if ctx.version else self._raw_text(request, protocol.TASK)
+            texts = {key: self._raw_text(request, name, ctx.row) for key, name in (("text", protocol.TEXT),
+                                                                                   ("text_pair", protocol.TEXT_PAIR))}
+        task = task_of(ctx.version) if ctx.version else self._raw_text(request, protocol.TASK, ctx.row)
         return LoggedRequest(task, ctx.version or None, latency, STATUS[status], **texts)
 
-    def _raw_text(self, request, name: str) -> str | None:
+    def _raw_text(self, request, name: str, row: int) -> str | None:
         tensor = self.pb.get_input_tensor_by_name(request, name)
-        if tensor is None or tensor.as_numpy().size == 0:
+        array = None if tensor is None else tensor.as_numpy()
+        if array is None or array.ndim == 0 or array.shape[0] <= row or array[row].size == 0:
             return None
-        value = tensor.as_numpy().reshape(-1)[0]
+        value = array[row].reshape(-1)[0]
         return bytes(value).decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
     def output(self, name: str, array: np.ndarray):
         return self.pb.Tensor(name, array)
 
-    def bytes_output(self, name: str, text: str):
-        return self.pb.Tensor(name, np.array([[text.encode("utf-8")]], dtype=np.object_))
+    def stacked(self, name: str, rows: list[np.ndarray], fill=0) -> object:
+        """One request's items' rows as one [N, ...] tensor, each padded with `fill` to the largest row's shape (the
+        items of a request may differ in length or width)."""
+        shape = tuple(max(sizes) for sizes in zip(*(r.shape for r in rows), strict=True))
+        if all(r.shape == shape for r in rows):
+            return self.pb.Tensor(name, np.stack(rows))
+        out = np.full((len(rows), *shape), fill, dtype=rows[0].dtype)
+        for k, r in enumerate(rows):
+            out[(k, *(slice(0, n) for n in r.shape))] = r
+        return self.pb.Tensor(name, out)
+
+    def bytes_output(self, name: str, texts: list[str]):
+        """One request's items' texts as a BYTES [N, 1] tensor."""
+        return self.pb.Tensor(name, np.array([[t.encode("utf-8")] for t in texts], dtype=np.object_))

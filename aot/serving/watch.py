@@ -1,11 +1,13 @@
-"""Each python step instance says when its current `execute` began, so that the supervisor finds one instance stuck
-in a batch even while another instance of the same model answers its liveness probes (probes go to whichever
-instance is free: with 2 fused CPU instances, or 6 tokenizer and head instances on a GPU, a deadlocked instance
-would otherwise hold its batch forever, unseen).
+"""What a python step instance tells the supervisor through shared memory: when its current `execute` began, and the
+warnings its start left (a CUDA graph that could not be captured: the supervisor's /ready says so).
 
-A file per instance in shared memory, /dev/shm/aot-busy-<tritonserver pid>-<instance>, holds one float: the
-CLOCK_MONOTONIC time (system-wide on Linux) the running `execute` began, 0 between batches. Writing it is one pwrite
-per batch (a few microseconds)."""
+When: the supervisor finds one instance stuck in a batch even while another instance of the same model answers its
+liveness probes (probes go to whichever instance is free: with 2 fused instances, or 6 tokenizer and head instances
+on a GPU, a deadlocked instance would otherwise hold its batch forever, unseen). A file per instance in shared
+memory, /dev/shm/aot-busy-<tritonserver pid>-<instance>, holds one float: the CLOCK_MONOTONIC time (system-wide on
+Linux) the running `execute` began, 0 between batches. Writing it is one pwrite per batch (a few microseconds).
+
+Warnings: /dev/shm/aot-notes-<tritonserver pid>-<instance>, one line each, written at start (never per request)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from pathlib import Path
 from aot.serving.shm import SHM
 
 PREFIX = "aot-busy-"
+NOTES = "aot-notes-"
 _VALUE = struct.Struct("d")
 
 
@@ -53,12 +56,35 @@ def busy_since(server_pid: int, instance: str) -> float | None:
     return since or None
 
 
+def add_note(instance: str, line: str) -> None:
+    """The stub's side: a warning for the supervisor's /ready (one line; the instance's notes accumulate)."""
+    path = SHM / f"{NOTES}{os.getppid()}-{instance}"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, (" ".join(line.split()) + "\n").encode("utf-8"))
+    finally:
+        os.close(fd)
+
+
+def notes(server_pid: int) -> list[str]:
+    """The supervisor's side: every warning the server's step instances left, each once, in order."""
+    lines: dict[str, None] = {}
+    for path in sorted(SHM.glob(f"{NOTES}{server_pid}-*")):
+        try:
+            lines.update(dict.fromkeys(path.read_text("utf-8", "replace").splitlines()))
+        except OSError:
+            continue
+    return [line for line in lines if line]
+
+
 def remove_watch(server_pid: int, instance: str) -> None:
-    """An instance that left the server: its watch file."""
+    """An instance that left the server: its watch file and notes."""
     watch_path(server_pid, instance).unlink(missing_ok=True)
+    (SHM / f"{NOTES}{server_pid}-{instance}").unlink(missing_ok=True)
 
 
 def remove_watches(server_pid: int) -> None:
-    """After the server exited: its instances' watch files."""
-    for path in SHM.glob(f"{PREFIX}{server_pid}-*"):
-        path.unlink(missing_ok=True)
+    """After the server exited: its instances' watch files and notes."""
+    for prefix in (PREFIX, NOTES):
+        for path in SHM.glob(f"{prefix}{server_pid}-*"):
+            path.unlink(missing_ok=True)

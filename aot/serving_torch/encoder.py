@@ -34,6 +34,15 @@ def pool_states(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> to
     return torch.stack([pooled[name] for name in POOLINGS], dim=1)
 
 
+def additive_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The padding mask [B, S] as the additive mask [B, 1, 1, S] eager attention adds to its scores: 0 where a token
+    is read, the dtype's lowest value where it is padding (what transformers' own mask helpers make), computed on the
+    mask's device from the mask alone. Given a 4D mask, transformers uses it as it is: its own helpers branch on the
+    mask's values in Python (a device-to-host sync; in some releases a host-to-device copy), which CUDA graph
+    capture forbids, so the served engine passes this one instead."""
+    return (1.0 - attention_mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
+
+
 class BiasedEncoder(nn.Module):
     """The frozen encoder whose layer i sees H^i + rows[index, i].
 

@@ -25,7 +25,7 @@ import torch
 
 from aot.serving import protocol
 from aot.serving.engine import Engine, Prepared, register_engine
-from aot.serving_torch.encoder import BiasedEncoder, load_encoder, pool_states
+from aot.serving_torch.encoder import BiasedEncoder, additive_mask, load_encoder, pool_states
 
 DEVICES = ("cpu", "cuda")
 # Encoder families whose forward copies a host tensor to the device (DeBERTa-v2's log-bucketed relative positions:
@@ -64,6 +64,13 @@ class DeviceRows:
         return torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(self.device)
 
 
+def bind_instance_device(args: dict, parameters: dict[str, str]) -> None:
+    """A step instance on `device: cuda` makes its own GPU the current one (Triton places a KIND_GPU instance on a
+    GPU: model_instance_device_id), so that `cuda` means that GPU for its engine, pool and CUDA graphs."""
+    if parameters.get("device") == "cuda" and torch.cuda.is_available():
+        torch.cuda.set_device(int(args.get("model_instance_device_id") or 0))
+
+
 def _bucket(value: int, buckets: tuple[int, ...]) -> int | None:
     return next((b for b in buckets if b >= value), None)
 
@@ -85,11 +92,15 @@ class TorchBackbone:
         self.aot = aot
         self.pool_rows: torch.Tensor | None = None  # the pool buffer on this device (set by the step)
         # CUDA graphs over (batch, sequence) buckets: batch sizes 1, 2, 4, ... up to max_batch.
-        self.graphs = (cuda and cuda_graphs and bool(seq_buckets)
-                       and self.encoder.config.model_type not in NO_CUDA_GRAPHS)
+        # a family whose attention masks itself (DeBERTa-v2: a boolean mask of its own) takes the 2D mask
+        self.own_mask_helpers = self.encoder.config.model_type in NO_CUDA_GRAPHS
+        self.graphs = cuda and cuda_graphs and bool(seq_buckets) and not self.own_mask_helpers
         self.seq_buckets = tuple(sorted(seq_buckets))
         self.batch_buckets = tuple(sorted({min(1 << k, max_batch) for k in range(max_batch.bit_length() + 1)}))
         self._captured: dict[tuple[int, int], tuple] = {}
+        # batches run eagerly although graphs are on (None: an engine that replays none, CPU or a family without)
+        self.eager_batches: int | None = 0 if self.graphs else None
+        self.capture_errors: dict[tuple[int, int], str] = {}  # bucket -> why its capture failed
         self._uncapturable: set[tuple[int, int]] = set()  # buckets whose capture failed: they run eagerly
         self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
 
@@ -103,7 +114,7 @@ class TorchBackbone:
         the device and runs two warm-up passes. Returns the buckets that will run eagerly instead."""
         if self.graphs:
             with self._on_device():
-                for shape in sorted(self._graph_shapes()):
+                for shape in sorted(self.graph_shapes()):
                     self._try_capture(shape)
         return sorted(self._uncapturable)
 
@@ -118,11 +129,13 @@ class TorchBackbone:
             if not self.aot or pooled:
                 shape = self._shape(len(requests), max(len(r.tokens[protocol.INPUT_IDS]) for r in requests))
                 feeds = self._feeds(requests, shape, pooled)
-                if self.graphs and shape in self._graph_shapes() and self._try_capture(shape):
+                if self.graphs and shape in self.graph_shapes() and self._try_capture(shape):
                     out, states = self._replay(shape, feeds)
                 else:
+                    self._count_eager()
                     out, states = self._forward({k: v.to(self.device) for k, v in feeds.items()}, self.pool_rows)
             else:
+                self._count_eager()
                 out, states = self._run_with_rows(requests)
             if any(r.want_states for r in requests):  # one copy to the host for the batch, not one per request
                 host = states[: len(requests)].float().cpu().numpy()
@@ -130,6 +143,10 @@ class TorchBackbone:
                     if r.want_states:
                         r.states = host[b, : len(r.tokens[protocol.INPUT_IDS])]
             return out[: len(requests)].float().cpu().numpy()
+
+    def _count_eager(self) -> None:
+        if self.eager_batches is not None:
+            self.eager_batches += 1
 
     def _shape(self, batch: int, seq: int) -> tuple[int, int]:
         """The padded shape: a captured bucket on CUDA, else exactly the batch and its longest sequence."""
@@ -139,7 +156,7 @@ class TorchBackbone:
                 return b, s
         return batch, seq
 
-    def _graph_shapes(self):
+    def graph_shapes(self):
         return {(b, s) for b in self.batch_buckets for s in self.seq_buckets}
 
     def _feeds(self, requests: list[Prepared], shape: tuple[int, int], pooled: bool,
@@ -164,13 +181,16 @@ class TorchBackbone:
         return {k: torch.from_numpy(v) for k, v in feeds.items()}
 
     def _forward(self, feeds: dict[str, torch.Tensor], rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pooled states [B, P, d] and every token's final state [B, S, d]."""
+        """The pooled states [B, P, d] and every token's final state [B, S, d]: on the device alone, nothing read
+        back to the host or copied from it (what a CUDA graph captures; tests/test_torch_engine.py checks it under
+        a guard), the attention mask made here (additive_mask) rather than by transformers."""
         ids, mask = feeds[protocol.INPUT_IDS], feeds[protocol.ATTENTION_MASK]
         types = feeds.get(protocol.TOKEN_TYPE_IDS)
+        attention = mask if self.own_mask_helpers else additive_mask(mask, self.dtype)
         if not self.aot:
-            states = self.biased.plain_states(ids, mask, types)
+            states = self.biased.plain_states(ids, attention, types)
         else:
-            states = self.biased.states(ids, mask, types, rows, feeds["index"])
+            states = self.biased.states(ids, attention, types, rows, feeds["index"])
         return pool_states(states, mask), states
 
     def _run_with_rows(self, requests: list[Prepared]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,6 +222,7 @@ class TorchBackbone:
             return True
         except RuntimeError as exc:
             self._uncapturable.add(shape)
+            self.capture_errors[shape] = " ".join(str(exc).split())[:300]
             print(f"torch engine: CUDA graph capture failed for bucket {shape}; it runs eagerly ({exc})",
                   file=sys.stderr, flush=True)
             return False
@@ -246,8 +267,11 @@ def _torch_backbone(step, aot: bool, threads: int, log: Callable[[str], None] | 
         backbone.pool_rows = step.pool.buffer
     eager = backbone.capture_all()
     if backbone.graphs and log is not None:
-        log(f"{step.name}: {len(backbone.captured())} CUDA graphs captured"
-            + (f"; buckets run eagerly: {eager}" if eager else ""))
+        log(f"{step.name}: {len(backbone.captured())} CUDA graphs captured")
+    if eager:  # never a silent fallback: the server log's warning, and a line of the supervisor's /ready
+        why = next(iter(backbone.capture_errors.values()), "")
+        step.warn(f"CUDA graph capture failed for {len(eager)} of {len(backbone.graph_shapes())} (batch, sequence) "
+                  f"buckets, which run eagerly: {eager} (first error: {why})")
     return backbone
 
 

@@ -55,7 +55,7 @@ class HealthServer:
             if supervisor is None:
                 return 503, {"ready": False, "reasons": ["tritonserver is starting"]}
             ready, reasons = supervisor.health()
-            return (200 if ready else 503), {"ready": ready, "reasons": reasons}
+            return (200 if ready else 503), {"ready": ready, "reasons": reasons, "warnings": supervisor.warnings()}
         return 404, {"error": "GET /ready or /live"}
 
     def start(self) -> "HealthServer":

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from aot import settings
 from aot.serving.limits import region_bound_of
-from aot.serving.repository import VANILLA_MODELS
+from aot.serving.repository import models_to_load, read_repository
 from aot.serving.supervision.admin_key import (
     RESTRICTED_APIS,
     RESTRICTION_FLAGS,
@@ -30,14 +30,17 @@ from aot.serving.supervision.lifecycle import ServerExited, ServerLifecycle, com
 
 
 def load_flags(command: list[str]) -> list[str]:
-    """What the server loads when the command does not say: every model of its repository but the plain encoder
-    (aot.serving.repository.VANILLA_MODELS: comparisons only, one more engine on the GPU), which AOT_LOAD_VANILLA=1
-    adds."""
+    """What the server loads when the command does not say: what its repository's GPU configs serve
+    (aot.serving.repository.models_to_load: the torch engine's one fused step, or the native ensembles and their
+    steps), the plain encoder only with AOT_LOAD_VANILLA=1; every model of a folder that is not an AoT repository."""
     repo = next((a.split("=", 1)[1] for a in command if a.startswith("--model-repository=")), None)
-    if repo is None or settings.LOAD_VANILLA.read() or not os.path.isdir(repo):
+    try:
+        info = read_repository(Path(repo).parent) if repo is not None and os.path.isdir(repo) else None
+    except (ValueError, OSError):
+        info = None
+    if info is None:
         return ["--load-model=*"]
-    return [f"--load-model={p.name}" for p in sorted(Path(repo).iterdir())
-            if (p / "config.pbtxt").is_file() and p.name not in VANILLA_MODELS]
+    return [f"--load-model={m}" for m in models_to_load(info, "gpu", settings.LOAD_VANILLA.read())]
 
 
 def main(argv: list[str] | None = None, store_check_of: Callable[[str], Callable | None] | None = None) -> int:

@@ -40,7 +40,7 @@ from aot.serving.supervision.probes import BUSY_CPU_SECONDS, BUSY_HUNG_SECONDS, 
 from aot.serving.supervision.procfs import Stub, alive, proc_stat, stub_processes, stubs_of
 from aot.serving.supervision.reloads import Reloads
 from aot.serving.supervision.triton_api import FRONT_END_TIMEOUT, UNREACHABLE, TritonApi
-from aot.serving.watch import busy_since, remove_watch
+from aot.serving.watch import busy_since, notes, remove_watch
 
 MAX_ATTEMPTS = 3  # failed repairs in a row before a model is given up (and its owner told: Supervisor.failed)
 STALE_SECONDS = 5.0  # a stub of an instance that left the server is reaped this long after, once idle
@@ -363,6 +363,11 @@ class Supervisor:
                     remove_watch(self.server_pid, stub.instance)
 
     # --- health -------------------------------------------------------------------------------------------------
+
+    def warnings(self) -> list[str]:
+        """What the steps' starts left for /ready to say while it answers 200 (a CUDA graph that could not be
+        captured: its batches run eagerly)."""
+        return notes(self.server_pid)
 
     def health(self) -> tuple[bool, list[str]]:
         """(ready, reasons it is not): ready when the server runs and its front end answers, every model it needs

@@ -12,6 +12,7 @@ import triton_python_backend_utils as pb_utils
 
 from aot.serving import protocol
 from aot.serving.engine import Prepared
+from aot.serving.items import Item
 from aot.serving.steps import RequestContext, Step, model_parameters
 
 
@@ -37,9 +38,9 @@ class TritonPythonModel:
         where = f"torch memory on {self.device}, out through DLPack" if self.device else "host memory"
         pb_utils.Logger.log_info(f"aot_lookup: task pool rows in {where}")
 
-    def _prepare(self, request, ctx: RequestContext) -> Prepared:
-        task = self.step.task_version(request, ctx)
-        return Prepared.for_task(self.step.tokens(request), task)
+    def _prepare(self, item: Item, ctx: RequestContext) -> Prepared:
+        task = self.step.task_version(item, ctx)
+        return Prepared.for_task(self.step.tokens(item), task)
 
     def _run(self, batch: list[Prepared]):
         """The batch's rows in one pool call (its misses filled together), gathered on the pool's device; rows the
@@ -47,8 +48,7 @@ class TritonPythonModel:
         the GPU for the device pool)."""
         wanted = [(p.task, p.unique) for p in batch]
         if self.dense:
-            bias = self.step.tasks.rows_many(wanted, indexes=[p.index for p in batch])
-            return [b[None] for b in bias]
+            return self.step.tasks.rows_many(wanted, indexes=[p.index for p in batch])
         rows = self.step.tasks.rows_many(wanted)
         return [(r.reshape(1, -1), p.index[None, :]) for r, p in zip(rows, batch)]
 
@@ -60,9 +60,17 @@ class TritonPythonModel:
             return self.step.output(name, value)
         return pb_utils.Tensor.from_dlpack(name, value.contiguous())
 
-    def _outputs(self, out, k):
+    def _outputs(self, out, ks):
+        """Dense: the request's items' biases, [N, S, L, d] (its items share the length the tokenizer padded them
+        to). Rows: one item per request (the tokenizer refuses more: the graph adds one row offset per request)."""
         if self.dense:
-            return [self._tensor(protocol.AOT_BIAS, out[k])]
+            mine = [out[k] for k in ks]
+            if isinstance(mine[0], np.ndarray):
+                return [self._tensor(protocol.AOT_BIAS, np.stack(mine))]
+            import torch
+
+            return [self._tensor(protocol.AOT_BIAS, torch.stack(mine))]
+        (k,) = ks
         rows, index = out[k]
         return [self._tensor(protocol.AOT_ROWS, rows), self.step.output(protocol.AOT_INDEX, index)]
 

@@ -18,6 +18,7 @@ import triton_python_backend_utils as pb_utils
 
 from aot.serving import protocol
 from aot.serving.engine import Prepared
+from aot.serving.items import Item
 from aot.serving.stages import Encoder, pool_storage
 from aot.serving.steps import RequestContext, Step, model_parameters
 
@@ -26,27 +27,30 @@ class TritonPythonModel:
     def initialize(self, args):
         params = model_parameters(args)
         if params.get("engine") == "torch":
-            import aot.serving_torch.engine  # importing it registers the torch engine
+            from aot.serving_torch.engine import bind_instance_device  # importing it registers the torch engine
+
+            bind_instance_device(args, params)
 
         aot = args["model_name"] == "backbone"
         self.step = Step(args, pb_utils, args["model_name"], parts="rows" if aot else "none",
                          pool_storage=pool_storage(params))
         self.encoder = Encoder(self.step, aot, log=pb_utils.Logger.log_info)
 
-    def _prepare(self, request, ctx: RequestContext) -> Prepared:
-        task = self.step.task_version(request, ctx) if self.encoder.aot else None  # first: metrics
-        return self.encoder.prepare(task, self.step.tokens(request))
+    def _prepare(self, item: Item, ctx: RequestContext) -> Prepared:
+        task = self.step.task_version(item, ctx) if self.encoder.aot else None  # first: metrics
+        return self.encoder.prepare(task, self.step.tokens(item))
 
     def _run(self, batch: list[Prepared]):
         return self.encoder.run(batch), batch
 
-    def _outputs(self, result, k):
+    def _outputs(self, result, ks):
+        """The items' pooled states, and their token states (one row of zeros for an item that wants none),
+        padded to the request's longest."""
         pooled, batch = result
-        states = batch[k].states
-        if states is None:
-            states = np.zeros((1, pooled.shape[-1]), dtype=protocol.HIDDEN_DTYPE)
-        return [self.step.output(protocol.POOLED_HIDDEN, pooled[k:k + 1]),
-                self.step.output(protocol.TOKEN_HIDDEN, states[None, :])]
+        none = np.zeros((1, pooled.shape[-1]), dtype=protocol.HIDDEN_DTYPE)
+        return [self.step.output(protocol.POOLED_HIDDEN, pooled[ks[0]:ks[-1] + 1]),
+                self.step.stacked(protocol.TOKEN_HIDDEN, [none if batch[k].states is None else batch[k].states
+                                                         for k in ks])]
 
     def execute(self, requests):
         self.step.refresh()

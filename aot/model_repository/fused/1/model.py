@@ -11,6 +11,7 @@ importing it registers the engine). Each request is checked on its own and fails
 once and serves every stage.
 """
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from aot.serving import protocol
@@ -23,7 +24,9 @@ class TritonPythonModel:
     def initialize(self, args):
         params = model_parameters(args)
         if params.get("engine") == "torch":
-            import aot.serving_torch.engine  # importing it registers the torch engine
+            from aot.serving_torch.engine import bind_instance_device  # importing it registers the torch engine
+
+            bind_instance_device(args, params)
 
         aot = params.get("aot") == "true"
         self.step = Step(args, pb_utils, args["model_name"], parts="all" if aot else "head",
@@ -39,12 +42,12 @@ class TritonPythonModel:
         inputs = [HeadInput(pooled[k], p.states, t.words, t.first) for k, (p, t) in enumerate(zip(prepared, texts))]
         return [(task.version, answer) for task, answer in zip(tasks, head_answers(tasks, inputs))]
 
-    def _outputs(self, answers, k):
-        version, answer = answers[k]
-        return [self.step.output(protocol.LOGITS, answer.values[None, :]),
-                self.step.bytes_output(protocol.LABEL, answer.label),
-                self.step.bytes_output(protocol.ANSWER, answer.json),
-                self.step.bytes_output(protocol.TASK_VERSION, version)]
+    def _outputs(self, answers, ks):
+        mine = [answers[k] for k in ks]
+        return [self.step.stacked(protocol.LOGITS, [a.values for _, a in mine], fill=np.nan),
+                self.step.bytes_output(protocol.LABEL, [a.label for _, a in mine]),
+                self.step.bytes_output(protocol.ANSWER, [a.json for _, a in mine]),
+                self.step.bytes_output(protocol.TASK_VERSION, [version for version, _ in mine])]
 
     def execute(self, requests):
         self.step.refresh()
