@@ -332,6 +332,26 @@ def test_tax_bench_tiny(tmp_path, tiny_models, sentiment_dir):
 
 
 @pytest.mark.server
+def test_tax_bench_torch_tiny(tmp_path, tiny_models, sentiment_dir):
+    """--engine torch: the GPU configs' path (the torch engine's fused step) on this CPU, single-text and 8-text
+    requests: the server's CPU per text splits into its engines' own (aot_engine_cpu_us_total) and the rest."""
+    task = train_tiny_task(tiny_models["bert"], sentiment_dir, tmp_path / "task", "fc", epochs=1)
+    out = tmp_path / "bench"
+    assert main(["bench", "tax", "--engine", "torch", "--task", str(task), "--out", str(out), "--concurrency", "2",
+                 "--requests", "48", "--texts-per-request", "1,8", "--no-progress"]) == 0
+    records = json.loads((out / "tax-torch.json").read_text())
+    assert [(r["texts_per_request"], r["concurrency"], r["texts"], r["requests"]) for r in records] == [
+        (1, 2, 48, 48), (8, 2, 48, 6)]
+    for r in records:
+        assert r["engine_cpu_us_per_text"] > 0 and r["server_cpu_us_per_text"] > r["engine_cpu_us_per_text"]
+        assert r["outside_engine_us_per_text"] == pytest.approx(
+            r["server_cpu_us_per_text"] - r["engine_cpu_us_per_text"], abs=0.2)
+        assert r["outside_engine_us_per_request"] == pytest.approx(
+            r["outside_engine_us_per_text"] * r["texts"] / r["requests"], rel=0.01)
+        assert "tritonserver" in r["by_process_us_per_text"] and r["texts_per_s"] > 0
+    assert "texts / request" in (out / "tax-torch.md").read_text()
+
+
 def test_tax_bench_int8_tiny(tmp_path, tiny_models, sentiment_dir):
     """--precision int8: the int8 repository is served, and the engine alone runs its int8 twins one request at a
     time whatever the batch, as its steps run them."""

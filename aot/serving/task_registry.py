@@ -89,6 +89,8 @@ class TaskRegistry:
         self._bytes: dict[str, int] = {}
         self._loading: dict[str, threading.Event] = {}
         self._last_used: dict[str, float] = {}
+        self._batch = 0  # refresh() count: a fused table is checked against the disk once per batch
+        self._table_checked: dict[str, int] = {}  # version -> the batch its table was last checked in
         self._reported_error: str | None = None
         self._unreachable: dict[str, tuple[float, str]] = {}  # version -> (until when, why): not retried sooner
         self._lock = threading.RLock()
@@ -114,6 +116,7 @@ class TaskRegistry:
     def refresh(self) -> None:
         """Before each batch (and in the audit's thread): apply what changed in the index (a stat when nothing
         did; nothing for a store in object storage, which a thread of its own follows)."""
+        self._batch += 1
         if not self.store.remote:
             self._refresh()
 
@@ -237,7 +240,8 @@ class TaskRegistry:
             if unreachable is not None and time.monotonic() < unreachable[0]:
                 raise RequestError(unreachable[1], "unavailable")
             task = self._load_once(version)
-        if isinstance(task, ServedTask) and task.table is not None:
+        if isinstance(task, ServedTask) and task.table is not None and self._table_checked.get(version) != self._batch:
+            self._table_checked[version] = self._batch  # once per batch: its requests all read the table now
             try:
                 task.check_table()
             except StoreError as exc:  # damaged under the server: refused from now on, its pool rows dropped
@@ -325,6 +329,7 @@ class TaskRegistry:
         self._versions.pop(version, None)
         self.resident_bytes -= self._bytes.pop(version, 0)
         self._last_used.pop(version, None)
+        self._table_checked.pop(version, None)
         if self.pool is not None:
             self.pool.let_go(version)
 
