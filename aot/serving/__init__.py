@@ -8,7 +8,8 @@ server's supervisor); `python3 -m aot.serving` (__main__) is the container's ent
 The request path, a request's way through a step:
     protocol       the tensors between the client and the served steps (one definition of names and dtypes)
     limits         how large one request may be, from the repository's serving options
-    steps          what every Triton python step shares: its configuration, input checks, one response per request
+    steps          what every Triton python step shares: its configuration, one response per request, metrics
+    items          a request's items (the N texts or sequences it carries) and the checks of what each holds
     stages         what the served steps compute: TextInputs, Encoder (the heads: heads)
     tokenization   text -> token ids, as in training (the `tokenizers` library, no transformers/torch)
     words          a token task's words: where each starts, and the entities its tags spell
