@@ -377,3 +377,26 @@ def test_engines_are_found_by_name_and_an_unregistered_one_says_what_provides_it
         engine.find_engine("torch")
     with pytest.raises(LookupError, match="unknown engine 'tpu': expected one of onnx, torch"):
         engine.find_engine("tpu")
+
+
+def test_a_batchs_token_indexes_equal_each_sequences_own():
+    """token_indexes (one vectorised pass for a batch) gives every sequence exactly what token_index gives it alone:
+    its sorted distinct tokens and each token's row among them, padding on row 0."""
+    from aot.serving.tasks import token_index, token_indexes
+
+    rng = np.random.default_rng(0)
+    compared = 0
+    for _ in range(100):
+        sequences = []
+        for _ in range(int(rng.integers(1, 9))):
+            n = int(rng.integers(1, 20))
+            mask = np.zeros(n, dtype=np.int64)
+            mask[: int(rng.integers(1, n + 1))] = 1
+            sequences.append((rng.integers(0, 50, n), mask))
+        for (unique, index), sequence in zip(token_indexes(sequences), sequences, strict=True):
+            want_unique, want_index = token_index(*sequence)
+            np.testing.assert_array_equal(unique, want_unique)
+            np.testing.assert_array_equal(index, want_index)
+            assert index.dtype == want_index.dtype
+            compared += 1
+    assert compared > 100

@@ -17,7 +17,7 @@ from aot.serving import protocol
 from aot.serving.engine import BackboneRunner
 from aot.serving.heads import Answer, HeadInput, head_answers
 from aot.serving.repository import RepositoryInfo
-from aot.serving.stages import TextRequest, encode_texts, engine_request
+from aot.serving.stages import TextRequest, encode_texts, engine_requests
 from aot.serving.store.digests import file_digest
 from aot.serving.tasks import ServedTask
 from aot.serving.tokenization import Tokenization
@@ -51,7 +51,7 @@ class CpuEngine:
         for start in range(0, len(items), CHUNK):
             texts = encode_texts(self.tokens, [TextRequest(task, text, pair)
                                                for text, pair in items[start:start + CHUNK]])
-            requests = [engine_request(task, t.tokens) for t in texts]
+            requests = engine_requests([task] * len(texts), [t.tokens for t in texts])
             for request in requests:
                 request.rows = task.rows(request.unique)
             pooled = self.runner.run(requests)

@@ -20,7 +20,7 @@ import numpy as np
 
 from aot.serving import protocol
 from aot.serving.pool import RowStorage
-from aot.serving.tasks import ServedTask, token_index
+from aot.serving.tasks import ServedTask, token_index, token_indexes
 
 
 @dataclass
@@ -45,6 +45,12 @@ class Prepared:
         """An AoT request of `task`: its distinct tokens and each token's row among them, its rows still to come."""
         unique, index = token_index(tokens[protocol.INPUT_IDS], tokens[protocol.ATTENTION_MASK])
         return cls(tokens, task, unique, index)
+
+    @classmethod
+    def for_tasks(cls, tokens: list[dict[str, np.ndarray]], tasks: list[ServedTask]) -> list[Prepared]:
+        """for_task of a whole batch, its distinct tokens found in one pass (aot.serving.tasks.token_indexes)."""
+        indexes = token_indexes([(t[protocol.INPUT_IDS], t[protocol.ATTENTION_MASK]) for t in tokens])
+        return [cls(t, task, unique, index) for t, task, (unique, index) in zip(tokens, tasks, indexes, strict=True)]
 
 
 class Backbone(Protocol):

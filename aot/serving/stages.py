@@ -167,6 +167,10 @@ class Encoder:
         """One request as the engine takes it (engine_request)."""
         return engine_request(task, tokens, self.aot)
 
+    def prepare_many(self, tasks: list[ServedTask], tokens: list[dict[str, np.ndarray]]) -> list[Prepared]:
+        """A batch's requests as the engine takes them, in one pass (engine_requests)."""
+        return engine_requests(tasks, tokens, self.aot)
+
     def run(self, batch: list[Prepared]) -> np.ndarray:
         """The pooled states [B, P, d] of the batch, in its order (and each request's token states, `states`, where
         it wants them): its rows (or pool slots, for an engine that gathers from the pool itself) in one pool call,
@@ -186,6 +190,14 @@ class Encoder:
             self.step.metrics.eager_batches(self.runner.eager_batches - self._eager)
             self._eager = self.runner.eager_batches
         return pooled
+
+
+def engine_requests(tasks: list[ServedTask], tokens: list[dict[str, np.ndarray]], aot: bool = True) -> list[Prepared]:
+    """engine_request of a batch: for AoT every request's distinct tokens found in one vectorised pass."""
+    prepared = Prepared.for_tasks(tokens, tasks) if aot else [Prepared(t) for t in tokens]
+    for p, task in zip(prepared, tasks, strict=True):
+        p.want_states = task is None or task.kind in READS_TOKENS
+    return prepared
 
 
 def engine_request(task: ServedTask | None, tokens: dict[str, np.ndarray], aot: bool = True) -> Prepared:

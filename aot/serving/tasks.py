@@ -289,6 +289,26 @@ def token_index(input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.n
     return unique, index
 
 
+def token_indexes(sequences: list[tuple[np.ndarray, np.ndarray]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """token_index of every (input_ids, attention_mask) of a batch, in one vectorised pass: one np.unique over the
+    batch's (sequence, token) keys instead of one per sequence."""
+    if len(sequences) == 1:
+        return [token_index(*sequences[0])]
+    lengths = np.fromiter((len(ids) for ids, _ in sequences), dtype=np.int64, count=len(sequences))
+    ids = np.concatenate([ids for ids, _ in sequences]).astype(np.int64)
+    valid = np.concatenate([mask for _, mask in sequences]).astype(bool)
+    owner = np.repeat(np.arange(len(sequences)), lengths)[valid]
+    base = int(ids.max()) + 1
+    keys, inverse = np.unique(owner * base + ids[valid], return_inverse=True)
+    item_of_key = keys // base
+    starts = np.searchsorted(item_of_key, np.arange(len(sequences) + 1))
+    index = np.zeros(len(ids), dtype=protocol.INDEX_DTYPE)
+    index[valid] = inverse - starts[owner]
+    tokens = keys - item_of_key * base
+    ends = np.cumsum(lengths)
+    return [(tokens[starts[k]:starts[k + 1]], index[ends[k] - lengths[k]:ends[k]]) for k in range(len(sequences))]
+
+
 def lookup(task: ServedTask, input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The AoT lookup for one sequence from the task's storage: distinct tokens' rows (flat fp16), row numbers."""
     unique, index = token_index(input_ids, attention_mask)

@@ -37,7 +37,7 @@ class TritonPythonModel:
     def _run(self, batch: list[TextRequest]):
         tasks = [r.task for r in batch]
         texts = self.text.encode(batch)
-        prepared = [self.encoder.prepare(task, t.tokens) for task, t in zip(tasks, texts)]
+        prepared = self.encoder.prepare_many(tasks, [t.tokens for t in texts])
         pooled = self.encoder.run(prepared)
         inputs = [HeadInput(pooled[k], p.states, t.words, t.first) for k, (p, t) in enumerate(zip(prepared, texts))]
         return [(task.version, answer) for task, answer in zip(tasks, head_answers(tasks, inputs))]
