@@ -239,8 +239,9 @@ def test_killed_haproxy_is_restarted_and_no_request_fails(fleet, expected):
 
 
 def test_oversized_requests_are_refused_before_any_replica(fleet):
-    """The issue's case (INT64 [1, 25,000,000] ids, 400 MB) and a 400 KB text: HAProxy refuses them (413) before
-    either replica reads a byte: no replica counts a failed request, none's shared memory grows."""
+    """The issue's case (INT64 [1, 25,000,000] ids, 400 MB) and a 2 MB text (past max_request_bytes, 1 MiB): HAProxy
+    refuses them (413) before either replica reads a byte: no replica counts a failed request, none's shared memory
+    grows."""
     import json
 
     import tritonclient.grpc as grpcclient
@@ -258,7 +259,7 @@ def test_oversized_requests_are_refused_before_any_replica(fleet):
     with grpcclient.InferenceServerClient(fleet.grpc_url) as client:
         with pytest.raises(Exception, match="413"):
             client.infer("aot", [ids])
-    body = json.dumps({"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": ["x" * 400_000]},
+    body = json.dumps({"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": ["x" * 2_000_000]},
                                   {"name": "TASK", "shape": [1, 1], "datatype": "BYTES", "data": ["alpha"]}]})
     request = urllib.request.Request(f"http://{fleet.http_url}/v2/models/aot/infer", data=body.encode(), method="POST")
     with pytest.raises(urllib.error.HTTPError) as refused:

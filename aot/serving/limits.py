@@ -27,18 +27,20 @@ REGION_FLOOR = 64 * MIB  # the least a region may hold before it counts as grown
 
 @dataclass(frozen=True)
 class RequestBounds:
-    body_bytes: int  # the largest request body a client needs: two texts of max_text_bytes, or the longest ids
+    body_bytes: int  # the largest request body: max_request_bytes, or one item (two texts, or the ids) if larger
     region_bytes: int  # a python step's shared memory holding more than this held an oversized request
 
 
 def request_bounds(info: RepositoryInfo) -> RequestBounds:
-    """The repository's bounds: a body holds TEXT and TEXT_PAIR (max_text_bytes each) or token ids up to the
-    longest sequence served (as JSON text, the larger encoding), with TASK and framing; a region holds a full batch
-    of such requests twice over (inputs of one batch while the last one's are freed) and the batch's tensors."""
+    """The repository's bounds: an item holds TEXT and TEXT_PAIR (max_text_bytes each) or token ids up to the
+    longest sequence served (as JSON text, the larger encoding) and its TASK; a request body holds items up to
+    max_request_bytes (a request of many texts: aot.serving.items), at least one whole item; a region holds a full
+    batch of items twice over (inputs of one batch while the last one's are freed) and the batch's tensors."""
     texts = 2 * info.options.max_text_bytes
     ids = len(protocol.token_inputs(True)) * info.max_positions * DIGITS_PER_ID
-    body = max(texts, ids) + FRAMING_BYTES
-    region = REGION_FLOOR + 2 * info.options.max_batch_size * body + largest_batch_bytes(info)
+    item = max(texts, ids) + FRAMING_BYTES
+    body = max(info.options.max_request_bytes, item)
+    region = REGION_FLOOR + 2 * info.options.max_batch_size * item + largest_batch_bytes(info)
     override = settings.SHM_REGION_BYTES.read()
     return RequestBounds(body, region if override is None else override)
 

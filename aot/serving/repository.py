@@ -122,6 +122,12 @@ class ServingOptions:
         "flag": "--max-text-bytes", "minimum": 1,
         "help": "longest TEXT (and TEXT_PAIR) a request may send, in UTF-8 bytes; longer ones are refused at once "
                 "(texts are truncated to at most 512 tokens anyway)"})
+    max_request_bytes: int = field(default=1 << 20, metadata={
+        "flag": "--max-request-bytes", "minimum": 1,
+        "help": "largest request body the fleet's load balancer reads whole (and buffers, to retry it on another "
+                "replica): a request of many texts together (at least one text of --max-text-bytes with its pair "
+                "fits whatever this says); a larger one is refused with 413, and aot.Client sends its texts again "
+                "one a request"})
 
     def __post_init__(self):
         self.buckets = tuple(sorted(int(b) for b in self.buckets))
