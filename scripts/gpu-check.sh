@@ -155,7 +155,7 @@ perf_stage() {  # issue 45's check (the comment above); its exit status is the c
   random_encoder "$work/perf-base" '{"num_hidden_layers": 12, "hidden_size": 768, "num_attention_heads": 12,
     "intermediate_size": 3072}'
   echo "== perf: random encoders: $((SECONDS - start)) s"
-  for shape in minilm base; do  # accuracy does not matter: a task to serve, trained in seconds
+  for shape in minilm base; do  # accuracy does not matter: a task to serve (4 optimizer steps)
     [ -f "$work/perf-task-$shape/config.json" ] || aot train --model "$work/perf-$shape" --data rotten_tomatoes \
       --method fc --out "$work/perf-task-$shape" --epochs 1 --max-length 64 --max-train-samples 64 \
       --device "$device" --no-progress >/dev/null
@@ -166,7 +166,7 @@ perf_stage() {  # issue 45's check (the comment above); its exit status is the c
     --device "$device" --deadline "$deadline" --out "$out/perf" --work "$work/perf" "${load[@]}" \
     --note "base: a BERT config of RoBERTa-base's compute shape (12 layers, hidden 768, 12 heads, FFN 3072) with \
 MiniLM's tokenizer and vocabulary (30,522, not RoBERTa's 50,265): the kit carries no RoBERTa tokenizer" \
-    --note "every encoder has random weights; each task is FC trained 1 epoch on 64 reviews (accuracy is not measured)" \
+    --note "every encoder has random weights; each task is FC trained 1 epoch on 64 reviews (accuracy not measured)" \
     || status=$?
   echo "== perf: $((SECONDS - start)) s, exit $status; the whole call so far: $SECONDS s (results: $out/perf/perf.md)"
   [ "$status" = 0 ] || echo "gpu-check: the perf stage FAILED (perf.md says why)" >&2

@@ -21,7 +21,7 @@ bash scripts/setup.sh
 PY_VERSION=${AOT_KIT_PYTHON:-3.12}
 KIT=.gpu-kit
 LIMIT_MIB=60  # the tool's 64 MiB per call, less the working tree (~4 MiB)
-PERF_ANALYZER_VERSION=2.60.0  # the release seen running on the lent machine (its wheel: perf_analyzer/bin/perf_analyzer)
+PERF_ANALYZER_VERSION=2.60.0  # seen running on the lent machine (its wheel: perf_analyzer/bin/perf_analyzer)
 site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 version() { .venv/bin/python -c 'import importlib.metadata as m, sys; print(m.version(sys.argv[1]))' "$1"; }
 

@@ -578,6 +578,16 @@ def test_budget_skips_what_would_pass_the_deadline():
     assert budget.fits(50.0) and not budget.fits(150.0)
 
 
+def test_an_earlier_shape_keeps_time_for_the_later_shapes_target_windows():
+    from aot.benchmarks.gpu_perf import RESERVE_S, Budget, kept_for_later
+
+    budget = Budget(None, 10.0)
+    assert kept_for_later([], 30.0, budget, (1, 32, 256), (1, 64)) == 0.0
+    # base: set-up guessed at twice this shape's, then its 8 target windows (c=1 is a target of minilm's alone)
+    assert kept_for_later(["base"], 30.0, budget, (1, 32, 256), (1, 64)) == 2 * 30.0 + RESERVE_S + 8 * 10.0
+    assert kept_for_later(["minilm"], 30.0, budget, (1, 32, 256), (1, 64)) == 2 * 30.0 + RESERVE_S + 10 * 10.0
+
+
 def test_metric_sum_adds_every_series_and_tells_none_from_zero():
     from aot.benchmarks.gpu_perf import metric_sum
 
