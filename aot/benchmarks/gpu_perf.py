@@ -235,6 +235,7 @@ class Served:
         from aot.local.server import free_ports
 
         grpc, http, metrics, health = free_ports(4)
+        folder.mkdir(parents=True, exist_ok=True)
         self.command = [sys.executable, "-m", "aot", "serve", "--repo", str(repo), "--device", device, "--vanilla",
                         *(["--pool-bytes", str(pool)] if pool is not None else []), "--grpc-port", str(grpc),
                         "--http-port", str(http), "--metrics-port", str(metrics), "--health-port", str(health),
@@ -292,9 +293,10 @@ class ShapeRun:
                        "eager_batches": None, "ready_warnings": None, "parity": None, "elapsed_s": {}, "skipped": []}
         result["shapes"].append(self.record)
 
-    def part(self, name: str, work):
+    def part(self, name: str, job):
+        """Run `job` as the part `name` of this shape, its time logged and recorded."""
         start = time.monotonic()
-        value = work()
+        value = job()
         self.record["elapsed_s"][name] = round(time.monotonic() - start, 1)
         _log(f"{self.name}: {name} {self.record['elapsed_s'][name]:.0f} s")
         return value
@@ -320,7 +322,7 @@ class ShapeRun:
         server = self.part("serve start", lambda: Served(repo, config.device, pool_bytes(repo, config.device),
                                                          self.folder))
         try:
-            self.record["ready_seconds"] = self.record["elapsed_s"]["serve start"]
+            self.record["ready_seconds"] = server.info.get("ready_seconds")  # tritonserver's start to ready
             self.part("warm-up", lambda: self.warm_up(server, texts))
             before = self.eager(server)
             self.part("windows", lambda: self.windows(server, sampler, data, texts))
