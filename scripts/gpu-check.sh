@@ -12,8 +12,9 @@
 #               (aot serve --device cuda --vanilla) under perf_analyzer: vanilla, AoT 1 task, AoT 8 mixed tasks at
 #               concurrency 1, 32, 256 with 1-text and 64-text requests; the GPU's utilisation through each window;
 #               batches run eagerly (any fails the check), /ready's warnings, parity with `aot predict`; the targets
-#               evaluated (aot bench gpu-perf: perf.json, perf.md). It ends within AOT_GPU_SECONDS (450) of the
-#               start: windows that would not fit are skipped, the base-size shape's least important first, and named
+#               evaluated (aot bench gpu-perf: perf.json, perf.md). It is planned to end within AOT_GPU_SECONDS
+#               (450) of the start: windows that would not fit are skipped, the base-size shape's least important
+#               first, and named (a window slower than the ones before it can overrun by its excess)
 #     smoke     served answers vs `aot predict`; vanilla vs AoT (1 and 8 mixed tasks) at concurrency 1 and 8, 200
 #               requests each (the path works at all)
 #     serve     throughput and p50/p99 at concurrency 1, 8, 32: vanilla vs AoT with 1 and 8 mixed tasks, fused and
