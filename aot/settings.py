@@ -140,6 +140,9 @@ GPU_WORK = Setting("AOT_GPU_WORK", "the GPU check's working folder", "/tmp/aot-g
                    read_by="scripts/gpu-check.sh")
 GPU_DEVICE = Setting("AOT_GPU_DEVICE", "the device the GPU check serves on (cpu rehearses its stages)", "cuda",
                      expected="a device", read_by="scripts/gpu-check.sh")
+GPU_SECONDS = Setting("AOT_GPU_SECONDS", "seconds the GPU check's perf stage may take from the script's start, "
+                      "set-up included: windows and shapes that would not fit are skipped and named", 450, _integer(1),
+                      "a number of seconds", read_by="scripts/gpu-check.sh")
 GPU_REQUESTS = Setting("AOT_GPU_REQUESTS", "requests per serve and pool measurement of the GPU check", 2000, _integer(1),
                        "a number of requests", read_by="scripts/gpu-check.sh")
 GPU_ROUNDS = Setting("AOT_GPU_ROUNDS", "rounds of the GPU check's serve bench", 1, _integer(1), "a number of rounds",

@@ -1,10 +1,20 @@
 #!/usr/bin/env bash
-# The GPU serving check (issue 12), on a machine with a CUDA GPU, Python with PyTorch (CUDA), transformers,
-# tokenizers, safetensors, peft, scikit-learn, psutil and matplotlib, and no network: .gpu-kit/ (scripts/gpu-kit.sh,
-# run where the package index is reachable) brings the rest. Served on the local tritonserver with the torch engine,
-# a random-weight encoder of MiniLM's shape (speed and parity need no trained weights; no accuracy is measured).
+# The GPU serving check (issues 12 and 45), on a machine with a CUDA GPU, Python with PyTorch (CUDA), transformers,
+# tokenizers, safetensors, peft, scikit-learn, psutil, matplotlib and grpcio, and no network: .gpu-kit/
+# (scripts/gpu-kit.sh, run where the package index is reachable) brings the rest. Served on the local tritonserver
+# with the torch engine, random-weight encoders of MiniLM's shape (and for perf a base-size one: speed and parity need
+# no trained weights; no accuracy is measured).
 #
-#   bash scripts/gpu-check.sh STAGE...     stages, two to a call of the device tool (10 minutes at most):
+#   bash scripts/gpu-check.sh [STAGE...]   default: perf, one call of the device tool (8 minutes); the others two
+#                                          to a call (10 minutes at most)
+#     perf      issue 45's check, for MiniLM's shape and a base-size encoder (RoBERTa-base's compute shape with
+#               MiniLM's tokenizer): the engine alone at the served max batch (128 x 64 tokens, CUDA graphs); served
+#               (aot serve --device cuda --vanilla) under perf_analyzer: vanilla, AoT 1 task, AoT 8 mixed tasks at
+#               concurrency 1, 32, 256 with 1-text and 64-text requests; the GPU's utilisation through each window;
+#               batches run eagerly (any fails the check), /ready's warnings, parity with `aot predict`; the targets
+#               evaluated (aot bench gpu-perf: perf.json, perf.md). It is planned to end within AOT_GPU_SECONDS
+#               (450) of the start: windows that would not fit are skipped, the base-size shape's least important
+#               first, and named (a window slower than the ones before it can overrun by its excess)
 #     smoke     served answers vs `aot predict`; vanilla vs AoT (1 and 8 mixed tasks) at concurrency 1 and 8, 200
 #               requests each (the path works at all)
 #     serve     throughput and p50/p99 at concurrency 1, 8, 32: vanilla vs AoT with 1 and 8 mixed tasks, fused and
@@ -12,11 +22,14 @@
 #     pool      8 mixed fused tasks served from a pool of 4 tables (more tasks than fit resident)
 #     overhead  the backbone alone, AoT vs vanilla, CUDA graphs, sequence 128 and 384, batch 1, 16, 64
 #
-# Results: $OUT/<stage>/ (the device tool's folder; else runs/gpu-check), written as they are measured: serve.json,
-# serve.md, serve.png (overhead.*), and $OUT/gpu-check.log. Environment: PYTHON (default python3), AOT_GPU_DEVICE
-# (cuda; cpu rehearses the stages on a machine without one), AOT_GPU_KIT (.gpu-kit), AOT_GPU_WORK (/tmp/aot-gpu),
-# AOT_GPU_REQUESTS (2000 per serve and pool measurement), AOT_GPU_ROUNDS (1: aot bench serve --rounds).
+# Results: $OUT/<stage>/ (the device tool's folder; else runs/gpu-check), written as they are measured: perf.json,
+# perf.md; serve.json, serve.md, serve.png (overhead.*), and $OUT/gpu-check.log. Environment: PYTHON (default
+# python3), AOT_GPU_DEVICE (cuda; cpu rehearses the stages on a machine without one: perf with a stand-in load
+# generator, labelled, where perf_analyzer cannot run), AOT_GPU_KIT (.gpu-kit), AOT_GPU_WORK (/tmp/aot-gpu),
+# AOT_GPU_SECONDS (450: the perf stage's budget), AOT_GPU_REQUESTS (2000 per serve and pool measurement),
+# AOT_GPU_ROUNDS (1: aot bench serve --rounds).
 set -euo pipefail
+deadline=$(( $(date +%s) + ${AOT_GPU_SECONDS:-450} ))  # the perf stage ends by then, set-up included
 cd "$(dirname "$0")/.."
 root=$PWD
 kit=${AOT_GPU_KIT:-$root/.gpu-kit}
@@ -25,13 +38,19 @@ device=${AOT_GPU_DEVICE:-cuda}
 work=${AOT_GPU_WORK:-/tmp/aot-gpu}
 requests=${AOT_GPU_REQUESTS:-2000}
 out=${OUT:-$root/runs/gpu-check}
-[ $# -gt 0 ] || { awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0" >&2; exit 2; }  # no stage: the comment above
+case ${1:-} in -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;; esac  # the comment above
+[ $# -gt 0 ] || set -- perf
 for stage in "$@"; do
-  case $stage in smoke|serve|pool|overhead) ;;
-    *) echo "gpu-check: unknown stage '$stage': expected smoke, serve, pool or overhead" >&2; exit 2 ;;
+  case $stage in perf|smoke|serve|pool|overhead) ;;
+    *) echo "gpu-check: unknown stage '$stage': expected perf, smoke, serve, pool or overhead" >&2; exit 2 ;;
   esac
 done
 [ -d "$kit" ] || { echo "gpu-check: no $kit: run bash scripts/gpu-kit.sh where the package index is reachable" >&2; exit 2; }
+if [[ " $* " == *" perf "* ]] && [ "$device" != cpu ] && ! compgen -G "$kit/perf-analyzer/*.whl" >/dev/null; then
+  echo "gpu-check: $kit has no perf-analyzer/ wheel (the perf stage's load generator): rebuild it with bash" \
+    "scripts/gpu-kit.sh" >&2
+  exit 2
+fi
 mkdir -p "$out" "$work"
 exec > >(tee -a "$out/gpu-check.log") 2>&1
 tee_pid=$!
@@ -83,25 +102,77 @@ stub=$(ls "$work"/client/pytriton/tritonserver/python_backend_stubs/*/triton_pyt
 libdir=$("$AOT_STEP_PYTHON" -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR") or "")')
 LD_LIBRARY_PATH=$libdir ldd "$stub" | grep -E 'libpython|libcudart|not found' || true
 
-# --- what the stages serve: a random encoder of MiniLM's shape and a task trained on it -------------------------
-model=$work/minilm-random
-if [ ! -f "$model/model.safetensors" ]; then
-  "$py" - "$kit/minilm" "$model" <<'PY'
-import shutil, sys
+echo "== set-up: $SECONDS s"
+
+# --- what the stages serve: random encoders (MiniLM's config and tokenizer; DIMS: a JSON object of config changes)
+random_encoder() {  # DEST DIMS
+  [ -f "$1/model.safetensors" ] && return
+  "$py" - "$kit/minilm" "$1" "$2" <<'PY'
+import json, shutil, sys
+from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModel
-src, dst = sys.argv[1:3]
+from transformers.utils import logging
+logging.disable_progress_bar()
+src, dst, dims = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
 shutil.copytree(src, dst, dirs_exist_ok=True)
+config = AutoConfig.from_pretrained(src, **dims)
+pooling = dst / "1_Pooling" / "config.json"  # the sentence-transformers pooling states the width
+if pooling.is_file():
+    pooling.write_text(json.dumps({**json.loads(pooling.read_text()), "word_embedding_dimension": config.hidden_size}))
 torch.manual_seed(0)
-AutoModel.from_config(AutoConfig.from_pretrained(src)).save_pretrained(dst)
+AutoModel.from_config(config).save_pretrained(dst)
 PY
-fi
+}
+model=$work/minilm-random
 task=$work/task
-if [ ! -f "$task/config.json" ]; then
-  echo "== train: FC on the random encoder, Rotten Tomatoes, 2,000 reviews, 1 epoch, 128 tokens"
-  aot train --model "$model" --data rotten_tomatoes --method fc --out "$task" --epochs 1 --max-length 128 \
-    --max-train-samples 2000 --device "$device" --no-progress
-fi
+for stage in "$@"; do
+  [ "$stage" = perf ] && continue  # the other stages serve a task of MiniLM's shape, trained once
+  random_encoder "$model" '{}'
+  if [ ! -f "$task/config.json" ]; then
+    echo "== train: FC on the random encoder, Rotten Tomatoes, 2,000 reviews, 1 epoch, 128 tokens"
+    aot train --model "$model" --data rotten_tomatoes --method fc --out "$task" --epochs 1 --max-length 128 \
+      --max-train-samples 2000 --device "$device" --no-progress
+  fi
+  table_bytes=$("$py" -c 'import json, sys; c = json.load(open(sys.argv[1])); print(c["vocab_size"] * c["num_hidden_layers"] * c["hidden_size"] * 2)' "$model/config.json")
+  break
+done
+perf_stage() {  # issue 45's check (the comment above); its exit status is the check's
+  local start=$SECONDS load=() shape
+  if [ "$device" = cpu ]; then  # the rehearsal: perf_analyzer does not run on an older glibc; tiny loads
+    load=(--stand-in-requests 4 --engine-batch 4 --engine-repeats 2)
+  else
+    local pa=$work/perf-analyzer pa_stamp
+    pa_stamp=$(ls -l --time-style=full-iso "$kit"/perf-analyzer | cksum)
+    if [ "$(cat "$pa/.done" 2>/dev/null)" != "$pa_stamp" ]; then
+      rm -rf "$pa"
+      "$py" -m pip install -q --no-index --no-deps --no-compile --target "$pa" "$kit"/perf-analyzer/*.whl
+      chmod +x "$pa/perf_analyzer/bin/perf_analyzer"
+      echo "$pa_stamp" > "$pa/.done"
+    fi
+    load=(--perf-analyzer "$pa/perf_analyzer/bin/perf_analyzer")
+  fi
+  random_encoder "$work/perf-minilm" '{}'
+  random_encoder "$work/perf-base" '{"num_hidden_layers": 12, "hidden_size": 768, "num_attention_heads": 12,
+    "intermediate_size": 3072}'
+  echo "== perf: random encoders: $((SECONDS - start)) s"
+  for shape in minilm base; do  # accuracy does not matter: a task to serve (4 optimizer steps)
+    [ -f "$work/perf-task-$shape/config.json" ] || aot train --model "$work/perf-$shape" --data rotten_tomatoes \
+      --method fc --out "$work/perf-task-$shape" --epochs 1 --max-length 64 --max-train-samples 64 \
+      --device "$device" --no-progress >/dev/null
+    echo "== perf: task on $shape trained: $((SECONDS - start)) s"
+  done
+  local status=0
+  aot bench gpu-perf --shape "minilm=$work/perf-task-minilm" --shape "base=$work/perf-task-base" \
+    --device "$device" --deadline "$deadline" --out "$out/perf" --work "$work/perf" "${load[@]}" \
+    --note "base: a BERT config of RoBERTa-base's compute shape (12 layers, hidden 768, 12 heads, FFN 3072) with \
+MiniLM's tokenizer and vocabulary (30,522, not RoBERTa's 50,265): the kit carries no RoBERTa tokenizer" \
+    --note "every encoder has random weights; each task is FC trained 1 epoch on 64 reviews (accuracy not measured)" \
+    || status=$?
+  echo "== perf: $((SECONDS - start)) s, exit $status; the whole call so far: $SECONDS s (results: $out/perf/perf.md)"
+  [ "$status" = 0 ] || echo "gpu-check: the perf stage FAILED (perf.md says why)" >&2
+  return "$status"
+}
 serve_bench() {  # NAME ARGS...: aot bench serve into $out/NAME
   local name=$1; shift
   local start=$SECONDS
@@ -110,10 +181,11 @@ serve_bench() {  # NAME ARGS...: aot bench serve into $out/NAME
     --rounds "${AOT_GPU_ROUNDS:-1}" "$@"
   echo "== $name: $((SECONDS - start)) s"
 }
-table_bytes=$("$py" -c 'import json, sys; c = json.load(open(sys.argv[1])); print(c["vocab_size"] * c["num_hidden_layers"] * c["hidden_size"] * 2)' "$model/config.json")
 
 for stage in "$@"; do
   case $stage in
+    perf)
+      perf_stage ;;
     smoke)
       serve_bench smoke --tasks 1 --concurrency 1,8 --storage fused --requests 200 ;;
     serve)

@@ -3,8 +3,11 @@
 # transformers and the rest of the [train] stack but no network (the `device` tool's lent machine), in under 64 MiB,
 # what one call of that tool carries:
 #
-#   wheels/              the gRPC client (tritonclient and the grpcio / protobuf its generated code needs)
+#   wheels/              the gRPC client (tritonclient and the protobuf its generated code needs; grpcio is the
+#                        machine's own, which served tritonclient there: its 7 MB wheel would not fit)
 #   step-wheels/         numpy<2 for the python steps' own environment (the Triton 2.51 stub's ABI)
+#   perf-analyzer/       NVIDIA's perf_analyzer (PyPI perf-analyzer, a manylinux_2_38 wheel: it runs on the lent
+#                        machine, not on this Debian 12), the load generator of the check's perf stage
 #   tritonserver.tar.xz  the nvidia-pytriton wheel's tritonserver, its python backend, the stub for that Python and
 #                        the libraries they link (other Pythons' stubs and the bundled libpython left out)
 #   minilm/              MiniLM's config and tokenizer, no weights: the check serves a random encoder of its shape
@@ -18,6 +21,7 @@ bash scripts/setup.sh
 PY_VERSION=${AOT_KIT_PYTHON:-3.12}
 KIT=.gpu-kit
 LIMIT_MIB=60  # the tool's 64 MiB per call, less the working tree (~4 MiB)
+PERF_ANALYZER_VERSION=2.60.0  # seen running on the lent machine (its wheel: perf_analyzer/bin/perf_analyzer)
 site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 version() { .venv/bin/python -c 'import importlib.metadata as m, sys; print(m.version(sys.argv[1]))' "$1"; }
 
@@ -32,8 +36,11 @@ download() {  # DEST PACKAGE...: binary wheels for PY_VERSION on x86-64 Linux, n
 echo "gpu-kit: wheels for Python $PY_VERSION"
 # ml-dtypes, which tritonclient imports too, is left to the machine: jax's stack there has it
 download "$tmp/wheels" "tritonclient==$(version tritonclient)" "python-rapidjson==$(version python-rapidjson)" \
-  "grpcio==$(version grpcio)" "protobuf==$(version protobuf)"
+  "protobuf==$(version protobuf)"
 download "$tmp/step-wheels" "numpy==$(version numpy)"
+# its own platform tag: a plain download finds only a placeholder release (0.1.0) without the binary
+.venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version "$PY_VERSION" \
+  --platform manylinux_2_38_x86_64 -d "$tmp/perf-analyzer" "perf-analyzer==$PERF_ANALYZER_VERSION"
 
 echo "gpu-kit: tritonserver (python backend, the stub for Python $PY_VERSION)"
 stub=pytriton/tritonserver/python_backend_stubs/$PY_VERSION

@@ -3,6 +3,7 @@ comes from the benchmarks package as a plugin of `aot`.
 (Speed numbers are never asserted in tests; they are measured side by side in one run by the benchmarks.)"""
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -497,3 +498,205 @@ def test_int8_data_writes_the_regression_and_pair_sets_aot_train_reads(tmp_path)
         assert all((topic[ex.text] == topic[ex.text_pair]) == (ex.label == "same") for ex in rows)
     with pytest.raises(SystemExit):
         write_data(["--out", str(tmp_path), "--pairs", "1"])
+
+
+# --- aot bench gpu-perf (the GPU check's perf stage): the pieces that run without a GPU -------------------------
+
+PERF_ANALYZER_CSV = (  # perf_analyzer 2.60's -f file for one concurrency, server statistics on (latencies in us)
+    "Concurrency,Inferences/Second,Client Send,Network+Server Send/Recv,Server Queue,Server Compute Input,"
+    "Server Compute Infer,Server Compute Output,Client Recv,p50 latency,p90 latency,p95 latency,p99 latency\n"
+    "32,12800.5,21,340,1200,80,2100,40,15,4012,5100,5500,7250\n")
+
+
+def test_perf_analyzer_csv_gives_texts_requests_and_latencies_in_ms():
+    from aot.benchmarks.gpu_perf_load import parse_perf_analyzer_csv
+
+    figures = parse_perf_analyzer_csv(PERF_ANALYZER_CSV, texts_per_request=64)
+    assert figures["texts_per_s"] == 12800.5 and figures["requests_per_s"] == 200.0  # Inferences/Second counts texts
+    assert (figures["p50_ms"], figures["p90_ms"], figures["p99_ms"]) == (4.012, 5.1, 7.25)
+    assert figures["server_queue_ms"] == 1.2 and figures["server_compute_ms"] == 2.22
+
+
+@pytest.mark.parametrize("text, said", [
+    ("Concurrency,Inferences/Second,Client Send,Client Recv,p50 latency,p99 latency\n", "no measurement"),
+    ("Concurrency,Inferences/Second\n1,10\n", "lacks the columns ['p50 latency', 'p99 latency']"),
+])
+def test_perf_analyzer_csv_without_figures_is_refused(text, said):
+    from aot.benchmarks.gpu_perf_load import LoadError, parse_perf_analyzer_csv
+
+    with pytest.raises(LoadError, match=re.escape(said)):
+        parse_perf_analyzer_csv(text, texts_per_request=1)
+
+
+def test_perf_analyzer_command_carries_the_admin_key_and_the_request_size(tmp_path):
+    """perf_analyzer reads the restricted model config and statistics: the key goes as gRPC metadata (-H), and -b is
+    the texts a request carries; the log shows the command without the key."""
+    from aot.benchmarks.gpu_perf_load import Window, perf_analyzer_command, shown
+    from aot.serving.supervision.admin_key import GRPC_ADMIN_HEADER
+
+    key = "k" * 32
+    command = perf_analyzer_command("/pa/perf_analyzer", Window("aot-8", 64, 256), "127.0.0.1:9001", key,
+                                    tmp_path / "input.json", tmp_path / "w.csv", 1500)
+    flags = dict(zip(command[1::2], command[2::2], strict=True))
+    assert command[0] == "/pa/perf_analyzer"
+    assert flags["-H"] == f"{GRPC_ADMIN_HEADER}:{key}" == f"triton-grpc-protocol-aot-admin-key:{key}"
+    assert (flags["-m"], flags["-i"], flags["-b"], flags["--concurrency-range"]) == ("aot", "grpc", "64", "256")
+    assert flags["--input-data"] == str(tmp_path / "input.json") and flags["-f"] == str(tmp_path / "w.csv")
+    assert perf_analyzer_command("pa", Window("vanilla", 1, 1), "u", key, tmp_path, tmp_path, 1)[2] == "vanilla"
+    assert key not in shown(command) and f"{GRPC_ADMIN_HEADER}:KEY" in shown(command)
+
+
+def test_the_documented_perf_analyzer_command_carries_the_admin_key():
+    """docs/serving.md's command is the one the GPU check runs, by hand: without -H the server refuses it."""
+    import shlex
+
+    from aot.serving.supervision.admin_key import GRPC_ADMIN_HEADER
+
+    text = (ROOT / "docs" / "serving.md").read_text()
+    block = text.split("### Load with `perf_analyzer`", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    command = shlex.split(block.replace("\\\n", " "))
+    flags = dict(zip(command[1::2], command[2::2], strict=True))
+    assert command[0] == "perf_analyzer" and (flags["-m"], flags["-i"]) == ("aot", "grpc")
+    assert flags["-H"].startswith(f"{GRPC_ADMIN_HEADER}:") and flags["--input-data"] == "docs/perf_analyzer_input.json"
+
+
+def test_input_data_has_the_documented_shape_and_mixes_tasks():
+    from aot.benchmarks.gpu_perf_load import input_data
+
+    documented = json.loads((ROOT / "docs" / "perf_analyzer_input.json").read_text())["data"][0]
+    data = input_data(["a", "b", "c"], ["t0", "t1"])["data"]
+    assert {k: v["shape"] for k, v in data[0].items()} == {k: v["shape"] for k, v in documented.items()}
+    assert [(e["TEXT"]["content"], e["TASK"]["content"]) for e in data] == [(["a"], ["t0"]), (["b"], ["t1"]),
+                                                                           (["c"], ["t0"])]
+
+
+def test_windows_run_what_the_targets_read_first():
+    from aot.benchmarks.gpu_perf import windows_in_order
+
+    order = [(w.model, w.texts, w.concurrency) for w in windows_in_order("base", (1, 32, 256), (1, 64))]
+    assert len(order) == len(set(order)) == 18
+    targeted = {(m, t, c) for m in ("vanilla", "aot-8") for t in (1, 64) for c in (32, 256)}
+    assert set(order[:8]) == targeted and order[:3] == [("vanilla", 1, 32), ("aot-8", 1, 32), ("vanilla", 1, 256)]
+    assert {w[2] for w in order[-6:]} == {1}  # no target reads c=1 on the base shape: its rows go last
+    minilm = [(w.model, w.texts, w.concurrency) for w in windows_in_order("minilm", (1, 32, 256), (1, 64))]
+    assert set(minilm[:10]) == targeted | {("vanilla", 1, 1), ("aot-8", 1, 1)}  # the p50 target's
+
+
+def test_budget_skips_what_would_pass_the_deadline():
+    import time
+
+    from aot.benchmarks.gpu_perf import RESERVE_S, Budget
+    from aot.benchmarks.gpu_perf_load import Window
+
+    unbounded = Budget(None, 10.0)
+    assert unbounded.fits(1e9) and unbounded.estimate(Window("vanilla", 1, 1)) == 10.0
+    budget = Budget(time.time() + RESERVE_S + 100, 10.0)
+    budget.record(Window("vanilla", 64, 256), 30.0)
+    budget.record(Window("vanilla", 64, 32), 20.0)
+    assert budget.estimate(Window("aot-1", 64, 1)) == 30.0  # the longest of the same request size
+    assert budget.estimate(Window("aot-1", 1, 1)) == 30.0  # none of its size yet: the longest of any
+    assert budget.fits(50.0) and not budget.fits(150.0)
+
+
+def test_an_earlier_shape_keeps_time_for_the_later_shapes_target_windows():
+    from aot.benchmarks.gpu_perf import RESERVE_S, Budget, kept_for_later
+
+    budget = Budget(None, 10.0)
+    assert kept_for_later([], 30.0, budget, (1, 32, 256), (1, 64)) == 0.0
+    # base: set-up guessed at twice this shape's, then its 8 target windows (c=1 is a target of minilm's alone)
+    assert kept_for_later(["base"], 30.0, budget, (1, 32, 256), (1, 64)) == 2 * 30.0 + RESERVE_S + 8 * 10.0
+    assert kept_for_later(["minilm"], 30.0, budget, (1, 32, 256), (1, 64)) == 2 * 30.0 + RESERVE_S + 10 * 10.0
+
+
+def test_metric_sum_adds_every_series_and_tells_none_from_zero():
+    from aot.benchmarks.gpu_perf import metric_sum
+
+    text = ('# TYPE aot_engine_eager_batches_total counter\n'
+            'aot_engine_eager_batches_total{step="aot",instance="0"} 0\n'
+            'aot_engine_eager_batches_total{step="aot",instance="1"} 3\n'
+            'aot_engine_eager_batches_total_other 7\n')
+    assert metric_sum(text, "aot_engine_eager_batches_total") == 3.0
+    assert metric_sum(text.replace(" 3\n", " 0\n"), "aot_engine_eager_batches_total") == 0.0
+    assert metric_sum("", "aot_engine_eager_batches_total") is None
+
+
+def test_utilisation_samples_are_read_and_summarised_per_window():
+    from aot.benchmarks.gpu_perf_load import parse_utilisation, summarise_utilisation
+
+    assert [parse_utilisation(line) for line in ("87\n", " 5 ", "[N/A]", "")] == [87.0, 5.0, None, None]
+    samples = [(0.5, 10.0), (1.0, 60.0), (1.5, 80.0), (3.0, 100.0)]
+    assert summarise_utilisation(samples, 1.0, 2.0) == {"gpu_util_mean": 70.0, "gpu_util_max": 80.0,
+                                                        "gpu_util_samples": 2}
+    assert summarise_utilisation(samples, 5.0, 6.0)["gpu_util_mean"] is None
+
+
+def _perf_shape(name: str, **changes) -> dict:
+    """A shape's record as aot bench gpu-perf writes it, every targeted window measured."""
+    windows = []
+    for model, rate in (("vanilla", 1.0), ("aot-1", 0.99), ("aot-8", 0.98)):
+        for texts, engine_share in ((1, 0.4), (64, 0.85)):
+            for c in (1, 32, 256):
+                windows.append({"model": model, "texts": texts, "concurrency": c, "p50_ms": 2.5 if c == 1 else 20,
+                                "texts_per_s": round(1000 * engine_share * rate, 1), "gpu_util_mean": 75.0})
+    return {"name": name, "windows": windows, "engine_alone": {"vanilla_seq_per_s": 1000.0, "aot_seq_per_s": 1000.0},
+            "eager_batches": {"measured": 0, "since_start": 0},
+            "parity": {"texts": 8, "max_abs_logit_diff": 0.01, "same_label": "8/8"}, **changes}
+
+
+def test_targets_are_evaluated_on_the_windows():
+    from aot.benchmarks.gpu_perf_report import evaluate_targets
+
+    checks = {(c["shape"], c["target"]): c for c in evaluate_targets([_perf_shape("minilm"), _perf_shape("base")])}
+    assert all(c["met"] is True for c in checks.values()), [c for c in checks.values() if c["met"] is not True]
+    single = checks[("minilm", "vanilla, 1-text requests, c=256: served / engine alone")]
+    assert single["value"] == 0.4 and single["threshold"] == "≥ 0.333"
+    assert checks[("base", "AoT 8 mixed / vanilla, 64-text requests, c=32")]["value"] == 0.98
+    assert ("minilm", "vanilla, 1-text requests, c=1: p50 ms") in checks  # the p50 target is MiniLM's alone
+    assert not any(target.endswith("c=1: p50 ms") for shape, target in checks if shape == "base")
+
+    slow = _perf_shape("minilm")
+    for w in slow["windows"]:
+        if w["model"] == "aot-8" and w["concurrency"] == 256 and w["texts"] == 1:
+            w["texts_per_s"], w["gpu_util_mean"] = 300.0, None
+        if w["model"] == "vanilla" and w["texts"] == 64 and w["concurrency"] == 256:
+            w.pop("texts_per_s")
+            w["skipped"] = "~9 s would pass the deadline"
+    checks = {c["target"]: c for c in evaluate_targets([slow])}
+    assert checks["AoT 8 mixed / vanilla, 1-text requests, c=256"]["met"] is False
+    assert checks["aot-8, 1-text requests, c=256: GPU utilisation %"]["met"] is None  # not measured
+    assert checks["vanilla, 64-text requests, c=256: served / engine alone"]["met"] is None  # skipped
+    assert checks["AoT 8 mixed / vanilla, 64-text requests, c=256"]["met"] is None  # its vanilla was skipped
+
+
+@pytest.mark.parametrize("changes, device, said", [
+    ({}, "cuda", None),
+    ({"eager_batches": {"measured": 2, "since_start": 5}}, "cuda", "2 batch(es) ran eagerly"),
+    ({"eager_batches": {"measured": None, "since_start": None}}, "cuda", "published no aot_engine_eager_batches"),
+    ({"eager_batches": {"measured": None, "since_start": None},  # no CUDA graphs on cpu; fp32 there
+      "parity": {"texts": 8, "max_abs_logit_diff": 2e-5, "same_label": "8/8"}}, "cpu", None),
+    ({"parity": {"texts": 8, "max_abs_logit_diff": 0.4, "same_label": "6/8"}}, "cuda", "differ from aot predict"),
+    ({"parity": {"texts": 8, "max_abs_logit_diff": 0.01, "same_label": "8/8"}}, "cpu", "differ from aot predict"),
+    ({"error": "RuntimeError: aot serve exited with 1"}, "cuda", "aot serve exited with 1"),
+])
+def test_what_fails_the_check(changes, device, said):
+    from aot.benchmarks.gpu_perf_report import failures
+
+    found = failures([_perf_shape("minilm", **changes)], device)
+    assert (found == []) if said is None else (len(found) == 1 and said in found[0]), found
+
+
+def test_perf_reports_are_written_with_targets_and_failures(tmp_path):
+    from aot.benchmarks.gpu_perf_report import write_reports
+
+    shape = _perf_shape("minilm", description="bert config, 6 layers", eager_batches={"measured": 1, "since_start": 1},
+                        elapsed_s={"windows": 12.0}, skipped=["aot-1-t64-c1 (~9 s would pass the deadline)"])
+    shape["engine_alone"].update(batch=128, seq=64, cuda_graphs=True, vanilla_ms=2.4, aot_ms=2.5,
+                                 aot_over_vanilla=1.03)
+    result = {"device": "cuda", "device_name": "a GPU", "generator": "perf_analyzer", "started": "now",
+              "elapsed_s": 99.0, "notes": ["a note"], "shapes": [shape]}
+    write_reports(result, tmp_path)
+    saved = json.loads((tmp_path / "perf.json").read_text())
+    assert saved["failures"] and saved["targets"] == result["targets"]
+    text = (tmp_path / "perf.md").read_text()
+    assert "**The check FAILED:**" in text and "a note" in text and "**Skipped**: aot-1-t64-c1" in text
+    assert "vanilla 2.400 ms = **1,000 seq/s**" in text  # the figures of the record

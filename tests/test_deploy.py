@@ -110,17 +110,27 @@ def _gpu_check(*stages, **env):
                           env={**os.environ, **env}, timeout=60)
 
 
+def test_gpu_check_usage_names_its_stages_and_perf_is_the_default(tmp_path):
+    out = _gpu_check("--help", OUT=str(tmp_path / "out"))
+    assert out.returncode == 0 and "default: perf" in out.stdout
+    assert all(f"#     {stage} " in out.stdout for stage in ("perf", "smoke", "serve", "pool", "overhead"))
+
+
 @pytest.mark.parametrize("stages,kit,said", [
-    pytest.param((), None, ("smoke", "overhead"), id="no stage: its usage"),
-    pytest.param(("smoke", "warp"), None, ("unknown stage 'warp': expected smoke, serve, pool or overhead",),
-                 id="unknown stage"),
+    pytest.param((), "no-kit", ("no-kit: run bash scripts/gpu-kit.sh",), id="no stage: perf, no kit"),
+    pytest.param(("smoke", "warp"), None,
+                 ("unknown stage 'warp': expected perf, smoke, serve, pool or overhead",), id="unknown stage"),
     pytest.param(("smoke",), "no-kit", ("no-kit: run bash scripts/gpu-kit.sh",), id="no kit"),
+    pytest.param(("perf",), "kit", ("has no perf-analyzer/ wheel", "rebuild it with bash scripts/gpu-kit.sh"),
+                 id="a kit without perf_analyzer"),
 ])
 def test_gpu_check_refuses_what_it_cannot_run(tmp_path, stages, kit, said):
-    """scripts/gpu-check.sh (the GPU run, docs/benchmarks.md, "GPU serving: the torch engine") names what is wrong before it sets anything
-    up."""
-    out = _gpu_check(*stages, OUT=str(tmp_path / "out"), **({"AOT_GPU_KIT": str(tmp_path / kit)} if kit else {}))
-    assert out.returncode == 2 and all(words in out.stderr for words in said)
+    """scripts/gpu-check.sh (the GPU run, docs/benchmarks.md, "GPU serving: the torch engine") names what is wrong
+    before it sets anything up."""
+    (tmp_path / "kit").mkdir()
+    out = _gpu_check(*stages, OUT=str(tmp_path / "out"), AOT_GPU_DEVICE="cuda",
+                     **({"AOT_GPU_KIT": str(tmp_path / kit)} if kit else {}))
+    assert out.returncode == 2 and all(words in out.stderr for words in said), out.stderr
 
 
 def test_gpu_check_refuses_a_kit_for_another_python(tmp_path):

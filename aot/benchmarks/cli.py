@@ -1,4 +1,4 @@
-"""`aot bench overhead | serve | tax | tasks | kinds | accuracy | infinity | s3`: a command this package brings to
+"""`aot bench overhead | serve | tax | tasks | kinds | accuracy | infinity | s3 | gpu-perf`: a command this package brings to
 `aot` as a plugin (entry point `bench` of the group `aot.commands` in pyproject.toml; aot.cli.main loads it), so that
 imports flow one way: benchmarks -> aot, never back."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from aot.cli.arguments import add_command_group
 from aot.cli.arguments import ints as _ints
@@ -242,6 +243,47 @@ def add_bench(sub) -> None:
     _add_out(i, "infinity")
     _finish(i, run_infinity)
 
+    g = kinds.add_parser("gpu-perf",
+                         help="the GPU check's perf stage: per model shape, the engine alone and served through aot "
+                              "serve under perf_analyzer, against issue 45's targets",
+                         description="For each --shape (an AoT task trained on a random encoder of that shape): the "
+                                     "engine alone at the served max batch (aot bench overhead), then a repository "
+                                     "exported with --format torch serving 8 copies of the task (aot serve --vanilla) "
+                                     "measured by perf_analyzer: vanilla, AoT 1 task and AoT 8 mixed tasks at each "
+                                     "--concurrency with each --texts-per-request, the GPU's utilisation (nvidia-smi) "
+                                     "through each window; then the batches run eagerly (/metrics), /ready's "
+                                     "warnings and parity with aot predict. Writes perf.json and perf.md; exits 1 "
+                                     "when a measured batch ran eagerly, served answers are off or a shape could "
+                                     "not be served (scripts/gpu-check.sh perf runs it).")
+    g.add_argument("--shape", action="append", required=True, metavar="NAME=TASK",
+                   help="a shape to measure: its name and an AoT task trained on its encoder; repeatable, measured in "
+                        "order (the p50 target applies to the shape named minilm)")
+    g.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="aot serve --device (cpu: a rehearsal)")
+    g.add_argument("--perf-analyzer", default=None, metavar="PATH",
+                   help="perf_analyzer's binary (needed on cuda); without it a stand-in load generator "
+                        "(aot.Client.infer_many) runs each window, labelled as such")
+    g.add_argument("--concurrency", type=_ints, default=[1, 32, 256], help="requests in flight, one window each")
+    g.add_argument("--texts-per-request", type=_ints, default=[1, 64], help="texts a request carries (-b)")
+    g.add_argument("--max-batch-size", type=_positive_int, default=128,
+                   help="aot export backbone --max-batch-size of the served repository")
+    g.add_argument("--seq", type=_positive_int, default=64,
+                   help="the engine alone's sequence length, a served bucket: served texts pad to it")
+    g.add_argument("--measurement-interval", type=_positive_int, default=1500, help="perf_analyzer's window (ms)")
+    g.add_argument("--stand-in-requests", type=_positive_int, default=8,
+                   help="without --perf-analyzer: requests of each window")
+    g.add_argument("--engine-batch", type=_positive_int, default=None,
+                   help="the engine alone's batch (default: --max-batch-size)")
+    g.add_argument("--engine-repeats", type=_positive_int, default=20, help="timed runs of the engine alone (median)")
+    g.add_argument("--deadline", type=float, default=None, metavar="UNIX_TIME",
+                   help="end by then: windows (least important first) and shapes that would not fit are skipped "
+                        "and named in the report")
+    g.add_argument("--note", action="append", default=[], help="a line for the report's notes; repeatable")
+    g.add_argument("--work", default=None,
+                   help="folder of the served repositories (GBs with a base-size encoder; removed after each shape); "
+                        "default: a temporary one")
+    _add_out(g, "perf")
+    _finish(g, run_gpu_perf)
+
     b = kinds.add_parser("s3", help="the task store in S3-compatible object storage against the file store",
                          description="A SeaweedFS started here (aot.local.s3_server) holds a store of tasks derived from "
                                      "--task: cached req/s against the file store, a replica's start with 1 and with "
@@ -304,6 +346,32 @@ def run_tax(args) -> int:
                             cpu_instances=tuple(args.cpu_instances), precision=args.precision)
     print(json.dumps(run_tax_bench(config, progress=not args.no_progress)))
     return 0
+
+
+def run_gpu_perf(args) -> int:
+    from aot.benchmarks.gpu_perf import GpuPerfConfig
+    from aot.benchmarks.gpu_perf import run_gpu_perf as run
+
+    shapes = []
+    for shape in args.shape:
+        name, sep, task = shape.partition("=")
+        if not (sep and name and task):
+            raise ValueError(f"--shape {shape!r}: expected NAME=TASK (a name and an AoT task folder)")
+        shapes.append((name, task))
+    config = GpuPerfConfig(shapes=shapes, out=args.out, device=args.device, perf_analyzer=args.perf_analyzer,
+                           concurrency=tuple(args.concurrency), texts_per_request=tuple(args.texts_per_request),
+                           max_batch_size=args.max_batch_size, seq=args.seq, interval_ms=args.measurement_interval,
+                           stand_in_requests=args.stand_in_requests, engine_batch=args.engine_batch,
+                           engine_repeats=args.engine_repeats, deadline=args.deadline, notes=args.note,
+                           work=args.work)
+    result = run(config)
+    print(json.dumps({"out": args.out, "failures": result["failures"],
+                      "targets_met": sum(t["met"] is True for t in result["targets"]),
+                      "targets_missed": sum(t["met"] is False for t in result["targets"]),
+                      "targets_not_measured": sum(t["met"] is None for t in result["targets"])}))
+    for failure in result["failures"]:
+        print(f"aot: gpu-perf FAILED: {failure}", file=sys.stderr)
+    return 1 if result["failures"] else 0
 
 
 def run_overhead(args) -> int:
