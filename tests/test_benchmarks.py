@@ -266,6 +266,8 @@ def test_scale_bench_tiny(tmp_path, tiny_models, sentiment_dir):
     for r in records:
         assert r["errors"] == 0 and r["wrong"] == 0 and r["ready_s"] > 0 and r["rss_after_total_mb"] > 50
         assert r["cold_p99_ms"] >= r["cold_p50_ms"] > 0 and r["zipf_rps"] > 0 and r["hot_rps"] > 0
+        assert r["steady_rps"] > 0 and r["steady_vs_hot"] == round(r["steady_rps"] / r["hot_rps"], 3)
+        assert 1 <= r["steady_tasks"] <= r["tasks"]  # the steady pass replays warm-up draws: tasks seen already
         assert r["publish_bytes_read"] > 0 and r["publish_writer_bytes"] > 0 and r["publish_to_served_s"] > 0
     one, many = records  # a publish costs a reader what changed, not the store's size
     assert many["publish_bytes_read"] <= 1.5 * one["publish_bytes_read"], records

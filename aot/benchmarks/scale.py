@@ -10,8 +10,11 @@ of --counts (the store grows from one to the next), on a fresh server with the r
     ready_s, rss_ready_mb, rss_after_mb start to ready; every server process's RSS at ready and after the traffic
     cold_p50_ms, cold_p99_ms            first requests of tasks no request touched yet, one at a time, after one
                                         request of task 0 (the engine's own first run)
-    zipf_rps, hot_rps, zipf_vs_hot      `warmup` + `requests` requests at `concurrency`: tasks drawn by Zipf, then
-                                        all to one hot task, on the same server
+    steady_rps, steady_vs_hot           steady state, what a busy service lives in: after `warmup` requests of tasks
+                                        drawn by Zipf, the same draws again (the first `requests` of them)
+    zipf_rps, hot_rps, zipf_vs_hot      the cold protocol: `requests` new Zipf draws after the warm-up (a share of them
+                                        name tasks no request touched yet), then all to one hot task, warmed alike;
+                                        all at `concurrency`, on the same server
     publish_to_served_s                 a task published while serving, until its first answer
     index_bytes                         the index's files in the store (compactions, shards and change logs it keeps)
     wrong                               sampled tasks (hot, cold, and again after the traffic evicted them) against
@@ -183,6 +186,8 @@ def _measure(repo: Path, store: TaskStore, derived: DerivedStore, reference: Ref
             wrong = _wrong(client, reference, sample, texts[:2])
         items = [(_name(int(k)), texts[j % len(texts)]) for j, k in enumerate(zipf)]
         _closed_loop(server.grpc_url, "aot", items[: config.warmup], config.concurrency)
+        steady_run = _closed_loop(server.grpc_url, "aot", items[: min(config.warmup, config.requests)],
+                                  config.concurrency)  # the warm-up's draws again: every task seen once
         zipf_run = _closed_loop(server.grpc_url, "aot", items[config.warmup:], config.concurrency)
         hot = [(_name(0), texts[j % len(texts)]) for j in range(config.warmup + config.requests)]
         _closed_loop(server.grpc_url, "aot", hot[: config.warmup], config.concurrency)
@@ -209,9 +214,12 @@ def _measure(repo: Path, store: TaskStore, derived: DerivedStore, reference: Ref
             "rss_after_total_mb": round(sum(rss_after.values()), 1),
             "cold_p50_ms": round(statistics.median(cold), 1),
             "cold_p99_ms": round(cold[int(0.99 * (len(cold) - 1))], 1),
+            "steady_rps": steady_run["throughput_rps"],
+            "steady_vs_hot": round(steady_run["throughput_rps"] / hot_run["throughput_rps"], 3),
+            "steady_tasks": len({k for k, _ in items[: min(config.warmup, config.requests)]}),
             "zipf_rps": zipf_run["throughput_rps"], "hot_rps": hot_run["throughput_rps"],
             "zipf_vs_hot": round(zipf_run["throughput_rps"] / hot_run["throughput_rps"], 3),
-            "errors": zipf_run["errors"] + hot_run["errors"], "publish_to_served_s": round(publish_to_served, 3),
+            "errors": zipf_run["errors"] + hot_run["errors"] + steady_run["errors"], "publish_to_served_s": round(publish_to_served, 3),
             "wrong": wrong,
             "index_bytes": sum(p.stat().st_size for d in ("index", "log", SHARDS)
                                for p in (store.root / d).glob("*.json"))}
@@ -259,11 +267,13 @@ def write_scale_reports(records: list[dict], out: Path, config: ScaleBenchConfig
              "publish_vs_first": round(r["publish_one_s"] / first["publish_one_s"], 2)} for r in records]
     text = "# One server, many tasks (CPU, `aot serve` defaults)\n\n" + markdown_table(
         rows, ["tasks", "ready_s", "ready_vs_first", "rss_ready_total_mb", "rss_after_total_mb",
-               "rss_after_vs_first_mb", "cold_p50_ms", "cold_p99_ms", "zipf_rps", "hot_rps", "zipf_vs_hot",
+               "rss_after_vs_first_mb", "cold_p50_ms", "cold_p99_ms", "steady_tasks", "steady_rps", "steady_vs_hot",
+               "zipf_rps", "hot_rps", "zipf_vs_hot",
                "publish_one_s", "publish_vs_first", "publish_writer_bytes", "publish_bytes_read", "publish_to_served_s",
                "errors", "wrong"],
         ["tasks", "ready (s)", "× first", "RSS at ready (MB)", "RSS after traffic (MB)", "+MB vs first",
-         "cold p50 ms", "cold p99 ms", "Zipf req/s", "hot req/s", "Zipf × hot", "publish one (s)", "× first",
+         "cold p50 ms", "cold p99 ms", "tasks in the steady pass", "steady Zipf req/s", "steady × hot",
+         "cold-protocol Zipf req/s", "hot req/s", "cold-protocol Zipf × hot", "publish one (s)", "× first",
          "bytes the publisher reads", "bytes a reader reads per publish", "publish → served (s)", "errors",
          "wrong answers"])
     text += "\n## RSS of each server process after the traffic (MB)\n\n"
@@ -274,7 +284,8 @@ def write_scale_reports(records: list[dict], out: Path, config: ScaleBenchConfig
     xs = [r["tasks"] for r in records]
     left.plot(xs, [r["ready_s"] for r in records], marker="o", label="ready (s)")
     left.plot(xs, [r["rss_after_total_mb"] / 1024 for r in records], marker="o", label="RSS after traffic (GB)")
-    right.plot(xs, [r["zipf_vs_hot"] for r in records], marker="o", label="Zipf req/s × one hot task")
+    right.plot(xs, [r["steady_vs_hot"] for r in records], marker="o", label="steady Zipf req/s × one hot task")
+    right.plot(xs, [r["zipf_vs_hot"] for r in records], marker="o", label="cold-protocol Zipf req/s × one hot task")
     for ax in (left, right):
         ax.set_xscale("log")
         ax.set_xlabel("tasks in the store")
