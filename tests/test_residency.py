@@ -256,6 +256,70 @@ def test_a_version_loaded_again_is_hashed_again_only_if_a_file_changed(tmp_path,
     assert hashed == ["factors.safetensors"]  # the file written, alone
 
 
+_LOAD_AND_COUNT = """
+import json, sys
+import aot.serving.store.digests as digests
+from aot.serving.tasks import load_task_version
+hashed = []
+real = digests.file_digest
+digests.file_digest = lambda path: hashed.append(path.name) or real(path)
+folder, version, root = sys.argv[1:4]
+try:
+    load_task_version(__import__("pathlib").Path(folder), version, __import__("pathlib").Path(root), "all",
+                      json.loads(sys.argv[4]))
+    print(json.dumps({"hashed": sorted(hashed)}))
+except Exception as exc:
+    print(json.dumps({"hashed": sorted(hashed), "error": str(exc)}))
+"""
+
+
+def test_a_version_verified_by_one_process_is_not_hashed_again_by_another(tmp_path, tiny_models, artifacts):
+    """Once per host (aot.serving.store.digests.HostVerified): a second process of the same user loads the version
+    a first one verified without hashing it; after a write that restores the file's size and modification time the
+    next process hashes it again and refuses it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"t": (artifacts[0], "factored")})
+    store = TaskStore(read_repository(repo).store_root)
+    entry = store.entries()["t"]
+    folder = store.root / entry.folder
+
+    def load_in_a_process() -> dict:
+        done = subprocess.run([sys.executable, "-c", _LOAD_AND_COUNT, str(folder), entry.folder, str(store.root),
+                               json.dumps(entry.digests)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first = load_in_a_process()
+    assert first == {"hashed": ["factors.safetensors", "head.safetensors", "task.json"]}
+    assert load_in_a_process() == {"hashed": []}  # another process: the host's record of those stamps
+    factors = folder / "factors.safetensors"
+    data, stat = factors.read_bytes(), factors.stat()
+    factors.write_bytes(data[:-8] + bytes(b ^ 0xFF for b in data[-8:]))
+    os.utime(factors, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the size and the mtime as they were
+    changed = load_in_a_process()
+    assert changed["hashed"] == ["factors.safetensors"] and "factors.safetensors is damaged" in changed["error"]
+
+
+def test_a_host_record_in_a_folder_others_can_write_is_not_trusted(tmp_path):
+    """HostVerified trusts only a folder of this user that no one else can write: in a 0777 folder it neither
+    records nor trusts a stamp (anyone could have written one)."""
+    from aot.serving.store.digests import HostVerified
+
+    private, shared = HostVerified(tmp_path / "private"), HostVerified(tmp_path / "shared")
+    (tmp_path / "shared").mkdir(mode=0o777)
+    (tmp_path / "shared").chmod(0o777)
+    key, stamp = ("/x/factors.safetensors", "sha256:" + "0" * 64), (1, 2, 3, 4)
+    for record in (private, shared):
+        record.add(key, stamp)
+    assert private.holds(key, stamp) and not private.holds(key, (1, 2, 3, 5))
+    assert not shared.holds(key, stamp) and not list((tmp_path / "shared").iterdir())
+    assert oct((tmp_path / "private").stat().st_mode & 0o777) == "0o700"
+
+
 def test_mapped_arrays_are_plain_arrays_over_their_files(tmp_path, tiny_models, artifacts):
     """A fused table and the store's shared E (a factored FC task's) are read through their files' memory maps (no
     copy in the process), as plain arrays: np.memmap's indexing would run Python code on every request's lookup.
