@@ -3,9 +3,10 @@
 A served task is a table of V rows (one per token) of L x d fp16 values. Fused tables are memory-mapped files and
 factored tasks compute rows from their factors; the pool keeps rows in memory so that a request's lookup is a gather:
 
-- **Resident** while every version's V rows fit in the budget: each version owns a contiguous range of rows,
-  filled once when it is first used (the table read, or every row computed in one grouped matmul); a lookup is
-  `buffer[base + ids]`, and nothing is ever evicted.
+- **Resident** while every version's V rows fit in the budget: each version owns a contiguous range of rows, each row
+  filled the first time a request reads it (a batch's new rows read from the table, or computed in one rows-graph
+  run): a lookup is `buffer[base + ids]`, and nothing is ever evicted. Filling the whole range at the first request
+  made a factored MiniLM task's first answer take 0.8-1 s (30,522 rows computed for the ~20 it needed).
 - **Cache** beyond that: rows are kept per (version, token id) and a batch's misses are filled together, one
   gather (fused) or one rows-graph run (factored) per version. When the buffer is full, 1/16 of it is evicted at
   once, chosen by the policy: `lru` (a last-use tick per slot: the oldest go) or `lfu` (frequency-aware: rows of
@@ -41,7 +42,7 @@ EVICT_FRACTION = 16  # evict 1/16 of the buffer when it is full: one argpartitio
 # a version holding this share of the vocabulary's rows finds its slots in an array (4 bytes per token of the
 # vocabulary) rather than a dict: memory stays bounded (at most 1 / DENSE_SHARE of the pool's rows in such versions)
 DENSE_SHARE = 1 / 64
-FILL_CHUNK = 1024  # a resident fill computes its V rows this many at a time: ONNX Runtime keeps its peak working
+FILL_CHUNK = 1024  # a fill computes at most this many rows in one run: ONNX Runtime keeps its peak working
 # memory, so one run over all of a table's rows would keep several times the RSS of chunks (docs/benchmarks.md, "Second pass")
 POLICIES = ("lru", "lfu")
 AGING_TURNOVERS = 8  # lfu: use counts halve once AGING_TURNOVERS x the buffer's rows were filled
@@ -102,7 +103,7 @@ class RowPool:
         self._base: dict[str, int] = {}
         self._free_bases: list[int] = []
         self._next_base = 0
-        self._filled: set[str] = set()
+        self._filled: dict[str, np.ndarray] = {}  # resident mode: per version, which of its V rows are filled
         # cache mode: per version its tokens' slots, a dict token -> slot while it holds few rows (memory grows with
         # the rows held, not with V x versions), an int32 array over the vocabulary once it holds DENSE_SHARE of it
         # (a batch's lookup is then one vectorised take, not Python per token); per slot its key (version number *
@@ -175,7 +176,7 @@ class RowPool:
             return
         for version in [v for v in self._base if v not in self._sources]:
             self._free_bases.append(self._base.pop(version))
-            self._filled.discard(version)
+            self._filled.pop(version, None)
         for version in self._sources:
             if version in self._base:
                 continue
@@ -186,7 +187,7 @@ class RowPool:
                 self._next_base += self.vocab_size
             else:
                 self._resident = False
-                self._base, self._filled, self._free_bases = {}, set(), []
+                self._base, self._filled, self._free_bases = {}, {}, []
                 for stats in self.stats.values():
                     stats.resident_rows = 0
                 self.touched.update(self.stats)
@@ -223,19 +224,22 @@ class RowPool:
         return self.storage.gather(self.buffer, slots)
 
     def _resident_slots(self, version: str, ids: np.ndarray) -> np.ndarray:
-        base = self._base[version]
-        if version not in self._filled:
+        """The version's range of rows, the ones `ids` (sorted, distinct) need that are not filled yet filled now."""
+        base, stats = self._base[version], self.stats[version]
+        filled = self._filled.get(version)
+        if filled is None:
+            filled = self._filled[version] = np.zeros(self.vocab_size, dtype=bool)
+        missing = ids[~filled[ids]]
+        if len(missing):
             start = time.perf_counter()
-            for first in range(0, self.vocab_size, FILL_CHUNK):
-                chunk = np.arange(first, min(first + FILL_CHUNK, self.vocab_size), dtype=np.int64)
+            for first in range(0, len(missing), FILL_CHUNK):
+                chunk = missing[first:first + FILL_CHUNK]
                 self.storage.write(self.buffer, base + chunk, self._sources[version](chunk))
-            self._filled.add(version)
-            stats = self.stats[version]
+            filled[missing] = True
             stats.fill_seconds += time.perf_counter() - start
-            stats.resident_rows = self.vocab_size
-            stats.misses += len(ids)
-        else:
-            self.stats[version].hits += len(ids)
+            stats.resident_rows += len(missing)
+        stats.misses += len(missing)
+        stats.hits += len(ids) - len(missing)
         return base + ids
 
     def _slots(self, version: str, ids: np.ndarray) -> np.ndarray:
