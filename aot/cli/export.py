@@ -310,6 +310,6 @@ def run_export_route(args) -> int:
     total = sum((chosen or {}).values())
     report({"name": args.name, "route": None if chosen is None else {v: w / total for v, w in chosen.items()}},
            f"{args.name}: " + ("route cleared, the current version answers every request" if chosen is None else
-                               "requests split " + ", ".join(f"{v} {w / total:.0%}" for v, w in chosen.items()))
+                               "requests split " + ", ".join(f"{v} {100 * w / total:.4g}%" for v, w in chosen.items()))
            + " from the servers' next batch")
     return 0

@@ -196,10 +196,7 @@ class TaskRegistry:
             if allowed and name in index.errors:
                 raise RequestError(index.errors[name], "unavailable")
             raise self.unknown(name, key)
-        if entry.route:
-            versions = list(entry.route)
-            return self._version(_draw.choices(versions, [entry.route[v] for v in versions])[0])
-        return self._version(entry.folder)
+        return self._version(entry.routed(_draw.random()) if entry.route else entry.folder)
 
     def unknown(self, name: str, key: str | None) -> RequestError:
         """The answer for a task that does not exist, or that `key` does not open: the same bytes either way, naming
