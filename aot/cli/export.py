@@ -102,13 +102,17 @@ def add_export(sub) -> None:
 
 def add_tenant_and_version_commands(kinds) -> None:
     _store_command(kinds, "tenant", run_export_tenant,
-                   "create, rotate or delete a tenant (a namespace of tasks TENANT/TASK)",
+                   "create, rotate, delete or list tenants (namespaces of tasks TENANT/TASK)",
                    "A tenant's tasks (named TENANT/TASK) answer only requests that carry its key (request parameter "
                    "aot-tenant-key; aot infer --tenant-key, AOT_TENANT_KEY). create and rotate print {\"tenant\", "
-                   "\"key\"} once: the store keeps only the key's sha256. rotate stops the old key from the servers' "
-                   "next batch; delete removes the tenant and all its tasks.",
-                   ("action", {"choices": ["create", "rotate", "delete"], "help": "what to do to the tenant"}),
-                   ("tenant", {"metavar": "TENANT", "help": "tenant name (letters, digits, '_', '-', '.')"}))
+                   "\"key\"} once per tenant: the store keeps only the key's sha256; create makes every TENANT "
+                   "given in one change (all or none). rotate stops the old key from the servers' next batch; "
+                   "delete removes the tenant and all its tasks, their versions at once (a tenant created again "
+                   "under the name answers none of them). list prints {\"tenant\", \"key_since\", \"tasks\"} per "
+                   "tenant.",
+                   ("action", {"choices": ["create", "rotate", "delete", "list"], "help": "what to do"}),
+                   ("tenants", {"metavar": "TENANT", "nargs": "*",
+                                "help": "tenant name(s) (letters, digits, '_', '-', '.'); none for list"}))
     _store_command(kinds, "versions", run_export_versions, "list the versions of a task the store serves",
                    "One JSON line per version, newest first: the current one, the kept ones (servable as NAME@ID and "
                    "rollback targets) and retired ones still in their grace; with a route, each routed version's "
@@ -266,22 +270,37 @@ def _store(repo: str):
 
 
 def run_export_tenant(args) -> int:
-    from aot.exporter.tenant_admin import create_tenant, delete_tenant, rotate_tenant
+    from aot.exporter.tenant_admin import create_tenants, delete_tenant, list_tenants, rotate_tenant
 
     store = _store(args.repo)
-    if args.action == "delete":
-        done = delete_tenant(store, args.tenant)
-        report({"tenant": done.tenant, "key": None, "deleted": True, "removed_tasks": done.removed_tasks},
-               f"deleted tenant {done.tenant} and its {len(done.removed_tasks)} task(s) from {args.repo}: servers "
-               "stop answering them from their next batch")
+    if args.action == "list":
+        if args.tenants:
+            raise ValueError("aot export tenant list takes no TENANT")
+        tenants = list_tenants(store)
+        report(tenants, f"{len(tenants)} tenant(s) in {args.repo}")
         return 0
-    done = (create_tenant if args.action == "create" else rotate_tenant)(store, args.tenant)
-    report({"tenant": done.tenant, "key": done.key},
-           f"{'created' if args.action == 'create' else 'rotated the key of'} tenant {done.tenant} in {args.repo}: "
-           "this key is shown once (the store keeps its sha256 only)"
-           + ("; the old key stops working from the servers' next batch" if args.action == "rotate" else ""),
-           f"next: aot export task --task DIR --repo {args.repo} --name {done.tenant}/NAME, then "
-           f"AOT_TENANT_KEY=<key> aot infer --task {done.tenant}/NAME \"some text\"")
+    if not args.tenants:
+        raise ValueError(f"aot export tenant {args.action}: give at least one TENANT")
+    if args.action == "create":
+        made = create_tenants(store, args.tenants)
+        report([{"tenant": done.tenant, "key": done.key} for done in made],
+               f"created {len(made)} tenant(s) in {args.repo}: each key is shown once (the store keeps its sha256 "
+               "only)",
+               f"next: aot export task --task DIR --repo {args.repo} --name {made[0].tenant}/NAME, then "
+               f"AOT_TENANT_KEY=<key> aot infer --task {made[0].tenant}/NAME \"some text\"")
+        return 0
+    for tenant in args.tenants:  # rotate and delete: one change each, reported as it is made
+        if args.action == "delete":
+            done = delete_tenant(store, tenant)
+            report({"tenant": done.tenant, "key": None, "deleted": True, "removed_tasks": done.removed_tasks},
+                   f"deleted tenant {done.tenant} and its {len(done.removed_tasks)} task(s) from {args.repo}: servers "
+                   "stop answering them from their next batch, and their versions are gone at once (none is kept for "
+                   "pinned requests)")
+        else:
+            done = rotate_tenant(store, tenant)
+            report({"tenant": done.tenant, "key": done.key},
+                   f"rotated the key of tenant {done.tenant} in {args.repo}: this key is shown once (the store keeps "
+                   "its sha256 only); the old key stops working from the servers' next batch")
     return 0
 
 

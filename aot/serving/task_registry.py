@@ -130,8 +130,9 @@ class TaskRegistry:
                 for version in self.pool.versions():
                     if not index.is_current(version):
                         self.pool.detach(version)
-            for version in [v for v in self._versions if not index.is_current(v)]:
-                if time.monotonic() - self._last_used.get(version, 0.0) > self.grace:
+            for version in [v for v in self._versions if not index.is_current(v)]:  # a version the index no longer
+                # holds (a deleted tenant's) goes at once: a loaded one must not outlive it for a pinned request
+                if not self.known(version) or time.monotonic() - self._last_used.get(version, 0.0) > self.grace:
                     self._drop(version)
 
     def entries(self) -> dict[str, TaskEntry]:
