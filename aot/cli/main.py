@@ -156,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, RuntimeError) as exc:
         if settings.DEBUG.read():
             raise
-        message = " ".join(str(exc).split()) or type(exc).__name__
+        for detail in getattr(exc, "details", ()):  # several bad rows (aot.training.data DataErrors): one line each
+            print(f"aot: {' '.join(detail.split())}", file=sys.stderr)
+        message = " ".join(str(getattr(exc, "summary", exc)).split()) or type(exc).__name__
         print(f"aot: error: {message}", file=sys.stderr)
         return 2
 
