@@ -11,6 +11,7 @@ only those below it: pyproject.toml [tool.importlinter], tests/test_imports.py):
     serving           the ground floor the Triton steps run, torch-free: the request path, the task store
                       (serving.store) and the supervision of a running server (serving.supervision)
     model_repository  the Triton python models (templates an export copies; thin adapters over serving)
+    settings          every AOT_* environment variable, its type, default and meaning (read by every room)
 
 The Python API below is imported on first use (PEFT-shaped: AotConfig, get_aot_model, AotModel, MultiTaskModel,
 PairCollator need the [train] extra), so that `import aot` stays cheap for the command, the client and the
