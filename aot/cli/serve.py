@@ -341,18 +341,22 @@ def _read_requests(path: str, task: str | None) -> list[InputLine]:
 
 
 def _top_k(answers: list[dict], listing: dict, k: int) -> list[dict]:
-    """Each classification answer with its k most probable labels, named from the server's task listing
-    (aot.cli.ranking); an answer whose version's names the listing cannot give keeps its logits and probabilities, with
-    a warning."""
-    from aot.cli.ranking import ServedLabels, top_labels
+    """Each classification answer with its k most probable labels, named from the server's task listing, and each
+    multi-label answer with its k highest scores (aot.cli.ranking); an answer whose version's names the listing cannot
+    give keeps its logits and probabilities, with a warning, as does one of a kind with no labels to rank."""
+    from aot.cli.ranking import ServedLabels, top_labels, top_scores, unranked_note
 
     labels, unnamed = ServedLabels(listing), set()
     out = []
     for answer in answers:
+        if isinstance(answer.get("scores"), dict):
+            out.append(top_scores(answer, k))
+            continue
         names = labels.of(answer) if "probabilities" in answer else None
         if names is None and "probabilities" in answer:
             unnamed.add(answer.get("version", "?"))
         out.append(answer if names is None else top_labels(answer, names, k))
+    unranked_note(out, k)
     if unnamed:
         print(f"aot: warning: --top-k: no label names for {', '.join(sorted(unnamed))} (a version the server no "
               "longer lists, whose labels changed since): those answers keep their logits and probabilities",
@@ -393,10 +397,9 @@ def run_infer(args) -> int:
             raise ValueError("give --task and at least one TEXT (or --input FILE.jsonl)")
         items = [{"task": args.task, "text": t, "text_pair": args.pair} for t in args.texts]
     answers = _send(args, items) if items else []  # every --input line bad: nothing to send
-    if args.input:  # each answer says which line it answers; bad lines are answered where they stood
+    if args.input:  # each answer echoes its line's id and task (infer_many); bad lines are answered where they stood
         sent = iter(answers)
-        answers = [line.answer or {k: line.request[k] for k in ("id", "task") if k in line.request} | next(sent)
-                   for line in lines]
+        answers = [line.answer or next(sent) for line in lines]
     text = "".join(json.dumps(a, ensure_ascii=False) + "\n" for a in answers)
     if args.output:
         from aot.serving.store.atomic import write_atomic

@@ -235,12 +235,15 @@ def run_predict(args) -> int:
 
 
 def _top_k(answers: dict[int, dict], tasks: dict[str, Path], k: int) -> dict[int, dict]:
-    """Each classification answer with its k most probable labels, named (aot.cli.ranking)."""
-    from aot.cli.ranking import top_labels
+    """Each classification answer with its k most probable labels, named, each multi-label one with its k highest
+    scores (aot.cli.ranking); the others as they are, counted in a warning."""
+    from aot.cli.ranking import top_labels, unranked_note
     from aot.training.artifact import read_task
 
     labels = {name: read_task(folder).spec.labels for name, folder in tasks.items()}
-    return {n: top_labels(a, labels[a["task"]], k) if labels[a["task"]] else a for n, a in answers.items()}
+    ranked = {n: top_labels(a, labels[a["task"]], k) if labels[a["task"]] else a for n, a in answers.items()}
+    unranked_note(ranked.values(), k)
+    return ranked
 
 
 def add_evaluate(sub) -> None:

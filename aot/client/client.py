@@ -119,6 +119,11 @@ def _text(value) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
+def _echo(item: dict) -> dict:
+    """What infer_many's answer of an item repeats of it: its id (when given) and task."""
+    return {key: item[key] for key in ("id", "task") if key in item}
+
+
 class Client:
     def __init__(self, url: str | None = None, model: str = "aot", timeout: float = 60.0, *,
                  tls: bool = False, ca: str | None = None, cert: str | None = None, key: str | None = None,
@@ -314,9 +319,9 @@ class Client:
 
     def infer_many(self, items: Iterable[dict], concurrency: int = 16,
                    on_done: Callable[[int, dict], None] | None = None) -> list[dict]:
-        """Items `{"task", "text", "text_pair"?, "id"?}`; answers in input order. A failed item's answer is
-        InferenceError.answer(): `{"id"?, "task", "error": message, "error_type", "status", "retryable"}`; the
-        others still complete."""
+        """Items `{"task", "text", "text_pair"?, "id"?}`; answers in input order, each echoing its item's "id" (when
+        given) and "task" first. A failed item's answer is InferenceError.answer(): `{"id"?, "task", "error": message,
+        "error_type", "status", "retryable"}`; the others still complete."""
         items = list(items)
         results: list[dict | None] = [None] * len(items)
         slots = threading.Semaphore(concurrency)
@@ -326,7 +331,7 @@ class Client:
             if error is not None and not isinstance(error, InferenceError):
                 item = items[index]
                 error = from_triton(error, task=item.get("task"), id=item.get("id"))
-            results[index] = error.answer() if error is not None else self._decode(result)
+            results[index] = error.answer() if error is not None else _echo(items[index]) | self._decode(result)
             slots.release()
             done.put(index)
 
