@@ -78,6 +78,10 @@ def add_export(sub) -> None:
                    help="int8 repositories: the dev examples the task is scored on, a split file of its kind "
                         "(JSONL/CSV/TSV: text, text_pair?, label; a tagger's CoNLL or tokens/tags JSONL); default: "
                         "the dev split of the data it was trained on")
+    t.add_argument("--allow-small-dev-sample", action="store_true",
+                   help="int8 repositories: publish even when fewer than 50 dev examples score the task (one flipped "
+                        "example then moves its score 2 points or more; recorded as served_dev.small_sample_accepted); "
+                        "under 300 the export warns how far one example moves it")
     t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     t.set_defaults(run=run_export_task)
 
@@ -167,7 +171,8 @@ def run_export_task(args) -> int:
     from aot.exporter.task_export import export_task
 
     result = export_task(args.task, args.repo, args.name, args.storage, progress=not args.no_progress, keep=args.keep,
-                         allowed_drop=args.allow_accuracy_drop, dev_data=args.dev_data)
+                         allowed_drop=args.allow_accuracy_drop, dev_data=args.dev_data,
+                         accept_small_dev=args.allow_small_dev_sample)
     served = result.served_dev
     accuracy = "" if served is None else (f"; dev {served['metric']} {served['precision']} {served['score'] * 100:.2f} "
                                           f"against fp32 {served['fp32'] * 100:.2f}")
@@ -240,11 +245,20 @@ def run_export_list(args) -> int:
 
     store = TaskStore.of(read_repository(args.repo))
     _clean(store)
-    entries = [{"name": e.name, "folder": e.folder, "storage": e.storage, "verified": e.digests is not None}
+    entries = [{"name": e.name, "folder": e.folder, "storage": e.storage, "verified": e.digests is not None,
+                **({"int8_gate": gate_summary(e.meta["served_dev"])} if e.meta.get("served_dev") else {})}
                for e in store.entries().values()]
     report(entries, f"{len(entries)} task(s) in {args.repo}" + ("" if entries else
                     f"; next: aot export task --task TASK --repo {args.repo} --name NAME"))
     return 0
+
+
+def gate_summary(served_dev: dict) -> dict:
+    """What `aot export list` shows of a version's int8 gate (served_dev): the examples it was scored on, its drop
+    and the drop accepted, and whether a small sample was accepted."""
+    return {"examples": served_dev.get("examples"), "drop": served_dev.get("drop"),
+            "allowed_drop": served_dev.get("allowed_drop"),
+            "small_sample_accepted": bool(served_dev.get("small_sample_accepted"))}
 
 
 def run_export_verify(args) -> int:

@@ -94,13 +94,15 @@ def storage_advice(repo: RepositoryInfo, name: str, fused_bytes: int, factored_b
 
 def export_task(task_dir: str | Path, repo_dir: str | Path, name: str, storage: str = "auto",
                 progress: bool = True, keep: int | None = None, allowed_drop: float | None = None,
-                dev_data: str | Path | None = None) -> TaskExportReport:
+                dev_data: str | Path | None = None, accept_small_dev: bool = False) -> TaskExportReport:
     """Export one task and publish it. `storage`: fused, factored, or auto (see storage_advice). `keep`: versions
     of the task to keep, this one included (None: the task's policy, else aot.serving.store.reader.DEFAULT_KEEP). On an
     int8 repository the task must keep its dev score within `allowed_drop` points (0.5 by default) of its fp32 score,
-    scored on `dev_data` (default: its training data's dev split): aot.exporter.accuracy_gate."""
+    scored on `dev_data` (default: its training data's dev split), of at least the gate's minimum size unless
+    `accept_small_dev`: aot.exporter.accuracy_gate."""
     exporter = TaskExporter(repo_dir, progress)
-    written = exporter.write(task_dir, name, storage, allowed_drop=allowed_drop, dev_data=dev_data)
+    written = exporter.write(task_dir, name, storage, allowed_drop=allowed_drop, dev_data=dev_data,
+                             accept_small_dev=accept_small_dev)
     return exporter.publish([written], keep)[0]
 
 
@@ -166,9 +168,9 @@ class TaskExporter:
 
     def write(self, task_dir: str | Path, name: str, storage: str = "auto",
               tasks_in_store: int | None = None, allowed_drop: float | None = None,
-              dev_data: str | Path | None = None) -> WrittenTask:
+              dev_data: str | Path | None = None, accept_small_dev: bool = False) -> WrittenTask:
         """write_files, then validate: one task version written and checked, not yet published."""
-        written = self.write_files(task_dir, name, storage, tasks_in_store, allowed_drop, dev_data)
+        written = self.write_files(task_dir, name, storage, tasks_in_store, allowed_drop, dev_data, accept_small_dev)
         try:
             self.validate([written])
         except BaseException:
@@ -178,7 +180,7 @@ class TaskExporter:
 
     def write_files(self, task_dir: str | Path, name: str, storage: str = "auto",
                     tasks_in_store: int | None = None, allowed_drop: float | None = None,
-                    dev_data: str | Path | None = None) -> WrittenTask:
+                    dev_data: str | Path | None = None, accept_small_dev: bool = False) -> WrittenTask:
         """Fuse P (or keep its factors) and write the head into a new version folder of the store that no reader sees
         yet (on an int8 repository, after checking its dev score through the int8 engine: aot.exporter.accuracy_gate).
         Its served logits are checked by `validate`, which a batch runs for many versions at once.
@@ -193,7 +195,8 @@ class TaskExporter:
         # no copy of the encoder per task: the task's AoT hooks go into the shared one, and out again below
         predictor = Predictor(*load_task(task_dir, self._backbone, copy_encoder=False))
         try:
-            return self._write(predictor, task_dir, name, storage, tasks_in_store, start, allowed_drop, dev_data)
+            return self._write(predictor, task_dir, name, storage, tasks_in_store, start, allowed_drop, dev_data,
+                               accept_small_dev)
         finally:
             predictor.model.body.biased.remove_hooks()
 
@@ -220,7 +223,8 @@ class TaskExporter:
                                               f"(> {LOGITS_TOLERANCE})")
 
     def _write(self, predictor: Predictor, task_dir, name: str, storage: str, tasks_in_store: int | None,
-               start: float, allowed_drop: float | None = None, dev_data: str | Path | None = None) -> WrittenTask:
+               start: float, allowed_drop: float | None = None, dev_data: str | Path | None = None,
+               accept_small_dev: bool = False) -> WrittenTask:
         artifact, model = predictor.artifact, predictor.model
         L, d = self._backbone.num_layers, self._backbone.hidden_size
         V = int(self._backbone.embeddings.shape[0])
@@ -247,7 +251,7 @@ class TaskExporter:
             if self._cpu_engine is None and self.repo.record.cpu_precision != "fp32":
                 self._cpu_engine = CpuEngine(self.repo)  # the int8 graph's session, once for every task
             served_dev = check_served_accuracy(self.repo, folder, predictor, allowed_drop, dev_data,
-                                               self._cpu_engine)
+                                               self._cpu_engine, accept_small_dev)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
