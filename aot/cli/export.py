@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from dataclasses import asdict
 
 from aot.cli.arguments import (
@@ -65,8 +66,10 @@ def add_export(sub) -> None:
                         "(bad lines are named by line number before anything is written)")
     t.add_argument("--storage", choices=["auto", "fused", "factored"], default="auto",
                    help="fused: P as a [V, L, d] fp16 table (the paper); factored: the factors (1-2 %% of a table), "
-                        "rows computed when the pool fills; auto: fused while every task of the repository fits "
-                        "in its task pool, else factored (the report shows both costs)")
+                        "rows computed as they are used and kept in the task pool; auto: factored in object storage "
+                        "(each replica downloads what a task stores), else fused while every task of the repository "
+                        "fits in its task pool, then factored (each publish says which and why; the report shows "
+                        "both costs)")
     t.add_argument("--keep", type=positive_int, default=None, metavar="N",
                    help="versions of the task to keep, this one included (default: what the task kept so far, else "
                         f"{DEFAULT_KEEP}): each stays servable as NAME@ID and a rollback target while kept; older ones "
@@ -180,35 +183,30 @@ def run_export_task(args) -> int:
                            f"version {result.folder}) in {args.repo}{accuracy}: a running server answers it from its "
                            "next batch",
            f'next: aot serve --repo {args.repo} (if none runs), then aot infer --task {args.name} "some text"')
-    if args.storage == "auto" and result.storage == "factored":
-        print(f"aot: warning: {auto_storage_note(args.name, result.storage_advice)}", file=sys.stderr)
+    if args.storage == "auto":
+        print(f"aot: {auto_storage_note(args.name, result.storage, result.storage_advice)}", file=sys.stderr)
     return 0
 
 
-def auto_storage_note(name: str, advice: dict) -> str:
-    """Why `--storage auto` stored a task factored (aot.exporter.task_export.storage_advice): said at every such export,
-    since the store's tasks no longer fit the pool and the choice differs from the tasks exported before."""
-    return (f"--storage auto stored {name} factored ({_size(advice['factored_bytes'])}, its rows computed as they are "
-            f"used), not fused ({_size(advice['fused_bytes'])}): the store holds {advice['tasks_in_store']} tasks and "
-            f"the task pool ({_size(advice['pool_bytes'])}) keeps {advice['tasks_resident_in_pool']} fused tables "
-            "resident. Tasks exported before keep their storage; --storage fused keeps a task fused (docs/serving.md, "
-            "the task pool)")
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n / 2**10:.1f} KiB"
+def auto_storage_note(name: str, storage: str, advice: dict) -> str:
+    """Which storage `--storage auto` picked for a task and why (aot.exporter.task_export.storage_advice), said at every
+    publish: the choice depends on the store and on how many tasks it holds."""
+    other = "fused" if storage == "factored" else "factored"
+    return (f"--storage auto stored {name} {storage} ({advice['auto_reason']}); --storage {other} stores it "
+            f"{other} (docs/serving.md, the task pool)")
 
 
 def _run_export_batch(args) -> int:
     from aot.exporter.batch_export import export_batch
 
     result = export_batch(args.repo, args.batch, args.storage, progress=not args.no_progress, keep=args.keep)
+    stored = Counter(r.storage for r in result.tasks)
+    picked = "" if args.storage != "auto" else "; --storage auto stored " + ", ".join(
+        f"{n} {storage} ({next(r.storage_advice['auto_reason'] for r in result.tasks if r.storage == storage)})"
+        for storage, n in sorted(stored.items()))
     report([asdict(r) for r in result.tasks],
            f"published {len(result.tasks)} task(s) in one change of {args.repo} in {result.seconds:.1f} s "
-           f"({result.tasks_per_second:.1f} tasks/s): a running server answers them from its next batch",
+           f"({result.tasks_per_second:.1f} tasks/s): a running server answers them from its next batch{picked}",
            f"next: aot tasks --match NAME (on a running server), or aot serve --repo {args.repo}")
     return 0
 

@@ -79,17 +79,39 @@ def _write_fused(body: AotBody, path: Path, vocab: int, chunk: int = 2048, progr
 def storage_advice(repo: RepositoryInfo, name: str, fused_bytes: int, factored_bytes: int,
                    tasks_in_store: int | None = None) -> dict:
     """What a task costs in each storage and, with the repository's pool budget, how many such tasks stay fully
-    resident. `auto` picks fused while every task of the store (this one included) fits resident, else factored:
-    beyond the pool, fused tables only cost disk and page cache, while factors are 1-2 % of a table.
-    `tasks_in_store`: the count with this task (default: the store's other tasks and this one)."""
+    resident; what `auto` picks and why (`auto_reason`, said at every publish). In object storage: factored, always,
+    since every replica downloads what a task stores and a fused table is ~80x its factors (MiniLM: 134.7 MiB against
+    1.7 MiB); a factored task fully resident in the pool serves as fast as a fused one (docs/benchmarks.md, "Many
+    tasks on one engine: the task pool"). In a folder: fused while every task of the store (this one included) fits
+    resident, so at most the pool's worth of tables is ever stored fused, then factored: beyond the pool, fused
+    tables only cost disk and page cache. `tasks_in_store`: the count with this task (default: the store's other tasks and this one)."""
     pool = repo.options.pool_bytes
     resident = pool // fused_bytes if fused_bytes else 0
+    store = TaskStore.of(repo)
     if tasks_in_store is None:
-        tasks_in_store = len([n for n in TaskStore.of(repo).entries() if n != name]) + 1
-    fits = tasks_in_store <= resident
+        tasks_in_store = len([n for n in store.entries() if n != name]) + 1
+    sizes = f"{_size(factored_bytes)} factored, {_size(fused_bytes)} fused"
+    if store.remote:
+        auto, reason = "factored", (f"{sizes}: the store is in object storage, where every replica downloads what a "
+                                    "task stores")
+    elif tasks_in_store <= resident:
+        auto, reason = "fused", (f"{sizes}: the store's {tasks_in_store} task(s) fit the task pool ({_size(pool)} "
+                                 f"keeps {resident} fused tables resident); from task {resident + 1} on, auto stores "
+                                 "tasks factored")
+    else:
+        auto, reason = "factored", (f"{sizes}: the store holds {tasks_in_store} tasks and the task pool "
+                                    f"({_size(pool)}) keeps {resident} fused tables resident; tasks exported before "
+                                    "keep their storage")
     return {"fused_bytes": fused_bytes, "factored_bytes": factored_bytes, "pool_bytes": pool,
-            "tasks_resident_in_pool": int(resident), "tasks_in_store": tasks_in_store,
-            "auto": "fused" if fits else "factored"}
+            "tasks_resident_in_pool": int(resident), "tasks_in_store": tasks_in_store, "auto": auto,
+            "auto_reason": reason}
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
 
 
 def export_task(task_dir: str | Path, repo_dir: str | Path, name: str, storage: str = "auto",
