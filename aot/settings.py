@@ -95,7 +95,7 @@ DRAIN_SECONDS = Setting("AOT_DRAIN_SECONDS", "a graceful stop (SIGTERM) first dr
 LOAD_VANILLA = Setting("AOT_LOAD_VANILLA", "the container's server also loads the plain encoder (`vanilla`, for "
                        "comparisons: one more engine)", False, _flag, "1 or 0", read_by="supervisor (the container)")
 POOL_BYTES = Setting("AOT_POOL_BYTES", "the task pool's budget of each step instance, over the repository's "
-                     "(`aot serve --pool-bytes` sets it)", None, _integer(1), "a number of bytes (1 or more)",
+                     "(`aot serve --pool-bytes` sets it; 0: no pool)", None, _integer(0), BYTES,
                      read_by="python steps")
 SHM_REGION_BYTES = Setting("AOT_SHM_REGION_BYTES", "the bound of a python step's shared memory, past which the "
                            "supervisor replaces the step (default: from the repository's limits; 0: none)", None,

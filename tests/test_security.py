@@ -266,7 +266,7 @@ def test_no_step_can_be_replaced_or_unloaded(served, tmp_path, expected):
     from tritonclient.utils import InferenceServerException
 
     for model, template in (("head", "head"), ("aot", "fused")):
-        code = (ROOT / "model_repository" / template / "1" / "model.py").read_text()
+        code = (ROOT / "aot" / "model_repository" / template / "1" / "model.py").read_text()
         assert "head_answers(" in code
         evil = code + ("\n\ndef head_answers(tasks, pooled):  # every task answers what the attacker chose\n"
                        "    import numpy\n"
