@@ -35,6 +35,13 @@ def _share(raw: str) -> float:
     return value
 
 
+def _seconds(raw: str) -> float:
+    value = float(raw)
+    if not 0.0 <= value < float("inf"):
+        raise ValueError(raw)
+    return value
+
+
 def _flag(raw: str) -> bool:
     return raw.strip().lower() not in ("", "0", "false", "no", "off")
 
@@ -80,6 +87,11 @@ HEALTH_PORT = Setting("AOT_HEALTH_PORT", "the supervisor's health port (/ready, 
                       "a port number", read_by="supervisor (the container), scripts/demo.sh")
 HEALTH_ADDRESS = Setting("AOT_HEALTH_ADDRESS", "the address the supervisor's health port listens on", "0.0.0.0",
                          expected="an IP address", read_by="supervisor (the container)")
+DRAIN_SECONDS = Setting("AOT_DRAIN_SECONDS", "a graceful stop (SIGTERM) first drains this long: /ready answers 503 "
+                        "so that load balancers send nothing new, requests that still arrive are answered, then the "
+                        "server stops and finishes what it accepted (`aot serve --drain-seconds` sets it; a second "
+                        "signal stops at once)", 10.0, _seconds, "a number of seconds, 0 or more",
+                        read_by="supervisor (the container), aot serve")
 LOAD_VANILLA = Setting("AOT_LOAD_VANILLA", "the container's server also loads the plain encoder (`vanilla`, for "
                        "comparisons: one more engine)", False, _flag, "1 or 0", read_by="supervisor (the container)")
 POOL_BYTES = Setting("AOT_POOL_BYTES", "the task pool's budget of the step instances, over the repository's "

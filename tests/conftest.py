@@ -3,6 +3,9 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# A graceful stop drains AOT_DRAIN_SECONDS first: the tests' servers stop at once, except where the drain is tested
+# (tests/test_graceful_stop.py, which names its own).
+os.environ.setdefault("AOT_DRAIN_SECONDS", "0")
 
 import pytest
 import torch

@@ -74,7 +74,7 @@ def test_missing_plugin_says_what_to_install(monkeypatch, capsys):
         captured = capsys.readouterr()
         assert captured.out == "" and captured.err.count("\n") == 1
         assert captured.err.startswith("aot: error: the bench command comes from a plugin that is not installed")
-        assert "pip install 'aot-ptuning[bench]'" in captured.err
+        assert "pip install '.[bench]' in a checkout of this project" in captured.err
 
 OVERHEAD_FIELDS = {"model", "method", "batch", "seq", "median_ms", "ratio_to_vanilla", "engine", "device"}
 

@@ -90,8 +90,9 @@ def repo(tmp_path_factory, tiny_models, french):
                            {"one": (french, "auto"), "two": (french, "auto")}, pool_bytes=2 * TABLE)
 
 
-def test_storage_auto_says_when_it_stores_a_task_factored(repo, french, capsys):
-    """A pool with room for two tables: the third task is stored factored, and the export says so."""
+def test_storage_auto_says_what_it_picked_and_why_at_every_publish(repo, french, capsys):
+    """Issue 47.5: a pool with room for two tables: the third task is stored factored, and every publish with
+    --storage auto says which storage it picked and why (the first two were fused)."""
     assert main(["export", "task", "--task", str(french), "--repo", str(repo), "--name", "three",
                  "--no-progress"]) == 0
     captured = capsys.readouterr()
@@ -99,13 +100,15 @@ def test_storage_auto_says_when_it_stores_a_task_factored(repo, french, capsys):
     assert result["storage"] == "factored"
     factored = result["storage_advice"]["factored_bytes"] / 2**10
     assert captured.err.splitlines()[-1] == (
-        f"aot: warning: --storage auto stored three factored ({factored:.1f} KiB, its rows computed as they are "
-        "used), not fused (12.6 KiB): the store holds 3 tasks and the task pool (25.2 KiB) keeps 2 fused tables "
-        "resident. Tasks exported before keep their storage; --storage fused keeps a task fused (docs/serving.md, the "
-        "task pool)")
+        f"aot: --storage auto stored three factored ({factored:.1f} KiB factored, 12.6 KiB fused: the store holds 3 "
+        "tasks and the task pool (25.2 KiB) keeps 2 fused tables resident; tasks exported before keep their storage); "
+        "--storage fused stores it fused (docs/serving.md, the task pool)")
+    assert main(["export", "task", "--task", str(french), "--repo", str(repo), "--name", "one",
+                 "--no-progress"]) == 0  # a new version of a task the store holds: still 3 tasks
+    assert "factored" in capsys.readouterr().err.splitlines()[-1]
     assert main(["export", "task", "--task", str(french), "--repo", str(repo), "--name", "four", "--storage",
                  "factored", "--no-progress"]) == 0
-    assert "warning" not in capsys.readouterr().err  # asked for: nothing to say
+    assert "--storage auto" not in capsys.readouterr().err  # asked for: nothing to say
 
 
 MINILM = SimpleNamespace(num_layers=6, hidden_size=384, vocab_size=30522)  # a table is 140.6 MB

@@ -64,6 +64,67 @@ def test_csv_mistakes_are_named(tmp_path, capsys, files, message):
     assert one_line_error(capsys) == f"aot: error: {data}/{message}"
 
 
+def test_extra_csv_fields_are_refused_with_their_line(tmp_path, capsys):
+    """Issue 47.1: an unquoted comma made a second field the label (`aot predict` then answered " merci !"); every
+    such row is refused with its line, before the (missing) model loads, and nothing is written."""
+    rows = ["Très bon service, merci !,positif", '"Refund, please",billing,extra', "Très bon,positif", "Nul,négatif"]
+    data = _folder(tmp_path / "data", {"train.csv": "text,label\n" + "\n".join(rows) + "\n",
+                                       "dev.csv": "text,label\nBon,positif\n"})
+    out = tmp_path / "t"
+    assert main(_train(data, out)) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"aot: {data}/train.csv:2: 3 fields where the header names 2 (text, label): an unquoted comma inside a text? "
+        '(quote it: "a, b")',
+        f"aot: {data}/train.csv:3: 3 fields where the header names 2 (text, label): an unquoted comma inside a text? "
+        '(quote it: "a, b")',
+        f"aot: error: {data}: 2 bad rows; nothing was read"]
+    assert not out.exists()
+
+
+def test_every_bad_row_is_listed_with_its_cause(tmp_path, capsys):
+    """Issue 47.4: the whole data is checked before the model loads, and every bad row is named with its own cause
+    (the first 20, then a count): an empty text is not "missing column 'text'", a quote never closed is not
+    "missing column 'label'"."""
+    good = [f"good text {i},{'pos' if i % 2 else 'neg'}" for i in range(10)]
+    empties = [",pos"] * 22  # lines 12-33 of train.csv: empty texts
+    train = "text,label\n" + "\n".join(good + empties + ["nice one,pos", '"never closed,neg', "after,pos"]) + "\n"
+    dev = '{"text": "fine", "label": "pos"}\n{"text": "", "label": "pos"}\n{"text": "x", "label": "maybe"}\n{oops\n'
+    data = _folder(tmp_path / "data", {"train.csv": train, "dev.jsonl": dev})
+    assert main(_train(data, tmp_path / "t")) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[-1] == f"aot: error: {data}: 26 bad rows (the first 20 listed); nothing was read"
+    assert lines[:-1] == [f"aot: {data}/train.csv:{12 + i}: column 'text' is empty" for i in range(20)]
+    assert "missing column" not in "\n".join(lines)
+    from aot.training.data import DataError, load_task_data
+
+    with pytest.raises(DataError) as caught:
+        load_task_data(str(data))
+    assert caught.value.total == 26 and caught.value.problems == [line[5:] for line in lines[:-1]]
+    few = _folder(tmp_path / "few", {"train.csv": "text,label\na,pos\n,neg\nb,neg\n\"never closed,neg\nc,pos\n",
+                                     "dev.jsonl": dev})
+    with pytest.raises(DataError) as caught:
+        load_task_data(str(few))
+    assert caught.value.problems == [
+        f"{few}/train.csv:3: column 'text' is empty",
+        f"{few}/train.csv:5: a quoted field opened on this line is never closed (it runs to the end of the file, line "
+        '6): close its quote, or double each quote inside it ("")',
+        f"{few}/dev.jsonl:2: column 'text' is empty",
+        f"{few}/dev.jsonl:4: invalid JSON (Expecting property name enclosed in double quotes)",
+        f"{few}/dev.jsonl:3: dev label 'maybe' never occurs in train ('neg', 'pos')"]
+
+
+def test_a_label_seen_once_or_twice_in_a_large_set_is_named(tmp_path, recwarn):
+    from aot.training.data import DataWarning, load_task_data
+
+    rows = [f"text {i},{'pos' if i % 2 else 'neg'}" for i in range(120)] + ["text x,neutre"]
+    rows[7], rows[9] = "text 7,posit", "text 9,posit"  # lines 9 and 11
+    data = _folder(tmp_path, {"train.csv": "text,label\n" + "\n".join(rows) + "\n", "dev.csv": "text,label\nd,pos\n"})
+    assert load_task_data(str(data)).spec.labels == ("neg", "neutre", "pos", "posit")
+    [warning] = [str(w.message) for w in recwarn if w.category is DataWarning]
+    assert warning.startswith(f"2 label(s) of 4 seen at most 2 times in 121 train rows: 'neutre' once "
+                              f"({data}/train.csv:122); 'posit' twice ({data}/train.csv:9). A typo")
+
+
 def test_byte_order_mark_is_skipped(tmp_path):
     from aot.training.data import load_task_data
 

@@ -69,6 +69,27 @@ def test_dockerfile_installs_only_the_pinned_serving_extra():
     assert pins["numpy"].startswith("1.")
 
 
+def test_the_image_copies_every_module_the_served_code_imports():
+    """`docker build` runs the served steps' imports: every `aot` module that aot.serving, aot.serving_torch and the
+    model templates import (aot.settings since the one settings module) must be copied, or the build fails."""
+    import ast
+
+    text = (ROOT / "docker" / "Dockerfile").read_text()
+    copied = {m for line in re.findall(r"^COPY (.+) \./aot/?\S*$", text, re.M) for m in line.split()}
+    imported = set()
+    for package in ("serving", "serving_torch", "model_repository"):
+        for path in (ROOT / "aot" / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+                if isinstance(node, ast.ImportFrom) and node.module == "aot":
+                    names = [f"aot.{a.name}" for a in node.names]
+                imported |= {n.split(".")[1] for n in names if n.startswith("aot.")}
+    assert {"serving", "settings"} <= imported
+    for module in sorted(imported):
+        assert f"aot/{module}" in copied or f"aot/{module}.py" in copied, f"docker/Dockerfile does not copy aot.{module}"
+
+
 def test_compose_runs_tritonserver_under_the_supervisor():
     spec = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     command = spec["services"]["triton"]["command"]
@@ -203,6 +224,25 @@ def test_kubernetes_fleet_serves_the_shared_store_safely(rendered):
     assert "--model-repository=/mnt/aot/$(AOT_REPOSITORY)/models" in triton["args"]
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == str(ports["metrics"])
+
+
+def test_the_first_deployment_applies_the_namespace_and_claim_alone_first():
+    """docs/deploy-kubernetes.md's first deployment applies the namespace and the claim alone (by a label selector)
+    before the Secret that lives in the namespace and the repository that goes on the claim: the selector picks
+    exactly those two objects, and the steps come in that order."""
+    doc = (ROOT / "docs" / "deploy-kubernetes.md").read_text()
+    steps = doc[doc.index("## A first deployment, step by step"):]
+    selector = re.search(r"kubectl apply -k deploy/kubernetes -l '(\S+) in \(([^)]*)\)'", steps)
+    assert selector, "no first apply by label in the first deployment"
+    key, values = selector[1], selector[2].split(",")
+    kubectl = _installed("kubectl", "it renders deploy/kubernetes (kubectl kustomize)")
+    result = subprocess.run([kubectl, "kustomize", str(ROOT / "deploy" / "kubernetes")], capture_output=True, text=True)
+    picked = [d["kind"] for d in yaml.safe_load_all(result.stdout) if (d["metadata"].get("labels") or {}).get(key)
+              in values]
+    assert sorted(picked) == ["Namespace", "PersistentVolumeClaim"]
+    order = [steps.index(s) for s in (selector[0], "create secret generic aot-admin-key", "tar -C runs/repo",
+                                      "\nkubectl apply -k deploy/kubernetes\n", "docker build -f docker/Dockerfile -t")]
+    assert order[:4] == sorted(order[:4]) and order[4] < order[0]
 
 
 def test_kubernetes_services_budget_and_autoscaler(rendered):

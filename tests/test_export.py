@@ -556,6 +556,9 @@ def test_auto_storage_follows_the_pool_budget(tmp_path, tiny_models, tasks):
     repo = make_repository(tiny_models["bert"], tmp_path / "repo", {}, pool_bytes=2 * table)
     reports = [export_task(tasks[("bert", "fc")], repo, f"t{i}", progress=False) for i in range(3)]
     assert [r.storage for r in reports] == ["fused", "fused", "factored"]
+    first = reports[0].storage_advice["auto_reason"]
+    assert "the store's 1 task(s) fit the task pool" in first and first.endswith("from task 3 on, auto stores tasks "
+                                                                                  "factored")
     advice = reports[2].storage_advice
     assert advice["fused_bytes"] == table and advice["tasks_resident_in_pool"] == 2 and advice["tasks_in_store"] == 3
     assert advice["factored_bytes"] > 0  # (tiny vocabulary: here the factors are larger than the table)

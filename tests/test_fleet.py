@@ -76,13 +76,14 @@ class Load:
     """`threads` clients calling `items` through the fleet until stopped (at most 20,000 answers): `answers` holds
     (item index, answer), `failures` the messages of failed requests."""
 
-    def __init__(self, url: str, items: list[dict], threads: int = 4):
+    def __init__(self, url: str, items: list[dict], threads: int = 4, retry_seconds: float | None = None):
         self.url, self.items = url, items
+        self.retry = {} if retry_seconds is None else {"retry_seconds": retry_seconds}  # 0: every failure is seen
         self.stop, self.answers, self.failures = threading.Event(), [], []
         self.threads = [threading.Thread(target=self._run, args=(k,)) for k in range(threads)]
 
     def _run(self, k: int) -> None:
-        with Client(self.url, timeout=30) as c:
+        with Client(self.url, timeout=30, **self.retry) as c:
             while not self.stop.is_set() and len(self.answers) < 20000:
                 i = (k + len(self.answers)) % len(self.items)
                 try:
@@ -238,6 +239,34 @@ def test_killed_haproxy_is_restarted_and_no_request_fails(fleet, expected):
     print(f"\nkill -9 of HAProxy under load: restarted {restarted:.2f} s later; {len(load.answers)} answers, 0 failed")
 
 
+def test_a_rolling_restart_of_one_replica_fails_no_request(fleet, expected):
+    """Issue 47.2: replica 0 restarted as a rolling update does it (Fleet.restart_replica: it drains until HAProxy
+    takes it out and holds none of its requests, stops, starts on the same ports, rejoins) while 4 clients that
+    never retry (retry_seconds=0: every failure is seen) call through HAProxy: no request fails, every answer is
+    right, and the restarted replica serves again."""
+    items = [{"task": name, "text": text} for name in ("alpha", "beta") for text in TEXTS]
+    fleet.wait_all_up(timeout=30)
+    old = fleet.servers[0]
+    with Load(fleet.grpc_url, items, retry_seconds=0) as load:
+        while len(load.answers) < 50:
+            assert not load.failures, load.failures[:3]
+            time.sleep(0.05)
+        started_at = len(load.answers)
+        fleet.restart_replica(0)
+        restarted_at = len(load.answers)
+        new = fleet.servers[0]
+        deadline = time.monotonic() + 60
+        while _ensemble_requests(new) == 0 or len(load.answers) < restarted_at + 100:
+            assert time.monotonic() < deadline, f"replica 0 gets no traffic again: {fleet.states()}"
+            time.sleep(0.05)
+    assert load.failures == [], load.failures[:5]
+    assert [a for i, a in load.answers if not _check(a, expected[items[i]["task"]][i % len(TEXTS)])] == []
+    assert new is not old and new.grpc_port == old.grpc_port and old.process.poll() is not None
+    assert restarted_at > started_at and fleet.states() == {"r0": "UP", "r1": "UP"}
+    print(f"\nrolling restart of replica 0 under load: {len(load.answers)} answers, 0 failed, 0 wrong; "
+          f"{restarted_at - started_at} answered while it drained, stopped and started")
+
+
 def test_oversized_requests_are_refused_before_any_replica(fleet):
     """The issue's case (INT64 [1, 25,000,000] ids, 400 MB) and a 2 MB text (past max_request_bytes, 1 MiB): HAProxy
     refuses them (413) before either replica reads a byte: no replica counts a failed request, none's shared memory
@@ -303,7 +332,8 @@ def test_idle_connections_are_closed_by_the_balancer(fleet):
 
 def test_serve_command_with_replicas(repo, tmp_path):
     """`aot serve --replicas 2`: HAProxy on the given ports, replica i's metrics and /ready on the flags' ports +
-    2*i, the answer through it; SIGTERM stops everything (exit 0). A flag for one server alone is refused."""
+    2*i, the answer through it; SIGHUP restarts the replicas one after the other; SIGTERM stops everything (exit 0).
+    A flag for one server alone is refused."""
     import json
     import subprocess
     import sys
@@ -327,6 +357,13 @@ def test_serve_command_with_replicas(repo, tmp_path):
             with urllib.request.urlopen(f"http://{replica['health']}/ready", timeout=5) as r:
                 assert json.load(r)["ready"] is True
         with Client(info["grpc"]) as c:
+            assert c.infer("alpha", TEXTS[0])["version"].startswith("alpha@")
+            proc.send_signal(signal.SIGHUP)  # a rolling restart: each replica drained, restarted, back in rotation
+            said = [proc.stderr.readline() for _ in range(2)]
+            while not said[-1].startswith("aot: rolling restart done"):
+                said.append(proc.stderr.readline())
+                assert said[-1], said
+            assert sum("rolling restart: replica" in line for line in said) == 2, said
             assert c.infer("alpha", TEXTS[0])["version"].startswith("alpha@")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0

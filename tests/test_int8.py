@@ -14,7 +14,7 @@ import torch
 
 from aot.cli.main import main
 from aot.client.client import Client
-from aot.exporter.accuracy_gate import AccuracyDropError
+from aot.exporter.accuracy_gate import AccuracyDropError, SmallSampleError, SmallSampleWarning
 from aot.exporter.backbone_export import export_backbone
 from aot.exporter.cpu_engine import CpuEngine, predict_lines_through
 from aot.exporter.onnx_export import ExportableBackbone, example_inputs
@@ -226,6 +226,37 @@ def test_gate_accepts_with_override_and_records_both_scores(repo, published):
     store = TaskStore(read_repository(repo).store_root)
     meta = json.loads((store.root / store.entries()["plain"].folder / "task.json").read_text())
     assert meta["served_dev"]["score"] == plain["score"] and meta["served_dev"]["allowed_drop"] == 50
+
+
+def test_gate_needs_a_sample_and_the_listing_shows_it(repo, task, published, tmp_path, capsys):
+    """Issue 46.4: a one- or two-example --dev-data no longer slips a task past the gate: under 50 examples it is
+    refused unless --allow-small-dev-sample says so (recorded), under 300 a warning says how far one example moves
+    the score, and `aot export list` shows each version's examples, drop and accepted drop."""
+    dev = tmp_path / "dev.jsonl"
+    dev.write_text("".join(json.dumps({"text": t, "label": lab}) + "\n"
+                           for t, lab in (("good w1", "positive"), ("w2 awful", "negative")) * 3))
+    with pytest.raises(SmallSampleError, match=r"the int8 gate scores 6 dev example\(s\): one flipped example moves "
+                                               r"its score 17 points .* fewer than 50"):
+        export_task(task, repo, "tiny-dev", progress=False, dev_data=dev, allowed_drop=50)
+    assert "tiny-dev" not in TaskStore(read_repository(repo).store_root).entries()
+    with pytest.warns(SmallSampleWarning, match="accepted: --allow-small-dev-sample"):
+        accepted = export_task(task, repo, "tiny-dev", progress=False, dev_data=dev, allowed_drop=50,
+                               accept_small_dev=True).served_dev
+    assert accepted["examples"] == 6 and accepted["small_sample_accepted"] is True
+    with pytest.warns(SmallSampleWarning, match=r"scores 100 dev example\(s\): one flipped example moves its score 1 "
+                                                r"points \(allowed drop: 50\); 300 or more"):
+        export_task(task, repo, "hundred", progress=False, allowed_drop=50)
+    assert main(["export", "list", "--repo", str(repo)]) == 0
+    listed = {e["name"]: e for e in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert listed["tiny-dev"]["int8_gate"] == {"examples": 6, "drop": accepted["drop"], "allowed_drop": 50,
+                                               "small_sample_accepted": True}
+    assert listed["plain"]["int8_gate"]["examples"] == published["plain"].served_dev["examples"] == 100
+    assert listed["plain"]["int8_gate"]["small_sample_accepted"] is False
+    assert main(["export", "task", "--task", str(task), "--repo", str(repo), "--name", "cli-dev", "--dev-data",
+                 str(dev), "--allow-accuracy-drop", "50", "--no-progress"]) == 2
+    assert "fewer than 50" in one_line_error(capsys)
+    for name in ("tiny-dev", "hundred"):
+        TaskStore.of(read_repository(repo)).remove(name)
 
 
 def test_refit_raises_the_int8_dev_score(fitted, published):

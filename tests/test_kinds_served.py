@@ -56,10 +56,10 @@ def _executions(client, server) -> int:
 
 
 def _same(got: dict, want: dict, task: str) -> None:
-    """A served answer against `aot predict`'s (which adds P in fp16 as the store does); infer_many's answers echo
-    their item's task too."""
-    assert set(got) - {"task"} == KEYS[task] | {"version"} and got["version"].startswith(task + "@")
-    assert got.get("task", task) == task
+    """A served answer against `aot predict`'s (which adds P in fp16 as the store does); infer_many's echoes the
+    task."""
+    assert got.get("task", task) == task and got["version"].startswith(task + "@")
+    assert set(got) - {"task"} == KEYS[task] | {"version"}
     if task == "search":
         np.testing.assert_allclose(got["embedding"], want["embedding"], atol=1e-5)
     elif task == "ner":
@@ -127,6 +127,29 @@ def test_a_bad_request_of_one_kind_fails_alone(server, client, expected, repo):
     mask.set_data_from_numpy(np.ones((1, 3), dtype=np.int64))
     with pytest.raises(Exception, match="task 'ner' tags tokens: send TEXT"):
         client._client.infer("aot", [ids, mask, task])
+
+
+def test_answers_echo_their_items_and_top_k_ranks_what_has_labels(server, client, expected, tmp_path, capsys):
+    """Issue 47.6: every infer_many answer echoes its item's id and task (not only the failed ones); `aot infer
+    --top-k 2` answers a multi-label task's 2 highest scores (its labels kept) as it does a classifier's 2 most
+    probable labels, and says which answers had no labels to rank (never silently ignored)."""
+    items = [{"task": n, "text": TEXTS[0], "id": k} for k, n in enumerate(KEYS)]
+    answers = client.infer_many(items)
+    assert [(a["id"], a["task"]) for a in answers] == [(k, n) for k, n in enumerate(KEYS)]
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("".join(json.dumps(item) + "\n" for item in items))
+    assert main(["infer", "--url", server.grpc_url, "--input", str(requests), "--top-k", "2", "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    ranked = {a["task"]: a for a in map(json.loads, captured.out.splitlines())}
+    tags = expected[("tags", TEXTS[0])]
+    highest = sorted(tags["scores"], key=lambda n: -tags["scores"][n])[:2]
+    assert [t["label"] for t in ranked["tags"]["top"]] == highest and ranked["tags"]["labels"] == tags["labels"]
+    assert "scores" not in ranked["tags"] and ranked["tags"]["top"][0]["score"] >= ranked["tags"]["top"][1]["score"]
+    assert len(ranked["cls"]["top"]) == 2 and "probabilities" not in ranked["cls"]
+    assert "entities" in ranked["ner"] and "embedding" in ranked["search"]
+    assert captured.err.splitlines()[-1] == ("aot: warning: --top-k 2 ranks classification and multi-label answers; "
+                                             "2 answer(s) have no labels to rank and are as usual (1 embedding, 1 "
+                                             "tokens)")
 
 
 def test_gpu_steps_chained_by_hand_answer_as_the_fused_step(server, client):

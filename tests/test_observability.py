@@ -164,7 +164,8 @@ def test_request_log_has_one_line_per_request_without_text(server, client, log_p
     assert [(r["task"], r["status"], r["step"]) for r in mine] == [("gamma", "OK", "aot"),
                                                                     ("nosuch-logged", "NOT_FOUND", "aot")]
     assert mine[0]["version"].startswith("gamma@") and mine[1]["version"] is None
-    assert all(set(r) == {"time", "step", "task", "version", "latency_ms", "status"} for r in lines)
+    assert mine[0]["tenant"] == "" and mine[1]["tenant"] is None  # a public task's; none for an unknown name
+    assert all(set(r) == {"time", "step", "task", "tenant", "version", "latency_ms", "status"} for r in lines)
     assert "secret" not in log_path.read_text()
     assert (log_path.stat().st_mode & 0o777) == 0o600
 
@@ -262,7 +263,8 @@ def test_grafana_dashboard_queries_parse_and_read_served_series(server, client):
     queries = {}
     for panel in dashboard["panels"]:
         for target in panel["targets"]:
-            expr = target["expr"].replace("$__rate_interval", "5m").replace("$step", "aot").replace("$task", ".*")
+            expr = (target["expr"].replace("$__rate_interval", "5m").replace("$step", "aot").replace("$task", ".*")
+                    .replace("$tenant", ".*"))
             promql_parser.parse(expr)  # raises on a syntax error
             names = set(re.findall(r"\b(aot_[a-z_]+)\b", expr))
             assert names and names <= served, (panel["title"], names - served)
@@ -270,7 +272,12 @@ def test_grafana_dashboard_queries_parse_and_read_served_series(server, client):
     read = " ".join(queries.values())
     assert "rate(aot_task_requests_total" in read and "rate(aot_task_failures_total" in read
     assert "histogram_quantile(0.5, sum by (le, task)" in read and "histogram_quantile(0.99, sum by (le, task)" in read
-    assert {v["name"] for v in dashboard["templating"]["list"]} == {"datasource", "step", "task"}
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert set(variables) == {"datasource", "step", "tenant", "task"}  # issue 47.7: a tenant variable
+    assert variables["tenant"]["definition"].endswith(", tenant)") and 'tenant=~"$tenant"' in variables["task"]["definition"]
+    requests = [e for e in queries.values() if re.search(r"aot_task_(requests|failures|latency)", e)]
+    assert requests and all('tenant=~".*"' in e for e in requests)  # every request panel filters by it
+    assert all("tenant" in labels for name, labels, _ in samples if name == "aot_task_failures_total")
 
 
 def test_infer_top_k_names_the_labels_from_the_server(server, client, capsys):

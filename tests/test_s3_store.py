@@ -98,8 +98,12 @@ def test_exported_into_a_bucket_and_served_from_it(repo, server, expected, s3):
 def test_a_task_published_while_serving_answers_within_seconds(repo, server, artifacts, expected):
     with Client(server.grpc_url) as client:
         start = time.monotonic()
-        export_task(artifacts["alpha"], repo, "gamma", "factored", progress=False)
+        report = export_task(artifacts["alpha"], repo, "gamma", "auto", progress=False)
         published = time.monotonic()
+        # auto in object storage: factored, whatever the pool could hold (each replica downloads what a task stores)
+        assert report.storage == "factored" and report.storage_advice["tasks_in_store"] <= \
+            report.storage_advice["tasks_resident_in_pool"]
+        assert "the store is in object storage" in report.storage_advice["auto_reason"]
         while True:
             try:
                 got = client.infer("gamma", TEXTS[0])

@@ -302,7 +302,8 @@ assert "torch" not in sys.modules
     assert out.returncode == 0, out.stderr
     assert "TRAIN 2" in out.stdout
     assert out.stderr.strip().splitlines() == [
-        "aot: error: this command needs the [train] extra (module torch is missing): pip install 'aot-ptuning[train]'"]
+        "aot: error: this command needs the [train] extra (module torch is missing): pip install '.[train]' in a "
+        "checkout of this project (no package index serves aot-ptuning; bash scripts/setup.sh installs every extra)"]
     for command in (["infer", "--help"], ["tasks", "--help"]):
         helped = subprocess.run([sys.executable, "-c", script.split("from aot import Client")[0]
                                  + f"from aot.cli.main import main\nmain({command!r})"], capture_output=True, text=True,

@@ -65,7 +65,9 @@ def test_code_reads_the_environment_only_through_the_settings():
     (settings.URL, "10.0.0.1:9001", "10.0.0.1:9001"),
     (settings.TASK_CACHE_BYTES, "1024", 1024),
     (settings.POOL_BYTES, None, None),
-    (settings.POOL_BYTES, "0", 0),  # `aot serve --pool-bytes 0`: no pool
+    (settings.POOL_BYTES, "0", 0),  # no pool, as `aot serve --pool-bytes 0`
+    (settings.DRAIN_SECONDS, None, 10.0),
+    (settings.DRAIN_SECONDS, "2.5", 2.5),
 ])
 def test_a_setting_reads_its_type_and_default(setting, raw, value):
     environ = {} if raw is None else {setting.name: raw}
@@ -79,6 +81,8 @@ def test_a_setting_reads_its_type_and_default(setting, raw, value):
     (settings.HEALTH_PORT, "http", "a port number"),
     (settings.TASK_CACHE_BYTES, "10GB", "a number of bytes (an integer, 0 or more)"),
     (settings.POOL_BYTES, "-1", "a number of bytes (an integer, 0 or more)"),
+    (settings.DRAIN_SECONDS, "-1", "a number of seconds, 0 or more"),
+    (settings.DRAIN_SECONDS, "inf", "a number of seconds, 0 or more"),
 ])
 def test_a_bad_value_is_refused_with_its_name_and_what_was_expected(setting, raw, expected):
     with pytest.raises(settings.SettingError) as caught:

@@ -196,13 +196,19 @@ def test_request_log_writes_sampled_requests_without_text_unless_asked(tmp_path)
     assert os.stat(path).st_mode & 0o777 == 0o600
     lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
     assert [(r["task"], r["status"]) for r in lines] == [("sentiment", "OK"), ("sentiment", "OK")]
-    assert set(lines[0]) == {"time", "step", "task", "version", "latency_ms", "status"}
-    assert lines[0]["latency_ms"] == 12.4 and lines[0]["time"].endswith("Z")
+    assert set(lines[0]) == {"time", "step", "task", "tenant", "version", "latency_ms", "status"}
+    assert lines[0]["latency_ms"] == 12.4 and lines[0]["time"].endswith("Z") and lines[0]["tenant"] == ""  # public
     with_text = RequestLog(RequestLogSettings(str(path), text=True), "tokenizer")
     with_text.write(requests[:1])
     with_text.close()
     last = path.read_text(encoding="utf-8").splitlines()[-1]
     assert "Très bien 👍" in last and json.loads(last)["text"] == "Très bien 👍"
+    tenants = RequestLog(RequestLogSettings(str(path)), "aot")  # issue 47.7: the tenant of the version that served
+    tenants.write([LoggedRequest("acme/intent", "acme/intent@3f2a9c41d0e7", 0.01, "OK"),
+                   LoggedRequest("acme/nosuch", None, 0.0001, "NOT_FOUND")])
+    tenants.close()
+    served, unknown = (json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()[-2:])
+    assert (served["task"], served["tenant"]) == ("acme/intent", "acme") and unknown["tenant"] is None
 
 
 def test_request_log_settings_from_the_environment(tmp_path):

@@ -157,6 +157,42 @@ def test_live_follows_the_server_process(health_server):
     assert current[0].asked == 0
 
 
+def test_a_draining_server_is_not_ready_but_live(health_server):
+    """A graceful stop's first step: /ready is 503 with the reason whatever the steps say; /live still follows the
+    process (the orchestrator must not kill a server that finishes its requests)."""
+    server, current = health_server
+    current[0] = FakeSupervisor(server_pid=os.getpid())
+    server.drain("draining: stopping")
+    assert server.answer("/ready") == (503, {"ready": False, "reasons": ["draining: stopping"]})
+    assert server.answer("/live") == (200, {"live": True}) and current[0].asked == 0
+
+
+def test_the_first_sigterm_drains_then_reaches_the_server(health_server):
+    """The container's stop handler (aot.serving.supervision.main.graceful_stop): the first SIGTERM makes /ready say
+    503 and schedules the signal drain_seconds later; a second one, or SIGINT, reaches the server at once; with no
+    drain, SIGTERM does too."""
+    from aot.serving.supervision.main import graceful_stop
+
+    server, current = health_server
+    current[0] = FakeSupervisor(server_pid=os.getpid())
+    forwarded, scheduled = [], []
+    lifecycle_ = SimpleNamespace(forward=forwarded.append)
+    stop = graceful_stop(lifecycle_, server, 600, later=lambda seconds, call: scheduled.append((seconds, call)))
+    stop(signal.SIGTERM)
+    assert forwarded == [] and [s for s, _ in scheduled] == [600] and server.answer("/ready")[0] == 503
+    stop(signal.SIGTERM)
+    assert forwarded == [signal.SIGTERM]
+    scheduled[0][1]()  # the drain's end
+    assert forwarded == [signal.SIGTERM, signal.SIGTERM] and len(scheduled) == 1
+    fresh = HealthServer(lambda: None, "127.0.0.1", 0)
+    try:
+        graceful_stop(lifecycle_, fresh, 600, later=lambda *a: scheduled.append(a))(signal.SIGINT)
+        graceful_stop(lifecycle_, fresh, 0, later=lambda *a: scheduled.append(a))(signal.SIGTERM)
+    finally:
+        fresh.server.server_close()
+    assert forwarded[2:] == [signal.SIGINT, signal.SIGTERM] and len(scheduled) == 1 and fresh.draining is None
+
+
 @pytest.mark.parametrize("path", ["/", "/readyz", "/v2/health/ready", "/ready/extra"])
 def test_other_paths_are_404(health_server, path):
     server, current = health_server

@@ -5,6 +5,7 @@ caller may call, and the store keeps only the key's sha256."""
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -191,3 +192,42 @@ def test_a_tenants_requests_are_labelled_by_tenant(server, keys):
     mine = [line for line in lines if line.startswith("aot_task_requests_total{") and 'task="acme/intent"' in line]
     assert mine and all('tenant="acme"' in line for line in mine)
     assert any(line.startswith("aot_task_latency_seconds_bucket{") and 'tenant="acme"' in line for line in lines)
+
+
+def test_many_tenants_in_one_change_and_their_list(repo):
+    store = TaskStore.of(read_repository(repo))
+    before = store.state().generation
+    made = _cli("export", "tenant", "create", "t1", "t2", "t3", "--repo", str(repo))
+    assert [m["tenant"] for m in made] == ["t1", "t2", "t3"] and len({m["key"] for m in made}) == 3
+    assert store.state().generation == before + 1  # one change of the index
+    error = run_cli("export", "tenant", "create", "t4", "t1", "--repo", str(repo), exit_code=2)[1]
+    assert "tenant(s) 't1' already exist" in error and "nothing was created" in error
+    listed = {t["tenant"]: t for t in _cli("export", "tenant", "list", "--repo", str(repo))}
+    assert {"t1", "t2", "t3", "acme", "bahn"} <= set(listed) and "t4" not in listed
+    assert listed["acme"]["tasks"] == 1 and listed["t1"]["tasks"] == 0
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", listed["t1"]["key_since"])
+    for tenant in ("t1", "t2", "t3"):
+        _cli("export", "tenant", "delete", tenant, "--repo", str(repo))
+
+
+def test_a_reused_tenant_name_answers_none_of_the_deleted_tenants_versions(server, repo, artifact):
+    """Issue 46.5: after `tenant delete reuse` and `tenant create reuse`, the new key gets the unknown-task answer
+    for the old tenant's pinned versions (current, kept and retired alike), whose folders are gone at once."""
+    [old] = _cli("export", "tenant", "create", "reuse", "--repo", str(repo))
+    for _ in range(3):
+        export_task(artifact, repo, "reuse/intent", "factored", progress=False, keep=2)  # current, kept, retired
+    store = TaskStore.of(read_repository(repo))
+    entry = store.entries()["reuse/intent"]
+    pinned = [entry.folder, *(k.version for k in entry.kept),
+              *(v for v in store.state().retired if v.startswith("reuse/"))]
+    assert len(pinned) == 3
+    with Client(server.grpc_url, tenant_key=old["key"]) as client:
+        assert [client.infer(v, TEXT)["version"] for v in pinned] == pinned
+    _cli("export", "tenant", "delete", "reuse", "--repo", str(repo))
+    [new] = _cli("export", "tenant", "create", "reuse", "--repo", str(repo))
+    assert not any((repo / "tasks" / folder_name(v)).exists() for v in pinned)
+    assert not any(v.startswith("reuse/") for v in TaskStore.of(read_repository(repo)).state().retired)
+    with Client(server.grpc_url, tenant_key=new["key"]) as client:
+        for version in pinned:
+            assert isinstance(_error(client, version), TaskNotFound)
+    _cli("export", "tenant", "delete", "reuse", "--repo", str(repo))

@@ -5,6 +5,7 @@ within 5 points; a store of format v2 is still read."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import Counter
 
@@ -80,7 +81,8 @@ def _until(predicate, seconds: float = 10.0) -> None:
 def test_versions_lists_current_and_kept(repo, versions):
     listed = _cli("export", "versions", "sent", "--repo", str(repo))
     assert [v["status"] for v in listed] == ["current", "kept", "kept"] and len(set(versions)) == 3
-    assert listed[0]["version"] == versions[-1] and listed[1]["since"] >= listed[2]["since"]
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", v["since"]) for v in listed), listed  # UTC
+    assert listed[0]["version"] == versions[-1] and listed[0]["since"] >= listed[1]["since"] >= listed[2]["since"]
     short = _cli("export", "versions", "short", "--repo", str(repo))
     assert [v["status"] for v in short] == ["current", "retired"]
     assert 0 < short[1]["expires_in_seconds"] <= RETIRED_GRACE
@@ -138,9 +140,35 @@ def test_a_90_10_route_splits_1000_requests(repo, versions, client):
 
 
 def test_route_refuses_what_the_task_does_not_keep(repo, versions):
-    for pairs, message in (([f"{versions[0]}=0"], "positive number"), (["sent@000000000000=1"], "not a version"),
-                           ([f"{versions[0]}"], "expected VERSION=WEIGHT"), (["other@000000000000=1"], "not of 'sent'")):
+    for pairs, message in (([f"{versions[0]}=0"], "finite positive number"), (["sent@000000000000=1"], "not a version"),
+                           ([f"{versions[0]}"], "expected VERSION=WEIGHT"), (["other@000000000000=1"], "not of 'sent'"),
+                           ([f"{versions[0]}=nan"], "finite positive number"),
+                           ([f"{versions[0]}=inf"], "finite positive number"),
+                           ([f"{versions[0]}=1e308", f"{versions[1]}=1e308"], "route weights add up to inf"),
+                           ([f"{versions[0]}=999999", f"{versions[1]}=2"], "add up to 1e+06: expected a total of at most")):
         assert message in _cli_error("export", "route", "sent", *pairs, "--repo", str(repo))
+    route = _store(repo).entries()["sent"].route
+    assert route is None or sum(route.values()) == pytest.approx(1.0)  # nothing refused was written
+
+
+def test_a_stored_route_of_huge_weights_still_serves(repo, versions, client):
+    """A route written before the writer checked its total (1e308 + 1e308 overflows): the server answers both
+    versions instead of failing every bare-name request, and any draw picks a version without raising."""
+    current = _store(repo).entries()["sent"].folder
+    canary = next(v for v in versions if v != current)
+
+    def huge(state):
+        return Change(tasks={"sent": {**state.tasks["sent"], "route": {current: 1e308, canary: 1e308}}})
+
+    _store(repo).commit(huge)
+    entry = _store(repo).entries()["sent"]
+    assert entry.route == {current: 0.5, canary: 0.5}
+    assert [entry.routed(d) for d in (0.0, 0.4999, 0.5, 0.9999999999999999)] == [current, current, canary, canary]
+    answers = client.infer_many([{"task": "sent", "text": TEXT}] * 200, concurrency=16)
+    assert all("error" not in a for a in answers), next(a for a in answers if "error" in a)
+    assert {a["version"] for a in answers} == {current, canary}  # 200 draws of 1/2: both, but for 2**-199
+    [cleared] = _cli("export", "route", "sent", f"{current}=1", "--repo", str(repo))
+    assert cleared["route"] is None
 
 
 def test_a_store_of_format_v2_is_read_and_upgraded(tmp_path_factory, tiny_models, artifact):

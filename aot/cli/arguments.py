@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -21,11 +22,32 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """The `aot` parsers: every one, subcommands included, formats its help with HelpFormatter."""
+    """The `aot` parsers: every one, subcommands included, formats its help with HelpFormatter. `populate`: a function
+    that adds the parser's arguments when the parser is first used (to parse, or to show its help), not when it is
+    made: a subcommand whose arguments need heavy imports (`aot train`'s methods: torch) costs nothing to the other
+    commands, which build every subcommand's parser to list them."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, populate: Callable[[argparse.ArgumentParser], None] | None = None, **kwargs):
         kwargs["formatter_class"] = HelpFormatter
         super().__init__(*args, **kwargs)
+        self._populate = populate
+
+    def _populated(self) -> None:
+        populate, self._populate = self._populate, None
+        if populate is not None:
+            populate(self)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._populated()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._populated()
+        return super().format_help()
+
+    def format_usage(self) -> str:
+        self._populated()
+        return super().format_usage()
 
 
 def add_command_group(sub, name: str, **kwargs) -> argparse._SubParsersAction:

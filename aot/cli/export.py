@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from dataclasses import asdict
 
 from aot.cli.arguments import (
@@ -65,8 +66,10 @@ def add_export(sub) -> None:
                         "(bad lines are named by line number before anything is written)")
     t.add_argument("--storage", choices=["auto", "fused", "factored"], default="auto",
                    help="fused: P as a [V, L, d] fp16 table (the paper); factored: the factors (1-2 %% of a table), "
-                        "rows computed when the pool fills; auto: fused while every task of the repository fits "
-                        "in its task pool, else factored (the report shows both costs)")
+                        "rows computed as they are used and kept in the task pool; auto: factored in object storage "
+                        "(each replica downloads what a task stores), else fused while every task of the repository "
+                        "fits in its task pool, then factored (each publish says which and why; the report shows "
+                        "both costs)")
     t.add_argument("--keep", type=positive_int, default=None, metavar="N",
                    help="versions of the task to keep, this one included (default: what the task kept so far, else "
                         f"{DEFAULT_KEEP}): each stays servable as NAME@ID and a rollback target while kept; older ones "
@@ -78,6 +81,10 @@ def add_export(sub) -> None:
                    help="int8 repositories: the dev examples the task is scored on, a split file of its kind "
                         "(JSONL/CSV/TSV: text, text_pair?, label; a tagger's CoNLL or tokens/tags JSONL); default: "
                         "the dev split of the data it was trained on")
+    t.add_argument("--allow-small-dev-sample", action="store_true",
+                   help="int8 repositories: publish even when fewer than 50 dev examples score the task (one flipped "
+                        "example then moves its score 2 points or more; recorded as served_dev.small_sample_accepted); "
+                        "under 300 the export warns how far one example moves it")
     t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     t.set_defaults(run=run_export_task)
 
@@ -102,13 +109,17 @@ def add_export(sub) -> None:
 
 def add_tenant_and_version_commands(kinds) -> None:
     _store_command(kinds, "tenant", run_export_tenant,
-                   "create, rotate or delete a tenant (a namespace of tasks TENANT/TASK)",
+                   "create, rotate, delete or list tenants (namespaces of tasks TENANT/TASK)",
                    "A tenant's tasks (named TENANT/TASK) answer only requests that carry its key (request parameter "
                    "aot-tenant-key; aot infer --tenant-key, AOT_TENANT_KEY). create and rotate print {\"tenant\", "
-                   "\"key\"} once: the store keeps only the key's sha256. rotate stops the old key from the servers' "
-                   "next batch; delete removes the tenant and all its tasks.",
-                   ("action", {"choices": ["create", "rotate", "delete"], "help": "what to do to the tenant"}),
-                   ("tenant", {"metavar": "TENANT", "help": "tenant name (letters, digits, '_', '-', '.')"}))
+                   "\"key\"} once per tenant: the store keeps only the key's sha256; create makes every TENANT "
+                   "given in one change (all or none). rotate stops the old key from the servers' next batch; "
+                   "delete removes the tenant and all its tasks, their versions at once (a tenant created again "
+                   "under the name answers none of them). list prints {\"tenant\", \"key_since\", \"tasks\"} per "
+                   "tenant.",
+                   ("action", {"choices": ["create", "rotate", "delete", "list"], "help": "what to do"}),
+                   ("tenants", {"metavar": "TENANT", "nargs": "*",
+                                "help": "tenant name(s) (letters, digits, '_', '-', '.'); none for list"}))
     _store_command(kinds, "versions", run_export_versions, "list the versions of a task the store serves",
                    "One JSON line per version, newest first: the current one, the kept ones (servable as NAME@ID and "
                    "rollback targets) and retired ones still in their grace; with a route, each routed version's "
@@ -163,7 +174,8 @@ def run_export_task(args) -> int:
     from aot.exporter.task_export import export_task
 
     result = export_task(args.task, args.repo, args.name, args.storage, progress=not args.no_progress, keep=args.keep,
-                         allowed_drop=args.allow_accuracy_drop, dev_data=args.dev_data)
+                         allowed_drop=args.allow_accuracy_drop, dev_data=args.dev_data,
+                         accept_small_dev=args.allow_small_dev_sample)
     served = result.served_dev
     accuracy = "" if served is None else (f"; dev {served['metric']} {served['precision']} {served['score'] * 100:.2f} "
                                           f"against fp32 {served['fp32'] * 100:.2f}")
@@ -171,35 +183,30 @@ def run_export_task(args) -> int:
                            f"version {result.folder}) in {args.repo}{accuracy}: a running server answers it from its "
                            "next batch",
            f'next: aot serve --repo {args.repo} (if none runs), then aot infer --task {args.name} "some text"')
-    if args.storage == "auto" and result.storage == "factored":
-        print(f"aot: warning: {auto_storage_note(args.name, result.storage_advice)}", file=sys.stderr)
+    if args.storage == "auto":
+        print(f"aot: {auto_storage_note(args.name, result.storage, result.storage_advice)}", file=sys.stderr)
     return 0
 
 
-def auto_storage_note(name: str, advice: dict) -> str:
-    """Why `--storage auto` stored a task factored (aot.exporter.task_export.storage_advice): said at every such export,
-    since the store's tasks no longer fit the pool and the choice differs from the tasks exported before."""
-    return (f"--storage auto stored {name} factored ({_size(advice['factored_bytes'])}, its rows computed as they are "
-            f"used), not fused ({_size(advice['fused_bytes'])}): the store holds {advice['tasks_in_store']} tasks and "
-            f"the task pool ({_size(advice['pool_bytes'])}) keeps {advice['tasks_resident_in_pool']} fused tables "
-            "resident. Tasks exported before keep their storage; --storage fused keeps a task fused (docs/serving.md, "
-            "the task pool)")
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n / 2**10:.1f} KiB"
+def auto_storage_note(name: str, storage: str, advice: dict) -> str:
+    """Which storage `--storage auto` picked for a task and why (aot.exporter.task_export.storage_advice), said at every
+    publish: the choice depends on the store and on how many tasks it holds."""
+    other = "fused" if storage == "factored" else "factored"
+    return (f"--storage auto stored {name} {storage} ({advice['auto_reason']}); --storage {other} stores it "
+            f"{other} (docs/serving.md, the task pool)")
 
 
 def _run_export_batch(args) -> int:
     from aot.exporter.batch_export import export_batch
 
     result = export_batch(args.repo, args.batch, args.storage, progress=not args.no_progress, keep=args.keep)
+    stored = Counter(r.storage for r in result.tasks)
+    picked = "" if args.storage != "auto" else "; --storage auto stored " + ", ".join(
+        f"{n} {storage} ({next(r.storage_advice['auto_reason'] for r in result.tasks if r.storage == storage)})"
+        for storage, n in sorted(stored.items()))
     report([asdict(r) for r in result.tasks],
            f"published {len(result.tasks)} task(s) in one change of {args.repo} in {result.seconds:.1f} s "
-           f"({result.tasks_per_second:.1f} tasks/s): a running server answers them from its next batch",
+           f"({result.tasks_per_second:.1f} tasks/s): a running server answers them from its next batch{picked}",
            f"next: aot tasks --match NAME (on a running server), or aot serve --repo {args.repo}")
     return 0
 
@@ -236,11 +243,20 @@ def run_export_list(args) -> int:
 
     store = TaskStore.of(read_repository(args.repo))
     _clean(store)
-    entries = [{"name": e.name, "folder": e.folder, "storage": e.storage, "verified": e.digests is not None}
+    entries = [{"name": e.name, "folder": e.folder, "storage": e.storage, "verified": e.digests is not None,
+                **({"int8_gate": gate_summary(e.meta["served_dev"])} if e.meta.get("served_dev") else {})}
                for e in store.entries().values()]
     report(entries, f"{len(entries)} task(s) in {args.repo}" + ("" if entries else
                     f"; next: aot export task --task TASK --repo {args.repo} --name NAME"))
     return 0
+
+
+def gate_summary(served_dev: dict) -> dict:
+    """What `aot export list` shows of a version's int8 gate (served_dev): the examples it was scored on, its drop
+    and the drop accepted, and whether a small sample was accepted."""
+    return {"examples": served_dev.get("examples"), "drop": served_dev.get("drop"),
+            "allowed_drop": served_dev.get("allowed_drop"),
+            "small_sample_accepted": bool(served_dev.get("small_sample_accepted"))}
 
 
 def run_export_verify(args) -> int:
@@ -266,22 +282,37 @@ def _store(repo: str):
 
 
 def run_export_tenant(args) -> int:
-    from aot.exporter.tenant_admin import create_tenant, delete_tenant, rotate_tenant
+    from aot.exporter.tenant_admin import create_tenants, delete_tenant, list_tenants, rotate_tenant
 
     store = _store(args.repo)
-    if args.action == "delete":
-        done = delete_tenant(store, args.tenant)
-        report({"tenant": done.tenant, "key": None, "deleted": True, "removed_tasks": done.removed_tasks},
-               f"deleted tenant {done.tenant} and its {len(done.removed_tasks)} task(s) from {args.repo}: servers "
-               "stop answering them from their next batch")
+    if args.action == "list":
+        if args.tenants:
+            raise ValueError("aot export tenant list takes no TENANT")
+        tenants = list_tenants(store)
+        report(tenants, f"{len(tenants)} tenant(s) in {args.repo}")
         return 0
-    done = (create_tenant if args.action == "create" else rotate_tenant)(store, args.tenant)
-    report({"tenant": done.tenant, "key": done.key},
-           f"{'created' if args.action == 'create' else 'rotated the key of'} tenant {done.tenant} in {args.repo}: "
-           "this key is shown once (the store keeps its sha256 only)"
-           + ("; the old key stops working from the servers' next batch" if args.action == "rotate" else ""),
-           f"next: aot export task --task DIR --repo {args.repo} --name {done.tenant}/NAME, then "
-           f"AOT_TENANT_KEY=<key> aot infer --task {done.tenant}/NAME \"some text\"")
+    if not args.tenants:
+        raise ValueError(f"aot export tenant {args.action}: give at least one TENANT")
+    if args.action == "create":
+        made = create_tenants(store, args.tenants)
+        report([{"tenant": done.tenant, "key": done.key} for done in made],
+               f"created {len(made)} tenant(s) in {args.repo}: each key is shown once (the store keeps its sha256 "
+               "only)",
+               f"next: aot export task --task DIR --repo {args.repo} --name {made[0].tenant}/NAME, then "
+               f"AOT_TENANT_KEY=<key> aot infer --task {made[0].tenant}/NAME \"some text\"")
+        return 0
+    for tenant in args.tenants:  # rotate and delete: one change each, reported as it is made
+        if args.action == "delete":
+            done = delete_tenant(store, tenant)
+            report({"tenant": done.tenant, "key": None, "deleted": True, "removed_tasks": done.removed_tasks},
+                   f"deleted tenant {done.tenant} and its {len(done.removed_tasks)} task(s) from {args.repo}: servers "
+                   "stop answering them from their next batch, and their versions are gone at once (none is kept for "
+                   "pinned requests)")
+        else:
+            done = rotate_tenant(store, tenant)
+            report({"tenant": done.tenant, "key": done.key},
+                   f"rotated the key of tenant {done.tenant} in {args.repo}: this key is shown once (the store keeps "
+                   "its sha256 only); the old key stops working from the servers' next batch")
     return 0
 
 
@@ -310,6 +341,6 @@ def run_export_route(args) -> int:
     total = sum((chosen or {}).values())
     report({"name": args.name, "route": None if chosen is None else {v: w / total for v, w in chosen.items()}},
            f"{args.name}: " + ("route cleared, the current version answers every request" if chosen is None else
-                               "requests split " + ", ".join(f"{v} {w / total:.0%}" for v, w in chosen.items()))
+                               "requests split " + ", ".join(f"{v} {100 * w / total:.4g}%" for v, w in chosen.items()))
            + " from the servers' next batch")
     return 0

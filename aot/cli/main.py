@@ -18,7 +18,7 @@ from aot.cli import export as export_cli
 from aot.cli import serve as serve_cli
 from aot.cli import task as task_cli
 from aot.cli.arguments import Parser
-from aot.cli.output import missing_extra
+from aot.cli.output import install_hint, missing_extra
 
 # Packages whose warnings speak to the user (aot.training.data.DataWarning): printed as `aot: warning: ...`.
 OWN_PACKAGES = ("training.", "exporter.", "serving.", "aot.")
@@ -32,20 +32,26 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
         _show_warning.library(message, category, filename, lineno, file, line)
 
 
+# What quiets Hugging Face's libraries when they are imported later (transformers reads these at import): a command
+# that needs no model (infer, tasks, export tenant, ...) must not import transformers only to quiet it.
+QUIET_LIBRARIES = {"TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error",
+                   "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
 def _quiet_libraries() -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for name, value in QUIET_LIBRARIES.items():
+        os.environ.setdefault(name, value)
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     if warnings.showwarning is not _show_warning:
         _show_warning.library = warnings.showwarning
         warnings.showwarning = _show_warning
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:  # a client-only install has no transformers
-        return
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    if "transformers" in sys.modules:  # imported already (aot train's parser, or a caller of main): its environment
+        from transformers.utils import logging as hf_logging  # was read before this
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
 
 
 # --- entry point ---------------------------------------------------------------------------------------------------
@@ -78,7 +84,7 @@ def add_plugins(sub) -> None:
                                  lambda args, name=name, error=exc: _missing_plugin(name, error))
                 continue
         if add is None:
-            _add_unavailable(sub, name, f"not installed: pip install 'aot-ptuning[{SHIPPED_PLUGINS[name]}]'",
+            _add_unavailable(sub, name, f"not installed: the [{SHIPPED_PLUGINS[name]}] extra",
                              lambda args, name=name: _missing_plugin(name))
         else:
             add(sub)
@@ -95,8 +101,7 @@ def _missing_plugin(name: str, error: ImportError | None = None) -> int:
     """What to install (a shipped plugin), else why the plugin does not load."""
     if name in SHIPPED_PLUGINS:
         print(f"aot: error: the {name} command comes from a plugin that is not installed (entry point group "
-              f"{PLUGIN_GROUP}): pip install 'aot-ptuning[{SHIPPED_PLUGINS[name]}]' (in a checkout: bash "
-              "scripts/setup.sh)", file=sys.stderr)
+              f"{PLUGIN_GROUP}): {install_hint(SHIPPED_PLUGINS[name])}", file=sys.stderr)
     else:
         print(f"aot: error: the plugin of the {name} command does not load: {error}", file=sys.stderr)
     return 2
@@ -132,7 +137,12 @@ def _utf8_stdout() -> None:
 def main(argv: list[str] | None = None) -> int:
     _utf8_stdout()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)  # `aot train`'s parser imports the training methods (Parser's populate)
+    except ImportError as exc:
+        if settings.DEBUG.read() or not exc.name:
+            raise
+        return missing_extra(exc)
     _quiet_libraries()
     try:
         return args.run(args) or 0
@@ -146,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, RuntimeError) as exc:
         if settings.DEBUG.read():
             raise
-        message = " ".join(str(exc).split()) or type(exc).__name__
+        for detail in getattr(exc, "details", ()):  # several bad rows (aot.training.data DataErrors): one line each
+            print(f"aot: {' '.join(detail.split())}", file=sys.stderr)
+        message = " ".join(str(getattr(exc, "summary", exc)).split()) or type(exc).__name__
         print(f"aot: error: {message}", file=sys.stderr)
         return 2
 

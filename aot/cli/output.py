@@ -22,10 +22,16 @@ EXTRA_OF_MODULE = {"torch": "train", "peft": "train", "transformers": "train",
                    "onnxruntime": "serve", "tokenizers": "serve", "tritonclient": "client", "tqdm": "client"}
 
 
+def install_hint(extra: str) -> str:
+    """How to install an extra: from a checkout, since no package index serves aot-ptuning."""
+    return (f"pip install '.[{extra}]' in a checkout of this project (no package index serves aot-ptuning; bash "
+            "scripts/setup.sh installs every extra)")
+
+
 def missing_extra(exc: ImportError) -> int:
     """A command whose package is not installed: the extra that brings it, named on standard error; exit code 2."""
     module = (exc.name or "").split(".")[0]
     extra = EXTRA_OF_MODULE.get(module, "train")
     print(f"aot: error: this command needs the [{extra}] extra (module {module or exc} is missing): "
-          f"pip install 'aot-ptuning[{extra}]'", file=sys.stderr)
+          f"{install_hint(extra)}", file=sys.stderr)
     return 2

@@ -11,7 +11,7 @@ import threading
 from dataclasses import dataclass
 
 from aot import settings
-from aot.cli.arguments import non_negative_int, positive_int
+from aot.cli.arguments import non_negative_float, non_negative_int, positive_int
 from aot.cli.output import report
 from aot.serving.formats import json_lines
 
@@ -58,8 +58,8 @@ def add_serve(sub) -> None:
                        description="Start tritonserver (from the nvidia-pytriton wheel) on the repository's CPU "
                                    "configs (--device cpu) or, for a repository exported with --format torch, on "
                                    "its GPU configs with memory pools sized from the repository (--device cuda), "
-                                   "wait until it is ready, print the endpoints, and stop it cleanly on Ctrl-C or "
-                                   "SIGTERM. Its python steps run the Python running aot, which needs numpy<2 (the "
+                                   "wait until it is ready, print the endpoints, and stop it cleanly on Ctrl-C; "
+                                   "SIGTERM stops it gracefully (it drains first: --drain-seconds). Its python steps run the Python running aot, which needs numpy<2 (the "
                                    "Triton 2.51 stub's ABI), or the one the environment variable AOT_STEP_PYTHON "
                                    "names; it is checked before the server starts. The model-control, "
                                    "config, shared-memory, statistics, trace and logging APIs answer only requests "
@@ -91,7 +91,14 @@ def add_serve(sub) -> None:
                    help="tritonservers on this repository behind HAProxy (a local fleet, docs/deploy-fleet.md): "
                         "HAProxy takes --grpc-port and --http-port, checks each replica's /ready and retries a "
                         "request a dead replica did not answer on another; replica i serves metrics on "
-                        "--metrics-port + 2*i and /ready on --health-port + 2*i. 1: one server, no load balancer")
+                        "--metrics-port + 2*i and /ready on --health-port + 2*i; SIGHUP restarts the replicas one "
+                        "after the other, each drained first (a rolling restart, no request lost). 1: one server, no "
+                        "load balancer")
+    p.add_argument("--drain-seconds", type=non_negative_float, default=None, metavar="SECONDS",
+                   help="one server: on SIGTERM, /ready answers 503 for this long while requests are still answered "
+                        "(a load balancer in front takes the server out), then the server stops, finishing what it "
+                        "accepted; a second SIGTERM or Ctrl-C stops at once (default: AOT_DRAIN_SECONDS, else "
+                        f"{settings.DRAIN_SECONDS.default:g})")
     p.add_argument("--pool-bytes", type=non_negative_int, default=None,
                    help="memory of the task pool (rows of P kept in RAM; 0: none) instead of the repository's "
                         "serving option (printed at start-up)")
@@ -150,9 +157,13 @@ def run_serve(args) -> int:
                              health_port=args.health_port, metrics_host=args.metrics_host, log_path=args.log,
                              pool_bytes=pool_bytes, device=args.device, tls_cert=args.tls_cert, tls_key=args.tls_key,
                              tls_ca=args.tls_ca, vanilla=args.vanilla)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop, drain, restart = threading.Event(), threading.Event(), threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    # one server drains on SIGTERM (a second one stops it); a fleet stops, its replicas restart one by one on SIGHUP
+    signal.signal(signal.SIGTERM, lambda *_: stop.set() if drain.is_set() or args.replicas > 1 else drain.set())
+    if args.replicas > 1:
+        signal.signal(signal.SIGHUP, lambda *_: restart.set())
+    drain_seconds = settings.DRAIN_SECONDS.read() if args.drain_seconds is None else args.drain_seconds
     server.start()
     try:
         served = {name: entry for name, entry in registry.entries().items() if name not in errors}
@@ -175,6 +186,16 @@ def run_serve(args) -> int:
         print(f'aot: next: aot infer --url {server.grpc_url} --task {tasks[0] if tasks else "NAME"} "some text"',
               file=sys.stderr, flush=True)
         while not stop.wait(0.5):
+            if drain.is_set():
+                server.drain()
+                print(f"aot: draining: /ready answers 503, requests are answered for {drain_seconds:g} s more, then "
+                      "the server stops and finishes what it accepted (SIGTERM again or Ctrl-C: stop now)",
+                      file=sys.stderr, flush=True)
+                stop.wait(drain_seconds)
+                break
+            if restart.is_set():
+                restart.clear()
+                server.rolling_restart(until=stop)
             if server.failed:
                 print(f"aot: error: {server.failed}" + ("" if args.replicas > 1 else f" (log: {server.log_path})"),
                       file=sys.stderr)
@@ -345,18 +366,22 @@ def _read_requests(path: str, task: str | None) -> list[InputLine]:
 
 
 def _top_k(answers: list[dict], listing: dict, k: int) -> list[dict]:
-    """Each classification answer with its k most probable labels, named from the server's task listing
-    (aot.cli.ranking); an answer whose version's names the listing cannot give keeps its logits and probabilities, with
-    a warning."""
-    from aot.cli.ranking import ServedLabels, top_labels
+    """Each classification answer with its k most probable labels, named from the server's task listing, and each
+    multi-label answer with its k highest scores (aot.cli.ranking); an answer whose version's names the listing cannot
+    give keeps its logits and probabilities, with a warning, as does one of a kind with no labels to rank."""
+    from aot.cli.ranking import ServedLabels, top_labels, top_scores, unranked_note
 
     labels, unnamed = ServedLabels(listing), set()
     out = []
     for answer in answers:
+        if isinstance(answer.get("scores"), dict):
+            out.append(top_scores(answer, k))
+            continue
         names = labels.of(answer) if "probabilities" in answer else None
         if names is None and "probabilities" in answer:
             unnamed.add(answer.get("version", "?"))
         out.append(answer if names is None else top_labels(answer, names, k))
+    unranked_note(out, k)
     if unnamed:
         print(f"aot: warning: --top-k: no label names for {', '.join(sorted(unnamed))} (a version the server no "
               "longer lists, whose labels changed since): those answers keep their logits and probabilities",
@@ -397,10 +422,9 @@ def run_infer(args) -> int:
             raise ValueError("give --task and at least one TEXT (or --input FILE.jsonl)")
         items = [{"task": args.task, "text": t, "text_pair": args.pair} for t in args.texts]
     answers = _send(args, items) if items else []  # every --input line bad: nothing to send
-    if args.input:  # each answer says which line it answers; bad lines are answered where they stood
+    if args.input:  # each answer echoes its line's id and task (infer_many); bad lines are answered where they stood
         sent = iter(answers)
-        answers = [line.answer or {k: line.request[k] for k in ("id", "task") if k in line.request} | next(sent)
-                   for line in lines]
+        answers = [line.answer or next(sent) for line in lines]
     text = "".join(json.dumps(a, ensure_ascii=False) + "\n" for a in answers)
     if args.output:
         from aot.serving.store.atomic import write_atomic

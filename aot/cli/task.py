@@ -11,25 +11,25 @@ from pathlib import Path
 from aot.cli.arguments import fraction as _fraction
 from aot.cli.arguments import positive_float as _positive_float
 from aot.cli.arguments import positive_int as _positive_int
-from aot.cli.output import missing_extra, report
+from aot.cli.output import report
 from aot.serving.protocol import POOLINGS
 
 # --- train --------------------------------------------------------------------------------------------------------
 
 def add_train(sub) -> None:
-    try:
-        from aot.training.data import PROBLEMS  # second: a client-only install is told that torch is missing
-        from aot.training.method_registry import METHODS, method_spec, option_types
+    """`aot train`: its arguments name the registered methods and their options, which imports every method (torch):
+    they are added when `aot train` itself is parsed (aot.cli.arguments.Parser's populate), so that no other command
+    pays for it. A client-only install is told what to install (main's ImportError)."""
+    sub.add_parser("train", help="train a task on a frozen encoder and write a task artifact",
+                   description="Train one task with AoT P-Tuning (fc, kron) or a baseline and write the task "
+                               "artifact (config.json, weights.safetensors, metrics.json) atomically to --out.",
+                   populate=_train_arguments)
 
-        method_spec("fc")  # fills the registry
-    except ImportError as exc:  # a client-only install: `aot train` says what to install
-        p = sub.add_parser("train", help="train a task (needs the [train] extra)", prefix_chars="\0")
-        p.add_argument("arguments", nargs="*")  # whatever was given: the answer is what to install
-        p.set_defaults(run=lambda args, error=exc: missing_extra(error))
-        return
-    p = sub.add_parser("train", help="train a task on a frozen encoder and write a task artifact",
-                       description="Train one task with AoT P-Tuning (fc, kron) or a baseline and write the task "
-                                   "artifact (config.json, weights.safetensors, metrics.json) atomically to --out.")
+
+def _train_arguments(p) -> None:
+    from aot.training.data import PROBLEMS
+    from aot.training.method_registry import METHODS, option_types
+
     p.add_argument("--model", default=None,
                    help="local Hugging Face model folder, 'minilm' (the packaged all-MiniLM-L6-v2), or a hub id")
     p.add_argument("--data", default=None,
@@ -235,12 +235,15 @@ def run_predict(args) -> int:
 
 
 def _top_k(answers: dict[int, dict], tasks: dict[str, Path], k: int) -> dict[int, dict]:
-    """Each classification answer with its k most probable labels, named (aot.cli.ranking)."""
-    from aot.cli.ranking import top_labels
+    """Each classification answer with its k most probable labels, named, each multi-label one with its k highest
+    scores (aot.cli.ranking); the others as they are, counted in a warning."""
+    from aot.cli.ranking import top_labels, unranked_note
     from aot.training.artifact import read_task
 
     labels = {name: read_task(folder).spec.labels for name, folder in tasks.items()}
-    return {n: top_labels(a, labels[a["task"]], k) if labels[a["task"]] else a for n, a in answers.items()}
+    ranked = {n: top_labels(a, labels[a["task"]], k) if labels[a["task"]] else a for n, a in answers.items()}
+    unranked_note(ranked.values(), k)
+    return ranked
 
 
 def add_evaluate(sub) -> None:

@@ -43,6 +43,7 @@ from aot.client.errors import (
     from_triton,
     one_line,
     reached_a_dead_instance,
+    server_is_stopping,
 )
 from aot.serving import protocol
 from aot.serving.answers import READS_TOKENS
@@ -67,7 +68,7 @@ RETRY_BACKOFF = (0.05, 1.0)  # seconds: the first wait between two tries, double
 # sent again, as inference is idempotent. A server's own refusal (a bad request, a damaged task) is never retried.
 _NO_SERVER = ("failed to connect to all addresses", "stream removed", "socket closed", "connection reset",
               "broken pipe", "connection refused", "goaway", "http2 header with status: 502",
-              "http2 header with status: 503", "http2 header with status: 504", "no available versions")
+              "http2 header with status: 503", "http2 header with status: 504")
 
 
 def server_url(url: str | None = None) -> str:
@@ -96,8 +97,9 @@ def found_no_server(exc) -> bool:
     """A call that no server answered (refused, a dropped connection, a restarting server or replica), or that
     reached a step instance whose process had died (Triton's INTERNAL "Stub process ... is not healthy": the
     supervisor is replacing that instance while its sibling serves): worth sending again. `exc`: tritonclient's
-    InferenceServerException, or any error."""
-    if reached_a_dead_instance(one_line(exc)):
+    InferenceServerException, or any error. A stopping server's answers count (aot.client.errors.server_is_stopping):
+    a restarted server, or another replica, answers the call sent again."""
+    if reached_a_dead_instance(one_line(exc)) or server_is_stopping(one_line(exc)):
         return True
     text = one_line(exc).lower()
     status = exc.status() if hasattr(exc, "status") and callable(exc.status) else None
@@ -121,6 +123,11 @@ class Backoff:
 
 def _text(value) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def _echo(item: dict) -> dict:
+    """What infer_many's answer of an item repeats of it: its id (when given) and task."""
+    return {key: item[key] for key in ("id", "task") if key in item}
 
 
 class Client:
@@ -364,9 +371,7 @@ class Client:
         entries: dict[int, dict] = {}
 
         def finish(i: int, answer: dict) -> None:
-            item = items[i] if isinstance(items[i], dict) else {}
-            echo = {k: item[k] for k in ("id", "task") if k in item}
-            results[i] = echo | answer
+            results[i] = (_echo(items[i]) if isinstance(items[i], dict) else {}) | answer
             events.put(("done", i))
 
         def answered(indexes: list[int], result=None, error=None) -> None:

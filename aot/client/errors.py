@@ -7,12 +7,15 @@
       TaskUnavailable           UNAVAILABLE from a step: the task exists but cannot be served (damaged) until it is
                                 exported again; a retry does not help
       Unavailable               the server cannot be reached or cannot answer now (refused or dropped connection,
-                                deadline, overload, a server restarting): retryable
+                                deadline, overload, a server restarting or stopping): retryable
       PermissionDenied          an API restricted to the admin key, or a credential the server refuses
 
 A caller retries `retryable` errors (with a backoff) and reports the others. The classes are told apart by the
 status, and for UNAVAILABLE by who answered: a step's answer about a task names the task, quoted (aot.serving.errors), a
-transport's never does; Triton answers a restricted API with UNAVAILABLE too, saying it is restricted.
+transport's never does; Triton answers a restricted API with UNAVAILABLE too, saying it is restricted. A stopping
+server answers first "Server is stopping" (UNAVAILABLE), then, while it unloads its models, "Request for unknown model:
+'aot' has no available versions" (NOT_FOUND): the model is going away, no task is missing, so both are Unavailable
+(a model the server never loaded is "... is not found", which stays NOT_FOUND).
 """
 
 from __future__ import annotations
@@ -104,13 +107,24 @@ def reached_a_dead_instance(message: str) -> bool:
     return _DEAD_INSTANCE.search(message) is not None
 
 
+# Triton's answers while it stops (or a step is unloaded to be reloaded): the model goes away, then comes back with the
+# server or on another replica (module docstring)
+_MODEL_GOING = re.compile(r"Server is stopping|Request for unknown model: '[^']*' has no available versions")
+
+
+def server_is_stopping(message: str) -> bool:
+    """A stopping server's answer (or one unloading the model to reload it): the same request sent again, after the
+    restart or to another replica, is answered."""
+    return _MODEL_GOING.search(message) is not None
+
+
 def from_triton(exc, *, task: str | None = None, id=None) -> InferenceError:
     """The InferenceError of the class its status and message say (module docstring)."""
     message, status = one_line(exc), status_name(exc)
     kind = _BY_STATUS.get(status or "", InferenceError)
     if RESTRICTED in message:
         kind = PermissionDenied
-    elif reached_a_dead_instance(message):
+    elif reached_a_dead_instance(message) or server_is_stopping(message):
         kind = Unavailable
     elif kind is Unavailable and status in ("UNAVAILABLE", "503") and task and repr(task_name(task)) in message:
         kind = TaskUnavailable

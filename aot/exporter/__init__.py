@@ -17,7 +17,7 @@ int8 twins, TensorRT profiles, or the torch engine), the Triton configs, and pub
     task_store      writing the task store (publish, remove, compaction)
     entry_history   the versions an entry keeps, retires and expires
     versions        `aot export versions | rollback | route`
-    tenant_admin    `aot export tenant create | rotate | delete`
+    tenant_admin    `aot export tenant create | rotate | delete | list`
     cpu_engine      a repository's CPU engine in process: what the served CPU step computes, without a server
     accuracy_gate   a task is scored through the int8 engine before it is published onto int8 graphs
 """

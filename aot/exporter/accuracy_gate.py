@@ -4,12 +4,18 @@ and compared with its fp32 score on the same examples, with the task's own metri
 names it): a classifier's on its served logits, a tagger's entity F1 on the tags its served logits give each word,
 an embedding's recall or correlation on the vectors served for its anchors and positives. More than `allowed_drop`
 points below (0.5 by default) is refused with both figures and the ways out. What was measured is recorded in the
-version's task.json (`served_dev`), which `aot tasks` shows."""
+version's task.json (`served_dev`), which `aot tasks` and `aot export list` show.
+
+A gate means something only on enough examples: with n of them one flipped example moves a score 100 / n points (17 on
+6 examples, against a default allowance of 0.5). Fewer than MIN_DEV_EXAMPLES are refused unless the operator accepts
+the sample (`aot export task --allow-small-dev-sample`, recorded as `small_sample_accepted`); fewer than
+FEW_DEV_EXAMPLES pass with a warning that says how far one example moves the score."""
 
 from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,10 +37,36 @@ from aot.training.predict import Predictor
 from aot.training.trainer import encode, evaluate, score
 
 DEFAULT_ALLOWED_DROP = 0.5  # points (the metric x 100)
+MIN_DEV_EXAMPLES = 50  # below: refused unless accepted (one example moves a score 2 points or more)
+FEW_DEV_EXAMPLES = 300  # below: a warning (one example moves a score a third of a point or more)
 
 
 class AccuracyDropError(StoreError):
     """A task that would serve more than the allowed drop below its fp32 score; nothing was published."""
+
+
+class SmallSampleError(StoreError):
+    """Too few dev examples for the gate to tell a drop from one flipped example; nothing was published."""
+
+
+class SmallSampleWarning(UserWarning):
+    """A gate passed on few dev examples (`aot` prints it as `aot: warning: ...`)."""
+
+
+def check_sample(task: str, examples: int, allowed: float, accept_small: bool) -> None:
+    """Refuse fewer than MIN_DEV_EXAMPLES dev examples unless `accept_small`; warn under FEW_DEV_EXAMPLES."""
+    if examples >= FEW_DEV_EXAMPLES:
+        return
+    flip = 100 / max(examples, 1)
+    said = (f"task {task!r}: the int8 gate scores {examples} dev example(s): one flipped example moves its score "
+            f"{flip:.2g} points (allowed drop: {allowed:g})")
+    if examples < MIN_DEV_EXAMPLES and not accept_small:
+        raise SmallSampleError(f"{said}, fewer than {MIN_DEV_EXAMPLES}: the gate cannot tell a drop from noise; "
+                               "nothing was published. Give --dev-data FILE with more examples, or accept this "
+                               "sample with --allow-small-dev-sample (recorded in the version's served_dev)")
+    warnings.warn(f"{said}; {FEW_DEV_EXAMPLES} or more make the gate meaningful (--dev-data FILE)"
+                  + (" (accepted: --allow-small-dev-sample)" if examples < MIN_DEV_EXAMPLES else ""),
+                  SmallSampleWarning, stacklevel=3)
 
 
 @dataclass
@@ -50,6 +82,7 @@ class ServedScore:
     allowed_drop: float  # points
     reference: str  # "fp32 task" or "fitted from <dir>"
     graph: str  # sha256 of the int8 graph that scored it: a re-export keeps the task only onto the same graph
+    small_sample_accepted: bool = False  # fewer than MIN_DEV_EXAMPLES, published with --allow-small-dev-sample
 
     @property
     def drop(self) -> float:
@@ -121,16 +154,18 @@ def served_predictions(engine: CpuEngine, task: ServedTask, examples: list[Examp
 
 def check_served_accuracy(repo: RepositoryInfo, folder: Path, predictor: Predictor,
                           allowed_drop: float | None = None, dev_data: str | Path | None = None,
-                          engine: CpuEngine | None = None) -> ServedScore | None:
+                          engine: CpuEngine | None = None, accept_small: bool = False) -> ServedScore | None:
     """For an int8 repository: score version `folder` (not yet published) on the task's dev examples through the
-    int8 engine and against its fp32 reference; record the result in its task.json, or raise AccuracyDropError.
-    An fp32 repository serves what the task scored (checked to 1e-3 on the logits at export): None. `engine`: the
-    repository's CpuEngine, built once by a caller that checks many tasks."""
+    int8 engine and against its fp32 reference; record the result in its task.json, or raise AccuracyDropError
+    (SmallSampleError: too few examples, unless `accept_small`). An fp32 repository serves what the task scored
+    (checked to 1e-3 on the logits at export): None. `engine`: the repository's CpuEngine, built once by a caller
+    that checks many tasks."""
     if repo.record.cpu_precision == "fp32":
         return None
     allowed = DEFAULT_ALLOWED_DROP if allowed_drop is None else allowed_drop
     artifact, spec = predictor.artifact, predictor.artifact.spec
     examples = dev_examples(predictor, dev_data)
+    check_sample(TaskStore.version_name(folder).rsplit("@", 1)[0], len(examples), allowed, accept_small)
     tokenizer = predictor.backbone.tokenizer
     encoded = encode(tokenizer, examples, spec, artifact.max_length)
     fp32 = evaluate(predictor.model, encoded, spec, tokenizer.pad_token_id or 0, predictor.device)
@@ -139,7 +174,8 @@ def check_served_accuracy(repo: RepositoryInfo, folder: Path, predictor: Predict
     predictions = served_predictions(engine, served, examples, encoded)
     reference, origin = fp32_reference(predictor, fp32)
     result = ServedScore(repo.record.cpu_precision, spec.metric, score(predictions, encoded, spec), reference,
-                         len(examples), allowed, origin, engine.graph_digest)
+                         len(examples), allowed, origin, engine.graph_digest,
+                         small_sample_accepted=len(examples) < MIN_DEV_EXAMPLES)
     if result.drop > allowed + 1e-9:
         raise AccuracyDropError(
             f"task {served.name!r}: dev {spec.metric} through the {result.precision} engine is "

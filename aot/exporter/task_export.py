@@ -79,28 +79,52 @@ def _write_fused(body: AotBody, path: Path, vocab: int, chunk: int = 2048, progr
 def storage_advice(repo: RepositoryInfo, name: str, fused_bytes: int, factored_bytes: int,
                    tasks_in_store: int | None = None) -> dict:
     """What a task costs in each storage and, with the repository's pool budget, how many such tasks stay fully
-    resident. `auto` picks fused while every task of the store (this one included) fits resident, else factored:
-    beyond the pool, fused tables only cost disk and page cache, while factors are 1-2 % of a table.
-    `tasks_in_store`: the count with this task (default: the store's other tasks and this one)."""
+    resident; what `auto` picks and why (`auto_reason`, said at every publish). In object storage: factored, always,
+    since every replica downloads what a task stores and a fused table is ~80x its factors (MiniLM: 134.7 MiB against
+    1.7 MiB); a factored task fully resident in the pool serves as fast as a fused one (docs/benchmarks.md, "Many
+    tasks on one engine: the task pool"). In a folder: fused while every task of the store (this one included) fits
+    resident, so at most the pool's worth of tables is ever stored fused, then factored: beyond the pool, fused
+    tables only cost disk and page cache. `tasks_in_store`: the count with this task (default: the store's other tasks and this one)."""
     pool = repo.options.pool_bytes
     resident = pool // fused_bytes if fused_bytes else 0
+    store = TaskStore.of(repo)
     if tasks_in_store is None:
-        tasks_in_store = len([n for n in TaskStore.of(repo).entries() if n != name]) + 1
-    fits = tasks_in_store <= resident
+        tasks_in_store = len([n for n in store.entries() if n != name]) + 1
+    sizes = f"{_size(factored_bytes)} factored, {_size(fused_bytes)} fused"
+    if store.remote:
+        auto, reason = "factored", (f"{sizes}: the store is in object storage, where every replica downloads what a "
+                                    "task stores")
+    elif tasks_in_store <= resident:
+        auto, reason = "fused", (f"{sizes}: the store's {tasks_in_store} task(s) fit the task pool ({_size(pool)} "
+                                 f"keeps {resident} fused tables resident); from task {resident + 1} on, auto stores "
+                                 "tasks factored")
+    else:
+        auto, reason = "factored", (f"{sizes}: the store holds {tasks_in_store} tasks and the task pool "
+                                    f"({_size(pool)}) keeps {resident} fused tables resident; tasks exported before "
+                                    "keep their storage")
     return {"fused_bytes": fused_bytes, "factored_bytes": factored_bytes, "pool_bytes": pool,
-            "tasks_resident_in_pool": int(resident), "tasks_in_store": tasks_in_store,
-            "auto": "fused" if fits else "factored"}
+            "tasks_resident_in_pool": int(resident), "tasks_in_store": tasks_in_store, "auto": auto,
+            "auto_reason": reason}
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
 
 
 def export_task(task_dir: str | Path, repo_dir: str | Path, name: str, storage: str = "auto",
                 progress: bool = True, keep: int | None = None, allowed_drop: float | None = None,
-                dev_data: str | Path | None = None) -> TaskExportReport:
+                dev_data: str | Path | None = None, accept_small_dev: bool = False) -> TaskExportReport:
     """Export one task and publish it. `storage`: fused, factored, or auto (see storage_advice). `keep`: versions
     of the task to keep, this one included (None: the task's policy, else aot.serving.store.reader.DEFAULT_KEEP). On an
     int8 repository the task must keep its dev score within `allowed_drop` points (0.5 by default) of its fp32 score,
-    scored on `dev_data` (default: its training data's dev split): aot.exporter.accuracy_gate."""
+    scored on `dev_data` (default: its training data's dev split), of at least the gate's minimum size unless
+    `accept_small_dev`: aot.exporter.accuracy_gate."""
     exporter = TaskExporter(repo_dir, progress)
-    written = exporter.write(task_dir, name, storage, allowed_drop=allowed_drop, dev_data=dev_data)
+    written = exporter.write(task_dir, name, storage, allowed_drop=allowed_drop, dev_data=dev_data,
+                             accept_small_dev=accept_small_dev)
     return exporter.publish([written], keep)[0]
 
 
@@ -166,9 +190,9 @@ class TaskExporter:
 
     def write(self, task_dir: str | Path, name: str, storage: str = "auto",
               tasks_in_store: int | None = None, allowed_drop: float | None = None,
-              dev_data: str | Path | None = None) -> WrittenTask:
+              dev_data: str | Path | None = None, accept_small_dev: bool = False) -> WrittenTask:
         """write_files, then validate: one task version written and checked, not yet published."""
-        written = self.write_files(task_dir, name, storage, tasks_in_store, allowed_drop, dev_data)
+        written = self.write_files(task_dir, name, storage, tasks_in_store, allowed_drop, dev_data, accept_small_dev)
         try:
             self.validate([written])
         except BaseException:
@@ -178,7 +202,7 @@ class TaskExporter:
 
     def write_files(self, task_dir: str | Path, name: str, storage: str = "auto",
                     tasks_in_store: int | None = None, allowed_drop: float | None = None,
-                    dev_data: str | Path | None = None) -> WrittenTask:
+                    dev_data: str | Path | None = None, accept_small_dev: bool = False) -> WrittenTask:
         """Fuse P (or keep its factors) and write the head into a new version folder of the store that no reader sees
         yet (on an int8 repository, after checking its dev score through the int8 engine: aot.exporter.accuracy_gate).
         Its served logits are checked by `validate`, which a batch runs for many versions at once.
@@ -193,7 +217,8 @@ class TaskExporter:
         # no copy of the encoder per task: the task's AoT hooks go into the shared one, and out again below
         predictor = Predictor(*load_task(task_dir, self._backbone, copy_encoder=False))
         try:
-            return self._write(predictor, task_dir, name, storage, tasks_in_store, start, allowed_drop, dev_data)
+            return self._write(predictor, task_dir, name, storage, tasks_in_store, start, allowed_drop, dev_data,
+                               accept_small_dev)
         finally:
             predictor.model.body.biased.remove_hooks()
 
@@ -220,7 +245,8 @@ class TaskExporter:
                                               f"(> {LOGITS_TOLERANCE})")
 
     def _write(self, predictor: Predictor, task_dir, name: str, storage: str, tasks_in_store: int | None,
-               start: float, allowed_drop: float | None = None, dev_data: str | Path | None = None) -> WrittenTask:
+               start: float, allowed_drop: float | None = None, dev_data: str | Path | None = None,
+               accept_small_dev: bool = False) -> WrittenTask:
         artifact, model = predictor.artifact, predictor.model
         L, d = self._backbone.num_layers, self._backbone.hidden_size
         V = int(self._backbone.embeddings.shape[0])
@@ -247,7 +273,7 @@ class TaskExporter:
             if self._cpu_engine is None and self.repo.record.cpu_precision != "fp32":
                 self._cpu_engine = CpuEngine(self.repo)  # the int8 graph's session, once for every task
             served_dev = check_served_accuracy(self.repo, folder, predictor, allowed_drop, dev_data,
-                                               self._cpu_engine)
+                                               self._cpu_engine, accept_small_dev)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise

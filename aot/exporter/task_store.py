@@ -217,7 +217,8 @@ class TaskStore(StoreReader):
                 raise StoreError(f"unknown storage {p.storage!r}: expected one of {', '.join(STORAGES)}")
             plain_permissions(p.folder)  # safetensors writes 0600: a server running as another user could not read it
             entries[p.name] = {"folder": self.version_name(p.folder), "storage": p.storage,
-                               "digests": folder_digests(p.folder), "meta": index_meta(p.folder)}
+                               "digests": folder_digests(p.folder), "meta": index_meta(p.folder),
+                               "time": time.time()}  # since when it is the current version
         if not self.remote:  # a remote store's folders are uploaded, then deleted
             fsync_trees([p.folder for p in publications])
         with self.locked():

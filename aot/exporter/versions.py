@@ -10,13 +10,21 @@ rollback, clears the route. Every command is one change of the store's index: se
 
 from __future__ import annotations
 
-import math
 import time
 
 from aot.exporter.entry_history import as_kept, held_versions
 from aot.exporter.task_store import TaskStore
+from aot.serving.formats import iso_time
 from aot.serving.store.log import Change, StoreState
-from aot.serving.store.reader import RETIRED_GRACE, StoreError, check_task_name, check_version, parse_entry, task_of
+from aot.serving.store.reader import (
+    RETIRED_GRACE,
+    StoreError,
+    check_route_weights,
+    check_task_name,
+    check_version,
+    parse_entry,
+    task_of,
+)
 
 
 def _entry(store: TaskStore, state: StoreState, name: str) -> dict:
@@ -30,21 +38,22 @@ def list_versions(store: TaskStore, name: str) -> list[dict]:
     """Every version of task `name` the store still serves by pin, newest first: the current one, the kept ones,
     and retired ones within their grace (with the seconds left)."""
     state = store.state()
-    entry = parse_entry(name, _entry(store, state, name), "the store's index")
+    raw = _entry(store, state, name)
+    entry = parse_entry(name, raw, "the store's index")
     route = entry.route or {}
-    total = sum(route.values())
     out = []
     for held in entry.held().values():
         current = held.version == entry.folder
         out.append({"version": held.version, "status": "current" if current else "kept", "storage": held.storage,
                     **{k: held.meta.get(k) for k in ("metric", "dev")},
-                    "since": None if current else round(held.time, 3),
-                    "route_share": round(route[held.version] / total, 4) if held.version in route else None})
+                    "since": iso_time(raw.get("time") if current else held.time),
+                    "route_share": round(route[held.version], 4) if held.version in route else None})
     now = time.time()
     for version, info in sorted(state.retired.items(), key=lambda item: -item[1].get("time", 0)):
         left = RETIRED_GRACE - (now - info.get("time", 0))
         if task_of(version) == name and left > 0:
-            out.append({"version": version, "status": "retired", "expires_in_seconds": round(left)})
+            out.append({"version": version, "status": "retired", "since": iso_time(info.get("time")),
+                        "expires_in_seconds": round(left)})
     return out
 
 
@@ -64,7 +73,8 @@ def rollback(store: TaskStore, name: str, version: str) -> str:
         target = kept[version]
         rest = [as_kept(entry)] + [k for k in entry.get("kept", []) if k["folder"] != version]
         new = {k: v for k, v in entry.items() if k not in ("folder", "storage", "digests", "meta", "kept", "route")}
-        new.update({k: target[k] for k in ("folder", "storage", "digests", "meta") if k in target}, kept=rest)
+        new.update({k: target[k] for k in ("folder", "storage", "digests", "meta") if k in target}, kept=rest,
+                   time=time.time())
         replaced[:] = [entry["folder"]]
         return Change(tasks={name: new})
 
@@ -73,14 +83,14 @@ def rollback(store: TaskStore, name: str, version: str) -> str:
 
 
 def route(store: TaskStore, name: str, weights: dict[str, float]) -> dict[str, float] | None:
-    """Split the bare name's requests between kept versions by weight (positive numbers); one version that is the
-    current one clears the route. Returns the route set (None: cleared)."""
+    """Split the bare name's requests between kept versions by weight (finite positive numbers whose total is at
+    most MAX_ROUTE_TOTAL); one version that is the current one clears the route. Returns the route set (None:
+    cleared)."""
     if not weights:
         raise StoreError("give at least one VERSION=WEIGHT")
     for version, weight in weights.items():
         _check_of(name, version)
-        if not (weight > 0 and math.isfinite(weight)):
-            raise StoreError(f"weight {weight!r} of {version}: expected a positive number")
+    check_route_weights(weights)
     chosen: list[dict | None] = []
 
     def change(state: StoreState) -> Change:

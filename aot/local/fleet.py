@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aot.local.processes import stop_process_group
-from aot.local.server import Endpoints, LocalServer, ServerError, free_ports, port_is_free
+from aot.local.server import Endpoints, LocalServer, ServerError, free_ports, port_is_free, write_key_file
 from aot.serving.limits import request_bounds
 from aot.serving.repository import read_repository
 from aot.serving.supervision.admin_key import resolve_admin_key
@@ -174,6 +174,7 @@ class Fleet(Endpoints):
         self.log_path = self._workdir / "haproxy.log"
         self.socket_path = self._workdir / "haproxy.sock"
         self.config_path = self._workdir / "haproxy.cfg"
+        self.admin_key_path = write_key_file(self._workdir, self.admin_key)  # the fleet's: a replica's goes at restarts
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
         self._balancer_failed: str | None = None
@@ -187,9 +188,6 @@ class Fleet(Endpoints):
         chosen = next(spare)
         return base + PORT_STRIDE * i if base else chosen
 
-    @property
-    def admin_key_path(self) -> Path:
-        return self.servers[0].admin_key_path  # every replica's file holds the one key
 
     def check_ports(self) -> None:
         ports = [("--grpc-port", self.grpc_port), ("--http-port", self.http_port)]
@@ -253,8 +251,9 @@ class Fleet(Endpoints):
             print(f"aot: haproxy exited with code {code}; restarting it", file=sys.stderr, flush=True)
             self._start_balancer()
 
-    def states(self) -> dict[str, str]:
-        """HAProxy's view of each replica: {"r0": "UP", "r1": "DOWN", ...} (its stats socket's `show stat`)."""
+    def _stats(self) -> list[list[str]]:
+        """HAProxy's stats socket's `show stat`: one row per frontend, backend and server (pxname, svname, qcur,
+        qmax, scur, ..., status at 17)."""
         with socket.socket(socket.AF_UNIX) as s:
             s.settimeout(2)
             s.connect(str(self.socket_path))
@@ -262,8 +261,49 @@ class Fleet(Endpoints):
             data = b""
             while chunk := s.recv(65536):
                 data += chunk
-        rows = [line.split(",") for line in data.decode().splitlines() if line and not line.startswith("#")]
-        return {row[1]: row[17].split(" ")[0] for row in rows if row[0] == "grpc" and row[1].startswith("r")}
+        return [line.split(",") for line in data.decode().splitlines() if line and not line.startswith("#")]
+
+    def states(self) -> dict[str, str]:
+        """HAProxy's view of each replica: {"r0": "UP", "r1": "DOWN", ...}."""
+        return {row[1]: row[17].split(" ")[0] for row in self._stats() if row[0] == "grpc" and row[1].startswith("r")}
+
+    def in_flight(self, replica: str) -> int:
+        """Requests HAProxy has sent to `replica` (r0, r1, ...) and not yet answered, or queued for it: gRPC and HTTP."""
+        return sum(int(row[2] or 0) + int(row[4] or 0) for row in self._stats()
+                   if row[0] in ("grpc", "http") and row[1] == replica)
+
+    def _wait_for(self, what: str, done, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not done():
+            if time.monotonic() > deadline:
+                raise ServerError(f"{what} within {timeout:.0f} s (haproxy sees {self.states()})")
+            time.sleep(0.05)
+
+    def restart_replica(self, i: int, timeout: float = 180) -> None:
+        """One step of a rolling restart, losing no request: replica i drains (its /ready answers 503) until HAProxy
+        has taken it out of rotation and holds no request of it, then stops (tritonserver finishes what it
+        accepted), starts again on the same ports, and is back in rotation once HAProxy sees it up. The other
+        replicas serve meanwhile; a request HAProxy sent before it saw the drain is answered by the draining one."""
+        old, name = self.servers[i], f"r{i}"
+        old.drain()
+        self._wait_for(f"haproxy did not take {name} out of rotation", lambda: self.states().get(name) != "UP", 30)
+        self._wait_for(f"{name} kept requests in flight", lambda: self.in_flight(name) == 0, SERVER_SECONDS)
+        old.stop()
+        new = self.servers[i] = LocalServer(self.repo, old.host, old.http_port, old.grpc_port, old.metrics_port,
+                                            old.health_port, admin_key=self.admin_key, **self.server_options)
+        new.start(timeout)
+        self._wait_for(f"haproxy did not see the restarted {name} up", lambda: self.states().get(name) == "UP", 30)
+
+    def rolling_restart(self, until: threading.Event | None = None) -> None:
+        """Restart every replica, one after the other (restart_replica), from the thread that started the fleet (a
+        server dies with the thread that started it); stop between two replicas when `until` is set."""
+        for i in range(len(self.servers)):
+            if until is not None and until.is_set():
+                return
+            print(f"aot: rolling restart: replica {i} of {len(self.servers)} drains, restarts and rejoins",
+                  file=sys.stderr, flush=True)
+            self.restart_replica(i)
+        print(f"aot: rolling restart done: {len(self.servers)} replicas restarted", file=sys.stderr, flush=True)
 
     def wait_all_up(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -306,6 +346,7 @@ class Fleet(Endpoints):
         self._stopping.set()
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(timeout=10)
+        self.admin_key_path.unlink(missing_ok=True)  # a secret outlives no fleet
         if self.balancer is not None:
             stop_process_group(self.balancer, grace=10)
         with ThreadPoolExecutor(len(self.servers)) as pool:

@@ -83,6 +83,15 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
+def write_key_file(folder: Path, key: str) -> Path:
+    """The admin key in a new 0600 file `folder/admin-key`: what an operator sends as the aot-admin-key header."""
+    path = folder / "admin-key"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    return path
+
+
 class Endpoints:
     """What clients reach, a server's or a fleet's load balancer's: gRPC and HTTP on `host` (the class sets host,
     grpc_port and http_port)."""
@@ -137,10 +146,7 @@ class LocalServer(Endpoints):
         self._check_tls()
         self.admin_key = resolve_admin_key(self.admin_key)
         self._workdir = Path(tempfile.mkdtemp(prefix="aot-triton-"))
-        self.admin_key_path = self._workdir / "admin-key"  # 0600: what an operator sends as the aot-admin-key header
-        fd = os.open(self.admin_key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(self.admin_key + "\n")
+        self.admin_key_path = write_key_file(self._workdir, self.admin_key)
         self._health: HealthServer | None = None
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -312,9 +318,18 @@ class LocalServer(Endpoints):
     def _log(self, message: str) -> None:
         print(f"aot: {message}", file=sys.stderr, flush=True)
 
+    def drain(self) -> None:
+        """The first step of a graceful stop: /ready answers 503 ("draining") from now on, so that a load balancer
+        sends this server nothing new, while it answers every request that still reaches it. stop() then lets
+        tritonserver finish the requests it accepted (it refuses new ones as unavailable meanwhile)."""
+        if self._health is not None:
+            self._health.drain("draining: this server is stopping (a graceful stop); send requests elsewhere")
+
     def stop(self, timeout: float = 15) -> int | None:
         """Stop the server and everything it started, and remove its temporary folder (kept when the server failed:
-        it holds the log that the failure names); safe to call again, and after the server crashed."""
+        it holds the log that the failure names); safe to call again, and after the server crashed. tritonserver
+        finishes the requests it accepted first (up to its --exit-timeout-secs), answering new ones "Server is
+        stopping", then "no available versions" while it unloads (aot.client: Unavailable, retried)."""
         self._stopping.set()
         if self.supervisor is not None:  # first: a server the watcher restarted dies with the watcher's thread
             self.supervisor.stop()       # (parent-death signal), and its supervisor must not try to repair that

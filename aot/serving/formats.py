@@ -13,6 +13,7 @@ import json
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import BinaryIO
 
@@ -132,3 +133,11 @@ def read_json_lines(path: str | Path, error: type[ValueError] = FormatError) -> 
         if line.item is None:
             raise error(f"{line.where}: {line.error}")
         yield line
+
+
+def iso_time(seconds: float | None) -> str | None:
+    """A time the store records (seconds since the epoch) as what people and scripts read: ISO 8601 in UTC, to the
+    second (`2026-11-27T22:03:06Z`); None stays None."""
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool):
+        return None
+    return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

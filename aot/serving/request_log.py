@@ -1,11 +1,12 @@
 """The optional request log: one JSON line per sampled request and step, appended by every step instance.
 
-    {"time": "2025-01-31T12:00:00.123Z", "step": "aot", "task": "sentiment", "version": "sentiment@3f2a9c41d0e7",
-     "latency_ms": 12.4, "status": "OK"}
+    {"time": "2025-01-31T12:00:00.123Z", "step": "aot", "task": "acme/intent", "tenant": "acme",
+     "version": "acme/intent@3f2a9c41d0e7", "latency_ms": 12.4, "status": "OK"}
 
 `status` is the gRPC status name the client saw (aot.serving.errors.STATUS); `task` is the task a request named (as
-sent, cut to 128 characters, when the store does not hold it; null when it named none) and `version` the version that
-served it (null if none did). The request's text (`text`, `text_pair`) is written only when asked: texts are the
+sent, cut to 128 characters, when the store does not hold it; null when it named none), `version` the version that
+served it (null if none did) and `tenant` that version's tenant, as the metrics label it ("" for a public task; null
+when no version served: a name the store does not hold says nothing of a tenant). The request's text (`text`, `text_pair`) is written only when asked: texts are the
 callers' data. Configured by the environment of the server (what `aot serve --request-log` sets; in a container,
 its environment): AOT_REQUEST_LOG (the file; its folder must exist), AOT_REQUEST_LOG_SAMPLE (the share of requests
 written, 0 to 1, default 1) and AOT_REQUEST_LOG_TEXT=1. The file is created 0600 and opened for appending: each
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from aot import settings
+from aot.serving.store.tenants import tenant_of
 
 TASK_CHARACTERS = 128  # of a task name the store does not hold (a client's string)
 
@@ -83,7 +85,8 @@ class RequestLog:
         now = datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
         lines = []
         for r in requests:
-            line = {"time": now, "step": self.step, "task": r.task and r.task[:TASK_CHARACTERS], "version": r.version,
+            line = {"time": now, "step": self.step, "task": r.task and r.task[:TASK_CHARACTERS],
+                    "tenant": None if r.version is None else tenant_of(r.version) or "", "version": r.version,
                     "latency_ms": round(r.latency * 1e3, 3), "status": r.status}
             if self.settings.text:
                 line |= {"text": r.text, "text_pair": r.text_pair}

@@ -133,8 +133,9 @@ class TaskRegistry:
                 for version in self.pool.versions():
                     if not index.is_current(version):
                         self.pool.detach(version)
-            for version in [v for v in self._versions if not index.is_current(v)]:
-                if time.monotonic() - self._last_used.get(version, 0.0) > self.grace:
+            for version in [v for v in self._versions if not index.is_current(v)]:  # a version the index no longer
+                # holds (a deleted tenant's) goes at once: a loaded one must not outlive it for a pinned request
+                if not self.known(version) or time.monotonic() - self._last_used.get(version, 0.0) > self.grace:
                     self._drop(version)
 
     def entries(self) -> dict[str, TaskEntry]:
@@ -199,10 +200,7 @@ class TaskRegistry:
             if allowed and name in index.errors:
                 raise RequestError(index.errors[name], "unavailable")
             raise self.unknown(name, key)
-        if entry.route:
-            versions = list(entry.route)
-            return self._version(_draw.choices(versions, [entry.route[v] for v in versions])[0])
-        return self._version(entry.folder)
+        return self._version(entry.routed(_draw.random()) if entry.route else entry.folder)
 
     def unknown(self, name: str, key: str | None) -> RequestError:
         """The answer for a task that does not exist, or that `key` does not open: the same bytes either way, naming

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from aot.training.backbone import Backbone
 from aot.training.data.files import read_examples, read_kind_file
-from aot.training.data.task import DataError, Example, TaskSpec
+from aot.training.data.task import DataError, Example, Problems, TaskSpec
 from aot.training.predict import Predictor
 from aot.training.trainer import encode, evaluate
 
@@ -16,15 +16,17 @@ def read_labelled_file(path: str | Path, spec: TaskSpec) -> list[Example]:
     text_pair?, label (classification, regression), labels (multilabel), text and text_pair (+ score) (embedding);
     CoNLL or JSONL tags (tokens). Every label must be one of the task's, and an embedding's pairs scored as its
     metric needs (DataError naming the row)."""
+    problems = Problems()
     if spec.kind in ("classification", "regression"):
-        rows = read_examples(Path(path), spec.is_regression)
+        rows = read_examples(Path(path), spec.is_regression, problems)
     else:
-        rows = read_kind_file(Path(path), spec.kind)
+        rows = read_kind_file(Path(path), spec.kind, problems)
     if spec.labels is not None:
         for example, where in rows:
             for name in example.label if isinstance(example.label, tuple) else [example.label]:
                 if name not in spec.labels:
-                    raise DataError(f"{where}: label {name!r} is not one of the task's labels {list(spec.labels)}")
+                    problems.add(f"{where}: label {name!r} is not one of the task's labels {list(spec.labels)}")
+    problems.check(str(path))
     if spec.kind == "embedding" and (rows[0][0].label is not None) != (spec.metric == "spearman"):
         raise DataError(f"{path}: task {spec.name!r} is scored by {spec.metric}: give "
                         + ("scored pairs" if spec.metric == "spearman" else "pairs without scores"))

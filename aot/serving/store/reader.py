@@ -27,6 +27,7 @@ manifest.json rewritten at every publish) is upgraded by `aot export backbone --
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -134,12 +135,26 @@ class TaskEntry:
     meta: dict = field(default_factory=dict, compare=False)  # what `aot tasks` lists without reading the version
     keep: int = DEFAULT_KEEP
     kept: tuple[KeptVersion, ...] = field(default=(), compare=False)  # newest first
-    route: dict[str, float] | None = field(default=None, compare=False)  # version -> weight (None: the current one)
+    route: dict[str, float] | None = field(default=None, compare=False)  # version -> share, summing to 1 (None: the
+    # current one answers alone)
 
     def held(self) -> dict[str, KeptVersion]:
         """Every version the entry holds (current and kept), by version."""
         current = KeptVersion(self.folder, self.storage, self.digests, self.meta)
         return {current.version: current, **{k.version: k for k in self.kept}}
+
+    def routed(self, draw: float) -> str:
+        """The version a bare-name request answers, for `draw` uniform in [0, 1): the current one, or the route's
+        version whose cumulative share first exceeds the draw (the last one for a draw past a rounded total). It
+        cannot raise, whatever the route stored."""
+        if not self.route:
+            return self.folder
+        versions, cumulative = list(self.route), 0.0
+        for version in versions[:-1]:
+            cumulative += self.route[version]
+            if draw < cumulative:
+                return version
+        return versions[-1]
 
     def kind(self) -> str | None:
         """The task's kind (aot.serving.answers.TASK_KINDS); a version exported before kinds is a classifier, or a regressor
@@ -258,7 +273,25 @@ def _kept(name: str, item) -> KeptVersion:
                        float(when) if isinstance(when, (int, float)) else 0.0)
 
 
+MAX_ROUTE_TOTAL = 1e6  # a route's weights add up to at most this (percentages, counts): beyond it a typo, not a plan
+
+
+def check_route_weights(weights: dict[str, float]) -> None:
+    """What a writer may store as a route: finite positive weights whose total is finite and at most MAX_ROUTE_TOTAL
+    (`route sentiment V1=1e308 V2=1e308` would sum to infinity)."""
+    for version, weight in weights.items():
+        if not (isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight)
+                and weight > 0):
+            raise StoreError(f"weight {weight!r} of {version}: expected a finite positive number")
+    total = sum(weights.values())  # inf past the largest float (math.fsum would raise)
+    if not total <= MAX_ROUTE_TOTAL:
+        raise StoreError(f"route weights add up to {total:g}: expected a total of at most {MAX_ROUTE_TOTAL:g} "
+                         "(shares are weight / total: 90 and 10, or 0.9 and 0.1)")
+
+
 def _route(name: str, route, held: set[str]) -> dict[str, float] | None:
+    """A stored route as shares that add up to 1: weights are divided by the largest before they are summed, so any
+    finite positive weights (those of a store written before MAX_ROUTE_TOTAL too) give finite shares."""
     if route is None:
         return None
     if not isinstance(route, dict) or not route:
@@ -266,9 +299,13 @@ def _route(name: str, route, held: set[str]) -> dict[str, float] | None:
     for version, weight in route.items():
         if version not in held:
             raise StoreError(f"route names {version!r}, which is not a version {name!r} keeps")
-        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not weight > 0:
-            raise FormatError(f"route weight of {version!r} must be a positive number, got {weight!r}")
-    return {version: float(weight) for version, weight in route.items()}
+        if (not isinstance(weight, (int, float)) or isinstance(weight, bool) or not math.isfinite(weight)
+                or not weight > 0):
+            raise FormatError(f"route weight of {version!r} must be a finite positive number, got {weight!r}")
+    largest = max(route.values())
+    scaled = {version: weight / largest for version, weight in route.items()}
+    total = math.fsum(scaled.values())
+    return {version: weight / total for version, weight in scaled.items()}
 
 
 def default_cache_dir(url: str) -> Path:

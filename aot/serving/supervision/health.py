@@ -17,7 +17,9 @@ from aot.serving.supervision.supervisor import Supervisor
 class HealthServer:
     """GET /ready: 200 {"ready": true} when Supervisor.health() says so, else 503 with the reasons; GET /live: 200
     while the supervisor's server process runs (a stopped or crashed one is repaired or restarted by its owner,
-    so liveness fails only when that owner is gone). Plain HTTP, no secrets: it says nothing a client could use."""
+    so liveness fails only when that owner is gone). Plain HTTP, no secrets: it says nothing a client could use.
+    A server that drains (a graceful stop: drain()) is not ready from then on, whatever its steps say, so that load
+    balancers send it nothing new while it still answers what reaches it."""
 
     def __init__(self, supervisor: Callable[[], Supervisor | None], host: str, port: int):
         owner = self
@@ -41,6 +43,7 @@ class HealthServer:
                 pass
 
         self.supervisor = supervisor
+        self.draining: str | None = None  # why /ready says 503 whatever the steps say (drain())
         self.server = ThreadingHTTPServer((host, port), Handler)
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
@@ -52,11 +55,17 @@ class HealthServer:
             live = supervisor is not None and alive(supervisor.server_pid)
             return (200 if live else 503), {"live": live}
         if path.split("?")[0] == "/ready":
+            if self.draining is not None:
+                return 503, {"ready": False, "reasons": [self.draining]}
             if supervisor is None:
                 return 503, {"ready": False, "reasons": ["tritonserver is starting"]}
             ready, reasons = supervisor.health()
             return (200 if ready else 503), {"ready": ready, "reasons": reasons, "warnings": supervisor.warnings()}
         return 404, {"error": "GET /ready or /live"}
+
+    def drain(self, reason: str) -> None:
+        """Not ready from now on (503 with `reason`): the first step of a graceful stop."""
+        self.draining = reason
 
     def start(self) -> "HealthServer":
         self._thread.start()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,12 +44,37 @@ def load_flags(command: list[str]) -> list[str]:
     return [f"--load-model={m}" for m in models_to_load(info, "gpu", settings.LOAD_VANILLA.read())]
 
 
+def _later(seconds: float, call: Callable[[], None]) -> None:
+    timer = threading.Timer(seconds, call)
+    timer.daemon = True  # a server that exits meanwhile ends the supervisor at once
+    timer.start()
+
+
+def graceful_stop(server: ServerLifecycle, health: HealthServer, drain_seconds: float,
+                  later: Callable[[float, Callable[[], None]], None] = _later) -> Callable:
+    """The supervisor's handler of stop signals. The first SIGTERM drains: /ready answers 503 at once (the
+    orchestrator takes the server out of its endpoints) while requests are still answered, and the signal reaches
+    the server `drain_seconds` later (`later` schedules it), which then finishes what it accepted. SIGINT, a second
+    SIGTERM or no drain: forwarded at once."""
+    def stop(sig: int, _frame=None) -> None:
+        if sig != signal.SIGTERM or health.draining is not None or drain_seconds <= 0:
+            server.forward(sig)
+            return
+        health.drain(f"draining: the server stops in {drain_seconds:g} s (SIGTERM); send requests elsewhere")
+        print(f"supervisor: SIGTERM: draining for {drain_seconds:g} s, then stopping", file=sys.stderr, flush=True)
+        later(drain_seconds, lambda: server.forward(sig))
+
+    return stop
+
+
 def main(argv: list[str] | None = None, store_check_of: Callable[[str], Callable | None] | None = None) -> int:
     """Run the server under a supervisor. Adds explicit model control and the API restrictions (the admin key from
     AOT_ADMIN_KEY or AOT_ADMIN_KEY_FILE, else one generated for this run and known to the supervisor alone), serves
-    /ready and /live on AOT_HEALTH_PORT (default 8003), forwards SIGTERM/SIGINT, and reaps the stubs when the server
-    exits; a server with a model that could not be reloaded is stopped, and the exit code is 1 (the container's
-    restart policy starts anew)."""
+    /ready and /live on AOT_HEALTH_PORT (default 8003), stops gracefully on SIGTERM (a rolling update's stop: /ready
+    answers 503 for AOT_DRAIN_SECONDS while requests are still answered, then the signal reaches the server, which
+    finishes what it accepted; a second signal, or SIGINT, is forwarded at once), and reaps the stubs when the
+    server exits; a server with a model that could not be reloaded is stopped, and the exit code is 1 (the
+    container's restart policy starts anew)."""
     command = list(sys.argv[1:] if argv is None else argv)
     if command[:1] == ["--"]:
         command = command[1:]
@@ -64,6 +90,7 @@ def main(argv: list[str] | None = None, store_check_of: Callable[[str], Callable
         key = admin_key_from_environment() or generate_admin_key()
         health_port = settings.HEALTH_PORT.read()
         health_address = settings.HEALTH_ADDRESS.read()
+        drain_seconds = settings.DRAIN_SECONDS.read()
     except (AdminKeyError, settings.SettingError) as exc:
         print(f"supervisor: {exc}", file=sys.stderr)
         return 2
@@ -78,10 +105,10 @@ def main(argv: list[str] | None = None, store_check_of: Callable[[str], Callable
     if models:
         compile_steps(Path(models))  # the stubs run the `python3` on PATH
     server.start(command)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, server.forward)
     health = HealthServer(server.current_supervisor, health_address,
                           health_port).start()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, graceful_stop(server, health, drain_seconds))
     try:
         server.wait_ready()
         server.watch()

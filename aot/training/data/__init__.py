@@ -2,7 +2,8 @@
 
     task        TaskSpec, TaskData, Example, the kinds of problem, DataError and DataWarning
     builtin     the real data sets that ship in packages (Rotten Tomatoes, BBC News, WNUT-16), split in code
-    files       plain folders (CSV, JSONL) and the GLUE and SuperGLUE formats
+    files       plain folders (CSV, JSONL) and the GLUE and SuperGLUE formats, checked whole (every bad row named)
+    records     the rows of a JSONL, CSV or TSV file with their lines, and the checks of a row's shape
     kind_rows   the examples of the other kinds (multi-label, embedding) in a file's records
     conll       CoNLL files (word, tag) for token tasks
 """

@@ -1,89 +1,30 @@
 """Reading task data from files: a plain folder (JSONL/CSV/TSV), GLUE TSV folders, SuperGLUE JSONL folders.
 
-Every record is read with its file and line so that a bad value can be reported where it is.
+Every record is read with its file and line (aot.training.data.records) so that a bad value can be reported where it
+is. A folder is checked whole before anything is trained: every bad row of every split is collected (Problems) and
+reported at once, the first MAX_LISTED with their causes and a count. A label seen once or twice in a large train
+split is named in a warning: it is often a typo or a shifted column.
 """
 
 from __future__ import annotations
 
-import csv
 import difflib
 import json
 import warnings
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from aot.serving.formats import read_json_lines
 from aot.training.data.conll import CONLL_SUFFIXES, read_tagged
 from aot.training.data.kind_rows import LABEL_SEPARATOR, REQUIRED, kind_examples, label_set
-from aot.training.data.task import PROBLEMS, DataError, DataWarning, Example, TaskData, TaskSpec
+from aot.training.data.records import FORMATS, Record, read_records
+from aot.training.data.task import PROBLEMS, DataError, DataWarning, Example, Problems, TaskData, TaskSpec
 from aot.training.metrics import KIND_METRICS, METRICS
 
 SPLITS = ("train", "dev", "test")
-FORMATS = ("jsonl", "csv", "tsv")
-
-
-@dataclass(frozen=True)
-class Record:
-    """One row of a file, with where it came from."""
-
-    fields: dict
-    path: Path
-    line: int
-
-    def where(self) -> str:
-        return f"{self.path}:{self.line}"
-
-    def get(self, column: str, required: bool = True):
-        value = self.fields.get(column)
-        if required and (value is None or value == ""):
-            raise DataError(f"{self.where()}: missing column {column!r}")
-        return value
-
-
-def read_records(path: Path, header: bool = True, fieldnames: list[str] | None = None,
-                 required: tuple[str, ...] = ()) -> Iterator[Record]:
-    """Rows of a .jsonl, .csv or .tsv file as dicts. A byte-order mark is skipped. A CSV/TSV header that lacks a
-    `required` column is reported as a header problem, naming the columns found (and the delimiter the header seems
-    to use when it reads as one column)."""
-    suffix = path.suffix.lstrip(".").lower()
-    if suffix == "jsonl":
-        for line in read_json_lines(path, DataError):
-            yield Record(line.item, path, line.number)
-        return
-    if suffix not in ("csv", "tsv"):
-        raise DataError(f"{path}: unsupported file type {suffix!r}: expected one of {', '.join(FORMATS)}")
-    delimiter = "\t" if suffix == "tsv" else ","
-    quoting = csv.QUOTE_NONE if suffix == "tsv" else csv.QUOTE_MINIMAL  # GLUE TSVs contain bare quotes
-    with path.open(encoding="utf-8-sig", newline="") as f:
-        reader = csv.reader(f, delimiter=delimiter, quoting=quoting)
-        names = fieldnames
-        if header:
-            names = next(reader, None)
-            if names is None:
-                return
-            _check_header(path, names, required)
-        for row in reader:
-            if not any(cell.strip() for cell in row):
-                continue
-            yield Record(dict(zip(names, row)), path, reader.line_num)
-
-
-def _check_header(path: Path, names: list[str], required: tuple[str, ...]) -> None:
-    missing = [c for c in required if c not in names]
-    if not missing:
-        return
-    if len(names) == 1:
-        try:
-            sniffed = csv.Sniffer().sniff(names[0], delimiters=",;\t|").delimiter
-        except csv.Error:
-            sniffed = None
-        if sniffed:
-            raise DataError(f"{path}: header: found one column {names[0]!r}: is the delimiter {sniffed!r}? "
-                            "(.csv files are read with ',', .tsv files with tabs)")
-    found = ", ".join(repr(n) for n in names)
-    raise DataError(f"{path}: header: no column {missing[0]!r} (columns found: {found}; expected "
-                    f"{', '.join(required)})")
+# A label seen at most RARE_LABEL_ROWS times in a train split of at least RARE_LABEL_SPLIT rows is named in a warning.
+RARE_LABEL_ROWS, RARE_LABEL_SPLIT = 2, 100
 
 
 def _split_file(folder: Path, split: str, extensions=FORMATS) -> Path | None:
@@ -94,41 +35,57 @@ def _split_file(folder: Path, split: str, extensions=FORMATS) -> Path | None:
 
 
 def finalize(name: str, rows: dict[str, list[tuple[Example, str]]], metric: str,
-             declared_labels: list[str] | None, regression: bool, source: str) -> TaskData:
-    """Check the splits against the label set and build a TaskData.
-
-    `rows[split]` holds (example, where) pairs; `where` names the file and line for error messages.
-    """
+             declared_labels: list[str] | None, regression: bool, source: str, problems: Problems) -> TaskData:
+    """Check the splits against the label set and build a TaskData. `rows[split]` holds (example, where) pairs;
+    `where` names the file and line. A row's label outside the label set goes to `problems` with those of reading,
+    which are all reported here (DataErrors) before the checks of the whole data."""
+    labels = None
+    if not regression:
+        if declared_labels is not None:
+            labels, unknown = list(declared_labels), "is not in the declared label set"
+        else:
+            labels, unknown = sorted({ex.label for ex, _ in rows.get("train", [])}, key=_label_sort_key), \
+                "never occurs in train"
+        known = set(labels)
+        for split, pairs in rows.items():
+            for ex, where in pairs:
+                if ex.label not in known:
+                    problems.add(f"{where}: {split} label {ex.label!r} {unknown} ({_shown(labels)})")
+    problems.check(source)
     for split in ("train", "dev"):
         if not rows.get(split):
             raise DataError(f"{source}: split {split!r} is empty or missing")
-    if regression:
-        splits = {s: [ex for ex, _ in r] for s, r in rows.items()}
-        for split, pairs in rows.items():
-            for ex, where in pairs:
-                if not isinstance(ex.label, float):
-                    raise DataError(f"{where}: label {ex.label!r} is not a number (regression task)")
-        has_pair = any(ex.text_pair is not None for ex in splits["train"])
-        return TaskData(TaskSpec(name, None, metric, has_pair), splits, source)
-    if declared_labels is not None:
-        labels = list(declared_labels)
-        known = set(labels)
-        for split, pairs in rows.items():
-            for ex, where in pairs:
-                if ex.label not in known:
-                    raise DataError(f"{where}: label {ex.label!r} is not in the declared label set {labels}")
-    else:
-        labels = sorted({ex.label for ex, _ in rows["train"]}, key=_label_sort_key)
-        known = set(labels)
-        for split in ("dev", "test"):
-            for ex, where in rows.get(split, []):
-                if ex.label not in known:
-                    raise DataError(f"{where}: {split} label {ex.label!r} never occurs in train (train labels: {labels})")
-    if len(labels) < 2:
+    if labels is not None and len(labels) < 2:
         raise DataError(f"{source}: need at least 2 labels, found {labels}")
+    if labels is not None and declared_labels is None:
+        _warn_rare_labels(rows["train"])
     splits = {s: [ex for ex, _ in r] for s, r in rows.items()}
     has_pair = any(ex.text_pair is not None for ex in splits["train"])
-    return TaskData(TaskSpec(name, tuple(labels), metric, has_pair), splits, source)
+    return TaskData(TaskSpec(name, None if labels is None else tuple(labels), metric, has_pair), splits, source)
+
+
+def _shown(labels: list[str], most: int = 10) -> str:
+    return ", ".join(map(repr, labels[:most])) + (f", ... ({len(labels) - most} more)" if len(labels) > most else "")
+
+
+def _warn_rare_labels(train: list[tuple[Example, str]]) -> None:
+    """A label seen once or twice in a large train split is named, with where it is: often a typo or a shifted
+    column, which trains a class of its own."""
+    if len(train) < RARE_LABEL_SPLIT:
+        return
+    counts = Counter(ex.label for ex, _ in train)
+    rare = sorted((label for label, n in counts.items() if n <= RARE_LABEL_ROWS), key=_label_sort_key)
+    if not rare:
+        return
+    first = {}
+    for ex, where in train:
+        first.setdefault(ex.label, where)
+    named = "; ".join(f"{label!r} {'once' if counts[label] == 1 else 'twice'} ({first[label]})" for label in rare[:10])
+    more = f"; and {len(rare) - 10} more" if len(rare) > 10 else ""
+    warnings.warn(f"{len(rare)} label(s) of {len(counts)} seen at most {RARE_LABEL_ROWS} times in {len(train)} train "
+                  f"rows: {named}{more}. A typo, or a text whose comma shifted its label? Each trains a class of its "
+                  "own; declare the labels (task.json \"labels\", --labels) to refuse any other", DataWarning,
+                  stacklevel=2)
 
 
 def _label_sort_key(label: str):
@@ -181,17 +138,18 @@ def load_folder(folder: Path, labels: list[str] | None = None, metric: str | Non
         raise DataError(f"{folder}: a regression task has no label set (labels {labels} declared)")
     metric = metric or meta.get("metric") or ("pearson_spearman" if regression else "accuracy")
     rows: dict[str, list[tuple[Example, str]]] = {}
+    problems = Problems()
     for split in SPLITS:
         path = _split_file(folder, split)
         if path is None:
             if split != "test":
                 raise DataError(f"{folder}: no {split}.jsonl, {split}.csv or {split}.tsv")
             continue
-        pairs = read_examples(path, regression)
+        pairs = read_examples(path, regression, problems)
         rows[split] = pairs
         if split == "train" and declared is None and labels is None:
             _warn_if_numeric(path, [ex.label for ex, _ in pairs])
-    return finalize(meta.get("name", folder.name), rows, metric, labels, regression, str(folder))
+    return finalize(meta.get("name", folder.name), rows, metric, labels, regression, str(folder), problems)
 
 
 def load_kind_folder(folder: Path, kind: str, meta: dict, labels: list[str] | None,
@@ -199,29 +157,42 @@ def load_kind_folder(folder: Path, kind: str, meta: dict, labels: list[str] | No
     """A plain folder of a multilabel, tokens or embedding task."""
     suffixes = ("jsonl", *CONLL_SUFFIXES) if kind == "tokens" else FORMATS
     rows: dict[str, list[tuple[Example, str]]] = {}
+    problems = Problems()
     for split in SPLITS:
         path = _split_file(folder, split, suffixes)
         if path is None:
             if split != "test":
                 raise DataError(f"{folder}: no {split} file ({', '.join(f'{split}.{x}' for x in suffixes)})")
             continue
-        rows[split] = read_kind_file(path, kind, meta.get("label_separator", LABEL_SEPARATOR))
-    return finalize_kind(meta.get("name", folder.name), kind, rows, metric, labels, str(folder))
+        rows[split] = read_kind_file(path, kind, problems, meta.get("label_separator", LABEL_SEPARATOR))
+    return finalize_kind(meta.get("name", folder.name), kind, rows, metric, labels, str(folder), problems)
 
 
-def read_kind_file(path: Path, kind: str, separator: str = LABEL_SEPARATOR) -> list[tuple[Example, str]]:
-    """A split file of a multilabel, tokens or embedding task, each example with where it was read."""
-    rows = read_tagged(path) if kind == "tokens" else kind_examples(read_records(path, required=REQUIRED[kind]),
-                                                                    kind, separator)
-    if not rows:
+def read_kind_file(path: Path, kind: str, problems: Problems,
+                   separator: str = LABEL_SEPARATOR) -> list[tuple[Example, str]]:
+    """A split file of a multilabel, tokens or embedding task, each example with where it was read; its bad rows go
+    to `problems` (a CoNLL file stops at its first)."""
+    before = problems.total
+    if kind == "tokens":
+        try:
+            rows = read_tagged(path)
+        except DataError as exc:
+            problems.add(exc)
+            rows = []
+    else:
+        rows = kind_examples(read_records(path, problems, required=REQUIRED[kind]), kind, problems, separator)
+    if not rows and problems.total == before:
         raise DataError(f"{path} has no data rows")
     return rows
 
 
 def finalize_kind(name: str, kind: str, rows: dict[str, list[tuple[Example, str]]], metric: str | None,
-                  declared_labels: list[str] | None, source: str) -> TaskData:
+                  declared_labels: list[str] | None, source: str, problems: Problems) -> TaskData:
     """Check the splits of a multilabel, tokens or embedding task and build its TaskData (its default metric: the
-    kind's first; spearman for scored pairs)."""
+    kind's first; spearman for scored pairs). The rows' problems (reading's, and labels outside the label set) are
+    reported first, all at once."""
+    labels = label_set(kind, rows, declared_labels, problems)
+    problems.check(source)
     for split in ("train", "dev"):
         if not rows.get(split):
             raise DataError(f"{source}: split {split!r} is empty or missing")
@@ -237,20 +208,27 @@ def finalize_kind(name: str, kind: str, rows: dict[str, list[tuple[Example, str]
     if kind == "embedding" and (metric == "spearman") != scored:
         raise DataError(f"{source}: metric {metric} needs " + ("scored pairs" if metric == "spearman" else
                                                                "retrieval pairs (spearman scores scored ones)"))
+    if labels is not None and not labels:
+        raise DataError(f"{source}: no {'tags' if kind == 'tokens' else 'labels'} in train")
     splits = {s: [ex for ex, _ in r] for s, r in rows.items()}
     has_pair = kind == "multilabel" and any(ex.text_pair is not None for ex in splits["train"])
-    return TaskData(TaskSpec(name, label_set(kind, rows, declared_labels), metric, has_pair, kind), splits, source)
+    return TaskData(TaskSpec(name, labels, metric, has_pair, kind), splits, source)
 
 
-def read_examples(path: Path, regression: bool) -> list[tuple[Example, str]]:
-    """A plain file's examples (columns text, optional text_pair, label), each with where it was read."""
-    pairs = []
-    for rec in read_records(path, required=("text", "label")):
-        text = _text(rec, "text")
-        pair = _text(rec, "text_pair", required=False) if "text_pair" in rec.fields else None
-        label = _label_value(rec.get("label"), rec.where(), regression)
+def read_examples(path: Path, regression: bool, problems: Problems) -> list[tuple[Example, str]]:
+    """A plain file's examples (columns text, optional text_pair, label), each with where it was read; a bad row goes
+    to `problems` with its cause."""
+    pairs, before = [], problems.total
+    for rec in read_records(path, problems, required=("text", "label")):
+        try:
+            text = _text(rec, "text")
+            pair = _text(rec, "text_pair", required=False) if "text_pair" in rec.fields else None
+            label = _label_value(rec.get("label"), rec.where(), regression)
+        except DataError as exc:
+            problems.add(exc)
+            continue
         pairs.append((Example(text, label, pair or None), rec.where()))
-    if not pairs:
+    if not pairs and problems.total == before:
         raise DataError(f"{path} has no data rows")
     return pairs
 
@@ -356,25 +334,33 @@ SUPERGLUE_TASKS = {t.name.lower(): t for t in [
 def load_benchmark_folder(folder: Path, task: BenchmarkTask) -> TaskData:
     regression = task.labels is None
     rows: dict[str, list[tuple[Example, str]]] = {}
+    problems = Problems()
     for split, stem in (("train", "train"), ("dev", task.dev_file)):
         path = folder / f"{stem}.{task.extension}"
         if not path.is_file():
             raise DataError(f"{folder}: {task.name} needs {path.name}")
         pairs = []
         fieldnames = list(task.fieldnames) if task.fieldnames else None
-        for rec in read_records(path, header=task.header, fieldnames=fieldnames):
-            if task.to_text is not None:
-                try:
-                    text, pair = task.to_text(rec.fields)
-                except (KeyError, TypeError) as exc:
-                    raise DataError(f"{rec.where()}: missing column {exc}") from None
-            else:
-                text = _text(rec, task.text)
-                pair = _text(rec, task.text_pair) if task.text_pair else None
-            label = _label_value(rec.get(task.label), rec.where(), regression)
-            pairs.append((Example(text, label, pair), rec.where()))
+        for rec in read_records(path, problems, header=task.header, fieldnames=fieldnames):
+            try:
+                pairs.append((_benchmark_example(task, rec, regression), rec.where()))
+            except DataError as exc:
+                problems.add(exc)
         rows[split] = pairs
-    return finalize(task.name, rows, task.metric, None if regression else list(task.labels), regression, str(folder))
+    return finalize(task.name, rows, task.metric, None if regression else list(task.labels), regression, str(folder),
+                    problems)
+
+
+def _benchmark_example(task: BenchmarkTask, rec: Record, regression: bool) -> Example:
+    if task.to_text is not None:
+        try:
+            text, pair = task.to_text(rec.fields)
+        except (KeyError, TypeError) as exc:
+            raise DataError(f"{rec.where()}: missing column {exc}") from None
+    else:
+        text = _text(rec, task.text)
+        pair = _text(rec, task.text_pair) if task.text_pair else None
+    return Example(text, _label_value(rec.get(task.label), rec.where(), regression), pair)
 
 
 def detect_benchmark(folder: Path) -> BenchmarkTask | None:

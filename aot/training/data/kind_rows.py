@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from aot.training.data.conll import tag_order
-from aot.training.data.task import DataError, Example
+from aot.training.data.task import DataError, Example, Problems
 
 LABEL_SEPARATOR = "|"
 
@@ -21,7 +21,8 @@ def _text(fields: dict, column: str, where: str, required: bool = True) -> str |
     value = fields.get(column)
     if value is None or value == "":
         if required:
-            raise DataError(f"{where}: missing column {column!r}")
+            raise DataError(f"{where}: " + (f"column {column!r} is empty" if column in fields else
+                                            f"missing column {column!r}"))
         return None
     if not isinstance(value, str) or not value.strip():
         raise DataError(f"{where}: column {column!r} must be a non-empty text")
@@ -55,11 +56,17 @@ ROW_READERS: dict[str, Callable[[dict, str, str], Example]] = {"multilabel": mul
 REQUIRED = {"multilabel": ("text", "labels"), "embedding": ("text", "text_pair")}
 
 
-def kind_examples(records: Iterable, kind: str, separator: str = LABEL_SEPARATOR) -> list[tuple[Example, str]]:
-    """The examples of `kind` (multilabel, embedding) in a file's records (aot.training.data.files.Record: fields and
-    where), each with where it was read."""
-    rows = [(ROW_READERS[kind](rec.fields, rec.where(), separator), rec.where()) for rec in records]
-    if kind == "embedding":
+def kind_examples(records: Iterable, kind: str, problems: Problems,
+                  separator: str = LABEL_SEPARATOR) -> list[tuple[Example, str]]:
+    """The examples of `kind` (multilabel, embedding) in a file's records (aot.training.data.records.Record: fields
+    and where), each with where it was read; a bad row goes to `problems`."""
+    rows = []
+    for rec in records:
+        try:
+            rows.append((ROW_READERS[kind](rec.fields, rec.where(), separator), rec.where()))
+        except DataError as exc:
+            problems.add(exc)
+    if kind == "embedding" and rows:
         scored = [ex.label is not None for ex, _ in rows]
         if any(scored) and not all(scored):
             where = rows[scored.index(not scored[0])][1]
@@ -68,24 +75,23 @@ def kind_examples(records: Iterable, kind: str, separator: str = LABEL_SEPARATOR
     return rows
 
 
-def label_set(kind: str, rows: dict[str, list[tuple[Example, str]]], declared: list[str] | None) -> tuple | None:
-    """The labels (multilabel) or tags (tokens) of a task: the declared ones, else those of train; a label of
-    another split outside them is refused naming where. None for embedding."""
+def label_set(kind: str, rows: dict[str, list[tuple[Example, str]]], declared: list[str] | None,
+              problems: Problems) -> tuple | None:
+    """The labels (multilabel) or tags (tokens) of a task: the declared ones, else those of train; a row whose label
+    is outside them goes to `problems`, naming where. None for embedding."""
     if kind == "embedding":
         return None
     if declared is not None:
         labels, known = list(declared), set(declared)
         unknown = "is not in the declared label set"
     else:
-        found = {name for ex, _ in rows["train"] for name in ex.label}
+        found = {name for ex, _ in rows.get("train", []) for name in ex.label}
         labels = sorted(found, key=tag_order) if kind == "tokens" else sorted(found)
         known, unknown = found, "never occurs in train"
     for split, pairs in rows.items():
         for ex, where in pairs:
             for name in ex.label:
                 if name not in known:
-                    raise DataError(f"{where}: {split} {'tag' if kind == 'tokens' else 'label'} {name!r} {unknown} "
-                                    f"({labels})")
-    if not labels:
-        raise DataError(f"no {'tags' if kind == 'tokens' else 'labels'} in train")
+                    problems.add(f"{where}: {split} {'tag' if kind == 'tokens' else 'label'} {name!r} {unknown} "
+                                 f"({labels})")
     return tuple(labels)

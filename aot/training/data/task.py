@@ -16,6 +16,42 @@ class DataWarning(UserWarning):
     """Data that loads but may not mean what was assumed (`aot` prints it as `aot: warning: ...`)."""
 
 
+MAX_LISTED = 20  # bad rows a DataErrors lists; it counts the others
+
+
+class DataErrors(DataError):
+    """Every bad row of a data set, found in one pass over its files before any model is loaded: `problems` holds
+    the first MAX_LISTED (each `FILE:LINE: cause`), `total` counts them all. One bad row is its own message; several
+    are a `summary` line and the `details`, one line per listed row (`aot` prints the details, then the summary as
+    its error)."""
+
+    def __init__(self, source: str, problems: list[str], total: int):
+        self.problems, self.total = problems, total
+        listed = f" (the first {len(problems)} listed)" if total > len(problems) else ""
+        self.summary = problems[0] if total == 1 else f"{source}: {total} bad rows{listed}; nothing was read"
+        self.details = [] if total == 1 else problems
+        super().__init__("\n".join([self.summary, *self.details]))
+
+
+class Problems:
+    """The bad rows met while reading a data set: each row's DataError is added here and the reading goes on, so that
+    one run names every bad row (MAX_LISTED of them, and how many) instead of the first."""
+
+    def __init__(self):
+        self.listed: list[str] = []
+        self.total = 0
+
+    def add(self, error: DataError | str) -> None:
+        self.total += 1
+        if len(self.listed) < MAX_LISTED:
+            self.listed.append(str(error))
+
+    def check(self, source: str) -> None:
+        """DataErrors when any row was bad."""
+        if self.total:
+            raise DataErrors(source, self.listed, self.total)
+
+
 PROBLEMS = TASK_KINDS  # `--problem`: the task's kind (aot.serving.answers)
 
 
