@@ -420,6 +420,24 @@ def test_a_dead_instance_is_a_retryable_error_and_other_internal_errors_are_not(
     assert not other.retryable
 
 
+def test_one_outage_window_serves_every_request_of_an_infer_many(monkeypatch):
+    """infer_many's requests share one retry window (aot.client.client.Outage): it opens at the first request that
+    found no server, every request's waits count against it, and an answered request closes it."""
+    from aot.client import client as client_module
+
+    now = [100.0]
+    monkeypatch.setattr(client_module.time, "monotonic", lambda: now[0])
+    outage = client_module.Outage(1.0)
+    waits = []
+    for t in (100.0, 100.2, 100.5, 100.9):  # four requests of the call finding no server, one after another
+        now[0] = t
+        waits.append(outage.next_wait())
+    assert waits[:3] == pytest.approx([client_module.RETRY_BACKOFF[0], 0.1, 0.25]) and waits[3] is None  # 0.9 + 0.45 > 1
+    outage.answered()
+    now[0] = 200.0
+    assert outage.next_wait() == client_module.RETRY_BACKOFF[0]  # a new outage, a new window
+
+
 def test_client_retries_a_refused_connection_with_a_short_bounded_backoff(repo):
     """A call to a port where no server listens yet is sent again (0.05 s doubling to 1 s) until the server is
     there; with nothing there it fails after retry_seconds, with the reason."""
