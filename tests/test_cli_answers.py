@@ -99,13 +99,13 @@ def test_storage_auto_says_what_it_picked_and_why_at_every_publish(repo, french,
     result = json.loads(captured.out)
     assert result["storage"] == "factored"
     factored = result["storage_advice"]["factored_bytes"] / 2**10
-    assert captured.err.splitlines()[-1] == (
+    assert captured.err.splitlines()[-2] == (  # the summary's last line before the next step
         f"aot: --storage auto stored three factored ({factored:.1f} KiB factored, 12.6 KiB fused: the store holds 3 "
         "tasks and the task pool (25.2 KiB) keeps 2 fused tables resident; tasks exported before keep their storage); "
         "--storage fused stores it fused (docs/serving.md, the task pool)")
     assert main(["export", "task", "--task", str(french), "--repo", str(repo), "--name", "one",
                  "--no-progress"]) == 0  # a new version of a task the store holds: still 3 tasks
-    assert "factored" in capsys.readouterr().err.splitlines()[-1]
+    assert "--storage auto stored one factored" in capsys.readouterr().err.splitlines()[-2]
     assert main(["export", "task", "--task", str(french), "--repo", str(repo), "--name", "four", "--storage",
                  "factored", "--no-progress"]) == 0
     assert "--storage auto" not in capsys.readouterr().err  # asked for: nothing to say

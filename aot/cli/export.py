@@ -179,12 +179,11 @@ def run_export_task(args) -> int:
     served = result.served_dev
     accuracy = "" if served is None else (f"; dev {served['metric']} {served['precision']} {served['score'] * 100:.2f} "
                                           f"against fp32 {served['fp32'] * 100:.2f}")
+    picked = [auto_storage_note(args.name, result.storage, result.storage_advice)] if args.storage == "auto" else []
     report(asdict(result), f"published task {args.name} ({result.storage}, {result.bytes_on_disk / 2**20:.1f} MiB, "
                            f"version {result.folder}) in {args.repo}{accuracy}: a running server answers it from its "
-                           "next batch",
+                           "next batch", *picked,
            f'next: aot serve --repo {args.repo} (if none runs), then aot infer --task {args.name} "some text"')
-    if args.storage == "auto":
-        print(f"aot: {auto_storage_note(args.name, result.storage, result.storage_advice)}", file=sys.stderr)
     return 0
 
 
