@@ -61,6 +61,9 @@ class Tokenization:
         self.truncation_side = config.get("truncation_side", "right")
         self.uses_token_type_ids = uses_token_type_ids
         self.buckets = tuple(sorted(buckets))
+        # ids without character offsets (tokenizers >= 0.20: ~15 % less CPU a text); a token task's words need the
+        # offsets, so encode_words calls encode_batch itself
+        self._encode_batch = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
 
     def encode(self, text: str, pair: str | None, max_length: int) -> dict[str, np.ndarray]:
         return self.encode_batch([(text, pair)], max_length)[0]
@@ -72,7 +75,7 @@ class Tokenization:
             if is_blank(text):
                 raise RequestError("TEXT is empty (or only whitespace, control or zero-width characters)")
         self.tokenizer.enable_truncation(max_length, strategy="longest_first", direction=self.truncation_side)
-        encodings = self.tokenizer.encode_batch([(t, p) if p else t for t, p in items])
+        encodings = self._encode_batch([(t, p) if p else t for t, p in items])
         return [self._tensors(enc) for enc in encodings]
 
     def encode_words(self, texts: list[str], max_length: int) -> list[tuple[dict[str, np.ndarray], Words, np.ndarray]]:
@@ -99,9 +102,15 @@ class Tokenization:
         return {name: np.pad(a, (0, size - n), constant_values=fill.get(name, 0)) for name, a in tokens.items()}
 
     def _tensors(self, enc) -> dict[str, np.ndarray]:
-        ids = np.asarray(enc.ids, dtype=protocol.TOKEN_DTYPE)
+        ids = enc.ids
         n = len(ids)
         size = bucket_length(n, self.buckets)
+        if size == n:  # no bucket to pad to (the CPU and torch steps): the arrays straight from the lists
+            out = {protocol.INPUT_IDS: np.array(ids, dtype=protocol.TOKEN_DTYPE),
+                   protocol.ATTENTION_MASK: np.ones(n, dtype=protocol.TOKEN_DTYPE)}
+            if self.uses_token_type_ids:
+                out[protocol.TOKEN_TYPE_IDS] = np.array(enc.type_ids, dtype=protocol.TOKEN_DTYPE)
+            return out
         out = {protocol.INPUT_IDS: np.full(size, self.pad_id, dtype=protocol.TOKEN_DTYPE),
                protocol.ATTENTION_MASK: np.zeros(size, protocol.TOKEN_DTYPE)}
         out[protocol.INPUT_IDS][:n] = ids
