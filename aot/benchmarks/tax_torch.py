@@ -5,8 +5,10 @@ batch; aot/model_repository/fused) in `gpu_instances` instances, the same code i
 So the server's CPU outside the encoder (tritonserver's gRPC and scheduling, the python backend's messages, the
 tokenizer, the pool lookup, the heads, the outputs and the metrics) is measured here, before any GPU is lent: every
 server process's CPU time (/proc, every thread) over a pass, less the CPU the steps' engines spent encoding
-(`aot_engine_cpu_us_total`, each step's own clock around its engine call), per request and per text, for
-single-text requests and for requests of many texts (aot.serving.items), AoT with 8 tasks mixed text by text.
+(`aot_engine_cpu_us_total`, each step's own clock around its engine call) and less what the server spends idle over
+as long (liveness probes, the metrics thread, the task list's audit: measured just before the pass), per request and
+per text, for single-text requests and for requests of many texts (aot.serving.items), AoT with 8 tasks mixed text
+by text. On this CPU the engine is slow (eager fp32), so a pass lasts long and the idle CPU matters.
 
 The load generator is aot.Client's infer_many (one pack of texts per request) in this process, on the same cores;
 its CPU is reported beside the server's.
@@ -55,7 +57,10 @@ def one_pass(server, items: list[dict], pack: int, concurrency: int, pids: dict[
     from aot.client.client import Client
 
     metrics = f"http://127.0.0.1:{server.metrics_port}/metrics"
-    engine0, before, own0, load0 = engine_cpu_us(metrics), cpu_seconds(pids), own_cpu_seconds(), os.getloadavg()[0]
+    idle0, idle_start = cpu_seconds(pids), time.perf_counter()
+    engine0 = engine_cpu_us(metrics)  # waits for the metrics: the idle window
+    before, own0, load0 = cpu_seconds(pids), own_cpu_seconds(), os.getloadavg()[0]
+    idle_us_per_s = sum(before[p] - idle0[p] for p in before if p in idle0) * 1e6 / (time.perf_counter() - idle_start)
     start = time.perf_counter()
     with Client(server.grpc_url) as client:
         answers = client.infer_many(items, concurrency=concurrency, pack=pack)
@@ -68,12 +73,13 @@ def one_pass(server, items: list[dict], pack: int, concurrency: int, pids: dict[
                            f"{next(a['error'] for a in answers if 'error' in a)}")
     server_us = sum((after[p] - before[p]) * 1e6 for p in after if p in before)
     texts, requests = len(items), -(-len(items) // pack)
-    outside = server_us - engine
+    outside = server_us - engine - idle_us_per_s * wall
     return {"texts_per_request": pack, "concurrency": concurrency, "texts": texts, "requests": requests,
             "texts_per_s": round(texts / wall, 1), "server_cpu_us_per_text": round(server_us / texts, 1),
             "engine_cpu_us_per_text": round(engine / texts, 1),
             "outside_engine_us_per_text": round(outside / texts, 1),
             "outside_engine_us_per_request": round(outside / requests, 1),
+            "idle_cpu_us_per_s": round(idle_us_per_s, 1), "seconds": round(wall, 2),
             "by_process_us_per_text": {p: round((after[p] - before[p]) * 1e6 / texts, 1) for p in after if p in before},
             "client_cpu_us_per_text": round(own * 1e6 / texts, 1),
             "loadavg": [round(load0, 2), round(os.getloadavg()[0], 2)]}
@@ -124,13 +130,14 @@ def write_reports(records: list[dict], out: Path, config: TorchTaxConfig) -> Non
             f"average {loads[0][0]:.2f} at the start, {loads[-1][1]:.2f} at the end)\n\n"
             f"AoT with {config.mixed_tasks} tasks mixed text by text, {config.texts} texts a pass, max batch "
             f"{config.max_batch_size}. Outside the engine: every server process's CPU less the engines' own "
-            "(aot_engine_cpu_us_total).\n\n")
+            "(aot_engine_cpu_us_total) and less its idle CPU over the pass's time (measured just before it).\n\n")
     text += markdown_table(records, ["texts_per_request", "concurrency", "texts_per_s", "server_cpu_us_per_text",
-                                     "engine_cpu_us_per_text", "outside_engine_us_per_text",
-                                     "outside_engine_us_per_request", "client_cpu_us_per_text", "loadavg"],
+                                     "engine_cpu_us_per_text", "idle_cpu_us_per_s", "seconds",
+                                     "outside_engine_us_per_text", "outside_engine_us_per_request",
+                                     "client_cpu_us_per_text", "loadavg"],
                            ["texts / request", "conc.", "texts/s", "server CPU us/text", "engine CPU us/text",
-                            "outside the engine us/text", "outside the engine us/request", "load generator us/text",
-                            "load average (before, after)"])
+                            "idle server CPU us/s", "pass s", "outside the engine us/text",
+                            "outside the engine us/request", "load generator us/text", "load average (before, after)"])
     processes = sorted({p for r in records for p in r["by_process_us_per_text"]})
     for r in records:
         for p in processes:
