@@ -341,10 +341,10 @@ def test_tax_bench_torch_tiny(tmp_path, tiny_models, sentiment_dir):
     task = train_tiny_task(tiny_models["bert"], sentiment_dir, tmp_path / "task", "fc", epochs=1)
     out = tmp_path / "bench"
     assert main(["bench", "tax", "--engine", "torch", "--task", str(task), "--out", str(out), "--concurrency", "2",
-                 "--requests", "48", "--texts-per-request", "1,8", "--no-progress"]) == 0
+                 "--requests", "48", "--texts-per-request", "1,8", "--token-ids", "--no-progress"]) == 0
     records = json.loads((out / "tax-torch.json").read_text())
-    assert [(r["texts_per_request"], r["concurrency"], r["texts"], r["requests"]) for r in records] == [
-        (1, 2, 48, 48), (8, 2, 48, 6)]
+    assert [(r["token_ids"], r["texts_per_request"], r["concurrency"], r["texts"], r["requests"]) for r in records] == [
+        (ids, n, 2, 48, 48 // n) for ids in (False, True) for n in (1, 8)]
     for r in records:
         assert r["engine_cpu_us_per_text"] > 0 and r["server_cpu_us_per_text"] > r["engine_cpu_us_per_text"]
         assert r["outside_engine_us_per_text"] == pytest.approx(  # less the server's idle CPU over the pass

@@ -145,6 +145,9 @@ def add_bench(sub) -> None:
                         "own, aot_engine_cpu_us_total) for each --texts-per-request; writes tax-torch.json and .md")
     x.add_argument("--texts-per-request", type=_ints, default=[1, 64],
                    help="--engine torch: texts each request carries (aot.Client.infer_many's pack), one pass each")
+    x.add_argument("--token-ids", action="store_true",
+                   help="--engine torch: each pass again with clients that tokenize and send token ids "
+                        "(aot.Client(tokenizer=...)): the server's CPU without its tokenizer's")
     _finish(x, run_tax)
 
     t = kinds.add_parser("tasks",
@@ -336,7 +339,7 @@ def run_tax(args) -> int:
 
         config = TorchTaxConfig(task=args.task, out=args.out, repo=args.repo,
                                 texts_per_request=tuple(args.texts_per_request), concurrency=tuple(args.concurrency),
-                                texts=args.requests)
+                                texts=args.requests, token_ids=(False, True) if args.token_ids else (False,))
         print(json.dumps(run_torch_tax(config, progress=not args.no_progress)))
         return 0
     from aot.benchmarks.tax import TaxBenchConfig, run_tax_bench
