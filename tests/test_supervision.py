@@ -69,16 +69,20 @@ def free_port() -> int:
 
 @dataclass
 class FakeSupervisor:
-    """What HealthServer asks of a Supervisor: its server's pid and health()."""
+    """What HealthServer asks of a Supervisor: its server's pid, health() and warnings()."""
 
     server_pid: int
     ready: bool = True
     reasons: list[str] = field(default_factory=list)
+    warned: list[str] = field(default_factory=list)
     asked: int = 0
 
     def health(self) -> tuple[bool, list[str]]:
         self.asked += 1
         return self.ready, list(self.reasons)
+
+    def warnings(self) -> list[str]:
+        return list(self.warned)
 
 
 def _gone_pid() -> int:
@@ -113,6 +117,15 @@ def test_ready_is_the_supervisors_health_with_its_reasons(health_server):
     supervisor.ready, supervisor.reasons = False, ["model aot is not ready", "the task store cannot be read"]
     assert server.answer("/ready?verbose=1") == (503, {"ready": False, "reasons": supervisor.reasons})
     assert supervisor.asked == 2
+
+
+def test_ready_lists_what_the_server_serves_without(health_server):
+    """A task store that stopped answering (or a damaged shard) leaves the server ready, and /ready says it: every
+    replica of a fleet shares the store, and taking them all out would stop the tasks they still serve."""
+    server, current = health_server
+    current[0] = FakeSupervisor(server_pid=_gone_pid(), warned=["the task store has not answered since 12:00:00"])
+    assert server.answer("/ready") == (200, {"ready": True, "reasons": [],
+                                             "warnings": ["the task store has not answered since 12:00:00"]})
 
 
 def test_live_follows_the_server_process(health_server):

@@ -1,4 +1,4 @@
-"""Writing the task store (format `aot-task-store` v4; aot.serving.store.reader reads it, docs/formats.md).
+"""Writing the task store (format `aot-task-store` v5; aot.serving.store.reader reads it, docs/formats.md).
 
 Publishing versions: each is written into `.staging/<pid>.<host>-<name>@<id>/` and fsynced (no lock held); then, under
 an exclusive lock on `tasks/.lock`, they are renamed into place and ONE change set of the index names them all
@@ -86,6 +86,7 @@ class TaskStore(StoreReader):
     """Reads and writes a task store (the repository's folder, or object storage: StoreReader)."""
 
     REMOTE_TIMEOUT = 120.0  # a publisher uploads whole tables
+    MIRROR = False  # a writer keeps no copy of the index (aot.serving.store.mirror: for servers)
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:

@@ -61,9 +61,11 @@ class Repair:
 
 class ReadinessCheck(Protocol):
     """What else /ready waits for (the task store: aot.serving.store.check.StoreCheck): `problem` says why nothing
-    can be served (None: nothing wrong) without I/O; `refresh()`, called by the supervisor's loop, reads again."""
+    can be served (None: nothing wrong) and `warning` what the server serves without (/ready stays 200 and says it),
+    without I/O; `refresh()`, called by the supervisor's loop, reads again and never blocks it."""
 
     problem: str | None
+    warning: str | None
 
     def refresh(self) -> None: ...
 
@@ -363,6 +365,11 @@ class Supervisor:
                     remove_watch(self.server_pid, stub.instance)
 
     # --- health -------------------------------------------------------------------------------------------------
+
+    def warnings(self) -> list[str]:
+        """What the server serves without, while ready (a task store that does not answer, a damaged shard)."""
+        warning = None if self.store is None else self.store.warning
+        return [warning] if warning else []
 
     def health(self) -> tuple[bool, list[str]]:
         """(ready, reasons it is not): ready when the server runs and its front end answers, every model it needs
