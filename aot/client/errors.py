@@ -7,17 +7,23 @@
       TaskUnavailable           UNAVAILABLE from a step: the task exists but cannot be served (damaged) until it is
                                 exported again; a retry does not help
       Unavailable               the server cannot be reached or cannot answer now (refused or dropped connection,
-                                deadline, overload, a server restarting): retryable
+                                deadline, overload, a server restarting, a rate limit, a task store that does not
+                                answer): retryable; `retry_after`, the seconds the server asked to wait, if it did
       PermissionDenied          an API restricted to the admin key, or a credential the server refuses
 
 A caller retries `retryable` errors (with a backoff) and reports the others. The classes are told apart by the
 status, and for UNAVAILABLE by who answered: a step's answer about a task names the task, quoted (aot.serving.errors), a
-transport's never does; Triton answers a restricted API with UNAVAILABLE too, saying it is restricted.
+transport's never does; Triton answers a restricted API with UNAVAILABLE too, saying it is restricted. A step's
+refusal that a retry cures ends with a retry hint (`retry in 0.25 s`: a rate limit, a task store that does not answer
+now): Unavailable, whatever it names, with `retry_after`. (Triton's python backend cannot answer RESOURCE_EXHAUSTED;
+a proxy's RESOURCE_EXHAUSTED or 429 is Unavailable too.)
 """
 
 from __future__ import annotations
 
 import re
+
+from aot.serving.errors import retry_after
 
 RESTRICTED = "is restricted, expecting header"  # Triton's answer to a restricted API without the key
 
@@ -32,6 +38,7 @@ class InferenceError(RuntimeError):
     def __init__(self, message: str, status: str | None = None, *, task: str | None = None, id=None):
         super().__init__(message)
         self.status, self.task, self.id = status, task, id
+        self.retry_after: float | None = retry_after(message)  # seconds the server asked to wait (None: it did not)
 
     def answer(self) -> dict:
         """The error as an answer line (infer_many, `aot infer --input`): the item's id and task, the message, the
@@ -112,6 +119,7 @@ def from_triton(exc, *, task: str | None = None, id=None) -> InferenceError:
         kind = PermissionDenied
     elif reached_a_dead_instance(message):
         kind = Unavailable
-    elif kind is Unavailable and status in ("UNAVAILABLE", "503") and task and repr(task_name(task)) in message:
+    elif kind is Unavailable and status in ("UNAVAILABLE", "503") and task and repr(task_name(task)) in message \
+            and retry_after(message) is None:
         kind = TaskUnavailable
     return kind(message, status, task=task, id=id)

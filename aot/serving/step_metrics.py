@@ -8,6 +8,7 @@ task's tenant or "" for a public task: aot.serving.store.tenants):
     aot_pool_hits_total, _misses_total, _evictions_total, _fill_us_total, aot_pool_resident_bytes   per task version
     aot_pool_budget_bytes                                                          per instance with a pool
     aot_task_errors_total (step, task, version), aot_store_manifest_errors_total (step)
+    aot_store_fetch_errors_total (step): fetches from an object store that failed (what failed: the server's log)
 
 Only the K busiest tasks of an instance have series of their own (aot.serving.metric_labels.TaskLabels); the others
 count under task="<other>", requests for a task the store does not hold under "<unknown>", and requests refused
@@ -59,6 +60,8 @@ FAMILIES = {
                                              "re-exported)", "counter"),
     "manifest_errors": ("aot_store_manifest_errors_total", "Task store manifests that could not be read (the last "
                                                            "good one stays in use)", "counter"),
+    "fetch_errors": ("aot_store_fetch_errors_total", "Task versions that could not be fetched from the object store "
+                                                     "(the server log says why)", "counter"),
 }
 POOL_COUNTERS = ("pool_hits", "pool_misses", "pool_evictions", "pool_fill_us")
 
@@ -140,6 +143,9 @@ class StepMetrics:
 
     def manifest_error(self) -> None:
         self._errors.metric("manifest_errors").increment(1)
+
+    def fetch_error(self) -> None:
+        self._errors.metric("fetch_errors").increment(1)
 
     def flush(self, force: bool = False) -> None:
         """Publish what was counted since the last flush (after a batch; at most every FLUSH_SECONDS)."""

@@ -97,7 +97,7 @@ class Step:
                                       url=self.repo.store_url,
                                       pool=self.pool, on_task_error=self._task_error, pool_fused=pool_fused,
                                       cache_bytes=self.options.task_cache_bytes,
-                                      require_tenant_keys=require_tenant_keys())
+                                      require_tenant_keys=require_tenant_keys(), on_store_error=self._store_error)
             self.pb.Logger.log_info(f"{name}: task versions loaded on first use, at most "
                                     f"{self.options.task_cache_bytes} bytes of them kept")
 
@@ -119,6 +119,11 @@ class Step:
         """A version that does not load or was found damaged: refused (its requests alone), logged, counted."""
         self.pb.Logger.log_error(f"{self.name}: {message}")
         self.metrics.task_error(version)
+
+    def _store_error(self, message: str) -> None:
+        """A version that could not be fetched from the object store: its clients read the task; this log, why."""
+        self.pb.Logger.log_error(f"{self.name}: {message}")
+        self.metrics.fetch_error()
 
     def _index_error(self, message: str) -> None:
         self.pb.Logger.log_error(f"{self.name}: {message}; serving the last good index")
