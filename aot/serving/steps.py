@@ -30,6 +30,7 @@ import numpy as np
 from aot.serving import protocol
 from aot.serving.errors import STATUS, TRITON_CODES, RequestError
 from aot.serving.pool import RowPool
+from aot.serving.rate_limits import RateLimits, RequestGate
 from aot.serving.repository import RepositoryInfo, repository_of_model
 from aot.serving.request_log import LoggedRequest, RequestLog, RequestLogSettings
 from aot.serving.shm import make_own_region_private
@@ -88,6 +89,9 @@ class Step:
             self.pb.Logger.log_info(f"{name}: task pool of {self.pool.budget_bytes} bytes ({self.pool.slots} rows; "
                                     f"{self.pool.slots // self.repo.vocab_size} tasks fully resident)")
         self.metrics = StepMetrics(pb_utils, name, self.pool, args["model_instance_name"])
+        # per-caller rates, checked where a request's task is resolved (aot.serving.rate_limits)
+        self.gate = RequestGate(RateLimits.from_environment(), self.instances, self.metrics.refused_key,
+                                self.metrics.rate_limited)
         log = RequestLogSettings.from_environment()
         self.request_log = RequestLog(log, name) if log is not None else None
         if parts != "none":
@@ -177,8 +181,11 @@ class Step:
         return key_of_parameters(request.parameters())
 
     def resolve(self, request):
-        """The task version the request's TASK names, for the caller its tenant key says (aot.serving.task_registry)."""
-        return self.tasks.resolve(self.task_name(request), self.tenant_key(request))
+        """The task version the request's TASK names, for the caller its tenant key says (aot.serving.task_registry),
+        once its caller's rate admits it (aot.serving.rate_limits)."""
+        name, key = self.task_name(request), self.tenant_key(request)
+        self.gate.admit(name, key, self.tasks.view.index.tenants)
+        return self.tasks.resolve(name, key)
 
     def task_version(self, request, ctx: RequestContext):
         """The task version the first step pinned for this request, loaded (fails the request if it is gone, or if
