@@ -317,3 +317,49 @@ def _resolve_error(registry: TaskRegistry, name: str, key: str | None) -> Reques
     with pytest.raises(RequestError) as refused:
         registry.resolve(name, key)
     return refused.value
+
+
+def test_a_large_change_is_applied_off_the_request_path(tmp_path, monkeypatch):
+    """Issue 46: a 100,000-entry change was one 43 MB log that a batch parsed (a 3.6 s stall). Now it is written in
+    parts, and a step's refresh before a batch leaves it to a thread of its own: the batch serves the index as it
+    was, and the thread applies the change whole. (The thread is held here, so the order is the test's, not the
+    machine's.)"""
+    import aot.serving.store.log as store_log
+    import aot.serving.task_registry as task_registry
+    from aot.serving.store.log import Change
+    from tests.test_store_view import make_store, publish
+
+    monkeypatch.setattr(store_log, "MAX_CHANGE_BYTES", 16 << 10)
+    store = make_store(tmp_path / "tasks")
+    publish(store, "a")
+    registry = TaskRegistry(store.root, parts="meta")
+    started = []
+
+    class HeldThread:
+        def __init__(self, target, name, daemon):
+            self.target, self.name, self.ran = target, name, False
+            started.append(self)
+
+        def start(self):
+            pass
+
+        def run(self):
+            self.target()
+            self.ran = True
+
+        def is_alive(self):
+            return not self.ran
+
+    entries = {f"x{i}": {"folder": f"x{i}@{i:012x}", "storage": "factored", "digests": {"task.json": "sha256:" +
+                                                                                          "0" * 64}}
+               for i in range(500)}
+    store.log.commit(lambda state: Change(tasks=entries))
+    assert len(list((store.root / "parts").iterdir())) > 3
+    monkeypatch.setattr(task_registry.threading, "Thread", HeldThread)
+    registry.refresh()  # what runs before a batch
+    assert registry.view.pending and set(registry.view.index.entries) == {"a"}  # the batch: the old index, whole
+    assert [t.name for t in started] == ["aot-store-apply"]
+    registry.refresh()  # the next batch while the apply waits: it does not start another
+    assert registry.view.pending and set(registry.view.index.entries) == {"a"} and len(started) == 1
+    started[0].run()  # the thread's work
+    assert not registry.view.pending and len(registry.view.index.entries) == 501

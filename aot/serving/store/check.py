@@ -11,7 +11,7 @@ index was read (the steps serve what they hold; tasks not fetched yet fail until
 a fleet out of its load balancer for either would stop the tasks that still serve.
 
 A folder store is read until it was read whole once (then the steps keep the last good index whatever happens to
-the files). A store in object storage is read from a thread of its own, never from the supervisor's loop, and asked
+the files), and while it has damage, again whenever it changed (`aot export repair`). A store in object storage is read from a thread of its own, never from the supervisor's loop, and asked
 every STORE_CHECK_RETRY_SECONDS whether it answers; one that has not answered for STALL_SECONDS is reported before the
 client's own timeout ends the call.
 """
@@ -66,7 +66,7 @@ class StoreCheck:
                 self._silent(asking)
             return
         now = time.monotonic()
-        if self._served and not self.reader.remote or now < self._next:
+        if self._served and not self.reader.remote and self._damage is None or now < self._next:
             return
         self._next = now + STORE_CHECK_RETRY_SECONDS
         if not self.reader.remote:
@@ -84,20 +84,25 @@ class StoreCheck:
                 self._asking_since = None
 
     def _check(self) -> None:
-        """Read the index until it was read whole once; then (a remote store) whether it answers."""
-        if self._served:
+        """Read the index until it was read whole once (again when it changed, while it was damaged); then (a
+        remote store) whether it answers."""
+        if self._served and not self.reader.remote:
+            if not self.reader.log.changed():  # damaged: read again once something changed (a repair)
+                return
+        elif self._served:
             try:
-                self.reader.log.changed()
+                changed = self.reader.log.changed()
             except (BackendError, OSError) as exc:
                 if self._silent_since is None:
                     self._scrub(exc)  # the details, to the log once
                 self._silent(self._asking_since or time.time())
-            else:
-                self._silent_since = None
-                self._report(None, self._damage)
-            return
+                return
+            self._silent_since = None
+            self._report(None, self._damage)
+            if not (changed and self._damage):
+                return
         try:
-            index = self._first_index()
+            index = self._first_index(copy=not self._served)
         except StoreError as exc:
             self._report(f"the task store cannot be read ({self._scrub(exc)}): no task can be served", None)
             return
@@ -109,10 +114,10 @@ class StoreCheck:
         self._damage = f"{'; '.join(damage)}; run `aot export repair`" if damage else None
         self._report(None, self._damage)
 
-    def _first_index(self) -> StoreIndex:
+    def _first_index(self, copy: bool) -> StoreIndex:
         """What the steps start from: a remote store's copy on this host (aot.serving.store.mirror) if it has one
-        (its reachability is asked next), else the store's index."""
-        if self.reader.remote:
+        and `copy` (its reachability is asked next), else the store's index."""
+        if self.reader.remote and copy:
             try:
                 state = self.reader.last_read_state()
             except StoreError:

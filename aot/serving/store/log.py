@@ -6,7 +6,8 @@
                               "retired": {version: {"time": t, "digests": {...}}, or null when it is gone},
                               "tenants": {tenant: {"key_sha256", "time"}, or null for a deleted one} (format 3;
                               absent: no tenant changed)}; or, for a change set larger than MAX_CHANGE_BYTES (format
-                              5), {"generation", "time", "parts": [keys of parts/...]}
+                              5), {"generation", "time", "parts": [keys of parts/...]}; or, written by
+                              `aot export repair` after index g, {"generation", "time", "reread": true}: read index g
     parts/<generation>-<token>-<k>.json   part k of a large change set: {"generation", "part": k, "tasks", "retired",
                               "tenants"}, each at most about MAX_CHANGE_BYTES; written before the log that names them
     index/<generation>.json   the state after generation g (a compaction): {"generation", "shards": {ss: the generation
@@ -57,6 +58,7 @@ COMPACT_LOG_BYTES = 256 << 10  # logs since the newest index past which the writ
 READ_ATTEMPTS = 5  # a reader that finds a shard compacted away under it reads the newest index again
 HINT_RECHECK = 10.0  # seconds after which a reader probes the next log even if the hint did not move
 REPAIR = "run `aot export repair --repo REPO` to rebuild the index from what still reads"
+REREAD = "reread"  # a log {"generation": g, "time", "reread": true}: the state as of g is index g (a repair wrote it)
 
 
 def _name(generation: int) -> str:
@@ -114,6 +116,10 @@ class StoreState:
                     mine[key] = value
 
 
+class ChangeRefused(FormatError):
+    """A writer's change refused before anything was appended: the log or a shard it touches is damaged."""
+
+
 def _parse(data: bytes, where: str) -> dict:
     try:
         value = json.loads(data)
@@ -161,29 +167,40 @@ class ChangeLog:
                     state.tasks.read_all()
             except StaleIndex:
                 continue  # a compaction replaced the index under us: read the new one
-            self._follow(state)
+            if self._follow(state) is None:
+                continue  # a repair's index replaced the logs since this one (REREAD): read it
             if self.on_read is not None and state.pending_parts is None:
                 self.on_read(state)
             return state
         raise BackendError(f"{self.backend!r}: the index kept changing while it was read ({READ_ATTEMPTS} attempts)")
 
+    def indexes(self) -> list[int]:
+        """The generations of the indexes the store holds, oldest first."""
+        return sorted(g for g in map(generation_of, self.backend.list(INDEX)) if g is not None)
+
     def _read_index(self) -> StoreState:
-        indexes = sorted(g for g in map(generation_of, self.backend.list(INDEX)) if g is not None)
-        for generation in reversed(indexes):
-            data = self.backend.read(index_key(generation))
-            if data is None:  # compacted away between the listing and the read
-                continue
-            where = f"{self.backend!r} {index_key(generation)}"
-            value = _parse(data, where)
-            if value.get("generation") != generation:
-                raise FormatError(f"{where}: holds generation {value.get('generation')!r}, expected {generation}")
-            if "shards" in value:
-                tasks = TaskEntries(files=_shard_files(value, where), read=self._read_shard, parse=self._parse_shard)
-            else:  # format 3: every entry inline
-                tasks = TaskEntries(entries=dict(_objects(value, where, "tasks", False)))
-            return StoreState(generation, tasks, dict(_objects(value, where, "retired", False)),
-                              dict(_objects(value, where, "tenants", False)), index_generation=generation)
+        for generation in reversed(self.indexes()):
+            state = self.index_state(generation)
+            if state is not None:
+                return state
         return StoreState()
+
+    def index_state(self, generation: int) -> StoreState | None:
+        """The state index `generation` holds (its shards read on first use); None when it is gone (compacted away
+        between a listing and this read); FormatError when it does not parse."""
+        data = self.backend.read(index_key(generation))
+        if data is None:
+            return None
+        where = f"{self.backend!r} {index_key(generation)}"
+        value = _parse(data, where)
+        if value.get("generation") != generation:
+            raise FormatError(f"{where}: holds generation {value.get('generation')!r}, expected {generation}")
+        if "shards" in value:
+            tasks = TaskEntries(files=_shard_files(value, where), read=self._read_shard, parse=self._parse_shard)
+        else:  # format 3: every entry inline
+            tasks = TaskEntries(entries=dict(_objects(value, where, "tasks", False)))
+        return StoreState(generation, tasks, dict(_objects(value, where, "retired", False)),
+                          dict(_objects(value, where, "tenants", False)), index_generation=generation)
 
     def shard_files(self, generation: int) -> dict[str, int] | None:
         """The shard files index `generation` names (shard -> generation of its file); None when it is missing."""
@@ -249,10 +266,12 @@ class ChangeLog:
             where = f"{self.backend!r} {log_key(generation)}"
             try:
                 value = _parse(data, where)
+                if value.get(REREAD) is True and value.get("generation") == generation:
+                    return None  # a repair wrote the state as of this generation as an index: read it whole
                 if "parts" in value and defer_parts:
                     state.pending_parts = generation
                     return changed
-                change, size = self._read_change(value, generation, where)
+                change, size = self.read_change(value, generation, where)
             except FormatError as exc:  # what it changed is unknown: followed up to it, reported
                 state.damaged_log = (generation, str(exc))
                 return changed
@@ -261,7 +280,7 @@ class ChangeLog:
             state.log_bytes += len(data) + size
             changed |= set(change.tasks)
 
-    def _read_change(self, value: dict, generation: int, where: str) -> tuple[Change, int]:
+    def read_change(self, value: dict, generation: int, where: str) -> tuple[Change, int]:
         """A log's change set, its parts read and joined (each parsed on its own); and the bytes of its parts."""
         if "parts" not in value:
             return _change(value, generation, where), 0
@@ -299,7 +318,7 @@ class ChangeLog:
                 return state, change
             damaged = sorted({shard_of(n) for n in change.tasks} & set(state.tasks.damaged))
             if damaged:
-                raise FormatError(f"{self.backend!r}: shard {damaged[0]} of the index, which this change touches, is "
+                raise ChangeRefused(f"{self.backend!r}: shard {damaged[0]} of the index, which this change touches, is "
                                   f"damaged ({state.tasks.damaged[damaged[0]]}); {REPAIR}")
             generation = state.generation + 1
             data, parts = self._record(generation, change)
@@ -317,7 +336,8 @@ class ChangeLog:
                 return state, change
             for key in parts:  # lost the race: its parts are named by no log
                 self.backend.delete(key)
-            self._follow(state)  # another writer's change first
+            if self._follow(state) is None:  # another writer's change first (a repair's: read its index)
+                state = self.read_state(every_shard=False)
         raise BackendError(f"{self.backend!r}: could not append to the change log after {attempts} attempts "
                            "(other writers kept winning)")
 
@@ -376,7 +396,7 @@ def _refuse_damage(state: StoreState) -> None:
     """A writer appends nothing after a log it cannot read: what that log changed is unknown."""
     if state.damaged_log is not None:
         generation, why = state.damaged_log
-        raise FormatError(f"the task store's change log is damaged at generation {generation} ({why}); {REPAIR}")
+        raise ChangeRefused(f"the task store's change log is damaged at generation {generation} ({why}); {REPAIR}")
 
 
 def _shard_files(value: dict, where: str) -> dict[str, int]:
