@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from aot.serving.limits import RequestBounds
 from aot.serving.shm import allocated_bytes, make_private, remove_regions
 from aot.serving.supervision.instance_groups import instance_names
 from aot.serving.supervision.probes import BUSY_CPU_SECONDS, BUSY_HUNG_SECONDS, HUNG_SECONDS, Probes
@@ -87,7 +88,8 @@ class Supervisor:
     interval: float = 0.5
     log: Callable[[str], None] = print
     hung_seconds: float = HUNG_SECONDS
-    region_bytes: int | None = None  # a stub's shared memory beyond this is replaced (None: no bound)
+    region_bytes: RequestBounds | None = None  # a stub's shared memory beyond its model's bound (region_of) is
+    # replaced (aot.serving.limits; None: no bound)
     # what /ready checks beside the steps: the task store (aot.serving.store.check, given by the entry point that
     # composes the rooms: this one imports no store), built with this supervisor's log; None: nothing
     store_check: Callable[[Callable[[str], None]], ReadinessCheck] | None = None
@@ -220,7 +222,7 @@ class Supervisor:
                     mark(model, instance, "hung")
         if self.region_bytes is not None:
             for instance, model in self.expected.items():
-                if instance in stubs and allocated_bytes(stubs[instance].shm_region) > self.region_bytes:
+                if instance in stubs and allocated_bytes(stubs[instance].shm_region) > self.region_bytes.region_of(model):
                     mark(model, instance, "grown")
         return found
 
@@ -270,7 +272,8 @@ class Supervisor:
         instances = ",".join(sorted(what.instances)) or model
         repair = Repair(model, instances, time.time(), what.cause)
         said = {"died": f"the stub of {instances} died", "hung": f"{instances} stopped answering (killed)",
-                "grown": f"the shared memory of {instances} grew past {self.region_bytes} bytes",
+                "grown": f"the shared memory of {instances} grew past "
+                         f"{self.region_bytes.region_of(model) if self.region_bytes else 0} bytes",
                 "not ready": f"model {model!r} is not loaded or not ready"}[what.cause]
         start = time.monotonic()
         try:
