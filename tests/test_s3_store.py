@@ -172,6 +172,8 @@ def test_the_store_paused_under_load(repo, server, artifacts, expected, s3):
                                        "/ready did not report the store")
                 cold = [_refused_now(client, "delta") for _ in range(10)]  # beside the load: fail at once, alone
                 unknown = _refused_now(client, "nosuch")
+                listing = _until(lambda: (t := client.tasks()).get("index_error") and t, 60,
+                                 "aot tasks did not say the index cannot be read")
                 load.wait_for(len(load.outcomes) + 200)
             _replace_every_instance(server, "aot")  # new instances start while the store does not answer
             after = [client.infer(("alpha", "beta")[i % 2], TEXTS[i % len(TEXTS)]) for i in range(20)]
@@ -191,6 +193,7 @@ def test_the_store_paused_under_load(repo, server, artifacts, expected, s3):
         assert isinstance(unknown, Unavailable) and "not in the index this server holds" in str(unknown), unknown
         assert status == 200 and ready["ready"] is True and "task store" in ready["warnings"][0], ready
         _assert_no_store_internals(json.dumps(ready), s3)
+        _assert_no_store_internals(json.dumps(listing), s3)
         for i, answer in enumerate(after):
             np.testing.assert_allclose(answer["logits"], expected[("alpha", "beta")[i % 2]][i % len(TEXTS)],
                                        atol=ATOL)

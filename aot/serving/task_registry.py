@@ -141,8 +141,17 @@ class TaskRegistry:
 
     @property
     def index_error(self) -> str | None:
-        """Why the store's index could not be read (the last good one serves meanwhile), or None."""
+        """Why the store's index could not be read (the last good one serves meanwhile), or None: for the server's
+        operator (it may name the store's address)."""
         return self.view.error
+
+    @property
+    def index_problem(self) -> str | None:
+        """What a client may read of what is wrong with the index (`aot tasks`): no path, no store address."""
+        if self.view.error:
+            return "the task store's index cannot be read now (the server log says why); the last good one serves"
+        damage = self.view.index.damage()
+        return f"{len(damage)} part(s) of the task store's index cannot be read: aot export repair" if damage else None
 
     def refresh(self) -> None:
         """Before each batch (and in the audit's thread): apply what changed in the index (a stat when nothing
