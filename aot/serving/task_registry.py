@@ -29,7 +29,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +37,7 @@ import numpy as np
 from aot.serving import protocol
 from aot.serving.errors import RequestError, retry_hint
 from aot.serving.pool import RowPool
+from aot.serving.remote_fetches import RETRY_FETCH_SECONDS, FetchError, RemoteFetches, cannot_fetch
 from aot.serving.store.audit import TaskAudit
 from aot.serving.store.backend import BackendError
 from aot.serving.store.digests import DigestError
@@ -50,24 +51,7 @@ KNOWN_IN_MESSAGE = 10  # task names an unknown task's 404 suggests
 KNOWN_SCAN = 256  # names it looks at, at most, to find them (skipping tasks that cannot serve): a bounded cost
 DEFAULT_CACHE_BYTES = 256 << 20
 REMOTE_POLL_SECONDS = 1.0  # how often a step looks at an object store's generation hint (one conditional GET)
-STALL_SECONDS = 1.0  # a poll of the object store unanswered this long: the store does not answer now
-RETRY_FETCH_SECONDS = 2.0  # a version that could not be fetched fails its requests at once this long, then is retried
-FETCHES_AT_ONCE = 2  # versions fetched from an object store at the same time, each by a thread of its own
-WAIT_STEP = 0.05  # seconds between two looks at whether the store still answers, while a request waits on a fetch
-
-
-STORE = ""  # the key of _unreachable that pauses every fetch: the store did not answer
 _draw = random.SystemRandom()  # a route's draw: one per request, from the OS, never shared state seeded per batch
-
-
-class FetchError(OSError):
-    """A version could not be fetched from a remote store: unreachable (then every version not on this host waits
-    RETRY_FETCH_SECONDS before the store is asked again), or one object failed its digest (that version waits).
-    str() is the detail for the server's log; `client` what its requests' clients read (no store address)."""
-
-    def __init__(self, detail: str, client: str, unreachable: bool):
-        super().__init__(detail)
-        self.client, self.unreachable = client, unreachable
 
 
 class TaskRegistry:
@@ -108,12 +92,10 @@ class TaskRegistry:
         self._loading: dict[str, Future] = {}
         self._last_used: dict[str, float] = {}
         self._reported_error: str | None = None
-        self._unreachable: dict[str, tuple[float, str]] = {}  # version (or STORE) -> (until when, why): not sooner
         self._lock = threading.RLock()  # what requests share: the loaded versions, the pool
         self._refreshing = threading.Lock()  # one index read at a time; a batch never waits for it
-        self._polling_since: float | None = None  # a poll of the object store under way since then
         self._applier: threading.Thread | None = None
-        self._fetches = ThreadPoolExecutor(FETCHES_AT_ONCE, "aot-fetch") if self.store.remote else None
+        self.fetches = RemoteFetches(lambda: self.view.error is not None) if self.store.remote else None
         self._stop = threading.Event()
         self._refresh()
         if self.store.remote:
@@ -121,21 +103,13 @@ class TaskRegistry:
 
     def close(self) -> None:
         self._stop.set()
-        if self._fetches is not None:
-            self._fetches.shutdown(wait=False, cancel_futures=True)
+        if self.fetches is not None:
+            self.fetches.close()
 
     def _follow_remote(self) -> None:
         while not self._stop.wait(REMOTE_POLL_SECONDS):
-            self._polling_since = time.monotonic()
-            try:
+            with self.fetches.polling():
                 self._refresh()
-            finally:
-                self._polling_since = None
-
-    def store_answers(self) -> bool:
-        """Whether the object store answered this step's last poll, and none has waited past STALL_SECONDS."""
-        since = self._polling_since
-        return self.view.error is None and (since is None or time.monotonic() - since < STALL_SECONDS)
 
     # --- the index -------------------------------------------------------------------------------------------------
 
@@ -263,7 +237,7 @@ class TaskRegistry:
     def _absent(self, name: str, key: str | None) -> RequestError:
         """A name the index lacks (or `key` does not open: the same bytes): unknown, unless the index may lack a
         name the store holds (then 503, and a retry hint): it could not be read, or the store does not answer now."""
-        if self.view.stale or self.store.remote and not self.store_answers():
+        if self.view.stale or self.fetches is not None and not self.fetches.answers():
             return RequestError(f"task {name[:200]!r} is not in the index this server holds, and the task store "
                                 f"cannot be read now to look for it; {retry_hint(RETRY_FETCH_SECONDS)}",
                                 "unavailable")
@@ -343,35 +317,15 @@ class TaskRegistry:
             digests = self.view.index.digests(version)
             if self.store.held_here(version, digests):
                 self._settle(version, pending, digests)
+            elif (refused := self.fetches.refusal(version)) is not None:  # the store silent, or the version paused
+                with self._lock:
+                    del self._loading[version]
+                pending.set_exception(FetchError(refused, refused, unreachable=True))
             else:
-                refused = self._refusal(version)
-                if refused is not None:
-                    with self._lock:
-                        del self._loading[version]
-                    pending.set_exception(FetchError(refused, refused, unreachable=True))
-                else:
-                    self._fetches.submit(self._settle, version, pending, digests)
-        return self._wait(version, pending)
-
-    def _refusal(self, version: str) -> str | None:
-        """Why a fetch of `version` is not tried now (what its client reads), or None: the store did not answer a
-        fetch or poll lately, or this version failed its digests a moment ago."""
-        paused = self._unreachable.get(version) or self._unreachable.get(STORE)
-        if paused is not None and time.monotonic() < paused[0]:
-            return paused[1] if version in self._unreachable else _cannot_fetch(version)
-        if not self.store_answers():
-            return _cannot_fetch(version)
-        return None
-
-    def _wait(self, version: str, pending: Future) -> ServedTask | StoreError:
-        while True:
-            try:
-                return pending.result(timeout=WAIT_STEP)
-            except FetchError as exc:
-                raise RequestError(exc.client, "unavailable") from None
-            except TimeoutError:
-                if not self.store_answers():  # the fetch goes on; its version serves once it lands
-                    raise RequestError(_cannot_fetch(version), "unavailable") from None
+                self.fetches.submit(self._settle, version, pending, digests)
+        if self.fetches is None:
+            return pending.result()
+        return self.fetches.wait(version, pending)
 
     def _settle(self, version: str, pending: Future, digests: dict[str, str] | None) -> None:
         """Load `version` and keep it (or its error), then answer whoever waits on `pending`."""
@@ -379,8 +333,7 @@ class TaskRegistry:
             task = self._load(version, digests)
         except BaseException as exc:  # noqa: BLE001 - the store (tried again after a pause), or a fault: no hang
             if isinstance(exc, FetchError):
-                until = time.monotonic() + RETRY_FETCH_SECONDS
-                self._unreachable[STORE if exc.unreachable else version] = (until, exc.client)
+                self.fetches.failed(version, exc)
                 if self.on_store_error is not None:
                     self.on_store_error(str(exc))
             with self._lock:
@@ -390,8 +343,8 @@ class TaskRegistry:
         with self._lock:
             self._keep(version, task)
             del self._loading[version]
-        self._unreachable.pop(version, None)
-        self._unreachable.pop(STORE, None)
+        if self.fetches is not None:
+            self.fetches.fetched(version)
         pending.set_result(task)
 
     def _load(self, version: str, digests: dict[str, str] | None) -> ServedTask | StoreError:
@@ -402,7 +355,7 @@ class TaskRegistry:
             unreachable = isinstance(exc, BackendError)
             detail = (f"task {task_of(version)!r} ({version}) cannot be fetched from the task store "
                       f"{self.store.location}: {exc}")
-            client = _cannot_fetch(version) if unreachable else (
+            client = cannot_fetch(version) if unreachable else (
                 f"task {task_of(version)!r} ({version}): a file fetched from the task store is damaged (its sha256 "
                 f"differs from the one published); {retry_hint(RETRY_FETCH_SECONDS)}")
             raise FetchError(detail, client, unreachable) from None
@@ -485,8 +438,3 @@ class TaskRegistry:
                     out.append(rows if index is None else protocol.dense_bias(rows, index))
             return out
 
-
-def _cannot_fetch(version: str) -> str:
-    """What the client of a version that cannot be fetched now reads: the task, never the store's address."""
-    return (f"task {task_of(version)!r} ({version}) cannot be fetched from the task store now (it does not answer); "
-            f"{retry_hint(RETRY_FETCH_SECONDS)}")
