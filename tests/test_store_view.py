@@ -322,3 +322,21 @@ def test_store_check_of_nothing_to_check(tmp_path):
     assert store_check_of(broken / MODELS_DIR) is None
     remote = store_check_of(_repository(tmp_path / "remote", "s3://bucket/tasks"))
     assert remote is not None and remote.keywords["url"] == "s3://bucket/tasks"
+
+
+def test_task_names_stay_sorted_by_tenant_after_few_and_many_changes():
+    """The index's names by tenant (aot.serving.store.names): a bisect per name for a few changes, a merge for
+    many; each group sorted either way, an unchanged group shared, a removed name gone."""
+    from aot.serving.store.names import MANY_CHANGES, TaskNames
+
+    names = TaskNames.of(["b", "acme/y", "a", "acme/x"])
+    assert list(names.visible("acme", True)[0]) == ["a", "acme/x", "acme/y", "b"]
+    few = names.changed(["c", "a", "acme/z"], lambda n: n != "a")
+    assert list(few.visible(None, True)[0]) == ["b", "c"] and list(few.visible("acme", False)[0]) == \
+        ["acme/x", "acme/y", "acme/z"]
+    many = [f"m{i:05d}" for i in range(MANY_CHANGES * 2, 0, -1)]
+    after = few.changed([*many, "b"], lambda n: n != "b")
+    assert list(after.visible(None, True)[0]) == ["c", *sorted(many)]
+    assert after._groups["acme"] is few._groups["acme"]  # untouched: shared, not copied
+    first, total = after.first("acme", True, 3, lambda n: n != "acme/x", scan=256)
+    assert first == ["acme/y", "acme/z", "c"] and total == 3 + 1 + len(many)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from aot.serving.store.tenants import tenant_of
 
 PUBLIC = ""  # the group of tasks without a tenant
+MANY_CHANGES = 256  # more changed names in one group than this: the group is merged and sorted again, not bisected
 
 
 class TaskNames:
@@ -35,21 +36,29 @@ class TaskNames:
         return cls(groups)
 
     def changed(self, names: Iterable[str], present: Callable[[str], bool]) -> TaskNames:
-        """The names after a change of `names` (each in the index now when `present` says so)."""
-        groups = dict(self._groups)
-        copied: set[str] = set()
+        """The names after a change of `names` (each in the index now when `present` says so): a bisect per name
+        for a few, a merge and one sort of the group for many (100,000 inserts into a list of 100,000 move it
+        100,000 times)."""
+        touched: dict[str, list[str]] = {}
         for name in names:
-            tenant = tenant_of(name) or PUBLIC
-            if tenant not in copied:
-                groups[tenant] = list(groups.get(tenant, []))
-                copied.add(tenant)
-            group = groups[tenant]
-            i = bisect.bisect_left(group, name)
-            there = i < len(group) and group[i] == name
-            if present(name) and not there:
-                group.insert(i, name)
-            elif not present(name) and there:
-                del group[i]
+            touched.setdefault(tenant_of(name) or PUBLIC, []).append(name)
+        groups = dict(self._groups)
+        for tenant, changed in touched.items():
+            group = groups.get(tenant, [])
+            if len(changed) > MANY_CHANGES:  # a merge in Python steps: no single call holds the interpreter long
+                gone = set(changed)
+                kept = (n for n in group if n not in gone)
+                groups[tenant] = list(heapq.merge(kept, sorted(n for n in gone if present(n))))
+                continue
+            group = list(group)
+            for name in changed:
+                i = bisect.bisect_left(group, name)
+                there = i < len(group) and group[i] == name
+                if present(name) and not there:
+                    group.insert(i, name)
+                elif not present(name) and there:
+                    del group[i]
+            groups[tenant] = group
         return TaskNames({t: g for t, g in groups.items() if g})
 
     def visible(self, tenant: str | None, public: bool) -> tuple[Iterator[str], int]:
