@@ -35,7 +35,8 @@ def _share(raw: str) -> float:
     return value
 
 
-def _seconds(raw: str) -> float:
+def _non_negative(raw: str) -> float:
+    """A finite number, 0 or more (seconds, a rate)."""
     value = float(raw)
     if not 0.0 <= value < float("inf"):
         raise ValueError(raw)
@@ -90,7 +91,7 @@ HEALTH_ADDRESS = Setting("AOT_HEALTH_ADDRESS", "the address the supervisor's hea
 DRAIN_SECONDS = Setting("AOT_DRAIN_SECONDS", "a graceful stop (SIGTERM) first drains this long: /ready answers 503 "
                         "so that load balancers send nothing new, requests that still arrive are answered, then the "
                         "server stops and finishes what it accepted (`aot serve --drain-seconds` sets it; a second "
-                        "signal stops at once)", 10.0, _seconds, "a number of seconds, 0 or more",
+                        "signal stops at once)", 10.0, _non_negative, "a number of seconds, 0 or more",
                         read_by="supervisor (the container), aot serve")
 LOAD_VANILLA = Setting("AOT_LOAD_VANILLA", "the container's server also loads the plain encoder (`vanilla`, for "
                        "comparisons: one more engine)", False, _flag, "1 or 0", read_by="supervisor (the container)")
@@ -112,6 +113,17 @@ REQUEST_LOG_TEXT = Setting("AOT_REQUEST_LOG_TEXT", "the request log keeps each r
 REQUIRE_TENANT_KEYS = Setting("AOT_REQUIRE_TENANT_KEYS", "public tasks too answer only requests with a tenant key "
                               "(`aot serve --require-tenant-keys` sets it)", False, _flag, "1 or 0",
                               read_by="python steps")
+RATE_LIMIT = Setting("AOT_RATE_LIMIT", "requests per second each tenant (a valid tenant key) may send a server, "
+                     "shared among the instances of its first step; more are refused with a retry hint "
+                     "(`aot serve --rate-limit` sets it; 0: no limit)", 0.0, _non_negative, "a number of requests per second",
+                     read_by="python steps")
+ANONYMOUS_RATE_LIMIT = Setting("AOT_ANONYMOUS_RATE_LIMIT", "requests per second that all requests without a valid "
+                               "tenant key may send a server together (default: AOT_RATE_LIMIT; `aot serve "
+                               "--anonymous-rate-limit` sets it; 0: no limit)", None, _non_negative,
+                               "a number of requests per second", read_by="python steps")
+RATE_BURST_SECONDS = Setting("AOT_RATE_BURST_SECONDS", "seconds of its rate a caller may send at once after a quiet "
+                             "spell (a token bucket's depth)", 1.0, _non_negative, "a number of seconds",
+                             read_by="python steps")
 TASK_CACHE_DIR = Setting("AOT_TASK_CACHE_DIR", "where a server keeps the task versions it fetched from an object "
                          "store (default: ~/.cache/aot/task-versions/<store>)", expected="a folder path",
                          read_by="python steps")

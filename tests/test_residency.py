@@ -339,3 +339,91 @@ def test_mapped_arrays_are_plain_arrays_over_their_files(tmp_path, tiny_models, 
         assert isinstance(array.base, np.memmap)
         np.testing.assert_array_equal(array[ids], np.load(path)[ids])
     np.testing.assert_array_equal(fused.rows(ids), np.load(fused.table_path)[ids])
+
+
+def test_an_unknown_task_costs_the_same_whatever_the_number_of_tasks(tmp_path):
+    """Issue 46: a 404 built its suggestions from every task (294 ms at 100,000). Now it reads the sorted names of
+    the groups the caller may call (aot.serving.store.names) and parses only the entries it suggests: the same work at
+    300 tasks as at 5,000, the count of the others still exact, and never a name of another tenant."""
+    from aot.serving.store.log import Change
+    from aot.serving.store.tenants import key_digest
+    from aot.serving.task_registry import KNOWN_IN_MESSAGE
+    from tests.test_store_view import make_store
+
+    def entry(name: str, i: int) -> dict:
+        return {"folder": f"{name}@{i:012x}", "storage": "factored", "digests": {"task.json": "sha256:" + "0" * 64}}
+
+    costs = []
+    for count in (300, 5000):
+        store = make_store(tmp_path / str(count) / "tasks")
+        tasks = {f"x{i:05d}": entry(f"x{i:05d}", i) for i in range(count)}
+        tasks |= {f"acme/y{i}": entry(f"acme/y{i}", i) for i in range(3)}
+        tenants = {"acme": {"key_sha256": key_digest("aotk_acme"), "time": 0.0}}
+        store.log.commit(lambda state, tasks=tasks, tenants=tenants: Change(tasks=tasks, tenants=tenants))
+        registry = TaskRegistry(store.root, parts="meta")
+        before = registry.view.index.parsed.parsed()
+        anonymous = str(registry.unknown("nosuch", None))
+        costs.append(registry.view.index.parsed.parsed() - before)
+        first = ", ".join(f"x{i:05d}" for i in range(KNOWN_IN_MESSAGE))
+        assert anonymous == (f"unknown task 'nosuch'; known tasks: {first}, ... ({count - KNOWN_IN_MESSAGE} more: "
+                             "aot tasks lists them)")
+        tenant = str(registry.unknown("nosuch", "aotk_acme"))
+        assert tenant.startswith("unknown task 'nosuch'; known tasks: acme/y0, acme/y1, acme/y2, x00000")
+        assert tenant.endswith(f"({count + 3 - KNOWN_IN_MESSAGE} more: aot tasks lists them)")
+        forbidden, missing = (str(_resolve_error(registry, n, "aotk_wrong")) for n in ("acme/y1", "acme/y9"))
+        assert forbidden.replace("acme/y1", "N") == missing.replace("acme/y9", "N")  # a task that exists, or not
+        suggested = str(registry.unknown("nosuch", "aotk_bahn")).split("known tasks: ", 1)[1]
+        assert "acme/" not in suggested and f"({count - KNOWN_IN_MESSAGE} more" in suggested  # nor its count
+    assert costs[0] == costs[1] <= KNOWN_IN_MESSAGE + 3, costs
+
+
+def _resolve_error(registry: TaskRegistry, name: str, key: str | None) -> RequestError:
+    with pytest.raises(RequestError) as refused:
+        registry.resolve(name, key)
+    return refused.value
+
+
+def test_a_large_change_is_applied_off_the_request_path(tmp_path, monkeypatch):
+    """Issue 46: a 100,000-entry change was one 43 MB log that a batch parsed (a 3.6 s stall). Now it is written in
+    parts, and a step's refresh before a batch leaves it to a thread of its own: the batch serves the index as it
+    was, and the thread applies the change whole. (The thread is held here, so the order is the test's, not the
+    machine's.)"""
+    import aot.serving.store.log as store_log
+    import aot.serving.task_registry as task_registry
+    from aot.serving.store.log import Change
+    from tests.test_store_view import make_store, publish
+
+    monkeypatch.setattr(store_log, "MAX_CHANGE_BYTES", 16 << 10)
+    store = make_store(tmp_path / "tasks")
+    publish(store, "a")
+    registry = TaskRegistry(store.root, parts="meta")
+    started = []
+
+    class HeldThread:
+        def __init__(self, target, name, daemon):
+            self.target, self.name, self.ran = target, name, False
+            started.append(self)
+
+        def start(self):
+            pass
+
+        def run(self):
+            self.target()
+            self.ran = True
+
+        def is_alive(self):
+            return not self.ran
+
+    entries = {f"x{i}": {"folder": f"x{i}@{i:012x}", "storage": "factored", "digests": {"task.json": "sha256:" +
+                                                                                          "0" * 64}}
+               for i in range(500)}
+    store.log.commit(lambda state: Change(tasks=entries))
+    assert len(list((store.root / "parts").iterdir())) > 3
+    monkeypatch.setattr(task_registry.threading, "Thread", HeldThread)
+    registry.refresh()  # what runs before a batch
+    assert registry.view.pending and set(registry.view.index.entries) == {"a"}  # the batch: the old index, whole
+    assert [t.name for t in started] == ["aot-store-apply"]
+    registry.refresh()  # the next batch while the apply waits: it does not start another
+    assert registry.view.pending and set(registry.view.index.entries) == {"a"} and len(started) == 1
+    started[0].run()  # the thread's work
+    assert not registry.view.pending and len(registry.view.index.entries) == 501

@@ -438,6 +438,25 @@ def test_one_outage_window_serves_every_request_of_an_infer_many(monkeypatch):
     assert outage.next_wait() == client_module.RETRY_BACKOFF[0]  # a new outage, a new window
 
 
+def test_a_refusal_with_a_retry_hint_is_retryable_whatever_it_names():
+    """A step's 503 that names its task is TaskUnavailable (a retry does not cure it) unless it ends with a retry
+    hint (aot.serving.errors.retry_hint: a task store that does not answer now, a rate limit): then Unavailable, with
+    the seconds it asked for."""
+    from aot.client.errors import TaskUnavailable, Unavailable, from_triton
+    from aot.serving.errors import retry_hint
+
+    later = from_triton(_Refusal("StatusCode.UNAVAILABLE", "task 'alpha' (alpha@0123456789ab) cannot be fetched from "
+                                 f"the task store now (it does not answer); {retry_hint(2)}"), task="alpha")
+    assert type(later) is Unavailable and later.retryable and later.retry_after == 2.0
+    limited = from_triton(_Refusal("StatusCode.UNAVAILABLE", f"rate limit of tenant 'acme': {retry_hint(0.125)}"),
+                          task="acme/intent")
+    assert type(limited) is Unavailable and limited.retry_after == 0.12
+    damaged = from_triton(_Refusal("StatusCode.UNAVAILABLE", "task 'alpha' cannot be served: damaged"), task="alpha")
+    assert type(damaged) is TaskUnavailable and not damaged.retryable and damaged.retry_after is None
+    proxy = from_triton(_Refusal("StatusCode.RESOURCE_EXHAUSTED", "too many requests"), task="alpha")
+    assert type(proxy) is Unavailable and proxy.retryable
+
+
 def test_client_retries_a_refused_connection_with_a_short_bounded_backoff(repo):
     """A call to a port where no server listens yet is sent again (0.05 s doubling to 1 s) until the server is
     there; with nothing there it fails after retry_seconds, with the reason."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 
 import pytest
@@ -12,7 +13,7 @@ from aot.serving.formats import FormatError
 from aot.serving.store import log as store_log
 from aot.serving.store.backend import BackendError, FileBackend
 from aot.serving.store.log import Change, ChangeLog, index_key, log_key
-from aot.serving.store.shards import SHARDS, shard_key, shard_of
+from aot.serving.store.shards import SHARDS, DamagedShard, shard_key, shard_of
 
 
 def _entry(i: int) -> dict:
@@ -100,14 +101,20 @@ def test_compaction_keeps_new_readers_short_and_old_readers_right(tmp_path, monk
 
 
 def test_damaged_log_is_named(tmp_path):
+    """A reader stops before a log it cannot parse and names it; a writer refuses to append after it, naming the
+    repair (what that log changed is unknown)."""
     log = ChangeLog(FileBackend(tmp_path))
     log.commit(_set("a", _entry(1)))
-    (tmp_path / log_key(1)).write_text("{not json")
-    with pytest.raises(FormatError, match=r"log/0000000000000001.json: not JSON"):
-        ChangeLog(FileBackend(tmp_path)).read_state()
-    (tmp_path / log_key(1)).write_text('{"generation": 3, "tasks": {}}')
-    with pytest.raises(FormatError, match="holds generation 3, expected 1"):
-        ChangeLog(FileBackend(tmp_path)).read_state()
+    log.commit(_set("b", _entry(2)))
+    (tmp_path / log_key(2)).write_text("{not json")
+    state = ChangeLog(FileBackend(tmp_path)).read_state()
+    assert state.generation == 1 and set(state.tasks) == {"a"}
+    assert state.damaged_log[0] == 2 and "log/0000000000000002.json: not JSON" in state.damaged_log[1]
+    with pytest.raises(FormatError, match=r"damaged at generation 2 .*aot export repair"):
+        ChangeLog(FileBackend(tmp_path)).commit(_set("c", _entry(3)))
+    (tmp_path / log_key(2)).write_text('{"generation": 3, "tasks": {}}')
+    state = ChangeLog(FileBackend(tmp_path)).read_state()
+    assert state.damaged_log[0] == 2 and "holds generation 3, expected 2" in state.damaged_log[1]
 
 
 @pytest.mark.parametrize("plant", ["symlink", "fifo", "directory"])
@@ -222,8 +229,13 @@ def test_a_shard_holding_another_shards_task_is_refused(tmp_path):
     stray = next(f"x{i}" for i in range(1000) if shard_of(f"x{i}") != shard_of("t0"))
     record["tasks"][stray] = _entry(99)
     (tmp_path / key).write_text(json.dumps(record))
-    with pytest.raises(FormatError, match=rf"holds 1 task\(s\) of other shards, e.g. '{stray}'"):
-        ChangeLog(FileBackend(tmp_path)).read_state()
+    state = ChangeLog(FileBackend(tmp_path)).read_state()
+    assert re.search(rf"holds 1 task\(s\) of other shards, e.g. '{stray}'", state.tasks.damaged[shard_of("t0")])
+    with pytest.raises(DamagedShard):
+        state.tasks["t0"]
+    assert state.tasks.get("t0") is None  # a KeyError: a reader's lookup answers "not here", and asks why
+    others = [f"t{i}" for i in range(20) if shard_of(f"t{i}") != shard_of("t0")]
+    assert others and all(state.tasks[name] for name in others)  # the other shards serve
 
 
 def test_a_compaction_that_finds_a_shard_compacted_away_leaves_the_change_appended(tmp_path, monkeypatch):
@@ -252,3 +264,74 @@ def test_a_compaction_that_finds_a_shard_compacted_away_leaves_the_change_append
     assert Racing.raced
     fresh = ChangeLog(FileBackend(tmp_path)).read_state()
     assert fresh.tasks["z"] == _entry(97) and state.generation == 8
+
+
+# --- large change sets in parts (aot.serving.store.parts) ---------------------------------------------------------
+
+
+def _many(count: int, tag: int = 0):
+    return lambda state: Change(tasks={f"t{i}": {**_entry(i), "meta": {"tag": tag, "pad": "x" * 200}}
+                                       for i in range(count)})
+
+
+def test_a_large_change_is_written_in_bounded_parts_and_read_whole(tmp_path, monkeypatch):
+    """No object of the log is larger than about MAX_CHANGE_BYTES, whatever one change holds; a reader sees all of
+    the change or none of it, and a reader that defers it (a step's request path) applies it on its next refresh."""
+    monkeypatch.setattr(store_log, "MAX_CHANGE_BYTES", 64 << 10)
+    monkeypatch.setattr(store_log, "COMPACT_LOG_BYTES", 1 << 30)  # no compaction: the parts stay to be read
+    log = ChangeLog(FileBackend(tmp_path))
+    log.commit(_set("a", _entry(1)))
+    reader = ChangeLog(FileBackend(tmp_path))
+    state = reader.read_state()
+    log.commit(_many(2000))
+    record = json.loads((tmp_path / log_key(2)).read_text())
+    parts = sorted((tmp_path / "parts").iterdir())
+    assert record["parts"] == [f"parts/{p.name}" for p in parts] and len(parts) >= 6
+    assert all(p.stat().st_size <= (64 << 10) + 4096 for p in parts)
+    assert reader.follow(state, defer_parts=True) == set() and state.pending_parts == 2 and state.generation == 1
+    assert reader.follow(state) == {f"t{i}" for i in range(2000)} and state.pending_parts is None
+    assert state.generation == 2 and len(state.tasks) == 2001
+    assert dict(ChangeLog(FileBackend(tmp_path)).read_state().tasks) == dict(state.tasks)
+
+
+def test_a_missing_part_is_a_damaged_log(tmp_path, monkeypatch):
+    monkeypatch.setattr(store_log, "MAX_CHANGE_BYTES", 64 << 10)
+    monkeypatch.setattr(store_log, "COMPACT_LOG_BYTES", 1 << 30)
+    log = ChangeLog(FileBackend(tmp_path))
+    log.commit(_set("a", _entry(1)))
+    log.commit(_many(2000))
+    sorted((tmp_path / "parts").iterdir())[1].unlink()
+    state = ChangeLog(FileBackend(tmp_path)).read_state()
+    assert state.generation == 1 and set(state.tasks) == {"a"}  # none of the change: not a part of it
+    assert state.damaged_log[0] == 2 and "is missing" in state.damaged_log[1]
+
+
+def test_a_compaction_deletes_the_parts_of_the_logs_it_deletes(tmp_path, monkeypatch):
+    monkeypatch.setattr(store_log, "MAX_CHANGE_BYTES", 64 << 10)
+    log = ChangeLog(FileBackend(tmp_path))
+    log.commit(_many(2000))  # compacted at once (the logs' bytes passed the bound): index 1
+    first = set((tmp_path / "parts").iterdir())
+    assert first
+    log.commit(_many(2000, tag=1))  # index 2: the logs index 1 holds go, with their parts
+    left = set((tmp_path / "parts").iterdir())
+    assert left and not left & first
+    state = ChangeLog(FileBackend(tmp_path)).read_state()
+    assert state.generation == 2 and state.tasks["t5"]["meta"]["tag"] == 1
+
+
+def test_a_writer_that_loses_the_race_deletes_its_parts(tmp_path, monkeypatch):
+    monkeypatch.setattr(store_log, "MAX_CHANGE_BYTES", 64 << 10)
+    monkeypatch.setattr(store_log, "COMPACT_LOG_BYTES", 1 << 30)
+    slow, fast = ChangeLog(FileBackend(tmp_path)), ChangeLog(FileBackend(tmp_path))
+    first = [True]
+
+    def change(state):
+        if first[0]:  # the other writer takes this generation while this one prepares its change
+            first[0] = False
+            fast.commit(_set("a", _entry(1)))
+        return _many(500)(state)
+
+    state, _ = slow.commit(change)
+    assert state.generation == 2
+    named = json.loads((tmp_path / log_key(2)).read_text())["parts"]
+    assert sorted(f"parts/{p.name}" for p in (tmp_path / "parts").iterdir()) == sorted(named)

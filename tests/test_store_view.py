@@ -124,8 +124,7 @@ def _mend(path: Path, good: bytes) -> None:
     path.write_bytes(good)
 
 
-@pytest.mark.parametrize("how", ["not json", "symlink"])
-def test_an_unreadable_log_keeps_the_last_good_index_until_a_retry_reads_it(store, monkeypatch, how):
+def test_an_unreadable_log_keeps_the_last_good_index_until_a_retry_reads_it(store, monkeypatch):
     """The log of a publish cannot be read: `error` names it, the last good index stays (no half-applied change), and
     nothing is read again before INDEX_RETRY_SECONDS; the first refresh after them reads the whole index."""
     clock = fake_clock(monkeypatch, view)
@@ -134,7 +133,7 @@ def test_an_unreadable_log_keeps_the_last_good_index_until_a_retry_reads_it(stor
     assert view_.refresh() is None and view_.refresh() == set()
     publish(store, "b")
     broken = store.root / log_key(2)
-    good = _break(broken, how)
+    good = _break(broken, "symlink")
 
     assert view_.refresh() == set()
     assert view_.error is not None and log_key(2) in view_.error
@@ -156,6 +155,29 @@ def test_an_unreadable_log_keeps_the_last_good_index_until_a_retry_reads_it(stor
     assert view_.refresh() == {"c"}  # following the log again
 
 
+def test_a_log_that_does_not_parse_stops_the_view_before_it(store, monkeypatch):
+    """A log that reads but does not parse: what it changed is unknown, so the view stops at the generation before
+    it, says so (`stale`: a name it lacks may exist), and reads that log again at most every INDEX_RETRY_SECONDS;
+    mended, it is applied and the view follows on."""
+    clock = fake_clock(monkeypatch, view)
+    reader = StoreReader(store.root)
+    view_ = StoreView(reader)
+    assert view_.refresh() is None
+    publish(store, "b")
+    publish(store, "c")
+    broken = store.root / log_key(2)
+    good = _break(broken, "not json")
+    assert view_.refresh() == set() and view_.error is None
+    assert view_.index.generation == 1 and view_.index.damaged_log[0] == 2 and set(view_.index.entries) == {"a"}
+    assert view_.stale is not None and "cannot be parsed at generation 2" in view_.stale
+    read_before = reader.backend.bytes_read
+    assert view_.refresh() == set() and reader.backend.bytes_read == read_before  # inside the window: not read
+    _mend(broken, good)
+    clock.now += view_.INDEX_RETRY_SECONDS + 0.01
+    assert view_.refresh() == {"b", "c"} and view_.stale is None and view_.index.damaged_log is None
+    assert set(view_.index.entries) == {"a", "b", "c"}
+
+
 def test_a_failed_retry_waits_another_interval(store, monkeypatch):
     """A whole read that fails too (the broken log is still there) reports it and starts a new retry window."""
     clock = fake_clock(monkeypatch, view)
@@ -163,7 +185,7 @@ def test_a_failed_retry_waits_another_interval(store, monkeypatch):
     assert view_.refresh() is None
     publish(store, "b")
     broken = store.root / log_key(2)
-    good = _break(broken, "not json")
+    good = _break(broken, "symlink")
     assert view_.refresh() == set() and view_.error is not None
     clock.now += view_.INDEX_RETRY_SECONDS + 0.01
     assert view_.refresh() == set()  # the whole read fails: StoreError from the reader
@@ -234,15 +256,36 @@ def test_a_store_that_appears_is_served_after_the_retry_interval(tmp_path, monke
     assert checker.problem is None and len(logs) == 2
 
 
-def test_a_store_with_an_unreadable_index_is_a_problem(tmp_path, monkeypatch):
+def test_a_store_with_an_unreadable_log_is_a_problem(tmp_path, monkeypatch):
+    """A fresh server knows nothing of what changed from a log it cannot parse on: unready, the repair named."""
     fake_clock(monkeypatch, check)
     store = make_store(tmp_path / "repo" / "tasks")
     publish(store, "a")
     (store.root / log_key(1)).write_text("{not json")
     checker, _ = _check(store.root)
     checker.refresh()
-    assert checker.problem is not None and "the index cannot be read" in checker.problem
+    assert checker.problem is not None and "the change log cannot be parsed at generation 1" in checker.problem
     assert log_key(1) in checker.problem and str(tmp_path) not in checker.problem
+    assert checker.problem.endswith("run `aot export repair`") and checker.warning is None
+
+
+def test_a_store_with_a_damaged_shard_is_a_warning(tmp_path, monkeypatch):
+    """A shard that does not parse fails only the tasks in it: the server is ready, and /ready says what is wrong."""
+    import aot.serving.store.log as store_log
+    from aot.serving.store.shards import shard_key, shard_of
+
+    fake_clock(monkeypatch, check)
+    monkeypatch.setattr(store_log, "COMPACT_EVERY", 2)
+    store = make_store(tmp_path / "repo" / "tasks")
+    publish(store, "a")
+    publish(store, "b")  # compacted: index 2 and its shards
+    shard = store.root / shard_key(2, shard_of("a"))
+    shard.write_bytes(shard.read_bytes()[:20])
+    checker, _ = _check(store.root)
+    checker.refresh()
+    assert checker.problem is None and checker.warning is not None
+    assert f"shard {shard_of('a')} of the index cannot be parsed" in checker.warning
+    assert str(tmp_path) not in checker.warning and checker.warning.endswith("run `aot export repair`")
 
 
 def _repository(path: Path, store_url: str | None = None) -> Path:
@@ -267,7 +310,8 @@ def test_store_check_of_a_repository_checks_its_store(tmp_path):
 
 
 def test_store_check_of_nothing_to_check(tmp_path):
-    """Not an AoT repository (no record, or an unreadable one), or tasks in object storage: None."""
+    """Not an AoT repository (no record, or an unreadable one): None. A store in object storage is checked too (from
+    a thread of its own: tests/test_s3_store.py)."""
     plain = tmp_path / "plain" / "models"
     plain.mkdir(parents=True)
     assert store_check_of(plain) is None
@@ -276,4 +320,23 @@ def test_store_check_of_nothing_to_check(tmp_path):
     (broken / MODELS_DIR).mkdir(parents=True)
     (broken / RECORD).write_text("{not json")
     assert store_check_of(broken / MODELS_DIR) is None
-    assert store_check_of(_repository(tmp_path / "remote", "s3://bucket/tasks")) is None
+    remote = store_check_of(_repository(tmp_path / "remote", "s3://bucket/tasks"))
+    assert remote is not None and remote.keywords["url"] == "s3://bucket/tasks"
+
+
+def test_task_names_stay_sorted_by_tenant_after_few_and_many_changes():
+    """The index's names by tenant (aot.serving.store.names): a bisect per name for a few changes, a merge for
+    many; each group sorted either way, an unchanged group shared, a removed name gone."""
+    from aot.serving.store.names import MANY_CHANGES, TaskNames
+
+    names = TaskNames.of(["b", "acme/y", "a", "acme/x"])
+    assert list(names.visible("acme", True)[0]) == ["a", "acme/x", "acme/y", "b"]
+    few = names.changed(["c", "a", "acme/z"], lambda n: n != "a")
+    assert list(few.visible(None, True)[0]) == ["b", "c"] and list(few.visible("acme", False)[0]) == \
+        ["acme/x", "acme/y", "acme/z"]
+    many = [f"m{i:05d}" for i in range(MANY_CHANGES * 2, 0, -1)]
+    after = few.changed([*many, "b"], lambda n: n != "b")
+    assert list(after.visible(None, True)[0]) == ["c", *sorted(many)]
+    assert after._groups["acme"] is few._groups["acme"]  # untouched: shared, not copied
+    first, total = after.first("acme", True, 3, lambda n: n != "acme/x", scan=256)
+    assert first == ["acme/y", "acme/z", "c"] and total == 3 + 1 + len(many)

@@ -69,11 +69,12 @@ def free_port() -> int:
 
 @dataclass
 class FakeSupervisor:
-    """What HealthServer asks of a Supervisor: its server's pid and health()."""
+    """What HealthServer asks of a Supervisor: its server's pid, health() and warnings()."""
 
     server_pid: int
     ready: bool = True
     reasons: list[str] = field(default_factory=list)
+    warned: list[str] = field(default_factory=list)
     asked: int = 0
 
     warned: list[str] = field(default_factory=list)
@@ -145,6 +146,15 @@ def test_step_notes_reach_the_supervisor_once_each_and_go_with_the_server(monkey
     assert watch.notes(4242) == ["aot: capture failed for (2, 64)"]
     watch.remove_watches(4242)
     assert watch.notes(4242) == [] and not list(tmp_path.iterdir())
+
+
+def test_ready_lists_what_the_server_serves_without(health_server):
+    """A task store that stopped answering (or a damaged shard) leaves the server ready, and /ready says it: every
+    replica of a fleet shares the store, and taking them all out would stop the tasks they still serve."""
+    server, current = health_server
+    current[0] = FakeSupervisor(server_pid=_gone_pid(), warned=["the task store has not answered since 12:00:00"])
+    assert server.answer("/ready") == (200, {"ready": True, "reasons": [],
+                                             "warnings": ["the task store has not answered since 12:00:00"]})
 
 
 def test_live_follows_the_server_process(health_server):

@@ -15,6 +15,7 @@
     int8_accuracy       what int8 costs each task; int8_data (its data sets)
     infinity            `aot serve` against Infinity
     s3_store            the task store in object storage against the file system
+    hardening           issue 46's figures: a hung store, unknown tasks, a damaged shard, a large change
     fleet               the local fleet's figures
     python_api          figures of the Python API
     report              JSON records, Markdown tables and plots

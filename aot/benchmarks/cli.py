@@ -1,4 +1,5 @@
-"""`aot bench overhead | serve | tax | tasks | kinds | accuracy | infinity | s3 | gpu-perf`: a command this package brings to
+"""`aot bench overhead | serve | tax | tasks | kinds | accuracy | infinity | s3 | gpu-perf | hardening`: a command this
+package brings to
 `aot` as a plugin (entry point `bench` of the group `aot.commands` in pyproject.toml; aot.cli.main loads it), so that
 imports flow one way: benchmarks -> aot, never back."""
 
@@ -302,6 +303,20 @@ def add_bench(sub) -> None:
     b.add_argument("--pause", type=float, default=30.0, help="seconds the store is stopped under load")
     _finish(b, run_s3)
 
+    h = kinds.add_parser("hardening", help="issue 46's figures: a hung store, unknown tasks, a damaged shard, a large "
+                                           "change",
+                         description="Through real servers on tasks of --task: a SeaweedFS store stopped (SIGSTOP) "
+                                     "under load on a cached task beside a cold one (answers, failures, p99, "
+                                     "/ready); one unknown-task request at each --counts of tasks; a client's p99 "
+                                     "beside clients sending made-up names; one change of the largest count applied "
+                                     "under load; a server's start on an intact store and on one with a truncated "
+                                     "shard (hardening.json, hardening.md)")
+    h.add_argument("--task", required=True, help=TASK_HELP)
+    h.add_argument("--out", required=True, help="output folder (hardening.json, hardening.md)")
+    h.add_argument("--counts", type=_ints, default=[1000, 10000, 100000], help="tasks in the store")
+    h.add_argument("--pause-s", type=float, default=12.0, help="seconds the object store is stopped under load")
+    _finish(h, run_hardening)
+
 
 def run_tasks(args) -> int:
     if args.scale:
@@ -422,6 +437,14 @@ def run_infinity(args) -> int:
     config = InfinityBenchConfig(args.task, args.out, args.infinity, tuple(args.precision), tuple(args.concurrency),
                                  args.requests)
     print(json.dumps(run_infinity_bench(config, progress=not args.no_progress)))
+    return 0
+
+
+def run_hardening(args) -> int:
+    from aot.benchmarks.hardening import HardeningBenchConfig, run_hardening_bench
+
+    config = HardeningBenchConfig(task=args.task, out=args.out, counts=tuple(args.counts), pause_s=args.pause_s)
+    print(json.dumps(run_hardening_bench(config, progress=not args.no_progress)))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""`aot export backbone | task | remove | list | verify | tenant | versions | rollback | route`."""
+"""`aot export backbone | task | remove | list | verify | repair | tenant | versions | rollback | route`."""
 
 from __future__ import annotations
 
@@ -104,6 +104,18 @@ def add_export(sub) -> None:
                                      "server does. Prints one line per task; exits 1 if any task is damaged.")
     v.add_argument("--repo", required=True, help="model repository (from `aot export backbone`)")
     v.set_defaults(run=run_export_verify)
+    fix = kinds.add_parser("repair", help="rebuild the task store's index from what still reads",
+                           description="After a shard, a log or an index of the task store was damaged (aot export "
+                                       "verify names it; servers warn and fail the tasks it held): read the newest "
+                                       "index that parses, its shards and every log that parses, give the tasks "
+                                       "they cannot tell an entry for their newest version folder (hashed and "
+                                       "loaded first), and write that as a new index every server reads. A recovered "
+                                       "task keeps only that version (not its kept versions, route or retention). "
+                                       "Stop publishers first. Prints what it found and did; exits 0 when the store "
+                                       "reads whole afterwards.")
+    fix.add_argument("--repo", required=True, help="model repository (from `aot export backbone`)")
+    fix.add_argument("--dry-run", action="store_true", help="only say what it would do")
+    fix.set_defaults(run=run_export_repair)
     add_tenant_and_version_commands(kinds)
 
 
@@ -242,9 +254,12 @@ def run_export_list(args) -> int:
 
     store = TaskStore.of(read_repository(args.repo))
     _clean(store)
+    index = store.index()
+    for damage in index.damage():  # what reads is listed; the damage is said, with the repair
+        print(f"aot: warning: {damage}; run aot export repair --repo {args.repo}", file=sys.stderr)
     entries = [{"name": e.name, "folder": e.folder, "storage": e.storage, "verified": e.digests is not None,
                 **({"int8_gate": gate_summary(e.meta["served_dev"])} if e.meta.get("served_dev") else {})}
-               for e in store.entries().values()]
+               for e in index.entries.values()]
     report(entries, f"{len(entries)} task(s) in {args.repo}" + ("" if entries else
                     f"; next: aot export task --task TASK --repo {args.repo} --name NAME"))
     return 0
@@ -269,8 +284,28 @@ def run_export_verify(args) -> int:
     report([{"name": name, "ok": problem is None, **({"error": problem} if problem else {})}
             for name, problem in found.items()],
            f"{len(found) - len(damaged)} of {len(found)} task(s) sound" +
-           (f"; damaged: {', '.join(damaged)} (re-export them: aot export task ...)" if damaged else ""))
+           (f"; damaged: {', '.join(damaged)} (re-export them: aot export task ...; <index>: aot export repair)"
+            if damaged else ""))
     return 1 if damaged else 0
+
+
+def run_export_repair(args) -> int:
+    from aot.exporter.repair import repair_store
+
+    found = repair_store(_store(args.repo), dry_run=args.dry_run)
+    if not found.damaged:
+        report(found.summary(), f"the index of {args.repo} reads whole ({found.tasks} task(s)): nothing to repair")
+        return 0
+    what = (f"{len(found.damaged_shards)} damaged shard(s), {len(found.damaged_logs)} damaged log(s), "
+            f"{len(found.damaged_indexes)} damaged index(es); {len(found.recovered)} task(s) recovered from their "
+            f"folders" + (f", {len(found.unrecoverable)} folder(s) that cannot serve: "
+                          f"{', '.join(sorted(found.unrecoverable))}" if found.unrecoverable else ""))
+    if args.dry_run:
+        report(found.summary(), f"would repair {args.repo}: {what} (run it without --dry-run)")
+        return 0
+    report(found.summary(), f"repaired {args.repo}: {what}; index {found.generation} holds {found.tasks} task(s); "
+                            "servers read it from their next refresh")
+    return 0
 
 
 def _store(repo: str):

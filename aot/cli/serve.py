@@ -117,6 +117,13 @@ def add_serve(sub) -> None:
     p.add_argument("--require-tenant-keys", action="store_true",
                    help="tasks without a tenant answer only requests that carry a valid tenant key (default: they "
                         "are public; a tenant's tasks TENANT/TASK always need its key)")
+    p.add_argument("--rate-limit", type=non_negative_float, default=None, metavar="R",
+                   help="requests per second each tenant (a valid tenant key) may send; more are refused (503 with a "
+                        "retry hint, client error Unavailable with retry_after); 0: none (default: AOT_RATE_LIMIT, "
+                        "else none)")
+    p.add_argument("--anonymous-rate-limit", type=non_negative_float, default=None, metavar="R",
+                   help="requests per second all requests without a valid tenant key may send together (default: "
+                        "--rate-limit)")
     p.add_argument("--request-log-text", action="store_true",
                    help="write each logged request's text and text pair too (they are the callers' data)")
     p.set_defaults(run=run_serve)
@@ -213,6 +220,10 @@ def _step_environment(args) -> dict[str, str]:
 
     env = {} if args.metrics_tasks is None else {settings.METRICS_TASKS.name: str(args.metrics_tasks)}
     env[settings.REQUIRE_TENANT_KEYS.name] = "1" if args.require_tenant_keys else ""
+    for setting, value in ((settings.RATE_LIMIT, args.rate_limit),
+                           (settings.ANONYMOUS_RATE_LIMIT, args.anonymous_rate_limit)):
+        if value is not None:
+            env[setting.name] = str(value)
     if args.request_log is None:
         os.environ.pop(settings.REQUEST_LOG.name, None)
         return env

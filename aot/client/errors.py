@@ -7,7 +7,9 @@
       TaskUnavailable           UNAVAILABLE from a step: the task exists but cannot be served (damaged) until it is
                                 exported again; a retry does not help
       Unavailable               the server cannot be reached or cannot answer now (refused or dropped connection,
-                                deadline, overload, a server restarting or stopping): retryable
+                                deadline, overload, a server restarting or stopping, a rate limit, a task store that
+                                does not answer): retryable; `retry_after`, the seconds the server asked to wait, if
+                                it did
       PermissionDenied          an API restricted to the admin key, or a credential the server refuses
 
 A caller retries `retryable` errors (with a backoff) and reports the others. The classes are told apart by the
@@ -15,12 +17,17 @@ status, and for UNAVAILABLE by who answered: a step's answer about a task names 
 transport's never does; Triton answers a restricted API with UNAVAILABLE too, saying it is restricted. A stopping
 server answers first "Server is stopping" (UNAVAILABLE), then, while it unloads its models, "Request for unknown model:
 'aot' has no available versions" (NOT_FOUND): the model is going away, no task is missing, so both are Unavailable
-(a model the server never loaded is "... is not found", which stays NOT_FOUND).
+(a model the server never loaded is "... is not found", which stays NOT_FOUND). A step's refusal that a retry cures
+ends with a retry hint (`retry in 0.25 s`: a rate limit, a task store that does not answer now): Unavailable, whatever
+it names, with `retry_after`. (Triton's python backend cannot answer RESOURCE_EXHAUSTED; a proxy's
+RESOURCE_EXHAUSTED or 429 is Unavailable too.)
 """
 
 from __future__ import annotations
 
 import re
+
+from aot.serving.errors import retry_after
 
 RESTRICTED = "is restricted, expecting header"  # Triton's answer to a restricted API without the key
 
@@ -35,6 +42,7 @@ class InferenceError(RuntimeError):
     def __init__(self, message: str, status: str | None = None, *, task: str | None = None, id=None):
         super().__init__(message)
         self.status, self.task, self.id = status, task, id
+        self.retry_after: float | None = retry_after(message)  # seconds the server asked to wait (None: it did not)
 
     def answer(self) -> dict:
         """The error as an answer line (infer_many, `aot infer --input`): the item's id and task, the message, the
@@ -126,6 +134,7 @@ def from_triton(exc, *, task: str | None = None, id=None) -> InferenceError:
         kind = PermissionDenied
     elif reached_a_dead_instance(message) or server_is_stopping(message):
         kind = Unavailable
-    elif kind is Unavailable and status in ("UNAVAILABLE", "503") and task and repr(task_name(task)) in message:
+    elif kind is Unavailable and status in ("UNAVAILABLE", "503") and task and repr(task_name(task)) in message \
+            and retry_after(message) is None:
         kind = TaskUnavailable
     return kind(message, status, task=task, id=id)

@@ -15,6 +15,7 @@ int8 twins, TensorRT profiles, or the torch engine), the Triton configs, and pub
     task_record     a trained task in the served format: task.json and the head's arrays
     rows_export     the rows graphs of a store: factored rows computed by ONNX Runtime
     task_store      writing the task store (publish, remove, compaction)
+    repair          `aot export repair`: the store's index rebuilt from what still reads
     entry_history   the versions an entry keeps, retires and expires
     versions        `aot export versions | rollback | route`
     tenant_admin    `aot export tenant create | rotate | delete | list`

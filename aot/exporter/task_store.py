@@ -1,4 +1,4 @@
-"""Writing the task store (format `aot-task-store` v4; aot.serving.store.reader reads it, docs/formats.md).
+"""Writing the task store (format `aot-task-store` v5; aot.serving.store.reader reads it, docs/formats.md).
 
 Publishing versions: each is written into `.staging/<pid>.<host>-<name>@<id>/` and fsynced (no lock held); then, under
 an exclusive lock on `tasks/.lock`, they are renamed into place and ONE change set of the index names them all
@@ -37,7 +37,7 @@ from aot.exporter.entry_history import expired, held_versions, retire_all, with_
 from aot.serving.formats import FormatError, read_json
 from aot.serving.store.atomic import fsync_dir, fsync_trees, pid_alive, plain_permissions, write_atomic
 from aot.serving.store.digests import folder_digests
-from aot.serving.store.log import STORE_FILE, Change, StoreState
+from aot.serving.store.log import STORE_FILE, Change, ChangeRefused, StoreState
 from aot.serving.store.reader import (
     EMBEDDINGS,
     STORAGES,
@@ -86,6 +86,7 @@ class TaskStore(StoreReader):
     """Reads and writes a task store (the repository's folder, or object storage: StoreReader)."""
 
     REMOTE_TIMEOUT = 120.0  # a publisher uploads whole tables
+    MIRROR = False  # a writer keeps no copy of the index (aot.serving.store.mirror: for servers)
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -238,8 +239,7 @@ class TaskStore(StoreReader):
 
             def change(state: StoreState) -> Change:
                 # TaskExporter.check refused a missing tenant before anything was written; a tenant deleted since
-                # refuses the change here, and the next change collects the folders renamed for it (in object
-                # storage: the sweep at a compaction, once they are FOREIGN_DEBRIS_AGE old)
+                # refuses the change here, and the folders renamed or uploaded for it are removed
                 self.check_tenants(entries, state)
                 tasks, retired = {}, {}
                 for name, entry in entries.items():
@@ -247,7 +247,16 @@ class TaskStore(StoreReader):
                     retired.update(gone)
                 return Change(tasks=tasks, retired={**retired, **expired(state)})
 
-            state, committed = self.log.commit(change)
+            try:
+                state, committed = self.log.commit(change)
+            except (StoreError, ChangeRefused):  # refused before the append (a damaged shard, a tenant deleted
+                # meanwhile): nothing left behind
+                for p in publications:
+                    version = folder_name(self.version_name(p.folder))
+                    if self.remote:
+                        self.backend.delete_folder(version)
+                    shutil.rmtree(p.folder if self.remote else self.root / version, ignore_errors=True)
+                raise
             if self.remote:
                 for p in publications:
                     shutil.rmtree(p.folder, ignore_errors=True)
@@ -295,12 +304,16 @@ class TaskStore(StoreReader):
 
     def verify(self) -> dict[str, str | None]:
         """Check every current task version offline: each file against the digest the index publishes, and the
-        whole version loadable as the server loads it. Task name -> what is wrong (None: sound)."""
+        whole version loadable as the server loads it. Task name -> what is wrong (None: sound); what of the index
+        itself cannot be read (damaged shards, a damaged log: aot export repair) under the names `<index>`,
+        `<index> 2`, ..."""
         from aot.serving.store.digests import DigestError, verify_file
         from aot.serving.tasks import load_task_version
 
         index = self.index()
-        found: dict[str, str | None] = dict(index.errors)
+        found: dict[str, str | None] = {f"<index>{f' {i + 1}' if i else ''}": f"{damage}; run `aot export repair`"
+                                        for i, damage in enumerate(index.damage())}
+        found.update(index.errors)
         for name, entry in sorted(index.entries.items()):
             try:
                 folder = self.version_folder(entry.folder, entry.digests)  # a remote one fetched and checked
@@ -337,7 +350,8 @@ class TaskStore(StoreReader):
         less than FOREIGN_DEBRIS_AGE ago: a publisher elsewhere may be uploading one now, to name it in its next
         change."""
         gone = sorted(v for v, info in change.retired.items() if info is None and not _names(state, v))
-        compaction = bool(change) and state.index_generation == state.generation
+        # a damaged shard's names are unknown: no folder is known to be unnamed until `aot export repair`
+        compaction = bool(change) and state.index_generation == state.generation and not state.tasks.damaged
         self._remove_debris(everywhere=compaction)
         if self.remote:
             for version in gone:

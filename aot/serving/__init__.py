@@ -16,6 +16,8 @@ The request path, a request's way through a step:
     engine         the backbone engines by name (serving_torch registers `torch` when imported), the request data
                    they take (Prepared), and ONNX Runtime's runner (`onnx`)
     task_registry  the task versions a step serves: names resolved through the store, versions loaded and kept
+    remote_fetches when a version is fetched from an object store, and how long its request waits for it
+    rate_limits    per-caller request rates (a tenant, or every request without a key), and refused keys counted
     tasks          a served task version: its folder loaded and verified, its rows (fused or factored), its head
     pool           the task pool: rows of P in one preallocated buffer, resident or cached
     heads          the head stage: each request's task head, by its task's kind

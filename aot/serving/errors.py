@@ -1,17 +1,36 @@
 """Errors a served step returns to one request's client, with the status a client expects."""
 
+import re
+
 # RequestError.reason -> the TritonError code (HTTP status / gRPC status) a step answers with
 TRITON_CODES = {"invalid": "INVALID_ARG",  # 400 / INVALID_ARGUMENT: the request itself is wrong
          "not_found": "NOT_FOUND",  # 404 / NOT_FOUND: an unknown task or task version
-         "unavailable": "UNAVAILABLE"}  # 503 / UNAVAILABLE: the task exists but cannot be served (damaged)
+         "unavailable": "UNAVAILABLE",  # 503 / UNAVAILABLE: the task exists but cannot be served (damaged)
+         "rate_limited": "UNAVAILABLE"}  # 503 / UNAVAILABLE: the caller sent more than its rate (aot.serving.rate_limits)
 # An "unavailable" message names its task, quoted as Python's repr quotes it ('sentiment'): that tells a client
 # (aot.client.errors) a task that cannot be served, which a retry does not cure, from a server it cannot reach now,
-# which a retry may.
+# which a retry may. A refusal that a retry cures (a task store that does not answer now, a rate limit) ends with a
+# retry hint (retry_hint): the client takes it for a retryable error, whatever it names. The python backend of
+# Triton 2.51 has no RESOURCE_EXHAUSTED (pb_utils.TritonError: UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE,
+# UNSUPPORTED, ALREADY_EXISTS, CANCELLED), so a rate limit answers UNAVAILABLE with the hint.
 
 # A request's outcome in a step ("ok", a RequestError reason, or "internal": a fault of the server) -> the gRPC status
 # name its client sees (the request log writes it)
 STATUS = {"ok": "OK", "invalid": "INVALID_ARGUMENT", "not_found": "NOT_FOUND", "unavailable": "UNAVAILABLE",
-          "internal": "INTERNAL"}
+          "rate_limited": "UNAVAILABLE", "internal": "INTERNAL"}
+
+_RETRY_HINT = re.compile(r"retry in ([0-9]+(?:\.[0-9]+)?) s\b")
+
+
+def retry_hint(seconds: float) -> str:
+    """The end of a refusal that a retry after `seconds` may cure: `retry in 0.25 s`."""
+    return f"retry in {max(seconds, 0.01):.2f} s"
+
+
+def retry_after(message: str) -> float | None:
+    """The seconds a refusal's retry hint (retry_hint) asks a client to wait; None when it has none."""
+    found = _RETRY_HINT.findall(message)
+    return float(found[-1]) if found else None
 
 
 class RequestError(ValueError):

@@ -10,6 +10,9 @@ task's tenant or "" for a public task: aot.serving.store.tenants):
     aot_task_errors_total (step, task, version), aot_store_manifest_errors_total (step)
     aot_engine_eager_batches_total (step, instance)   batches run eagerly by an engine that replays CUDA graphs
     aot_engine_cpu_us_total (step, instance)          CPU time spent in the engine (the rest is serving's own)
+    aot_store_fetch_errors_total (step): fetches from an object store that failed (what failed: the server's log)
+    aot_tenant_key_refusals_total (step, tenant): requests for a tenant's task with a key that does not open it
+    aot_rate_limited_total (step, tenant): requests refused over their caller's rate ("" : without a tenant key)
 
 Only the K busiest tasks of an instance have series of their own (aot.serving.metric_labels.TaskLabels); the others
 count under task="<other>", requests for a task the store does not hold under "<unknown>", and requests refused
@@ -67,6 +70,12 @@ FAMILIES = {
                                                  "is what serving costs beside the encoder", "counter"),
     "eager_batches": ("aot_engine_eager_batches_total", "Batches an engine that replays CUDA graphs ran eagerly (a "
                                                         "capture that failed, a shape no graph covers)", "counter"),
+    "fetch_errors": ("aot_store_fetch_errors_total", "Task versions that could not be fetched from the object store "
+                                                     "(the server log says why)", "counter"),
+    "key_refusals": ("aot_tenant_key_refusals_total", "Requests for a tenant's task with a key that does not open it, "
+                                                      "per tenant the store holds", "counter"),
+    "rate_limited": ("aot_rate_limited_total", "Requests refused over their caller's rate, per tenant (\"\": "
+                                               "requests without a valid tenant key)", "counter"),
 }
 POOL_COUNTERS = ("pool_hits", "pool_misses", "pool_evictions", "pool_fill_us")
 
@@ -125,6 +134,7 @@ class StepMetrics:
         self._base = base
         self._errors = TaskSeries(pb_utils, {"step": step})  # damaged versions and manifests: few, never removed
         self._pending: dict[str, _Counts] = defaultdict(_Counts)  # by version, or by placeholder
+        self._refusals: dict[tuple[str, str], int] = defaultdict(int)  # (family, tenant) -> count since the flush
         self._pool_last: dict[str, tuple] = {}
         self._flushed = time.monotonic()
         self._lock = threading.Lock()  # _pending: filled by the request thread, taken by the publishing one
@@ -176,6 +186,17 @@ class StepMetrics:
     def manifest_error(self) -> None:
         self._errors.metric("manifest_errors").increment(1)
 
+    def fetch_error(self) -> None:
+        self._errors.metric("fetch_errors").increment(1)
+
+    def refused_key(self, tenant: str) -> None:
+        """A request named a task of `tenant` (a tenant the store holds) with a key that does not open it."""
+        self._refusals["key_refusals", tenant] += 1
+
+    def rate_limited(self, tenant: str) -> None:
+        """A request of `tenant` ("": without a valid key) was refused over its rate."""
+        self._refusals["rate_limited", tenant] += 1
+
     def flush(self, force: bool = False) -> None:
         """Publish what was counted since the last flush (after a batch; at most every FLUSH_SECONDS)."""
         if not force and time.monotonic() - self._flushed < self.FLUSH_SECONDS:
@@ -186,6 +207,10 @@ class StepMetrics:
             engine_us, self._engine_us = self._engine_us, 0.0
         if engine_us:
             self._errors.metric("engine_cpu_us", instance=self.instance).increment(engine_us)
+        pending, self._pending = self._pending, defaultdict(_Counts)
+        refusals, self._refusals = self._refusals, defaultdict(int)
+        for (family, tenant), count in refusals.items():  # tenants the store holds: a bounded set of series
+            self._errors.metric(family, tenant=tenant).increment(count)
         busy: dict[str, int] = defaultdict(int)
         for key, counts in pending.items():
             if key not in PLACEHOLDERS:

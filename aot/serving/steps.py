@@ -31,6 +31,7 @@ from aot.serving import items, protocol
 from aot.serving.errors import STATUS, TRITON_CODES, RequestError
 from aot.serving.items import Item, RequestInputs
 from aot.serving.pool import RowPool
+from aot.serving.rate_limits import RateLimits, RequestGate
 from aot.serving.repository import RepositoryInfo, repository_of_model
 from aot.serving.request_log import LoggedRequest, RequestLog, RequestLogSettings
 from aot.serving.shm import make_own_region_private
@@ -94,6 +95,9 @@ class Step:
             self.pb.Logger.log_info(f"{name}: task pool of {self.pool.budget_bytes} bytes ({self.pool.slots} rows; "
                                     f"{self.pool.slots // self.repo.vocab_size} tasks fully resident)")
         self.metrics = StepMetrics(pb_utils, name, self.pool, self.instance).start()
+        # per-caller rates, checked where a request's task is resolved (aot.serving.rate_limits)
+        self.gate = RequestGate(RateLimits.from_environment(), self.instances, self.metrics.refused_key,
+                                self.metrics.rate_limited)
         log = RequestLogSettings.from_environment()
         self.request_log = RequestLog(log, name) if log is not None else None
         if parts != "none":
@@ -103,7 +107,7 @@ class Step:
                                       url=self.repo.store_url,
                                       pool=self.pool, on_task_error=self._task_error, pool_fused=pool_fused,
                                       cache_bytes=self.options.task_cache_bytes,
-                                      require_tenant_keys=require_tenant_keys())
+                                      require_tenant_keys=require_tenant_keys(), on_store_error=self._store_error)
             self.pb.Logger.log_info(f"{name}: task versions loaded on first use, at most "
                                     f"{self.options.task_cache_bytes} bytes of them kept")
 
@@ -131,6 +135,11 @@ class Step:
         self.pb.Logger.log_error(f"{self.name}: {message}")
         self.metrics.task_error(version)
 
+    def _store_error(self, message: str) -> None:
+        """A version that could not be fetched from the object store: its clients read the task; this log, why."""
+        self.pb.Logger.log_error(f"{self.name}: {message}")
+        self.metrics.fetch_error()
+
     def _index_error(self, message: str) -> None:
         self.pb.Logger.log_error(f"{self.name}: {message}; serving the last good index")
         self.metrics.manifest_error()
@@ -146,8 +155,10 @@ class Step:
 
     def resolve(self, item: Item):
         """The task version the item's TASK names, for the caller its request's tenant key says
-        (aot.serving.task_registry)."""
-        return self.tasks.resolve(items.task_name(item, self.options.max_text_bytes), item.inputs.tenant_key)
+        (aot.serving.task_registry), once its caller's rate admits it (aot.serving.rate_limits: each text counts)."""
+        name, key = items.task_name(item, self.options.max_text_bytes), item.inputs.tenant_key
+        self.gate.admit(name, key, self.tasks.view.index.tenants)
+        return self.tasks.resolve(name, key)
 
     def task_version(self, item: Item, ctx: RequestContext):
         """The task version the first step pinned for this item, loaded (fails the request if it is gone, or if

@@ -1,5 +1,5 @@
 """The task store: the tasks a repository serves, as their publisher writes them (aot.exporter.task_store) and every
-served step and tool reads them (format `aot-task-store` v4, docs/formats.md). It imports nothing of the request
+served step and tool reads them (format `aot-task-store` v5, docs/formats.md). It imports nothing of the request
 path's steps nor of the supervision room.
 
     reader        the store as readers see it: StoreReader, its index (StoreIndex), names, versions, storages
@@ -7,12 +7,15 @@ path's steps nor of the supervision room.
     s3            the S3-compatible backend (`s3://BUCKET/PREFIX`)
     version_cache task versions fetched from a remote store into a bounded local folder, kept across restarts
     log           the index as an append-only change log: a publish costs what it changes
+    parts         a large change set of the log in parts of bounded size
     shards        entries compacted into 256 shards by name, read one shard at a time
     entries       an index's entries, each parsed and checked on its first use
     view          a reader's index that follows the change log: what steps and the audit read
+    mirror        what this host last read of a remote store's index, served while the store cannot be reached
     digests       digests of a version's files: written at publish, checked when a version is loaded
     audit         every current version's files checked against their digests in the background
     tenants       task namespaces TENANT/TASK that answer only requests carrying the tenant's key
+    names         an index's task names by tenant, sorted: an unknown task's suggestions at a bounded cost
     atomic        writing files and folders so that readers see the old or the new one, never half
     check         whether a server's store can serve any task: what the supervisor's /ready waits for
 """

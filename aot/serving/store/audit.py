@@ -52,6 +52,11 @@ class TaskAudit:
         self._pass_started = time.monotonic()
         self._lock = threading.Lock()
 
+    def damage(self, version: str) -> str | None:
+        """The damage found in `version`'s files, or None (O(1): a task's answer may ask per request)."""
+        checked = self._checked.get(version)
+        return None if checked is None else checked.damage
+
     def damaged(self) -> dict[str, str]:
         """Task name -> the damage found in its current version."""
         index = self.view.index

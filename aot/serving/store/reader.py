@@ -1,4 +1,4 @@
-"""The task store of a model repository, as readers see it: format `aot-task-store`, version 4 (docs/formats.md).
+"""The task store of a model repository, as readers see it: format `aot-task-store`, version 5 (docs/formats.md).
 
     REPO/tasks/store.json          the store's identity: format, version and the backbone its tasks were trained on
     REPO/tasks/log/, index/, shards/, generation   the index of tasks, an append-only change log (aot.serving.store.log)
@@ -15,12 +15,15 @@ adds to an entry its retention ("keep": how many versions are kept, the current 
 the current one ("kept": the same fields and "time", newest first: each servable by pin, and a rollback target) and an
 optional weighted "route" {version: weight} for canaries; and tenants to the index (aot.serving.store.tenants). Format 4
 keeps a compaction's entries in 256 shards by name instead of inline, so that a writer reads only the shards of the
-tasks it changes. A retired version ({"time", "digests"}) stays servable RETIRED_GRACE seconds for requests pinned to
+tasks it changes. Format 5 writes a large change set in parts (aot.serving.store.parts). A retired version ({"time", "digests"}) stays servable RETIRED_GRACE seconds for requests pinned to
 it.
 
 A reader follows the log (aot.serving.store.view.StoreView): a publish costs it one small object, whatever the number of
-tasks. Each entry is checked on its own: a bad entry fails only its task; a log or index object that cannot be read is
-reported and the last good state stays in use. The writer is aot.exporter.task_store. A store of format v1 (one
+tasks. Each entry is checked on its own: a bad entry fails only its task; a shard that cannot be parsed fails only the
+names that fall in it (`StoreIndex.damaged_shards`); a log that cannot be parsed stops the reader before it
+(`damaged_log`), and an object that cannot be read is reported while the last good state stays in use. A reader of a
+store in object storage keeps a copy of what it read on its host (aot.serving.store.mirror): a step that starts while
+the store cannot be reached serves the index its host last read. The writer is aot.exporter.task_store. A store of format v1 (one
 manifest.json rewritten at every publish) is upgraded by `aot export backbone --overwrite`, which keeps its tasks.
 """
 
@@ -39,10 +42,12 @@ from aot.serving.store.backend import BackendError, FileBackend
 from aot.serving.store.digests import DigestError, check_digests
 from aot.serving.store.entries import EntryView, ParsedEntries
 from aot.serving.store.log import STORE_FILE, ChangeLog, StoreState
+from aot.serving.store.mirror import MIRROR_DIR, MirroredBackend
+from aot.serving.store.names import TaskNames
 
 STORE_FORMAT = "aot-task-store"
-STORE_VERSION = 4
-READABLE_VERSIONS = (2, 3, 4)  # an older store is read as it is; its first write upgrades it
+STORE_VERSION = 5
+READABLE_VERSIONS = (2, 3, 4, 5)  # an older store is read as it is; its first write upgrades it
 DEFAULT_KEEP = 5  # versions of a task kept (the current one included) unless `aot export task --keep N` says
 FOLDER_SEPARATOR = "~"  # `TENANT/TASK@<id>` lives in the folder `TENANT~TASK@<id>`: a plain child of the store
 V1_MANIFEST = "manifest.json"  # format v1's index, read only to upgrade it
@@ -189,6 +194,9 @@ class StoreIndex:
     retired_digests: dict[str, dict[str, str]] = field(default_factory=dict)
     tenants: dict[str, str] = field(default_factory=dict)  # tenant -> the sha256 of its key (aot.serving.store.tenants)
     generation: int = 0
+    damaged_shards: dict[str, str] = field(default_factory=dict)  # shard -> why it cannot be parsed: its names fail
+    damaged_log: tuple[int, str] | None = None  # (generation, why) of a log not applied: changes from it on are unknown
+    names: TaskNames = field(default_factory=TaskNames)  # every name, by tenant, sorted (aot.serving.store.names)
 
     @property
     def entries(self) -> Mapping[str, TaskEntry]:
@@ -217,8 +225,10 @@ class StoreIndex:
         one generation or the other."""
         if names is None:
             parsed = ParsedEntries(dict(state.tasks.items()), _parsed)
+            sorted_names = TaskNames.of(parsed.raw)
         else:
             parsed = self.parsed.changed(state.tasks, names)
+            sorted_names = self.names.changed(names, parsed.raw.__contains__)
         retired, retired_digests = {}, {}
         for version, info in state.retired.items():
             if not _VERSION.fullmatch(version) or not isinstance(info.get("time"), (int, float)):
@@ -231,8 +241,18 @@ class StoreIndex:
         tenants = {t: info["key_sha256"] for t, info in state.tenants.items()
                    if _TENANT.fullmatch(t) and isinstance(info.get("key_sha256"), str)}
         self.parsed, self.retired, self.retired_digests = parsed, retired, retired_digests
-        self.tenants = tenants
+        self.tenants, self.names = tenants, sorted_names
         self.generation = state.generation
+        self.damaged_shards, self.damaged_log = dict(state.tasks.damaged), state.damaged_log
+
+    def damage(self) -> list[str]:
+        """What of the index could not be read (its shards, a log), for an operator; empty when it read whole."""
+        found = [f"shard {shard} of the index cannot be parsed ({why}): the tasks it holds fail until it is "
+                 "repaired" for shard, why in sorted(self.damaged_shards.items())]
+        if self.damaged_log is not None:
+            found.append(f"the change log cannot be parsed at generation {self.damaged_log[0]} "
+                         f"({self.damaged_log[1]}): changes from it on are not applied")
+        return found
 
 
 def parse_entry(name: str, entry, where: str) -> TaskEntry:
@@ -334,20 +354,25 @@ class StoreReader:
     (aot.serving.store.version_cache; AOT_TASK_CACHE_DIR, AOT_TASK_CACHE_BYTES)."""
 
     REMOTE_TIMEOUT = 5.0  # seconds a request to the object store may take: a serving step waits no longer
+    MIRROR = True  # keep a copy of the index read from a remote store on this host (a writer does not)
 
     def __init__(self, root: str | Path, url: str | None = None):
         self.root = Path(root)
         self.url = url
         self.cache = None
+        self.mirror: MirroredBackend | None = None
         if url:
             from aot.serving.store.s3 import S3Backend  # obstore: only for a store in object storage
             from aot.serving.store.version_cache import VersionCache
 
-            self.backend = S3Backend(url, timeout=self.REMOTE_TIMEOUT)
-            self.cache = VersionCache(self.backend, default_cache_dir(url), default_cache_bytes())
+            remote = S3Backend(url, timeout=self.REMOTE_TIMEOUT)
+            self.cache = VersionCache(remote, default_cache_dir(url), default_cache_bytes())
+            if self.MIRROR:
+                self.mirror = MirroredBackend(remote, self.cache.root / MIRROR_DIR)
+            self.backend = self.mirror or remote
         else:
             self.backend = FileBackend(self.root)
-        self.log = ChangeLog(self.backend)
+        self.log = ChangeLog(self.backend, on_read=self.mirror.remember if self.mirror else None)
 
     @classmethod
     def of(cls, repo):
@@ -394,6 +419,19 @@ class StoreReader:
         except (FormatError, BackendError, OSError) as exc:
             raise StoreError(f"{self.location}: the index cannot be read: {exc}") from None
 
+    def last_read_state(self) -> StoreState:
+        """The state of a remote store's index as this host last read it whole, and followed since
+        (aot.serving.store.mirror); StoreError when it has no copy."""
+        if self.mirror is None:
+            raise StoreError(f"{self.location}: this host keeps no copy of the index")
+        try:
+            state = ChangeLog(self.mirror.local).read_state() if self.mirror.local.read(STORE_FILE) else None
+        except (FormatError, BackendError, OSError) as exc:
+            raise StoreError(f"{self.location}: this host's copy of the index cannot be read: {exc}") from None
+        if state is None or state.generation == 0:
+            raise StoreError(f"{self.location}: this host has not read the index before")
+        return state
+
     def index(self) -> StoreIndex:
         index = StoreIndex()
         index.update(self.state(), None)
@@ -402,6 +440,11 @@ class StoreReader:
     def entries(self) -> Mapping[str, TaskEntry]:
         """Every task's entry, read-only (the index's EntryView: entries are parsed on first use)."""
         return self.index().entries
+
+    def held_here(self, version: str, digests: dict[str, str] | None) -> bool:
+        """Whether `version` can be read without a request to a remote store: a folder store's, or one this host's
+        cache holds complete."""
+        return self.cache is None or bool(digests) and self.cache.holds(folder_name(version), digests)
 
     def version_folder(self, version: str, digests: dict[str, str] | None = None) -> Path:
         """The local folder of a version: in the store's folder, or fetched from the remote store into the cache

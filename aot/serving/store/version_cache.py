@@ -73,6 +73,10 @@ class VersionCache:
         self._evict(keep=version)
         return local
 
+    def holds(self, version: str, digests: dict[str, str]) -> bool:
+        """Whether `version` is here complete, as published (a local read: no request to the store)."""
+        return self._complete(self.root / version, digests)
+
     def touch(self, version: str, force: bool = False) -> None:
         """Mark `version` used now (at most once a TOUCH_EVERY unless forced)."""
         now = time.time()

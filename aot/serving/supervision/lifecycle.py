@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aot.serving.limits import RequestBounds
 from aot.serving.shm import remove_regions
 from aot.serving.supervision.admin_key import restriction_args
 from aot.serving.supervision.procfs import alive, stub_processes
@@ -149,7 +150,7 @@ class ServerLifecycle:
     log_path: Path | None = None  # the server's output (None: this process's own, as in the container)
     own_group: bool = False  # a process group of its own that dies with the thread that started it (LocalServer)
     stop_timeout: float | None = 15.0  # SIGTERM to SIGKILL when a failed server is stopped (None: wait)
-    region_bytes: int | None = None  # a stub's shared memory past this is replaced (aot.serving.limits; None: no bound)
+    region_bytes: RequestBounds | None = None  # a stub's shared memory past its bound is replaced (aot.serving.limits)
     store_check: Callable | None = None  # what /ready checks beside the steps (Supervisor.store_check)
     process: subprocess.Popen | None = None
     supervisor: Supervisor | None = None

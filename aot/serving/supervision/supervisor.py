@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from aot.serving.limits import RequestBounds
 from aot.serving.shm import allocated_bytes, make_private, remove_regions
 from aot.serving.supervision.instance_groups import instance_names
 from aot.serving.supervision.probes import BUSY_CPU_SECONDS, BUSY_HUNG_SECONDS, HUNG_SECONDS, Probes
@@ -61,9 +62,11 @@ class Repair:
 
 class ReadinessCheck(Protocol):
     """What else /ready waits for (the task store: aot.serving.store.check.StoreCheck): `problem` says why nothing
-    can be served (None: nothing wrong) without I/O; `refresh()`, called by the supervisor's loop, reads again."""
+    can be served (None: nothing wrong) and `warning` what the server serves without (/ready stays 200 and says it),
+    without I/O; `refresh()`, called by the supervisor's loop, reads again and never blocks it."""
 
     problem: str | None
+    warning: str | None
 
     def refresh(self) -> None: ...
 
@@ -85,7 +88,8 @@ class Supervisor:
     interval: float = 0.5
     log: Callable[[str], None] = print
     hung_seconds: float = HUNG_SECONDS
-    region_bytes: int | None = None  # a stub's shared memory beyond this is replaced (None: no bound)
+    region_bytes: RequestBounds | None = None  # a stub's shared memory beyond its model's bound (region_of) is
+    # replaced (aot.serving.limits; None: no bound)
     # what /ready checks beside the steps: the task store (aot.serving.store.check, given by the entry point that
     # composes the rooms: this one imports no store), built with this supervisor's log; None: nothing
     store_check: Callable[[Callable[[str], None]], ReadinessCheck] | None = None
@@ -218,7 +222,7 @@ class Supervisor:
                     mark(model, instance, "hung")
         if self.region_bytes is not None:
             for instance, model in self.expected.items():
-                if instance in stubs and allocated_bytes(stubs[instance].shm_region) > self.region_bytes:
+                if instance in stubs and allocated_bytes(stubs[instance].shm_region) > self.region_bytes.region_of(model):
                     mark(model, instance, "grown")
         return found
 
@@ -268,7 +272,8 @@ class Supervisor:
         instances = ",".join(sorted(what.instances)) or model
         repair = Repair(model, instances, time.time(), what.cause)
         said = {"died": f"the stub of {instances} died", "hung": f"{instances} stopped answering (killed)",
-                "grown": f"the shared memory of {instances} grew past {self.region_bytes} bytes",
+                "grown": f"the shared memory of {instances} grew past "
+                         f"{self.region_bytes.region_of(model) if self.region_bytes else 0} bytes",
                 "not ready": f"model {model!r} is not loaded or not ready"}[what.cause]
         start = time.monotonic()
         try:
@@ -365,9 +370,10 @@ class Supervisor:
     # --- health -------------------------------------------------------------------------------------------------
 
     def warnings(self) -> list[str]:
-        """What the steps' starts left for /ready to say while it answers 200 (a CUDA graph that could not be
-        captured: its batches run eagerly)."""
-        return notes(self.server_pid)
+        """What the server serves without while it is ready, for /ready to say: a CUDA graph a step could not capture
+        (its batches run eagerly), a task store that does not answer, a damaged shard."""
+        warning = None if self.store is None else self.store.warning
+        return ([warning] if warning else []) + notes(self.server_pid)
 
     def health(self) -> tuple[bool, list[str]]:
         """(ready, reasons it is not): ready when the server runs and its front end answers, every model it needs

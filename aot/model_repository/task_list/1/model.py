@@ -49,8 +49,8 @@ class TritonPythonModel:
             audit = {k: audit[k] for k in ("passes", "last_pass_seconds")}
         listing = {"tasks": [entries[n].listing() for n in names[:limit]], "errors": errors,
                    "total": len(names), "audit": audit}
-        if tasks.index_error:
-            listing["index_error"] = tasks.index_error
+        if tasks.index_problem:  # what a client may read: the details are in the server log
+            listing["index_error"] = tasks.index_problem
         return [pb_utils.Tensor(protocol.TASKS, np.array([json.dumps(listing).encode()], dtype=np.object_))]
 
     def execute(self, requests):
