@@ -459,6 +459,7 @@ def test_bad_direct_requests_fail_alone_under_load(server, repo, expected):
     version = _version(repo, "alpha")
     outside, missing = "../../../../etc@0123456789ab", "alpha@000000000000"
     pooled = np.zeros((1, 2, hidden), dtype=np.float32)
+    two = np.array([[b"good w1", b"dull w2"]], dtype=np.object_)
     cases = [
         ("backbone", _token_inputs(repo, version, [2, 10, vocab + 3, 3]),
          f"input_ids holds {vocab + 3}: expected values in [0, {vocab - 1}]"),
@@ -471,9 +472,10 @@ def test_bad_direct_requests_fail_alone_under_load(server, repo, expected):
         ("head", {"TASK_VERSION": _bytes(missing), "pooled_hidden": pooled},
          f"task version {missing!r} is not in the store"),
         ("head", {"TASK_VERSION": _bytes(version), "pooled_hidden": np.full((1, 2, hidden), np.nan, dtype=np.float32)},
-         f"pooled_hidden must be 2 x {hidden} values with a finite 'cls' row"),
-        ("aot", {"TEXT": _bytes("good w1", "dull w2"), "TASK": _bytes("alpha", "alpha")}, "TEXT holds 2 values"),
-        ("tokenizer", {"TEXT": _bytes("good w1", "dull w2"), "TASK": _bytes("alpha", "alpha")}, "TEXT holds 2 values"),
+         f"pooled_hidden must be 2 x {hidden} values per item with a finite 'cls' row"),
+        # a request carries N items, one text each (shape [N, 1]): Triton refuses two texts in one item's row
+        ("aot", {"TEXT": two, "TASK": _bytes("alpha")}, "unexpected shape for input 'TEXT' for model 'aot'"),
+        ("tokenizer", {"TEXT": two, "TASK": _bytes("alpha")}, "unexpected shape for input 'TEXT' for model 'tokenizer'"),
         ("tokenizer", {"TEXT": _bytes("good w1"), "TASK": _bytes("../../../../etc")},
          "invalid task name '../../../../etc'"),
         # TASK@VERSION pins only a version the store holds, and never reaches outside the store
@@ -496,7 +498,7 @@ def test_bad_direct_requests_fail_alone_under_load(server, repo, expected):
     failures = [f"{o.task}/{o.text}: {o.error}" for o in load.outcomes if o.error is not None] + \
         [f"{o.task}/{o.text}: wrong logits {o.logits.tolist()}" for o in checked
          if np.abs(o.logits - expected[o.task][o.text]).max() > ATOL]
-    assert problems == []
+    assert problems == [], "\n".join(problems)
     assert failures == [], failures[:5]
     assert len(checked) > 20, f"only {len(checked)} legitimate answers"
     assert server.supervisor.repairs[repairs:] == [], "a stub died"

@@ -204,7 +204,7 @@ def test_the_store_paused_under_load(repo, server, artifacts, expected, s3):
         # back: the cold task is fetched, /ready has nothing to say, an unknown name is unknown again
         _until(lambda: _refused_now(client, "delta") is None, 60, "the cold task did not serve again")
         np.testing.assert_allclose(client.infer("delta", TEXTS[0])["logits"], expected["beta"][0], atol=ATOL)
-        _until(lambda: "warnings" not in _ready(server)[1], 60, "/ready still warned once the store was back")
+        _until(lambda: _ready(server)[1]["warnings"] == [], 60, "/ready still warned once the store was back")
         _until(lambda: all(isinstance(_refused_now(client, "nosuch"), TaskNotFound) for _ in range(8)), 60,
                "an unknown name was not unknown again on every instance")
         with pytest.raises(TaskNotFound, match="unknown task 'nosuch'"):
@@ -260,7 +260,7 @@ def test_a_cold_task_beside_cached_ones_in_one_batch_fails_alone(repo, batching_
                 before = c.get_inference_statistics("aot", headers={GRPC_ADMIN_HEADER: server.admin_key})
             items = [{"task": "alpha", "text": TEXTS[i % len(TEXTS)]} for i in range(7)]
             items.insert(3, {"task": "omega", "text": TEXTS[0]})
-            answers = client.infer_many(items, concurrency=len(items))
+            answers = client.infer_many(items, concurrency=len(items), pack=1)  # 8 requests, one batch
             with grpcclient.InferenceServerClient(server.grpc_url) as c:
                 after = c.get_inference_statistics("aot", headers={GRPC_ADMIN_HEADER: server.admin_key})
         finally:

@@ -148,6 +148,27 @@ def test_unknown_and_unnamed_requests_have_labels_of_their_own():
     assert "" not in port.tasks("aot_task_requests_total")
 
 
+def test_a_flush_publishes_every_count_once():
+    """What was counted between two flushes is published by the second, exactly, and never again."""
+    port = MetricsPort()
+    metrics = StepMetrics(port, "aot", None, "aot_0_0", task_limit=4)
+    for _ in range(7):
+        metrics.request("alpha@000000000001", "ok", 0.002, 0.002)
+    metrics.request("alpha@000000000001", "invalid", 0.001, 0.001)
+    metrics.refused_key("acme")
+    metrics.rate_limited("")
+    metrics.rate_limited("")
+    metrics.engine_time(0.25)
+    metrics.flush(force=True)
+    metrics.flush(force=True)
+    assert port.value("aot_task_requests_total", task="alpha") == 8
+    assert port.value("aot_task_failures_total", task="alpha") == 1
+    assert port.value("aot_task_duration_us_total", task="alpha") == pytest.approx(15000)
+    assert port.value("aot_tenant_key_refusals_total", tenant="acme") == 1
+    assert port.value("aot_rate_limited_total", tenant="") == 2
+    assert port.value("aot_engine_cpu_us_total", instance="aot_0_0") == pytest.approx(250000)
+
+
 def test_pool_series_exist_from_the_start():
     """Whatever the layout puts in the pool (fused tables of a multi-instance step go through memory maps), a step
     with a pool publishes its budget and the pool's series from the start."""

@@ -137,7 +137,7 @@ class StepMetrics:
         self._refusals: dict[tuple[str, str], int] = defaultdict(int)  # (family, tenant) -> count since the flush
         self._pool_last: dict[str, tuple] = {}
         self._flushed = time.monotonic()
-        self._lock = threading.Lock()  # _pending: filled by the request thread, taken by the publishing one
+        self._lock = threading.Lock()  # _pending, _refusals: the request thread fills them, the publisher takes them
         self._engine_us = 0.0  # engine CPU time not published yet (under _lock too)
         self._stop = threading.Event()
         self._publisher: threading.Thread | None = None
@@ -191,11 +191,13 @@ class StepMetrics:
 
     def refused_key(self, tenant: str) -> None:
         """A request named a task of `tenant` (a tenant the store holds) with a key that does not open it."""
-        self._refusals["key_refusals", tenant] += 1
+        with self._lock:
+            self._refusals["key_refusals", tenant] += 1
 
     def rate_limited(self, tenant: str) -> None:
         """A request of `tenant` ("": without a valid key) was refused over its rate."""
-        self._refusals["rate_limited", tenant] += 1
+        with self._lock:
+            self._refusals["rate_limited", tenant] += 1
 
     def flush(self, force: bool = False) -> None:
         """Publish what was counted since the last flush (after a batch; at most every FLUSH_SECONDS)."""
@@ -205,10 +207,9 @@ class StepMetrics:
         with self._lock:
             pending, self._pending = self._pending, defaultdict(_Counts)
             engine_us, self._engine_us = self._engine_us, 0.0
+            refusals, self._refusals = self._refusals, defaultdict(int)
         if engine_us:
             self._errors.metric("engine_cpu_us", instance=self.instance).increment(engine_us)
-        pending, self._pending = self._pending, defaultdict(_Counts)
-        refusals, self._refusals = self._refusals, defaultdict(int)
         for (family, tenant), count in refusals.items():  # tenants the store holds: a bounded set of series
             self._errors.metric(family, tenant=tenant).increment(count)
         busy: dict[str, int] = defaultdict(int)

@@ -15,8 +15,8 @@ from aot.serving.supervision.supervisor import Supervisor
 
 
 class HealthServer:
-    """GET /ready: 200 {"ready": true} when Supervisor.health() says so (with "warnings": what it serves without, if
-    anything: Supervisor.warnings), else 503 with the reasons; GET /live: 200
+    """GET /ready: 200 {"ready": true} when Supervisor.health() says so (and "warnings": what it serves without,
+    an empty list when nothing: Supervisor.warnings), else 503 with the reasons; GET /live: 200
     while the supervisor's server process runs (a stopped or crashed one is repaired or restarted by its owner,
     so liveness fails only when that owner is gone). Plain HTTP, no secrets: it says nothing a client could use.
     A server that drains (a graceful stop: drain()) is not ready from then on, whatever its steps say, so that load
