@@ -104,6 +104,10 @@ SHM_REGION_BYTES = Setting("AOT_SHM_REGION_BYTES", "the bound of a python step's
 METRICS_TASKS = Setting("AOT_METRICS_TASKS", "tasks with metric series of their own, the busiest (the rest share "
                         "one label; 0: every task under one label; `aot serve --metrics-tasks` sets it)", 100,
                         _integer(0), "a non-negative integer", read_by="python steps")
+TOKENIZER_THREADS = Setting("AOT_TOKENIZER_THREADS", "threads a python step's tokenizer encodes a batch's texts on "
+                            "(default: on a GPU step, the host's cores shared among its GPU instances, at most 8: "
+                            "the host's cores are otherwise idle; on a CPU step 1, the cores run the engine)", None,
+                            _integer(1), "a number of threads, 1 or more", read_by="python steps")
 REQUEST_LOG = Setting("AOT_REQUEST_LOG", "the request log: one JSON line per sampled request, appended to this "
                       "file (`aot serve --request-log`)", expected="a file path", read_by="python steps")
 REQUEST_LOG_SAMPLE = Setting("AOT_REQUEST_LOG_SAMPLE", "the share of requests the request log keeps", 1.0, _share,

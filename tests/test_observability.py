@@ -97,19 +97,25 @@ def _published(server, client, name: str, task: str, count: int) -> list:
 
 def test_latency_histogram_per_task(server, client):
     """aot_task_latency_seconds: Prometheus _bucket series (cumulative, every bucket up to +Inf) per task and step
-    instance, whose counts add up to the task's requests; and the counters beside it."""
-    answers = client.infer_many([{"task": "alpha", "text": "good w1"}] * 6 + [{"task": "beta", "text": "w2"}] * 3)
-    assert all("error" not in a for a in answers), answers
-    samples = _published(server, client, "aot_task_latency_seconds_count", "alpha", 6)
-    assert _value(samples, "aot_task_latency_seconds_count", step="aot", task="alpha") == 6
-    assert _value(samples, "aot_task_latency_seconds_bucket", step="aot", task="alpha", le="+Inf") == 6
+    instance, one observation per request and task it holds (6 requests of one text and one of 4 texts: 7), while
+    aot_task_requests_total counts each text (10); and the counters beside it."""
+    single = client.infer_many([{"task": "alpha", "text": "good w1"}] * 6 + [{"task": "beta", "text": "w2"}] * 3,
+                               pack=1)
+    packed = client.infer_many([{"task": "alpha", "text": f"good w{k}"} for k in range(4)], pack=4)
+    assert len(single) == 9 and len(packed) == 4
+    assert all("error" not in a for a in single + packed), single + packed
+    samples = _published(server, client, "aot_task_requests_total", "alpha", 10)
+    assert _value(samples, "aot_task_requests_total", step="aot", task="alpha") == 10
+    assert _value(samples, "aot_task_latency_seconds_count", step="aot", task="alpha") == 7
+    assert _value(samples, "aot_task_latency_seconds_bucket", step="aot", task="alpha", le="+Inf") == 7
     assert _value(samples, "aot_task_latency_seconds_sum", step="aot", task="alpha") > 0
-    for instance in {lab["instance"] for n, lab, _ in samples if n == "aot_task_latency_seconds_count"
-                     and lab["task"] == "alpha"}:
+    instances = {lab["instance"] for n, lab, _ in samples if n == "aot_task_latency_seconds_count"
+                 and lab["task"] == "alpha"}
+    assert instances
+    for instance in instances:
         buckets = [_value(samples, "aot_task_latency_seconds_bucket", task="alpha", instance=instance,
                           le=f"{b:g}") for b in LATENCY_BUCKETS]
         assert buckets == sorted(buckets)  # cumulative
-    assert _value(samples, "aot_task_requests_total", step="aot", task="alpha") == 6
     assert _value(samples, "aot_task_failures_total", step="aot", task="alpha") == 0
 
 

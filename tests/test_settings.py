@@ -3,6 +3,7 @@ typed helpers that name a bad value; docs/configuration.md is generated from it.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -68,6 +69,8 @@ def test_code_reads_the_environment_only_through_the_settings():
     (settings.POOL_BYTES, "0", 0),  # no pool, as `aot serve --pool-bytes 0`
     (settings.DRAIN_SECONDS, None, 10.0),
     (settings.DRAIN_SECONDS, "2.5", 2.5),
+    (settings.TOKENIZER_THREADS, None, None),
+    (settings.TOKENIZER_THREADS, "4", 4),
 ])
 def test_a_setting_reads_its_type_and_default(setting, raw, value):
     environ = {} if raw is None else {setting.name: raw}
@@ -83,8 +86,31 @@ def test_a_setting_reads_its_type_and_default(setting, raw, value):
     (settings.POOL_BYTES, "-1", "a number of bytes (an integer, 0 or more)"),
     (settings.DRAIN_SECONDS, "-1", "a number of seconds, 0 or more"),
     (settings.DRAIN_SECONDS, "inf", "a number of seconds, 0 or more"),
+    (settings.TOKENIZER_THREADS, "0", "a number of threads, 1 or more"),
 ])
 def test_a_bad_value_is_refused_with_its_name_and_what_was_expected(setting, raw, expected):
     with pytest.raises(settings.SettingError) as caught:
         setting.read({setting.name: raw})
     assert str(caught.value) == f"{setting.name}={raw!r}: expected {expected}"
+
+
+@pytest.mark.parametrize("environ, on_gpu, instances, cores, threads", [
+    ({}, False, 1, 16, 1),  # a CPU step: its cores run the engine
+    ({}, True, 2, 16, 8),  # a GPU step: the host's cores over its instances
+    ({}, True, 2, 64, 8),  # at most MAX_DEFAULT_TOKENIZER_THREADS
+    ({}, True, 4, 6, 1),  # never 0
+    ({"AOT_TOKENIZER_THREADS": "3"}, False, 1, 16, 3),  # the setting wins
+    ({"AOT_TOKENIZER_THREADS": "12"}, True, 2, 16, 12),
+])
+def test_a_steps_tokenizer_threads(monkeypatch, environ, on_gpu, instances, cores, threads):
+    from aot.serving.tokenization import tokenizer_threads, use_tokenizer_threads
+
+    monkeypatch.delenv(settings.TOKENIZER_THREADS.name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert tokenizer_threads(on_gpu, instances, cores) == threads
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "unset")
+    monkeypatch.delenv("RAYON_NUM_THREADS", raising=False)
+    use_tokenizer_threads(threads)  # what the tokenizers library reads
+    assert (os.environ["TOKENIZERS_PARALLELISM"], os.environ.get("RAYON_NUM_THREADS")) == (
+        ("true", str(threads)) if threads > 1 else ("false", None))

@@ -149,21 +149,24 @@ def test_unknown_and_unnamed_requests_have_labels_of_their_own():
 
 
 def test_a_flush_publishes_every_count_once():
-    """What was counted between two flushes is published by the second, exactly, and never again."""
+    """What was counted between two flushes is published by the second, exactly, and never again; a latency of
+    None (a request's other items of one task) counts the item but observes nothing."""
     port = MetricsPort()
     metrics = StepMetrics(port, "aot", None, "aot_0_0", task_limit=4)
     for _ in range(7):
         metrics.request("alpha@000000000001", "ok", 0.002, 0.002)
     metrics.request("alpha@000000000001", "invalid", 0.001, 0.001)
+    metrics.request("alpha@000000000001", "ok", 0.001, None)  # a request's second item of the task: no latency
     metrics.refused_key("acme")
     metrics.rate_limited("")
     metrics.rate_limited("")
     metrics.engine_time(0.25)
     metrics.flush(force=True)
     metrics.flush(force=True)
-    assert port.value("aot_task_requests_total", task="alpha") == 8
+    assert port.value("aot_task_requests_total", task="alpha") == 9
+    assert port.value("aot_task_latency_seconds", task="alpha") == 8  # observations
     assert port.value("aot_task_failures_total", task="alpha") == 1
-    assert port.value("aot_task_duration_us_total", task="alpha") == pytest.approx(15000)
+    assert port.value("aot_task_duration_us_total", task="alpha") == pytest.approx(16000)
     assert port.value("aot_tenant_key_refusals_total", tenant="acme") == 1
     assert port.value("aot_rate_limited_total", tenant="") == 2
     assert port.value("aot_engine_cpu_us_total", instance="aot_0_0") == pytest.approx(250000)

@@ -31,7 +31,14 @@ from aot.serving.items import Item
 from aot.serving.pool import RowStorage
 from aot.serving.steps import RequestContext
 from aot.serving.tasks import ServedTask
-from aot.serving.tokenization import Tokenization, given_pair, is_blank, pair_mismatch
+from aot.serving.tokenization import (
+    Tokenization,
+    given_pair,
+    is_blank,
+    pair_mismatch,
+    tokenizer_threads,
+    use_tokenizer_threads,
+)
 from aot.serving.words import Words
 
 
@@ -76,6 +83,9 @@ class TextInputs:
         length."""
         self.step = step
         self.tokens = Tokenization(step.repo.tokenizer_dir, step.repo.uses_token_type_ids, buckets)
+        threads = tokenizer_threads(step.parameters.get("device") == "cuda", step.instances)
+        use_tokenizer_threads(threads)
+        step.pb.Logger.log_info(f"{step.name}: the tokenizer encodes a batch on {threads} thread(s)")
 
     def prepare(self, item: Item, ctx: RequestContext) -> TextRequest:
         """The item's task version (pinned in `ctx`) and its text or token ids, checked."""

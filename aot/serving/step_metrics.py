@@ -27,9 +27,10 @@ Every Metric call is a round trip to the server process, so counts are summed he
 under a lock) and a thread of their own publishes them every FLUSH_SECONDS, off the request path (publishing per
 request and per pool version cost much of the throughput with many tasks: docs/benchmarks.md, "Figures behind the
 serving code"; published after each batch, it still took 5-6 % of a GPU step's time); the latency histogram takes
-one round trip per observation. A scrape therefore lags by at most that interval. Counters of microseconds follow
-Triton's own convention (nv_inference_request_duration_us): rate() of the duration over rate() of the requests is
-the mean time a task's requests spend in a step.
+one round trip per observation, so it observes each request once per task it holds, not each of its items. A
+scrape therefore lags by at most that interval. Counters of microseconds follow Triton's own convention
+(nv_inference_request_duration_us): rate() of the duration over rate() of the requests is the mean time a task's
+requests spend in a step.
 """
 
 from __future__ import annotations
@@ -53,8 +54,9 @@ FAMILIES = {
     "failures": ("aot_task_failures_total", "Failed requests per task version and step", "counter"),
     "duration": ("aot_task_duration_us_total", "Time requests of a task version spent in a step, microseconds",
                  "counter"),
-    "latency": ("aot_task_latency_seconds", "Latency of a task's requests in a step, from the start of their batch "
-                                            "to their answer, seconds", "histogram"),
+    "latency": ("aot_task_latency_seconds", "Latency of the requests holding a task's items in a step, from the "
+                                            "start of their batch to their answer, seconds (one observation per "
+                                            "request and task)", "histogram"),
     "pool_hits": ("aot_pool_hits_total", "Rows found in the task pool", "counter"),
     "pool_misses": ("aot_pool_misses_total", "Rows read or computed into the task pool", "counter"),
     "pool_evictions": ("aot_pool_evictions_total", "Rows evicted from the task pool", "counter"),
@@ -159,17 +161,19 @@ class StepMetrics:
             except Exception as exc:  # noqa: BLE001 - the next interval publishes again; a request never fails
                 self.pb.Logger.log_error(f"{self.step}: metrics not published ({type(exc).__name__}: {exc})")
 
-    def request(self, version: str, status: str, seconds: float, latency: float) -> None:
+    def request(self, version: str, status: str, seconds: float, latency: float | None) -> None:
         """One item served: its task version ("" if it named none the store holds), its status ("ok" or an
         aot.serving.errors reason, "internal" for a fault of the server), its share of the step's time and its
-        latency (seconds)."""
+        request's latency (seconds; None for the request's other items of the same task: each observation is a
+        round trip to the server, and a request of 64 texts would observe one latency 64 times)."""
         key = version or (UNKNOWN if status == "not_found" else NONE)
         with self._lock:
             counts = self._pending[key]
             counts.requests += 1
             counts.failures += status != "ok"
             counts.duration_us += seconds * 1e6
-            counts.latencies.append(latency)
+            if latency is not None:
+                counts.latencies.append(latency)
 
     def engine_time(self, cpu_seconds: float) -> None:
         """CPU time one batch spent in the step's engine (published with the other counts)."""

@@ -299,10 +299,13 @@ class Step:
         return prepared
 
     def _account(self, served: list[tuple]) -> None:
-        """Count each item in the metrics (its share of the step's time, its latency) and write the sampled ones to
+        """Count each item in the metrics (its share of the step's time; its request's latency) and write the sampled ones to
         the request log; `served`: (request, RequestContext, status, share, latency) per item."""
-        for _, ctx, status, share, latency in served:
-            self.metrics.request(ctx.version, status, share, latency)
+        observed = set()  # a request's items share its latency: one observation per request and task version
+        for request, ctx, status, share, latency in served:
+            first = (id(request), ctx.version) not in observed
+            observed.add((id(request), ctx.version))
+            self.metrics.request(ctx.version, status, share, latency if first else None)
         if self.request_log is not None:
             self.request_log.write([self._logged(r, ctx, status, latency) for r, ctx, status, _, latency in served
                                     if self.request_log.sampled()])

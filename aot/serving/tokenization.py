@@ -8,11 +8,13 @@ truncation side; tests check the ids equal transformers' for every architecture.
 
 from __future__ import annotations
 
+import os
 import unicodedata
 from pathlib import Path
 
 import numpy as np
 
+from aot import settings
 from aot.serving import protocol
 from aot.serving.errors import RequestError
 from aot.serving.formats import read_json
@@ -35,6 +37,31 @@ def pair_mismatch(has_pair: bool | None, paired: bool) -> bool:
     predict` alike, as it would silently change the answer (`has_pair` None: a version exported before it was
     recorded accepts both)."""
     return has_pair is not None and has_pair != paired
+
+
+# the most threads the default gives a GPU step's tokenizer: past ~8 a batch of 128 short texts stops getting faster
+MAX_DEFAULT_TOKENIZER_THREADS = 8
+
+
+def tokenizer_threads(on_gpu: bool, instances: int, cores: int | None = None) -> int:
+    """The threads a step's tokenizer encodes a batch on: AOT_TOKENIZER_THREADS, else on a GPU step the host's cores
+    shared among the step's instances (its CPU cores are otherwise idle while the GPU runs the encoder), at most
+    MAX_DEFAULT_TOKENIZER_THREADS; on a CPU step 1 (its cores run the engine)."""
+    chosen = settings.TOKENIZER_THREADS.read()
+    if chosen is not None:
+        return chosen
+    if not on_gpu:
+        return 1
+    return max(1, min(MAX_DEFAULT_TOKENIZER_THREADS, (cores or os.cpu_count() or 1) // max(1, instances)))
+
+
+def use_tokenizer_threads(threads: int) -> None:
+    """Let the Rust tokenizer encode a batch on `threads` threads, 1 keeping it on the calling one. Read by the
+    tokenizers library at every batch (TOKENIZERS_PARALLELISM) and when it first starts its thread pool
+    (RAYON_NUM_THREADS): call before this process encodes anything in parallel."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads > 1 else "false"
+    if threads > 1:
+        os.environ["RAYON_NUM_THREADS"] = str(threads)
 
 
 def bucket_length(length: int, buckets: tuple[int, ...]) -> int:
