@@ -267,8 +267,12 @@ def test_scale_bench_tiny(tmp_path, tiny_models, sentiment_dir):
         assert r["errors"] == 0 and r["wrong"] == 0 and r["ready_s"] > 0 and r["rss_after_total_mb"] > 50
         assert r["cold_p99_ms"] >= r["cold_p50_ms"] > 0 and r["zipf_rps"] > 0 and r["hot_rps"] > 0
         assert r["steady_rps"] > 0 and r["steady_vs_hot"] == round(r["steady_rps"] / r["hot_rps"], 3)
+        if r["busy_cold_requests"]:  # half the untouched tail of the store (none of 1 task)
+            assert r["busy_cold_p99_ms"] >= r["busy_cold_p50_ms"] > 0 and r["busy_warm_p50_ms"] > 0
+            assert r["busy_cold_vs_warm"] == round(r["busy_cold_p99_ms"] / r["busy_warm_p50_ms"], 2)
         assert 1 <= r["steady_tasks"] <= r["tasks"]  # the steady pass replays warm-up draws: tasks seen already
         assert r["publish_bytes_read"] > 0 and r["publish_writer_bytes"] > 0 and r["publish_to_served_s"] > 0
+    assert records[0]["busy_cold_requests"] == 0 and records[1]["busy_cold_requests"] > 0  # 1 task: none untouched
     one, many = records  # a publish costs a reader what changed, not the store's size
     assert many["publish_bytes_read"] <= 1.5 * one["publish_bytes_read"], records
     assert (out / "scale.md").read_text().startswith("# One server, many tasks") and (out / "scale.png").is_file()

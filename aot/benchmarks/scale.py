@@ -10,6 +10,8 @@ of --counts (the store grows from one to the next), on a fresh server with the r
     ready_s, rss_ready_mb, rss_after_mb start to ready; every server process's RSS at ready and after the traffic
     cold_p50_ms, cold_p99_ms            first requests of tasks no request touched yet, one at a time, after one
                                         request of task 0 (the engine's own first run)
+    busy_cold_p50_ms, busy_cold_p99_ms  the same for as many other untouched tasks while `concurrency` - 1 clients
+    busy_warm_p50_ms, busy_cold_vs_warm keep task 0 busy: the hot requests' p50 meanwhile, and the cold p99 over it
     steady_rps, steady_vs_hot           steady state, what a busy service lives in: after `warmup` requests of tasks
                                         drawn by Zipf, the same draws again (the first `requests` of them)
     zipf_rps, hot_rps, zipf_vs_hot      the cold protocol: `requests` new Zipf draws after the warm-up (a share of them
@@ -27,6 +29,7 @@ from __future__ import annotations
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -161,6 +164,57 @@ def _wrong(client, reference: Reference, picks: list[int], texts: list[str]) -> 
     return wrong
 
 
+def _percentile(values: list[float], share: float) -> float | None:
+    ordered = sorted(values)
+    return round(ordered[int(share * (len(ordered) - 1))], 1) if ordered else None
+
+
+def _cold_under_load(url: str, hot_task: str, texts: list[str], cold_tasks: list[str], concurrency: int) -> dict:
+    """First requests of `cold_tasks`, one at a time, while `concurrency` - 1 clients keep `hot_task` busy from
+    before the first to after the last; the hot requests' p50 meanwhile."""
+    from aot.client.client import Client
+
+    stop, started, lock = threading.Event(), threading.Event(), threading.Lock()
+    warm: list[float] = []
+    errors = [0]
+
+    def load() -> None:
+        with Client(url) as client:
+            k = 0
+            while not stop.is_set():
+                start = time.perf_counter()
+                try:
+                    client.infer(hot_task, texts[k % len(texts)])
+                except Exception:  # noqa: BLE001 - counted: the record's errors
+                    with lock:
+                        errors[0] += 1
+                else:
+                    with lock:
+                        warm.append((time.perf_counter() - start) * 1e3)
+                started.set()
+                k += 1
+
+    loaders = [threading.Thread(target=load, daemon=True) for _ in range(max(concurrency - 1, 1))]
+    for thread in loaders:
+        thread.start()
+    cold = []
+    try:
+        started.wait(timeout=60)
+        with Client(url) as client:
+            for task in cold_tasks:
+                start = time.perf_counter()
+                client.infer(task, texts[0])
+                cold.append((time.perf_counter() - start) * 1e3)
+    finally:
+        stop.set()
+        for thread in loaders:
+            thread.join()
+    p99, warm_p50 = _percentile(cold, 0.99), _percentile(warm, 0.5)
+    return {"busy_cold_requests": len(cold), "busy_cold_p50_ms": _percentile(cold, 0.5), "busy_cold_p99_ms": p99,
+            "busy_warm_p50_ms": warm_p50, "busy_errors": errors[0],
+            "busy_cold_vs_warm": round(p99 / warm_p50, 2) if p99 is not None and warm_p50 else None}
+
+
 def _measure(repo: Path, store: TaskStore, derived: DerivedStore, reference: Reference, n: int,
              config: ScaleBenchConfig, texts: list[str]) -> dict:
     from aot.client.client import Client
@@ -173,8 +227,11 @@ def _measure(repo: Path, store: TaskStore, derived: DerivedStore, reference: Ref
     zipf = rng.choice(total, size=config.warmup + config.requests, p=weights / weights.sum())
     with LocalServer(repo) as server:
         rss_ready = _rss_by_process(server.process)
-        cold_picks = rng.choice(np.arange(total // 2, total), size=min(config.cold, max(total // 2, 1)),
-                                replace=False) if total > 1 else np.array([0])
+        # untouched tasks from the store's tail: the first half asked one at a time on an idle server, the second
+        # under load (both before any Zipf pass touches them)
+        tail = rng.permutation(np.arange(total // 2, total))
+        picks = min(config.cold, max(len(tail) // 2, 1))
+        cold_picks, busy_picks = tail[:picks], tail[picks: 2 * picks]
         cold = []
         with Client(server.grpc_url) as client:
             client.infer(_name(0), texts[0])  # the engine's first run is a warm-up, not a task's first request
@@ -184,6 +241,9 @@ def _measure(repo: Path, store: TaskStore, derived: DerivedStore, reference: Ref
                 cold.append((time.perf_counter() - start) * 1e3)
             sample = [0, *[int(i) for i in cold_picks[: config.sample - 1]]]
             wrong = _wrong(client, reference, sample, texts[:2])
+        busy = _cold_under_load(server.grpc_url, _name(0), texts, [_name(int(i)) for i in busy_picks],
+                                config.concurrency)
+        busy_errors = busy.pop("busy_errors")
         items = [(_name(int(k)), texts[j % len(texts)]) for j, k in enumerate(zipf)]
         _closed_loop(server.grpc_url, "aot", items[: config.warmup], config.concurrency)
         steady_run = _closed_loop(server.grpc_url, "aot", items[: min(config.warmup, config.requests)],
@@ -213,13 +273,14 @@ def _measure(repo: Path, store: TaskStore, derived: DerivedStore, reference: Ref
             "rss_ready_total_mb": round(sum(rss_ready.values()), 1),
             "rss_after_total_mb": round(sum(rss_after.values()), 1),
             "cold_p50_ms": round(statistics.median(cold), 1),
-            "cold_p99_ms": round(cold[int(0.99 * (len(cold) - 1))], 1),
+            "cold_p99_ms": round(cold[int(0.99 * (len(cold) - 1))], 1), **busy,
             "steady_rps": steady_run["throughput_rps"],
             "steady_vs_hot": round(steady_run["throughput_rps"] / hot_run["throughput_rps"], 3),
             "steady_tasks": len({k for k, _ in items[: min(config.warmup, config.requests)]}),
             "zipf_rps": zipf_run["throughput_rps"], "hot_rps": hot_run["throughput_rps"],
             "zipf_vs_hot": round(zipf_run["throughput_rps"] / hot_run["throughput_rps"], 3),
-            "errors": zipf_run["errors"] + hot_run["errors"] + steady_run["errors"], "publish_to_served_s": round(publish_to_served, 3),
+            "errors": zipf_run["errors"] + hot_run["errors"] + steady_run["errors"] + busy_errors,
+            "publish_to_served_s": round(publish_to_served, 3),
             "wrong": wrong,
             "index_bytes": sum(p.stat().st_size for d in ("index", "log", SHARDS)
                                for p in (store.root / d).glob("*.json"))}
@@ -267,12 +328,14 @@ def write_scale_reports(records: list[dict], out: Path, config: ScaleBenchConfig
              "publish_vs_first": round(r["publish_one_s"] / first["publish_one_s"], 2)} for r in records]
     text = "# One server, many tasks (CPU, `aot serve` defaults)\n\n" + markdown_table(
         rows, ["tasks", "ready_s", "ready_vs_first", "rss_ready_total_mb", "rss_after_total_mb",
-               "rss_after_vs_first_mb", "cold_p50_ms", "cold_p99_ms", "steady_tasks", "steady_rps", "steady_vs_hot",
+               "rss_after_vs_first_mb", "cold_p50_ms", "cold_p99_ms", "busy_cold_requests", "busy_cold_p50_ms",
+               "busy_cold_p99_ms", "busy_warm_p50_ms", "busy_cold_vs_warm", "steady_tasks", "steady_rps", "steady_vs_hot",
                "zipf_rps", "hot_rps", "zipf_vs_hot",
                "publish_one_s", "publish_vs_first", "publish_writer_bytes", "publish_bytes_read", "publish_to_served_s",
                "errors", "wrong"],
         ["tasks", "ready (s)", "× first", "RSS at ready (MB)", "RSS after traffic (MB)", "+MB vs first",
-         "cold p50 ms", "cold p99 ms", "tasks in the steady pass", "steady Zipf req/s", "steady × hot",
+         "cold p50 ms", "cold p99 ms", "cold under load (requests)", "cold under load p50 ms",
+         "cold under load p99 ms", "warm p50 ms of that load", "cold p99 under load × warm p50", "tasks in the steady pass", "steady Zipf req/s", "steady × hot",
          "cold-protocol Zipf req/s", "hot req/s", "cold-protocol Zipf × hot", "publish one (s)", "× first",
          "bytes the publisher reads", "bytes a reader reads per publish", "publish → served (s)", "errors",
          "wrong answers"])
