@@ -27,7 +27,8 @@
 # python3), AOT_GPU_DEVICE (cuda; cpu rehearses the stages on a machine without one: perf with a stand-in load
 # generator, labelled, where perf_analyzer cannot run), AOT_GPU_KIT (.gpu-kit), AOT_GPU_WORK (/tmp/aot-gpu),
 # AOT_GPU_SECONDS (450: the perf stage's budget), AOT_GPU_REQUESTS (2000 per serve and pool measurement),
-# AOT_GPU_ROUNDS (1: aot bench serve --rounds).
+# AOT_GPU_ROUNDS (1: aot bench serve --rounds), AOT_GPU_INSTANCES (the perf stage's served step instances on the GPU;
+# default: the export's).
 set -euo pipefail
 deadline=$(( $(date +%s) + ${AOT_GPU_SECONDS:-450} ))  # the perf stage ends by then, set-up included
 cd "$(dirname "$0")/.."
@@ -165,6 +166,7 @@ perf_stage() {  # issue 45's check (the comment above); its exit status is the c
   local status=0
   aot bench gpu-perf --shape "minilm=$work/perf-task-minilm" --shape "base=$work/perf-task-base" \
     --device "$device" --deadline "$deadline" --out "$out/perf" --work "$work/perf" "${load[@]}" \
+    ${AOT_GPU_INSTANCES:+--gpu-instances "$AOT_GPU_INSTANCES"} \
     --note "base: a BERT config of RoBERTa-base's compute shape (12 layers, hidden 768, 12 heads, FFN 3072) with \
 MiniLM's tokenizer and vocabulary (30,522, not RoBERTa's 50,265): the kit carries no RoBERTa tokenizer" \
     --note "every encoder has random weights; each task is FC trained 1 epoch on 64 reviews (accuracy not measured)" \

@@ -272,6 +272,8 @@ def add_bench(sub) -> None:
                    help="aot export backbone --max-batch-size of the served repository")
     g.add_argument("--seq", type=_positive_int, default=64,
                    help="the engine alone's sequence length, a served bucket: served texts pad to it")
+    g.add_argument("--gpu-instances", type=_positive_int, default=None,
+                   help="aot export backbone --gpu-instances of the served repository (default: the export's)")
     g.add_argument("--measurement-interval", type=_positive_int, default=1500, help="perf_analyzer's window (ms)")
     g.add_argument("--stand-in-requests", type=_positive_int, default=8,
                    help="without --perf-analyzer: requests of each window")
@@ -381,7 +383,7 @@ def run_gpu_perf(args) -> int:
                            max_batch_size=args.max_batch_size, seq=args.seq, interval_ms=args.measurement_interval,
                            stand_in_requests=args.stand_in_requests, engine_batch=args.engine_batch,
                            engine_repeats=args.engine_repeats, deadline=args.deadline, notes=args.note,
-                           work=args.work)
+                           work=args.work, gpu_instances=args.gpu_instances)
     result = run(config)
     print(json.dumps({"out": args.out, "failures": result["failures"],
                       "targets_met": sum(t["met"] is True for t in result["targets"]),

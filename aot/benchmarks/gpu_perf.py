@@ -76,6 +76,7 @@ class GpuPerfConfig:
     deadline: float | None = None  # Unix time
     notes: list[str] = field(default_factory=list)
     work: str | None = None  # the repositories (GBs: never among the results); None: a temporary folder
+    gpu_instances: int | None = None  # the served step's instances on the GPU; None: the export's default
 
 
 def priority(window: Window, shape: str) -> int:
@@ -172,7 +173,7 @@ def engine_alone(model_dir: Path, config: GpuPerfConfig, out: Path) -> dict:
     return result
 
 
-def build_repository(task: Path, repo: Path, max_batch_size: int) -> None:
+def build_repository(task: Path, repo: Path, max_batch_size: int, gpu_instances: int | None = None) -> None:
     """What `aot export backbone --format torch --max-batch-size N` and `aot export task` write: the encoder, and
     the task published as aot-0 ... aot-7 (fused; the copies hard-linked to the first's files)."""
     from aot.exporter.backbone_export import export_backbone
@@ -181,8 +182,9 @@ def build_repository(task: Path, repo: Path, max_batch_size: int) -> None:
     from aot.serving.repository import ServingOptions, read_repository
     from aot.training.artifact import read_task
 
+    instances = {} if gpu_instances is None else {"gpu_instances": gpu_instances}
     export_backbone(read_task(task).backbone["model"], repo,
-                    ServingOptions(engine="torch", max_batch_size=max_batch_size))
+                    ServingOptions(engine="torch", max_batch_size=max_batch_size, **instances))
     first = export_task(task, repo, TASKS[0], "fused", progress=False)
     store = TaskStore(read_repository(repo).store_root)
     copies = []
@@ -313,7 +315,8 @@ class ShapeRun:
         self.record["engine_alone"] = self.part("engine alone", lambda: engine_alone(
             self.model_dir, config, self.folder / "engine"))
         self.save()
-        self.part("export", lambda: build_repository(self.task, repo, config.max_batch_size))
+        self.part("export", lambda: build_repository(self.task, repo, config.max_batch_size,
+                                                                 config.gpu_instances))
         texts = bucket_texts(self.model_dir, config.seq, read_repository(repo).options.buckets)
         self.record["texts_note"] = (f"{len(texts)} Rotten Tomatoes reviews that pad to the {config.seq}-token bucket "
                                      "(the engine alone's sequence length)")
