@@ -12,8 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -122,15 +120,6 @@ def test_a_task_published_while_serving_answers_within_seconds(repo, server, art
         np.testing.assert_allclose(got["logits"], expected["alpha"][0], atol=ATOL)
 
 
-def _ready(server) -> tuple[int, dict]:
-    """The supervisor's /ready: its status and body."""
-    try:
-        with urllib.request.urlopen(f"http://{server.health_url}/ready", timeout=10) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
 def _refused_now(client, name: str) -> InferenceError | None:
     """The error of one request for `name`, or None when it was answered."""
     try:
@@ -172,7 +161,7 @@ def test_the_store_paused_under_load(repo, server, artifacts, expected, s3):
             with Load(server.grpc_url, TEXTS, 4, pick, timeout=60, retry_seconds=0) as load:
                 load.wait_for(50)
                 refused = _until(lambda: _refused_now(client, "delta"), 60, "the uncached task was not refused")
-                status, ready = _until(lambda: (r := _ready(server))[1].get("warnings") and r, 60,
+                status, ready = _until(lambda: (r := server.readiness())[1].get("warnings") and r, 60,
                                        "/ready did not report the store")
                 cold = [_refused_now(client, "delta") for _ in range(10)]  # beside the load: fail at once, alone
                 unknown = _refused_now(client, "nosuch")
@@ -204,7 +193,7 @@ def test_the_store_paused_under_load(repo, server, artifacts, expected, s3):
         # back: the cold task is fetched, /ready has nothing to say, an unknown name is unknown again
         _until(lambda: _refused_now(client, "delta") is None, 60, "the cold task did not serve again")
         np.testing.assert_allclose(client.infer("delta", TEXTS[0])["logits"], expected["beta"][0], atol=ATOL)
-        _until(lambda: _ready(server)[1]["warnings"] == [], 60, "/ready still warned once the store was back")
+        _until(lambda: server.readiness()[1]["warnings"] == [], 60, "/ready still warned once the store was back")
         _until(lambda: all(isinstance(_refused_now(client, "nosuch"), TaskNotFound) for _ in range(8)), 60,
                "an unknown name was not unknown again on every instance")
         with pytest.raises(TaskNotFound, match="unknown task 'nosuch'"):

@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import shutil
 import time
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
@@ -54,14 +52,6 @@ def _copy(repo, tmp_path):
     copy = tmp_path / "repo"
     shutil.copytree(repo, copy)
     return copy
-
-
-def _ready(server) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(f"http://{server.health_url}/ready", timeout=10) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
 
 
 def _until(condition, seconds: float, what: str):
@@ -108,7 +98,7 @@ def test_a_truncated_shard_fails_its_tasks_alone_until_repaired(request, tmp_pat
 
     started = time.monotonic()
     for server in serve_for_tests(request, copy, load=("aot", "task_list")):
-        status, ready = _until(lambda: (r := _ready(server))[0] == 200 and r, 120, "the server was not ready")
+        status, ready = _until(lambda: (r := server.readiness())[0] == 200 and r, 120, "the server was not ready")
         up = time.monotonic() - started
         print(f"\na server on a store with one damaged shard of {len(files)}: ready in {up:.1f} s; /ready {ready}")
         assert f"shard {damaged} of the index cannot be parsed" in ready["warnings"][0]
@@ -130,7 +120,7 @@ def test_a_truncated_shard_fails_its_tasks_alone_until_repaired(request, tmp_pat
             assert summary["damaged_shards"] == [damaged] and [v.split("@")[0] for v in summary["recovered"]] == \
                 ["beta"] and summary["tasks"] == 4, (summary, said)
             _until(lambda: _serves(client, "beta", expected), 30, "the repaired task did not serve")
-            _until(lambda: _ready(server)[1]["warnings"] == [], 30, "/ready still warned after the repair")
+            _until(lambda: server.readiness()[1]["warnings"] == [], 30, "/ready still warned after the repair")
             for name in ("alpha", "gamma", "delta"):
                 np.testing.assert_allclose(client.infer(name, TEXTS[0])["logits"], expected[0], atol=ATOL)
     verified, _ = run_cli("export", "verify", "--repo", str(copy))
@@ -148,7 +138,7 @@ def test_a_log_that_does_not_parse_makes_a_fresh_server_unready_until_repaired(r
     with pytest.raises(ValueError, match=rf"damaged at generation {generation} .*aot export repair"):
         export_task(artifact, copy, "epsilon", "factored", progress=False)
     for server in serve_for_tests(request, copy, load=("aot", "task_list")):
-        status, ready = _until(lambda: (r := _ready(server))[0] == 503 and "change log" in json.dumps(r[1]) and r,
+        status, ready = _until(lambda: (r := server.readiness())[0] == 503 and "change log" in json.dumps(r[1]) and r,
                                120, "/ready did not say the log is damaged")
         assert any(f"cannot be parsed at generation {generation}" in r and "aot export repair" in r
                    for r in ready["reasons"]), ready
@@ -160,7 +150,7 @@ def test_a_log_that_does_not_parse_makes_a_fresh_server_unready_until_repaired(r
                 assert "not in the index this server holds" in str(refused)
             [summary], _ = run_cli("export", "repair", "--repo", str(copy))
             assert summary["damaged_logs"] == [generation] and summary["recovered"][0].startswith("delta@")
-            _until(lambda: _ready(server)[0] == 200, 60, "the server was not ready after the repair")
+            _until(lambda: server.readiness()[0] == 200, 60, "the server was not ready after the repair")
             _until(lambda: _serves(client, "delta", expected), 30, "the recovered task did not serve")
             assert isinstance(_error(client, "nosuch"), TaskNotFound)
     export_task(artifact, copy, "epsilon", "factored", progress=False)  # publishing works again

@@ -21,15 +21,13 @@ import statistics
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from aot import settings
-from aot.benchmarks.report import markdown_table, write_json, write_text
+from aot.benchmarks.report import markdown_table, percentile, write_json, write_text
 from aot.benchmarks.serve import _texts
 from aot.exporter.task_store import TaskStore
 from aot.serving.repository import read_repository
@@ -45,19 +43,6 @@ class HardeningBenchConfig:
     pause_s: float = 12.0
     unknown_requests: int = 200
     side_requests: int = 400
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    ordered = sorted(values)
-    return round(ordered[int(q * (len(ordered) - 1))], 1) if ordered else None
-
-
-def _ready(server) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(f"http://{server.health_url}/ready", timeout=10) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
 
 
 class Loop:
@@ -121,7 +106,7 @@ def _hung_store(scratch: Path, model: str, task: str, config: HardeningBenchConf
                 try:
                     with cold:
                         while time.monotonic() - paused < config.pause_s:
-                            readies.append(_ready(server))
+                            readies.append(server.readiness())
                             time.sleep(0.5)
                 finally:
                     s3.resume()
@@ -139,10 +124,10 @@ def _hung_store(scratch: Path, model: str, task: str, config: HardeningBenchConf
             cold_during = cold.between(paused, resumed)
     wrong = [o for o in before + during if o[2] is not None and np.abs(o[2] - want).max() > 1e-3]
     return {"hung_pause_s": config.pause_s,
-            "hung_cached_before": len(before), "hung_cached_before_p99_ms": _percentile([o[1] for o in before], 0.99),
+            "hung_cached_before": len(before), "hung_cached_before_p99_ms": percentile([o[1] for o in before], 0.99),
             "hung_cached_during": len(during), "hung_cached_failed": sum(o[3] is not None for o in during),
-            "hung_cached_wrong": len(wrong), "hung_cached_p50_ms": _percentile([o[1] for o in during], 0.5),
-            "hung_cached_p99_ms": _percentile([o[1] for o in during], 0.99),
+            "hung_cached_wrong": len(wrong), "hung_cached_p50_ms": percentile([o[1] for o in during], 0.5),
+            "hung_cached_p99_ms": percentile([o[1] for o in during], 0.99),
             "hung_cached_max_ms": round(max((o[1] for o in during), default=0.0), 1),
             "hung_cold_requests": len(cold_during), "hung_cold_failed": sum(o[3] is not None for o in cold_during),
             "hung_cold_errors": sorted({o[3].split(";")[0] for o in cold_during if o[3]})[:2],
@@ -198,7 +183,7 @@ def _side(url: str, text: str, requests: int, noise: int) -> dict:
         stop.set()
         for t in threads:
             t.join()
-    return {"p50_ms": _percentile(latencies, 0.5), "p99_ms": _percentile(latencies, 0.99)}
+    return {"p50_ms": percentile(latencies, 0.5), "p99_ms": percentile(latencies, 0.99)}
 
 
 def _unknown(server, repo: Path, requests: int, text: str) -> dict:
@@ -219,7 +204,7 @@ def _unknown(server, repo: Path, requests: int, text: str) -> dict:
         start = time.perf_counter()
         registry.unknown(f"nosuch{i}", None)
         costs.append((time.perf_counter() - start) * 1e3)
-    return {"request_p50_ms": _percentile(latencies, 0.5), "request_p99_ms": _percentile(latencies, 0.99),
+    return {"request_p50_ms": percentile(latencies, 0.5), "request_p99_ms": percentile(latencies, 0.99),
             "registry_ms": round(statistics.median(costs), 3)}
 
 
@@ -282,7 +267,7 @@ def _large_change(server, store: TaskStore, count: int, text: str) -> dict:
         time.sleep(2)  # the aot steps apply it too, each from its own thread
         during = loop.between(start, time.monotonic())
     return {"change_entries": count, "change_parts": parts, "change_applied_s": round(applied, 1),
-            "change_requests": len(during), "change_p99_ms": _percentile([o[1] for o in during], 0.99),
+            "change_requests": len(during), "change_p99_ms": percentile([o[1] for o in during], 0.99),
             "change_max_ms": round(max((o[1] for o in during), default=0.0), 1),
             "change_failed": sum(o[3] is not None for o in during),
             "change_stub_rss_before_mb": before, "change_stub_rss_after_mb": _stub_rss_mb(server)}
@@ -294,7 +279,7 @@ def _ready_seconds(repo: Path) -> tuple[float, dict]:
 
     begin = time.monotonic()
     with LocalServer(repo) as server:
-        while (answer := _ready(server))[0] != 200:
+        while (answer := server.readiness())[0] != 200:
             time.sleep(0.05)
         return round(time.monotonic() - begin, 2), answer[1]
 

@@ -9,6 +9,12 @@ from pathlib import Path
 from aot.serving.store import atomic
 
 
+def percentile(values: Sequence[float], share: float) -> float | None:
+    """The value below which `share` of `values` lie (the nearest rank below), rounded to 0.1; None for none."""
+    ordered = sorted(values)
+    return round(ordered[int(share * (len(ordered) - 1))], 1) if ordered else None
+
+
 def write_json(path: Path, data) -> None:
     """Atomic (aot.serving.store.atomic): a crash leaves the previous file or the new one."""
     path.parent.mkdir(parents=True, exist_ok=True)

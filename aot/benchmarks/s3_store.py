@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from aot import settings
-from aot.benchmarks.report import markdown_table, write_json, write_text
+from aot.benchmarks.report import markdown_table, percentile, write_json, write_text
 from aot.benchmarks.scale import DerivedStore, _name
 from aot.benchmarks.serve import _closed_loop, _texts
 from aot.exporter.task_store import TaskStore
@@ -52,11 +52,6 @@ class S3BenchConfig:
     pause_s: float = 30.0
     publishes: int = 5
     batch: int = 500
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return round(ordered[int(q * (len(ordered) - 1))], 1)
 
 
 def _cached_rps(repos: dict[str, Path], config: S3BenchConfig, texts: list[str]) -> dict:
@@ -159,7 +154,7 @@ def _cold_and_pause(repo: Path, s3, total: int, config: S3BenchConfig, texts: li
                 client.infer(_name(int(i)), texts[0])
                 latencies.append((time.perf_counter() - start) * 1e3)
         paused = _under_pause(server, s3, config, texts, _name(int(picks[-1])))
-    return {"cold_p50_ms": _percentile(latencies, 0.5), "cold_p99_ms": _percentile(latencies, 0.99), **paused}
+    return {"cold_p50_ms": percentile(latencies, 0.5), "cold_p99_ms": percentile(latencies, 0.99), **paused}
 
 
 def _publish_to_fleet(repo: Path, derived: DerivedStore, config: S3BenchConfig, texts: list[str]) -> dict:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from aot.benchmarks.report import markdown_table, new_figure, save_figure, write_json, write_text
+from aot.benchmarks.report import markdown_table, new_figure, percentile, save_figure, write_json, write_text
 from aot.benchmarks.serve import _closed_loop, _texts
 from aot.exporter.task_store import Publication, TaskStore
 from aot.serving.repository import read_repository
@@ -164,11 +164,6 @@ def _wrong(client, reference: Reference, picks: list[int], texts: list[str]) -> 
     return wrong
 
 
-def _percentile(values: list[float], share: float) -> float | None:
-    ordered = sorted(values)
-    return round(ordered[int(share * (len(ordered) - 1))], 1) if ordered else None
-
-
 def _cold_under_load(url: str, hot_task: str, texts: list[str], cold_tasks: list[str], concurrency: int) -> dict:
     """First requests of `cold_tasks`, one at a time, while `concurrency` - 1 clients keep `hot_task` busy from
     before the first to after the last; the hot requests' p50 meanwhile."""
@@ -209,8 +204,8 @@ def _cold_under_load(url: str, hot_task: str, texts: list[str], cold_tasks: list
         stop.set()
         for thread in loaders:
             thread.join()
-    p99, warm_p50 = _percentile(cold, 0.99), _percentile(warm, 0.5)
-    return {"busy_cold_requests": len(cold), "busy_cold_p50_ms": _percentile(cold, 0.5), "busy_cold_p99_ms": p99,
+    p99, warm_p50 = percentile(cold, 0.99), percentile(warm, 0.5)
+    return {"busy_cold_requests": len(cold), "busy_cold_p50_ms": percentile(cold, 0.5), "busy_cold_p99_ms": p99,
             "busy_warm_p50_ms": warm_p50, "busy_errors": errors[0],
             "busy_cold_vs_warm": round(p99 / warm_p50, 2) if p99 is not None and warm_p50 else None}
 

@@ -20,6 +20,7 @@ server alone (its stubs then remove their shared memory), then SIGKILL to the gr
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -28,6 +29,8 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -268,6 +271,14 @@ class LocalServer(Endpoints):
     def serves(self) -> bool:
         """The supervisor's /ready: every model loaded, ready and answering its probe (what a balancer asks)."""
         return http_ok(f"http://{self.health_url}/ready", 2)
+
+    def readiness(self) -> tuple[int, dict]:
+        """The supervisor's /ready in full: its HTTP status and its body (ready, reasons, warnings)."""
+        try:
+            with urllib.request.urlopen(f"http://{self.health_url}/ready", timeout=10) as answer:
+                return answer.status, json.loads(answer.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
 
     def start(self, timeout: float = 120) -> "LocalServer":
         if not (self.repo / "models").is_dir():
