@@ -63,6 +63,15 @@ def serve_for_tests(request, repo: Path, load: tuple[str, ...] | None = None):
     server.stop()
 
 
+def wait_until(condition: Callable, seconds: float, what: str):
+    """Wait for `condition()` to be truthy (its value), polling; fail naming `what` after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"{what} within {seconds:.0f} s"
+        time.sleep(0.2)
+    return value
+
+
 def run_cli(*argv: str, exit_code: int = 0) -> tuple[list[dict], str]:
     """`aot ...` run in this process (it must exit `exit_code`): its JSON lines on stdout, and its stderr."""
     import contextlib

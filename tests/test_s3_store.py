@@ -27,7 +27,7 @@ from aot.serving.supervision.admin_key import GRPC_ADMIN_HEADER
 from aot.serving.supervision.procfs import stubs_of
 from aot.serving.task_registry import REMOTE_POLL_SECONDS
 from aot.training.predict import Predictor
-from tests.helpers import Load, serve_for_tests, train_tiny_tasks
+from tests.helpers import Load, serve_for_tests, train_tiny_tasks, wait_until
 
 pytestmark = pytest.mark.server
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,15 +129,6 @@ def _refused_now(client, name: str) -> InferenceError | None:
     return None
 
 
-def _until(condition, seconds: float, what: str):
-    """Wait for `condition()` to be truthy (its value), polling; fail naming `what` after `seconds`."""
-    deadline = time.monotonic() + seconds
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"{what} within {seconds:.0f} s"
-        time.sleep(0.2)
-    return value
-
-
 def _assert_no_store_internals(message: str, s3) -> None:
     """What a client reads names the task, never the bucket, its prefix or the store's endpoint (issue 46, item 8)."""
     host_port = s3.endpoint.split("//", 1)[1]
@@ -160,13 +151,13 @@ def test_the_store_paused_under_load(repo, server, artifacts, expected, s3):
         try:
             with Load(server.grpc_url, TEXTS, 4, pick, timeout=60, retry_seconds=0) as load:
                 load.wait_for(50)
-                refused = _until(lambda: _refused_now(client, "delta"), 60, "the uncached task was not refused")
-                status, ready = _until(lambda: (r := server.readiness())[1].get("warnings") and r, 60,
-                                       "/ready did not report the store")
+                refused = wait_until(lambda: _refused_now(client, "delta"), 60, "the uncached task was not refused")
+                status, ready = wait_until(lambda: (r := server.readiness())[1].get("warnings") and r, 60,
+                                           "/ready did not report the store")
                 cold = [_refused_now(client, "delta") for _ in range(10)]  # beside the load: fail at once, alone
                 unknown = _refused_now(client, "nosuch")
-                listing = _until(lambda: (t := client.tasks()).get("index_error") and t, 60,
-                                 "aot tasks did not say the index cannot be read")
+                listing = wait_until(lambda: (t := client.tasks()).get("index_error") and t, 60,
+                                     "aot tasks did not say the index cannot be read")
                 load.wait_for(len(load.outcomes) + 200)
             _replace_every_instance(server, "aot")  # new instances start while the store does not answer
             after = [client.infer(("alpha", "beta")[i % 2], TEXTS[i % len(TEXTS)]) for i in range(20)]
@@ -191,11 +182,11 @@ def test_the_store_paused_under_load(repo, server, artifacts, expected, s3):
             np.testing.assert_allclose(answer["logits"], expected[("alpha", "beta")[i % 2]][i % len(TEXTS)],
                                        atol=ATOL)
         # back: the cold task is fetched, /ready has nothing to say, an unknown name is unknown again
-        _until(lambda: _refused_now(client, "delta") is None, 60, "the cold task did not serve again")
+        wait_until(lambda: _refused_now(client, "delta") is None, 60, "the cold task did not serve again")
         np.testing.assert_allclose(client.infer("delta", TEXTS[0])["logits"], expected["beta"][0], atol=ATOL)
-        _until(lambda: server.readiness()[1]["warnings"] == [], 60, "/ready still warned once the store was back")
-        _until(lambda: all(isinstance(_refused_now(client, "nosuch"), TaskNotFound) for _ in range(8)), 60,
-               "an unknown name was not unknown again on every instance")
+        wait_until(lambda: server.readiness()[1]["warnings"] == [], 60, "/ready still warned once the store was back")
+        wait_until(lambda: all(isinstance(_refused_now(client, "nosuch"), TaskNotFound) for _ in range(8)), 60,
+                   "an unknown name was not unknown again on every instance")
         with pytest.raises(TaskNotFound, match="unknown task 'nosuch'"):
             client.infer("nosuch", TEXTS[0])
 
@@ -206,8 +197,8 @@ def _replace_every_instance(server, model: str) -> None:
     for instance in sorted(s.instance for s in stubs_of(server.process.pid).values() if s.model == model):
         repairs = len(server.supervisor.repairs)
         os.kill(stubs_of(server.process.pid)[instance].pid, signal.SIGKILL)
-        _until(lambda: any(r.seconds is not None for r in server.supervisor.repairs[repairs:]), 60,
-               f"{instance} was not replaced")
+        wait_until(lambda: any(r.seconds is not None for r in server.supervisor.repairs[repairs:]), 60,
+                   f"{instance} was not replaced")
         assert all(r.error is None for r in server.supervisor.repairs[repairs:]), server.supervisor.repairs[repairs:]
 
 
@@ -244,7 +235,7 @@ def test_a_cold_task_beside_cached_ones_in_one_batch_fails_alone(repo, batching_
         client.infer_many([{"task": "alpha", "text": t} for t in TEXTS] * 4, concurrency=12)  # both instances
         s3.pause()
         try:
-            _until(lambda: _refused_now(client, "omega"), 60, "the uncached task was not refused")
+            wait_until(lambda: _refused_now(client, "omega"), 60, "the uncached task was not refused")
             with grpcclient.InferenceServerClient(server.grpc_url) as c:
                 before = c.get_inference_statistics("aot", headers={GRPC_ADMIN_HEADER: server.admin_key})
             items = [{"task": "alpha", "text": TEXTS[i % len(TEXTS)]} for i in range(7)]

@@ -20,7 +20,7 @@ from aot.exporter.task_store import TaskStore
 from aot.serving.store.log import ChangeLog, log_key
 from aot.serving.store.shards import shard_key, shard_of
 from aot.training.predict import Predictor
-from tests.helpers import make_repository, run_cli, serve_for_tests, train_tiny_task
+from tests.helpers import make_repository, run_cli, serve_for_tests, train_tiny_task, wait_until
 
 pytestmark = pytest.mark.server
 TEXTS = ["good w1 w2", "w3 awful w4 w5"]
@@ -52,14 +52,6 @@ def _copy(repo, tmp_path):
     copy = tmp_path / "repo"
     shutil.copytree(repo, copy)
     return copy
-
-
-def _until(condition, seconds: float, what: str):
-    deadline = time.monotonic() + seconds
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"{what} within {seconds:.0f} s"
-        time.sleep(0.2)
-    return value
 
 
 def _error(client: Client, name: str) -> InferenceError | None:
@@ -98,7 +90,7 @@ def test_a_truncated_shard_fails_its_tasks_alone_until_repaired(request, tmp_pat
 
     started = time.monotonic()
     for server in serve_for_tests(request, copy, load=("aot", "task_list")):
-        status, ready = _until(lambda: (r := server.readiness())[0] == 200 and r, 120, "the server was not ready")
+        status, ready = wait_until(lambda: (r := server.readiness())[0] == 200 and r, 120, "the server was not ready")
         up = time.monotonic() - started
         print(f"\na server on a store with one damaged shard of {len(files)}: ready in {up:.1f} s; /ready {ready}")
         assert f"shard {damaged} of the index cannot be parsed" in ready["warnings"][0]
@@ -112,15 +104,15 @@ def test_a_truncated_shard_fails_its_tasks_alone_until_repaired(request, tmp_pat
             assert isinstance(_error(client, "nosuch"), TaskNotFound)  # a healthy shard says it is absent
             export_task(artifact, copy, "delta", "factored", progress=False)  # a publish elsewhere lands
             assert shard_of("delta") != damaged
-            _until(lambda: _serves(client, "delta", expected), 30, "the task published beside the damage")
+            wait_until(lambda: _serves(client, "delta", expected), 30, "the task published beside the damage")
             with pytest.raises(ValueError, match=rf"shard {damaged} .* is damaged .*aot export repair"):
                 export_task(artifact, copy, _another_name_in_shard(damaged, set(NAMES)), "factored",
                             progress=False)
             [summary], said = run_cli("export", "repair", "--repo", str(copy))
             assert summary["damaged_shards"] == [damaged] and [v.split("@")[0] for v in summary["recovered"]] == \
                 ["beta"] and summary["tasks"] == 4, (summary, said)
-            _until(lambda: _serves(client, "beta", expected), 30, "the repaired task did not serve")
-            _until(lambda: server.readiness()[1]["warnings"] == [], 30, "/ready still warned after the repair")
+            wait_until(lambda: _serves(client, "beta", expected), 30, "the repaired task did not serve")
+            wait_until(lambda: server.readiness()[1]["warnings"] == [], 30, "/ready still warned after the repair")
             for name in ("alpha", "gamma", "delta"):
                 np.testing.assert_allclose(client.infer(name, TEXTS[0])["logits"], expected[0], atol=ATOL)
     verified, _ = run_cli("export", "verify", "--repo", str(copy))
@@ -138,8 +130,8 @@ def test_a_log_that_does_not_parse_makes_a_fresh_server_unready_until_repaired(r
     with pytest.raises(ValueError, match=rf"damaged at generation {generation} .*aot export repair"):
         export_task(artifact, copy, "epsilon", "factored", progress=False)
     for server in serve_for_tests(request, copy, load=("aot", "task_list")):
-        status, ready = _until(lambda: (r := server.readiness())[0] == 503 and "change log" in json.dumps(r[1]) and r,
-                               120, "/ready did not say the log is damaged")
+        status, ready = wait_until(lambda: (r := server.readiness())[0] == 503 and "change log" in json.dumps(r[1]) and r,
+                                   120, "/ready did not say the log is damaged")
         assert any(f"cannot be parsed at generation {generation}" in r and "aot export repair" in r
                    for r in ready["reasons"]), ready
         with Client(server.grpc_url) as client:
@@ -150,8 +142,8 @@ def test_a_log_that_does_not_parse_makes_a_fresh_server_unready_until_repaired(r
                 assert "not in the index this server holds" in str(refused)
             [summary], _ = run_cli("export", "repair", "--repo", str(copy))
             assert summary["damaged_logs"] == [generation] and summary["recovered"][0].startswith("delta@")
-            _until(lambda: server.readiness()[0] == 200, 60, "the server was not ready after the repair")
-            _until(lambda: _serves(client, "delta", expected), 30, "the recovered task did not serve")
+            wait_until(lambda: server.readiness()[0] == 200, 60, "the server was not ready after the repair")
+            wait_until(lambda: _serves(client, "delta", expected), 30, "the recovered task did not serve")
             assert isinstance(_error(client, "nosuch"), TaskNotFound)
     export_task(artifact, copy, "epsilon", "factored", progress=False)  # publishing works again
 
@@ -176,8 +168,8 @@ def test_a_change_of_thousands_of_tasks_reaches_a_server_in_parts_without_failin
                       retry_seconds=0) as load:
                 load.wait_for(50)
                 store.log.commit(lambda state: Change(tasks=entries))
-                _until(lambda: client.tasks(limit=1)["total"] == 5000 + len(NAMES), 120,
-                       "the large change did not reach the server")
+                wait_until(lambda: client.tasks(limit=1)["total"] == 5000 + len(NAMES), 120,
+                           "the large change did not reach the server")
                 load.wait_for(len(load.outcomes) + 50)
             parts = sorted((store.root / "parts").iterdir())
             assert len(parts) >= 10 and max(p.stat().st_size for p in parts) <= (64 << 10) + 4096
