@@ -4,6 +4,7 @@ import re
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -126,6 +127,26 @@ def test_lfu_keeps_rows_used_often_where_lru_keeps_the_last_used():
     # LRU keeps only what the last eviction happened to spare (4 rows); LFU loses the hot set once, at its first
     # eviction (every token was used once then), and keeps it from its second use on
     assert hits == {"lru": 5 * 4, "lfu": 4 + 4 * len(hot)}, hits
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="reads Linux's /proc/self/smaps")
+def test_the_host_buffer_is_kept_out_of_huge_pages():
+    """A task's first rows land scattered over its range: in a huge page each first write would zero 2 MiB. The
+    buffer's mapping carries the kernel's no-huge-pages flag (VmFlags nh), and it holds what was written."""
+    pool = RowPool(64 << 20, num_layers=2, hidden_size=8, vocab_size=1000)
+    start = pool.buffer.__array_interface__["data"][0]
+    flags, current = None, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+        if head:
+            current = int(head.group(1), 16) <= start < int(head.group(2), 16)
+        elif current and line.startswith("VmFlags:"):
+            flags = line.split()[1:]
+    assert flags is not None, "the buffer's mapping is not in /proc/self/smaps"
+    assert "nh" in flags, flags
+    pool.attach("t@1", lambda wanted: np.full((len(wanted), 2, 8), 3, np.float16))
+    slots = pool.slots_many([("t@1", np.array([5, 999]))])
+    assert (pool.buffer[slots[0]] == 3).all()
 
 
 def test_one_batch_larger_than_the_pool_is_refused():

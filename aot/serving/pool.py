@@ -28,6 +28,7 @@ resident rows (`stats`).
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import threading
 import time
 from collections.abc import Callable
@@ -63,7 +64,17 @@ class HostRows:
     """Pool rows in host memory: a numpy buffer."""
 
     def allocate(self, slots: int, num_layers: int, hidden_size: int) -> np.ndarray:
-        return np.empty((slots, num_layers, hidden_size), dtype=protocol.ROWS_DTYPE)
+        """The buffer, in anonymous memory of ordinary pages. numpy asks the kernel for transparent huge pages for a
+        large array, and the first write into a huge page then zeroes all 2 MiB of it: a task's first rows,
+        scattered over its range of the buffer, would cost a cold request tens of milliseconds of page faults."""
+        shape = (slots, num_layers, hidden_size)
+        size = slots * num_layers * hidden_size * np.dtype(protocol.ROWS_DTYPE).itemsize
+        if size == 0:
+            return np.empty(shape, dtype=protocol.ROWS_DTYPE)
+        memory = mmap.mmap(-1, size)
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux
+            memory.madvise(mmap.MADV_NOHUGEPAGE)
+        return np.frombuffer(memory, dtype=protocol.ROWS_DTYPE).reshape(shape)
 
     def write(self, buffer: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> None:
         buffer[slots] = rows
