@@ -299,8 +299,8 @@ class Step:
         return prepared
 
     def _account(self, served: list[tuple]) -> None:
-        """Count each item in the metrics (its share of the step's time; its request's latency) and write the sampled ones to
-        the request log; `served`: (request, RequestContext, status, share, latency) per item."""
+        """Count each item in the metrics (its share of the step's time; its request's latency) and write the sampled
+        ones to the request log; `served`: (request, RequestContext, status, share, latency) per item."""
         observed = set()  # a request's items share its latency: one observation per request and task version
         for request, ctx, status, share, latency in served:
             first = (id(request), ctx.version) not in observed

@@ -39,7 +39,8 @@ def pair_mismatch(has_pair: bool | None, paired: bool) -> bool:
     return has_pair is not None and has_pair != paired
 
 
-# the most threads the default gives a GPU step's tokenizer: past ~8 a batch of 128 short texts stops getting faster
+# the most threads the default gives a GPU step's tokenizer: a host of many cores does not start one per core in
+# every instance
 MAX_DEFAULT_TOKENIZER_THREADS = 8
 
 
