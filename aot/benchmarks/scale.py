@@ -194,7 +194,8 @@ def _cold_under_load(url: str, hot_task: str, texts: list[str], cold_tasks: list
         thread.start()
     cold = []
     try:
-        started.wait(timeout=60)
+        if cold_tasks and not started.wait(timeout=60):
+            raise RuntimeError(f"the load on {hot_task} answered nothing within 60 s ({errors[0]} errors)")
         with Client(url) as client:
             for task in cold_tasks:
                 start = time.perf_counter()
