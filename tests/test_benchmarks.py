@@ -697,7 +697,8 @@ def test_perf_reports_are_written_with_targets_and_failures(tmp_path):
     from aot.benchmarks.gpu_perf_report import write_reports
 
     shape = _perf_shape("minilm", description="bert config, 6 layers", eager_batches={"measured": 1, "since_start": 1},
-                        elapsed_s={"windows": 12.0}, skipped=["aot-1-t64-c1 (~9 s would pass the deadline)"])
+                        elapsed_s={"windows": 12.0}, skipped=["aot-1-t64-c1 (~9 s would pass the deadline)"],
+                        texts_note="64 reviews", gpu_instances=4, ready_seconds=9.5)
     shape["engine_alone"].update(batch=128, seq=64, cuda_graphs=True, vanilla_ms=2.4, aot_ms=2.5,
                                  aot_over_vanilla=1.03)
     result = {"device": "cuda", "device_name": "a GPU", "generator": "perf_analyzer", "started": "now",
@@ -708,3 +709,4 @@ def test_perf_reports_are_written_with_targets_and_failures(tmp_path):
     text = (tmp_path / "perf.md").read_text()
     assert "**The check FAILED:**" in text and "a note" in text and "**Skipped**: aot-1-t64-c1" in text
     assert "vanilla 2.400 ms = **1,000 seq/s**" in text  # the figures of the record
+    assert "The served step in 4 instance(s) on the GPU; server ready in 9.5 s" in text

@@ -315,9 +315,10 @@ class ShapeRun:
         self.record["engine_alone"] = self.part("engine alone", lambda: engine_alone(
             self.model_dir, config, self.folder / "engine"))
         self.save()
-        self.part("export", lambda: build_repository(self.task, repo, config.max_batch_size,
-                                                                 config.gpu_instances))
-        texts = bucket_texts(self.model_dir, config.seq, read_repository(repo).options.buckets)
+        self.part("export", lambda: build_repository(self.task, repo, config.max_batch_size, config.gpu_instances))
+        options = read_repository(repo).options
+        self.record["gpu_instances"] = options.gpu_instances
+        texts = bucket_texts(self.model_dir, config.seq, options.buckets)
         self.record["texts_note"] = (f"{len(texts)} Rotten Tomatoes reviews that pad to the {config.seq}-token bucket "
                                      "(the engine alone's sequence length)")
         data = {m: write_input_data(self.folder / f"input-{m}.json", texts, list(TASKS[:8 if m == "aot-8" else 1]))

@@ -137,7 +137,8 @@ def markdown(result: dict) -> str:
                      f"**{engine['vanilla_seq_per_s']:,.0f} seq/s**, AoT {engine['aot_ms']:.3f} ms = "
                      f"**{engine['aot_seq_per_s']:,.0f} seq/s** ({engine['aot_over_vanilla']:.3f}x vanilla's time).\n\n")
         if shape.get("texts_note"):
-            text += f"Served texts: {shape['texts_note']}. Server ready in {shape.get('ready_seconds')} s.\n\n"
+            text += (f"Served texts: {shape['texts_note']}. The served step in {shape.get('gpu_instances')} "
+                     f"instance(s) on the GPU; server ready in {shape.get('ready_seconds')} s.\n\n")
         rows = [{**r, "note": r.get("error") or (f"skipped: {r['skipped']}" if r.get("skipped") else "")}
                 for r in derived(shape)]
         if rows:
