@@ -616,7 +616,7 @@ def test_bad_index_keeps_the_last_good_one(scratch, expected):
             _check_answers(c, expected)  # the last good index
             with urllib.request.urlopen(f"http://{scratch.http_url}/v2/health/ready", timeout=5) as r:
                 assert r.status == 200
-            assert scratch.serves(), _ready(scratch)  # the steps serve the last good one: the balancer keeps it
+            assert scratch.serves(), scratch.readiness()  # the steps serve the last good one: the balancer keeps it
             samples = _metrics(scratch)
             errors = _metric(samples, "aot_store_manifest_errors_total")
             assert errors > errors_before, "aot_store_manifest_errors_total did not grow"
@@ -650,15 +650,6 @@ def test_bad_index_keeps_the_last_good_one(scratch, expected):
         _assert_clean(message, scratch.repo)
 
 
-def _ready(server) -> tuple[int, dict]:
-    """The supervisor's /ready: its status and its JSON body."""
-    try:
-        with urllib.request.urlopen(f"http://{server.health_url}/ready", timeout=5) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
-
-
 def test_server_started_on_an_unreadable_store_warns_and_is_not_ready_until_it_is_back(request, tmp_path, repo,
                                                                                        expected, capfd):
     """A store that cannot be read at start (its store.json missing: a wrong mount, a deleted file) serves no task:
@@ -670,7 +661,7 @@ def test_server_started_on_an_unreadable_store_warns_and_is_not_ready_until_it_i
     data = identity.read_bytes()
     identity.unlink()
     for server in serve_for_tests(request, copy):
-        code, body = _ready(server)
+        code, body = server.readiness()
         assert code == 503 and not body["ready"], body
         assert any(f"no task store here ({STORE_FILE} missing)" in r and "no task can be served" in r
                    for r in body["reasons"]), body
@@ -683,7 +674,7 @@ def test_server_started_on_an_unreadable_store_warns_and_is_not_ready_until_it_i
             write_atomic(identity, data)
             deadline = time.monotonic() + 10
             while not server.serves():
-                assert time.monotonic() < deadline, _ready(server)
+                assert time.monotonic() < deadline, server.readiness()
                 time.sleep(0.1)
             _check_answers(c, expected)
         print(f"\nno {STORE_FILE} at start: /ready {code} {body['reasons']}; {warnings[0]}")
