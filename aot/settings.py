@@ -117,14 +117,14 @@ REQUEST_LOG_TEXT = Setting("AOT_REQUEST_LOG_TEXT", "the request log keeps each r
 REQUIRE_TENANT_KEYS = Setting("AOT_REQUIRE_TENANT_KEYS", "public tasks too answer only requests with a tenant key "
                               "(`aot serve --require-tenant-keys` sets it)", False, _flag, "1 or 0",
                               read_by="python steps")
-RATE_LIMIT = Setting("AOT_RATE_LIMIT", "requests per second each tenant (a valid tenant key) may send a server, "
-                     "shared among the instances of its first step; more are refused with a retry hint "
-                     "(`aot serve --rate-limit` sets it; 0: no limit)", 0.0, _non_negative, "a number of requests per second",
+RATE_LIMIT = Setting("AOT_RATE_LIMIT", "texts per second each tenant (a valid tenant key) may send a server (a request of N texts "
+                     "counts N), shared among the instances of its first step; more are refused with a retry hint "
+                     "(`aot serve --rate-limit` sets it; 0: no limit)", 0.0, _non_negative, "a number of texts per second",
                      read_by="python steps")
-ANONYMOUS_RATE_LIMIT = Setting("AOT_ANONYMOUS_RATE_LIMIT", "requests per second that all requests without a valid "
+ANONYMOUS_RATE_LIMIT = Setting("AOT_ANONYMOUS_RATE_LIMIT", "texts per second that all requests without a valid "
                                "tenant key may send a server together (default: AOT_RATE_LIMIT; `aot serve "
                                "--anonymous-rate-limit` sets it; 0: no limit)", None, _non_negative,
-                               "a number of requests per second", read_by="python steps")
+                               "a number of texts per second", read_by="python steps")
 RATE_BURST_SECONDS = Setting("AOT_RATE_BURST_SECONDS", "seconds of its rate a caller may send at once after a quiet "
                              "spell (a token bucket's depth)", 1.0, _non_negative, "a number of seconds",
                              read_by="python steps")

@@ -617,7 +617,7 @@ def test_an_earlier_shape_keeps_time_for_the_later_shapes_target_windows():
 
 
 def test_metric_sum_adds_every_series_and_tells_none_from_zero():
-    from aot.benchmarks.gpu_perf import metric_sum
+    from aot.benchmarks.gpu_perf_server import metric_sum
 
     text = ('# TYPE aot_engine_eager_batches_total counter\n'
             'aot_engine_eager_batches_total{step="aot",instance="0"} 0\n'

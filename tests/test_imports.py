@@ -1,6 +1,6 @@
 """Imports flow one way (pyproject.toml [tool.importlinter]): the packages in layers, serving's two rooms (the task
 store, the supervision) independent, no circle of modules. The contracts are checked by import-linter, which reads
-every import, those inside functions included."""
+every import, those inside functions included. And every module stays short."""
 
 from __future__ import annotations
 
@@ -76,3 +76,14 @@ def test_an_installed_project_adds_one_top_level_package(tmp_path):
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"aot"}, tops
     assert "aot/serving/store/reader.py" in names and "aot/model_repository/fused/1/model.py" in names
+
+
+MAX_MODULE_LINES = 450  # a module past this holds more than one job: split it (the house's aim is ~400)
+
+
+def test_modules_stay_short():
+    """Every module of the package and every python model fits in MAX_MODULE_LINES lines."""
+    sizes = {path.relative_to(ROOT): len(path.read_text().splitlines()) for path in sorted((ROOT / "aot").rglob("*.py"))}
+    assert len(sizes) > 100, "the scan found too few modules"
+    long = {str(path): n for path, n in sizes.items() if n > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"

@@ -60,9 +60,29 @@ def test_the_refusal_says_when_to_retry():
     with pytest.raises(RequestError) as refused:
         gate.admit("acme/a", "aotk_acme", TENANTS)
     assert retry_after(str(refused.value)) == 0.25 and "tenant 'acme'" in str(refused.value)
-    assert "at most 4 per second" in str(refused.value)
+    assert "at most 4 texts per second" in str(refused.value)
     clock.now += 0.25
     assert _admitted(gate, "acme/a", "aotk_acme", 2) == 1
+
+
+def test_a_request_takes_a_token_per_text_and_none_is_too_large_to_pass():
+    """A request of N texts takes N tokens at once (a step asks on its first item; the others check only their key,
+    texts 0). One larger than the bucket passes once the bucket is full and leaves it in debt, so the rate holds on
+    average: before, a request of more texts than the bucket held was refused at every retry."""
+    gate, refused, limited, clock = _gate(tenant=4, anonymous=0)
+    gate.admit("acme/a", "aotk_acme", TENANTS, texts=3)  # 4 -> 1 token
+    with pytest.raises(RequestError) as over:
+        gate.admit("acme/a", "aotk_acme", TENANTS, texts=2)
+    assert retry_after(str(over.value)) == 0.25  # one token short at 4 a second
+    gate.admit("acme/a", "aotk_guess", TENANTS, texts=0)  # an item's key check: counted, takes nothing
+    assert refused == ["acme"] and limited == ["acme"]
+    clock.now += 0.75  # full again (4 tokens)
+    gate.admit("acme/a", "aotk_acme", TENANTS, texts=32)  # more than the bucket holds: admitted, 28 in debt
+    with pytest.raises(RequestError) as debt:
+        gate.admit("acme/a", "aotk_acme", TENANTS, texts=1)
+    assert retry_after(str(debt.value)) == 7.25  # 29 tokens at 4 a second
+    clock.now += 8.0
+    gate.admit("acme/a", "aotk_acme", TENANTS, texts=32)  # and again once full: never refused for its size
 
 
 def test_instances_share_the_rate_and_zero_means_no_limit():
@@ -92,7 +112,7 @@ def test_limits_from_the_environment():
     assert both == RateLimits(50.0, 5.0, 0.5)
     from aot.settings import SettingError
 
-    with pytest.raises(SettingError, match="AOT_RATE_LIMIT='-1': expected a number of requests per second"):
+    with pytest.raises(SettingError, match="AOT_RATE_LIMIT='-1': expected a number of texts per second"):
         RateLimits.from_environment({"AOT_RATE_LIMIT": "-1"})
 
 
@@ -101,7 +121,7 @@ def test_limits_from_the_environment():
 
 @pytest.fixture(scope="module")
 def limited(request, tmp_path_factory, tiny_models, sentiment_dir):
-    """A server whose tenants may send 0.01 requests per second (each of the two `aot` instances admits one request
+    """A server whose tenants may send 0.01 texts per second (each of the two `aot` instances admits one request
     per tenant, then refills one per 200 s: what a test sends after that is refused, however slow the machine), and
     whose requests without a key are not limited; tenants acme and bahn, each with a task `intent`."""
     from tests.helpers import make_repository, run_cli, serve_for_tests, train_tiny_task

@@ -8,7 +8,8 @@
                         (the torch engine's fused step) on this CPU
     gpu_perf            the GPU check's perf stage (scripts/gpu-check.sh perf): per model shape, the engine alone and
                         served under perf_analyzer against issue 45's targets; gpu_perf_load (perf_analyzer, its
-                        stand-in, GPU utilisation), gpu_perf_report (targets, failures, perf.json / perf.md)
+                        stand-in, GPU utilisation), gpu_perf_report (targets, failures, perf.json / perf.md),
+                        gpu_perf_server (`aot serve` as a user starts it, its metrics and /ready)
     tasks               serving against the number of tasks; scale: ever more tasks, as `aot serve` runs them
     kinds               tasks of mixed kinds against classifiers
     accuracy            the paper's accuracy protocol; accuracy_plan (its grids and runs), accuracy_report

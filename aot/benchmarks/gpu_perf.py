@@ -21,16 +21,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import select
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +40,7 @@ from aot.benchmarks.gpu_perf_load import (
     write_input_data,
 )
 from aot.benchmarks.gpu_perf_report import P50_SHAPES, RATIO_CONCURRENCIES, write_reports
+from aot.benchmarks.gpu_perf_server import Served, metric_sum
 
 MODELS = ("vanilla", "aot-1", "aot-8")
 TASKS = tuple(f"aot-{i}" for i in range(8))
@@ -54,7 +49,6 @@ PARITY_TEXTS = 8
 WARM_UP, WARM_UP_CONCURRENCY = 16, 8  # requests of 8 texts (one per task) before the windows
 SET_UP_PARTS = ("engine alone", "export", "serve start", "warm-up")  # a shape's time before its windows
 RESERVE_S = 25.0  # after a shape's last window: metrics, parity, stopping the server, the reports
-SERVE_START_S = 300.0  # `aot serve` until it prints its endpoints (it waits for readiness itself)
 WINDOW_TIMEOUT_S = 120.0
 PUBLISH_WAIT_S = 1.3  # longer than a step's metrics interval (StepMetrics.FLUSH_SECONDS)
 
@@ -122,20 +116,6 @@ def kept_for_later(later: list[str], set_up_s: float, budget: Budget, concurrenc
     return sum(2 * set_up_s + RESERVE_S + sum(budget.estimate(w) for w in windows_in_order(name, concurrency, texts)
                                               if priority(w, name) == 0)
                for name in later)
-
-
-def metric_sum(text: str, name: str) -> float | None:
-    """A counter summed over its series in Prometheus text; None when the server publishes no series of it."""
-    values = re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)", text, re.M)
-    return sum(float(v) for v in values) if values else None
-
-
-def _get(url: str) -> str:
-    """GET a URL's body (the body of an error answer too: /ready answers 503 with its reasons)."""
-    try:
-        return urllib.request.urlopen(url, timeout=10).read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.read().decode()
 
 
 def _log(message: str) -> None:
@@ -227,56 +207,6 @@ def bucket_texts(model_dir: Path, seq: int, buckets: tuple[int, ...]) -> list[st
             if len(chosen) == TEXTS:
                 return chosen
     raise ValueError(f"only {len(chosen)} reviews pad to the {seq}-token bucket; expected {TEXTS}")
-
-
-class Served:
-    """`aot serve --vanilla` on a repository, as a user starts it: its endpoints and admin key from the JSON line it
-    prints once ready, its log beside the results."""
-
-    def __init__(self, repo: Path, device: str, pool: int | None, folder: Path):
-        from aot.local.server import free_ports
-
-        grpc, http, metrics, health = free_ports(4)
-        folder.mkdir(parents=True, exist_ok=True)
-        self.command = [sys.executable, "-m", "aot", "serve", "--repo", str(repo), "--device", device, "--vanilla",
-                        *(["--pool-bytes", str(pool)] if pool is not None else []), "--grpc-port", str(grpc),
-                        "--http-port", str(http), "--metrics-port", str(metrics), "--health-port", str(health),
-                        "--log", str(folder / "tritonserver.log")]
-        self.stderr = (folder / "serve.log").open("w")
-        self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
-                                        start_new_session=True)
-        self.info = self._endpoints()
-        self.grpc_url = self.info["grpc"]
-        self.admin_key = Path(self.info["admin_key_file"]).read_text().strip()
-
-    def _endpoints(self) -> dict:
-        end = time.monotonic() + SERVE_START_S
-        while time.monotonic() < end and self.process.poll() is None:
-            ready, _, _ = select.select([self.process.stdout], [], [], 1.0)
-            if ready:
-                line = self.process.stdout.readline()
-                if line.startswith("{"):
-                    return json.loads(line)
-        code = self.process.poll()
-        self.stop()
-        raise RuntimeError((f"aot serve exited with {code}" if code is not None else
-                            f"aot serve did not serve within {SERVE_START_S:.0f} s") + f" (its log: {self.stderr.name})")
-
-    def metrics(self) -> str:
-        return _get(f"http://{self.info['metrics']}/metrics")
-
-    def ready(self) -> dict:
-        return json.loads(_get(f"http://{self.info['health']}/ready"))
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)  # aot serve stops its server and exits
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        self.stderr.close()
 
 
 class ShapeRun:

@@ -118,11 +118,11 @@ def add_serve(sub) -> None:
                    help="tasks without a tenant answer only requests that carry a valid tenant key (default: they "
                         "are public; a tenant's tasks TENANT/TASK always need its key)")
     p.add_argument("--rate-limit", type=non_negative_float, default=None, metavar="R",
-                   help="requests per second each tenant (a valid tenant key) may send; more are refused (503 with a "
+                   help="texts per second each tenant (a valid tenant key) may send (a request of N texts counts N); more are refused (503 with a "
                         "retry hint, client error Unavailable with retry_after); 0: none (default: AOT_RATE_LIMIT, "
                         "else none)")
     p.add_argument("--anonymous-rate-limit", type=non_negative_float, default=None, metavar="R",
-                   help="requests per second all requests without a valid tenant key may send together (default: "
+                   help="texts per second all requests without a valid tenant key may send together (default: "
                         "--rate-limit)")
     p.add_argument("--request-log-text", action="store_true",
                    help="write each logged request's text and text pair too (they are the callers' data)")

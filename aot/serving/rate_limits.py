@@ -2,8 +2,8 @@
 
 A caller is the tenant whose key a request carries (aot.serving.store.tenants); every request without a valid key
 is one caller, "anonymous" (Triton gives a step no client address). Each caller has a token bucket: RATE_LIMIT
-requests per second (ANONYMOUS_RATE_LIMIT for the anonymous one), RATE_BURST_SECONDS of it at once. A request over its
-caller's rate is refused before its task is resolved, 503 UNAVAILABLE with a retry hint (aot.serving.errors: the
+texts per second (a request of N texts takes N; ANONYMOUS_RATE_LIMIT for the anonymous one), RATE_BURST_SECONDS of it
+at once. A request over its caller's rate is refused before its task is resolved, 503 UNAVAILABLE with a retry hint (aot.serving.errors: the
 python backend has no RESOURCE_EXHAUSTED; the client takes the hint as retryable). Each instance of the first step
 keeps its own buckets at its share of the rate (Triton sends each batch to a free instance, so a caller's requests
 spread over them).
@@ -19,7 +19,7 @@ import hmac
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from aot import settings
 from aot.serving.errors import RequestError, retry_hint
@@ -51,19 +51,22 @@ class RateLimits:
 class TokenBucket:
     rate: float  # tokens per second
     depth: float  # tokens it holds at most
-    tokens: float = field(default=-1.0)
+    tokens: float | None = None  # None: full, at its first request
     last: float = 0.0
 
-    def take(self, now: float) -> float:
-        """0 when a token was taken; else the seconds until one is there."""
-        if self.tokens < 0:
+    def take(self, now: float, count: int = 1) -> float:
+        """0 when `count` tokens were taken; else the seconds until the bucket holds them. A request of more than the
+        bucket holds is admitted once it is full and leaves it in debt for the rest: the rate holds on average, and
+        no request is too large to pass."""
+        if self.tokens is None:
             self.tokens, self.last = self.depth, now
         self.tokens = min(self.depth, self.tokens + (now - self.last) * self.rate)
         self.last = now
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
+        needed = min(float(count), self.depth)
+        if self.tokens >= needed:
+            self.tokens -= count
             return 0.0
-        return (1.0 - self.tokens) / self.rate
+        return (needed - self.tokens) / self.rate
 
 
 class RequestGate:
@@ -78,16 +81,17 @@ class RequestGate:
         self._callers: OrderedDict[str, str] = OrderedDict()  # key digest -> its tenant (ANONYMOUS: none)
         self._tenants: Mapping[str, str] | None = None  # the tenants _callers was found in
 
-    def admit(self, name: str, key: str | None, tenants: Mapping[str, str]) -> None:
-        """Count a refused key (a tenant's task `name` with a key that does not open it), then take a token from the
-        caller's bucket: RequestError("rate_limited") with a retry hint when it has none. `tenants`: the store's
-        tenant -> key digest."""
+    def admit(self, name: str, key: str | None, tenants: Mapping[str, str], texts: int = 1) -> None:
+        """Count a refused key (a tenant's task `name` with a key that does not open it), then take `texts` tokens
+        from the caller's bucket: RequestError("rate_limited") with a retry hint when it does not hold them.
+        `tenants`: the store's tenant -> key digest. A step asks once per request, on its first item, with the
+        request's texts (the others check their key alone: `texts` 0)."""
         digest = key_digest(key) if key else None
         owner = tenant_of(name.split("@", 1)[0])
         if digest is not None and owner is not None and owner in tenants \
                 and not hmac.compare_digest(digest, tenants[owner]) and self.refused_key is not None:
             self.refused_key(owner)
-        if not self.limits:
+        if not self.limits or texts == 0:
             return
         caller = self._caller(digest, owner, tenants)
         limit = self.limits.anonymous if caller == ANONYMOUS else self.limits.tenant
@@ -95,14 +99,14 @@ class RequestGate:
             return
         rate = limit / self.instances
         bucket = self._buckets.get(caller)
-        if bucket is None or bucket.rate != rate:
+        if bucket is None:
             bucket = self._buckets[caller] = TokenBucket(rate, max(1.0, rate * self.limits.burst_seconds))
-        wait = bucket.take(self.clock())
+        wait = bucket.take(self.clock(), texts)
         if wait > 0:
             if self.limited is not None:
                 self.limited(caller)
             who = f"tenant {caller!r} sends" if caller != ANONYMOUS else "requests without a tenant key send"
-            raise RequestError(f"rate limit: {who} at most {limit:g} per second to this server; {retry_hint(wait)}",
+            raise RequestError(f"rate limit: {who} at most {limit:g} texts per second to this server; {retry_hint(wait)}",
                                "rate_limited")
 
     def _caller(self, digest: str | None, owner: str | None, tenants: Mapping[str, str]) -> str:

@@ -155,9 +155,10 @@ class Step:
 
     def resolve(self, item: Item):
         """The task version the item's TASK names, for the caller its request's tenant key says
-        (aot.serving.task_registry), once its caller's rate admits it (aot.serving.rate_limits: each text counts)."""
+        (aot.serving.task_registry), once its caller's rate admits the request (aot.serving.rate_limits: each text
+        counts, all of a request's at once on its first item)."""
         name, key = items.task_name(item, self.options.max_text_bytes), item.inputs.tenant_key
-        self.gate.admit(name, key, self.tasks.view.index.tenants)
+        self.gate.admit(name, key, self.tasks.view.index.tenants, item.count if item.row == 0 else 0)
         return self.tasks.resolve(name, key)
 
     def task_version(self, item: Item, ctx: RequestContext):
