@@ -165,11 +165,21 @@ def test_a_tenant_over_its_rate_is_refused_with_a_retry_hint_and_others_are_not(
                 outcomes.append(acme.infer("acme/intent", "good w1 w2"))
             except InferenceError as exc:
                 outcomes.append(exc)
+        # packs of 4 texts: a pack is refused whole (one refusal, never re-sent text by text) or answered whole;
+        # each instance holds at most one token, so of 3 packs at least one is refused
+        packs = [acme.infer_many([{"task": "acme/intent", "text": f"good w{k}"} for k in range(4)], pack=4)
+                 for _ in range(3)]
     refused = [o for o in outcomes if isinstance(o, Exception)]
     assert len(refused) >= 7 and len(outcomes) - len(refused) >= 1, outcomes
     for exc in refused:
         assert type(exc) is Unavailable and exc.retryable and exc.status == "UNAVAILABLE", exc
         assert exc.retry_after is not None and exc.retry_after > 0 and "rate limit: tenant 'acme'" in str(exc), exc
+    refused_packs = [p for p in packs if "error" in p[0]]
+    assert refused_packs, packs
+    for answers in packs:
+        assert len(answers) == 4 and len({"error" in a for a in answers}) == 1, answers  # whole, either way
+    for answers in refused_packs:
+        assert all(a["error_type"] == "Unavailable" and "rate limit: tenant 'acme'" in a["error"] for a in answers)
     with Client(server.grpc_url, tenant_key=keys["bahn"]) as bahn:
         assert "label" in bahn.infer("bahn/intent", "good w1 w2")  # its own bucket: untouched by acme's flood
     with Client(server.grpc_url, tenant_key="") as anonymous:
@@ -181,10 +191,10 @@ def test_a_tenant_over_its_rate_is_refused_with_a_retry_hint_and_others_are_not(
         deadline = time.monotonic() + 30  # counts are published after a batch, at most every second
 
         while _metric(server, "aot_tenant_key_refusals_total", tenant="acme") < 3 or \
-                _metric(server, "aot_rate_limited_total", tenant="acme") < len(refused):
+                _metric(server, "aot_rate_limited_total", tenant="acme") < len(refused) + len(refused_packs):
             assert time.monotonic() < deadline, "the refusals were not counted"
             guesser.infer("public", "good w1 w2")
             time.sleep(0.5)
     assert _metric(server, "aot_tenant_key_refusals_total", tenant="acme") == 3
-    assert _metric(server, "aot_rate_limited_total", tenant="acme") == len(refused)
+    assert _metric(server, "aot_rate_limited_total", tenant="acme") == len(refused) + len(refused_packs)
     assert _metric(server, "aot_tenant_key_refusals_total", tenant="bahn") == 0

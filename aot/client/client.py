@@ -413,7 +413,7 @@ class Client:
                 self._pack_limit = limit
                 for start in range(0, len(indexes), limit):
                     events.put(("send", indexes[start:start + limit]))
-            elif len(indexes) > 1 and not found_no_server(error):  # one item's fault: each alone, to find it
+            elif len(indexes) > 1 and _an_items_fault(error):  # each alone, to find the item it was
                 for i in indexes:
                     events.put(("send", [i]))
             else:
@@ -460,6 +460,14 @@ def _packs(entries: list[tuple[int, bool]], size: int) -> list[list[int]]:
             groups.append([i])
         last = ids
     return groups
+
+
+def _an_items_fault(error) -> bool:
+    """Whether a refused pack may hold items that would be answered alone: a task unknown, unavailable or closed to
+    the key, or an input refused, all of one item. A refusal of the whole request (a rate limit, a stopping or
+    overloaded server, a deadline) is every item's answer: sent again one by one it would only cost more."""
+    failure = error if isinstance(error, InferenceError) else from_triton(error)
+    return isinstance(failure, (TaskNotFound, InvalidInput, TaskUnavailable, PermissionDenied))
 
 
 def _batch_limit(error) -> int | None:
