@@ -44,6 +44,28 @@ def test_every_task_resident_while_all_fit():
 
 
 @pytest.mark.parametrize("resident", [True, False])
+def test_a_batch_fills_each_versions_missing_rows_in_one_call(resident):
+    """16 items of one cold task and 4 of another in one batch: one call of each version's source, for the union of
+    their missing rows (a factored task's rows graph runs once per batch, not per item), and every item its rows."""
+    tables = _tables(2)
+    pool = RowPool((2 if resident else 1) * V * L * D * 2, L, D, V)
+    calls: dict[str, list[int]] = {version: [] for version in tables}
+    for version, table in tables.items():
+        pool.attach(version, lambda wanted, v=version, t=table: calls[v].append(len(wanted)) or t[wanted])
+    first, second = list(tables)
+    rng = np.random.default_rng(3)
+    batch = [(first, np.unique(rng.integers(0, V, 12))) for _ in range(16)]
+    batch += [(second, np.unique(rng.integers(0, V, 12))) for _ in range(4)]
+    rows = pool.rows_many(batch)
+    assert pool.resident is resident
+    for (version, ids), got in zip(batch, rows, strict=True):
+        np.testing.assert_array_equal(got, tables[version][ids])
+    for version in tables:
+        union = np.unique(np.concatenate([ids for v, ids in batch if v == version]))
+        assert calls[version] == [len(union)], calls  # one fill, of exactly the rows missing
+
+
+@pytest.mark.parametrize("resident", [True, False])
 def test_a_version_let_go_keeps_its_rows_and_detaches_whole(resident):
     """let_go keeps a version's rows (its next source fills only what is missing); detach then drops them all, its
     stats with them, and a version attached again starts from nothing."""

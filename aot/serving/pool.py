@@ -221,7 +221,7 @@ class RowPool:
         with self._lock:
             self.touched.update(version for version, _ in requests)
             if self._resident:
-                return [self._resident_slots(version, ids) for version, ids in requests]
+                return self._resident_slots(requests)
             return self._cached_slots(requests)
 
     def rows_many(self, requests: list[tuple[str, np.ndarray]]) -> list:
@@ -234,24 +234,31 @@ class RowPool:
         """The rows in `slots` (as `slots_many` handed them out), copied out of the buffer on its device."""
         return self.storage.gather(self.buffer, slots)
 
-    def _resident_slots(self, version: str, ids: np.ndarray) -> np.ndarray:
-        """The version's range of rows, the ones `ids` (sorted, distinct) need that are not filled yet filled now."""
-        base, stats = self._base[version], self.stats[version]
-        filled = self._filled.get(version)
-        if filled is None:
-            filled = self._filled[version] = np.zeros(self.vocab_size, dtype=bool)
-        missing = ids[~filled[ids]]
-        if len(missing):
-            start = time.perf_counter()
+    def _resident_slots(self, requests: list[tuple[str, np.ndarray]]) -> list[np.ndarray]:
+        """Each version's range of rows; the rows the batch needs that are not filled yet filled now, in one fill per
+        version (the batch's items of one task share it)."""
+        misses: dict[str, np.ndarray] = {}
+        missed = []
+        for version, ids in requests:
+            filled = self._filled.get(version)
+            if filled is None:
+                filled = self._filled[version] = np.zeros(self.vocab_size, dtype=bool)
+            missing = ids[~filled[ids]]
+            missed.append(len(missing))
+            if len(missing):
+                misses[version] = np.union1d(misses[version], missing) if version in misses else missing
+        for version, missing in misses.items():
+            base, stats, start = self._base[version], self.stats[version], time.perf_counter()
             for first in range(0, len(missing), FILL_CHUNK):
                 chunk = missing[first:first + FILL_CHUNK]
                 self.storage.write(self.buffer, base + chunk, self._sources[version](chunk))
-            filled[missing] = True
+            self._filled[version][missing] = True
             stats.fill_seconds += time.perf_counter() - start
             stats.resident_rows += len(missing)
-        stats.misses += len(missing)
-        stats.hits += len(ids) - len(missing)
-        return base + ids
+        for (version, ids), count in zip(requests, missed, strict=True):
+            self.stats[version].misses += count
+            self.stats[version].hits += len(ids) - count
+        return [self._base[version] + ids for version, ids in requests]
 
     def _slots(self, version: str, ids: np.ndarray) -> np.ndarray:
         """Each token's slot (-1: not held)."""
