@@ -406,7 +406,7 @@ class _Refusal(Exception):
     ("StatusCode.INTERNAL", "Failed to process the request(s) for model 'aot_0_0', message: boom", False),
 ])
 def test_client_sends_again_only_what_found_no_server(status, message, again):
-    from aot.client.client import found_no_server
+    from aot.client.retry import found_no_server
 
     assert found_no_server(_Refusal(status, message)) is again
 
@@ -421,9 +421,9 @@ def test_a_dead_instance_is_a_retryable_error_and_other_internal_errors_are_not(
 
 
 def test_one_outage_window_serves_every_request_of_an_infer_many(monkeypatch):
-    """infer_many's requests share one retry window (aot.client.client.Outage): it opens at the first request that
+    """infer_many's requests share one retry window (aot.client.retry.Outage): it opens at the first request that
     found no server, every request's waits count against it, and an answered request closes it."""
-    from aot.client import client as client_module
+    from aot.client import retry as client_module
 
     now = [100.0]
     monkeypatch.setattr(client_module.time, "monotonic", lambda: now[0])

@@ -6,6 +6,7 @@ the library below it.
     output      results as JSON lines on standard output, summaries on standard error; the missing-extra hint
     task        train (and re-fit), predict, evaluate, inspect: over aot.training, imported when a command runs
     export      export backbone | task | remove | list | verify | tenant | versions | rollback | route
-    serve       serve (a local tritonserver, or a fleet), tasks and infer (the gRPC client)
+    serve       serve (a local tritonserver, or a fleet) and tasks; the connection arguments
+    infer       infer (the gRPC client: packed requests, one answer line per input)
     ranking     --top-k of predict and infer: a classification answer's K most probable labels
 """

@@ -15,6 +15,7 @@ from importlib.metadata import entry_points
 
 from aot import settings
 from aot.cli import export as export_cli
+from aot.cli import infer as infer_cli
 from aot.cli import serve as serve_cli
 from aot.cli import task as task_cli
 from aot.cli.arguments import Parser
@@ -58,7 +59,7 @@ def _quiet_libraries() -> None:
 
 SUBCOMMANDS = (task_cli.add_train, task_cli.add_predict, task_cli.add_evaluate, task_cli.add_inspect,
                export_cli.add_export, serve_cli.add_serve,
-               serve_cli.add_tasks, serve_cli.add_infer)
+               serve_cli.add_tasks, infer_cli.add_infer)
 
 # Commands of other packages (plugins): each entry point of this group names a function that adds the command's
 # parser(s) to aot's subparsers, each with set_defaults(run=...), as aot.cli.task's add_* functions do.

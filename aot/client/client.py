@@ -41,10 +41,8 @@ from aot.client.errors import (
     TaskUnavailable,
     Unavailable,
     from_triton,
-    one_line,
-    reached_a_dead_instance,
-    server_is_stopping,
 )
+from aot.client.retry import UNAVAILABLE_RETRY_SECONDS, Backoff, Outage, channel_options, found_no_server
 from aot.serving import protocol
 from aot.serving.answers import READS_TOKENS
 from aot.serving.store.reader import MAX_NAME_LENGTH
@@ -57,93 +55,13 @@ _ERRORS = {e.__name__: e for e in (InferenceError, InvalidInput, PermissionDenie
                                    Unavailable)}
 
 
-# Reconnecting: gRPC's default backoff between connection attempts starts at 1 s and grows 1.6x up to 120 s, so a
-# client kept failing for seconds after a restarted server was back (docs/serving.md, "Restarts"). Milliseconds.
-RECONNECT_BACKOFF_MS = {"grpc.initial_reconnect_backoff_ms": 100, "grpc.min_reconnect_backoff_ms": 100,
-                        "grpc.max_reconnect_backoff_ms": 1000}
 PACK = 32  # texts per request infer_many sends (split further to the server's max batch size when it refuses more)
-UNAVAILABLE_RETRY_SECONDS = 10.0  # how long a call that found no server (refused, dropped, restarting) is tried again
-RETRY_BACKOFF = (0.05, 1.0)  # seconds: the first wait between two tries, doubled up to the second
-# What gRPC (or a load balancer with no live replica) says when a call found no server to answer it: the call is
-# sent again, as inference is idempotent. A server's own refusal (a bad request, a damaged task) is never retried.
-_NO_SERVER = ("failed to connect to all addresses", "stream removed", "socket closed", "connection reset",
-              "broken pipe", "connection refused", "goaway", "http2 header with status: 502",
-              "http2 header with status: 503", "http2 header with status: 504")
 
 
 def server_url(url: str | None = None) -> str:
     """The server's gRPC address: `url`, else the environment variable AOT_URL, else the local default (what
     `aot serve` binds), so a non-default address is said once."""
     return url or settings.URL.read()
-
-
-def channel_options() -> list[tuple[str, int]]:
-    """tritonclient's own channel defaults (unbounded message sizes, its keepalive settings) and a short reconnect
-    backoff (RECONNECT_BACKOFF_MS)."""
-    from tritonclient.grpc import KeepAliveOptions
-    from tritonclient.grpc._client import MAX_GRPC_MESSAGE_SIZE
-
-    keepalive = KeepAliveOptions()
-    return [("grpc.max_send_message_length", MAX_GRPC_MESSAGE_SIZE),
-            ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_SIZE),
-            ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
-            ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
-            ("grpc.keepalive_permit_without_calls", int(keepalive.keepalive_permit_without_calls)),
-            ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
-            *RECONNECT_BACKOFF_MS.items()]
-
-
-def found_no_server(exc) -> bool:
-    """A call that no server answered (refused, a dropped connection, a restarting server or replica), or that
-    reached a step instance whose process had died (Triton's INTERNAL "Stub process ... is not healthy": the
-    supervisor is replacing that instance while its sibling serves): worth sending again. `exc`: tritonclient's
-    InferenceServerException, or any error. A stopping server's answers count (aot.client.errors.server_is_stopping):
-    a restarted server, or another replica, answers the call sent again."""
-    if reached_a_dead_instance(one_line(exc)) or server_is_stopping(one_line(exc)):
-        return True
-    text = one_line(exc).lower()
-    status = exc.status() if hasattr(exc, "status") and callable(exc.status) else None
-    if status is not None and "UNAVAILABLE" not in str(status) and "UNKNOWN" not in str(status):
-        return False
-    return any(phrase in text for phrase in _NO_SERVER)
-
-
-class Backoff:
-    """The waits between tries of one call: RETRY_BACKOFF doubling, for at most `seconds` in all."""
-
-    def __init__(self, seconds: float):
-        self.deadline = time.monotonic() + seconds
-        self.wait = RETRY_BACKOFF[0]
-
-    def next_wait(self) -> float | None:
-        """Seconds to wait before the next try; None when the time is up."""
-        wait, self.wait = self.wait, min(self.wait * 2, RETRY_BACKOFF[1])
-        return wait if time.monotonic() + wait < self.deadline else None
-
-
-class Outage:
-    """One retry window shared by the requests of one infer_many call: it opens at the first request that finds no
-    server and closes when one is answered, so an outage costs the call `seconds` in all, not `seconds` per request
-    (3,000 lines against a server gone for good took 3,000 x 10 s / 16 requests in flight). A wait grows with the
-    outage's age, from RETRY_BACKOFF's first to its last."""
-
-    def __init__(self, seconds: float):
-        self.seconds = seconds
-        self._since: float | None = None
-        self._lock = threading.Lock()
-
-    def next_wait(self) -> float | None:
-        with self._lock:
-            now = time.monotonic()
-            if self._since is None:
-                self._since = now
-            waited = now - self._since
-            wait = min(max(RETRY_BACKOFF[0], waited / 2), RETRY_BACKOFF[1])
-            return wait if waited + wait < self.seconds else None
-
-    def answered(self) -> None:
-        with self._lock:
-            self._since = None
 
 
 def _text(value) -> str:
