@@ -1,6 +1,6 @@
 """`aot bench`: the measurements behind docs/benchmarks.md, each side by side in one run (a plugin of `aot`).
 
-    cli                 the `aot bench` subcommands
+    cli                 the `aot bench` subcommands (their parsers); runs: what each runs
     overhead            the paper's inference-overhead comparison; overhead_cases (shared), overhead_torch and
                         overhead_onnxruntime (its two engines)
     serve               end to end through the real local tritonserver

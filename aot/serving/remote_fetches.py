@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from aot.serving.errors import RequestError, retry_hint
+from aot.serving.store.backend import BackendError
 from aot.serving.store.reader import task_of
 
 STALL_SECONDS = 1.0  # a poll of the object store unanswered this long: the store does not answer now
@@ -41,6 +42,17 @@ def cannot_fetch(version: str) -> str:
     """What the client of a version that cannot be fetched now reads: the task, never the store's address."""
     return (f"task {task_of(version)!r} ({version}) cannot be fetched from the task store now (it does not answer); "
             f"{retry_hint(RETRY_FETCH_SECONDS)}")
+
+
+def fetch_error(version: str, location: str, exc: Exception) -> FetchError:
+    """A failed fetch of `version` from the store at `location`: the store unreachable (a BackendError), or an object
+    damaged on its way (its digest differs)."""
+    unreachable = isinstance(exc, BackendError)
+    detail = f"task {task_of(version)!r} ({version}) cannot be fetched from the task store {location}: {exc}"
+    client = cannot_fetch(version) if unreachable else (
+        f"task {task_of(version)!r} ({version}): a file fetched from the task store is damaged (its sha256 differs "
+        f"from the one published); {retry_hint(RETRY_FETCH_SECONDS)}")
+    return FetchError(detail, client, unreachable)
 
 
 class RemoteFetches:

@@ -24,13 +24,11 @@ drawn by weight, one draw per request.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import random
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -39,7 +37,7 @@ import numpy as np
 from aot.serving import protocol
 from aot.serving.errors import RequestError, retry_hint
 from aot.serving.pool import RowPool
-from aot.serving.remote_fetches import RETRY_FETCH_SECONDS, FetchError, RemoteFetches, cannot_fetch
+from aot.serving.remote_fetches import RETRY_FETCH_SECONDS, FetchError, RemoteFetches, fetch_error
 from aot.serving.store.audit import TaskAudit
 from aot.serving.store.backend import BackendError
 from aot.serving.store.digests import DigestError
@@ -53,7 +51,6 @@ KNOWN_IN_MESSAGE = 10  # task names an unknown task's 404 suggests
 KNOWN_SCAN = 256  # names it looks at, at most, to find them (skipping tasks that cannot serve): a bounded cost
 DEFAULT_CACHE_BYTES = 256 << 20
 REMOTE_POLL_SECONDS = 1.0  # how often a step looks at an object store's generation hint (one conditional GET)
-LARGE_CHANGE = 10_000  # entries changed at once past which the index's objects are frozen out of the collector
 _draw = random.SystemRandom()  # a route's draw: one per request, from the OS, never shared state seeded per batch
 
 
@@ -153,10 +150,7 @@ class TaskRegistry:
 
     def _apply(self, defer_parts: bool) -> None:
         """Under _refreshing: read what changed (no lock that requests take is held meanwhile), then apply it."""
-        with _collector_paused():
-            changed = self.view.refresh(defer_parts)
-            if changed is None or len(changed) > LARGE_CHANGE:
-                gc.freeze()  # the index's objects: never scanned again by a collection (acyclic: freed by count)
+        changed = self.view.refresh(defer_parts)
         problem = self.view.error or "; ".join(self.view.index.damage()) or None
         if problem and problem != self._reported_error and self.on_index_error is not None:
             self.on_index_error(problem)
@@ -360,13 +354,7 @@ class TaskRegistry:
         try:
             folder = self.store.version_folder(version, digests)
         except (BackendError, DigestError, OSError) as exc:  # unreachable, or an object damaged on its way
-            unreachable = isinstance(exc, BackendError)
-            detail = (f"task {task_of(version)!r} ({version}) cannot be fetched from the task store "
-                      f"{self.store.location}: {exc}")
-            client = cannot_fetch(version) if unreachable else (
-                f"task {task_of(version)!r} ({version}): a file fetched from the task store is damaged (its sha256 "
-                f"differs from the one published); {retry_hint(RETRY_FETCH_SECONDS)}")
-            raise FetchError(detail, client, unreachable) from None
+            raise fetch_error(version, self.store.location, exc) from None
         except StoreError as exc:  # published without digests: refused, never fetched unverified
             return self._damaged(version, exc)
         try:
@@ -446,17 +434,3 @@ class TaskRegistry:
                     rows = task.rows(ids)
                     out.append(rows if index is None else protocol.dense_bias(rows, index))
             return out
-
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off while an index is read: each of its full passes over hundreds of
-    thousands of new entries held the interpreter about 0.2 s, which every request of the step waited for."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()

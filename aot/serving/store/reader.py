@@ -29,7 +29,6 @@ manifest.json rewritten at every publish) is upgraded by `aot export backbone --
 
 from __future__ import annotations
 
-import hashlib
 import math
 import re
 from collections.abc import Mapping
@@ -328,23 +327,6 @@ def _route(name: str, route, held: set[str]) -> dict[str, float] | None:
     return {version: weight / total for version, weight in scaled.items()}
 
 
-def default_cache_dir(url: str) -> Path:
-    """Where a replica keeps the versions it fetched from a remote store: AOT_TASK_CACHE_DIR, else a folder per store
-    under ~/.cache/aot/task-versions."""
-    folder = settings.TASK_CACHE_DIR.read()
-    if folder:
-        return Path(folder)
-    digest = hashlib.sha256(url.encode()).hexdigest()[:16]
-    return Path.home() / ".cache" / "aot" / "task-versions" / digest
-
-
-def default_cache_bytes() -> int:
-    try:
-        return settings.TASK_CACHE_BYTES.read()
-    except settings.SettingError as exc:
-        raise StoreError(str(exc)) from None
-
-
 class StoreReader:
     """Reads a task store: its identity, its index, its version folders.
 
@@ -366,7 +348,10 @@ class StoreReader:
             from aot.serving.store.version_cache import VersionCache
 
             remote = S3Backend(url, timeout=self.REMOTE_TIMEOUT)
-            self.cache = VersionCache(remote, default_cache_dir(url), default_cache_bytes())
+            try:
+                self.cache = VersionCache.for_store(remote, url)
+            except settings.SettingError as exc:
+                raise StoreError(str(exc)) from None
             if self.MIRROR:
                 self.mirror = MirroredBackend(remote, self.cache.root / MIRROR_DIR)
             self.backend = self.mirror or remote

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -28,6 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from aot import settings
 from aot.serving.store.atomic import fsync_dir, pid_alive
 from aot.serving.store.digests import FILE_NAME, DigestError, file_digest
 
@@ -58,6 +60,15 @@ class VersionCache:
         self._lock = threading.Lock()
         self.downloads = 0
         self._remove_debris()
+
+    @classmethod
+    def for_store(cls, backend, url: str) -> VersionCache:
+        """A replica's cache of the versions it fetched from the store at `url`: AOT_TASK_CACHE_DIR, else a folder
+        per store under ~/.cache/aot/task-versions, bounded by AOT_TASK_CACHE_BYTES."""
+        folder = settings.TASK_CACHE_DIR.read()
+        root = Path(folder) if folder else (Path.home() / ".cache" / "aot" / "task-versions" /
+                                            hashlib.sha256(url.encode()).hexdigest()[:16])
+        return cls(backend, root, settings.TASK_CACHE_BYTES.read())
 
     def folder(self, version: str, digests: dict[str, str]) -> Path:
         """The local folder of `version` (a checked version name, aot.serving.store.reader.check_version), downloaded
