@@ -104,7 +104,7 @@ def test_series_stay_at_k_plus_one_under_5000_distinct_tasks():
                 for _ in range(n):
                     metrics.request(versions[task], "ok", 0.001, 0.004)
                 sent[task] = sent.get(task, 0) + n
-            metrics.flush(force=True)
+            metrics.flush()
             for name in PER_TASK:
                 named = port.tasks(name) - {OTHER}
                 assert len(named) <= k and OTHER in port.tasks(name), (name, sorted(port.tasks(name)))
@@ -140,7 +140,7 @@ def test_unknown_and_unnamed_requests_have_labels_of_their_own():
     metrics.request("", "not_found", 0.001, 0.001)  # a task the store does not hold
     metrics.request("", "invalid", 0.001, 0.001)  # refused before it named a task
     metrics.request("alpha@000000000001", "invalid", 0.001, 0.001)  # a known task's bad request
-    metrics.flush(force=True)
+    metrics.flush()
     assert port.tasks("aot_task_requests_total") == {UNKNOWN, NONE, "alpha"}
     assert port.value("aot_task_failures_total", task=UNKNOWN) == 1
     assert port.value("aot_task_failures_total", task=NONE) == 1
@@ -161,8 +161,8 @@ def test_a_flush_publishes_every_count_once():
     metrics.rate_limited("")
     metrics.rate_limited("")
     metrics.engine_time(0.25)
-    metrics.flush(force=True)
-    metrics.flush(force=True)
+    metrics.flush()
+    metrics.flush()
     assert port.value("aot_task_requests_total", task="alpha") == 9
     assert port.value("aot_task_latency_seconds", task="alpha") == 8  # observations
     assert port.value("aot_task_failures_total", task="alpha") == 1

@@ -140,6 +140,8 @@ def test_a_log_that_does_not_parse_makes_a_fresh_server_unready_until_repaired(r
                 refused = _error(client, name)
                 assert isinstance(refused, Unavailable) and refused.retryable, refused
                 assert "not in the index this server holds" in str(refused)
+            [dry], _ = run_cli("export", "repair", "--repo", str(copy), "--dry-run", exit_code=1)  # damage: 1
+            assert dry["damaged_logs"] == [generation] and dry["recovered"][0].startswith("delta@")
             [summary], _ = run_cli("export", "repair", "--repo", str(copy))
             assert summary["damaged_logs"] == [generation] and summary["recovered"][0].startswith("delta@")
             wait_until(lambda: server.readiness()[0] == 200, 60, "the server was not ready after the repair")

@@ -263,13 +263,12 @@ def _measure(repo: Path, store: TaskStore, derived: DerivedStore, reference: Ref
             publish_to_served = time.perf_counter() - start
             derived.count += 1
         ready = server.ready_seconds
-    cold.sort()
     return {"tasks": total, **publish,
             "ready_s": round(ready, 2), "rss_ready_mb": rss_ready, "rss_after_mb": rss_after,
             "rss_ready_total_mb": round(sum(rss_ready.values()), 1),
             "rss_after_total_mb": round(sum(rss_after.values()), 1),
             "cold_p50_ms": round(statistics.median(cold), 1),
-            "cold_p99_ms": round(cold[int(0.99 * (len(cold) - 1))], 1), **busy,
+            "cold_p99_ms": percentile(cold, 0.99), **busy,
             "steady_rps": steady_run["throughput_rps"],
             "steady_vs_hot": round(steady_run["throughput_rps"] / hot_run["throughput_rps"], 3),
             "steady_tasks": len({k for k, _ in items[: min(config.warmup, config.requests)]}),

@@ -114,7 +114,7 @@ def add_export(sub) -> None:
                                        "Stop publishers first. Prints what it found and did; exits 0 when the store "
                                        "reads whole afterwards.")
     fix.add_argument("--repo", required=True, help="model repository (from `aot export backbone`)")
-    fix.add_argument("--dry-run", action="store_true", help="only say what it would do")
+    fix.add_argument("--dry-run", action="store_true", help="only say what it would do (exit 1 when there is damage)")
     fix.set_defaults(run=run_export_repair)
     add_tenant_and_version_commands(kinds)
 
@@ -302,7 +302,7 @@ def run_export_repair(args) -> int:
                           f"{', '.join(sorted(found.unrecoverable))}" if found.unrecoverable else ""))
     if args.dry_run:
         report(found.summary(), f"would repair {args.repo}: {what} (run it without --dry-run)")
-        return 0
+        return 1  # the store does not read whole: as `aot export verify` says of it
     report(found.summary(), f"repaired {args.repo}: {what}; index {found.generation} holds {found.tasks} task(s); "
                             "servers read it from their next refresh")
     return 0

@@ -61,10 +61,6 @@ class Item:
     def __init__(self, inputs: RequestInputs, row: int, count: int):
         self.inputs, self.row, self.count = inputs, row, count
 
-    @property
-    def request(self):
-        return self.inputs.request
-
     def array(self, name: str, required: bool = True) -> np.ndarray | None:
         """This item's row of input `name` (None when the request has no such input and it is not `required`)."""
         array = self.inputs.array(name)

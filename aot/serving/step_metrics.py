@@ -36,7 +36,6 @@ requests spend in a step.
 from __future__ import annotations
 
 import threading
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -138,7 +137,6 @@ class StepMetrics:
         self._pending: dict[str, _Counts] = defaultdict(_Counts)  # by version, or by placeholder
         self._refusals: dict[tuple[str, str], int] = defaultdict(int)  # (family, tenant) -> count since the flush
         self._pool_last: dict[str, tuple] = {}
-        self._flushed = time.monotonic()
         self._lock = threading.Lock()  # _pending, _refusals: the request thread fills them, the publisher takes them
         self._engine_us = 0.0  # engine CPU time not published yet (under _lock too)
         self._stop = threading.Event()
@@ -157,7 +155,7 @@ class StepMetrics:
     def _publish_loop(self) -> None:
         while not self._stop.wait(self.FLUSH_SECONDS):
             try:
-                self.flush(force=True)
+                self.flush()
             except Exception as exc:  # noqa: BLE001 - the next interval publishes again; a request never fails
                 self.pb.Logger.log_error(f"{self.step}: metrics not published ({type(exc).__name__}: {exc})")
 
@@ -203,11 +201,8 @@ class StepMetrics:
         with self._lock:
             self._refusals["rate_limited", tenant] += 1
 
-    def flush(self, force: bool = False) -> None:
-        """Publish what was counted since the last flush (after a batch; at most every FLUSH_SECONDS)."""
-        if not force and time.monotonic() - self._flushed < self.FLUSH_SECONDS:
-            return
-        self._flushed = time.monotonic()
+    def flush(self) -> None:
+        """Publish what was counted since the last flush (the publisher's thread, every FLUSH_SECONDS; close)."""
         with self._lock:
             pending, self._pending = self._pending, defaultdict(_Counts)
             engine_us, self._engine_us = self._engine_us, 0.0
@@ -235,7 +230,7 @@ class StepMetrics:
         self._stop.set()
         if self._publisher is not None:
             self._publisher.join(timeout=5 * self.FLUSH_SECONDS)
-        self.flush(force=True)
+        self.flush()
         for series in [*self._series.values(), self._errors]:
             series.close()
         self._series.clear()

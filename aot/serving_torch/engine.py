@@ -100,8 +100,7 @@ class TorchBackbone:
         self._captured: dict[tuple[int, int], tuple] = {}
         # batches run eagerly although graphs are on (None: an engine that replays none, CPU or a family without)
         self.eager_batches: int | None = 0 if self.graphs else None
-        self.capture_errors: dict[tuple[int, int], str] = {}  # bucket -> why its capture failed
-        self._uncapturable: set[tuple[int, int]] = set()  # buckets whose capture failed: they run eagerly
+        self.capture_errors: dict[tuple[int, int], str] = {}  # bucket -> why its capture failed: it runs eagerly
         self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
 
     def _on_device(self):
@@ -116,7 +115,7 @@ class TorchBackbone:
             with self._on_device():
                 for shape in sorted(self.graph_shapes()):
                     self._try_capture(shape)
-        return sorted(self._uncapturable)
+        return sorted(self.capture_errors)
 
     # --- one batch ------------------------------------------------------------------------------------------------
 
@@ -215,13 +214,12 @@ class TorchBackbone:
         and the bucket runs eagerly from then on (a failed request would fail again at every retry)."""
         if shape in self._captured:
             return True
-        if shape in self._uncapturable:
+        if shape in self.capture_errors:
             return False
         try:
             self._captured[shape] = self._capture(shape)
             return True
         except RuntimeError as exc:
-            self._uncapturable.add(shape)
             self.capture_errors[shape] = " ".join(str(exc).split())[:300]
             print(f"torch engine: CUDA graph capture failed for bucket {shape}; it runs eagerly ({exc})",
                   file=sys.stderr, flush=True)
