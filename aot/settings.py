@@ -110,8 +110,9 @@ TOKENIZER_THREADS = Setting("AOT_TOKENIZER_THREADS", "threads a python step's to
                             _integer(1), "a number of threads, 1 or more", read_by="python steps")
 REQUEST_LOG = Setting("AOT_REQUEST_LOG", "the request log: one JSON line per sampled request, appended to this "
                       "file (`aot serve --request-log`)", expected="a file path", read_by="python steps")
-REQUEST_LOG_SAMPLE = Setting("AOT_REQUEST_LOG_SAMPLE", "the share of requests the request log keeps", 1.0, _share,
-                             "a share of requests from 0 to 1", read_by="python steps")
+REQUEST_LOG_SAMPLE = Setting("AOT_REQUEST_LOG_SAMPLE", "the share of texts the request log keeps (each of a "
+                             "request's drawn on its own)", 1.0, _share, "a share of requests from 0 to 1",
+                             read_by="python steps")
 REQUEST_LOG_TEXT = Setting("AOT_REQUEST_LOG_TEXT", "the request log keeps each request's text too", False, _flag,
                            "1 or 0", read_by="python steps")
 REQUIRE_TENANT_KEYS = Setting("AOT_REQUIRE_TENANT_KEYS", "public tasks too answer only requests with a tenant key "

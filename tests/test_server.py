@@ -749,3 +749,23 @@ def test_infer_command_file_mixed_tasks(server, tmp_path, expected):
     assert len(answers) == 12
     for item, answer, i in zip(items, answers, range(12), strict=True):
         np.testing.assert_allclose(answer["logits"], expected[item["task"]][i % len(TEXTS)], atol=1e-3)
+
+
+def test_an_answer_that_cannot_be_read_fails_its_items_and_the_call_returns(monkeypatch):
+    """infer_many reads answers in gRPC's callback thread: an answer it cannot decode must still answer its items
+    (with the error), or the call would wait for them forever. No server: the transport is replaced."""
+    client = Client("127.0.0.1:1", retry_seconds=0)
+
+    def send(inputs, callback, backoff=None):
+        callback(object(), None)  # an "answer" with no outputs
+
+    monkeypatch.setattr(client, "_send_async", send)
+    done: list = []
+    call = threading.Thread(target=lambda: done.append(client.infer_many(
+        [{"task": "alpha", "text": f"w{k}", "id": k} for k in range(5)], pack=2)), daemon=True)
+    call.start()
+    call.join(timeout=30)
+    assert done, "infer_many did not return"
+    [answers] = done
+    assert [a["id"] for a in answers] == list(range(5)) and all(a["task"] == "alpha" for a in answers)
+    assert all(a["error_type"] == "InferenceError" and "could not be read" in a["error"] for a in answers), answers

@@ -111,7 +111,7 @@ def add_serve(sub) -> None:
                    help="append one JSON line per request and step to FILE (time, step, task, version, latency_ms, "
                         "status; no text unless --request-log-text), created 0600")
     p.add_argument("--request-log-sample", type=_share, default=1.0, metavar="SHARE",
-                   help="the share of requests the request log writes, drawn per request (default 1: all)")
+                   help="the share of texts the request log writes, drawn per text of a request (default 1: all)")
     p.add_argument("--require-tenant-keys", action="store_true",
                    help="tasks without a tenant answer only requests that carry a valid tenant key (default: they "
                         "are public; a tenant's tasks TENANT/TASK always need its key)")

@@ -320,7 +320,16 @@ class Client:
             events.put(("done", i))
 
         def answered(indexes: list[int], result=None, error=None) -> None:
+            """A gRPC callback: whatever fails here must still answer its items, or the call would wait forever."""
             slots.release()
+            try:
+                handle(indexes, result, error)
+            except Exception as exc:  # noqa: BLE001 - an answer that cannot be read fails its items, not the call
+                for i in indexes:
+                    if results[i] is None:
+                        finish(i, InferenceError(f"the answer could not be read: {type(exc).__name__}: {exc}").answer())
+
+        def handle(indexes: list[int], result, error) -> None:
             if error is None:
                 outage.answered()
                 for i, answer in zip(indexes, self._decode_rows(result), strict=True):

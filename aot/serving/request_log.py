@@ -1,4 +1,5 @@
-"""The optional request log: one JSON line per sampled request and step, appended by every step instance.
+"""The optional request log: one JSON line per sampled item (a text of a request; a request of one text is one line)
+and step, appended by every step instance.
 
     {"time": "2025-01-31T12:00:00.123Z", "step": "aot", "task": "acme/intent", "tenant": "acme",
      "version": "acme/intent@3f2a9c41d0e7", "latency_ms": 12.4, "status": "OK"}
@@ -8,7 +9,7 @@ sent, cut to 128 characters, when the store does not hold it; null when it named
 served it (null if none did) and `tenant` that version's tenant, as the metrics label it ("" for a public task; null
 when no version served: a name the store does not hold says nothing of a tenant). The request's text (`text`, `text_pair`) is written only when asked: texts are the
 callers' data. Configured by the environment of the server (what `aot serve --request-log` sets; in a container,
-its environment): AOT_REQUEST_LOG (the file; its folder must exist), AOT_REQUEST_LOG_SAMPLE (the share of requests
+its environment): AOT_REQUEST_LOG (the file; its folder must exist), AOT_REQUEST_LOG_SAMPLE (the share of texts
 written, 0 to 1, default 1) and AOT_REQUEST_LOG_TEXT=1. The file is created 0600 and opened for appending: each
 batch's lines are one write, so the lines of several instances never interleave, and a log rotation that truncates
 the file (copytruncate) loses nothing that comes after it. On the GPU ensembles each step samples on its own.

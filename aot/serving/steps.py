@@ -286,7 +286,11 @@ class Step:
         """Each item of the request prepared (`contexts` gets one RequestContext per item read); the first item
         refused fails the request, its message naming the item when the request carries several."""
         inputs = RequestInputs(self.pb, request)
-        count = inputs.count(self.ITEM_INPUTS)
+        try:
+            count = inputs.count(self.ITEM_INPUTS)
+        except RequestError:
+            contexts.append(RequestContext())  # refused before its items were read: counted once, as a request
+            raise
         prepared = []
         for row in range(count):
             ctx = RequestContext(row=row)
