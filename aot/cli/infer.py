@@ -19,7 +19,7 @@ def add_infer(sub) -> None:
                                    '(regression: {"score", ...}; multilabel: {"labels", "scores", ...}; tokens: '
                                    '{"entities": [{"text", "label", "start", "end", "score"}], ...}; embedding: '
                                    '{"embedding", ...}); or, with --input, answers JSON lines mixing tasks of any kind '
-                                   '{"task", "text", "text_pair"?, "id"?} concurrently, in input order, each answer '
+                                   '{"task", "text", "text_pair"?, "id"?} packed into requests (--pack), in input order, each answer '
                                    "echoing the line's task and id. Lines whose request fails are answered "
                                    '{"error": ...} and counted on stderr; the exit code is 2 when every line failed, '
                                    "or any with --strict, else 0.")
@@ -107,7 +107,7 @@ def _top_k(answers: list[dict], listing: dict, k: int) -> list[dict]:
 
 
 def _send(args, items: list[dict]) -> list[dict]:
-    """The answers of `items`, in order: one request (a failure is the command's error), or many concurrently."""
+    """The answers of `items`, in order: one request (a failure is the command's error), or many, packed (infer_many)."""
     from tqdm.auto import tqdm
 
     from aot.client.client import PACK, InferenceError

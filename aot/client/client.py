@@ -283,7 +283,7 @@ class Client:
         return self._decode(result)
 
     def embed(self, task: str, texts: Iterable[str], concurrency: int = 16) -> np.ndarray:
-        """An embedding task's vectors of `texts`, one row each, [N, d] float32, sent concurrently (as infer_many).
+        """An embedding task's vectors of `texts`, one row each, [N, d] float32, packed into requests (as infer_many).
         A text that fails raises the InferenceError of its cause (as infer), naming the text's index; a task of
         another kind is refused (InvalidInput)."""
         texts = list(texts)
