@@ -41,6 +41,7 @@ from aot.client.errors import (
     TaskUnavailable,
     Unavailable,
     from_triton,
+    one_line,
 )
 from aot.client.retry import UNAVAILABLE_RETRY_SECONDS, Backoff, Outage, channel_options, found_no_server
 from aot.serving import protocol
@@ -390,11 +391,11 @@ def _packs(entries: list[tuple[int, bool]], size: int) -> list[list[int]]:
 
 
 def _an_items_fault(error) -> bool:
-    """Whether a refused pack may hold items that would be answered alone: a task unknown, unavailable or closed to
-    the key, or an input refused, all of one item. A refusal of the whole request (a rate limit, a stopping or
-    overloaded server, a deadline) is every item's answer: sent again one by one it would only cost more."""
-    failure = error if isinstance(error, InferenceError) else from_triton(error)
-    return isinstance(failure, (TaskNotFound, InvalidInput, TaskUnavailable, PermissionDenied))
+    """Whether the server refused a pack for one of its items (its message begins "item K of N: ", aot.serving.steps):
+    sent again one by one, the other items are answered. A refusal of the whole request (a rate limit, a stopping or
+    overloaded server, a deadline) names no item, and is every item's answer: sent again text by text it would only
+    cost more."""
+    return re.search(r"\bitem \d+ of \d+: ", one_line(error)) is not None
 
 
 def _batch_limit(error) -> int | None:

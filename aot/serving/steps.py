@@ -298,7 +298,7 @@ class Step:
             try:
                 prepared.append(prepare(Item(inputs, row, count), ctx))
             except RequestError as exc:
-                if count == 1:
+                if count == 1 or exc.reason == "rate_limited":  # a refusal of the whole request names no item
                     raise
                 raise RequestError(f"item {row + 1} of {count}: {exc}", exc.reason) from None
         return prepared
