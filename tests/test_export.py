@@ -338,12 +338,12 @@ def test_repository_of_the_previous_protocol_is_upgraded_with_its_tasks(tmp_path
     (repo / "aot_repository.json").write_text(json.dumps({**record, "protocol_version": 6}))
     model_file = repo / "models" / "aot" / "1" / "model.py"
     model_file.write_text(model_file.read_text().replace("from aot.serving", "from serving"))
-    with pytest.raises(RepositoryError, match=r"protocol version 6 is not 7 .* --overwrite` keeps its tasks"):
+    with pytest.raises(RepositoryError, match=r"protocol version 6 is not 8 .* --overwrite` keeps its tasks"):
         read_repository(repo)
     from aot.exporter.backbone_export import export_backbone
 
     export_backbone(str(tiny_models["bert"]), repo, overwrite=True)
-    assert read_repository(repo).record.protocol_version == 7
+    assert read_repository(repo).record.protocol_version == 8
     assert "from serving" not in model_file.read_text() and "from aot.serving" in model_file.read_text()
     assert list(TaskStore(read_repository(repo).store_root).entries()) == ["t"]
 

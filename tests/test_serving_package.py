@@ -172,7 +172,7 @@ def test_protocol_dtypes_have_one_definition():
     assert protocol.triton_type(protocol.INPUT_IDS) == "INT64"
     assert protocol.triton_type(protocol.TASK_VERSION) == "BYTES"
     assert protocol.triton_type(protocol.AOT_BIAS) == "FP16"
-    assert protocol.PROTOCOL_VERSION == 7
+    assert protocol.PROTOCOL_VERSION == 8
     assert protocol.bias_inputs("dense") == [protocol.AOT_BIAS]
     with pytest.raises(ValueError, match="unknown bias interface 'ragged': expected one of rows, dense"):
         protocol.bias_inputs("ragged")
@@ -376,3 +376,36 @@ def test_engines_are_found_by_name_and_an_unregistered_one_says_what_provides_it
         engine.find_engine("torch")
     with pytest.raises(LookupError, match="unknown engine 'tpu': expected one of onnx, torch"):
         engine.find_engine("tpu")
+
+
+def test_bytes_tensors_are_the_backends_own_format():
+    """aot.serving.bytes_tensors writes and reads BYTES tensors exactly as the python backend's own
+    triton_python_backend_utils functions (the copy the nvidia-pytriton wheel ships): random bytes of every length,
+    empty ones, str and bytes_ arrays, [N, 1] and flat."""
+    import importlib.util
+
+    from aot.local.triton_setup import triton_home
+    from aot.serving.bytes_tensors import deserialize_bytes_tensor, serialize_byte_tensor
+
+    path = triton_home() / "backends" / "python" / "triton_python_backend_utils.py"
+    spec = importlib.util.spec_from_file_location("backend_utils", path)
+    backend = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(backend)
+    rng = np.random.default_rng(0)
+    checked = 0
+    for n in (1, 2, 7, 64, 129):
+        values = [bytes(rng.integers(0, 256, int(rng.integers(0, 40))).astype(np.uint8)) for _ in range(n)]
+        values[0] = b""
+        for array in (np.array(values + [None], dtype=np.object_)[:n].reshape(-1, 1),
+                      np.array([v.decode("latin-1") for v in values] + [None], dtype=np.object_)[:n],
+                      np.array([v.rstrip(b"\0") or b"x" for v in values], dtype=np.bytes_)):
+            written = serialize_byte_tensor(array)
+            assert written == backend.serialize_byte_tensor(array)
+            encoded = np.frombuffer(written, np.uint8)
+            read, theirs = deserialize_bytes_tensor(encoded), backend.deserialize_bytes_tensor(encoded)
+            assert read.dtype == theirs.dtype == np.object_ and read.tolist() == theirs.tolist()
+            assert len(read) == n
+            checked += 1
+    assert checked == 15
+    assert serialize_byte_tensor(np.empty((0, 1), np.object_)) == backend.serialize_byte_tensor(np.empty((0, 1), np.object_))
+    assert serialize_byte_tensor(np.zeros(3, np.float32)) is None

@@ -91,7 +91,7 @@ class NotFinite(FloatingPointError):
 
 @dataclass
 class HeadOutputs:
-    """A batch's head outputs in columns: LOGITS of each item (`values` [B, W] fp32, NaN past its width `widths[k]`),
+    """A batch's head outputs in columns: LOGITS of each item (`values` [B, W] fp32, zero past its width `widths[k]`),
     its LABEL (`labels` [B], bytes), and what its ANSWER is made of (bodies())."""
 
     values: np.ndarray
@@ -158,7 +158,7 @@ def head_outputs(groups: list[tuple[ServedTask, np.ndarray]], encoded: EncoderOu
         values.append((rows, out))
         labels[rows] = labels_of(task, out)
     width = max(v.shape[1] for _, v in values)
-    matrix = np.full((size, width), np.nan, dtype=protocol.LOGITS_DTYPE)
+    matrix = np.zeros((size, width), dtype=protocol.LOGITS_DTYPE)
     widths = np.zeros(size, np.int64)
     for rows, v in values:
         matrix[rows, : v.shape[1]] = v

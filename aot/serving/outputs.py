@@ -3,8 +3,8 @@ slice of arrays built once per batch (aot.serving.heads.HeadOutputs); ANSWER's J
 that asks for that output (Triton passes each request's requested outputs: every output when a client names none).
 
 LOGITS of a request whose items have outputs of different widths (tasks of different label counts, a token task's
-words) is [N, W] padded past each item's width with NaN, which an item never holds (its states are checked
-finite): the client reads each item's own width by it.
+words) is [N, W], each row zero past its item's own width, which LOGITS_WIDTH gives (zero, not NaN: a bare NaN is
+not JSON, and Triton's HTTP front end writes tensors as JSON).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ class BatchAnswers:
         heads, cut = self.heads, slice(rows.start, rows.stop)
         width = int(heads.widths[cut].max())
         out = [step.output(protocol.LOGITS, np.ascontiguousarray(heads.values[cut, :width])),
+               step.output(protocol.LOGITS_WIDTH, heads.widths[cut, None].astype(protocol.INDEX_DTYPE)),
                step.output(protocol.LABEL, heads.labels[cut, None])]
         if version:
             out.append(step.output(protocol.TASK_VERSION, self.versions[cut, None]))

@@ -1,4 +1,4 @@
-"""The tensors that flow between the client and the steps of the served ensemble: protocol version 7 (what each
+"""The tensors that flow between the client and the steps of the served ensemble: protocol version 8 (what each
 version changed: docs/formats.md, "Protocol history").
 
 Client -> ensemble `aot`:
@@ -11,9 +11,12 @@ Client -> ensemble `aot`:
     input_ids, attention_mask (and token_type_ids where the architecture has them), INT64 [S]
 ensemble -> client:
     TASK_VERSION  BYTES [1]   the task version `<name>@<id>` that produced the answer
-    ANSWER        BYTES [1]   JSON: the answer of the task's kind (aot.serving.answers), without the version
+    ANSWER        BYTES [1]   JSON: the answer of the task's kind (aot.serving.answers), without the version; sent
+                              only to a request that asks for it (a client that names no outputs gets them all)
     LOGITS        FP32  [n]   the head's output: a classifier's or multi-label task's logits (n labels), a regressor's
-                              score (1), an embedding (d), a token task's logits of each word's first token (W x n)
+                              score (1), an embedding (d), a token task's logits of each word's first token (W x n);
+                              a request's items of different widths: each row zero past its own LOGITS_WIDTH
+    LOGITS_WIDTH  INT32 [1]   how many of the item's LOGITS are its own
     LABEL         BYTES [1]   the arg-max label name (the score, as text, for regression; a multi-label task's
                               labels as a JSON list; empty for token and embedding tasks)
 
@@ -64,10 +67,12 @@ from __future__ import annotations
 
 import numpy as np
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 TEXT, TEXT_PAIR, TASK, TASK_VERSION = "TEXT", "TEXT_PAIR", "TASK", "TASK_VERSION"
 LOGITS, LABEL, TASKS, ANSWER = "LOGITS", "LABEL", "TASKS", "ANSWER"
+LOGITS_WIDTH = "LOGITS_WIDTH"
+HEAD_OUTPUTS = (ANSWER, LOGITS, LOGITS_WIDTH, LABEL)  # what the head step answers (TASK_VERSION: the tokenizer's)
 INPUT_IDS, ATTENTION_MASK, TOKEN_TYPE_IDS = "input_ids", "attention_mask", "token_type_ids"
 AOT_ROWS, AOT_INDEX, AOT_ROW_OFFSETS = "aot_rows", "aot_index", "aot_row_offsets"
 AOT_BIAS = "aot_bias"
@@ -99,7 +104,7 @@ HIDDEN_DTYPE = np.dtype(np.float32)
 LOGITS_DTYPE = np.dtype(np.float32)
 DTYPES = {INPUT_IDS: TOKEN_DTYPE, ATTENTION_MASK: TOKEN_DTYPE, TOKEN_TYPE_IDS: TOKEN_DTYPE, AOT_ROWS: ROWS_DTYPE,
           AOT_BIAS: ROWS_DTYPE, AOT_INDEX: INDEX_DTYPE, AOT_ROW_OFFSETS: INDEX_DTYPE, POOLED_HIDDEN: HIDDEN_DTYPE, LOGITS: LOGITS_DTYPE,
-          TOKEN_HIDDEN: HIDDEN_DTYPE, WORD_INDEX: INDEX_DTYPE}
+          TOKEN_HIDDEN: HIDDEN_DTYPE, WORD_INDEX: INDEX_DTYPE, LOGITS_WIDTH: INDEX_DTYPE}
 BYTES = "BYTES"
 _TRITON_TYPES = {"int64": "INT64", "int32": "INT32", "float16": "FP16", "float32": "FP32"}
 

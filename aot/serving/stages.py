@@ -30,7 +30,7 @@ from aot.serving.columns import RequestInputs, TaskColumn, refuse_first
 from aot.serving.engine import EncoderBatch, EncoderOutput, Engine, find_engine, instance_threads
 from aot.serving.errors import RequestError
 from aot.serving.pool import RowStorage
-from aot.serving.tokenization import Tokenization, is_blank, tokenizer_threads, use_tokenizer_threads
+from aot.serving.tokenization import BLANK_TEXT, Tokenization, is_blank, tokenizer_threads, use_tokenizer_threads
 from aot.serving.words import Words
 
 
@@ -106,7 +106,7 @@ class TextInputs:
                 f"single texts: send no {protocol.TEXT_PAIR}" if paired[k] else
                 f"text pairs: send {protocol.TEXT_PAIR} too")),
             (np.fromiter(map(is_blank, texts), bool, inputs.count),
-             lambda k: f"{protocol.TEXT} is empty (or only whitespace, control or zero-width characters)")])
+             lambda k: BLANK_TEXT)])
         return TextPart(column, texts, pairs)
 
     def _client_tokens(self, inputs: RequestInputs, column: TaskColumn, pairs) -> dict[str, np.ndarray]:

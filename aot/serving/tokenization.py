@@ -16,6 +16,7 @@ import numpy as np
 
 from aot import settings
 from aot.serving import protocol
+from aot.serving.errors import RequestError
 from aot.serving.formats import read_json
 from aot.serving.words import Words, first_pieces, split_words
 
@@ -24,6 +25,10 @@ def is_blank(text: str) -> bool:
     """Nothing to read: only whitespace, control characters (NUL...) or invisible format characters (zero-width
     space, joiners, BOM). Such a text is refused like an empty one, by the server and by `aot predict` alike."""
     return all(unicodedata.category(ch)[0] in "CZ" for ch in text)
+
+
+# what a blank text is answered (the server, and a client that tokenizes on its own side)
+BLANK_TEXT = f"{protocol.TEXT} is empty (or only whitespace, control or zero-width characters)"
 
 
 def given_pair(pair: str | None) -> str | None:
@@ -98,7 +103,10 @@ class Tokenization:
         self._encode_batch = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
 
     def encode(self, text: str, pair: str | None, max_length: int) -> dict[str, np.ndarray]:
-        """One text's (+ pair's) token tensors, 1-D, unpadded."""
+        """One text's (+ pair's) token tensors, 1-D, unpadded; a blank text is refused as the server refuses it (a
+        client that tokenizes on its own side: aot.Client(tokenizer=...))."""
+        if is_blank(text):
+            raise RequestError(BLANK_TEXT)
         return {name: a[0] for name, a in self.encode_batch([text], [pair], max_length).items()}
 
     def encode_batch(self, texts: list[str], pairs: list[str | None] | None, max_length: int) -> dict[str, np.ndarray]:
