@@ -1,4 +1,4 @@
-"""A damaged task store against the real server, and `aot export repair` (aot.exporter.repair): a truncated shard fails
+"""A damaged task store against the real server, and `aot export repair` (aot.serving.store.repair): a truncated shard fails
 only the tasks it holds (503, not "unknown") while the server is ready and says why; a log that does not parse makes a
 fresh server unready with the reason; listing, verifying and publishing elsewhere still work; the repair rebuilds the
 index from what still reads and the version folders, and every server reads it. And a very large change (thousands
@@ -16,9 +16,9 @@ import pytest
 import aot.serving.store.log as store_log
 from aot.client.client import Client, InferenceError, TaskNotFound, TaskUnavailable, Unavailable
 from aot.exporter.task_export import export_task
-from aot.exporter.task_store import TaskStore
 from aot.serving.store.log import ChangeLog, log_key
 from aot.serving.store.shards import shard_key, shard_of
+from aot.serving.store.writer import TaskStore
 from aot.training.predict import Predictor
 from tests.helpers import make_repository, run_cli, serve_for_tests, train_tiny_task, wait_until
 

@@ -1,5 +1,5 @@
 """A reader's view of the task store (aot.serving.store.view.StoreView) and the supervisor's check that the store can
-be read at all (aot.serving.store.check.StoreCheck), on stores the real writer (aot.exporter.task_store.TaskStore)
+be read at all (aot.serving.store.check.StoreCheck), on stores the real writer (aot.serving.store.writer.TaskStore)
 builds from tiny hand-made version folders: no training, no server.
 
 Time is a fake clock put in place of the module's `time` (the change log's own clock stays real), so a retry window is
@@ -15,13 +15,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from aot.exporter.task_store import TaskStore
 from aot.serving.repository import MODELS_DIR, RECORD, BackboneRecord, ServingOptions
 from aot.serving.store import check, view
 from aot.serving.store.check import StoreCheck, store_check_of
-from aot.serving.store.log import STORE_FILE, log_key
+from aot.serving.store.layout import STORE_FILE
+from aot.serving.store.log import log_key
 from aot.serving.store.reader import StoreReader
 from aot.serving.store.view import StoreView
+from aot.serving.store.writer import TaskStore
 
 
 class Clock:

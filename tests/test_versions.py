@@ -13,10 +13,10 @@ import pytest
 
 from aot.client.client import Client, TaskNotFound
 from aot.exporter.task_export import export_task
-from aot.exporter.task_store import TaskStore
 from aot.serving.repository import read_repository
 from aot.serving.store.log import Change
 from aot.serving.store.reader import RETIRED_GRACE, STORE_VERSION
+from aot.serving.store.writer import TaskStore
 from tests.helpers import make_repository, run_cli, serve_for_tests, train_tiny_task
 
 pytestmark = pytest.mark.server
@@ -165,7 +165,7 @@ def test_a_stored_route_of_huge_weights_still_serves(repo, versions, client):
     assert entry.route == {current: 0.5, canary: 0.5}
     assert [entry.routed(d) for d in (0.0, 0.4999, 0.5, 0.9999999999999999)] == [current, current, canary, canary]
     answers = client.infer_many([{"task": "sent", "text": TEXT}] * 200, concurrency=16)
-    assert all("error" not in a for a in answers), next(a for a in answers if "error" in a)
+    assert len(answers) == 200 and all("error" not in a for a in answers), next(a for a in answers if "error" in a)
     assert {a["version"] for a in answers} == {current, canary}  # 200 draws of 1/2: both, but for 2**-199
     [cleared] = _cli("export", "route", "sent", f"{current}=1", "--repo", str(repo))
     assert cleared["route"] is None

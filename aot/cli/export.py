@@ -223,9 +223,9 @@ def _run_export_batch(args) -> int:
 
 
 def run_export_remove(args) -> int:
-    from aot.exporter.task_store import TaskStore
     from aot.serving.repository import read_repository
     from aot.serving.store.reader import RETIRED_GRACE
+    from aot.serving.store.writer import TaskStore
 
     store = TaskStore.of(read_repository(args.repo))
     entry = store.remove(args.name)
@@ -249,8 +249,8 @@ def _clean(store, sweep: bool = False) -> None:
 
 
 def run_export_list(args) -> int:
-    from aot.exporter.task_store import TaskStore
     from aot.serving.repository import read_repository
+    from aot.serving.store.writer import TaskStore
 
     store = TaskStore.of(read_repository(args.repo))
     _clean(store)
@@ -274,12 +274,13 @@ def gate_summary(served_dev: dict) -> dict:
 
 
 def run_export_verify(args) -> int:
-    from aot.exporter.task_store import TaskStore
+    from aot.exporter.version_check import loads_as_served
     from aot.serving.repository import read_repository
+    from aot.serving.store.writer import TaskStore
 
     store = TaskStore.of(read_repository(args.repo))
     _clean(store, sweep=True)
-    found = store.verify()
+    found = store.verify(loads_as_served)
     damaged = [name for name, problem in found.items() if problem]
     report([{"name": name, "ok": problem is None, **({"error": problem} if problem else {})}
             for name, problem in found.items()],
@@ -290,9 +291,10 @@ def run_export_verify(args) -> int:
 
 
 def run_export_repair(args) -> int:
-    from aot.exporter.repair import repair_store
+    from aot.exporter.version_check import loads_as_served
+    from aot.serving.store.repair import repair_store
 
-    found = repair_store(_store(args.repo), dry_run=args.dry_run)
+    found = repair_store(_store(args.repo), loads_as_served, dry_run=args.dry_run)
     if not found.damaged:
         report(found.summary(), f"the index of {args.repo} reads whole ({found.tasks} task(s)): nothing to repair")
         return 0
@@ -309,14 +311,14 @@ def run_export_repair(args) -> int:
 
 
 def _store(repo: str):
-    from aot.exporter.task_store import TaskStore
     from aot.serving.repository import read_repository
+    from aot.serving.store.writer import TaskStore
 
     return TaskStore.of(read_repository(repo))
 
 
 def run_export_tenant(args) -> int:
-    from aot.exporter.tenant_admin import create_tenants, delete_tenant, list_tenants, rotate_tenant
+    from aot.serving.store.tenant_admin import create_tenants, delete_tenant, list_tenants, rotate_tenant
 
     store = _store(args.repo)
     if args.action == "list":
@@ -351,7 +353,7 @@ def run_export_tenant(args) -> int:
 
 
 def run_export_versions(args) -> int:
-    from aot.exporter.versions import list_versions
+    from aot.serving.store.version_admin import list_versions
 
     versions = list_versions(_store(args.repo), args.name)
     report(versions, f"{len(versions)} version(s) of {args.name} in {args.repo}")
@@ -359,7 +361,7 @@ def run_export_versions(args) -> int:
 
 
 def run_export_rollback(args) -> int:
-    from aot.exporter.versions import rollback
+    from aot.serving.store.version_admin import rollback
 
     replaced = rollback(_store(args.repo), args.name, args.version)
     report({"name": args.name, "current": args.version, "replaced": replaced},
@@ -369,7 +371,7 @@ def run_export_rollback(args) -> int:
 
 
 def run_export_route(args) -> int:
-    from aot.exporter.versions import parse_weights, route
+    from aot.serving.store.version_admin import parse_weights, route
 
     chosen = route(_store(args.repo), args.name, parse_weights(args.weights))
     total = sum((chosen or {}).values())

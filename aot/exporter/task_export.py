@@ -20,12 +20,13 @@ from aot.exporter.accuracy_gate import check_served_accuracy
 from aot.exporter.compose_env import keep_admin_key_private
 from aot.exporter.cpu_engine import CpuEngine
 from aot.exporter.task_record import head_arrays, task_record
-from aot.exporter.task_store import Publication, TaskStore
 from aot.exporter.task_validation import LOGITS_TOLERANCE, ValidationError, validate_tasks, validation_engine
 from aot.serving import protocol
 from aot.serving.repository import RepositoryInfo, read_repository
+from aot.serving.store.layout import FACTORS, HEAD, TABLE, TASK_JSON
 from aot.serving.store.reader import STORAGES, StoreError, check_task_name
 from aot.serving.store.tenants import tenant_of
+from aot.serving.store.writer import Publication, TaskStore
 from aot.serving.tokenization import Tokenization
 from aot.training.artifact import TaskArtifact, check_fingerprint, read_task
 from aot.training.backbone import load_backbone
@@ -258,18 +259,18 @@ class TaskExporter:
         folder = self.store.new_version_folder(name)
         try:
             meta = task_record(artifact, name, storage, (L, d, V), self.repo.fingerprint)
-            with _writing(name, folder / "task.json"):
-                (folder / "task.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-            with _writing(name, folder / "head.safetensors"):
+            with _writing(name, folder / TASK_JSON):
+                (folder / TASK_JSON).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+            with _writing(name, folder / HEAD):
                 if artifact.kind != "embedding":  # an embedding task's vector is its pooled state: no head
-                    save_file(head_arrays(model), folder / "head.safetensors")
+                    save_file(head_arrays(model), folder / HEAD)
             body: AotBody = model.body
             if storage == "fused":
-                with _writing(name, folder / "table.npy"):
-                    _write_fused(body, folder / "table.npy", V, progress=self.progress)
+                with _writing(name, folder / TABLE):
+                    _write_fused(body, folder / TABLE, V, progress=self.progress)
             else:
-                with _writing(name, folder / "factors.safetensors"):
-                    save_file(factors, folder / "factors.safetensors")
+                with _writing(name, folder / FACTORS):
+                    save_file(factors, folder / FACTORS)
             if self._cpu_engine is None and self.repo.record.cpu_precision != "fp32":
                 self._cpu_engine = CpuEngine(self.repo)  # the int8 graph's session, once for every task
             served_dev = check_served_accuracy(self.repo, folder, predictor, allowed_drop, dev_data,

@@ -24,12 +24,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aot.exporter.task_store import TaskStore, index_meta
 from aot.serving.formats import FormatError
 from aot.serving.store.digests import folder_digests
+from aot.serving.store.layout import GENERATION, LOG, TASK_JSON
 from aot.serving.store.log import (
-    GENERATION,
-    LOG,
     REREAD,
     Change,
     ChangeLog,
@@ -40,11 +38,11 @@ from aot.serving.store.log import (
 )
 from aot.serving.store.reader import StoreError, check_version, folder_name, task_of, version_of_folder
 from aot.serving.store.shards import DamagedShard, shard_key
-from aot.serving.tasks import load_task_version
+from aot.serving.store.writer import TaskStore, VersionCheck, index_meta
 
 
 @dataclass
-class Repair:
+class RepairReport:
     """What a repair found and did (or, with dry_run, would do)."""
 
     generation: int = 0  # the index it wrote (0: nothing written)
@@ -65,18 +63,19 @@ class Repair:
                 "recovered": self.recovered, "unrecoverable": self.unrecoverable}
 
 
-def repair_store(store: TaskStore, dry_run: bool = False) -> Repair:
-    """Rebuild `store`'s index from what still reads (module docstring); `dry_run`: only say what it would do. A
-    store that reads whole is left as it is."""
+def repair_store(store: TaskStore, check: VersionCheck, dry_run: bool = False) -> RepairReport:
+    """Rebuild `store`'s index from what still reads (module docstring); `check` loads a version folder as a server
+    does before it gets an entry (aot.exporter.version_check.loads_as_served); `dry_run`: only say what it would do.
+    A store that reads whole is left as it is."""
     with store.locked():
         log = ChangeLog(store.backend)
-        found = Repair()
+        found = RepairReport()
         state, last = _tolerant_state(log, found)
         found.damaged_shards = sorted(state.tasks.damaged)
         if not found.damaged:
             found.tasks = len(state.tasks)
             return found
-        entries = _recover(store, state, found)
+        entries = _recover(store, state, found, check)
         found.tasks = len(state.tasks) + len([n for n in entries if n not in state.tasks])
         if dry_run:
             return found
@@ -84,7 +83,7 @@ def repair_store(store: TaskStore, dry_run: bool = False) -> Repair:
     return found
 
 
-def _tolerant_state(log: ChangeLog, found: Repair) -> tuple[StoreState, int]:
+def _tolerant_state(log: ChangeLog, found: RepairReport) -> tuple[StoreState, int]:
     """The newest index that parses, its shards (the damaged ones recorded), every log after it that parses; and
     the newest generation any log or index holds."""
     state = None
@@ -114,7 +113,7 @@ def _tolerant_state(log: ChangeLog, found: Repair) -> tuple[StoreState, int]:
     return state, last
 
 
-def _recover(store: TaskStore, state: StoreState, found: Repair) -> dict[str, dict]:
+def _recover(store: TaskStore, state: StoreState, found: RepairReport, check: VersionCheck) -> dict[str, dict]:
     """Entries for the tasks the state cannot tell, from their newest version folders (module docstring)."""
     newest: dict[str, tuple[float, str]] = {}
     for folder, modified in _folders(store).items():
@@ -138,7 +137,7 @@ def _recover(store: TaskStore, state: StoreState, found: Repair) -> dict[str, di
     entries = {}
     for name, (_, version) in sorted(newest.items()):
         try:
-            entries[name] = _entry_of(store, version)
+            entries[name] = _entry_of(store, version, check)
             found.recovered.append(version)
         except (OSError, ValueError) as exc:
             found.unrecoverable[version] = str(exc).replace(str(store.root) + "/", "")
@@ -153,7 +152,7 @@ def _folders(store: TaskStore) -> dict[str, float]:
             if "@" in p.name and not p.name.startswith(".") and p.is_dir()}
 
 
-def _entry_of(store: TaskStore, version: str) -> dict:
+def _entry_of(store: TaskStore, version: str, check: VersionCheck) -> dict:
     """An index entry for a version folder: its files hashed now, the version loaded as a server loads it."""
     with tempfile.TemporaryDirectory(prefix="aot-repair-") as scratch:
         folder = store.root / folder_name(version)
@@ -163,12 +162,12 @@ def _entry_of(store: TaskStore, version: str) -> dict:
             for key in store.backend.list(folder_name(version)):
                 store.backend.download(key, folder / key.rsplit("/", 1)[1])
         digests = folder_digests(folder)
-        storage = json.loads((folder / "task.json").read_text()).get("storage")
-        load_task_version(folder, version, store.root, "all", digests).check_table()
+        storage = json.loads((folder / TASK_JSON).read_text()).get("storage")
+        check(folder, version, store.root, digests)
         return {"folder": version, "storage": storage, "digests": digests, "meta": index_meta(folder)}
 
 
-def _write(log: ChangeLog, state: StoreState, entries: dict[str, dict], last: int, found: Repair) -> int:
+def _write(log: ChangeLog, state: StoreState, entries: dict[str, dict], last: int, found: RepairReport) -> int:
     """The rebuilt state as index G, then the marker log G, then the damaged objects deleted; G."""
     generation = last + 1
     damaged_files = {shard: state.tasks.files[shard] for shard in state.tasks.damaged if shard in state.tasks.files}

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import time
 
-from aot.exporter.entry_history import as_kept, held_versions
-from aot.exporter.task_store import TaskStore
 from aot.serving.formats import iso_time
+from aot.serving.store.entry_history import as_kept, held_versions
 from aot.serving.store.log import Change, StoreState
 from aot.serving.store.reader import (
     RETIRED_GRACE,
@@ -25,6 +24,7 @@ from aot.serving.store.reader import (
     parse_entry,
     task_of,
 )
+from aot.serving.store.writer import TaskStore
 
 
 def _entry(store: TaskStore, state: StoreState, name: str) -> dict:
