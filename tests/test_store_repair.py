@@ -142,8 +142,10 @@ def test_a_log_that_does_not_parse_makes_a_fresh_server_unready_until_repaired(r
                 assert "not in the index this server holds" in str(refused)
             [dry], _ = run_cli("export", "repair", "--repo", str(copy), "--dry-run", exit_code=1)  # damage: 1
             assert dry["damaged_logs"] == [generation] and dry["recovered"][0].startswith("delta@")
-            [summary], _ = run_cli("export", "repair", "--repo", str(copy))
+            [summary], said = run_cli("export", "repair", "--repo", str(copy))
             assert summary["damaged_logs"] == [generation] and summary["recovered"][0].startswith("delta@")
+            assert f"aot: discarded: log {generation} (its time unreadable) does not parse" in said, said
+            assert f"aot: discarded: delta: given an entry for its newest folder, {summary['recovered'][0]}" in said
             wait_until(lambda: server.readiness()[0] == 200, 60, "the server was not ready after the repair")
             wait_until(lambda: _serves(client, "delta", expected), 30, "the recovered task did not serve")
             assert isinstance(_error(client, "nosuch"), TaskNotFound)

@@ -6,9 +6,11 @@ imports nothing of the request path's steps nor of the supervision room (pyproje
     reader        the store as readers see it: StoreReader, its index (StoreIndex), names, versions, storages
     writer        the store as its publisher writes it: TaskStore (create, publish, remove, clean, verify)
     entry_history the versions an entry keeps, retires and expires (the writer's rules)
+    compatibility what a new current version may change: labels, kind and pair-ness only when allowed
     version_admin `aot export versions | rollback | route`
     tenant_admin  `aot export tenant create | rotate | delete | list`
     repair        `aot export repair`: the index rebuilt from what still reads
+    lost_changes  what a repair discards, in words (a damaged log's change, as far as it reads)
     backend       where a store's objects live: a folder (local, or a volume a fleet shares) or a bucket
     s3            the S3-compatible backend (`s3://BUCKET/PREFIX`)
     version_cache task versions fetched from a remote store into a bounded local folder, kept across restarts

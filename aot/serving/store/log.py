@@ -277,6 +277,16 @@ class ChangeLog:
             state.log_bytes += len(data) + size
             changed |= set(change.tasks)
 
+    def check_log(self, generation: int) -> None:
+        """Parse log `generation` (and its parts) as a reader would; FormatError when it does not (a missing log, or
+        a repair's marker, is no error)."""
+        data = self.backend.read(log_key(generation))
+        where = f"{self.backend!r} {log_key(generation)}"
+        if data is not None:
+            value = _parse(data, where)
+            if value.get(REREAD) is not True:
+                self.read_change(value, generation, where)
+
     def read_change(self, value: dict, generation: int, where: str) -> tuple[Change, int]:
         """A log's change set, its parts read and joined (each parsed on its own); and the bytes of its parts."""
         if "parts" not in value:

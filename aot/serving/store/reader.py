@@ -23,8 +23,9 @@ tasks. Each entry is checked on its own: a bad entry fails only its task; a shar
 names that fall in it (`StoreIndex.damaged_shards`); a log that cannot be parsed stops the reader before it
 (`damaged_log`), and an object that cannot be read is reported while the last good state stays in use. A reader of a
 store in object storage keeps a copy of what it read on its host (aot.serving.store.mirror): a step that starts while
-the store cannot be reached serves the index its host last read. The writer is aot.serving.store.writer. A store of format v1 (one
-manifest.json rewritten at every publish) is upgraded by `aot export backbone --overwrite`, which keeps its tasks.
+the store cannot be reached serves the index its host last read. The writer is aot.serving.store.writer. A store of
+format v1 (one manifest.json rewritten at every publish) is upgraded by `aot export backbone --overwrite`, which keeps
+its tasks.
 """
 
 from __future__ import annotations
@@ -159,17 +160,21 @@ class TaskEntry:
         return versions[-1]
 
     def kind(self) -> str | None:
-        """The task's kind (aot.serving.answers.TASK_KINDS); a version exported before kinds is a classifier, or a regressor
-        without labels; None for an entry without meta."""
-        if "kind" in self.meta or "labels" not in self.meta:
-            return self.meta.get("kind")
-        return "regression" if self.meta["labels"] is None else "classification"
+        return meta_kind(self.meta)
 
     def listing(self) -> dict:
         """What `aot tasks` shows of the task, from the index alone (no server path)."""
         return {"name": self.name, "version": self.folder, "kind": self.kind(), "storage": self.storage,
                 **{k: self.meta.get(k) for k in ("labels", "max_length", "method", "metric", "dev", "served_dev")},
                 "verified": self.digests is not None}
+
+
+def meta_kind(meta: dict) -> str | None:
+    """A version's kind from the meta the index keeps (aot.serving.answers.TASK_KINDS); a version exported before
+    kinds is a classifier, or a regressor without labels; None for an entry without meta."""
+    if "kind" in meta or "labels" not in meta:
+        return meta.get("kind")
+    return "regression" if meta["labels"] is None else "classification"
 
 
 def _parsed(name: str, raw: dict) -> TaskEntry | str:

@@ -22,6 +22,7 @@ import json
 import tempfile
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from aot.serving.formats import FormatError
@@ -36,6 +37,7 @@ from aot.serving.store.log import (
     index_key,
     log_key,
 )
+from aot.serving.store.lost_changes import lost_log
 from aot.serving.store.reader import StoreError, check_version, folder_name, task_of, version_of_folder
 from aot.serving.store.shards import DamagedShard, shard_key
 from aot.serving.store.writer import TaskStore, VersionCheck, index_meta
@@ -52,6 +54,7 @@ class RepairReport:
     damaged_indexes: list[int] = field(default_factory=list)
     recovered: list[str] = field(default_factory=list)  # versions given an entry from their folders
     unrecoverable: dict[str, str] = field(default_factory=dict)  # version -> why its folder cannot serve
+    discarded: list[str] = field(default_factory=list)  # what it loses, in words (aot.serving.store.lost_changes)
 
     @property
     def damaged(self) -> bool:
@@ -60,7 +63,7 @@ class RepairReport:
     def summary(self) -> dict:
         return {"generation": self.generation, "tasks": self.tasks, "damaged_shards": self.damaged_shards,
                 "damaged_logs": self.damaged_logs, "damaged_indexes": self.damaged_indexes,
-                "recovered": self.recovered, "unrecoverable": self.unrecoverable}
+                "recovered": self.recovered, "unrecoverable": self.unrecoverable, "discarded": self.discarded}
 
 
 def repair_store(store: TaskStore, check: VersionCheck, dry_run: bool = False) -> RepairReport:
@@ -72,6 +75,9 @@ def repair_store(store: TaskStore, check: VersionCheck, dry_run: bool = False) -
         found = RepairReport()
         state, last = _tolerant_state(log, found)
         found.damaged_shards = sorted(state.tasks.damaged)
+        found.discarded += [f"shard {shard} of the index does not parse ({why}): the tasks in it that no later change "
+                            "names lose their kept versions, route and retention" for shard, why in
+                            sorted(state.tasks.damaged.items())]
         if not found.damaged:
             found.tasks = len(state.tasks)
             return found
@@ -90,8 +96,10 @@ def _tolerant_state(log: ChangeLog, found: RepairReport) -> tuple[StoreState, in
     for generation in reversed(log.indexes()):
         try:
             state = log.index_state(generation)
-        except FormatError:
+        except FormatError as exc:
             found.damaged_indexes.append(generation)
+            found.discarded.append(f"index {generation} does not parse ({exc}): read from an older index and the logs "
+                                   "after it instead")
             continue
         if state is not None:
             break
@@ -106,8 +114,9 @@ def _tolerant_state(log: ChangeLog, found: RepairReport) -> tuple[StoreState, in
             if not isinstance(value, dict) or value.get(REREAD) is True:
                 raise FormatError(f"{log_key(generation)}: not a change set")
             change, _ = log.read_change(value, generation, log_key(generation))
-        except (FormatError, ValueError):
+        except (FormatError, ValueError) as exc:
             found.damaged_logs.append(generation)
+            found.discarded.append(lost_log(generation, data, _why(exc), partial(_entry_before, state)))
             continue
         state.apply(change)
     return state, last
@@ -139,9 +148,25 @@ def _recover(store: TaskStore, state: StoreState, found: RepairReport, check: Ve
         try:
             entries[name] = _entry_of(store, version, check)
             found.recovered.append(version)
+            found.discarded.append(f"{name}: given an entry for its newest folder, {version}: what its entry held "
+                                   "besides (kept versions, a route, its retention) is gone")
         except (OSError, ValueError) as exc:
             found.unrecoverable[version] = str(exc).replace(str(store.root) + "/", "")
     return entries
+
+
+def _why(exc: Exception) -> str:
+    """A parse error, short: JSON's own message without the document's position noise."""
+    text = str(exc)
+    return "truncated or not JSON" if isinstance(exc, json.JSONDecodeError) else text[:200]
+
+
+def _entry_before(state: StoreState, name: str):
+    """A task's entry in `state` (None: none), or ... when it is in a damaged shard (unknown)."""
+    try:
+        return state.tasks.get(name)
+    except DamagedShard:
+        return ...
 
 
 def _folders(store: TaskStore) -> dict[str, float]:

@@ -35,6 +35,7 @@ import numpy as np
 
 from aot.serving.formats import FormatError, read_json
 from aot.serving.store.atomic import fsync_dir, fsync_trees, pid_alive, plain_permissions, write_atomic
+from aot.serving.store.compatibility import check_same_labels, current_version, dev_note
 from aot.serving.store.digests import DigestError, folder_digests, verify_file
 from aot.serving.store.entry_history import expired, held_versions, retire_all, with_history
 from aot.serving.store.layout import (
@@ -82,6 +83,7 @@ class Publication:
     storage: str
     keep: int | None = None  # versions of the task to keep, this one included (None: the task's policy, else
     # aot.serving.store.reader.DEFAULT_KEEP)
+    allow_label_change: bool = False  # replace a current version of other labels, kind or pair-ness (compatibility)
 
 
 def index_meta(folder: Path) -> dict:
@@ -213,8 +215,11 @@ class TaskStore(StoreReader):
         """Rename a finished version folder into place and point the index at it, atomically."""
         return self.publish_many([Publication(name, folder, storage)])[0]
 
-    def publish_many(self, publications: list[Publication]) -> list[TaskEntry]:
-        """Publish finished version folders in one change of the index: readers see all of them, or none."""
+    def publish_many(self, publications: list[Publication], notes: dict[str, str] | None = None) -> list[TaskEntry]:
+        """Publish finished version folders in one change of the index: readers see all of them, or none. A version
+        that changes its task's labels, kind or pair-ness is refused unless its publication allows it, and the whole
+        change with it (aot.serving.store.compatibility); `notes` gets what is said of the others, by task (a lower
+        dev score)."""
         names = [p.name for p in publications]
         if len(set(names)) != len(names):
             repeated = sorted({n for n in names if names.count(n) > 1})
@@ -223,6 +228,7 @@ class TaskStore(StoreReader):
             if p.keep is not None and p.keep < 1:
                 raise StoreError(f"keep {p.keep} for task {p.name!r}: expected a positive number of versions")
         entries, keeps = {}, {p.name: p.keep for p in publications}
+        allowed = {p.name: p.allow_label_change for p in publications}
         for p in publications:
             if p.storage not in STORAGES:
                 raise StoreError(f"unknown storage {p.storage!r}: expected one of {', '.join(STORAGES)}")
@@ -251,10 +257,17 @@ class TaskStore(StoreReader):
                 # TaskExporter.check refused a missing tenant before anything was written; a tenant deleted since
                 # refuses the change here, and the folders renamed or uploaded for it are removed
                 self.check_tenants(entries, state)
-                tasks, retired = {}, {}
+                tasks, retired, said = {}, {}, {}
                 for name, entry in entries.items():
-                    tasks[name], gone = with_history(entry, state.tasks.get(name), keeps[name])
+                    old = state.tasks.get(name)
+                    current, new = current_version(old), (entry["folder"], entry["meta"])
+                    check_same_labels(name, current, new, allowed[name], "publishing")
+                    said[name] = dev_note(name, current, new)
+                    tasks[name], gone = with_history(entry, old, keeps[name])
                     retired.update(gone)
+                if notes is not None:
+                    notes.clear()
+                    notes.update({name: note for name, note in said.items() if note})
                 return Change(tasks=tasks, retired={**retired, **expired(state)})
 
             try:
@@ -415,5 +428,5 @@ def _npy_bytes(array: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-__all__ = ["STAGING", "STORAGES", "Publication", "StoreError", "TaskEntry", "TaskStore", "VersionCheck",
+__all__ = ["STAGING", "STORAGES", "Publication", "StoreError", "StoreState", "TaskEntry", "TaskStore", "VersionCheck",
            "check_task_name"]
