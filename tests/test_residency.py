@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from aot.exporter.task_export import TaskExporter, export_task
-from aot.exporter.task_store import TaskStore
 from aot.serving.columns import TaskColumn
 from aot.serving.engine import BackboneRunner, EncoderBatch
 from aot.serving.errors import RequestError
@@ -19,6 +18,7 @@ from aot.serving.heads import pooled_logits
 from aot.serving.pool import RowPool
 from aot.serving.repository import read_repository
 from aot.serving.stages import find_rows
+from aot.serving.store.writer import TaskStore
 from aot.serving.task_registry import TaskRegistry
 from aot.serving.tokenization import Tokenization
 from aot.training.predict import Predictor

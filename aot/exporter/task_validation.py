@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 
-from aot.exporter.task_store import TaskStore
 from aot.serving.answers import READS_TOKENS
 from aot.serving.columns import TaskColumn
 from aot.serving.engine import BackboneRunner, EncoderBatch, EncoderOutput
@@ -16,6 +15,7 @@ from aot.serving.heads import embeddings, pooled_logits, token_logits
 from aot.serving.repository import RepositoryInfo
 from aot.serving.stages import find_rows
 from aot.serving.store.reader import StoreError
+from aot.serving.store.writer import TaskStore
 from aot.serving.tasks import load_task_version
 from aot.serving.tokenization import Tokenization
 from aot.training.multitask import MultiTaskModel
