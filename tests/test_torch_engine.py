@@ -52,8 +52,8 @@ def test_export_writes_the_encoder_checked_through_the_engine(tmp_path, tiny_mod
         fused = parse_pbtxt((repo.models / "aot" / name).read_text())
         assert fused.backend == "python" and fused.parameters["engine"].string_value == "torch"
         assert fused.parameters["device"].string_value == device and fused.parameters["aot"].string_value == "true"
-    gpu = parse_pbtxt((repo.models / "aot" / "config.pbtxt").read_text())  # sized for a GPU: two instances on it
-    assert [(g.kind, g.count) for g in gpu.instance_group] == [(gpu.instance_group[0].KIND_GPU, 1)] * 2
+    gpu = parse_pbtxt((repo.models / "aot" / "config.pbtxt").read_text())  # sized for a GPU: four instances on it
+    assert [(g.kind, g.count) for g in gpu.instance_group] == [(gpu.instance_group[0].KIND_GPU, 1)] * 4
     assert gpu.dynamic_batching.max_queue_delay_microseconds == ServingOptions().backbone_queue_delay_us > 0
 
 
