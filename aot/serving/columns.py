@@ -11,6 +11,7 @@ item (`item`: its row), and aot.serving.steps fails the whole request, naming it
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,7 +21,7 @@ from aot.serving import protocol
 from aot.serving.errors import RequestError
 from aot.serving.repository import RepositoryInfo
 from aot.serving.store.reader import check_task_spec
-from aot.serving.store.tenants import key_of_parameters
+from aot.serving.store.tenants import TENANT_KEY_PARAMETER
 from aot.serving.tasks import ServedTask
 
 
@@ -70,7 +71,7 @@ class RequestInputs:
     def __init__(self, pb_utils, request):
         self.pb, self.request = pb_utils, request
         self._arrays: dict[str, np.ndarray | None] = {}
-        self._tenant_key: str | None | bool = False  # False: not read yet
+        self._parameters: dict | None = None  # not read yet
         self.count = 1
 
     def array(self, name: str) -> np.ndarray | None:
@@ -80,11 +81,26 @@ class RequestInputs:
         return self._arrays[name]
 
     @property
+    def parameters(self) -> dict:
+        """The request's parameters (a JSON object; Triton forwards an ensemble's to its steps), read once."""
+        if self._parameters is None:
+            try:
+                found = json.loads(self.request.parameters() or "{}")
+            except ValueError:
+                found = {}
+            self._parameters = found if isinstance(found, dict) else {}
+        return self._parameters
+
+    @property
     def tenant_key(self) -> str | None:
-        """The request's tenant key (aot.serving.store.tenants; Triton forwards an ensemble's parameters)."""
-        if self._tenant_key is False:
-            self._tenant_key = key_of_parameters(self.request.parameters())
-        return self._tenant_key
+        """The request's tenant key (aot.serving.store.tenants)."""
+        value = self.parameters.get(TENANT_KEY_PARAMETER)
+        return value if isinstance(value, str) and value else None
+
+    @property
+    def compact_answers(self) -> bool:
+        """Whether the request asks for ANSWER only where the other outputs do not carry it (protocol)."""
+        return self.parameters.get(protocol.ANSWERS_PARAMETER) == protocol.COMPACT_ANSWERS
 
     def read_count(self, names: tuple[str, ...]) -> int:
         """How many items the request carries (`count`): the batch dimension of the first of `names` it has (Triton

@@ -84,6 +84,11 @@ class Answer:
     body: dict
 
 
+# the kinds whose answer a client builds from LOGITS, LOGITS_WIDTH and LABEL alone (aot.serving.answers: a
+# classification's label and logits, a regression's score, an embedding's vector)
+CARRIED_KINDS = ("classification", "regression", "embedding")
+
+
 class NotFinite(FloatingPointError):
     """The engine overflowed: a server fault. The step retries the batch request by request, so only the requests
     whose own states are not finite fail (never a NaN answer with a label)."""
@@ -102,8 +107,9 @@ class HeadOutputs:
     first: np.ndarray | None = None
     tokens: dict[int, np.ndarray] = field(default_factory=dict)  # a token item's logits [S, n]
 
-    def bodies(self, rows: range) -> list[dict]:
-        """The ANSWER of each item of `rows` (aot.serving.answers), without its version."""
+    def bodies(self, rows: range, compact: bool = False) -> list[dict | None]:
+        """The ANSWER of each item of `rows` (aot.serving.answers), without its version; with `compact`, None for an
+        item whose answer LOGITS and LABEL carry (CARRIED_KINDS)."""
         task_of = {}
         for task, mine in self.groups:
             for k in mine[(mine >= rows.start) & (mine < rows.stop)].tolist():
@@ -111,7 +117,9 @@ class HeadOutputs:
         out = []
         for k in rows:
             task = task_of[k]
-            if task.kind in READS_TOKENS:
+            if compact and task.kind in CARRIED_KINDS:
+                out.append(None)
+            elif task.kind in READS_TOKENS:
                 out.append(tokens_answer(task.labels, self.words[k], self.first[k], self.tokens[k]))
             else:
                 out.append(pooled_answer(task.kind, task.labels, self.values[k, :self.widths[k]], task.threshold))

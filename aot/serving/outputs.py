@@ -25,9 +25,11 @@ class BatchAnswers:
         self.heads = heads
         self.versions = np.array([t.version.encode() for t in tasks.tasks], dtype=np.object_)[tasks.index]
 
-    def tensors(self, step, rows: range, requested: set[str] | None, version: bool = True) -> list:
+    def tensors(self, step, rows: range, requested: set[str] | None, version: bool = True,
+                compact: bool = False) -> list:
         """The output tensors of a request whose items are `rows` of the batch (`requested`: the outputs it asks for,
-        None for all; `version`: with TASK_VERSION, which the GPU ensembles' head step leaves to the tokenizer's)."""
+        None for all; `version`: with TASK_VERSION, which the GPU ensembles' head step leaves to the tokenizer's;
+        `compact`: ANSWER empty where LOGITS and LABEL carry the answer, protocol.ANSWERS_PARAMETER)."""
         heads, cut = self.heads, slice(rows.start, rows.stop)
         width = int(heads.widths[cut].max())
         out = [step.output(protocol.LOGITS, np.ascontiguousarray(heads.values[cut, :width])),
@@ -36,6 +38,6 @@ class BatchAnswers:
         if version:
             out.append(step.output(protocol.TASK_VERSION, self.versions[cut, None]))
         if requested is None or protocol.ANSWER in requested:
-            bodies = [json.dumps(body).encode() for body in heads.bodies(rows)]
+            bodies = [b"" if body is None else json.dumps(body).encode() for body in heads.bodies(rows, compact)]
             out.append(step.output(protocol.ANSWER, np.array(bodies, dtype=np.object_)[:, None]))
         return out

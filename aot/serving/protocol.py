@@ -56,7 +56,10 @@ backbone -> head:
                                  (torch engine) only for token tasks, [1, d] zeros for the others
 
 A request whose parameters (a JSON object) hold PROBE_PARAMETER is the supervisor's liveness probe: every python
-step answers it at once with no outputs and counts it nowhere.
+step answers it at once with no outputs and counts it nowhere. A request whose parameters hold ANSWERS_PARAMETER:
+"compact" gets ANSWER's JSON only for the items whose answer the other outputs do not carry (a token task's entities,
+a multi-label task's scores by label), "" for the others: aot.Client builds theirs from LOGITS, LOGITS_WIDTH and LABEL
+by the same rule (aot.serving.answers), so the server writes no JSON for most texts.
 
 Per request the rows interface moves U*L*d*2 + S*4 bytes; the dense one S*L*d*2 (U <= S distinct tokens). The
 backbone hands the head P*d*4 bytes (pooled_hidden) and token_hidden; the tokenizer hands it S*4 + the text's bytes
@@ -77,6 +80,7 @@ INPUT_IDS, ATTENTION_MASK, TOKEN_TYPE_IDS = "input_ids", "attention_mask", "toke
 AOT_ROWS, AOT_INDEX, AOT_ROW_OFFSETS = "aot_rows", "aot_index", "aot_row_offsets"
 AOT_BIAS = "aot_bias"
 PROBE_PARAMETER = "aot_probe"  # a request parameter: marks the supervisor's liveness probe (see above)
+ANSWERS_PARAMETER, COMPACT_ANSWERS = "aot-answers", "compact"  # a request parameter: ANSWER where needed (see above)
 # How the lookup hands a request's bias to a native backbone (see above): what the AoT graph's inputs are.
 BIAS_INTERFACES = ("rows", "dense")
 POOLED_HIDDEN = "pooled_hidden"

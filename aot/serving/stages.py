@@ -54,6 +54,7 @@ class TextPart:
     texts: list[str] | None = None
     pairs: list[str | None] | None = None
     tokens: dict[str, np.ndarray] | None = None
+    compact: bool = False  # ANSWER only where the other outputs do not carry it (protocol.ANSWERS_PARAMETER)
 
     @property
     def count(self) -> int:
@@ -98,7 +99,7 @@ class TextInputs:
             pairs = [None if is_blank(p) else p for p in pairs]
         column.tasks, column.index = step.resolve(inputs)
         if has_ids:
-            return TextPart(column, tokens=self._client_tokens(inputs, column, pairs))
+            return TextPart(column, tokens=self._client_tokens(inputs, column, pairs), compact=inputs.compact_answers)
         paired = np.array([p is not None for p in pairs]) if pairs is not None else np.zeros(inputs.count, bool)
         names, pairing = column.of("name"), column.pairing()
         refuse_first([
@@ -107,7 +108,7 @@ class TextInputs:
                 f"text pairs: send {protocol.TEXT_PAIR} too")),
             (np.fromiter(map(is_blank, texts), bool, inputs.count),
              lambda k: BLANK_TEXT)])
-        return TextPart(column, texts, pairs)
+        return TextPart(column, texts, pairs, compact=inputs.compact_answers)
 
     def _client_tokens(self, inputs: RequestInputs, column: TaskColumn, pairs) -> dict[str, np.ndarray]:
         """Token ids a client sent, checked against each item's task."""

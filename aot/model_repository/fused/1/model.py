@@ -34,16 +34,17 @@ class TritonPythonModel:
         self.text = TextInputs(self.step)
         self.encoder = Encoder(self.step, aot, log=pb_utils.Logger.log_info)
 
-    def _run(self, parts: list[TextPart]) -> BatchAnswers:
+    def _run(self, parts: list[TextPart]) -> tuple[BatchAnswers, list[TextPart]]:
         batch: TextBatch = self.text.encode(parts)
         encoded = self.encoder.run(batch.encoder, batch.tasks)
         slots = batch.encoder.head_slots
         heads = head_outputs(batch.tasks.groups(), encoded, batch.encoder.lengths, batch.words, batch.first,
                              on_device=None if slots is None else slots >= 0)
-        return BatchAnswers(batch.tasks, heads)
+        return BatchAnswers(batch.tasks, heads), parts
 
-    def _outputs(self, answers: BatchAnswers, k: int, rows: range, request):
-        return answers.tensors(self.step, rows, self.step.requested(request))
+    def _outputs(self, result, k: int, rows: range, request):
+        answers, parts = result
+        return answers.tensors(self.step, rows, self.step.requested(request), compact=parts[k].compact)
 
     def execute(self, requests):
         self.step.refresh()

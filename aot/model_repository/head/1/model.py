@@ -29,6 +29,7 @@ class HeadPart:
     states: np.ndarray | None = None
     first: np.ndarray | None = None
     words: list[Words | None] | None = None
+    compact: bool = False  # ANSWER only where the other outputs do not carry it (protocol.ANSWERS_PARAMETER)
 
     @property
     def count(self) -> int:
@@ -53,7 +54,7 @@ class TritonPythonModel:
                                                                  f"{rows[k]!r} row (the one this task reads)")])
         tokens = np.isin(column.of("kind"), READS_TOKENS)
         if not tokens.any():
-            return HeadPart(column, pooled)
+            return HeadPart(column, pooled, compact=inputs.compact_answers)
         return self._token_inputs(inputs, column, pooled, tokens)
 
     def _token_inputs(self, inputs: RequestInputs, column: TaskColumn, pooled, tokens) -> HeadPart:
@@ -73,10 +74,10 @@ class TritonPythonModel:
         refuse_first([(tokens & ((first.max(1) >= counts) | (first.min(1) < -1)),
                        lambda k: f"{protocol.WORD_INDEX} must give each of the {states.shape[1]} tokens a word of "
                                  f"{protocol.WORD_TEXT} ({counts[k]} words) or -1")])
-        return HeadPart(column, pooled, states, first, words)
+        return HeadPart(column, pooled, states, first, words, inputs.compact_answers)
 
     @staticmethod
-    def _run(parts: list[HeadPart]) -> BatchAnswers:
+    def _run(parts: list[HeadPart]) -> tuple[BatchAnswers, list[HeadPart]]:
         tasks = TaskColumn.joined([p.tasks for p in parts])
         pooled = np.concatenate([p.pooled for p in parts])
         width = max((p.states.shape[1] for p in parts if p.states is not None), default=0)
@@ -94,10 +95,11 @@ class TritonPythonModel:
             words += p.words or [None] * p.count
             at += p.count
         heads = head_outputs(tasks.groups(), EncoderOutput(pooled, states), lengths, words, first)
-        return BatchAnswers(tasks, heads)
+        return BatchAnswers(tasks, heads), parts
 
-    def _outputs(self, answers: BatchAnswers, k: int, rows: range, request):
-        return answers.tensors(self.step, rows, self.step.requested(request), version=False)
+    def _outputs(self, result, k: int, rows: range, request):
+        answers, parts = result
+        return answers.tensors(self.step, rows, self.step.requested(request), version=False, compact=parts[k].compact)
 
     def execute(self, requests):
         self.step.refresh()
