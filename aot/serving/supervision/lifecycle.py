@@ -11,8 +11,10 @@
 - watch: until the server exits; a server whose supervisor gave a model up (`failed`) is stopped, and its owner
   starts a new one (the container's restart policy, or LocalServer);
 - stop: SIGTERM, then SIGKILL to the server alone (its stubs then remove their shared memory), then `reap`: the
-  stubs may outlive the server (they ignore SIGTERM by design and check their parent only every 300 ms, and a
-  zombie parent still looks alive), so they are killed and their shared-memory regions and watch files removed.
+  stubs may outlive the server (they ignore SIGTERM by design and check their parent only every 300 ms, a zombie
+  parent still looks alive, and an `aot` stub's own exit can deadlock), so they are killed and their shared-memory
+  regions and watch files removed (aot.serving.supervision.sweeper, whose sweeper process does it when the owner
+  of a server in a group of its own was killed before it could).
 """
 
 from __future__ import annotations
@@ -26,16 +28,14 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from aot.serving.limits import RequestBounds
-from aot.serving.shm import remove_regions
 from aot.serving.supervision.admin_key import restriction_args
-from aot.serving.supervision.procfs import alive, stub_processes
 from aot.serving.supervision.supervisor import Supervisor
-from aot.serving.watch import remove_watches
+from aot.serving.supervision.sweeper import reap, start_sweeper, stop_sweeper
 
 _PR_SET_PDEATHSIG = 1
 WATCH_SECONDS = 0.05  # how often a watched server's exit is checked (a restart begins that much after a crash)
@@ -119,21 +119,6 @@ def log_tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text[-lines:])
 
 
-def reap(server_pid: int, regions: Iterable[str] = ()) -> None:
-    """After the server exited: SIGKILL its stubs and remove their (and `regions`') shared memory."""
-    stubs = {s.pid: s for s in stub_processes(server_pid)}
-    for stub in stubs.values():
-        try:
-            os.kill(stub.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + 5
-    while any(alive(s.pid) for s in stubs.values()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    remove_regions({s.shm_region for s in stubs.values()} | set(regions))
-    remove_watches(server_pid)
-
-
 def _to_stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -148,13 +133,15 @@ class ServerLifecycle:
     supervise: bool = True
     log: Callable[[str], None] = _to_stderr
     log_path: Path | None = None  # the server's output (None: this process's own, as in the container)
-    own_group: bool = False  # a process group of its own that dies with the thread that started it (LocalServer)
+    own_group: bool = False  # a process group of its own that dies with the thread that started it, and a sweeper
+    # that reaps its stubs if this process is killed (LocalServer)
     stop_timeout: float | None = 15.0  # SIGTERM to SIGKILL when a failed server is stopped (None: wait)
     region_bytes: RequestBounds | None = None  # a stub's shared memory past its bound is replaced (aot.serving.limits)
     store_check: Callable | None = None  # what /ready checks beside the steps (Supervisor.store_check)
     process: subprocess.Popen | None = None
     supervisor: Supervisor | None = None
     ready_seconds: float | None = None
+    sweeper: subprocess.Popen | None = None  # aot.serving.supervision.sweeper, with own_group
 
     def __post_init__(self):
         self._stopping = threading.Event()  # a stop signal was forwarded: no supervisor starts, none repairs
@@ -169,12 +156,12 @@ class ServerLifecycle:
         options = {}
         if self.own_group:
             options = {"stdin": subprocess.DEVNULL, "start_new_session": True, "preexec_fn": die_with_parent}
-        if self.log_path is None:
-            self.process = subprocess.Popen(command + restriction_args(self.admin_key), env=env, **options)
-            return self.process
-        with open(self.log_path, "w" if self.process is None else "a") as log:
-            self.process = subprocess.Popen(command + restriction_args(self.admin_key), env=env, stdout=log,
-                                            stderr=subprocess.STDOUT, **options)
+        command = command + restriction_args(self.admin_key)
+        with open(self.log_path or os.devnull, "w" if self.process is None else "a") as log:
+            output = {} if self.log_path is None else {"stdout": log, "stderr": subprocess.STDOUT}
+            self.process = subprocess.Popen(command, env=env, **output, **options)
+            if self.own_group:
+                self.sweeper = start_sweeper(self.process, log)
         return self.process
 
     def triton_ready(self) -> bool:
@@ -257,4 +244,5 @@ class ServerLifecycle:
                 os.killpg(self.process.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+            stop_sweeper(self.sweeper)
         return self.process.returncode
