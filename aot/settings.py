@@ -89,9 +89,10 @@ HEALTH_PORT = Setting("AOT_HEALTH_PORT", "the supervisor's health port (/ready, 
 HEALTH_ADDRESS = Setting("AOT_HEALTH_ADDRESS", "the address the supervisor's health port listens on", "0.0.0.0",
                          expected="an IP address", read_by="supervisor (the container)")
 DRAIN_SECONDS = Setting("AOT_DRAIN_SECONDS", "a graceful stop (SIGTERM) first drains this long: /ready answers 503 "
-                        "so that load balancers send nothing new, requests that still arrive are answered, then the "
-                        "server stops and finishes what it accepted (`aot serve --drain-seconds` sets it; a second "
-                        "signal stops at once)", 10.0, _non_negative, "a number of seconds, 0 or more",
+                        "so that load balancers send nothing new, requests that still arrive are answered; then new "
+                        "requests are refused (retryable) on both protocols, those begun are finished, and the "
+                        "server stops (`aot serve --drain-seconds` sets it; a second signal stops at once)", 10.0,
+                        _non_negative, "a number of seconds, 0 or more",
                         read_by="supervisor (the container), aot serve")
 LOAD_VANILLA = Setting("AOT_LOAD_VANILLA", "the container's server also loads the plain encoder (`vanilla`, for "
                        "comparisons: one more engine)", False, _flag, "1 or 0", read_by="supervisor (the container)")

@@ -24,8 +24,10 @@ from dataclasses import dataclass
 from aot import settings
 from aot.serving.errors import RequestError, retry_hint
 from aot.serving.store.tenants import key_digest, tenant_of
+from aot.serving.watch import server_stopping
 
 ANONYMOUS = ""  # the caller of every request without a valid tenant key
+STOPPING_RETRY_SECONDS = 1.0  # a stopping server's refusal asks this wait (another server answers meanwhile)
 KNOWN_KEYS = 1024  # key digests whose tenant is remembered (a new one costs one comparison per tenant)
 
 
@@ -74,9 +76,10 @@ class RequestGate:
     counts refused tenant keys. `refused_key(tenant)` and `limited(caller)` are told of each (the step's metrics)."""
 
     def __init__(self, limits: RateLimits, instances: int = 1, refused_key: Callable[[str], None] | None = None,
-                 limited: Callable[[str], None] | None = None, clock: Callable[[], float] = time.monotonic):
+                 limited: Callable[[str], None] | None = None, clock: Callable[[], float] = time.monotonic,
+                 stopping: Callable[[], bool] = server_stopping):
         self.limits, self.instances = limits, max(instances, 1)
-        self.refused_key, self.limited, self.clock = refused_key, limited, clock
+        self.refused_key, self.limited, self.clock, self.stopping = refused_key, limited, clock, stopping
         self._buckets: dict[str, TokenBucket] = {}
         self._callers: OrderedDict[str, str] = OrderedDict()  # key digest -> its tenant (ANONYMOUS: none)
         self._tenants: Mapping[str, str] | None = None  # the tenants _callers was found in
@@ -85,7 +88,11 @@ class RequestGate:
         """Count a refused key (a tenant's task `name` with a key that does not open it), then take `texts` tokens
         from the caller's bucket: RequestError("rate_limited") with a retry hint when it does not hold them.
         `tenants`: the store's tenant -> key digest. A step asks once per request, on its first item, with the
-        request's texts (the others check their key alone: `texts` 0)."""
+        request's texts (the others check their key alone: `texts` 0). A server that stops (aot.serving.watch)
+        admits no new request: RequestError("stopping") with a retry hint."""
+        if texts and self.stopping():
+            raise RequestError("this server is stopping and takes no new request: send it again (another server "
+                               f"answers it); {retry_hint(STOPPING_RETRY_SECONDS)}", "stopping")
         digest = key_digest(key) if key else None
         owner = tenant_of(name.split("@", 1)[0])
         if digest is not None and owner is not None and owner in tenants \

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from aot.serving import items, protocol
-from aot.serving.errors import STATUS, TRITON_CODES, RequestError
+from aot.serving.errors import STATUS, TRITON_CODES, WHOLE_REQUEST, RequestError
 from aot.serving.items import Item, RequestInputs
 from aot.serving.pool import RowPool
 from aot.serving.rate_limits import RateLimits, RequestGate
@@ -298,7 +298,7 @@ class Step:
             try:
                 prepared.append(prepare(Item(inputs, row, count), ctx))
             except RequestError as exc:
-                if count == 1 or exc.reason == "rate_limited":  # a refusal of the whole request names no item
+                if count == 1 or exc.reason in WHOLE_REQUEST:  # a refusal of the whole request names no item
                     raise
                 raise RequestError(f"item {row + 1} of {count}: {exc}", exc.reason) from None
         return prepared

@@ -7,10 +7,11 @@
 - wait_ready: until Triton's own readiness says 200 (enough while it starts), then the Supervisor
   (aot.serving.supervision.supervisor) watches its stubs and models;
 - forward: a stop signal reaches the server after the supervisor has stopped repairing (the models a stopping
-  server unloads are not dead steps to reload);
+  server unloads are not dead steps to reload); stop_gracefully first refuses new requests, finishes the accepted
+  ones and closes the HTTP connections that would hold Triton's stop (aot.serving.supervision.quiesce);
 - watch: until the server exits; a server whose supervisor gave a model up (`failed`) is stopped, and its owner
   starts a new one (the container's restart policy, or LocalServer);
-- stop: SIGTERM, then SIGKILL to the server alone (its stubs then remove their shared memory), then `reap`: the
+- stop: gracefully (stop_gracefully's SIGTERM), then SIGKILL to the server alone (its stubs then remove their shared memory), then `reap`: the
   stubs may outlive the server (they ignore SIGTERM by design and check their parent only every 300 ms, a zombie
   parent still looks alive, and an `aot` stub's own exit can deadlock), so they are killed and their shared-memory
   regions and watch files removed (aot.serving.supervision.sweeper, whose sweeper process does it when the owner
@@ -34,6 +35,7 @@ from pathlib import Path
 
 from aot.serving.limits import RequestBounds
 from aot.serving.supervision.admin_key import restriction_args
+from aot.serving.supervision.quiesce import CLOSE_SECONDS, close_http, finish_accepted
 from aot.serving.supervision.supervisor import Supervisor
 from aot.serving.supervision.sweeper import reap, start_sweeper, stop_sweeper
 
@@ -146,6 +148,7 @@ class ServerLifecycle:
     def __post_init__(self):
         self._stopping = threading.Event()  # a stop signal was forwarded: no supervisor starts, none repairs
         self._started = 0.0
+        self._command: list[str] = []
 
     def start(self, command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         """tritonserver `command` (its binary and flags), the API restrictions and the front end's flags added. Its
@@ -157,6 +160,7 @@ class ServerLifecycle:
         if self.own_group:
             options = {"stdin": subprocess.DEVNULL, "start_new_session": True, "preexec_fn": die_with_parent}
         command = command + restriction_args(self.admin_key)
+        self._command = command
         with open(self.log_path or os.devnull, "w" if self.process is None else "a") as log:
             output = {} if self.log_path is None else {"stdout": log, "stderr": subprocess.STDOUT}
             self.process = subprocess.Popen(command, env=env, **output, **options)
@@ -202,11 +206,35 @@ class ServerLifecycle:
         return [] if self.supervisor is None else self.supervisor.failed
 
     def forward(self, sig: int, _frame=None) -> None:
-        """A stop signal (a signal handler): the supervisor stops first, then the server gets the signal."""
+        """A stop signal (a signal handler): the supervisor stops first, then the server gets the signal at once."""
         self._stopping.set()
         if self.supervisor is not None:
             self.supervisor.stop_watching()
-        self.process.send_signal(sig)
+        self._signal(sig)
+
+    def stop_gracefully(self, sig: int = signal.SIGTERM) -> None:
+        """The end of a graceful stop (not from a signal handler: it waits): the supervisor stops repairing, the
+        steps refuse new requests and finish the accepted ones, the server's HTTP connections are closed, and the
+        server gets `sig` (aot.serving.supervision.quiesce). Returns once it was signalled."""
+        self._stopping.set()
+        if self.supervisor is not None:
+            self.supervisor.stop_watching()
+        if self.process is None or self.process.poll() is not None:
+            return
+        pid, port = self.process.pid, int(self.http_url.rsplit(":", 1)[1])
+        if not finish_accepted(pid, self._command):
+            self.log("supervisor: requests were still in flight at the exit timeout; stopping tritonserver anyway")
+        close_http(pid, port, self.log)
+        self._signal(sig)
+        close_http(pid, port, self.log, CLOSE_SECONDS)  # any that opened before it stopped accepting
+
+    def _signal(self, sig: int) -> None:
+        if self.process.poll() is not None:
+            return
+        if self.own_group:  # start_new_session: the server leads its own group
+            os.killpg(self.process.pid, sig)
+        else:
+            self.process.send_signal(sig)
 
     def watch(self, until: threading.Event | None = None) -> int | None:
         """Until the server exits (its exit code) or `until` is set (None). A server with a model its supervisor
@@ -221,17 +249,15 @@ class ServerLifecycle:
         return None
 
     def stop(self, timeout: float | None = 15) -> int | None:
-        """Stop the supervisor and the server (SIGTERM; after `timeout` seconds SIGKILL to the server alone, so that
-        its stubs still remove their shared memory), then reap; safe to call again, and after the server exited."""
+        """Stop the supervisor and the server (stop_gracefully; `timeout` seconds after its SIGTERM, SIGKILL to the
+        server alone, so that its stubs still remove their shared memory), then reap; safe to call again, and after
+        the server exited."""
         if self.supervisor is not None:
             self.supervisor.stop()
         if self.process is None:
             return None
         if self.process.poll() is None:
-            if self.own_group:  # start_new_session: the server leads its own group
-                os.killpg(self.process.pid, signal.SIGTERM)
-            else:
-                self.process.terminate()
+            self.stop_gracefully()
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
