@@ -50,6 +50,14 @@ def _share(text: str) -> float:
     return value
 
 
+def _header(text: str) -> str:
+    """A request header's name (aot.settings: lower-cased)."""
+    try:
+        return settings.CLIENT_ADDRESS_HEADER.parse(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a header name (letters, digits and '-'), got {text!r}") from None
+
+
 def add_serve(sub) -> None:
     p = sub.add_parser("serve",
                        help="serve a model repository with a local tritonserver on CPU or CUDA (no Docker)",
@@ -121,8 +129,15 @@ def add_serve(sub) -> None:
                         "retry hint, client error Unavailable with retry_after); 0: none (default: AOT_RATE_LIMIT, "
                         "else none)")
     p.add_argument("--anonymous-rate-limit", type=non_negative_float, default=None, metavar="R",
-                   help="texts per second all requests without a valid tenant key may send together (default: "
-                        "--rate-limit)")
+                   help="texts per second all requests without a valid tenant key may send together, an equal share "
+                        "for each client address when the address is known (--client-address-header, --replicas), "
+                        "more while the others leave some unused (default: --rate-limit)")
+    p.add_argument("--client-address-header", type=_header, default=None, metavar="NAME",
+                   help="the request header that a proxy in front of this server sets to each client's address, "
+                        "overwriting what the client sent: requests without a tenant key then share "
+                        "--anonymous-rate-limit equally by address. Trust it only when clients cannot reach the "
+                        "server but through that proxy (default: AOT_CLIENT_ADDRESS_HEADER, else none: they share "
+                        "it as one caller; --replicas: its HAProxy sets aot-client-address)")
     p.add_argument("--request-log-text", action="store_true",
                    help="write each logged request's text and text pair too (they are the callers' data)")
     p.set_defaults(run=run_serve)
@@ -149,10 +164,11 @@ def run_serve(args) -> int:
     steps = _step_environment(args)  # what the steps of every server started below read, over this environment
     if args.replicas > 1:
         single = [flag for flag, value in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
-                                           ("--tls-ca", args.tls_ca), ("--log", args.log)) if value]
+                                           ("--tls-ca", args.tls_ca), ("--log", args.log),
+                                           ("--client-address-header", args.client_address_header)) if value]
         if single:
             raise ValueError(f"--replicas {args.replicas}: {single[0]} is for one server (each replica keeps its own "
-                             "log; terminate TLS in front of the fleet)")
+                             "log; terminate TLS in front of the fleet; its HAProxy sets the client's address)")
         from aot.local.fleet import Fleet
 
         server = Fleet(repo.path, args.replicas, args.host, args.http_port, args.grpc_port, args.metrics_port,
@@ -223,7 +239,8 @@ def _step_environment(args) -> dict[str, str]:
     env = {} if args.metrics_tasks is None else {settings.METRICS_TASKS.name: str(args.metrics_tasks)}
     env[settings.REQUIRE_TENANT_KEYS.name] = "1" if args.require_tenant_keys else ""
     for setting, value in ((settings.RATE_LIMIT, args.rate_limit),
-                           (settings.ANONYMOUS_RATE_LIMIT, args.anonymous_rate_limit)):
+                           (settings.ANONYMOUS_RATE_LIMIT, args.anonymous_rate_limit),
+                           (settings.CLIENT_ADDRESS_HEADER, args.client_address_header)):
         if value is not None:
             env[setting.name] = str(value)
     if args.request_log is None:

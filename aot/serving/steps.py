@@ -158,7 +158,9 @@ class Step:
         (aot.serving.task_registry), once its caller's rate admits the request (aot.serving.rate_limits: each text
         counts, all of a request's at once on its first item)."""
         name, key = items.task_name(item, self.options.max_text_bytes), item.inputs.tenant_key
-        self.gate.admit(name, key, self.tasks.view.index.tenants, item.count if item.row == 0 else 0)
+        first = item.row == 0  # the request's texts, and its keyless client's address, once per request
+        self.gate.admit(name, key, self.tasks.view.index.tenants, item.count if first else 0,
+                        self.gate.address_of(item.inputs.request.parameters()) if first else None)
         return self.tasks.resolve(name, key)
 
     def task_version(self, item: Item, ctx: RequestContext):

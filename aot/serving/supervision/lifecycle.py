@@ -1,8 +1,9 @@
 """One tritonserver under a supervisor, from start to reaped: what both the container's entry point
 (`python3 -m aot.serving`) and `aot serve` (aot.local.server.LocalServer) run.
 
-- start: tritonserver with the control API restricted to the admin key (aot.serving.supervision.admin_key), and the
-  open-file limit raised to its hard limit (each client connection takes a descriptor: at a common soft limit of 1,024,
+- start: tritonserver with the control API restricted to the admin key (aot.serving.supervision.admin_key), the
+  client-address header forwarded to the steps when one is trusted (aot.serving.rate_limits), and the open-file limit
+  raised to its hard limit (each client connection takes a descriptor: at a common soft limit of 1,024,
   2,000 idle connections left tritonserver unable to accept any more);
 - wait_ready: until Triton's own readiness says 200 (enough while it starts), then the Supervisor
   (aot.serving.supervision.supervisor) watches its stubs and models;
@@ -29,10 +30,11 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aot import settings
 from aot.serving.limits import RequestBounds
 from aot.serving.supervision.admin_key import restriction_args
 from aot.serving.supervision.quiesce import CLOSE_SECONDS, close_http, finish_accepted
@@ -71,10 +73,15 @@ def compile_steps(models: Path, python: str | Path = "python3") -> None:
         pass
 
 
-def front_end_args(command: list[str]) -> list[str]:
-    """FRONT_END_FLAGS that `command` does not set itself."""
+def front_end_args(command: list[str], environ: Mapping[str, str] | None = None) -> list[str]:
+    """FRONT_END_FLAGS that `command` does not set itself, and the forwarding of the client-address header to the
+    steps when `environ` (the server's) names one (AOT_CLIENT_ADDRESS_HEADER: aot.serving.rate_limits)."""
+    flags = dict(FRONT_END_FLAGS)
+    header = settings.CLIENT_ADDRESS_HEADER.read(environ)
+    if header is not None:  # gRPC metadata keys are lower-case; HTTP header names keep the case a client sent
+        flags |= {"--grpc-header-forward-pattern": f"^{header}$", "--http-header-forward-pattern": f"(?i)^{header}$"}
     given = {a.split("=", 1)[0] for a in command}
-    return [f"{flag}={value}" for flag, value in FRONT_END_FLAGS.items() if flag not in given]
+    return [f"{flag}={value}" for flag, value in flags.items() if flag not in given]
 
 
 def die_with_parent() -> None:
@@ -154,7 +161,7 @@ class ServerLifecycle:
         """tritonserver `command` (its binary and flags), the API restrictions and the front end's flags added. Its
         output goes to log_path, overwritten by the first process and appended to by the next ones."""
         raise_open_file_limit()
-        command = command + front_end_args(command)
+        command = command + front_end_args(command, env)
         self._started = time.monotonic()
         options = {}
         if self.own_group:

@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None, store_check_of: Callable[[str], Callable
         health_port = settings.HEALTH_PORT.read()
         health_address = settings.HEALTH_ADDRESS.read()
         drain_seconds = settings.DRAIN_SECONDS.read()
+        settings.CLIENT_ADDRESS_HEADER.read()  # forwarded to the steps (ServerLifecycle.start): refused here if bad
     except (AdminKeyError, settings.SettingError) as exc:
         print(f"supervisor: {exc}", file=sys.stderr)
         return 2
