@@ -186,7 +186,7 @@ def _http_infer(http_url: str, text: str = TEXT) -> tuple[int, str]:
 def test_a_stopping_server_refuses_new_requests_on_both_protocols(repo):
     """Once a server stops (its supervisor marks it: aot.serving.watch.mark_stopping), its first step refuses every
     new request, over gRPC and over HTTP alike, with a retryable refusal and a retry hint (aot.Client: Unavailable,
-    retry_after); the mark gone, it answers again. Before, gRPC went on answering for the whole of Triton's HTTP wait."""
+    retry_after); the mark gone, it answers again. Before, gRPC went on answering through Triton's HTTP wait."""
     from aot.local.server import LocalServer
     from aot.serving.watch import mark_stopping, stopping_path
 

@@ -77,7 +77,8 @@ def add_serve(sub) -> None:
     p.add_argument("--metrics-host", default="127.0.0.1",
                    help="address of the metrics and health ports (they name every task: loopback unless a scraper "
                         "elsewhere needs them)")
-    p.add_argument("--grpc-port", type=positive_int, default=settings.GRPC_PORT.default, help="gRPC port (aot infer, aot.Client)")
+    p.add_argument("--grpc-port", type=positive_int, default=settings.GRPC_PORT.default,
+                   help="gRPC port (aot infer, aot.Client)")
     p.add_argument("--http-port", type=positive_int, default=settings.HTTP_PORT.default,
                    help="HTTP port (health, inference; the control API needs the admin key)")
     p.add_argument("--metrics-port", type=positive_int, default=settings.METRICS_PORT.default,

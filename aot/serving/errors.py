@@ -6,7 +6,7 @@ import re
 TRITON_CODES = {"invalid": "INVALID_ARG",  # 400 / INVALID_ARGUMENT: the request itself is wrong
          "not_found": "NOT_FOUND",  # 404 / NOT_FOUND: an unknown task or task version
          "unavailable": "UNAVAILABLE",  # 503 / UNAVAILABLE: the task exists but cannot be served (damaged)
-         "rate_limited": "UNAVAILABLE",  # 503 / UNAVAILABLE: the caller sent more than its rate (aot.serving.rate_limits)
+         "rate_limited": "UNAVAILABLE",  # 503 / UNAVAILABLE: the caller sent more than its rate (serving.rate_limits)
          "stopping": "UNAVAILABLE"}  # 503 / UNAVAILABLE: the server stops and takes no new request (the same module)
 WHOLE_REQUEST = ("rate_limited", "stopping")  # refusals of a whole request: they name no item of it
 # An "unavailable" message names its task, quoted as Python's repr quotes it ('sentiment'): that tells a client

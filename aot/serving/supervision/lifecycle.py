@@ -12,11 +12,11 @@
   ones and closes the HTTP connections that would hold Triton's stop (aot.serving.supervision.quiesce);
 - watch: until the server exits; a server whose supervisor gave a model up (`failed`) is stopped, and its owner
   starts a new one (the container's restart policy, or LocalServer);
-- stop: gracefully (stop_gracefully's SIGTERM), then SIGKILL to the server alone (its stubs then remove their shared memory), then `reap`: the
-  stubs may outlive the server (they ignore SIGTERM by design and check their parent only every 300 ms, a zombie
-  parent still looks alive, and an `aot` stub's own exit can deadlock), so they are killed and their shared-memory
-  regions and watch files removed (aot.serving.supervision.sweeper, whose sweeper process does it when the owner
-  of a server in a group of its own was killed before it could).
+- stop: gracefully (stop_gracefully's SIGTERM), then SIGKILL to the server alone (its stubs then remove their
+  shared memory), then `reap`: the stubs may outlive the server (they ignore SIGTERM by design and check their
+  parent only every 300 ms, a zombie parent still looks alive, and an `aot` stub's own exit can deadlock), so they
+  are killed and their shared-memory regions and watch files removed (aot.serving.supervision.sweeper, whose
+  sweeper process does it when the owner of a server in a group of its own was killed before it could).
 """
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ class ServerLifecycle:
         if self.process is None or self.process.poll() is not None:
             return
         pid, port = self.process.pid, int(self.http_url.rsplit(":", 1)[1])
-        if not finish_accepted(pid, self._command):
+        if not finish_accepted(pid, self._command, self.log):
             self.log("supervisor: requests were still in flight at the exit timeout; stopping tritonserver anyway")
         close_http(pid, port, self.log)
         self._signal(sig)

@@ -72,12 +72,11 @@ def graceful_stop(server: ServerLifecycle, health: HealthServer, drain_seconds: 
 def main(argv: list[str] | None = None, store_check_of: Callable[[str], Callable | None] | None = None) -> int:
     """Run the server under a supervisor. Adds explicit model control and the API restrictions (the admin key from
     AOT_ADMIN_KEY or AOT_ADMIN_KEY_FILE, else one generated for this run and known to the supervisor alone), serves
-    /ready and /live on AOT_HEALTH_PORT (aot.settings says its default), stops gracefully on SIGTERM (a rolling update's stop: /ready
-    answers 503 for AOT_DRAIN_SECONDS while requests are still answered, then new requests are refused, the accepted
-    ones finished, and the signal reaches the server; a second signal, or SIGINT, is forwarded at once), and reaps the
-    stubs when the
-    server exits; a server with a model that could not be reloaded is stopped, and the exit code is 1 (the
-    container's restart policy starts anew)."""
+    /ready and /live on AOT_HEALTH_PORT (its default: aot.settings), stops gracefully on SIGTERM (a rolling update's
+    stop: /ready answers 503 for AOT_DRAIN_SECONDS while requests are still answered, then new requests are refused,
+    the accepted ones finished, and the signal reaches the server; a second signal, or SIGINT, is forwarded at once),
+    and reaps the stubs when the server exits; a server with a model that could not be reloaded is stopped, and the
+    exit code is 1 (the container's restart policy starts anew)."""
     command = list(sys.argv[1:] if argv is None else argv)
     if command[:1] == ["--"]:
         command = command[1:]

@@ -73,10 +73,14 @@ def idle(server_pid: int, metrics: str | None) -> bool:
     return not pending_requests(metrics)
 
 
-def finish_accepted(server_pid: int, command: list[str], timeout: float | None = None) -> bool:
+def finish_accepted(server_pid: int, command: list[str], log: Callable[[str], None],
+                    timeout: float | None = None) -> bool:
     """Steps 1 and 2: refuse new requests, then wait until the accepted ones are answered (idle twice in a row, at
     most `timeout` seconds: the server's exit timeout). Whether they all were."""
-    mark_stopping(server_pid)
+    try:
+        mark_stopping(server_pid)
+    except OSError as exc:  # another user's file of that name (/dev/shm is shared): the steps would not trust it
+        log(f"supervisor: the steps cannot be told that the server stops ({exc}); they answer until it does")
     metrics = metrics_url(command)
     deadline = time.monotonic() + (exit_timeout(command) if timeout is None else timeout)
     quiet = False

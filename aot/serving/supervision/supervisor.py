@@ -94,7 +94,7 @@ class Supervisor:
     # composes the rooms: this one imports no store), built with this supervisor's log; None: nothing
     store_check: Callable[[Callable[[str], None]], ReadinessCheck] | None = None
     repairs: list[Repair] = field(default_factory=list)
-    regions: set[str] = field(default_factory=set)  # every shm region seen (aot.serving.supervision.sweeper.reap removes them)
+    regions: set[str] = field(default_factory=set)  # every shm region seen (sweeper.reap removes them)
 
     def __post_init__(self):
         self.api = TritonApi(self.http_url, self.admin_key)

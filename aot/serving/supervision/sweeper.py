@@ -60,9 +60,9 @@ def start_sweeper(server: subprocess.Popen, log: IO | None = None) -> subprocess
     stat = proc_stat(server.pid)
     if stat is None:
         return None
+    output = log or subprocess.DEVNULL
     return subprocess.Popen([sys.executable, "-m", __name__, str(server.pid), str(stat.started)],
-                            stdin=subprocess.DEVNULL, stdout=log or subprocess.DEVNULL, stderr=log or subprocess.DEVNULL,
-                            start_new_session=True)
+                            stdin=subprocess.DEVNULL, stdout=output, stderr=output, start_new_session=True)
 
 
 def stop_sweeper(sweeper: subprocess.Popen | None) -> None:
