@@ -10,8 +10,9 @@ instances' stubs of a stopped server died only because Triton unloaded them befo
 Whoever stops a server reaps its stubs (aot.serving.supervision.lifecycle). When that owner is killed itself (`kill
 -9` of `aot serve`), the sweeper does: a small process in a session of its own (a signal to the owner's process
 group does not reach it), started beside each server, that waits for the server's end (a pidfd: a zombie counts),
-gives the stubs GRACE_SECONDS to exit by themselves (they remove their shared memory), then kills those that did
-not and removes their shared memory and watch files. Its owner ends it once it has reaped the server itself.
+noting its stubs' shared-memory regions meanwhile, gives the stubs GRACE_SECONDS to exit by themselves, then kills
+those that did not and removes every region it noted (a stub that exits by itself may leave its own) and the
+server's watch files. Its owner ends it once it has reaped the server itself.
 PR_SET_PDEATHSIG in the stubs cannot do this: it fires when the *thread* that forked a process ends, and Triton forks
 stubs from short-lived threads (parallel instance loading, std::async in core's backend_model.cc).
 
@@ -34,6 +35,7 @@ from aot.serving.supervision.procfs import alive, proc_stat, stub_processes
 from aot.serving.watch import remove_watches
 
 GRACE_SECONDS = 2.0  # a stub whose server is gone exits by itself within 300 ms (when it does not deadlock)
+LOOK_SECONDS = 5.0  # how often the sweeper notes the server's stubs' shared memory while it runs
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -78,23 +80,30 @@ def _uptime_ticks() -> int:
 
 
 def sweep(server_pid: int, started: int) -> int:
-    """Wait for the server (pid `server_pid`, started at `started` ticks after boot) to end, then reap what it left.
-    Returns how many stubs had to be killed."""
+    """Wait for the server (pid `server_pid`, started at `started` ticks after boot) to end, then reap what it left:
+    its stubs, and the shared memory of every stub of it seen meanwhile (one that exits by itself may leave its
+    region). Returns how many stubs had to be killed."""
     try:
         fd = os.pidfd_open(server_pid)
     except ProcessLookupError:
         fd = None
     stat = proc_stat(server_pid)
+    regions: set[str] = set()
     if fd is not None and stat is not None and stat.started == started and stat.alive:
-        select.select([fd], [], [])  # readable once the server has exited
+        while True:
+            regions |= {s.shm_region for s in stub_processes(server_pid)}
+            if select.select([fd], [], [], LOOK_SECONDS)[0]:  # readable once the server has exited
+                break
     if fd is not None:
         os.close(fd)
     # the stubs it started: those born before it ended (or before the process that took its pid since was born)
     ended = stat.started if stat is not None and stat.started != started else _uptime_ticks()
+    stubs = [s for s in stub_processes(server_pid) if s.started <= ended]
+    regions |= {s.shm_region for s in stubs}
     deadline = time.monotonic() + GRACE_SECONDS
-    while any(s.started <= ended for s in stub_processes(server_pid)) and time.monotonic() < deadline:
+    while any(alive(s.pid) for s in stubs) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return reap(server_pid, born_before=ended)
+    return reap(server_pid, regions, born_before=ended)
 
 
 def main(argv: list[str] | None = None) -> int:
