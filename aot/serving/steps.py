@@ -149,8 +149,9 @@ class Step:
         Returns the distinct versions and each item's index among them."""
         names, index = inputs.task_names(self.options.max_text_bytes)
         key, tenants = inputs.tenant_key, self.tasks.view.index.tenants
+        address = self.gate.address_of(inputs.request.parameters())  # a keyless client's, once per request
         for k, name in enumerate(names):
-            self.gate.admit(name, key, tenants, inputs.count if k == 0 else 0)
+            self.gate.admit(name, key, tenants, inputs.count if k == 0 else 0, address if k == 0 else None)
         found: dict[str, int] = {}
         tasks: list[ServedTask] = []
         where = np.empty(inputs.count, np.int64)
