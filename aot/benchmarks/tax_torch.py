@@ -6,7 +6,7 @@ So the server's CPU outside the encoder (tritonserver's gRPC and scheduling, the
 tokenizer, the pool lookup, the heads, the outputs and the metrics) is measured here, before any GPU is lent: the
 CPU time of the processes a request crosses (tritonserver and the step's instances; /proc, every thread) over a pass, less the CPU the steps' engines spent encoding
 (`aot_engine_cpu_us_total`, each step's own clock around its engine call) and less what the server spends idle over
-as long (liveness probes, the metrics thread: measured just before the pass), per request and per text, for single-text requests and for requests of many texts (aot.serving.items), AoT with 8 tasks mixed text
+as long (liveness probes, the metrics thread: measured just before the pass), per request and per text, for single-text requests and for requests of many texts (aot.serving.columns), AoT with 8 tasks mixed text
 by text. On this CPU the engine is slow (eager fp32), so a pass lasts long and the idle CPU matters.
 
 The load generator is aot.Client's infer_many (one pack of texts per request) in this process, on the same cores;
