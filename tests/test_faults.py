@@ -27,11 +27,12 @@ import pytest
 
 from aot.client.client import Client, InferenceError
 from aot.exporter.task_export import export_task
-from aot.exporter.task_store import TaskStore
 from aot.serving.repository import read_repository
 from aot.serving.shm import SHM, STUB
 from aot.serving.store.atomic import write_atomic
-from aot.serving.store.log import GENERATION, STORE_FILE, Change, log_key
+from aot.serving.store.layout import GENERATION, STORE_FILE
+from aot.serving.store.log import Change, log_key
+from aot.serving.store.writer import TaskStore
 from aot.serving.supervision.admin_key import GRPC_ADMIN_HEADER
 from aot.serving.supervision.procfs import stubs_of
 from aot.serving.task_registry import TaskRegistry
@@ -529,7 +530,7 @@ def test_huge_text_is_refused_at_once(server, client, expected):
 _PUBLISHER = r"""
 import shutil, sys, time
 from pathlib import Path
-from aot.exporter.task_store import TaskStore
+from aot.serving.store.writer import TaskStore
 store, start = TaskStore(Path(sys.argv[1])), float(sys.argv[2])
 folders = []
 for job in sys.argv[3:]:
@@ -782,7 +783,7 @@ def test_metrics_per_task_and_step(server, repo):
         before = _published_metrics(server, c)
         answers = c.infer_many([{"task": name, "text": TEXTS[i % len(TEXTS)]}
                                 for name, n in sent.items() for i in range(n)], concurrency=8)
-        assert all("error" not in a for a in answers), answers
+        assert len(answers) == sum(sent.values()) and all("error" not in a for a in answers), answers
         after = _published_metrics(server, c)
     for name, n in sent.items():
         for step in ("aot",):  # clients' requests go through the fused step alone

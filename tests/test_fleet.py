@@ -13,10 +13,10 @@ import pytest
 
 from aot.client.client import Client, InferenceError
 from aot.exporter.task_export import export_task
-from aot.exporter.task_store import TaskStore
 from aot.local.fleet import Fleet
 from aot.local.server import port_is_free
 from aot.serving.repository import read_repository
+from aot.serving.store.writer import TaskStore
 from aot.training.predict import Predictor
 from tests.helpers import make_repository, train_tiny_tasks
 

@@ -24,8 +24,8 @@ def build_repository(task: Path, repo: Path, max_batch_size: int, gpu_instances:
     the task published as aot-0 ... aot-7 (fused; the copies hard-linked to the first's files)."""
     from aot.exporter.backbone_export import export_backbone
     from aot.exporter.task_export import export_task
-    from aot.exporter.task_store import Publication, TaskStore
     from aot.serving.repository import ServingOptions, read_repository
+    from aot.serving.store.writer import Publication, TaskStore
     from aot.training.artifact import read_task
 
     instances = {} if gpu_instances is None else {"gpu_instances": gpu_instances}

@@ -9,8 +9,9 @@
     REPO/models/backbone_vanilla/ the same encoder without bias inputs (comparisons, plain models)
     REPO/models/head/           python: TASK_VERSION, pooled_hidden, token_hidden, word_index, word_text -> ANSWER,
                                 LOGITS, LABEL (each request its own task's head by its kind)
-    REPO/models/aot/, vanilla/  what clients call: GPU, the ensembles of the steps above; CPU, one fused python step
-                                each (tokenizer, lookup, encoder, head in one process: aot/model_repository/fused)
+    REPO/models/aot/, vanilla/  what clients call: the native GPU configs, the ensembles of the steps above; the CPU
+                                configs and the torch engine's (CPU or GPU), one fused python step each (tokenizer,
+                                lookup, encoder, head in one process: aot/model_repository/fused)
 
 Each model folder has `config.pbtxt` (GPU, NGC image) and `configs/cpu.pbtxt` (local CPU server, selected with
 --model-config-name=cpu). Both come from `model_configs()`, so they cannot drift apart.
@@ -26,8 +27,8 @@ from aot.serving import protocol
 from aot.serving.repository import BackboneRecord, ServingOptions
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "model_repository"
-# model -> template; `aot` and `vanilla` are ensembles in the GPU configs (their model.py unused there) and the
-# fused step in the CPU configs
+# model -> template; `aot` and `vanilla` are ensembles in the native GPU configs (their model.py unused there) and the
+# fused step in the CPU configs and in the torch engine's GPU configs (_ensemble)
 PYTHON_MODELS = {"tokenizer": "tokenizer", "aot_lookup": "aot_lookup", "backbone": "backbone",
                  "backbone_vanilla": "backbone", "head": "head", "task_list": "task_list", "aot": "fused",
                  "vanilla": "fused"}
@@ -270,7 +271,7 @@ def _ensemble(name: str, backbone: str, record: BackboneRecord, target: str):
 def _request_inputs(record: BackboneRecord, ragged: bool) -> list:
     """What a client sends the ensemble (and the ensemble the tokenizer step): TASK and TEXT (+ TEXT_PAIR), or TASK
     and the token ids it tokenized itself (`ragged`: in the tokenizer step, sequences of any length batch together).
-    All optional: the first stage (the tokenizer step, or the fused step on CPU) refuses a request that lacks TASK,
+    All optional: the first stage (the tokenizer step, or the fused step) refuses a request that lacks TASK,
     or both TEXT and ids, with a 400 naming it
     (Triton checks only the count of an ensemble's required inputs, and a required one missing would stall the
     ensemble: "unexpected deadlock")."""
