@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU serving check (issues 12 and 45), on a machine with a CUDA GPU, Python with PyTorch (CUDA), transformers,
+# The GPU serving check (issues 12, 45 and 52), on a machine with a CUDA GPU, Python with PyTorch (CUDA), transformers,
 # tokenizers, safetensors, peft, scikit-learn, psutil, matplotlib and grpcio, and no network: .gpu-kit/
 # (scripts/gpu-kit.sh, run where the package index is reachable) brings the rest. Served on the local tritonserver
 # with the torch engine, random-weight encoders of MiniLM's shape (and for perf a base-size one: speed and parity need
@@ -126,7 +126,7 @@ for stage in "$@"; do
   table_bytes=$("$py" -c 'import json, sys; c = json.load(open(sys.argv[1])); print(c["vocab_size"] * c["num_hidden_layers"] * c["hidden_size"] * 2)' "$model/config.json")
   break
 done
-perf_stage() {  # issue 45's check (the comment above); its exit status is the check's
+perf_stage() {  # issue 52's check (the comment above); its exit status is the check's
   local start=$SECONDS load=() shape tool dir tool_stamp
   for tool in perf-analyzer py-spy; do  # each wheel into a folder of its own, again when the kit changed
     compgen -G "$kit/$tool/*.whl" >/dev/null || continue

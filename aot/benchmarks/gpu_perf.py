@@ -13,7 +13,7 @@ For each model shape (an AoT task trained on a random encoder of that shape), in
                   served answers against `aot predict` on a few texts
 
 Served texts are Rotten Tomatoes reviews that pad to the same bucket as the engine alone's sequence (--seq), so
-that served texts/s and the engine's seq/s count the same work. Windows run most important first (what issue 45's
+that served texts/s and the engine's seq/s count the same work. Windows run most important first (what issue 52's
 targets read), and an earlier shape's less important ones only while they leave the later shapes' target windows
 their time; with a --deadline, a window or a shape that would not end before it is skipped and named in the report. Results: gpu_perf_report (perf.json, perf.md under --out, rewritten after every window).
 """
