@@ -198,8 +198,8 @@ GPU_REQUESTS = Setting("AOT_GPU_REQUESTS", "requests per serve and pool measurem
 GPU_ROUNDS = Setting("AOT_GPU_ROUNDS", "rounds of the GPU check's serve bench", 1, _integer(1), "a number of rounds",
                      read_by="scripts/gpu-check.sh")
 GPU_INSTANCES = Setting("AOT_GPU_INSTANCES", "the GPU check's perf stage serves its step in this many instances "
-                        "on the GPU (default: `aot export backbone`'s)", None, _integer(1),
-                        "a number of instances, 1 or more", read_by="scripts/gpu-check.sh")
+                        "on the GPU", 4, _integer(1), "a number of instances, 1 or more",
+                        read_by="scripts/gpu-check.sh")
 
 SETTINGS: tuple[Setting, ...] = tuple(v for v in globals().values() if isinstance(v, Setting))
 SCRIPTS_FROM = REPO  # the first setting only the scripts and deployment files read (the table's second part)

@@ -67,6 +67,19 @@ def _python_model(name: str, options: ServingOptions, params: dict[str, str], qu
     return config
 
 
+def batch_when_free(config) -> None:
+    """A step that takes the clients' optional inputs forms its next batch when one of its instances is free, not
+    before. Triton (2.51, and its main branch) batches only requests of one input set when inputs are optional
+    (scheduler_utils.cc, RequiredEqualInputs::HasEqualInputs), and clients send several (TEXT + TASK, with TEXT_PAIR,
+    token ids); with prefetching, its default, the batcher readies a batch while every instance is busy, and a
+    queued request of another input set behind it made BatcherThread loop without waiting until an instance took
+    that batch (dynamic_batch_scheduler.cc, GetDynamicBatch: nothing pending, payload_saturated_ unset): a core of
+    tritonserver spinning (docs/benchmarks.md, "The batcher's spin"). A queue policy that allows a request's timeout
+    override turns prefetching off (PriorityQueue's support_prefetching_); a request without a timeout is queued as
+    before."""
+    config.dynamic_batching.default_queue_policy.allow_timeout_override = True
+
+
 def set_cpu_instances(config, instances: int) -> None:
     """`instances` CPU instances of a python step. Several get a group each, with a host policy of their own: Triton
     tells instances apart by their group's fields but name and count, so that the supervisor can replace one alone
@@ -205,6 +218,7 @@ def _fused(name: str, backbone: str, record: BackboneRecord, target: str):
         config = _python_model(name, options, params, options.backbone_queue_delay_us)
         set_gpu_instances(config, options.gpu_instances)
     config.input.extend(_request_inputs(record, ragged=True))
+    batch_when_free(config)
     _answer_outputs(config)
     return config
 
@@ -289,6 +303,7 @@ def model_configs(record: BackboneRecord, target: str) -> dict:
     tok = _python_model("tokenizer", options, {"buckets": buckets, **({"one_text_per_request": "true"} if one else {})},
                         instances=instances)
     tok.input.extend(_request_inputs(record, ragged=True))
+    batch_when_free(tok)
     tok.output.extend([_tensor(pb.ModelOutput, n, [-1]) for n in tokens]
                       + [_tensor(pb.ModelOutput, protocol.TASK_VERSION, [1]),
                          _tensor(pb.ModelOutput, protocol.WORD_INDEX, [-1]),
