@@ -67,6 +67,15 @@ def answer(label: str, logits, version: str | None = None) -> dict:
     return {"label": label, "logits": values, "probabilities": softmax(values).tolist()} | version_key
 
 
+def carried_answer(kind: str, label: str, values) -> dict:
+    """The answer of a kind whose LOGITS and LABEL carry it all (aot.serving.heads.CARRIED_KINDS): what a client
+    builds from them where a request asked for compact answers (protocol.ANSWERS_PARAMETER), equal to the server's
+    own (pooled_answer)."""
+    if kind == "embedding":
+        return {"embedding": [float(v) for v in values]}
+    return answer(label, values)
+
+
 def pooled_answer(kind: str, names: Sequence[str] | None, values: np.ndarray,
                   threshold: float = DEFAULT_THRESHOLD) -> dict:
     """The answer of a pooled kind from its head's output: logits (classification, multilabel), the score

@@ -107,9 +107,9 @@ class HeadOutputs:
     first: np.ndarray | None = None
     tokens: dict[int, np.ndarray] = field(default_factory=dict)  # a token item's logits [S, n]
 
-    def bodies(self, rows: range, compact: bool = False) -> list[dict | None]:
-        """The ANSWER of each item of `rows` (aot.serving.answers), without its version; with `compact`, None for an
-        item whose answer LOGITS and LABEL carry (CARRIED_KINDS)."""
+    def bodies(self, rows: range, compact: bool = False) -> list[dict | str]:
+        """The ANSWER of each item of `rows` (aot.serving.answers), without its version; with `compact`, the kind's
+        name for an item whose answer LOGITS and LABEL carry (CARRIED_KINDS: protocol.ANSWERS_PARAMETER)."""
         task_of = {}
         for task, mine in self.groups:
             for k in mine[(mine >= rows.start) & (mine < rows.stop)].tolist():
@@ -118,7 +118,7 @@ class HeadOutputs:
         for k in rows:
             task = task_of[k]
             if compact and task.kind in CARRIED_KINDS:
-                out.append(None)
+                out.append(task.kind)
             elif task.kind in READS_TOKENS:
                 out.append(tokens_answer(task.labels, self.words[k], self.first[k], self.tokens[k]))
             else:

@@ -14,8 +14,11 @@ import json
 import numpy as np
 
 from aot.serving import protocol
+from aot.serving.answers import TASK_KINDS
 from aot.serving.columns import TaskColumn
 from aot.serving.heads import HeadOutputs
+
+KIND_NAMES = {kind: json.dumps(kind).encode() for kind in TASK_KINDS}  # a compact ANSWER, written once
 
 
 class BatchAnswers:
@@ -29,7 +32,7 @@ class BatchAnswers:
                 compact: bool = False) -> list:
         """The output tensors of a request whose items are `rows` of the batch (`requested`: the outputs it asks for,
         None for all; `version`: with TASK_VERSION, which the GPU ensembles' head step leaves to the tokenizer's;
-        `compact`: ANSWER empty where LOGITS and LABEL carry the answer, protocol.ANSWERS_PARAMETER)."""
+        `compact`: ANSWER the kind's name where LOGITS and LABEL carry the answer, protocol.ANSWERS_PARAMETER)."""
         heads, cut = self.heads, slice(rows.start, rows.stop)
         width = int(heads.widths[cut].max())
         out = [step.output(protocol.LOGITS, np.ascontiguousarray(heads.values[cut, :width])),
@@ -38,6 +41,7 @@ class BatchAnswers:
         if version:
             out.append(step.output(protocol.TASK_VERSION, self.versions[cut, None]))
         if requested is None or protocol.ANSWER in requested:
-            bodies = [b"" if body is None else json.dumps(body).encode() for body in heads.bodies(rows, compact)]
+            bodies = [KIND_NAMES[body] if isinstance(body, str) else json.dumps(body).encode()
+                      for body in heads.bodies(rows, compact)]
             out.append(step.output(protocol.ANSWER, np.array(bodies, dtype=np.object_)[:, None]))
         return out

@@ -58,8 +58,9 @@ backbone -> head:
 A request whose parameters (a JSON object) hold PROBE_PARAMETER is the supervisor's liveness probe: every python
 step answers it at once with no outputs and counts it nowhere. A request whose parameters hold ANSWERS_PARAMETER:
 "compact" gets ANSWER's JSON only for the items whose answer the other outputs do not carry (a token task's entities,
-a multi-label task's scores by label), "" for the others: aot.Client builds theirs from LOGITS, LOGITS_WIDTH and LABEL
-by the same rule (aot.serving.answers), so the server writes no JSON for most texts.
+a multi-label task's scores by label); for the others, ANSWER is their kind's name as a JSON string ("classification",
+"regression", "embedding"), and aot.Client builds the answer from LOGITS, LOGITS_WIDTH and LABEL by the server's
+own rule (aot.serving.answers.carried_answer): the server writes no JSON for most texts.
 
 Per request the rows interface moves U*L*d*2 + S*4 bytes; the dense one S*L*d*2 (U <= S distinct tokens). The
 backbone hands the head P*d*4 bytes (pooled_hidden) and token_hidden; the tokenizer hands it S*4 + the text's bytes
