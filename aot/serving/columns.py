@@ -32,6 +32,10 @@ class TaskColumn:
     tasks: list[ServedTask] = field(default_factory=list)
     index: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
+    def task(self, k: int) -> ServedTask:
+        """Item k's task version."""
+        return self.tasks[self.index[k]]
+
     def of(self, attribute: str, dtype=None) -> np.ndarray:
         """A task attribute per item (each task's read once)."""
         return np.array([getattr(t, attribute) for t in self.tasks], dtype=dtype)[self.index]
@@ -182,6 +186,10 @@ class RequestInputs:
                                    item=0)
         limits = {protocol.INPUT_IDS: repo.vocab_size, protocol.ATTENTION_MASK: 2,
                   protocol.TOKEN_TYPE_IDS: max(repo.type_vocab_size, 1)}
+        in_range = all(array.min() >= 0 and array.max() < limits[name] for name, array in tensors.items())
+        padded_right = mask[:, 0].all() and (length == 1 or not (mask[:, 1:] > mask[:, :-1]).any())
+        if in_range and padded_right:  # the whole request at once; the item at fault only when one is
+            return tensors
         checks = []
         for name, array in tensors.items():
             limit = limits[name]
@@ -189,8 +197,8 @@ class RequestInputs:
                            f"{n} holds {int(a[k][(a[k] < 0) | (a[k] >= m)][0])}: expected values in [0, {m - 1}]"))
         checks.append((mask[:, 0] != 1, lambda k: f"{protocol.ATTENTION_MASK} must start with 1 (the first token is "
                                                   "always read)"))
-        checks.append(((np.diff(mask, axis=1) > 0).any(1) if length > 1 else np.zeros(self.count, bool),
-                       lambda k: f"{protocol.ATTENTION_MASK} must be 1s followed by 0s (right padding)"))
+        checks.append(((mask[:, 1:] > mask[:, :-1]).any(1), lambda k: f"{protocol.ATTENTION_MASK} must be 1s "
+                                                                       "followed by 0s (right padding)"))
         refuse_first(checks)
         return tensors
 
@@ -198,10 +206,10 @@ class RequestInputs:
 def refuse_first(checks: list[tuple[np.ndarray, Callable[[int], str]]], reason: str = "invalid") -> None:
     """Refuse the first item any check fails, with the message of the first check it fails: `checks` are (which
     items fail [N] bool, the message for item k), in the order an item is checked."""
-    failing = [np.flatnonzero(bad) for bad, _ in checks]
-    first = min((int(f[0]) for f in failing if len(f)), default=None)
-    if first is None:
+    if not any(bad.any() for bad, _ in checks):
         return
+    failing = [np.flatnonzero(bad) for bad, _ in checks]
+    first = min(int(f[0]) for f in failing if len(f))
     for (bad, message), _ in zip(checks, failing, strict=True):
         if bad[first]:
             raise RequestError(message(first), reason, item=first)

@@ -15,6 +15,7 @@ for it (HeadOutputs.bodies), by aot.serving.answers' rules.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -107,16 +108,21 @@ class HeadOutputs:
     first: np.ndarray | None = None
     tokens: dict[int, np.ndarray] = field(default_factory=dict)  # a token item's logits [S, n]
 
+    @functools.cached_property
+    def item_tasks(self) -> list[ServedTask]:
+        """Each item's task version, in the batch's order."""
+        out: list = [None] * len(self.widths)
+        for task, rows in self.groups:
+            for k in rows.tolist():
+                out[k] = task
+        return out
+
     def bodies(self, rows: range, compact: bool = False) -> list[dict | str]:
         """The ANSWER of each item of `rows` (aot.serving.answers), without its version; with `compact`, the kind's
         name for an item whose answer LOGITS and LABEL carry (CARRIED_KINDS: protocol.ANSWERS_PARAMETER)."""
-        task_of = {}
-        for task, mine in self.groups:
-            for k in mine[(mine >= rows.start) & (mine < rows.stop)].tolist():
-                task_of[k] = task
         out = []
         for k in rows:
-            task = task_of[k]
+            task = self.item_tasks[k]
             if compact and task.kind in CARRIED_KINDS:
                 out.append(task.kind)
             elif task.kind in READS_TOKENS:

@@ -100,33 +100,41 @@ class TextInputs:
         column.tasks, column.index = step.resolve(inputs)
         if has_ids:
             return TextPart(column, tokens=self._client_tokens(inputs, column, pairs), compact=inputs.compact_answers)
-        paired = np.array([p is not None for p in pairs]) if pairs is not None else np.zeros(inputs.count, bool)
-        names, pairing = column.of("name"), column.pairing()
-        refuse_first([
-            ((pairing >= 0) & (pairing != paired), lambda k: f"task {names[k]!r} was trained on " + (
-                f"single texts: send no {protocol.TEXT_PAIR}" if paired[k] else
-                f"text pairs: send {protocol.TEXT_PAIR} too")),
-            (np.fromiter(map(is_blank, texts), bool, inputs.count),
-             lambda k: BLANK_TEXT)])
+        checks = []
+        if pairs is not None or any(t.has_pair for t in column.tasks):  # a pair sent, or a task that takes one
+            paired = np.array([p is not None for p in pairs]) if pairs is not None else np.zeros(inputs.count, bool)
+            pairing = column.pairing()
+            checks.append(((pairing >= 0) & (pairing != paired), lambda k: f"task {column.task(k).name!r} was trained "
+                           "on " + (f"single texts: send no {protocol.TEXT_PAIR}" if paired[k] else
+                                    f"text pairs: send {protocol.TEXT_PAIR} too")))
+        checks.append((np.fromiter(map(is_blank, texts), bool, inputs.count), lambda k: BLANK_TEXT))
+        refuse_first(checks)
         return TextPart(column, texts, pairs, compact=inputs.compact_answers)
 
     def _client_tokens(self, inputs: RequestInputs, column: TaskColumn, pairs) -> dict[str, np.ndarray]:
-        """Token ids a client sent, checked against each item's task."""
-        names = column.of("name")
-        refuse_first([(np.isin(column.of("kind"), READS_TOKENS),
-                       lambda k: f"task {names[k]!r} tags tokens: send {protocol.TEXT} (its entities are found in the "
-                                 "text), not token ids"),
+        """Token ids a client sent, checked against each item's task (what holds for a task, once per task)."""
+        def of_tasks(bad: list[bool]) -> np.ndarray:
+            """Which items have a task of `bad` (one per task)."""
+            return np.array(bad)[column.index] if any(bad) else np.zeros(inputs.count, bool)
+
+        tasks = column.tasks
+        refuse_first([(of_tasks([t.kind in READS_TOKENS for t in tasks]),
+                       lambda k: f"task {column.task(k).name!r} tags tokens: send {protocol.TEXT} (its entities are "
+                                 "found in the text), not token ids"),
                       (np.array([p is not None for p in pairs]) if pairs is not None else np.zeros(inputs.count, bool),
                        lambda k: f"send {protocol.TEXT_PAIR} with {protocol.TEXT}: token ids already hold the pair")])
         tokens = inputs.tokens(self.step.repo)
-        longest, width = column.of("max_length"), tokens[protocol.INPUT_IDS].shape[1]
-        checks = [(np.full(inputs.count, width) > longest,
-                   lambda k: f"{protocol.INPUT_IDS} has {width} tokens: task {names[k]!r} reads at most {longest[k]}")]
+        width = tokens[protocol.INPUT_IDS].shape[1]
+        checks = [(of_tasks([width > t.max_length for t in tasks]), lambda k: f"{protocol.INPUT_IDS} has {width} "
+                   f"tokens: task {column.task(k).name!r} reads at most {column.task(k).max_length}")]
         if protocol.TOKEN_TYPE_IDS in tokens:  # a second segment is the pair (architectures with token types)
-            paired, pairing = tokens[protocol.TOKEN_TYPE_IDS].any(1), column.pairing()
-            checks.append(((pairing >= 0) & (pairing != paired), lambda k: f"task {names[k]!r} was trained on "
-                           + ("single texts: these token ids hold a second segment" if paired[k] else
-                              "text pairs: these token ids hold no second segment (token_type_ids 1)")))
+            paired = tokens[protocol.TOKEN_TYPE_IDS].any(1)
+            if paired.any() or any(t.has_pair for t in tasks):
+                pairing = column.pairing()
+                checks.append(((pairing >= 0) & (pairing != paired), lambda k: f"task {column.task(k).name!r} was "
+                               "trained on " + ("single texts: these token ids hold a second segment" if paired[k]
+                                                else "text pairs: these token ids hold no second segment "
+                                                     "(token_type_ids 1)")))
         refuse_first(checks)
         return tokens
 

@@ -152,22 +152,28 @@ class Step:
         address = self.gate.address_of(inputs.request.parameters())  # a keyless client's, once per request
         for k, name in enumerate(names):
             self.gate.admit(name, key, tenants, inputs.count if k == 0 else 0, address if k == 0 else None)
+        if len(names) == 1 and not self.tasks.routed(names[0]):  # the common request: one task, one version
+            return [self._resolved(names[0], key, index, 0)], index
         found: dict[str, int] = {}
         tasks: list[ServedTask] = []
         where = np.empty(inputs.count, np.int64)
         for k, name in enumerate(names):
             mine = np.flatnonzero(index == k)
-            try:
-                draws = [self.tasks.resolve(name, key) for _ in mine] if self.tasks.routed(name) else \
-                    [self.tasks.resolve(name, key)] * len(mine)
-            except RequestError as exc:
-                exc.item = int(mine[0])
-                raise
+            draws = [self._resolved(name, key, index, k) for _ in mine] if self.tasks.routed(name) else \
+                [self._resolved(name, key, index, k)] * len(mine)
             for row, task in zip(mine.tolist(), draws, strict=True):
                 where[row] = found.setdefault(task.version, len(tasks))
                 if where[row] == len(tasks):
                     tasks.append(task)
         return tasks, where
+
+    def _resolved(self, name: str, key: str | None, index: np.ndarray, k: int) -> ServedTask:
+        """Task `name`'s version for the caller; a refusal names the first item that names it (the k-th name)."""
+        try:
+            return self.tasks.resolve(name, key)
+        except RequestError as exc:
+            exc.item = int(np.argmax(index == k))
+            raise
 
     def pinned(self, inputs: RequestInputs) -> tuple[list[ServedTask], np.ndarray]:
         """The task versions the first step pinned for the request's items (TASK_VERSION), loaded: each distinct
@@ -249,6 +255,7 @@ class Step:
 
     def _respond_batch(self, requests, read: Callable, run: Callable, outputs: Callable) -> list:
         start = time.perf_counter()
+        self.gate.begin_batch()
         responses = [None] * len(requests)
         columns = [TaskColumn() for _ in requests]
         counts = [1] * len(requests)
