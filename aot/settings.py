@@ -117,6 +117,11 @@ TOKENIZER_THREADS = Setting("AOT_TOKENIZER_THREADS", "threads a python step's to
                             "(default: on a GPU step, the host's cores shared among its GPU instances, at most 8: "
                             "the host's cores are otherwise idle; on a CPU step 1, the cores run the engine)", None,
                             _integer(1), "a number of threads, 1 or more", read_by="python steps")
+DEVICE_HEADS = Setting("AOT_DEVICE_HEADS", "task versions whose heads (classification, regression, multi-label) a "
+                       "torch engine step keeps in its device's memory and runs inside its forward, so that a batch "
+                       "leaves the device as logits (default: 256 on CUDA, 0 on CPU, where the host's heads run "
+                       "cheaper; 0 turns them off)", None, _integer(0), "a number of task versions, 0 or more",
+                       read_by="python steps")
 REQUEST_LOG = Setting("AOT_REQUEST_LOG", "the request log: one JSON line per sampled request, appended to this "
                       "file (`aot serve --request-log`)", expected="a file path", read_by="python steps")
 REQUEST_LOG_SAMPLE = Setting("AOT_REQUEST_LOG_SAMPLE", "the share of texts the request log keeps (each of a "

@@ -110,7 +110,7 @@ def test_bound_session_equals_a_plain_run(tmp_path, tiny_models):
     from aot.benchmarks.overhead_onnxruntime import BoundSession, device_bias_feeds
     from aot.exporter.onnx_export import export_backbone_graph
     from aot.serving import protocol
-    from aot.serving.engine import BackboneRunner, Prepared
+    from aot.serving.engine import BackboneRunner, EncoderBatch
     from tests.tiny import tiny_backbone
 
     backbone = tiny_backbone("bert")
@@ -120,12 +120,14 @@ def test_bound_session_equals_a_plain_run(tmp_path, tiny_models):
     lengths = [10, 10, 7]
     case.mask[2, 7:] = 0
     tokens = {protocol.INPUT_IDS: case.ids, protocol.ATTENTION_MASK: case.mask, protocol.TOKEN_TYPE_IDS: case.token_types}
-    requests, distinct = [], []
-    for b, n in enumerate(lengths):
+    batch = EncoderBatch.joined([{k: v.numpy() for k, v in tokens.items()}])
+    batch.index, batch.rows, distinct = np.zeros((3, 10), np.int64), [], []
+    for b, n in enumerate(lengths):  # each sequence's own rows, as the server's lookup gives them
         unique, index = np.unique(case.ids[b, :n].numpy(), return_inverse=True)
+        batch.index[b] = sum(distinct)
+        batch.index[b, :n] += index
         distinct.append(len(unique))
-        requests.append(Prepared({k: v[b, :n].numpy() for k, v in tokens.items()}, rows=table.numpy()[unique],
-                                 index=index.astype(np.int32)))
+        batch.rows.append(table.numpy()[unique])
     rows_feeds = device_bias_feeds(case, table, "rows")
     assert rows_feeds[protocol.AOT_ROW_OFFSETS].tolist() == [0, *np.cumsum(distinct) * L * d]
     assert rows_feeds[protocol.AOT_ROWS].shape == (sum(distinct) * L * d,) and rows_feeds[protocol.AOT_INDEX].shape == (3, 10)
@@ -133,7 +135,7 @@ def test_bound_session_equals_a_plain_run(tmp_path, tiny_models):
     states = {}
     for interface in protocol.BIAS_INTERFACES:
         graph = export_backbone_graph(backbone, tmp_path / interface, aot=True, interface=interface).optimized
-        expected = BackboneRunner(graph).run(requests)
+        expected = BackboneRunner(graph).run(batch).pooled
         got = BoundSession(graph, torch.device("cpu")).run({**tokens, **device_bias_feeds(case, table, interface)}, d)
         np.testing.assert_allclose(got.numpy(), expected, atol=1e-4)
         states[interface] = expected

@@ -127,26 +127,38 @@ def test_task_parity_fused_and_factored(tmp_path, tiny_models, tasks, arch):
         assert np.abs(fused).max() > 0  # trained rows, not zeros
 
 
-def test_dense_rows_gathered_from_the_pool_slots_equal_rows_by_index(tmp_path, tiny_models, tasks):
-    """TaskRegistry.rows_many with indexes (the dense lookup step): each token's row, gathered straight from the
-    pool's slots (resident and cache mode) or from storage without a pool, is rows[index], fused and factored."""
+def test_rows_found_for_a_batch_equal_each_tasks_own(tmp_path, tiny_models, tasks):
+    """aot.serving.stages.find_rows (the fused step's lookup and the dense lookup step's): a batch mixing a fused and a
+    factored task gives each token its task's row, gathered from the pool's slots (resident and cache mode) or read
+    from storage without a pool; an engine that gathers from the pool itself gets the slots instead."""
+    from aot.serving.columns import TaskColumn
+    from aot.serving.engine import EncoderBatch
     from aot.serving.pool import RowPool
+    from aot.serving.stages import find_rows
 
     repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"f": (tasks[("bert", "fc")], "fused"),
                                                                     "k": (tasks[("bert", "kron")], "factored")})
     info = read_repository(repo)
     L, d, V = info.num_layers, info.hidden_size, info.vocab_size
     rng = np.random.default_rng(0)
-    ids = [np.sort(rng.choice(V, 7, replace=False)) for _ in range(2)]
-    indexes = [rng.integers(0, 7, 12).astype(protocol.INDEX_DTYPE) for _ in range(2)]
-    for pool in (None, RowPool(2 * V * L * d * 2, L, d, V), RowPool(20 * L * d * 2, L, d, V)):
+    sequences = [{protocol.INPUT_IDS: rng.integers(1, V, n), protocol.ATTENTION_MASK: np.ones(n, np.int64)}
+                 for n in (12, 5, 9)]
+    for pool in (None, RowPool(2 * V * L * d * 2, L, d, V), RowPool(40 * L * d * 2, L, d, V)):
         registry = TaskRegistry(info.store_root, pool=pool)
-        wanted = [(registry.resolve("f"), ids[0]), (registry.resolve("k"), ids[1])]
-        for (task, unique), index, bias in zip(wanted, indexes, registry.rows_many(wanted, indexes=indexes), strict=True):
-            assert bias.shape == (12, L, d)
-            np.testing.assert_allclose(bias, task.rows(unique)[index], atol=1e-3)
+        column = TaskColumn([registry.resolve("f"), registry.resolve("k")], np.array([0, 1, 0]))
+        batch = EncoderBatch.of(sequences)
+        find_rows(batch, column, V, pool, registry)
+        rows = np.concatenate(batch.rows)
+        for b, n in enumerate(batch.lengths.tolist()):
+            task, ids = column.tasks[column.index[b]], batch.tokens[protocol.INPUT_IDS][b, :n]
+            np.testing.assert_allclose(rows[batch.index[b, :n]], task.rows(ids), atol=1e-3)
+            assert (batch.index[b, n:] == batch.index[b, 0]).all()  # padding takes the sequence's first row
         if pool is not None:
-            assert all(pool.holds(task.version) for task, _ in wanted)
+            assert all(pool.holds(task.version) for task in column.tasks)
+            slotted = EncoderBatch.of(sequences)
+            find_rows(slotted, column, V, pool, registry, slots=True)
+            assert slotted.rows is None and slotted.index.max() < pool.slots
+            np.testing.assert_allclose(pool.buffer[slotted.index], rows[batch.index], atol=0)
 
 
 def test_factored_storage_is_small(tmp_path, sentiment_dir):
@@ -328,12 +340,12 @@ def test_repository_of_the_previous_protocol_is_upgraded_with_its_tasks(tmp_path
     (repo / "aot_repository.json").write_text(json.dumps({**record, "protocol_version": 6}))
     model_file = repo / "models" / "aot" / "1" / "model.py"
     model_file.write_text(model_file.read_text().replace("from aot.serving", "from serving"))
-    with pytest.raises(RepositoryError, match=r"protocol version 6 is not 7 .* --overwrite` keeps its tasks"):
+    with pytest.raises(RepositoryError, match=r"protocol version 6 is not 8 .* --overwrite` keeps its tasks"):
         read_repository(repo)
     from aot.exporter.backbone_export import export_backbone
 
     export_backbone(str(tiny_models["bert"]), repo, overwrite=True)
-    assert read_repository(repo).record.protocol_version == 7
+    assert read_repository(repo).record.protocol_version == 8
     assert "from serving" not in model_file.read_text() and "from aot.serving" in model_file.read_text()
     assert list(TaskStore(read_repository(repo).store_root).entries()) == ["t"]
 

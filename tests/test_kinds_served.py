@@ -21,12 +21,18 @@ KEYS = {"cls": {"label", "logits", "probabilities"}, "ner": {"entities"}, "tags"
         "search": {"embedding"}}
 
 
+# each kind once more, in the other storage: 8 tasks of every kind for the requests that mix them
+TWINS = {"cls2": ("cls", "factored"), "ner2": ("ner", "factored"), "tags2": ("tags", "fused"),
+         "search2": ("search", "factored")}
+
+
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory, tiny_models, kind_artifacts):
     storages = {"cls": "fused", "ner": "fused", "tags": "factored", "search": "fused"}
     return make_repository(tiny_models["bert"], tmp_path_factory.mktemp("kinds") / "repo",
-                           {n: (kind_artifacts[n], storages[n]) for n in storages}, max_batch_size=64,
-                           cpu_queue_delay_us=20000)
+                           {n: (kind_artifacts[n], storages[n]) for n in storages}
+                           | {n: (kind_artifacts[kind], storage) for n, (kind, storage) in TWINS.items()},
+                           max_batch_size=64, cpu_queue_delay_us=20000)
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +105,9 @@ def test_embed_returns_a_matrix_and_tasks_show_kinds(client, expected):
     np.testing.assert_allclose(np.linalg.norm(matrix, axis=1), 1, atol=1e-5)
     with pytest.raises(Exception, match="not an embedding task"):
         client.embed("ner", TEXTS[:1])
-    assert {t["name"]: t["kind"] for t in client.tasks()["tasks"]} == {
-        "cls": "classification", "ner": "tokens", "tags": "multilabel", "search": "embedding"}
+    kinds = {"cls": "classification", "ner": "tokens", "tags": "multilabel", "search": "embedding"}
+    assert {t["name"]: t["kind"] for t in client.tasks()["tasks"]} == kinds | {
+        twin: kinds[kind] for twin, (kind, _) in TWINS.items()}
 
 
 def test_a_bad_request_of_one_kind_fails_alone(server, client, expected, repo):
@@ -127,6 +134,63 @@ def test_a_bad_request_of_one_kind_fails_alone(server, client, expected, repo):
     mask.set_data_from_numpy(np.ones((1, 3), dtype=np.int64))
     with pytest.raises(Exception, match="task 'ner' tags tokens: send TEXT"):
         client._client.infer("aot", [ids, mask, task])
+
+
+def _raw(client, texts: list[str], tasks: list[str], outputs: tuple[str, ...]):
+    """One request of many texts, straight through tritonclient, asking for `outputs`."""
+    import tritonclient.grpc as grpcclient
+
+    inputs = []
+    for name, values in (("TEXT", texts), ("TASK", tasks)):
+        tensor = grpcclient.InferInput(name, [len(values), 1], "BYTES")
+        tensor.set_data_from_numpy(np.array([[v.encode()] for v in values], dtype=np.object_))
+        inputs.append(tensor)
+    return client._client.infer("aot", inputs, outputs=[grpcclient.InferRequestedOutput(o) for o in outputs])
+
+
+def test_a_request_mixing_8_tasks_of_every_kind_answers_as_single_requests(client):
+    """Issue 52: a request of 64 texts over 8 tasks of the 5 kinds' heads (one batch, in columns) answers each item
+    exactly as a request of that text alone does: LOGITS to fp tolerance (the row zero past the item's own width,
+    LOGITS_WIDTH), LABEL and TASK_VERSION equal; ANSWER only when the request asks for it, equal then too."""
+    names = [*KEYS, *TWINS]
+    tasks = [names[k % len(names)] for k in range(64)]
+    texts = [TEXTS[(k // len(names) + k) % len(TEXTS)] for k in range(64)]
+    lean = _raw(client, texts, tasks, ("LOGITS", "LOGITS_WIDTH", "LABEL", "TASK_VERSION"))
+    assert lean.as_numpy("ANSWER") is None, "ANSWER was not asked for"
+    full = _raw(client, texts, tasks, ("LOGITS", "LABEL", "TASK_VERSION", "ANSWER"))
+    logits, labels, widths = lean.as_numpy("LOGITS"), lean.as_numpy("LABEL"), lean.as_numpy("LOGITS_WIDTH")
+    assert logits.shape[0] == labels.shape[0] == widths.shape[0] == 64 and widths.dtype == np.int32
+    np.testing.assert_array_equal(full.as_numpy("LOGITS"), logits)
+    seen = set()
+    for k, (text, task) in enumerate(zip(texts, tasks, strict=True)):
+        alone = _raw(client, [text], [task], ("LOGITS", "LOGITS_WIDTH", "LABEL", "TASK_VERSION", "ANSWER"))
+        own = alone.as_numpy("LOGITS")[0]
+        assert widths[k, 0] == alone.as_numpy("LOGITS_WIDTH")[0, 0] == len(own)
+        seen.add(len(own))
+        np.testing.assert_allclose(logits[k, :len(own)], own, atol=1e-5)
+        assert (logits[k, len(own):] == 0).all()
+        assert labels[k, 0] == alone.as_numpy("LABEL")[0, 0]
+        assert lean.as_numpy("TASK_VERSION")[k, 0] == alone.as_numpy("TASK_VERSION")[0, 0]
+        assert lean.as_numpy("TASK_VERSION")[k, 0].decode().startswith(task + "@")
+        mixed, single = json.loads(full.as_numpy("ANSWER")[k, 0]), json.loads(alone.as_numpy("ANSWER")[0, 0])
+        kind = TWINS.get(task, (task,))[0]
+        _same(mixed | {"version": kind + "@"}, single, kind)
+    assert len(seen) >= 4, "the kinds' outputs differ in width"
+
+
+def test_a_bad_item_fails_its_request_alone_naming_it(client):
+    """One blank text among 64: its request fails naming that item; a request beside it in the batch answers."""
+    texts = [TEXTS[k % len(TEXTS)] for k in range(64)]
+    texts[17] = "  \t "
+    tasks = [[*KEYS][k % len(KEYS)] for k in range(64)]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        bad = pool.submit(_raw, client, texts, tasks, ("LABEL",))
+        good = pool.submit(_raw, client, texts[:17] + texts[18:], tasks[:17] + tasks[18:], ("LABEL",))
+        with pytest.raises(Exception, match=r"item 18 of 64: TEXT is empty"):
+            bad.result()
+        assert good.result().as_numpy("LABEL").shape == (63, 1)
 
 
 def test_answers_echo_their_items_and_top_k_ranks_what_has_labels(server, client, expected, tmp_path, capsys):

@@ -98,14 +98,16 @@ def _published(server, client, name: str, task: str, count: int) -> list:
 def test_latency_histogram_per_task(server, client):
     """aot_task_latency_seconds: Prometheus _bucket series (cumulative, every bucket up to +Inf) per task and step
     instance, one observation per request and task it holds (6 requests of one text and one of 4 texts: 7), while
-    aot_task_requests_total counts each text (10); and the counters beside it."""
+    aot_task_texts_total counts each text (10) and aot_task_requests_total each request (7); and the counters beside
+    it."""
     single = client.infer_many([{"task": "alpha", "text": "good w1"}] * 6 + [{"task": "beta", "text": "w2"}] * 3,
                                pack=1)
     packed = client.infer_many([{"task": "alpha", "text": f"good w{k}"} for k in range(4)], pack=4)
     assert len(single) == 9 and len(packed) == 4
     assert all("error" not in a for a in single + packed), single + packed
-    samples = _published(server, client, "aot_task_requests_total", "alpha", 10)
-    assert _value(samples, "aot_task_requests_total", step="aot", task="alpha") == 10
+    samples = _published(server, client, "aot_task_texts_total", "alpha", 10)
+    assert _value(samples, "aot_task_texts_total", step="aot", task="alpha") == 10
+    assert _value(samples, "aot_task_requests_total", step="aot", task="alpha") == 7
     assert _value(samples, "aot_task_latency_seconds_count", step="aot", task="alpha") == 7
     assert _value(samples, "aot_task_latency_seconds_bucket", step="aot", task="alpha", le="+Inf") == 7
     assert _value(samples, "aot_task_latency_seconds_sum", step="aot", task="alpha") > 0
@@ -136,18 +138,18 @@ def test_series_stay_bounded_to_the_k_busiest_tasks(server, client):
     for task, n in (("alpha", 4), ("beta", 4), ("gamma", 4)):
         client.infer_many([{"task": task, "text": "good w3"}] * n)
     client.infer_many([{"task": "delta", "text": "w4 great"}] * 60, concurrency=8)
-    samples = _published(server, client, "aot_task_requests_total", "delta", 60)
-    instances = {lab["instance"] for n, lab, _ in samples if n == "aot_task_requests_total" and lab["step"] == "aot"}
+    samples = _published(server, client, "aot_task_texts_total", "delta", 60)
+    instances = {lab["instance"] for n, lab, _ in samples if n == "aot_task_texts_total" and lab["step"] == "aot"}
     for instance in instances:
-        named = {lab["task"] for n, lab, _ in samples if n == "aot_task_requests_total"
+        named = {lab["task"] for n, lab, _ in samples if n == "aot_task_texts_total"
                  and lab["instance"] == instance} - {OTHER, UNKNOWN, NONE}
         assert len(named) <= K, (instance, named)
         for name in ("aot_task_duration_us_total", "aot_task_latency_seconds_count"):
             tasks = {lab["task"] for n, lab, _ in samples if n == name and lab["instance"] == instance}
             assert tasks - {OTHER, UNKNOWN, NONE} <= named, (name, tasks)
-    assert _value(samples, "aot_task_requests_total", step="aot", task="delta") > 0  # delta has its own series
-    counted = sum(_value(samples, "aot_task_requests_total", step="aot", task=t) for t in ("delta", OTHER))
-    assert counted >= 60  # delta's requests are all counted, under its name or, before it had one, under <other>
+    assert _value(samples, "aot_task_texts_total", step="aot", task="delta") > 0  # delta has its own series
+    counted = sum(_value(samples, "aot_task_texts_total", step="aot", task=t) for t in ("delta", OTHER))
+    assert counted >= 60  # delta's texts are all counted, under its name or, before it had one, under <other>
 
 
 def test_pool_series_on_the_default_cpu_layout(server, client):
@@ -276,7 +278,7 @@ def test_grafana_dashboard_queries_parse_and_read_served_series(server, client):
             assert names and names <= served, (panel["title"], names - served)
             queries[panel["title"]] = expr
     read = " ".join(queries.values())
-    assert "rate(aot_task_requests_total" in read and "rate(aot_task_failures_total" in read
+    assert "rate(aot_task_texts_total" in read and "rate(aot_task_failures_total" in read
     assert "histogram_quantile(0.5, sum by (le, task)" in read and "histogram_quantile(0.99, sum by (le, task)" in read
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
     assert set(variables) == {"datasource", "step", "tenant", "task"}  # issue 47.7: a tenant variable

@@ -263,7 +263,7 @@ def test_multitask_mixed_batch_equals_each_task_alone(saved_tasks):
         for k, i in enumerate(rows):
             inputs = tokenizer(TEXTS[i], truncation=True, max_length=32, return_tensors="pt")
             expected = alone(**inputs).logits[0]
-            for answer in (mixed[i], single[k]):  # a regression task answers its score (aot.serving.answer_labels.answer)
+            for answer in (mixed[i], single[k]):  # a regression task answers its score (aot.serving.answers.answer)
                 assert answer["task"] == name
                 got = [answer["score"]] if name == "score" else answer["logits"]
                 # MultiTaskModel holds each task's rows in fp16, as the server does (its answers equal the served

@@ -11,10 +11,13 @@ import numpy as np
 import pytest
 
 from aot.exporter.task_export import TaskExporter, export_task
-from aot.serving.engine import BackboneRunner, Prepared
+from aot.serving.columns import TaskColumn
+from aot.serving.engine import BackboneRunner, EncoderBatch
 from aot.serving.errors import RequestError
+from aot.serving.heads import pooled_logits
 from aot.serving.pool import RowPool
 from aot.serving.repository import read_repository
+from aot.serving.stages import find_rows
 from aot.serving.store.writer import TaskStore
 from aot.serving.task_registry import TaskRegistry
 from aot.serving.tokenization import Tokenization
@@ -48,10 +51,9 @@ def _served_logits(registry: TaskRegistry, repo, name: str) -> np.ndarray:
     info = read_repository(repo)
     task = registry.resolve(name)
     tokens = Tokenization(info.tokenizer_dir, info.uses_token_type_ids)
-    requests = [Prepared.for_task(tokens.encode(t, None, task.max_length), task) for t in TEXTS]
-    for r, rows in zip(requests, registry.rows_many([(r.task, r.unique) for r in requests]), strict=True):
-        r.rows = rows
-    return task.logits(BackboneRunner(info.backbone_onnx).run(requests))
+    batch = EncoderBatch.joined([tokens.encode_batch(TEXTS, None, task.max_length)])
+    find_rows(batch, TaskColumn([task], np.zeros(batch.size, np.int64)), info.vocab_size, registry.pool, registry)
+    return pooled_logits(task, BackboneRunner(info.backbone_onnx).run(batch).pooled)
 
 
 def test_start_reads_the_index_and_no_task(repo):

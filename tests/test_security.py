@@ -267,10 +267,9 @@ def test_no_step_can_be_replaced_or_unloaded(served, tmp_path, expected):
 
     for model, template in (("head", "head"), ("aot", "fused")):
         code = (ROOT / "aot" / "model_repository" / template / "1" / "model.py").read_text()
-        assert "head_answers(" in code
-        evil = code + ("\n\ndef head_answers(tasks, pooled):  # every task answers what the attacker chose\n"
-                       "    import numpy\n"
-                       "    return [(numpy.array([[9.0, -9.0]], dtype=numpy.float32), 'positive')] * len(tasks)\n")
+        assert "head_outputs(" in code
+        evil = code + ("\n\ndef head_outputs(*args, **kwargs):  # every task answers what the attacker chose\n"
+                       "    raise SystemExit('the attacker chose')\n")
         config = {"name": model, "backend": "python", "max_batch_size": 64,
                   "parameters": {"evil": {"string_value": "1"}}}
         body = json.dumps({"parameters": {"config": json.dumps(config),

@@ -119,19 +119,21 @@ def test_served_head_reads_its_pooling_row(tmp_path, recorded, row):
         return
     task = load_task_version(folder, folder.name, tmp_path, parts="head")
     pooled = np.array([[[0.5, -0.5, 0.0], [-0.25, 0.75, 0.0]]], np.float32)  # [B=1, P=2, d=3]
-    np.testing.assert_allclose(task.logits(pooled), np.tanh(pooled[:, row, :2]), rtol=1e-6)
-    # the served stage: its task's row must be finite (the other pooling's overflow is not this request's failure)
-    from aot.serving.heads import HeadInput, head_answers
+    from aot.serving.engine import EncoderOutput
+    from aot.serving.heads import NotFinite, head_outputs, pooled_logits
 
+    np.testing.assert_allclose(pooled_logits(task, pooled), np.tanh(pooled[:, row, :2]), rtol=1e-6)
+    # the served stage: its task's row must be finite (the other pooling's overflow is not this request's failure)
     other = pooled.copy()
     other[0, 1 - row] = np.inf
-    answer, = head_answers([task], [HeadInput(other[0])])
+    heads = head_outputs([(task, np.array([0]))], EncoderOutput(other), np.array([3]))
+    [answer] = heads.answers(range(1))
     np.testing.assert_allclose(answer.values, np.tanh(pooled[0, row, :2]), rtol=1e-6)
     assert answer.label == ["a", "b"][int(np.argmax(answer.values))] == answer.body["label"]
-    broken = pooled.copy()
-    broken[0, row, 1] = np.nan
-    with pytest.raises(FloatingPointError, match=f"the encoder's {task.pooling!r} states are not finite"):
-        head_answers([task, task], [HeadInput(pooled[0]), HeadInput(broken[0])])
+    broken = np.concatenate([pooled, pooled])
+    broken[1, row, 1] = np.nan
+    with pytest.raises(NotFinite, match=f"the encoder's {task.pooling!r} states are not finite"):
+        head_outputs([(task, np.array([0, 1]))], EncoderOutput(broken), np.array([3, 3]))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -170,7 +172,7 @@ def test_protocol_dtypes_have_one_definition():
     assert protocol.triton_type(protocol.INPUT_IDS) == "INT64"
     assert protocol.triton_type(protocol.TASK_VERSION) == "BYTES"
     assert protocol.triton_type(protocol.AOT_BIAS) == "FP16"
-    assert protocol.PROTOCOL_VERSION == 7
+    assert protocol.PROTOCOL_VERSION == 8
     assert protocol.bias_inputs("dense") == [protocol.AOT_BIAS]
     with pytest.raises(ValueError, match="unknown bias interface 'ragged': expected one of rows, dense"):
         protocol.bias_inputs("ragged")
@@ -324,42 +326,38 @@ def test_length_groups_bound_padding_and_cover_every_request():
     assert [len(g) for g in length_groups(lengths, 10.0)] == [len(lengths)]
 
 
-def test_padded_lays_each_array_from_its_row_start_and_passes_one_full_request_through():
-    """The engine's token, index and row-offset tensors: zeros past each array's end, the dtype asked for; one
-    request of the batch's length is handed to the graph without a copy (a request run alone, as int8 runs them)."""
-    from aot.serving.engine import padded
-
-    ids = np.array([101, 7, 8, 102], np.int64)
-    alone = padded([ids], 4)
-    assert alone.shape == (1, 4) and np.shares_memory(alone, ids) and alone.flags.c_contiguous
-    assert padded([ids], 4, np.int32).dtype == np.int32 and padded([ids], 4, np.int32).tolist() == [ids.tolist()]
-    batch = padded([ids, ids[:2], ids[:1]], 5)
-    assert batch.dtype == np.int64 and batch.tolist() == [[101, 7, 8, 102, 0], [101, 7, 0, 0, 0], [101, 0, 0, 0, 0]]
-    assert padded([ids[:3]], 4).tolist() == [[101, 7, 8, 0]]
-
-
-def test_backbone_runner_split_by_length_gives_each_request_its_states(tmp_path):
-    """A batch of mixed lengths split into runs (rows interface, AoT): each request's states equal those of the
-    batch padded whole, in the requests' order."""
+def test_backbone_runner_split_by_length_gives_each_sequence_its_states(tmp_path):
+    """A batch of mixed lengths split into runs (rows interface, AoT; and one sequence at a time, as int8 runs): each
+    sequence's states equal those of the batch padded whole, in the batch's order; a sequence alone (trimmed to its
+    own length) gives the same."""
     from aot.exporter.onnx_export import export_backbone_graph
-    from aot.serving.engine import BackboneRunner, Prepared
+    from aot.serving.engine import BackboneRunner, EncoderBatch
     from tests.tiny import tiny_backbone
 
     backbone = tiny_backbone("bert")
     L, d, V = backbone.num_layers, backbone.hidden_size, backbone.embeddings.shape[0]
     rng = np.random.default_rng(0)
     table = (rng.standard_normal((V, L, d)) * 0.5).astype(np.float16)
-    requests = []
-    for n in (3, 17, 4, 16, 9, 3):
-        ids = rng.integers(5, V, n)
-        unique, index = np.unique(ids, return_inverse=True)
-        requests.append(Prepared({protocol.INPUT_IDS: ids, protocol.ATTENTION_MASK: np.ones(n, np.int64),
-                                  protocol.TOKEN_TYPE_IDS: np.zeros(n, np.int64)},
-                                 rows=table[unique], index=index.astype(np.int32)))
+    sequences = [{protocol.INPUT_IDS: rng.integers(5, V, n), protocol.ATTENTION_MASK: np.ones(n, np.int64),
+                  protocol.TOKEN_TYPE_IDS: np.zeros(n, np.int64)} for n in (3, 17, 4, 16, 9, 3)]
+    batch = EncoderBatch.of(sequences, want_states=True)
+    batch.rows = [table]
+    ids, mask = batch.tokens[protocol.INPUT_IDS], batch.tokens[protocol.ATTENTION_MASK].astype(bool)
+    batch.index = np.where(mask, ids, ids[:, :1])  # each token's row of the whole table
     graph = export_backbone_graph(backbone, tmp_path, aot=True, interface="rows").optimized
     split, whole = BackboneRunner(graph), BackboneRunner(graph, max_padding=None)
-    np.testing.assert_allclose(split.run(requests), whole.run(requests), atol=1e-4)
-    np.testing.assert_allclose(split.run(requests)[1], whole.run(requests[1:2])[0], atol=1e-4)
+    alone = BackboneRunner(graph, per_request=True)
+    assert len({len(g) for g in __import__("aot.serving.engine", fromlist=["x"]).length_groups(
+        batch.lengths.tolist(), 0.125)}) > 1, "the batch splits into runs"
+    reference = whole.run(batch)
+    for runner in (split, alone):
+        out = runner.run(batch)
+        np.testing.assert_allclose(out.pooled, reference.pooled, atol=1e-4)
+        for b, n in enumerate(batch.lengths.tolist()):
+            np.testing.assert_allclose(out.states[b, :n], reference.states[b, :n], atol=1e-4)
+    one = batch.take([1])
+    assert one.width == 17
+    np.testing.assert_allclose(whole.run(one).pooled[0], reference.pooled[1], atol=1e-4)
 
 
 def test_engines_are_found_by_name_and_an_unregistered_one_says_what_provides_it(monkeypatch):
@@ -380,24 +378,34 @@ def test_engines_are_found_by_name_and_an_unregistered_one_says_what_provides_it
         engine.find_engine("tpu")
 
 
-def test_a_batchs_token_indexes_equal_each_sequences_own():
-    """token_indexes (one vectorised pass for a batch) gives every sequence exactly what token_index gives it alone:
-    its sorted distinct tokens and each token's row among them, padding on row 0."""
-    from aot.serving.tasks import token_index, token_indexes
+def test_bytes_tensors_are_the_backends_own_format():
+    """aot.serving.bytes_tensors writes and reads BYTES tensors exactly as the python backend's own
+    triton_python_backend_utils functions (the copy the nvidia-pytriton wheel ships): random bytes of every length,
+    empty ones, str and bytes_ arrays, [N, 1] and flat."""
+    import importlib.util
 
+    from aot.local.triton_setup import triton_home
+    from aot.serving.bytes_tensors import deserialize_bytes_tensor, serialize_byte_tensor
+
+    path = triton_home() / "backends" / "python" / "triton_python_backend_utils.py"
+    spec = importlib.util.spec_from_file_location("backend_utils", path)
+    backend = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(backend)
     rng = np.random.default_rng(0)
-    compared = 0
-    for _ in range(100):
-        sequences = []
-        for _ in range(int(rng.integers(1, 9))):
-            n = int(rng.integers(1, 20))
-            mask = np.zeros(n, dtype=np.int64)
-            mask[: int(rng.integers(1, n + 1))] = 1
-            sequences.append((rng.integers(0, 50, n), mask))
-        for (unique, index), sequence in zip(token_indexes(sequences), sequences, strict=True):
-            want_unique, want_index = token_index(*sequence)
-            np.testing.assert_array_equal(unique, want_unique)
-            np.testing.assert_array_equal(index, want_index)
-            assert index.dtype == want_index.dtype
-            compared += 1
-    assert compared > 100
+    checked = 0
+    for n in (1, 2, 7, 64, 129):
+        values = [bytes(rng.integers(0, 256, int(rng.integers(0, 40))).astype(np.uint8)) for _ in range(n)]
+        values[0] = b""
+        for array in (np.array(values + [None], dtype=np.object_)[:n].reshape(-1, 1),
+                      np.array([v.decode("latin-1") for v in values] + [None], dtype=np.object_)[:n],
+                      np.array([v.rstrip(b"\0") or b"x" for v in values], dtype=np.bytes_)):
+            written = serialize_byte_tensor(array)
+            assert written == backend.serialize_byte_tensor(array)
+            encoded = np.frombuffer(written, np.uint8)
+            read, theirs = deserialize_bytes_tensor(encoded), backend.deserialize_bytes_tensor(encoded)
+            assert read.dtype == theirs.dtype == np.object_ and read.tolist() == theirs.tolist()
+            assert len(read) == n
+            checked += 1
+    assert checked == 15
+    assert serialize_byte_tensor(np.empty((0, 1), np.object_)) == backend.serialize_byte_tensor(np.empty((0, 1), np.object_))
+    assert serialize_byte_tensor(np.zeros(3, np.float32)) is None

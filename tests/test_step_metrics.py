@@ -28,9 +28,8 @@ class MetricsPort:
         port = self
 
         class Metric:
-            def __init__(self, name, labels, buckets):
+            def __init__(self, name, labels):
                 self.key = (name, frozenset(labels.items()))
-                self.buckets = buckets
                 port.series.setdefault(self.key, 0.0)
 
             def increment(self, amount):
@@ -40,19 +39,14 @@ class MetricsPort:
             def set(self, value):
                 port.series[self.key] = value
 
-            def observe(self, value):
-                assert self.buckets == list(LATENCY_BUCKETS)
-                port.series[self.key] += 1  # the count: enough to follow a histogram's series here
-
         class MetricFamily:
-            COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+            COUNTER, GAUGE = "counter", "gauge"
 
             def __init__(self, name, description, kind):
                 self.name, self.kind, self.metrics = name, kind, []
 
-            def Metric(self, labels, buckets=None):  # noqa: N802 - pb_utils' name
-                assert (buckets is not None) == (self.kind == "histogram")
-                metric = Metric(self.name, labels, buckets)
+            def Metric(self, labels):  # noqa: N802 - pb_utils' name
+                metric = Metric(self.name, labels)
                 self.metrics.append(metric)
                 return metric
 
@@ -77,7 +71,8 @@ def _zipf_counts(tasks: list[str], total: int, seed: int) -> dict[str, int]:
     return {t: int(c) for t, c in zip(tasks, counts, strict=True) if c}
 
 
-PER_TASK = ("aot_task_requests_total", "aot_task_duration_us_total", "aot_task_latency_seconds",
+PER_TASK = ("aot_task_requests_total", "aot_task_texts_total", "aot_task_duration_us_total",
+            "aot_task_latency_seconds_count", "aot_task_latency_seconds_bucket",
             "aot_pool_hits_total", "aot_pool_misses_total", "aot_pool_resident_bytes")
 
 
@@ -102,7 +97,7 @@ def test_series_stay_at_k_plus_one_under_5000_distinct_tasks():
                         pool.attach(versions[task], lambda wanted: np.ones((len(wanted), 2, 4), np.float16))
                     pool.slots_many([(versions[task], ids)])
                 for _ in range(n):
-                    metrics.request(versions[task], "ok", 0.001, 0.004)
+                    metrics.request(versions[task], "ok", 1, 0.001, 0.004)
                 sent[task] = sent.get(task, 0) + n
             metrics.flush()
             for name in PER_TASK:
@@ -125,7 +120,8 @@ def test_series_stay_at_k_plus_one_under_5000_distinct_tasks():
     assert port.value("aot_task_requests_total") == sum(sent.values())  # nothing removed yet: all counted
     for task in first:
         assert port.value("aot_task_requests_total", task=task) == sent[task]
-    assert port.value("aot_task_latency_seconds", task=OTHER) == sum(n for t, n in sent.items() if t not in first)
+    assert port.value("aot_task_latency_seconds_count", task=OTHER) == \
+        sum(n for t, n in sent.items() if t not in first)
 
     later = serve(tasks[::-1], rounds=30, seed=100)  # the coldest tasks become the busiest
     assert_busiest_named({t: sent.get(t, 0) + n for t, n in later.items()})
@@ -137,9 +133,9 @@ def test_series_stay_at_k_plus_one_under_5000_distinct_tasks():
 def test_unknown_and_unnamed_requests_have_labels_of_their_own():
     port = MetricsPort()
     metrics = StepMetrics(port, "aot", None, "aot_0_0", task_limit=2)
-    metrics.request("", "not_found", 0.001, 0.001)  # a task the store does not hold
-    metrics.request("", "invalid", 0.001, 0.001)  # refused before it named a task
-    metrics.request("alpha@000000000001", "invalid", 0.001, 0.001)  # a known task's bad request
+    metrics.request("", "not_found", 1, 0.001, 0.001)  # a task the store does not hold
+    metrics.request("", "invalid", 1, 0.001, 0.001)  # refused before it named a task
+    metrics.request("alpha@000000000001", "invalid", 1, 0.001, 0.001)  # a known task's bad request
     metrics.flush()
     assert port.tasks("aot_task_requests_total") == {UNKNOWN, NONE, "alpha"}
     assert port.value("aot_task_failures_total", task=UNKNOWN) == 1
@@ -149,14 +145,15 @@ def test_unknown_and_unnamed_requests_have_labels_of_their_own():
 
 
 def test_a_flush_publishes_every_count_once():
-    """What was counted between two flushes is published by the second, exactly, and never again; a latency of
-    None (a request's other items of one task) counts the item but observes nothing."""
+    """What was counted between two flushes is published by the second, exactly, and never again: a request counts
+    once per task version it holds, with its texts of that version; its latency is one observation, in its
+    cumulative buckets (every bucket's series exists from the first flush)."""
     port = MetricsPort()
     metrics = StepMetrics(port, "aot", None, "aot_0_0", task_limit=4)
     for _ in range(7):
-        metrics.request("alpha@000000000001", "ok", 0.002, 0.002)
-    metrics.request("alpha@000000000001", "invalid", 0.001, 0.001)
-    metrics.request("alpha@000000000001", "ok", 0.001, None)  # a request's second item of the task: no latency
+        metrics.request("alpha@000000000001", "ok", 1, 0.002, 0.002)
+    metrics.request("alpha@000000000001", "invalid", 1, 0.001, 0.001)
+    metrics.request("alpha@000000000001", "ok", 64, 0.001, 0.5)  # a request of 64 texts of the task
     metrics.refused_key("acme")
     metrics.rate_limited("")
     metrics.rate_limited("")
@@ -164,7 +161,13 @@ def test_a_flush_publishes_every_count_once():
     metrics.flush()
     metrics.flush()
     assert port.value("aot_task_requests_total", task="alpha") == 9
-    assert port.value("aot_task_latency_seconds", task="alpha") == 8  # observations
+    assert port.value("aot_task_texts_total", task="alpha") == 72
+    assert port.value("aot_task_latency_seconds_count", task="alpha") == 9  # observations: one per request
+    assert port.value("aot_task_latency_seconds_sum", task="alpha") == pytest.approx(7 * 0.002 + 0.001 + 0.5)
+    buckets = {le: port.value("aot_task_latency_seconds_bucket", task="alpha", le=le)
+               for le in (*(f"{b:g}" for b in LATENCY_BUCKETS), "+Inf")}
+    assert buckets["0.001"] == 1 and buckets["0.0025"] == 8 and buckets["0.25"] == 8 and buckets["0.5"] == 9
+    assert buckets["+Inf"] == 9 and list(buckets.values()) == sorted(buckets.values())  # cumulative
     assert port.value("aot_task_failures_total", task="alpha") == 1
     assert port.value("aot_task_duration_us_total", task="alpha") == pytest.approx(16000)
     assert port.value("aot_tenant_key_refusals_total", tenant="acme") == 1

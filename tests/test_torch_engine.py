@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import torch
 from aot.client.client import Client
 from aot.exporter.configs import parse_pbtxt
 from aot.serving import protocol
-from aot.serving.engine import Prepared
+from aot.serving.engine import EncoderBatch
 from aot.serving.pool import RowPool
 from aot.serving.repository import (
     BackboneRecord,
@@ -51,24 +52,43 @@ def test_export_writes_the_encoder_checked_through_the_engine(tmp_path, tiny_mod
         fused = parse_pbtxt((repo.models / "aot" / name).read_text())
         assert fused.backend == "python" and fused.parameters["engine"].string_value == "torch"
         assert fused.parameters["device"].string_value == device and fused.parameters["aot"].string_value == "true"
-    gpu = parse_pbtxt((repo.models / "aot" / "config.pbtxt").read_text())  # sized for a GPU: two instances on it
-    assert [(g.kind, g.count) for g in gpu.instance_group] == [(gpu.instance_group[0].KIND_GPU, 1)] * 2
+    gpu = parse_pbtxt((repo.models / "aot" / "config.pbtxt").read_text())  # sized for a GPU: four instances on it
+    assert [(g.kind, g.count) for g in gpu.instance_group] == [(gpu.instance_group[0].KIND_GPU, 1)] * 4
     assert gpu.dynamic_batching.max_queue_delay_microseconds == ServingOptions().backbone_queue_delay_us > 0
 
 
-def _engine_batch(repo, rows_of, names, lengths, seed=0):
-    """Prepared requests with random tokens: (tokens, distinct ids, index) per request."""
+def _engine_batch(repo, names, lengths, seed=0) -> tuple[EncoderBatch, list[np.ndarray]]:
+    """A batch of random tokens, and each sequence's distinct ids (its index into them set as batch.index)."""
     g = np.random.default_rng(seed)
-    out = []
+    sequences, uniques, indexes = [], [], []
     for n in lengths:
         ids = g.integers(5, repo.vocab_size, n)
-        mask = np.ones(n, dtype=np.int64)
-        tokens = {protocol.INPUT_IDS: ids, protocol.ATTENTION_MASK: mask}
+        tokens = {protocol.INPUT_IDS: ids, protocol.ATTENTION_MASK: np.ones(n, dtype=np.int64)}
         if protocol.TOKEN_TYPE_IDS in names:
             tokens[protocol.TOKEN_TYPE_IDS] = np.zeros(n, dtype=np.int64)
         unique, index = np.unique(ids, return_inverse=True)
-        out.append((Prepared(tokens, index=index.astype(np.int32)), unique))
-    return out
+        sequences.append(tokens)
+        uniques.append(unique)
+        indexes.append(index)
+    batch = EncoderBatch.of(sequences)
+    batch.index = np.zeros(batch.tokens[protocol.INPUT_IDS].shape, np.int64)
+    for b, index in enumerate(indexes):
+        batch.index[b, :len(index)] = index
+    return batch, uniques
+
+
+def _with_rows(batch: EncoderBatch, uniques, rows_of, slots=None) -> EncoderBatch:
+    """The batch with each sequence's rows: its own block (rows_of(unique)) or, where `slots[b]` is given, the pool's
+    slots (every sequence pooled: slots as the index; else those rows gathered into the batch's own)."""
+    offsets = np.cumsum([0] + [len(u) for u in uniques])
+    mask = batch.tokens[protocol.ATTENTION_MASK].astype(bool)
+    if slots is not None and all(s is not None for s in slots):
+        index = np.stack([np.asarray(s)[np.where(m, i, i[0])] for s, i, m in zip(slots, batch.index, mask,
+                                                                                   strict=True)])
+        return replace(batch, index=index, rows=None)
+    blocks = [rows_of(u) if slots is None or slots[b] is None else slots[b] for b, u in enumerate(uniques)]
+    index = np.where(mask, batch.index + offsets[:-1, None], offsets[:-1, None])
+    return replace(batch, index=index, rows=blocks)
 
 
 def test_engine_pool_slots_rows_and_mixed_batches_agree(tmp_path, tiny_models):
@@ -81,36 +101,70 @@ def test_engine_pool_slots_rows_and_mixed_batches_agree(tmp_path, tiny_models):
     table = (np.random.default_rng(1).standard_normal((V, L, d)) * 0.3).astype(np.float16)
     engine = TorchBackbone(repo.encoder_dir, repo.uses_token_type_ids, aot=True)
     names = protocol.token_inputs(repo.uses_token_type_ids)
-    batch = _engine_batch(repo, table, names, [7, 3, 12])
-    for p, unique in batch:
-        p.rows = table[unique]
-    expected = engine.run([p for p, _ in batch])
+    batch, uniques = _engine_batch(repo, names, [7, 3, 12])
+    expected = engine.run(_with_rows(batch, uniques, lambda u: table[u])).pooled
     for budget_rows in (2 * V, 30):  # resident, then a cache smaller than one table
         pool = RowPool(budget_rows * L * d * 2, L, d, V, storage=DeviceRows("cpu"))
         pool.buffer.fill_(float("nan"))  # an unfilled slot read anywhere (padding included) turns states into NaN
         pool.attach("t@1", lambda ids: table[ids])
         engine.pool_rows = pool.buffer
-        slots = pool.slots_many([("t@1", u) for _, u in batch])
+        slots = pool.slots_many([("t@1", u) for u in uniques])
         assert pool.resident == (budget_rows == 2 * V)
-        for (p, _), s in zip(batch, slots, strict=True):
-            p.rows, p.slots = None, s
-        np.testing.assert_allclose(engine.run([p for p, _ in batch]), expected, atol=1e-5)
-        batch[1][0].slots, batch[1][0].rows = None, table[batch[1][1]]  # one request brings its own rows
-        np.testing.assert_allclose(engine.run([p for p, _ in batch]), expected, atol=1e-5)
+        np.testing.assert_allclose(engine.run(_with_rows(batch, uniques, None, slots)).pooled, expected, atol=1e-5)
+        gathered = [pool.gather(s) for s in slots]
+        gathered[1] = None  # one sequence brings its own rows: the others' are gathered from the pool
+        mixed = _with_rows(batch, uniques, lambda u: table[u], gathered)
+        np.testing.assert_allclose(engine.run(mixed).pooled, expected, atol=1e-5)
     # The CUDA path pads each batch to a (batch, sequence) bucket and replays a graph captured at that shape. The
-    # same padding, run eagerly here, must not change any request's states (padded rows and positions read filled
+    # same padding, run eagerly here, must not change any sequence's states (padded rows and positions read filled
     # slots and are masked out).
     engine.graphs, engine.seq_buckets, engine.batch_buckets = True, (4, 16, 64), (1, 2, 4, 8)
     shapes = []
     engine._try_capture = lambda shape: True
     engine._replay = lambda shape, feeds: shapes.append(shape) or engine._forward(feeds, engine.pool_rows)
-    batch[1][0].slots, batch[1][0].rows = slots[1], None
-    np.testing.assert_allclose(engine.run([p for p, _ in batch]), expected, atol=1e-5)
-    assert shapes == [(4, 16)]  # 3 requests of at most 12 tokens
+    np.testing.assert_allclose(engine.run(_with_rows(batch, uniques, None, slots)).pooled, expected, atol=1e-5)
+    assert shapes == [(4, 16)]  # 3 sequences of at most 12 tokens
     engine.graphs = False
     vanilla = TorchBackbone(repo.encoder_dir, repo.uses_token_type_ids, aot=False)
-    plain = vanilla.run([p for p, _ in batch])
+    plain = vanilla.run(batch).pooled
     assert np.abs(plain - expected).max() > 1e-3, "the rows must change the states"
+
+
+def test_device_heads_equal_the_host_heads(kind_artifacts, tiny_models, tmp_path):
+    """The torch engine's device heads (aot.serving_torch.heads, run inside its forward) give what the numpy heads
+    give from the pooled states, for every pooled kind, in a batch mixing them and bucket padding; a batch with more
+    versions than slots answers the rest on the host (slot -1), never with another version's head."""
+    from aot.serving.heads import head_width, pooled_logits
+    from aot.serving.task_registry import TaskRegistry
+
+    repo = make_repository(tiny_models["bert"], tmp_path / "repo", {
+        n: (kind_artifacts[n], "factored") for n in ("cls", "tags")}, engine="torch")
+    info = read_repository(repo)
+    registry = TaskRegistry(info.store_root, parts="head")
+    tasks = [registry.resolve(name) for name in ("cls", "tags")]
+    assert {t.kind for t in tasks} == {"classification", "multilabel"}
+    engine = TorchBackbone(info.encoder_dir, info.uses_token_type_ids, aot=False, head_slots=1)
+    names = protocol.token_inputs(info.uses_token_type_ids)
+    batch, _ = _engine_batch(info, names, [5, 9, 3, 7], seed=3)
+    item_task = np.array([0, 1, 1, 0])
+    for k, task in enumerate(tasks):
+        engine.heads._slot_of.clear()
+        slots = engine.heads.slots([task])
+        assert slots.tolist() == [0]
+        batch.head_slots = np.array([0, 0, 0, -1])  # one item on the host: the pooled states come back too
+        out = engine.run(batch)
+        np.testing.assert_allclose(out.logits[:3, :head_width(task)], pooled_logits(task, out.pooled[:3]), atol=1e-5)
+    slots = engine.heads.slots(tasks)  # one slot, two versions: the second answers on the host
+    assert sorted(slots.tolist()) == [-1, 0]
+    batch.head_slots = slots[item_task]
+    engine.graphs, engine.seq_buckets, engine.batch_buckets = True, (16,), (8,)  # bucket padding, run eagerly
+    engine._try_capture = lambda shape: True
+    engine._replay = lambda shape, feeds: engine._forward({k: v for k, v in feeds.items()}, engine.pool_rows)
+    out = engine.run(batch)
+    on_device = np.flatnonzero(batch.head_slots >= 0)
+    task = tasks[int(np.flatnonzero(slots >= 0)[0])]
+    np.testing.assert_allclose(out.logits[on_device, :head_width(task)], pooled_logits(task, out.pooled[on_device]),
+                               atol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -291,7 +345,7 @@ def test_the_captured_forward_touches_nothing_on_the_host(tiny_models, arch):
     rows = torch.randn((3, bb.biased.num_layers, bb.biased.hidden_size), generator=g)
     with torch.inference_mode():
         with HostGuard() as guard:
-            pooled, states = bb._forward(feeds, rows)
+            pooled, states, _ = bb._forward(feeds, rows)
         assert guard.calls == []
         with HostGuard() as planted:  # the guard itself: a read-back is seen
             (states.sum() > 0).item()
@@ -312,5 +366,5 @@ def test_batches_that_miss_their_graph_are_counted(tiny_models):
     bb._uncapturable = set(bb.graph_shapes())
     tokens = {n: np.ones(5, dtype=np.int64) for n in bb.names}
     for count in (1, 2):
-        bb.run([Prepared(dict(tokens)) for _ in range(count)])
+        bb.run(EncoderBatch.of([dict(tokens) for _ in range(count)]))
     assert bb.eager_batches == 2

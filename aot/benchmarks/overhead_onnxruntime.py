@@ -154,9 +154,11 @@ def run_onnxruntime(config: OverheadConfig, progress: bool = True,
     from tqdm.auto import tqdm
 
     from aot.exporter.rows_export import write_rows_graphs
-    from aot.serving.engine import BackboneRunner, Prepared
+    from aot.serving.columns import TaskColumn
+    from aot.serving.engine import BackboneRunner, EncoderBatch
+    from aot.serving.stages import find_rows
     from aot.serving.store.reader import EMBEDDINGS
-    from aot.serving.tasks import FactoredRows, ServedTask, lookup
+    from aot.serving.tasks import FactoredRows, ServedTask
     from aot.training.backbone import Backbone
 
     device = torch.device(config.device)
@@ -201,21 +203,17 @@ def run_onnxruntime(config: OverheadConfig, progress: bool = True,
                 runners = {"vanilla": lambda: run("vanilla"), "aot-fused": lambda: run("aot", "rows"),
                            "aot-dense": lambda: run("aot-dense", "dense")}
             else:
-                requests = [Prepared({protocol.INPUT_IDS: case.ids[b].numpy(),
-                                      protocol.ATTENTION_MASK: case.mask[b].numpy()}
-                                     | ({protocol.TOKEN_TYPE_IDS: case.token_types[b].numpy()}
-                                        if case.token_types is not None else {}))
-                            for b in range(batch)]
+                tokens = {protocol.INPUT_IDS: case.ids.numpy(), protocol.ATTENTION_MASK: case.mask.numpy()} | (
+                    {protocol.TOKEN_TYPE_IDS: case.token_types.numpy()} if case.token_types is not None else {})
+                plain = EncoderBatch.joined([tokens])
 
                 def served_path(task: ServedTask, graph: str):
                     """What the CPU server's fused step does for this batch: lookup, then the graph."""
-                    looked_up = []
-                    for t in requests:
-                        rows, index = lookup(task, t.tokens[protocol.INPUT_IDS], t.tokens[protocol.ATTENTION_MASK])
-                        looked_up.append(Prepared(t.tokens, index=index, rows=rows))
-                    return runners_by_graph[graph].run(looked_up)
+                    batch = EncoderBatch.joined([tokens])
+                    find_rows(batch, TaskColumn([task], np.zeros(batch.size, np.int64)), task.vocab_size)
+                    return runners_by_graph[graph].run(batch)
 
-                runners = {"vanilla": lambda: runners_by_graph["vanilla"].run(requests),
+                runners = {"vanilla": lambda: runners_by_graph["vanilla"].run(plain),
                            "aot-fused": lambda: served_path(served["fused"], "aot"),
                            "aot-factored": lambda: served_path(served["factored"], "aot"),
                            "aot-dense": lambda: served_path(served["fused"], "aot-dense")}

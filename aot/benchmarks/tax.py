@@ -111,7 +111,9 @@ def engine_alone(repo: Path, sequences: list[dict[str, np.ndarray]], batches: tu
     rows of P from task `task` (the limit of the AoT passes: the bias is the method's cost, not the server's). The
     graphs are the ones the repository's CPU configs run (aot.serving.repository.RepositoryInfo.cpu_graph): an int8
     repository's int8 twins, one sequence at a time whatever the batch, as its steps run them."""
-    from aot.serving.engine import BackboneRunner, Prepared
+    from aot.serving.columns import TaskColumn
+    from aot.serving.engine import BackboneRunner, EncoderBatch
+    from aot.serving.stages import find_rows
     from aot.serving.task_registry import TaskRegistry
 
     info = read_repository(repo)
@@ -120,23 +122,32 @@ def engine_alone(repo: Path, sequences: list[dict[str, np.ndarray]], batches: tu
     per_request = info.record.cpu_per_request
     threads = info.options.cpu_threads
     runners = {"by length": BackboneRunner(onnx, threads=threads, per_request=per_request)}
+    served = None
     if graph == "vanilla":
         if not per_request:  # one request at a time: nothing is padded
             runners["padded"] = BackboneRunner(onnx, threads=threads, max_padding=None)
-        sequences = [Prepared(s) for s in sequences]
     else:
         served = TaskRegistry(info.store_root, parts="rows").resolve(task)
-        sequences = [Prepared.for_task(s, served) for s in sequences]
-        for s in sequences:
-            s.rows = served.rows(s.unique)
+
+    def batches_of(size: int) -> list[EncoderBatch]:
+        """The sequences in batches of `size`, each with its rows of P (AoT), built before the timing."""
+        out = []
+        for i in range(0, len(sequences), size):
+            batch = EncoderBatch.of(sequences[i:i + size])
+            if served is not None:
+                find_rows(batch, TaskColumn([served], np.zeros(batch.size, np.int64)), served.vocab_size)
+            out.append(batch)
+        return out
+
     for (grouping, runner), batch in ((r, b) for b in batches for r in runners.items()):
         if batch == 1 and runner is not next(iter(runners.values())):
             continue  # one sequence: nothing to split
-        runner.run(sequences[:batch])  # warm
+        ready = batches_of(batch)
+        runner.run(ready[0])  # warm
         calls, cpu0, start = [], own_cpu_seconds(), time.perf_counter()
-        for i in range(0, len(sequences), batch):
+        for one in ready:
             t = time.perf_counter()
-            runner.run(sequences[i:i + batch])
+            runner.run(one)
             calls.append((time.perf_counter() - t) * 1e3)
         wall, cpu = time.perf_counter() - start, own_cpu_seconds() - cpu0
         records.append({"kind": "engine", "graph": graph, "graph_file": str(onnx.relative_to(info.models)),

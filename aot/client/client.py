@@ -45,7 +45,7 @@ from aot.client.errors import (
 )
 from aot.client.retry import UNAVAILABLE_RETRY_SECONDS, Backoff, Outage, channel_options, found_no_server
 from aot.serving import protocol
-from aot.serving.answers import READS_TOKENS
+from aot.serving.answers import READS_TOKENS, carried_answer
 from aot.serving.store.reader import MAX_NAME_LENGTH
 from aot.serving.store.tenants import TENANT_KEY_PARAMETER
 
@@ -108,6 +108,8 @@ class Client:
         self._pack_limit: int | None = None  # the server's max batch size, once it refused a larger request
         key = tenant_key if tenant_key is not None else settings.TENANT_KEY.read()
         self._parameters = {TENANT_KEY_PARAMETER: key} if key else None
+        # answers the server builds only where its tensors do not carry them (protocol.ANSWERS_PARAMETER)
+        self._infer_parameters = (self._parameters or {}) | {protocol.ANSWERS_PARAMETER: protocol.COMPACT_ANSWERS}
 
     def close(self) -> None:
         self._client.close()
@@ -138,7 +140,7 @@ class Client:
                 threading.Timer(wait, self._send_async, args=(inputs, callback, backoff)).start()
 
         self._client.async_infer(self.model, inputs, outputs=self._outputs(), client_timeout=self.timeout,
-                                 parameters=self._parameters, callback=done)
+                                 parameters=self._infer_parameters, callback=done)
 
     def __enter__(self) -> "Client":
         return self
@@ -226,20 +228,29 @@ class Client:
             raise InvalidInput(str(exc), task=task) from None
 
     def _outputs(self):
-        names = (protocol.ANSWER, protocol.TASK_VERSION)
+        names = (protocol.ANSWER, protocol.LOGITS, protocol.LOGITS_WIDTH, protocol.LABEL, protocol.TASK_VERSION)
         return [self._grpc.InferRequestedOutput(n) for n in names]
 
     @staticmethod
     def _decode(result) -> dict:
-        """The answer of the task's kind (ANSWER, aot.serving.answers) and the version that answered."""
+        """The answer of the task's kind (aot.serving.answers) and the version that answered."""
         return Client._decode_rows(result)[0]
 
     @staticmethod
     def _decode_rows(result) -> list[dict]:
-        """Each item's answer of a request, in order (ANSWER and TASK_VERSION are [N, 1])."""
+        """Each item's answer of a request, in order (the outputs are [N, ...]): ANSWER's JSON, or, where the server
+        wrote only the kind's name (compact answers: protocol.ANSWERS_PARAMETER), the answer its LOGITS and LABEL
+        carry, by the server's own rule (aot.serving.answers.carried_answer)."""
         versions = result.as_numpy(protocol.TASK_VERSION).reshape(-1)
-        answers = result.as_numpy(protocol.ANSWER).reshape(-1)
-        return [json.loads(_text(a)) | {"version": _text(v)} for a, v in zip(answers, versions, strict=True)]
+        answers, labels = result.as_numpy(protocol.ANSWER).reshape(-1), result.as_numpy(protocol.LABEL).reshape(-1)
+        logits, widths = result.as_numpy(protocol.LOGITS), result.as_numpy(protocol.LOGITS_WIDTH).reshape(-1)
+        out = []
+        for k, (answer, version) in enumerate(zip(answers, versions, strict=True)):
+            body = json.loads(_text(answer))
+            if isinstance(body, str):
+                body = carried_answer(body, _text(labels[k]), logits[k, : widths[k]])
+            out.append(body | {"version": _text(version)})
+        return out
 
     def check_ready(self) -> None:
         from tritonclient.utils import InferenceServerException
@@ -278,7 +289,7 @@ class Client:
         try:
             inputs = self._inputs(task, text, text_pair if pair is None else pair)
             result = self._call(self._client.infer, self.model, inputs, outputs=self._outputs(),
-                                client_timeout=self.timeout, parameters=self._parameters)
+                                client_timeout=self.timeout, parameters=self._infer_parameters)
         except InferenceServerException as exc:
             raise from_triton(exc, task=task) from None
         return self._decode(result)

@@ -228,6 +228,7 @@ def _answer_outputs(config) -> None:
     pb = _pb()
     config.output.append(_tensor(pb.ModelOutput, protocol.ANSWER, [1]))  # the kind's answer, JSON (protocol v6)
     config.output.append(_tensor(pb.ModelOutput, protocol.LOGITS, [-1]))
+    config.output.append(_tensor(pb.ModelOutput, protocol.LOGITS_WIDTH, [1]))  # each item's own (protocol v8)
     config.output.append(_tensor(pb.ModelOutput, protocol.LABEL, [1]))
     config.output.append(_tensor(pb.ModelOutput, protocol.TASK_VERSION, [1]))  # which version answered (protocol v5)
 
@@ -264,7 +265,7 @@ def _ensemble(name: str, backbone: str, record: BackboneRecord, target: str):
     bb.output_map.update(states)
     head = steps.add(model_name="head", model_version=-1)
     head.input_map.update({protocol.TASK_VERSION: version} | states | words)
-    head.output_map.update({n: n for n in (protocol.ANSWER, protocol.LOGITS, protocol.LABEL)})
+    head.output_map.update({n: n for n in protocol.HEAD_OUTPUTS})
     return config
 
 
@@ -329,7 +330,7 @@ def model_configs(record: BackboneRecord, target: str) -> dict:
                        _tensor(pb.ModelInput, protocol.WORD_INDEX, [-1], optional=True),
                        _tensor(pb.ModelInput, protocol.WORD_TEXT, [1], optional=True)])
     head.output.extend([_tensor(pb.ModelOutput, n, [-1] if n == protocol.LOGITS else [1])
-                        for n in (protocol.ANSWER, protocol.LOGITS, protocol.LABEL)])
+                        for n in protocol.HEAD_OUTPUTS])
     tasks = _python_model("task_list", options, {})
     tasks.max_batch_size = 0  # no inputs: a model with batching needs one to read the batch size from
     tasks.ClearField("dynamic_batching")

@@ -14,10 +14,11 @@ import torch
 
 from aot.exporter.task_record import head_arrays, task_record
 from aot.serving import protocol
+from aot.serving.columns import TaskColumn
 from aot.serving.engine import BackboneRunner
-from aot.serving.heads import Answer, HeadInput, head_answers
+from aot.serving.heads import Answer, head_outputs
 from aot.serving.repository import RepositoryInfo
-from aot.serving.stages import TextRequest, encode_texts, engine_requests
+from aot.serving.stages import TextPart, encode_parts, find_rows
 from aot.serving.store.digests import file_digest
 from aot.serving.tasks import ServedTask
 from aot.serving.tokenization import Tokenization
@@ -49,14 +50,14 @@ class CpuEngine:
         first token)."""
         out: list[Answer] = []
         for start in range(0, len(items), CHUNK):
-            texts = encode_texts(self.tokens, [TextRequest(task, text, pair)
-                                               for text, pair in items[start:start + CHUNK]])
-            requests = engine_requests([task] * len(texts), [t.tokens for t in texts])
-            for request in requests:
-                request.rows = task.rows(request.unique)
-            pooled = self.runner.run(requests)
-            out += head_answers([task] * len(requests), [HeadInput(pooled[k], r.states, t.words, t.first)
-                                                         for k, (r, t) in enumerate(zip(requests, texts, strict=True))])
+            chunk = items[start:start + CHUNK]
+            part = TextPart(TaskColumn([task], np.zeros(len(chunk), np.int64)), [text for text, _ in chunk],
+                            [pair for _, pair in chunk])
+            batch = encode_parts(self.tokens, [part])
+            find_rows(batch.encoder, batch.tasks, self.repo.vocab_size)
+            heads = head_outputs(batch.tasks.groups(), self.runner.run(batch.encoder), batch.encoder.lengths,
+                                 batch.words, batch.first)
+            out += heads.answers(range(len(chunk)))
         return out
 
 

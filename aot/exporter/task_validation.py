@@ -9,8 +9,11 @@ from pathlib import Path
 import numpy as np
 
 from aot.serving.answers import READS_TOKENS
-from aot.serving.engine import BackboneRunner, Prepared
+from aot.serving.columns import TaskColumn
+from aot.serving.engine import BackboneRunner, EncoderBatch, EncoderOutput
+from aot.serving.heads import embeddings, pooled_logits, token_logits
 from aot.serving.repository import RepositoryInfo
+from aot.serving.stages import find_rows
 from aot.serving.store.reader import StoreError
 from aot.serving.store.writer import TaskStore
 from aot.serving.tasks import load_task_version
@@ -34,12 +37,13 @@ class ValidationError(StoreError):
         self.name, self.reason = name, reason
 
 
-def _served_outputs(served, hidden: np.ndarray, requests: list[Prepared]) -> list[np.ndarray]:
+def _served_outputs(task, out: EncoderOutput, rows: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
     """What the served head computes from the engine's states, by the task's kind: a pooled kind's logits (an
     embedding's vector) per text, or a token task's logits of each token."""
-    if served.kind in READS_TOKENS:
-        return [served.token_logits(r.states) for r in requests]
-    return list(served.embeddings(hidden) if served.kind == "embedding" else served.logits(hidden))
+    if task.kind in READS_TOKENS:
+        return [token_logits(task, out.states[k, :lengths[k]]) for k in rows.tolist()]
+    pooled = out.pooled[rows]
+    return list(embeddings(task, pooled) if task.kind == "embedding" else pooled_logits(task, pooled))
 
 
 def validate_tasks(repo: RepositoryInfo, versions: list[tuple[str, Path]], reference: MultiTaskModel,
@@ -52,27 +56,26 @@ def validate_tasks(repo: RepositoryInfo, versions: list[tuple[str, Path]], refer
     `engine` and `tokens`: built once by a caller that validates many tasks."""
     tokens = tokens or Tokenization(repo.tokenizer_dir, repo.uses_token_type_ids)
     texts = list(texts)
-    served, requests = [], []
+    tasks, parts = [], []
     for name, folder in versions:
         task = load_task_version(folder, TaskStore.version_name(folder), repo.store_root)
         if task.kind in READS_TOKENS:
-            encoded = [t for t, _, _ in tokens.encode_words(texts, task.max_length)]
+            parts.append(tokens.encode_words(texts, task.max_length)[0])
         else:
-            encoded = [tokens.encode(text, None, task.max_length) for text in texts]
-        mine = [Prepared.for_task(t, task) for t in encoded]
-        for r in mine:
-            r.rows = task.rows(r.unique)
-            r.want_states = task.kind in READS_TOKENS
-        served.append((task, mine))
-        requests += mine
-    hidden = (engine or validation_engine(repo)).run(requests)
+            parts.append(tokens.encode_batch(texts, None, task.max_length))
+        tasks.append(task)
+    batch = EncoderBatch.joined(parts)
+    column = TaskColumn(tasks, np.repeat(np.arange(len(tasks)), len(texts)))
+    batch.want_states = np.isin(column.of("kind"), READS_TOKENS)
+    find_rows(batch, column, repo.vocab_size)
+    out = (engine or validation_engine(repo)).run(batch)
     expected = reference.outputs(texts * len(versions), [name for name, _ in versions for _ in texts])
-    diffs, at = [], 0
-    for task, mine in served:
-        got = _served_outputs(task, hidden[at:at + len(mine)], mine)
-        want = expected[at:at + len(mine)]
+    diffs = []
+    for t, task in enumerate(tasks):
+        rows = np.arange(t * len(texts), (t + 1) * len(texts))
+        got = _served_outputs(task, out, rows, batch.lengths)
+        want = expected[rows[0]:rows[-1] + 1]
         diffs.append(max(float(np.abs(g - w.float().numpy()).max()) for g, w in zip(got, want, strict=True)))
-        at += len(mine)
     return diffs
 
 

@@ -10,25 +10,23 @@ import torch
 
 from aot.exporter.onnx_export import ExportableBackbone, ExportError, example_inputs
 from aot.serving import protocol
-from aot.serving.engine import Prepared
+from aot.serving.engine import EncoderBatch
 from aot.serving_torch.encoder import save_encoder
 from aot.serving_torch.engine import TorchBackbone
 from aot.training.backbone import Backbone
 
 
-def _prepared(feeds: dict[str, torch.Tensor], aot: bool, num_layers: int, hidden: int) -> list[Prepared]:
-    """The example batch as the served step hands it to the engine: per request its tokens, index and rows."""
-    names = [n for n in protocol.token_inputs(protocol.TOKEN_TYPE_IDS in feeds)]
-    lengths = feeds[protocol.ATTENTION_MASK].sum(1).tolist()
-    out = []
-    for b, n in enumerate(lengths):
-        p = Prepared({k: feeds[k][b, :n].numpy() for k in names}, want_states=True)
-        if aot:
-            lo, hi = feeds[protocol.AOT_ROW_OFFSETS][b].item(), feeds[protocol.AOT_ROW_OFFSETS][b + 1].item()
-            p.rows = feeds[protocol.AOT_ROWS][lo:hi].numpy().reshape(-1, num_layers, hidden)
-            p.index = feeds[protocol.AOT_INDEX][b, :n].numpy()
-        out.append(p)
-    return out
+def _batch(feeds: dict[str, torch.Tensor], aot: bool, num_layers: int, hidden: int) -> EncoderBatch:
+    """The example batch as the served step hands it to the engine: its tokens, and each token's row of the batch's
+    rows (the rows interface's offsets made global)."""
+    names = protocol.token_inputs(protocol.TOKEN_TYPE_IDS in feeds)
+    batch = EncoderBatch({k: feeds[k].numpy() for k in names}, feeds[protocol.ATTENTION_MASK].sum(1).numpy(),
+                         np.ones(len(feeds[protocol.INPUT_IDS]), bool))
+    if aot:
+        first_row = feeds[protocol.AOT_ROW_OFFSETS][:-1].numpy().astype(np.int64) // (num_layers * hidden)
+        batch.index = feeds[protocol.AOT_INDEX].numpy().astype(np.int64) + first_row[:, None]
+        batch.rows = [feeds[protocol.AOT_ROWS].numpy().reshape(-1, num_layers, hidden)]
+    return batch
 
 
 def export_torch_encoder(backbone: Backbone, folder: Path, tolerance: float = 1e-4,
@@ -46,10 +44,11 @@ def export_torch_encoder(backbone: Backbone, folder: Path, tolerance: float = 1e
                 feeds = example_inputs(backbone, aot, batch, seq, seed=200 + k)
                 with torch.no_grad():
                     pooled, states = (t.numpy() for t in module(**feeds))
-                requests = _prepared(feeds, aot, backbone.num_layers, backbone.hidden_size)
-                worst = max(worst, float(np.abs(engine.run(requests) - pooled).max()))
-                for b, r in enumerate(requests):  # each request's token states, its own length
-                    worst = max(worst, float(np.abs(r.states - states[b, : len(r.states)]).max()))
+                batch = _batch(feeds, aot, backbone.num_layers, backbone.hidden_size)
+                out = engine.run(batch)
+                worst = max(worst, float(np.abs(out.pooled - pooled).max()))
+                for b, n in enumerate(batch.lengths.tolist()):  # each sequence's token states, its own length
+                    worst = max(worst, float(np.abs(out.states[b, :n] - states[b, :n]).max()))
         finally:
             module.close()
     if not worst <= tolerance:

@@ -9,20 +9,21 @@ The request path, a request's way through a step:
     protocol       the tensors between the client and the served steps (one definition of names and dtypes)
     limits         how large one request may be, from the repository's serving options
     steps          what every Triton python step shares: its configuration, one response per request, metrics
-    items          a request's items (the N texts or sequences it carries) and the checks of what each holds
-    stages         what the served steps compute: TextInputs, Encoder (the heads: heads)
+    bytes_tensors  BYTES tensors read and written without the python backend's per-element Python
+    columns        a request's inputs read as columns (the N texts or sequences it carries) and their checks
+    stages         what the served steps compute on a batch: TextInputs, Encoder, the rows of P (find_rows)
     tokenization   text -> token ids, as in training (the `tokenizers` library, no transformers/torch)
     words          a token task's words: where each starts, and the entities its tags spell
-    engine         the backbone engines by name (serving_torch registers `torch` when imported), the request data
-                   they take (Prepared), and ONNX Runtime's runner (`onnx`)
+    engine         the backbone engines by name (serving_torch registers `torch` when imported), the batch they
+                   take (EncoderBatch) and give back (EncoderOutput), and ONNX Runtime's runner (`onnx`)
     task_registry  the task versions a step serves: names resolved through the store, versions loaded and kept
     remote_fetches when a version is fetched from an object store, and how long its request waits for it
     rate_limits    per-caller request rates (a tenant, or every request without a key), and refused keys counted
     tasks          a served task version: its folder loaded and verified, its rows (fused or factored), its head
     pool           the task pool: rows of P in one preallocated buffer, resident or cached
-    heads          the head stage: each request's task head, by its task's kind
+    heads          the head stage: each item's task head by its kind, its LOGITS and LABEL for a whole batch
+    outputs        a batch's answers as each request's output tensors (ANSWER only when asked for)
     answers        a task's kind, and the answer of each kind (one rule for the server, `aot predict`, the client)
-    answer_labels  an answer's label and its shape
     errors         what a failed request answers: the error and its status
     repository     the repository record and its serving options
     formats        the one reader of versioned JSON files and JSON lines

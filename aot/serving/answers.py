@@ -16,7 +16,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from aot.serving import answer_labels as classification
 from aot.serving.words import Words, entities
 
 TASK_KINDS = ("classification", "regression", "multilabel", "tokens", "embedding")
@@ -42,9 +41,39 @@ def sigmoid(values: np.ndarray) -> np.ndarray:
 
 
 def softmax(values: np.ndarray) -> np.ndarray:
+    """Along the last axis, in float64."""
     values = np.asarray(values, dtype=np.float64)
     exps = np.exp(values - values.max(axis=-1, keepdims=True))
     return exps / exps.sum(axis=-1, keepdims=True)
+
+
+def label_for(labels: Sequence[str] | None, logits) -> str:
+    """The arg-max label name (the first of equal ones), or the score as text for regression (labels None)."""
+    values = np.asarray(logits, dtype=np.float64).reshape(-1)
+    if labels is None:
+        return f"{values[0]:.6g}"
+    return labels[int(np.argmax(values))]
+
+
+def answer(label: str, logits, version: str | None = None) -> dict:
+    """What predict, infer and the client return: a classification's label, logits and probabilities (softmax), or
+    a regression's score. A regression task has one output and a classification at least two labels, so the
+    logits alone say which (the client sees no label set). A served answer ends with the task `version` that
+    produced it (`<name>@<id>`; `aot predict` reads an artifact, not the store, and has none)."""
+    values = [float(v) for v in np.asarray(logits).reshape(-1)]
+    version_key = {} if version is None else {"version": version}
+    if len(values) == 1:
+        return {"score": values[0]} | version_key
+    return {"label": label, "logits": values, "probabilities": softmax(values).tolist()} | version_key
+
+
+def carried_answer(kind: str, label: str, values) -> dict:
+    """The answer of a kind whose LOGITS and LABEL carry it all (aot.serving.heads.CARRIED_KINDS): what a client
+    builds from them where a request asked for compact answers (protocol.ANSWERS_PARAMETER), equal to the server's
+    own (pooled_answer)."""
+    if kind == "embedding":
+        return {"embedding": [float(v) for v in values]}
+    return answer(label, values)
 
 
 def pooled_answer(kind: str, names: Sequence[str] | None, values: np.ndarray,
@@ -52,11 +81,11 @@ def pooled_answer(kind: str, names: Sequence[str] | None, values: np.ndarray,
     """The answer of a pooled kind from its head's output: logits (classification, multilabel), the score
     (regression) or the vector (embedding)."""
     if kind in ("classification", "regression"):
-        return classification.answer(classification.label_for(names, values), values)
+        return answer(label_for(names, values), values)
     if kind == "multilabel":
         scores = sigmoid(values)
-        return {"labels": [name for name, p in zip(names, scores) if p >= threshold],
-                "scores": {name: float(p) for name, p in zip(names, scores)}}
+        return {"labels": [name for name, p in zip(names, scores, strict=True) if p >= threshold],
+                "scores": {name: float(p) for name, p in zip(names, scores, strict=True)}}
     if kind == "embedding":
         return {"embedding": [float(v) for v in values]}
     raise ValueError(f"kind {kind!r} does not answer from a pooled state")
@@ -70,6 +99,6 @@ def tokens_answer(names: Sequence[str], words: Words, first: np.ndarray, token_l
     starts = np.flatnonzero(first >= 0)
     if len(starts):
         probabilities = softmax(token_logits[starts])
-        for word, k, p in zip(first[starts], probabilities.argmax(-1), probabilities.max(-1)):
+        for word, k, p in zip(first[starts], probabilities.argmax(-1), probabilities.max(-1), strict=True):
             tags[word], scores[word] = names[k], float(p)
     return {"entities": entities(words, tags, scores)}

@@ -1,6 +1,6 @@
-"""The backbone engines a served step runs: the registry that finds one by name, the request data every engine
-takes (Prepared), and the ground floor's own engine, ONNX Runtime (`onnx`), batched exactly as Triton's native
-backend batches single-sequence requests.
+"""The backbone engines a served step runs: the registry that finds one by name, the batch every engine takes
+(EncoderBatch, in columns) and what it gives back (EncoderOutput), and the ground floor's own engine, ONNX Runtime
+(`onnx`).
 
 A step's model config names its engine (parameter `engine`; aot.serving.stages.Encoder). An engine that needs more than
 this package registers itself when its package is imported: the torch engine (aot.serving_torch.engine) registers
@@ -9,10 +9,9 @@ this package registers itself when its package is imported: the torch engine (ao
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -20,45 +19,81 @@ import numpy as np
 
 from aot.serving import protocol
 from aot.serving.pool import RowStorage
-from aot.serving.tasks import ServedTask, token_index, token_indexes
 
 
 @dataclass
-class Prepared:
-    """One request as an engine takes it: its token tensors (1-D, protocol.token_inputs) and, for AoT, what its bias
-    is made of: its task version, its sorted distinct tokens (`unique`) and each token's row among them (`index`,
-    padding: row 0); then either the pool slots that hold those rows (`slots`: an engine that gathers from the pool
-    on its own device) or the rows themselves (`rows`, [U, L, d] fp16). `want_states`: the engine also sets
-    `states`, every token's final state [S, d] fp32 (a token task's head reads them)."""
+class EncoderBatch:
+    """A batch as an engine takes it, in columns: its token tensors [B, S] right-padded to its longest sequence
+    (protocol.token_inputs), each sequence's length, and which sequences want every token's final state (a token
+    task's head reads them). For AoT, each token's row of P: `index` [B, S] into the task pool's buffer (`rows`
+    None: pool slots, which an engine that keeps the pool on its own device gathers itself) or into the batch's own
+    rows (`rows` [N, L, d]: gathered from a host pool, or read or computed from storage). A padded position takes
+    its sequence's first row: a row that holds numbers (an unfilled slot may hold NaN, which the attention scores
+    would carry to every position, masked or not). `head_slots` [B]: each sequence's task head among an engine's
+    device heads (aot.serving.heads: -1, none; None, the engine computes no heads)."""
 
     tokens: dict[str, np.ndarray]
-    task: ServedTask | None = None
-    unique: np.ndarray | None = None
+    lengths: np.ndarray
+    want_states: np.ndarray
     index: np.ndarray | None = None
-    slots: np.ndarray | None = None
-    rows: np.ndarray | None = None
-    want_states: bool = False
+    rows: object = None
+    head_slots: np.ndarray | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def width(self) -> int:
+        return self.tokens[protocol.INPUT_IDS].shape[1]
+
+    @classmethod
+    def of(cls, sequences: list[dict[str, np.ndarray]], want_states: bool = False) -> EncoderBatch:
+        """A batch of 1-D token tensors (one dict per sequence, right-padded or not), padded to the longest."""
+        return cls.joined([{name: a[None] for name, a in s.items()} for s in sequences], want_states)
+
+    @classmethod
+    def joined(cls, parts: list[dict[str, np.ndarray]], want_states: bool = False) -> EncoderBatch:
+        """A batch of token tensors [n_i, S_i] (right-padded), one after the other, padded to the longest."""
+        width = max(p[protocol.INPUT_IDS].shape[1] for p in parts)
+        tokens = {}
+        for name in parts[0]:
+            if len(parts) == 1 and parts[0][name].shape[1] == width:
+                tokens[name] = np.ascontiguousarray(parts[0][name], protocol.TOKEN_DTYPE)
+                continue
+            tokens[name] = np.zeros((sum(len(p[name]) for p in parts), width), protocol.TOKEN_DTYPE)
+            at = 0
+            for p in parts:
+                tokens[name][at:at + len(p[name]), :p[name].shape[1]] = p[name]
+                at += len(p[name])
+        lengths = tokens[protocol.ATTENTION_MASK].sum(1)
+        return cls(tokens, lengths, np.full(len(lengths), want_states))
+
+    def take(self, rows: np.ndarray | list[int]) -> EncoderBatch:
+        """The sequences `rows` of this batch, trimmed to their longest (their bias rows stay where they are)."""
+        rows = np.asarray(rows)
+        width = int(self.lengths[rows].max())
+        return EncoderBatch({n: t[rows, :width] for n, t in self.tokens.items()}, self.lengths[rows],
+                            self.want_states[rows], None if self.index is None else self.index[rows, :width],
+                            self.rows, None if self.head_slots is None else self.head_slots[rows])
+
+
+@dataclass
+class EncoderOutput:
+    """What an engine gives back for a batch, on the host: the pooled states [B, P, d] fp32 (every pooling,
+    protocol.POOLINGS), every token's final state [B, S, d] fp32 of the sequences that want them (None when none
+    does; the others' rows hold whatever the engine computed), and, for an engine with device heads, each
+    sequence's head outputs [B, n] fp32 (aot.serving.heads: padded past its task's width)."""
+
+    pooled: np.ndarray
     states: np.ndarray | None = None
-
-    @classmethod
-    def for_task(cls, tokens: dict[str, np.ndarray], task: ServedTask) -> Prepared:
-        """An AoT request of `task`: its distinct tokens and each token's row among them, its rows still to come."""
-        unique, index = token_index(tokens[protocol.INPUT_IDS], tokens[protocol.ATTENTION_MASK])
-        return cls(tokens, task, unique, index)
-
-    @classmethod
-    def for_tasks(cls, tokens: list[dict[str, np.ndarray]], tasks: list[ServedTask]) -> list[Prepared]:
-        """for_task of a whole batch, its distinct tokens found in one pass (aot.serving.tasks.token_indexes)."""
-        indexes = token_indexes([(t[protocol.INPUT_IDS], t[protocol.ATTENTION_MASK]) for t in tokens])
-        return [cls(t, task, unique, index) for t, task, (unique, index) in zip(tokens, tasks, indexes, strict=True)]
+    logits: np.ndarray | None = None
 
 
-class Backbone(Protocol):
-    """What an engine builds for a step: the encoder on a batch of prepared requests."""
+class EncoderRunner(Protocol):
+    """What an engine builds for a step: the encoder on a batch."""
 
-    def run(self, requests: list[Prepared]) -> np.ndarray:
-        """The pooled states [B, P, d] (fp32) of the batch, in its order; each request that wants them gets its
-        token states (Prepared.states)."""
+    def run(self, batch: EncoderBatch) -> EncoderOutput:
         ...
 
 
@@ -66,13 +101,13 @@ class Backbone(Protocol):
 class Engine:
     """A backbone engine a step can run.
 
-    `build(step, aot, threads, log)`: the backbone of a served step (aot.serving.steps.Step: its repository, parameters
+    `build(step, aot, threads, log, heads)`: the backbone of a served step (aot.serving.steps.Step: its repository, parameters
     and task pool), with `threads` CPU threads; `log` reports what start-up did. `storage(device)`: where the step's
     task pool keeps its rows for this engine (None: host memory). `gathers_slots`: the backbone reads each request's
-    rows from the pool's slots itself (Prepared.slots); otherwise the step hands it the rows (Prepared.rows)."""
+    rows from the pool's slots itself (EncoderBatch.index as slots); otherwise the step hands it the rows (EncoderBatch.rows)."""
 
     name: str
-    build: Callable[..., Backbone]
+    build: Callable[..., EncoderRunner]
     storage: Callable[[str], RowStorage] | None = None
     gathers_slots: bool = False
 
@@ -118,15 +153,16 @@ def length_groups(lengths: list[int], max_padding: float) -> list[list[int]]:
 
 
 class BackboneRunner:
-    """Token tensors padded to the longest sequence of each length group (length_groups), and the AoT bias in the
-    graph's interface: ragged rows concatenated with the accumulated row offsets, or each request's dense bias
-    rows[index] (zero past its end)."""
+    """An exported graph on ONNX Runtime for batches (EncoderBatch): split into runs of similar length
+    (length_groups), each padded to its longest, and the AoT bias in the graph's interface: the batch's rows with
+    each token's row among them (the rows interface; one row offset of zero per sequence, so an index is global), or
+    each token's row gathered (dense)."""
 
     def __init__(self, onnx_path: str | Path, threads: int = 0, max_padding: float | None = 0.125,
                  per_request: bool = False):
         """`max_padding`: see length_groups; None pads the whole batch to its longest sequence, as Triton's native
-        backends do. `per_request`: run each request alone (an int8 graph, whose activation scale is taken over the
-        whole batch: batched, a request's answer would depend on its neighbours; aot.exporter.quantize)."""
+        backends do. `per_request`: run each sequence alone (an int8 graph, whose activation scale is taken over the
+        whole batch: batched, a text's answer would depend on its neighbours; aot.exporter.quantize)."""
         # Idle intra-op threads sleep instead of spinning: the served backbone shares its cores with tritonserver, the
         # other steps and often the clients, and spinning threads burned the CPU the backbone itself needed
         # (docs/benchmarks.md, "Figures behind the serving code").
@@ -140,60 +176,44 @@ class BackboneRunner:
         self.max_padding = max_padding
         self.per_request = per_request
 
-    def run(self, requests: list[Prepared]) -> np.ndarray:
-        """Each request: 1-D token tensors (and for AoT its rows and index). Returns the pooled states [B, P, d] in
-        the requests' order; a request that wants them gets its token states (`states`, [S, d])."""
-        if self.per_request and len(requests) > 1:
-            return np.concatenate([self._run([r]) for r in requests])
-        if self.max_padding is None or len(requests) == 1:
-            return self._run(requests)
-        groups = length_groups([len(r.tokens[protocol.INPUT_IDS]) for r in requests], self.max_padding)
+    def run(self, batch: EncoderBatch) -> EncoderOutput:
+        """The batch's pooled states [B, P, d] in its order (and the token states [B, S, d], when a sequence wants
+        them). `batch.rows` holds its rows (a host engine gathers none from a pool)."""
+        if isinstance(batch.rows, list):  # one block per task version: one array for the graph
+            batch = replace(batch, rows=np.concatenate(batch.rows) if len(batch.rows) > 1 else batch.rows[0])
+        if self.per_request and batch.size > 1:
+            groups = [[k] for k in range(batch.size)]
+        elif self.max_padding is None or batch.size == 1:
+            groups = [list(range(batch.size))]
+        else:
+            groups = length_groups(batch.lengths.tolist(), self.max_padding)
         if len(groups) == 1:
-            return self._run(requests)
-        pooled = None
+            return EncoderOutput(*self._run(batch))
+        pooled = states = None
         for group in groups:
-            out = self._run([requests[k] for k in group])
+            part_pooled, part_states = self._run(batch.take(group))
             if pooled is None:
-                pooled = np.empty((len(requests), *out.shape[1:]), out.dtype)
-            pooled[group] = out
-        return pooled
+                pooled = np.empty((batch.size, *part_pooled.shape[1:]), part_pooled.dtype)
+                if part_states is not None:
+                    states = np.zeros((batch.size, batch.width, part_states.shape[-1]), part_states.dtype)
+            pooled[group] = part_pooled
+            if part_states is not None:
+                states[group, :part_states.shape[1]] = part_states
+        return EncoderOutput(pooled, states)
 
-    def _run(self, requests: list[Prepared]) -> np.ndarray:
-        longest = max(len(r.tokens[protocol.INPUT_IDS]) for r in requests)
-        feeds = {name: padded([r.tokens[name] for r in requests], longest)
-                 for name in protocol.token_inputs(protocol.TOKEN_TYPE_IDS in self.inputs)}
+    def _run(self, batch: EncoderBatch) -> tuple[np.ndarray, np.ndarray | None]:
+        feeds = {name: batch.tokens[name] for name in protocol.token_inputs(protocol.TOKEN_TYPE_IDS in self.inputs)}
         if self.dense:
-            bias = np.zeros((len(requests), longest, *self.row_shape), protocol.ROWS_DTYPE)
-            for b, r in enumerate(requests):
-                bias[b, :len(r.index)] = protocol.dense_bias(r.rows.reshape(-1, *self.row_shape), r.index)
-            feeds[protocol.AOT_BIAS] = bias
+            rows = batch.rows.reshape(-1, *self.row_shape)
+            feeds[protocol.AOT_BIAS] = rows[batch.index]
         elif self.aot:
-            feeds[protocol.AOT_INDEX] = padded([r.index for r in requests], longest, protocol.INDEX_DTYPE)
-            rows = [r.rows.reshape(-1) for r in requests]
-            feeds[protocol.AOT_ROWS] = (rows[0] if len(rows) == 1 else np.concatenate(rows)).astype(
-                protocol.ROWS_DTYPE, copy=False)
-            feeds[protocol.AOT_ROW_OFFSETS] = np.array([0, *itertools.accumulate(len(x) for x in rows)],
-                                                       protocol.INDEX_DTYPE)
-        if not any(r.want_states for r in requests):  # the graph's token states are then never copied out
-            return self.session.run([protocol.POOLED_HIDDEN], feeds)[0]
+            feeds[protocol.AOT_INDEX] = batch.index.astype(protocol.INDEX_DTYPE, copy=False)
+            feeds[protocol.AOT_ROWS] = batch.rows.astype(protocol.ROWS_DTYPE, copy=False).reshape(-1)
+            feeds[protocol.AOT_ROW_OFFSETS] = np.zeros(batch.size + 1, protocol.INDEX_DTYPE)
+        if not batch.want_states.any():  # the graph's token states are then never copied out
+            return self.session.run([protocol.POOLED_HIDDEN], feeds)[0], None
         pooled, states = self.session.run([protocol.POOLED_HIDDEN, protocol.TOKEN_HIDDEN], feeds)
-        for b, r in enumerate(requests):
-            if r.want_states:
-                r.states = states[b, : len(r.tokens[protocol.INPUT_IDS])]
-        return pooled
-
-
-def padded(arrays: list[np.ndarray], length: int, dtype: np.dtype | None = None) -> np.ndarray:
-    """[len(arrays), length]: each 1-D array from the start of its row, zeros past its end. One request of the full
-    length is a view, not a copy. The int8 configs build these for every request (each runs alone), where np.pad and
-    np.stack per input cost far more (docs/benchmarks.md, "int8 on CPU")."""
-    dtype = np.dtype(dtype or arrays[0].dtype)
-    if len(arrays) == 1 and len(arrays[0]) == length:
-        return np.ascontiguousarray(arrays[0][None], dtype)
-    out = np.zeros((len(arrays), length), dtype)
-    for b, a in enumerate(arrays):
-        out[b, :len(a)] = a
-    return out
+        return pooled, states
 
 
 # ONNX Runtime's session-time fusion of Add + Add + LayerNormalization into its SkipLayerNormalization kernel, several
@@ -231,8 +251,10 @@ def instance_threads(instances: int) -> int:
     return max(len(os.sched_getaffinity(0)) // instances, 1)
 
 
-def _onnx_backbone(step, aot: bool, threads: int, log: Callable[[str], None] | None = None) -> BackboneRunner:
-    """A step's ONNX Runtime backbone: the graph its parameter `onnx_file` names under the models folder."""
+def _onnx_backbone(step, aot: bool, threads: int, log: Callable[[str], None] | None = None,
+                   heads: bool = False) -> BackboneRunner:
+    """A step's ONNX Runtime backbone: the graph its parameter `onnx_file` names under the models folder (its heads
+    run on the host: `heads` does not apply)."""
     return BackboneRunner(Path(step.repo.models) / step.parameters["onnx_file"], threads=threads,
                           per_request=step.parameters.get("per_request") == "true")
 

@@ -1,5 +1,7 @@
 """Errors a served step returns to one request's client, with the status a client expects."""
 
+from __future__ import annotations
+
 import re
 
 # RequestError.reason -> the TritonError code (HTTP status / gRPC status) a step answers with
@@ -38,10 +40,19 @@ def retry_after(message: str) -> float | None:
 class RequestError(ValueError):
     """Bad input in one request, or a task it cannot be served with: the message goes back to that request's
     client alone (no server path, no traceback); the other requests of the batch are served. `reason`
-    (TRITON_CODES) chooses the status the client sees."""
+    (TRITON_CODES) chooses the status the client sees; `item`, the request's item at fault (its row: the answer of a
+    request of several items names it), None for the request as a whole."""
 
-    def __init__(self, message: str, reason: str = "invalid"):
+    def __init__(self, message: str, reason: str = "invalid", item: int | None = None):
         if reason not in TRITON_CODES:
             raise ValueError(f"unknown RequestError reason {reason!r}: expected one of {', '.join(TRITON_CODES)}")
         super().__init__(message)
         self.reason = reason
+        self.item = item
+
+    def named(self, count: int) -> RequestError:
+        """This error as a request of `count` items answers it: "item K of N: ..." when an item of several is at
+        fault."""
+        if count == 1 or self.item is None:
+            return self
+        return RequestError(f"item {self.item + 1} of {count}: {self}", self.reason)

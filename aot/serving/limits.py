@@ -45,7 +45,7 @@ class RequestBounds:
 def request_bounds(info: RepositoryInfo) -> RequestBounds:
     """The repository's bounds: an item holds TEXT and TEXT_PAIR (max_text_bytes each) or token ids up to the
     longest sequence served (as JSON text, the larger encoding) and its TASK; a request body holds items up to
-    max_request_bytes (a request of many texts: aot.serving.items), at least one whole item; a region holds a full
+    max_request_bytes (a request of many texts: aot.serving.columns), at least one whole item; a region holds a full
     batch of items twice over (inputs of one batch while the last one's are freed) and its answers (each smaller than
     its request), and a step between steps the batch's tensors too. AOT_SHM_REGION_BYTES sets both."""
     texts = 2 * info.options.max_text_bytes

@@ -1,4 +1,4 @@
-"""The tensors that flow between the client and the steps of the served ensemble: protocol version 7 (what each
+"""The tensors that flow between the client and the steps of the served ensemble: protocol version 8 (what each
 version changed: docs/formats.md, "Protocol history").
 
 Client -> ensemble `aot`:
@@ -11,9 +11,12 @@ Client -> ensemble `aot`:
     input_ids, attention_mask (and token_type_ids where the architecture has them), INT64 [S]
 ensemble -> client:
     TASK_VERSION  BYTES [1]   the task version `<name>@<id>` that produced the answer
-    ANSWER        BYTES [1]   JSON: the answer of the task's kind (aot.serving.answers), without the version
+    ANSWER        BYTES [1]   JSON: the answer of the task's kind (aot.serving.answers), without the version; sent
+                              only to a request that asks for it (a client that names no outputs gets them all)
     LOGITS        FP32  [n]   the head's output: a classifier's or multi-label task's logits (n labels), a regressor's
-                              score (1), an embedding (d), a token task's logits of each word's first token (W x n)
+                              score (1), an embedding (d), a token task's logits of each word's first token (W x n);
+                              a request's items of different widths: each row zero past its own LOGITS_WIDTH
+    LOGITS_WIDTH  INT32 [1]   how many of the item's LOGITS are its own
     LABEL         BYTES [1]   the arg-max label name (the score, as text, for regression; a multi-label task's
                               labels as a JSON list; empty for token and embedding tasks)
 
@@ -53,7 +56,11 @@ backbone -> head:
                                  (torch engine) only for token tasks, [1, d] zeros for the others
 
 A request whose parameters (a JSON object) hold PROBE_PARAMETER is the supervisor's liveness probe: every python
-step answers it at once with no outputs and counts it nowhere.
+step answers it at once with no outputs and counts it nowhere. A request whose parameters hold ANSWERS_PARAMETER:
+"compact" gets ANSWER's JSON only for the items whose answer the other outputs do not carry (a token task's entities,
+a multi-label task's scores by label); for the others, ANSWER is their kind's name as a JSON string ("classification",
+"regression", "embedding"), and aot.Client builds the answer from LOGITS, LOGITS_WIDTH and LABEL by the server's
+own rule (aot.serving.answers.carried_answer): the server writes no JSON for most texts.
 
 Per request the rows interface moves U*L*d*2 + S*4 bytes; the dense one S*L*d*2 (U <= S distinct tokens). The
 backbone hands the head P*d*4 bytes (pooled_hidden) and token_hidden; the tokenizer hands it S*4 + the text's bytes
@@ -64,14 +71,17 @@ from __future__ import annotations
 
 import numpy as np
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 TEXT, TEXT_PAIR, TASK, TASK_VERSION = "TEXT", "TEXT_PAIR", "TASK", "TASK_VERSION"
 LOGITS, LABEL, TASKS, ANSWER = "LOGITS", "LABEL", "TASKS", "ANSWER"
+LOGITS_WIDTH = "LOGITS_WIDTH"
+HEAD_OUTPUTS = (ANSWER, LOGITS, LOGITS_WIDTH, LABEL)  # what the head step answers (TASK_VERSION: the tokenizer's)
 INPUT_IDS, ATTENTION_MASK, TOKEN_TYPE_IDS = "input_ids", "attention_mask", "token_type_ids"
 AOT_ROWS, AOT_INDEX, AOT_ROW_OFFSETS = "aot_rows", "aot_index", "aot_row_offsets"
 AOT_BIAS = "aot_bias"
 PROBE_PARAMETER = "aot_probe"  # a request parameter: marks the supervisor's liveness probe (see above)
+ANSWERS_PARAMETER, COMPACT_ANSWERS = "aot-answers", "compact"  # a request parameter: ANSWER where needed (see above)
 # How the lookup hands a request's bias to a native backbone (see above): what the AoT graph's inputs are.
 BIAS_INTERFACES = ("rows", "dense")
 POOLED_HIDDEN = "pooled_hidden"
@@ -99,7 +109,7 @@ HIDDEN_DTYPE = np.dtype(np.float32)
 LOGITS_DTYPE = np.dtype(np.float32)
 DTYPES = {INPUT_IDS: TOKEN_DTYPE, ATTENTION_MASK: TOKEN_DTYPE, TOKEN_TYPE_IDS: TOKEN_DTYPE, AOT_ROWS: ROWS_DTYPE,
           AOT_BIAS: ROWS_DTYPE, AOT_INDEX: INDEX_DTYPE, AOT_ROW_OFFSETS: INDEX_DTYPE, POOLED_HIDDEN: HIDDEN_DTYPE, LOGITS: LOGITS_DTYPE,
-          TOKEN_HIDDEN: HIDDEN_DTYPE, WORD_INDEX: INDEX_DTYPE}
+          TOKEN_HIDDEN: HIDDEN_DTYPE, WORD_INDEX: INDEX_DTYPE, LOGITS_WIDTH: INDEX_DTYPE}
 BYTES = "BYTES"
 _TRITON_TYPES = {"int64": "INT64", "int32": "INT32", "float16": "FP16", "float32": "FP32"}
 

@@ -182,6 +182,11 @@ class RequestGate:
         self._keyless = KeylessCallers(limits.anonymous / self.instances, limits.burst_seconds)
         self._callers: OrderedDict[str, str] = OrderedDict()  # key digest -> its tenant (ANONYMOUS: none)
         self._tenants: Mapping[str, str] | None = None  # the tenants _callers was found in
+        self._stopping_now: bool | None = None  # read once a batch (begin_batch); None: at each request
+
+    def begin_batch(self) -> None:
+        """Before a batch's requests: whether the server stops, read once (a stat) for all of them."""
+        self._stopping_now = self.stopping()
 
     def address_of(self, parameters: str | None) -> str | None:
         """The keyless client's address among a request's parameters (a JSON object, as the python backend gives
@@ -206,7 +211,7 @@ class RequestGate:
         step asks once per request, on its first item, with the request's texts (the others check their key alone:
         `texts` 0). A server that stops (aot.serving.watch) admits no new request: RequestError("stopping") with a
         retry hint."""
-        if texts and self.stopping():
+        if texts and (self.stopping() if self._stopping_now is None else self._stopping_now):
             raise RequestError("this server is stopping and takes no new request: send it again (another server "
                                f"answers it); {retry_hint(STOPPING_RETRY_SECONDS)}", "stopping")
         digest = key_digest(key) if key else None

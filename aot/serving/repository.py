@@ -90,11 +90,13 @@ class ServingOptions:
                 "thread, so one instance caps a server at 1e6 / (its microseconds per request) requests/s (`aot bench "
                 "tax`). 0: 6 in the GPU configs (1 in their CPU configs, which the local server loads only when asked; "
                 "the CPU configs serve clients from one fused step, --cpu-instances)"})
-    gpu_instances: int = field(default=2, metadata={
+    gpu_instances: int = field(default=4, metadata={
         "flag": "--gpu-instances", "minimum": 1,
         "help": "instances of the torch engine's GPU step (`aot`, `vanilla`: tokenizer, lookup, encoder and head in "
-                "one process on the GPU), each with its own CUDA graphs and an equal share of the task pool: one "
-                "prepares its batch on the CPU while another's runs on the GPU"})
+                "one process on the GPU), each with its own CUDA graphs, device heads and an equal share of the task "
+                "pool, and the host's cores shared among their tokenizers: while one's batch runs on the GPU, the "
+                "others prepare theirs on the CPU (one python process per instance bounds what each prepares). 4 "
+                "fits a host of 16 cores or more; give fewer on a smaller one"})
     cpu_instances: int = field(default=2, metadata={
         "flag": "--cpu-instances", "minimum": 1,
         "help": "instances of the CPU configs' one step (`aot`, `vanilla`: tokenizer, lookup, encoder and head in one "

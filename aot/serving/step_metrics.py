@@ -3,8 +3,10 @@ tasks.
 
 Series (labels step, instance, task; the counters and pool series add version; the request series add tenant, the
 task's tenant or "" for a public task: aot.serving.store.tenants):
-    aot_task_requests_total, aot_task_failures_total, aot_task_duration_us_total   per task version
-    aot_task_latency_seconds (a histogram: _bucket{le}, _sum, _count)             per task
+    aot_task_texts_total, aot_task_failures_total (texts), aot_task_duration_us_total   per task version
+    aot_task_requests_total      requests that held the task version's texts (a request of 64 texts counts once for
+                                 each version it holds)                                    per task version
+    aot_task_latency_seconds     a histogram (_bucket{le}, _sum, _count) of those requests' latency   per task
     aot_pool_hits_total, _misses_total, _evictions_total, _fill_us_total, aot_pool_resident_bytes   per task version
     aot_pool_budget_bytes                                                          per instance with a pool
     aot_task_errors_total (step, task, version), aot_store_manifest_errors_total (step)
@@ -24,20 +26,25 @@ Removing a series: the python backend keeps every Metric alive in its MetricFami
 deleted, so each task gets MetricFamily objects of its own (TaskSeries): deleting them removes exactly its series.
 
 Every Metric call is a round trip to the server process, so counts are summed here (`request()`: a few dict updates
-under a lock) and a thread of their own publishes them every FLUSH_SECONDS, off the request path (publishing per
-request and per pool version cost much of the throughput with many tasks: docs/benchmarks.md, "Figures behind the
-serving code"; published after each batch, it still took 5-6 % of a GPU step's time); the latency histogram takes
-one round trip per observation, so it observes each request once per task it holds, not each of its items. A
-scrape therefore lags by at most that interval. Counters of microseconds follow Triton's own convention
+under a lock, once per request and task version) and a thread of their own publishes them every FLUSH_SECONDS, off
+the request path (publishing per request and per pool version cost much of the throughput with many tasks:
+docs/benchmarks.md, "Figures behind the serving code"; published after each batch, it still took 5-6 % of a GPU
+step's time). The latency histogram too is counted here, by bucket, and published as the three series of a
+Prometheus histogram, each a counter (the python backend's histogram takes one round trip per observation: its
+observations took 7 % of a GPU step's time): a flush costs a round trip per bucket that changed, whatever the
+number of requests. A scrape therefore lags by at most that interval. Counters of microseconds follow Triton's own convention
 (nv_inference_request_duration_us): rate() of the duration over rate() of the requests is the mean time a task's
 requests spend in a step.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from aot.serving.metric_labels import NONE, OTHER, PLACEHOLDERS, UNKNOWN, TaskLabels, metrics_tasks
 from aot.serving.pool import RowPool
@@ -47,15 +54,19 @@ from aot.serving.store.tenants import tenant_of
 # A request's latency in a step (seconds): from the start of its batch's execute to its answer.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
-# name -> (Prometheus name, help, kind); kind "histogram" takes LATENCY_BUCKETS
+_LATENCY = ("Latency of the requests holding a task's texts in a step, from the start of their batch to their "
+            "answer, seconds (one observation per request and task; a histogram counted in the step)")
+# name -> (Prometheus name, help, kind)
 FAMILIES = {
-    "requests": ("aot_task_requests_total", "Requests per task version and step", "counter"),
-    "failures": ("aot_task_failures_total", "Failed requests per task version and step", "counter"),
-    "duration": ("aot_task_duration_us_total", "Time requests of a task version spent in a step, microseconds",
+    "requests": ("aot_task_requests_total", "Requests that held a task version's texts, per step (a request counts "
+                                            "once for each version it holds)", "counter"),
+    "texts": ("aot_task_texts_total", "Texts per task version and step", "counter"),
+    "failures": ("aot_task_failures_total", "Texts of a task version whose request failed, per step", "counter"),
+    "duration": ("aot_task_duration_us_total", "Time the texts of a task version spent in a step, microseconds",
                  "counter"),
-    "latency": ("aot_task_latency_seconds", "Latency of the requests holding a task's items in a step, from the "
-                                            "start of their batch to their answer, seconds (one observation per "
-                                            "request and task)", "histogram"),
+    "latency_bucket": ("aot_task_latency_seconds_bucket", _LATENCY + ": observations up to `le`", "counter"),
+    "latency_sum": ("aot_task_latency_seconds_sum", _LATENCY + ": their sum", "counter"),
+    "latency_count": ("aot_task_latency_seconds_count", _LATENCY + ": their count", "counter"),
     "pool_hits": ("aot_pool_hits_total", "Rows found in the task pool", "counter"),
     "pool_misses": ("aot_pool_misses_total", "Rows read or computed into the task pool", "counter"),
     "pool_evictions": ("aot_pool_evictions_total", "Rows evicted from the task pool", "counter"),
@@ -95,11 +106,9 @@ class TaskSeries:
         if key not in self._metrics:
             if family not in self._families:
                 name, description, kind = FAMILIES[family]
-                kinds = {"counter": self.pb.MetricFamily.COUNTER, "gauge": self.pb.MetricFamily.GAUGE,
-                         "histogram": self.pb.MetricFamily.HISTOGRAM}
+                kinds = {"counter": self.pb.MetricFamily.COUNTER, "gauge": self.pb.MetricFamily.GAUGE}
                 self._families[family] = self.pb.MetricFamily(name, description, kinds[kind])
-            extra = {"buckets": list(LATENCY_BUCKETS)} if FAMILIES[family][2] == "histogram" else {}
-            self._metrics[key] = self._families[family].Metric(labels={**self.base, **labels}, **extra)
+            self._metrics[key] = self._families[family].Metric(labels={**self.base, **labels})
         return self._metrics[key]
 
     def close(self) -> None:
@@ -110,17 +119,20 @@ class TaskSeries:
 
 @dataclass
 class _Counts:
-    """What one task version's requests added since the last flush."""
+    """What one task version's requests added since the last flush; `latency`: observations per bucket of
+    LATENCY_BUCKETS (the last: above them all)."""
 
     requests: int = 0
+    texts: int = 0
     failures: int = 0
     duration_us: float = 0.0
-    latencies: list[float] = field(default_factory=list)
+    latency: np.ndarray = field(default_factory=lambda: np.zeros(len(LATENCY_BUCKETS) + 1, np.int64))
+    latency_sum: float = 0.0
 
 
 class StepMetrics:
-    """Per-task metrics of one step instance (module docstring): `request()` per item served, published by a thread
-    of their own every FLUSH_SECONDS (`start()`), and at `close()`."""
+    """Per-task metrics of one step instance (module docstring): `request()` per request and task version served,
+    published by a thread of their own every FLUSH_SECONDS (`start()`), and at `close()`."""
 
     FLUSH_SECONDS = 1.0
 
@@ -159,19 +171,20 @@ class StepMetrics:
             except Exception as exc:  # noqa: BLE001 - the next interval publishes again; a request never fails
                 self.pb.Logger.log_error(f"{self.step}: metrics not published ({type(exc).__name__}: {exc})")
 
-    def request(self, version: str, status: str, seconds: float, latency: float | None) -> None:
-        """One item served: its task version ("" if it named none the store holds), its status ("ok" or an
-        aot.serving.errors reason, "internal" for a fault of the server), its share of the step's time and its
-        request's latency (seconds; None for the request's other items of the same task: each observation is a
-        round trip to the server, and a request of 64 texts would observe one latency 64 times)."""
+    def request(self, version: str, status: str, texts: int, seconds: float, latency: float) -> None:
+        """A request served, for the `texts` of it that task version `version` held ("" if they named none the store
+        holds): its status ("ok" or an aot.serving.errors reason, "internal" for a fault of the server), those texts'
+        share of the step's time and the request's latency (seconds)."""
         key = version or (UNKNOWN if status == "not_found" else NONE)
+        bucket = bisect.bisect_left(LATENCY_BUCKETS, latency)
         with self._lock:
             counts = self._pending[key]
             counts.requests += 1
-            counts.failures += status != "ok"
+            counts.texts += texts
+            counts.failures += texts if status != "ok" else 0
             counts.duration_us += seconds * 1e6
-            if latency is not None:
-                counts.latencies.append(latency)
+            counts.latency[bucket] += 1
+            counts.latency_sum += latency
 
     def engine_time(self, cpu_seconds: float) -> None:
         """CPU time one batch spent in the step's engine (published with the other counts)."""
@@ -214,7 +227,7 @@ class StepMetrics:
         busy: dict[str, int] = defaultdict(int)
         for key, counts in pending.items():
             if key not in PLACEHOLDERS:
-                busy[task_of(key)] += counts.requests
+                busy[task_of(key)] += counts.texts
         change = self.labels.update(busy)
         for task in change.removed:
             if task in self._series:
@@ -254,12 +267,18 @@ class StepMetrics:
         tenant = "" if version in PLACEHOLDERS else tenant_of(version) or ""
         labels = {**labels, "tenant": tenant}
         series.metric("requests", **labels).increment(counts.requests)
+        series.metric("texts", **labels).increment(counts.texts)
         if counts.failures:
             series.metric("failures", **labels).increment(counts.failures)
         series.metric("duration", **labels).increment(counts.duration_us)
-        histogram = series.metric("latency", task=labels["task"], tenant=tenant)
-        for latency in counts.latencies:
-            histogram.observe(latency)
+        task = {"task": labels["task"], "tenant": tenant}
+        cumulative = np.cumsum(counts.latency)
+        for le, amount in zip((*(f"{b:g}" for b in LATENCY_BUCKETS), "+Inf"), cumulative.tolist(), strict=True):
+            bucket = series.metric("latency_bucket", le=le, **task)  # every bucket exists, from the first flush
+            if amount:
+                bucket.increment(amount)
+        series.metric("latency_sum", **task).increment(counts.latency_sum)
+        series.metric("latency_count", **task).increment(int(cumulative[-1]))
 
     def _pool_counts(self) -> None:
         """The pool's counters of the versions touched since the last flush, as increments; the resident bytes of

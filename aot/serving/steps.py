@@ -7,6 +7,8 @@ Rules every step follows (a client must never be able to hurt another client's r
 - every response gets its own TritonError object: one error object shared between responses is freed once per
   response by the python backend, which corrupts the server's memory (a crash seen with batches of 2+);
 - a batch that fails as a whole is retried request by request, so one request cannot fail the others;
+- the work is per batch and per request, in columns (aot.serving.columns), never per text where it can be helped: a
+  request's inputs are read as whole arrays, its task names resolved once each, its metrics counted once;
 - a client mistake answers 400 (gRPC INVALID_ARGUMENT), an unknown task or version 404 (NOT_FOUND), a task that
   cannot be served 503 (UNAVAILABLE), a fault of the server 500 (aot.serving.errors);
 - metric labels come only from task versions the store holds (a client's string never becomes a label);
@@ -22,14 +24,14 @@ import json
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from aot.serving import items, protocol
-from aot.serving.errors import STATUS, TRITON_CODES, WHOLE_REQUEST, RequestError
-from aot.serving.items import Item, RequestInputs
+from aot.serving import protocol
+from aot.serving.bytes_tensors import use_array_bytes_tensors
+from aot.serving.columns import RequestInputs, TaskColumn
+from aot.serving.errors import STATUS, TRITON_CODES, RequestError
 from aot.serving.pool import RowPool
 from aot.serving.rate_limits import RateLimits, RequestGate
 from aot.serving.repository import RepositoryInfo, repository_of_model
@@ -39,9 +41,10 @@ from aot.serving.step_metrics import StepMetrics
 from aot.serving.store.reader import task_of
 from aot.serving.store.tenants import key_of_parameters, require_tenant_keys
 from aot.serving.task_registry import TaskRegistry
+from aot.serving.tasks import ServedTask
 from aot.serving.watch import ExecuteWatch, add_note
 
-__all__ = ["RequestContext", "RequestError", "Step", "StepMetrics"]
+__all__ = ["RequestError", "Step", "StepMetrics"]
 
 
 def model_parameters(args: dict) -> dict[str, str]:
@@ -57,17 +60,9 @@ def instance_count(args: dict) -> int:
     return max(sum(int(g.get("count", 1)) for g in config.get("instance_group", [])), 1)
 
 
-@dataclass
-class RequestContext:
-    """What a step learns of one item while it serves it, for its metrics and the request log: the task version
-    that serves it ("" until the item names one the store holds), and its row in the request."""
-
-    version: str = ""
-    row: int = 0
-
-
 class Step:
-    """Base of a served python step: the repository record, the task registry, checks and responses."""
+    """What a served python step's model file is built around: the repository record, the task registry, the rate
+    gate, the metrics, and one response per request (respond_batch, respond_each)."""
 
     # inputs whose batch dimension says how many items a request carries (the first a step's request has)
     ITEM_INPUTS = (protocol.TEXT, protocol.INPUT_IDS, protocol.TASK, protocol.TASK_VERSION, protocol.POOLED_HIDDEN)
@@ -81,6 +76,7 @@ class Step:
         self.parameters = model_parameters(args)
         self.instances = instance_count(args)
         make_own_region_private()  # before any request reaches this stub (aot.serving.shm)
+        use_array_bytes_tensors(pb_utils)
         self.instance = args["model_instance_name"]
         self.watch = ExecuteWatch(self.instance)  # the supervisor sees a batch this instance is stuck in
         self.model_dir = Path(args["model_repository"])
@@ -144,33 +140,57 @@ class Step:
         self.pb.Logger.log_error(f"{self.name}: {message}; serving the last good index")
         self.metrics.manifest_error()
 
-    # --- reading one item's inputs (aot.serving.items) ---------------------------------------------------------
+    # --- resolving a request's tasks ---------------------------------------------------------------------------
 
-    def text(self, item: Item, name: str, required: bool = True) -> str | None:
-        return items.text(item, name, self.options.max_text_bytes, required)
+    def resolve(self, inputs: RequestInputs) -> tuple[list[ServedTask], np.ndarray]:
+        """The task versions the request's items name (TASK), for the caller its tenant key says
+        (aot.serving.task_registry), once its caller's rate admits the request (aot.serving.rate_limits: its texts
+        at once): each distinct name resolved once, except a routed task's, whose items each draw their version.
+        Returns the distinct versions and each item's index among them."""
+        names, index = inputs.task_names(self.options.max_text_bytes)
+        key, tenants = inputs.tenant_key, self.tasks.view.index.tenants
+        address = self.gate.address_of(inputs.request.parameters())  # a keyless client's, once per request
+        for k, name in enumerate(names):
+            self.gate.admit(name, key, tenants, inputs.count if k == 0 else 0, address if k == 0 else None)
+        if len(names) == 1 and not self.tasks.routed(names[0]):  # the common request: one task, one version
+            return [self._resolved(names[0], key, index, 0)], index
+        found: dict[str, int] = {}
+        tasks: list[ServedTask] = []
+        where = np.empty(inputs.count, np.int64)
+        for k, name in enumerate(names):
+            mine = np.flatnonzero(index == k)
+            draws = [self._resolved(name, key, index, k) for _ in mine] if self.tasks.routed(name) else \
+                [self._resolved(name, key, index, k)] * len(mine)
+            for row, task in zip(mine.tolist(), draws, strict=True):
+                where[row] = found.setdefault(task.version, len(tasks))
+                if where[row] == len(tasks):
+                    tasks.append(task)
+        return tasks, where
 
-    def tokens(self, item: Item) -> dict[str, np.ndarray]:
-        """The token tensors of one item, checked against the backbone's limits."""
-        return items.tokens(item, self.repo)
+    def _resolved(self, name: str, key: str | None, index: np.ndarray, k: int) -> ServedTask:
+        """Task `name`'s version for the caller; a refusal names the first item that names it (the k-th name)."""
+        try:
+            return self.tasks.resolve(name, key)
+        except RequestError as exc:
+            exc.item = int(np.argmax(index == k))
+            raise
 
-    def resolve(self, item: Item):
-        """The task version the item's TASK names, for the caller its request's tenant key says
-        (aot.serving.task_registry), once its caller's rate admits the request (aot.serving.rate_limits: each text
-        counts, all of a request's at once on its first item)."""
-        name, key = items.task_name(item, self.options.max_text_bytes), item.inputs.tenant_key
-        first = item.row == 0  # the request's texts, and its keyless client's address, once per request
-        self.gate.admit(name, key, self.tasks.view.index.tenants, item.count if first else 0,
-                        self.gate.address_of(item.inputs.request.parameters()) if first else None)
-        return self.tasks.resolve(name, key)
-
-    def task_version(self, item: Item, ctx: RequestContext):
-        """The task version the first step pinned for this item, loaded (fails the request if it is gone, or if
-        its tenant key does not open it: a step called directly). Only a version the store holds becomes the
-        item's metric label: a client calling a step directly with made-up versions must not grow the metrics
-        without bound."""
-        task = self.tasks.version(self.text(item, protocol.TASK_VERSION), item.inputs.tenant_key)
-        ctx.version = task.version
-        return task
+    def pinned(self, inputs: RequestInputs) -> tuple[list[ServedTask], np.ndarray]:
+        """The task versions the first step pinned for the request's items (TASK_VERSION), loaded: each distinct
+        version once (fails the request if one is gone, or if its tenant key does not open it: a step called
+        directly). Only a version the store holds becomes an item's metric label: a client calling a step directly
+        with made-up versions must not grow the metrics without bound."""
+        found: dict[str, int] = {}
+        index = np.fromiter((found.setdefault(v, len(found)) for v in inputs.texts(
+            protocol.TASK_VERSION, self.options.max_text_bytes)), np.int64, inputs.count)
+        tasks = []
+        for k, version in enumerate(found):
+            try:
+                tasks.append(self.tasks.version(version, inputs.tenant_key))
+            except RequestError as exc:
+                exc.item = int(np.argmax(index == k))
+                raise
+        return tasks, index
 
     @staticmethod
     def tenant_key(request) -> str | None:
@@ -210,65 +230,55 @@ class Step:
             return [self.pb.InferenceResponse([]) if probe else next(answers) for probe in probes]
 
     def respond_each(self, requests, handle: Callable) -> list:
-        """`handle(request, ctx) -> output tensors`, one request at a time; ctx (a RequestContext) names its task
-        version."""
-        return self._with_probes(requests, lambda real: self._respond_each(real, handle))
+        """`handle(request) -> output tensors`, one request at a time (a step that serves no task's items)."""
+        return self._with_probes(requests, lambda real: [self._respond_one(r, handle) for r in real])
 
-    def _respond_each(self, requests, handle: Callable) -> list:
-        responses, contexts, statuses, seconds = [], [], [], []
-        for request in requests:
-            ctx = RequestContext()
-            start = time.perf_counter()
-            try:
-                responses.append(self.pb.InferenceResponse(handle(request, ctx)))
-                status = "ok"
-            except RequestError as exc:
-                responses.append(self.request_error(exc))
-                status = exc.reason
-            except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
-                responses.append(self.internal_error(exc))
-                status = "internal"
-            contexts.append(ctx)
-            statuses.append(status)
-            seconds.append(time.perf_counter() - start)
-        self._account(list(zip(requests, contexts, statuses, seconds, seconds, strict=True)))
-        return responses
+    def _respond_one(self, request, handle: Callable):
+        start, status = time.perf_counter(), "internal"
+        try:
+            response, status = self.pb.InferenceResponse(handle(request)), "ok"
+        except RequestError as exc:
+            response, status = self.request_error(exc), exc.reason
+        except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
+            response = self.internal_error(exc)
+        self._account([request], [TaskColumn()], [1], [status], time.perf_counter() - start)
+        return response
 
-    def respond_batch(self, requests, prepare: Callable, run: Callable, outputs: Callable) -> list:
-        """A batched step over the requests' items (aot.serving.items: a request carries N >= 1 texts or
-        sequences): `prepare(item, ctx)` checks each item (ctx: its RequestContext); `run(prepared list)` computes
-        the batch's items at once; `outputs(result, ks)` is the tensors of one request whose items are rows `ks` of
-        the result. A request with a refused item fails as a whole, naming the item; a failing batch is retried
-        request by request."""
-        return self._with_probes(requests, lambda real: self._respond_batch(real, prepare, run, outputs))
+    def respond_batch(self, requests, read: Callable, run: Callable, outputs: Callable) -> list:
+        """A batched step over the requests' items (aot.serving.columns: a request carries N >= 1 texts or
+        sequences): `read(inputs, column)` checks one request (its RequestInputs) and returns what the batch needs of
+        it (a part, with `count` items), naming its items' task versions in `column` (a TaskColumn) as soon as it
+        knows them; `run(parts)` computes the batch's items at once; `outputs(result, k, rows, request)` is the
+        tensors of request k, whose items are `rows` (a range) of the result. A request refused fails alone,
+        naming its item at fault; a failing batch is retried request by request."""
+        return self._with_probes(requests, lambda real: self._respond_batch(real, read, run, outputs))
 
-    def _respond_batch(self, requests, prepare: Callable, run: Callable, outputs: Callable) -> list:
+    def _respond_batch(self, requests, read: Callable, run: Callable, outputs: Callable) -> list:
         start = time.perf_counter()
+        self.gate.begin_batch()
         responses = [None] * len(requests)
-        ready: list[tuple[int, list]] = []  # (request, its items' prepared), requests whose every item passed
-        contexts: list[list[RequestContext]] = []
+        columns = [TaskColumn() for _ in requests]
+        counts = [1] * len(requests)
         statuses: list[str] = ["internal"] * len(requests)  # until answered
+        ready: list[tuple[int, object]] = []  # (request, its part), requests that passed their checks
         for i, request in enumerate(requests):
-            mine: list[RequestContext] = []
-            contexts.append(mine)
+            inputs = RequestInputs(self.pb, request)
             try:
-                prepared = self._prepare_items(request, prepare, mine)
+                counts[i] = inputs.read_count(self.ITEM_INPUTS)
+                ready.append((i, read(inputs, columns[i])))
             except RequestError as exc:
-                responses[i], statuses[i] = self.request_error(exc), exc.reason
-                continue
+                responses[i], statuses[i] = self.request_error(exc.named(counts[i])), exc.reason
             except Exception as exc:  # noqa: BLE001 - one request's failure must not take the batch down
                 responses[i] = self.internal_error(exc)
-                continue
-            ready.append((i, prepared))
         groups = [ready] if ready else []
         while groups:
             group = groups.pop()
             try:
-                result = run([p for _, prepared in group for p in prepared])
+                result = run([part for _, part in group])
                 done, at = [], 0
-                for i, prepared in group:
-                    done.append((i, outputs(result, range(at, at + len(prepared)))))
-                    at += len(prepared)
+                for k, (i, part) in enumerate(group):
+                    done.append((i, outputs(result, k, range(at, at + part.count), requests[i])))
+                    at += part.count
             except Exception as exc:  # noqa: BLE001
                 if len(group) > 1:
                     groups.extend([entry] for entry in group)  # isolate the request that fails
@@ -277,55 +287,39 @@ class Step:
                 continue
             for i, tensors in done:
                 responses[i], statuses[i] = self.pb.InferenceResponse(tensors), "ok"
-        latency = time.perf_counter() - start  # every item of the batch waited for all of it
-        count = sum(len(mine) for mine in contexts)
-        share = latency / max(count, 1)
-        self._account([(r, ctx, status, share, latency) for r, mine, status in zip(requests, contexts, statuses,
-                                                                                    strict=True) for ctx in mine])
+        self._account(requests, columns, counts, statuses, time.perf_counter() - start)
         return responses
 
-    def _prepare_items(self, request, prepare: Callable, contexts: list[RequestContext]) -> list:
-        """Each item of the request prepared (`contexts` gets one RequestContext per item read); the first item
-        refused fails the request, its message naming the item when the request carries several."""
-        inputs = RequestInputs(self.pb, request)
-        try:
-            count = inputs.count(self.ITEM_INPUTS)
-        except RequestError:
-            contexts.append(RequestContext())  # refused before its items were read: counted once, as a request
-            raise
-        prepared = []
-        for row in range(count):
-            ctx = RequestContext(row=row)
-            contexts.append(ctx)
-            try:
-                prepared.append(prepare(Item(inputs, row, count), ctx))
-            except RequestError as exc:
-                if count == 1 or exc.reason in WHOLE_REQUEST:  # a refusal of the whole request names no item
-                    raise
-                raise RequestError(f"item {row + 1} of {count}: {exc}", exc.reason) from None
-        return prepared
-
-    def _account(self, served: list[tuple]) -> None:
-        """Count each item in the metrics (its share of the step's time; its request's latency) and write the sampled
-        ones to the request log; `served`: (request, RequestContext, status, share, latency) per item."""
-        observed = set()  # a request's items share its latency: one observation per request and task version
-        for request, ctx, status, share, latency in served:
-            first = (id(request), ctx.version) not in observed
-            observed.add((id(request), ctx.version))
-            self.metrics.request(ctx.version, status, share, latency if first else None)
+    def _account(self, requests, columns: list[TaskColumn], counts: list[int], statuses: list[str],
+                 latency: float) -> None:
+        """Count each request in the metrics once per task version it holds (its texts of that version, their share
+        of the step's time, the request's latency: every item of the batch waited for all of it) and write its
+        sampled items to the request log."""
+        share = latency / max(sum(counts), 1)
+        for column, count, status in zip(columns, counts, statuses, strict=True):
+            if not column.tasks:  # refused before its tasks were known
+                self.metrics.request("", status, count, share * count, latency)
+                continue
+            held = np.bincount(column.index, minlength=len(column.tasks))
+            for task, texts in zip(column.tasks, held.tolist(), strict=True):
+                if texts:
+                    self.metrics.request(task.version, status, texts, share * texts, latency)
         if self.request_log is not None:
-            self.request_log.write([self._logged(r, ctx, status, latency) for r, ctx, status, _, latency in served
-                                    if self.request_log.sampled()])
+            self.request_log.write([
+                self._logged(request, column, row, status, latency)
+                for request, column, count, status in zip(requests, columns, counts, statuses, strict=True)
+                for row in range(count) if self.request_log.sampled()])
 
-    def _logged(self, request, ctx: RequestContext, status: str, latency: float) -> LoggedRequest:
+    def _logged(self, request, column: TaskColumn, row: int, status: str, latency: float) -> LoggedRequest:
         """An item as the log writes it: the task the client named when the store holds none of that name, its
         texts only when the log asks for them (read here, raw: they may be what failed the request)."""
+        version = column.tasks[column.index[row]].version if column.tasks else ""
         texts = {}
         if self.request_log.settings.text:
-            texts = {key: self._raw_text(request, name, ctx.row) for key, name in (("text", protocol.TEXT),
-                                                                                   ("text_pair", protocol.TEXT_PAIR))}
-        task = task_of(ctx.version) if ctx.version else self._raw_text(request, protocol.TASK, ctx.row)
-        return LoggedRequest(task, ctx.version or None, latency, STATUS[status], **texts)
+            texts = {key: self._raw_text(request, name, row) for key, name in (("text", protocol.TEXT),
+                                                                                ("text_pair", protocol.TEXT_PAIR))}
+        task = task_of(version) if version else self._raw_text(request, protocol.TASK, row)
+        return LoggedRequest(task, version or None, latency, STATUS[status], **texts)
 
     def _raw_text(self, request, name: str, row: int) -> str | None:
         tensor = self.pb.get_input_tensor_by_name(request, name)
@@ -337,6 +331,12 @@ class Step:
 
     def output(self, name: str, array: np.ndarray):
         return self.pb.Tensor(name, array)
+
+    @staticmethod
+    def requested(request) -> set[str] | None:
+        """The outputs a request asks for (None: every output, a backend that does not say)."""
+        names = getattr(request, "requested_output_names", None)
+        return None if names is None else set(names())
 
     def stacked(self, name: str, rows: list[np.ndarray], fill=0) -> object:
         """One request's items' rows as one [N, ...] tensor, each padded with `fill` to the largest row's shape (the

@@ -34,7 +34,6 @@ from pathlib import Path
 
 import numpy as np
 
-from aot.serving import protocol
 from aot.serving.errors import RequestError, retry_hint
 from aot.serving.pool import RowPool
 from aot.serving.remote_fetches import RETRY_FETCH_SECONDS, FetchError, RemoteFetches, fetch_error
@@ -235,6 +234,11 @@ class TaskRegistry:
             raise self._absent(name, key)
         return self._version(entry.routed(_draw.random()) if entry.route else entry.folder)
 
+    def routed(self, name: str) -> bool:
+        """Whether task `name` splits its requests between versions (a route): each of its items draws its own."""
+        entry = self.view.index.entries.get(name)
+        return entry is not None and bool(entry.route)
+
     def _absent(self, name: str, key: str | None) -> RequestError:
         """A name the index lacks (or `key` does not open: the same bytes): unknown, unless the index may lack a
         name the store holds (then 503, and a retry hint): it could not be read, or the store does not answer now."""
@@ -417,20 +421,3 @@ class TaskRegistry:
         for i, s in zip(pooled, slots):
             out[i] = s
         return out
-
-    def rows_many(self, requests: list[tuple[ServedTask, np.ndarray]],
-                  indexes: list[np.ndarray] | None = None) -> list:
-        """Rows for a batch's (task, sorted distinct token ids), [U, L, d] fp16 each: gathered where the pool keeps
-        them (a numpy array, or a tensor on the pool's device), or read or computed from storage (numpy). With
-        `indexes` (each request's token_index), each token's row instead, [S, L, d]: the dense bias, gathered from
-        the pool's slots in one step."""
-        with self._lock:
-            slots = self.pool_slots(requests)
-            out = []
-            for s, (task, ids), index in zip(slots, requests, indexes or [None] * len(requests)):
-                if s is not None:
-                    out.append(self.pool.gather(s if index is None else s[index]))
-                else:
-                    rows = task.rows(ids)
-                    out.append(rows if index is None else protocol.dense_bias(rows, index))
-            return out

@@ -21,7 +21,6 @@ a task is published.
 from __future__ import annotations
 
 import functools
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,7 +30,6 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from aot.serving import protocol
-from aot.serving.answer_labels import label_for
 from aot.serving.answers import DEFAULT_THRESHOLD, kind_of
 from aot.serving.formats import FormatError, check_keys, read_json
 from aot.serving.store.digests import DigestError, check_regular, file_stamp, verify_file, verify_file_once
@@ -42,9 +40,9 @@ _TASK_KEYS = {"labels": (list, type(None)), "max_length": int, "storage": str, "
               "hidden_size": int, "vocab_size": int}
 
 
-_erf = np.vectorize(math.erf, otypes=[np.float64])  # numpy has no erf; a head's dense output is small
-# The activations a served head applies (aot.training.model.HEAD_ACTIVATIONS, the same functions in torch).
-HEAD_ACTIVATIONS = {"tanh": np.tanh, "gelu": lambda x: 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))}
+# The activations a served head may apply (aot.serving.heads computes them; aot.training.model.HEAD_ACTIVATIONS in
+# torch)
+HEAD_ACTIVATION_NAMES = ("tanh", "gelu")
 
 
 def mapped_array(path: Path) -> np.ndarray:
@@ -176,34 +174,20 @@ class ServedTask:
         return kind_of(self.meta)
 
     @property
+    def has_pair(self) -> bool | None:
+        """Whether the task was trained on text pairs (None: a version exported before it was recorded)."""
+        return self.meta.get("has_pair")
+
+    @property
     def threshold(self) -> float:
         """A multi-label task's: the sigmoid a label must reach to be answered."""
         value = self.meta.get("threshold")
         return DEFAULT_THRESHOLD if value is None else float(value)
 
-    def logits(self, pooled: np.ndarray) -> np.ndarray:
-        """The task head (aot.training.model.ClassificationHead in eval mode) on the task's pooling: pooled [B, P, d]
-        (every pooling, protocol.POOLINGS) -> out(f(dense(h))) [B, n], f the task's head_activation."""
-        chosen = pooled[:, protocol.pooling_row(self.pooling)].astype(np.float32)
-        activation = HEAD_ACTIVATIONS[self.meta.get("head_activation", "tanh")]
-        h = activation(chosen @ self.head["dense.weight"].T + self.head["dense.bias"]).astype(np.float32)
-        return (h @ self.head["out.weight"].T + self.head["out.bias"]).astype(protocol.LOGITS_DTYPE)
-
-    def token_logits(self, states: np.ndarray) -> np.ndarray:
-        """A token task's head (aot.training.model.TokenHead in eval mode) on every token's state [S, d] -> [S, n]."""
-        out = states.astype(np.float32) @ self.head["out.weight"].T + self.head["out.bias"]
-        return out.astype(protocol.LOGITS_DTYPE)
-
-    def embeddings(self, pooled: np.ndarray) -> np.ndarray:
-        """An embedding task's vectors (aot.training.model.EmbeddingHead): the pooled state of its pooling, [B, d], of
-        unit length if it normalizes."""
-        chosen = pooled[:, protocol.pooling_row(self.pooling)].astype(np.float32)
-        if self.meta.get("normalize", True):
-            chosen = chosen / np.maximum(np.linalg.norm(chosen, axis=-1, keepdims=True), 1e-12)
-        return chosen.astype(protocol.LOGITS_DTYPE)
-
-    def label(self, logits: np.ndarray) -> str:
-        return label_for(self.labels, logits)
+    @functools.cached_property
+    def label_bytes(self) -> np.ndarray:
+        """The labels as UTF-8 bytes ([n] object): a batch's LABEL is this array indexed by its arg-maxes."""
+        return np.array([label.encode() for label in self.labels or ()], dtype=np.object_)
 
     def resident_bytes(self) -> int:
         """The memory this version holds of its own (head, factors; a fused table is mapped, in the page cache)."""
@@ -244,9 +228,9 @@ def load_task_version(folder: Path, version: str, store_root: Path, parts: str =
         protocol.pooling_row(meta.get("pooling", protocol.POOLING_BEFORE_V3))
     except ValueError as exc:
         raise StoreError(f"{version}: {exc}") from None
-    if meta.get("head_activation", "tanh") not in HEAD_ACTIVATIONS:
+    if meta.get("head_activation", "tanh") not in HEAD_ACTIVATION_NAMES:
         raise StoreError(f"{version}: unknown head_activation {meta['head_activation']!r}: expected one of "
-                         f"{', '.join(HEAD_ACTIVATIONS)}")
+                         f"{', '.join(HEAD_ACTIVATION_NAMES)}")
     try:
         kind = kind_of(meta)
     except ValueError as exc:
@@ -288,29 +272,3 @@ def token_index(input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.n
     index = np.zeros(input_ids.shape[0], dtype=protocol.INDEX_DTYPE)
     index[valid] = inverse
     return unique, index
-
-
-def token_indexes(sequences: list[tuple[np.ndarray, np.ndarray]]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """token_index of every (input_ids, attention_mask) of a batch, in one vectorised pass: one np.unique over the
-    batch's (sequence, token) keys instead of one per sequence."""
-    if len(sequences) == 1:
-        return [token_index(*sequences[0])]
-    lengths = np.fromiter((len(ids) for ids, _ in sequences), dtype=np.int64, count=len(sequences))
-    ids = np.concatenate([ids for ids, _ in sequences]).astype(np.int64)
-    valid = np.concatenate([mask for _, mask in sequences]).astype(bool)
-    owner = np.repeat(np.arange(len(sequences)), lengths)[valid]
-    base = int(ids.max()) + 1
-    keys, inverse = np.unique(owner * base + ids[valid], return_inverse=True)
-    item_of_key = keys // base
-    starts = np.searchsorted(item_of_key, np.arange(len(sequences) + 1))
-    index = np.zeros(len(ids), dtype=protocol.INDEX_DTYPE)
-    index[valid] = inverse - starts[owner]
-    tokens = keys - item_of_key * base
-    ends = np.cumsum(lengths)
-    return [(tokens[starts[k]:starts[k + 1]], index[ends[k] - lengths[k]:ends[k]]) for k in range(len(sequences))]
-
-
-def lookup(task: ServedTask, input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The AoT lookup for one sequence from the task's storage: distinct tokens' rows (flat fp16), row numbers."""
-    unique, index = token_index(input_ids, attention_mask)
-    return task.rows(unique).reshape(-1), index

@@ -27,6 +27,10 @@ def is_blank(text: str) -> bool:
     return all(unicodedata.category(ch)[0] in "CZ" for ch in text)
 
 
+# what a blank text is answered (the server, and a client that tokenizes on its own side)
+BLANK_TEXT = f"{protocol.TEXT} is empty (or only whitespace, control or zero-width characters)"
+
+
 def given_pair(pair: str | None) -> str | None:
     """A request's second text as served: none when absent or blank (is_blank)."""
     return None if pair is None or is_blank(pair) else pair
@@ -77,74 +81,67 @@ def _token_text(value) -> str | None:
 
 
 class Tokenization:
+    """A repository's tokenizer as served: a batch's texts in one call of the Rust tokenizer (it releases the GIL and
+    may use several threads: use_tokenizer_threads), padded by it to the call's longest, as [n, S] arrays."""
+
     def __init__(self, tokenizer_dir: str | Path, uses_token_type_ids: bool, buckets: tuple[int, ...] = ()):
+        """`buckets`: lengths the token tensors are padded up to (native GPU backends); () keeps the batch's own."""
         from tokenizers import Tokenizer
 
         tokenizer_dir = Path(tokenizer_dir)
         self.tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-        self.tokenizer.no_padding()
         config = read_json(tokenizer_dir / "tokenizer_config.json")
         pad = _token_text(config.get("pad_token"))
         self.pad_id = (self.tokenizer.token_to_id(pad) if pad else None) or 0
+        self.tokenizer.enable_padding(direction="right", pad_id=self.pad_id, pad_token=pad or "[PAD]")
         self.truncation_side = config.get("truncation_side", "right")
         self.uses_token_type_ids = uses_token_type_ids
         self.buckets = tuple(sorted(buckets))
+        self.names = protocol.token_inputs(uses_token_type_ids)
         # ids without character offsets (tokenizers >= 0.20: ~15 % less CPU a text); a token task's words need the
         # offsets, so encode_words calls encode_batch itself
         self._encode_batch = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
 
     def encode(self, text: str, pair: str | None, max_length: int) -> dict[str, np.ndarray]:
-        return self.encode_batch([(text, pair)], max_length)[0]
+        """One text's (+ pair's) token tensors, 1-D, unpadded; a blank text is refused as the server refuses it (a
+        client that tokenizes on its own side: aot.Client(tokenizer=...))."""
+        if is_blank(text):
+            raise RequestError(BLANK_TEXT)
+        return {name: a[0] for name, a in self.encode_batch([text], [pair], max_length).items()}
 
-    def encode_batch(self, items: list[tuple[str, str | None]], max_length: int) -> list[dict[str, np.ndarray]]:
-        """Every (text, pair) of one max length in one call of the Rust tokenizer (a served step encodes a whole
-        `execute` batch so, not one Python round trip per request); each item's own token tensors."""
-        for text, _ in items:
-            if is_blank(text):
-                raise RequestError("TEXT is empty (or only whitespace, control or zero-width characters)")
+    def encode_batch(self, texts: list[str], pairs: list[str | None] | None, max_length: int) -> dict[str, np.ndarray]:
+        """Texts (each with its pair, or None) truncated to `max_length`, in one call: [n, S] arrays right-padded to
+        the longest (then up to a bucket)."""
         self.tokenizer.enable_truncation(max_length, strategy="longest_first", direction=self.truncation_side)
-        encodings = self._encode_batch([(t, p) if p else t for t, p in items])
-        return [self._tensors(enc) for enc in encodings]
+        items = texts if pairs is None else [(t, p) if p else t for t, p in zip(texts, pairs, strict=True)]
+        return self._arrays(self._encode_batch(items))
 
-    def encode_words(self, texts: list[str], max_length: int) -> list[tuple[dict[str, np.ndarray], Words, np.ndarray]]:
+    def encode_words(self, texts: list[str], max_length: int) -> tuple[dict[str, np.ndarray], list[Words], np.ndarray]:
         """A token task's texts: each split into words (aot.serving.words), its words joined by single spaces encoded
-        in one call, and per token the word it starts (-1: none; padded to the bucket with -1): what training
-        aligns tags with (aot.training.kinds.tokens.align)."""
+        in one call ([n, S] as encode_batch), and per token the word it starts ([n, S], -1: none, padding too):
+        what training aligns tags with (aot.training.kinds.tokens.align)."""
         words = [split_words(text) for text in texts]
         self.tokenizer.enable_truncation(max_length, strategy="longest_first", direction=self.truncation_side)
-        out = []
-        for w, enc in zip(words, self.tokenizer.encode_batch([w.joined for w in words])):
-            tensors = self._tensors(enc)
-            first = np.full(len(tensors[protocol.INPUT_IDS]), -1, dtype=protocol.INDEX_DTYPE)
-            first[: len(enc.ids)] = first_pieces(enc.offsets, enc.special_tokens_mask, w)
-            out.append((tensors, w, first))
-        return out
+        encodings = self.tokenizer.encode_batch([w.joined for w in words])
+        tensors = self._arrays(encodings)
+        first = np.full(tensors[protocol.INPUT_IDS].shape, -1, dtype=protocol.INDEX_DTYPE)
+        for k, (w, enc) in enumerate(zip(words, encodings, strict=True)):
+            first[k, : len(enc.ids)] = first_pieces(enc.offsets, enc.special_tokens_mask, w)
+        return tensors, words, first
+
+    def _arrays(self, encodings) -> dict[str, np.ndarray]:
+        out = {protocol.INPUT_IDS: np.array([e.ids for e in encodings], dtype=protocol.TOKEN_DTYPE),
+               protocol.ATTENTION_MASK: np.array([e.attention_mask for e in encodings], dtype=protocol.TOKEN_DTYPE)}
+        if self.uses_token_type_ids:
+            out[protocol.TOKEN_TYPE_IDS] = np.array([e.type_ids for e in encodings], dtype=protocol.TOKEN_DTYPE)
+        return self.to_bucket(out)
 
     def to_bucket(self, tokens: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """A client's token tensors (one sequence, right-padded) padded up to this step's bucket, as a text's are."""
-        n = len(tokens[protocol.INPUT_IDS])
+        """Token tensors [n, S] (right-padded) padded up to this step's bucket of S."""
+        n = tokens[protocol.INPUT_IDS].shape[1]
         size = bucket_length(n, self.buckets)
         if size == n:
             return tokens
         fill = {protocol.INPUT_IDS: self.pad_id}
-        return {name: np.pad(a, (0, size - n), constant_values=fill.get(name, 0)) for name, a in tokens.items()}
-
-    def _tensors(self, enc) -> dict[str, np.ndarray]:
-        ids = enc.ids
-        n = len(ids)
-        size = bucket_length(n, self.buckets)
-        if size == n:  # no bucket to pad to (the CPU and torch steps): the arrays straight from the lists
-            out = {protocol.INPUT_IDS: np.array(ids, dtype=protocol.TOKEN_DTYPE),
-                   protocol.ATTENTION_MASK: np.ones(n, dtype=protocol.TOKEN_DTYPE)}
-            if self.uses_token_type_ids:
-                out[protocol.TOKEN_TYPE_IDS] = np.array(enc.type_ids, dtype=protocol.TOKEN_DTYPE)
-            return out
-        out = {protocol.INPUT_IDS: np.full(size, self.pad_id, dtype=protocol.TOKEN_DTYPE),
-               protocol.ATTENTION_MASK: np.zeros(size, protocol.TOKEN_DTYPE)}
-        out[protocol.INPUT_IDS][:n] = ids
-        out[protocol.ATTENTION_MASK][:n] = 1
-        if self.uses_token_type_ids:
-            types = np.zeros(size, dtype=protocol.TOKEN_DTYPE)
-            types[:n] = enc.type_ids
-            out[protocol.TOKEN_TYPE_IDS] = types
-        return out
+        return {name: np.pad(a, ((0, 0), (0, size - n)), constant_values=fill.get(name, 0))
+                for name, a in tokens.items()}

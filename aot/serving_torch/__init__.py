@@ -8,4 +8,5 @@ added).
     engine      the served backbone: bias gather + add + encoder on CPU or CUDA (fp16, CUDA graphs per bucket),
                 with the task pool's rows in device memory; importing it registers the engine `torch` with the
                 serving floor (aot.serving.engine), which never imports this package
+    heads       the device heads: the served tasks' pooled heads in device memory, run inside the engine's forward
 """

@@ -6,8 +6,12 @@ are in the pool. On CUDA the encoder runs in fp16 and each (batch, sequence) buc
 graph whose inputs are the token tensors and each token's slot, and whose gather reads the pool buffer in place; on
 CPU it runs eagerly in fp32 (what `aot predict` runs), padded to the batch's longest sequence.
 
-A request the pool does not hold (no pool, a version that left the manifest, a batch larger than the pool) brings
-its own rows; such a batch runs eagerly on a rows tensor assembled for it.
+A batch whose rows the pool does not all hold (no pool, a version that left the manifest, a batch larger than the
+pool) brings its own rows; such a batch runs eagerly on a rows tensor assembled for it.
+
+With device heads (aot.serving_torch.heads: on CUDA by default, AOT_DEVICE_HEADS), the pooled kinds' heads run
+inside the same forward (and graph), so a batch's answers come back as [B, n] logits; pooled states are copied back
+only for items answered on the host (an embedding, a token task, a head no slot takes).
 
 Importing this module registers the engine as `torch` (aot.serving.engine.find_engine), with its pool storage
 (DeviceRows): the model files that run `engine: torch` import it before they build their step.
@@ -23,11 +27,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from aot import settings
 from aot.serving import protocol
-from aot.serving.engine import Engine, Prepared, register_engine
+from aot.serving.engine import EncoderBatch, EncoderOutput, Engine, register_engine
 from aot.serving_torch.encoder import BiasedEncoder, additive_mask, load_encoder, pool_states
+from aot.serving_torch.heads import DeviceHeads
 
 DEVICES = ("cpu", "cuda")
+# device heads per step instance by default (AOT_DEVICE_HEADS): on CUDA, slots for this many task versions' heads; on
+# CPU none (the host's numpy heads run on the same cores, without a gather of every item's weights)
+DEFAULT_DEVICE_HEADS = {"cuda": 256, "cpu": 0}
 # Encoder families whose forward copies a host tensor to the device (DeBERTa-v2's log-bucketed relative positions:
 # `torch.tensor(mid - 1)` in make_log_bucket_position), which CUDA graph capture forbids: they run eagerly.
 NO_CUDA_GRAPHS = ("deberta-v2",)
@@ -76,10 +85,14 @@ def _bucket(value: int, buckets: tuple[int, ...]) -> int | None:
 
 
 class TorchBackbone:
-    """The encoder (AoT: with the bias gather + add before every layer) for batches of prepared requests."""
+    """The encoder (AoT: with the bias gather + add before every layer, and the device heads) for batches
+    (aot.serving.engine.EncoderBatch)."""
 
     def __init__(self, encoder_dir: Path, uses_token_type_ids: bool, aot: bool, device: str = "cpu",
-                 threads: int = 0, seq_buckets: tuple[int, ...] = (), max_batch: int = 32, cuda_graphs: bool = True):
+                 threads: int = 0, seq_buckets: tuple[int, ...] = (), max_batch: int = 32, cuda_graphs: bool = True,
+                 head_slots: int | None = None):
+        """`head_slots`: device heads for this many versions (0: none; None: AOT_DEVICE_HEADS, else
+        DEFAULT_DEVICE_HEADS of the device)."""
         self.device = torch.device(check_device(device))
         cuda = self.device.type == "cuda"
         if threads and not cuda:
@@ -101,7 +114,14 @@ class TorchBackbone:
         # batches run eagerly although graphs are on (None: an engine that replays none, CPU or a family without)
         self.eager_batches: int | None = 0 if self.graphs else None
         self.capture_errors: dict[tuple[int, int], str] = {}  # bucket -> why its capture failed: it runs eagerly
+        self.graph_bytes = 0  # device memory the captured graphs reserved
         self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        if head_slots is None:
+            head_slots = settings.DEVICE_HEADS.read()
+        if head_slots is None:
+            head_slots = DEFAULT_DEVICE_HEADS[self.device.type]
+        hidden = int(self.encoder.config.hidden_size)
+        self.heads = DeviceHeads(head_slots, hidden, self.device, self.dtype) if head_slots else None
 
     def _on_device(self):
         """Make this engine's GPU the current one (kernels, capture streams), so that cuda:N works."""
@@ -120,28 +140,34 @@ class TorchBackbone:
     # --- one batch ------------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, requests: list[Prepared]) -> np.ndarray:
-        """The pooled states [B, P, d] (fp32) of a batch (aot.serving_torch.encoder.pool_states); a request that wants
-        them gets its token states (Prepared.states, [S, d] fp32)."""
-        pooled = self.aot and self.pool_rows is not None and all(r.slots is not None for r in requests)
+    def run(self, batch: EncoderBatch) -> EncoderOutput:
+        """The pooled states [B, P, d] (fp32; aot.serving_torch.encoder.pool_states) of a batch, the token states of
+        the sequences that want them, and the device heads' outputs (batch.head_slots); copied to the host once
+        each, only what the batch reads."""
+        slots = self.aot and batch.rows is None  # batch.index holds pool slots: the pool's buffer is read in place
         with self._on_device():
-            if not self.aot or pooled:
-                shape = self._shape(len(requests), max(len(r.tokens[protocol.INPUT_IDS]) for r in requests))
-                feeds = self._feeds(requests, shape, pooled)
+            if not self.aot or slots:
+                shape = self._shape(batch.size, batch.width)
+                feeds = self._feeds(batch, shape)
                 if self.graphs and shape in self.graph_shapes() and self._try_capture(shape):
-                    out, states = self._replay(shape, feeds)
+                    out = self._replay(shape, feeds)
                 else:
                     self._count_eager()
-                    out, states = self._forward({k: v.to(self.device) for k, v in feeds.items()}, self.pool_rows)
+                    out = self._forward({k: v.to(self.device) for k, v in feeds.items()}, self.pool_rows)
             else:
                 self._count_eager()
-                out, states = self._run_with_rows(requests)
-            if any(r.want_states for r in requests):  # one copy to the host for the batch, not one per request
-                host = states[: len(requests)].float().cpu().numpy()
-                for b, r in enumerate(requests):
-                    if r.want_states:
-                        r.states = host[b, : len(r.tokens[protocol.INPUT_IDS])]
-            return out[: len(requests)].float().cpu().numpy()
+                rows = torch.cat([r.to(self.device) if isinstance(r, torch.Tensor) else
+                                  torch.from_numpy(np.ascontiguousarray(r)).to(self.device) for r in batch.rows])
+                feeds = self._feeds(batch, (batch.size, batch.width))
+                out = self._forward({k: v.to(self.device) for k, v in feeds.items()}, rows)
+            return self._to_host(batch, *out)
+
+    def _to_host(self, batch: EncoderBatch, pooled, states, logits) -> EncoderOutput:
+        n = batch.size
+        on_host = batch.head_slots is None or logits is None or bool((batch.head_slots < 0).any())
+        return EncoderOutput(pooled[:n].float().cpu().numpy() if on_host else None,
+                       states[:n].float().cpu().numpy() if batch.want_states.any() else None,
+                       None if logits is None or batch.head_slots is None else logits[:n].cpu().numpy())
 
     def _count_eager(self) -> None:
         if self.eager_batches is not None:
@@ -158,31 +184,39 @@ class TorchBackbone:
     def graph_shapes(self):
         return {(b, s) for b in self.batch_buckets for s in self.seq_buckets}
 
-    def _feeds(self, requests: list[Prepared], shape: tuple[int, int], pooled: bool,
-               offsets: list[int] | None = None) -> dict[str, torch.Tensor]:
-        """Host tensors of `shape`: tokens right-padded (a padded row attends to its first position only), and
-        for AoT each token's slot in the pool (or, with `offsets`, its row in the batch's own rows tensor)."""
-        batch, seq = shape
-        feeds = {n: np.zeros(shape, dtype=np.int64) for n in self.names}
-        feeds[protocol.ATTENTION_MASK][:, 0] = 1
+    def _feeds(self, batch: EncoderBatch, shape: tuple[int, int]) -> dict[str, torch.Tensor]:
+        """Host tensors of `shape`, the batch's own arrays when it has that shape (one copy to the device per batch,
+        none here): tokens right-padded (a padded row attends to its first position only), for AoT each token's row
+        (batch.index: a padded position takes its sequence's first row, a padded row the batch's first), and each
+        item's head slot (any slot for one answered on the host: its outputs are not read)."""
+        n, w = batch.size, batch.width
+        arrays = {name: batch.tokens[name] for name in self.names}
         if self.aot:
-            # Padding takes a row that holds numbers (a request's first token's): a NaN in an unfilled slot would
-            # reach every position through the attention scores, masked or not.
-            first = requests[0].slots[requests[0].index[0]] if pooled else 0
-            feeds["index"] = np.full(shape, first, dtype=np.int64)
-        for b, r in enumerate(requests):
-            n = len(r.tokens[protocol.INPUT_IDS])
-            for name in self.names:
-                feeds[name][b, :n] = r.tokens[name]
-            if self.aot:
-                feeds["index"][b] = r.slots[r.index[0]] if pooled else offsets[b]
-                feeds["index"][b, :n] = r.slots[r.index] if pooled else r.index + offsets[b]
-        return {k: torch.from_numpy(v) for k, v in feeds.items()}
+            arrays["index"] = batch.index
+        if self.heads is not None:
+            arrays["head_slots"] = np.maximum(batch.head_slots if batch.head_slots is not None else
+                                              np.zeros(n, np.int64), 0)
+        if shape != (n, w):
+            grown = {}
+            for name, array in arrays.items():
+                if name == "head_slots":
+                    grown[name] = np.zeros(shape[0], np.int64)
+                    grown[name][:n] = array
+                    continue
+                fill = int(array[0, 0]) if name == "index" else 0
+                grown[name] = np.full(shape, fill, dtype=np.int64)
+                grown[name][:n, :w] = array
+                if name == "index":
+                    grown[name][:n, w:] = array[:, :1]
+            grown[protocol.ATTENTION_MASK][n:, 0] = 1
+            arrays = grown
+        return {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.int64)) for k, v in arrays.items()}
 
-    def _forward(self, feeds: dict[str, torch.Tensor], rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pooled states [B, P, d] and every token's final state [B, S, d]: on the device alone, nothing read
-        back to the host or copied from it (what a CUDA graph captures; tests/test_torch_engine.py checks it under
-        a guard), the attention mask made here (additive_mask) rather than by transformers."""
+    def _forward(self, feeds: dict[str, torch.Tensor], rows: torch.Tensor | None):
+        """The pooled states [B, P, d], every token's final state [B, S, d] and the device heads' outputs (None
+        without): on the device alone, nothing read back to the host or copied from it (what a CUDA graph captures;
+        tests/test_torch_engine.py checks it under a guard), the attention mask made here (additive_mask) rather
+        than by transformers."""
         ids, mask = feeds[protocol.INPUT_IDS], feeds[protocol.ATTENTION_MASK]
         types = feeds.get(protocol.TOKEN_TYPE_IDS)
         attention = mask if self.own_mask_helpers else additive_mask(mask, self.dtype)
@@ -190,22 +224,9 @@ class TorchBackbone:
             states = self.biased.plain_states(ids, attention, types)
         else:
             states = self.biased.states(ids, attention, types, rows, feeds["index"])
-        return pool_states(states, mask), states
-
-    def _run_with_rows(self, requests: list[Prepared]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Eager: the batch's rows (gathered from the pool, or brought by the request) in one tensor of its own."""
-        parts, offsets, total = [], [], 0
-        for r in requests:
-            if r.slots is not None:
-                part = self.pool_rows[torch.from_numpy(r.slots.astype(np.int64)).to(self.device)]
-            else:
-                part = torch.from_numpy(np.ascontiguousarray(r.rows)).to(self.device)
-            parts.append(part)
-            offsets.append(total)
-            total += part.shape[0]
-        shape = (len(requests), max(len(r.tokens[protocol.INPUT_IDS]) for r in requests))
-        feeds = self._feeds(requests, shape, pooled=False, offsets=offsets)
-        return self._forward({k: v.to(self.device) for k, v in feeds.items()}, torch.cat(parts))
+        pooled = pool_states(states, mask)
+        logits = self.heads.forward(pooled, feeds["head_slots"]) if self.heads is not None else None
+        return pooled, states, logits
 
     # --- CUDA graphs ----------------------------------------------------------------------------------------------
 
@@ -225,7 +246,7 @@ class TorchBackbone:
                   file=sys.stderr, flush=True)
             return False
 
-    def _replay(self, shape: tuple[int, int], feeds: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _replay(self, shape: tuple[int, int], feeds: dict[str, torch.Tensor]) -> tuple:
         """Copy the inputs into the bucket's static tensors and replay its graph."""
         graph, static, out = self._captured[shape]
         for name, value in feeds.items():
@@ -239,6 +260,8 @@ class TorchBackbone:
         static[protocol.ATTENTION_MASK][:, 0] = 1
         if self.aot:
             static["index"] = torch.zeros(shape, dtype=torch.int64, device=self.device)
+        if self.heads is not None:
+            static["head_slots"] = torch.zeros(shape[0], dtype=torch.int64, device=self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up runs before capture (lazy initialisation must not be captured)
@@ -255,17 +278,26 @@ class TorchBackbone:
         return sorted(self._captured)
 
 
-def _torch_backbone(step, aot: bool, threads: int, log: Callable[[str], None] | None = None) -> TorchBackbone:
+def _torch_backbone(step, aot: bool, threads: int, log: Callable[[str], None] | None = None,
+                    heads: bool = True) -> TorchBackbone:
     """A served step's torch backbone (aot.serving.stages.Encoder) on its parameter `device`, reading the step's task
-    pool in place; every bucket's CUDA graph is captured now, not on live requests."""
+    pool in place, with device heads if `heads` (AOT_DEVICE_HEADS); every bucket's CUDA graph is captured now, not
+    on live requests."""
     repo, options = step.repo, step.options
     backbone = TorchBackbone(repo.encoder_dir, repo.uses_token_type_ids, aot, step.parameters["device"], threads,
-                             options.buckets, options.max_batch_size)
+                             options.buckets, options.max_batch_size, head_slots=None if heads else 0)
     if step.pool is not None:
         backbone.pool_rows = step.pool.buffer
+    before = torch.cuda.memory_reserved(backbone.device) if backbone.graphs else 0
     eager = backbone.capture_all()
-    if backbone.graphs and log is not None:
-        log(f"{step.name}: {len(backbone.captured())} CUDA graphs captured")
+    backbone.graph_bytes = torch.cuda.memory_reserved(backbone.device) - before if backbone.graphs else 0
+    if log is not None:
+        if backbone.graphs:
+            log(f"{step.name}: {len(backbone.captured())} CUDA graphs captured ({backbone.graph_bytes} bytes of "
+                "device memory)")
+        if backbone.heads is not None:
+            log(f"{step.name}: device heads for {backbone.heads.capacity} task versions ({backbone.heads.bytes} "
+                "bytes)")
     if eager:  # never a silent fallback: the server log's warning, and a line of the supervisor's /ready
         why = next(iter(backbone.capture_errors.values()), "")
         step.warn(f"CUDA graph capture failed for {len(eager)} of {len(backbone.graph_shapes())} (batch, sequence) "

@@ -7,13 +7,33 @@ on this instance's GPU); a request's rows are gathered there and handed to the b
 DLPack, device to device. `pool_storage: host`: the pool is a numpy buffer and rows go out as host tensors. Rows a
 pool does not hold (no pool, a version that left the manifest) are read or computed from storage, on the host."""
 
+
+from dataclasses import dataclass
+
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from aot.serving import protocol
-from aot.serving.engine import Prepared
-from aot.serving.items import Item
-from aot.serving.steps import RequestContext, Step, model_parameters
+from aot.serving.columns import RequestInputs, TaskColumn
+from aot.serving.engine import EncoderBatch
+from aot.serving.stages import find_rows
+from aot.serving.steps import Step, model_parameters
+
+
+@dataclass
+class LookupPart:
+    """A request's token tensors [N, S], checked, and its items' task versions."""
+
+    tokens: dict[str, np.ndarray]
+    tasks: TaskColumn
+
+    @property
+    def count(self) -> int:
+        return len(self.tokens[protocol.INPUT_IDS])
+
+    @property
+    def width(self) -> int:
+        return self.tokens[protocol.INPUT_IDS].shape[1]
 
 
 class TritonPythonModel:
@@ -38,45 +58,56 @@ class TritonPythonModel:
         where = f"torch memory on {self.device}, out through DLPack" if self.device else "host memory"
         pb_utils.Logger.log_info(f"aot_lookup: task pool rows in {where}")
 
-    def _prepare(self, item: Item, ctx: RequestContext) -> Prepared:
-        task = self.step.task_version(item, ctx)
-        return Prepared.for_task(self.step.tokens(item), task)
+    def _read(self, inputs: RequestInputs, column: TaskColumn) -> LookupPart:
+        column.tasks, column.index = self.step.pinned(inputs)
+        return LookupPart(inputs.tokens(self.step.repo), column)
 
-    def _run(self, batch: list[Prepared]):
-        """The batch's rows in one pool call (its misses filled together), gathered on the pool's device; rows the
-        pool does not hold come from storage. Dense: each token's row, gathered straight from the pool's slots (on
-        the GPU for the device pool)."""
-        wanted = [(p.task, p.unique) for p in batch]
-        if self.dense:
-            return self.step.tasks.rows_many(wanted, indexes=[p.index for p in batch])
-        rows = self.step.tasks.rows_many(wanted)
-        return [(r.reshape(1, -1), p.index[None, :]) for r, p in zip(rows, batch)]
+    def _run(self, parts: list[LookupPart]):
+        """The batch's rows in one pool call (its misses filled together), gathered on the pool's device, with each
+        token's row among them; rows the pool does not hold come from storage."""
+        batch = EncoderBatch.joined([p.tokens for p in parts])
+        find_rows(self.step, batch, TaskColumn.joined([p.tasks for p in parts]), slots=False)
+        rows = batch.rows
+        if all(isinstance(r, np.ndarray) for r in rows):
+            return np.concatenate(rows), batch, parts
+        import torch
+
+        device = next(r.device for r in rows if not isinstance(r, np.ndarray))
+        return torch.cat([torch.as_tensor(r, device=device) for r in rows]), batch, parts
 
     def _tensor(self, name: str, value):
         """Host arrays as they are; a torch tensor (the device pool's gather) through DLPack, without a copy. The
         tensor itself, not a capsule: given an object with __dlpack__, the backend synchronizes with the stream that
         produced it before it reads it."""
         if isinstance(value, np.ndarray):
-            return self.step.output(name, value)
+            return self.step.output(name, np.ascontiguousarray(value))
         return pb_utils.Tensor.from_dlpack(name, value.contiguous())
 
-    def _outputs(self, out, ks):
-        """Dense: the request's items' biases, [N, S, L, d] (its items share the length the tokenizer padded them
-        to). Rows: one item per request (the tokenizer refuses more: the graph adds one row offset per request)."""
+    def _outputs(self, result, k: int, rows: range, request):
+        """Dense: the request's items' biases, [N, S, L, d] (as long as its token ids). Rows: one item per request
+        (the tokenizer refuses more: the graph adds one row offset per request): its distinct tokens' rows, flat, and
+        each token's row among them."""
+        table, batch, parts = result
+        index = batch.index[rows.start:rows.stop, :parts[k].width]
         if self.dense:
-            mine = [out[k] for k in ks]
-            if isinstance(mine[0], np.ndarray):
-                return [self._tensor(protocol.AOT_BIAS, np.stack(mine))]
-            import torch
+            return [self._tensor(protocol.AOT_BIAS, table[index if isinstance(table, np.ndarray) else
+                                                          self._on(table, index)])]
+        unique, local = np.unique(index[0][: int(batch.lengths[rows.start])], return_inverse=True)
+        mine = np.zeros(index.shape[1], protocol.INDEX_DTYPE)
+        mine[: len(local)] = local
+        picked = table[unique] if isinstance(table, np.ndarray) else table[self._on(table, unique)]
+        return [self._tensor(protocol.AOT_ROWS, picked.reshape(1, -1)),
+                self.step.output(protocol.AOT_INDEX, mine[None, :])]
 
-            return [self._tensor(protocol.AOT_BIAS, torch.stack(mine))]
-        (k,) = ks
-        rows, index = out[k]
-        return [self._tensor(protocol.AOT_ROWS, rows), self.step.output(protocol.AOT_INDEX, index)]
+    @staticmethod
+    def _on(table, index: np.ndarray):
+        import torch
+
+        return torch.as_tensor(index, device=table.device)
 
     def execute(self, requests):
         self.step.refresh()
-        return self.step.respond_batch(requests, self._prepare, self._run, self._outputs)
+        return self.step.respond_batch(requests, self._read, self._run, self._outputs)
 
     def finalize(self):
         self.step.close()

@@ -9,18 +9,37 @@ tritonserver, which has no native backends: aot.serving.stages.Encoder.
 The AoT variant also does the lookup (TASK_VERSION + token ids -> rows of P) here, in this process: a separate
 lookup step would only add an IPC hop and a stub's CPU time per request (docs/benchmarks.md, "Figures
 behind the serving code"). Each request is checked on its own and fails alone. Beside pooled_hidden, token_hidden:
-every token's state for a token task's request (any request of the vanilla backbone, which knows no task), one
-row of zeros for the others.
+every token's state of a request that holds a token task's item (any request of the vanilla backbone, which knows
+no task), one row of zeros for the others.
 """
+
+from dataclasses import dataclass
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from aot.serving import protocol
-from aot.serving.engine import Prepared
-from aot.serving.items import Item
+from aot.serving.answers import READS_TOKENS
+from aot.serving.columns import RequestInputs, TaskColumn
+from aot.serving.engine import EncoderBatch, EncoderOutput
 from aot.serving.stages import Encoder, pool_storage
-from aot.serving.steps import RequestContext, Step, model_parameters
+from aot.serving.steps import Step, model_parameters
+
+
+@dataclass
+class Sequences:
+    """A request's token tensors [N, S], checked, and its items' task versions (AoT)."""
+
+    tokens: dict[str, np.ndarray]
+    tasks: TaskColumn
+
+    @property
+    def count(self) -> int:
+        return len(self.tokens[protocol.INPUT_IDS])
+
+    @property
+    def width(self) -> int:
+        return self.tokens[protocol.INPUT_IDS].shape[1]
 
 
 class TritonPythonModel:
@@ -34,27 +53,36 @@ class TritonPythonModel:
         aot = args["model_name"] == "backbone"
         self.step = Step(args, pb_utils, args["model_name"], parts="rows" if aot else "none",
                          pool_storage=pool_storage(params))
-        self.encoder = Encoder(self.step, aot, log=pb_utils.Logger.log_info)
+        self.encoder = Encoder(self.step, aot, log=pb_utils.Logger.log_info, heads=False)
 
-    def _prepare(self, item: Item, ctx: RequestContext) -> Prepared:
-        task = self.step.task_version(item, ctx) if self.encoder.aot else None  # first: metrics
-        return self.encoder.prepare(task, self.step.tokens(item))
+    def _read(self, inputs: RequestInputs, column: TaskColumn) -> Sequences:
+        if self.encoder.aot:  # first: metrics
+            column.tasks, column.index = self.step.pinned(inputs)
+        return Sequences(inputs.tokens(self.step.repo), column)
 
-    def _run(self, batch: list[Prepared]):
-        return self.encoder.run(batch), batch
+    def _run(self, parts: list[Sequences]) -> tuple[EncoderOutput, list[Sequences]]:
+        batch = EncoderBatch.joined([p.tokens for p in parts])
+        tasks = TaskColumn.joined([p.tasks for p in parts]) if self.encoder.aot else None
+        batch.want_states = np.isin(tasks.of("kind"), READS_TOKENS) if tasks is not None else \
+            np.ones(batch.size, bool)
+        return self.encoder.run(batch, tasks), parts
 
-    def _outputs(self, result, ks):
-        """The items' pooled states, and their token states (one row of zeros for an item that wants none),
-        padded to the request's longest."""
-        pooled, batch = result
-        none = np.zeros((1, pooled.shape[-1]), dtype=protocol.HIDDEN_DTYPE)
-        return [self.step.output(protocol.POOLED_HIDDEN, pooled[ks[0]:ks[-1] + 1]),
-                self.step.stacked(protocol.TOKEN_HIDDEN, [none if batch[k].states is None else batch[k].states
-                                                         for k in ks])]
+    def _outputs(self, result, k: int, rows: range, request):
+        """The items' pooled states, and their token states as long as the request's token ids (one row of zeros
+        when no item of the request wants them)."""
+        encoded, parts = result
+        cut = slice(rows.start, rows.stop)
+        wants = parts[k].tasks.tasks == [] or any(t.kind in READS_TOKENS for t in parts[k].tasks.tasks)
+        if encoded.states is None or not wants:
+            states = np.zeros((len(rows), 1, encoded.pooled.shape[-1]), dtype=protocol.HIDDEN_DTYPE)
+        else:
+            states = encoded.states[cut, : parts[k].width]
+        return [self.step.output(protocol.POOLED_HIDDEN, encoded.pooled[cut]),
+                self.step.output(protocol.TOKEN_HIDDEN, np.ascontiguousarray(states))]
 
     def execute(self, requests):
         self.step.refresh()
-        return self.step.respond_batch(requests, self._prepare, self._run, self._outputs)
+        return self.step.respond_batch(requests, self._read, self._run, self._outputs)
 
     def finalize(self):
         self.step.close()

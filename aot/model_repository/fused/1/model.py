@@ -1,22 +1,22 @@
-"""Triton python model: the whole request in one step, the `aot` and `vanilla` models of the CPU configs: TEXT
-(+ TEXT_PAIR) or token ids, TASK -> ANSWER, LOGITS, LABEL, TASK_VERSION. The three stages of the GPU ensembles'
-steps (aot.serving.stages: TextInputs, Encoder; aot.serving.heads: head_answers) run here in one process, so a request
-crosses the server once, not three times: on a CPU each crossing costs a python stub and tritonserver CPU time of
-their own (`aot bench tax`, docs/benchmarks.md, "The serving tax"). A batch may mix tasks of every kind: one engine
-call.
+"""Triton python model: the whole request in one step, the `aot` and `vanilla` models of the CPU configs and of the
+torch engine's GPU configs: TEXT (+ TEXT_PAIR) or token ids, TASK -> LOGITS, LABEL, TASK_VERSION (+ ANSWER when
+asked for). The stages of the native GPU ensembles' steps (aot.serving.stages: TextInputs, Encoder; aot.serving.heads)
+run here in one process, so a request crosses the server once, not three times: each crossing costs a python stub
+and tritonserver CPU time of their own (`aot bench tax`, docs/benchmarks.md, "The serving tax"). A batch may mix
+tasks of every kind: one tokenizer call per max length, one engine call, one head call per task version, its answers
+built in columns (aot.serving.outputs).
 
-Parameter `aot`: "true" looks each request's rows of P up and runs the AoT graph; "false" runs the plain encoder
-with the task's head. Parameter `engine: torch` runs the torch engine (aot.serving_torch.engine, imported here:
-importing it registers the engine). Each request is checked on its own and fails alone; its task version is resolved
-once and serves every stage.
+Parameter `aot`: "true" looks each text's rows of P up and runs the AoT graph; "false" runs the plain encoder with the
+task's head. Parameter `engine: torch` runs the torch engine (aot.serving_torch.engine, imported here: importing it
+registers the engine). Each request is checked on its own and fails alone; its task versions are resolved once and
+serve every stage.
 """
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from aot.serving import protocol
-from aot.serving.heads import HeadInput, head_answers
-from aot.serving.stages import Encoder, TextInputs, TextRequest, pool_storage
+from aot.serving.heads import head_outputs
+from aot.serving.outputs import BatchAnswers
+from aot.serving.stages import Encoder, TextBatch, TextInputs, TextPart, pool_storage
 from aot.serving.steps import Step, model_parameters
 
 
@@ -34,24 +34,21 @@ class TritonPythonModel:
         self.text = TextInputs(self.step)
         self.encoder = Encoder(self.step, aot, log=pb_utils.Logger.log_info)
 
-    def _run(self, batch: list[TextRequest]):
-        tasks = [r.task for r in batch]
-        texts = self.text.encode(batch)
-        prepared = self.encoder.prepare_many(tasks, [t.tokens for t in texts])
-        pooled = self.encoder.run(prepared)
-        inputs = [HeadInput(pooled[k], p.states, t.words, t.first) for k, (p, t) in enumerate(zip(prepared, texts))]
-        return [(task.version, answer) for task, answer in zip(tasks, head_answers(tasks, inputs))]
+    def _run(self, parts: list[TextPart]) -> tuple[BatchAnswers, list[TextPart]]:
+        batch: TextBatch = self.text.encode(parts)
+        encoded = self.encoder.run(batch.encoder, batch.tasks)
+        slots = batch.encoder.head_slots
+        heads = head_outputs(batch.tasks.groups(), encoded, batch.encoder.lengths, batch.words, batch.first,
+                             on_device=None if slots is None else slots >= 0)
+        return BatchAnswers(batch.tasks, heads), parts
 
-    def _outputs(self, answers, ks):
-        mine = [answers[k] for k in ks]
-        return [self.step.stacked(protocol.LOGITS, [a.values for _, a in mine], fill=np.nan),
-                self.step.bytes_output(protocol.LABEL, [a.label for _, a in mine]),
-                self.step.bytes_output(protocol.ANSWER, [a.json for _, a in mine]),
-                self.step.bytes_output(protocol.TASK_VERSION, [version for version, _ in mine])]
+    def _outputs(self, result, k: int, rows: range, request):
+        answers, parts = result
+        return answers.tensors(self.step, rows, self.step.requested(request), compact=parts[k].compact)
 
     def execute(self, requests):
         self.step.refresh()
-        return self.step.respond_batch(requests, self.text.prepare, self._run, self._outputs)
+        return self.step.respond_batch(requests, self.text.read, self._run, self._outputs)
 
     def finalize(self):
         self.step.close()

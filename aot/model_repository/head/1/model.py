@@ -1,64 +1,109 @@
-"""Triton python model: each request's own task head (the version the tokenizer pinned) by its task's kind, so a
-batch may mix tasks and kinds (aot.serving.heads.head_answers): a pooled kind's head on its task's pooling, a token
-task's on every token's state (token_hidden) with the words the tokenizer found (word_index, word_text). Requests
-are checked one by one; then each task version's requests of the batch go through its head in one call, not one
-matmul per request."""
+"""Triton python model: each item's own task head (the version the tokenizer pinned) by its task's kind, so a batch
+may mix tasks and kinds (aot.serving.heads): a pooled kind's head on its task's pooling, a token task's on every
+token's state (token_hidden) with the words the tokenizer found (word_index, word_text). Each request is checked
+as a whole; then each task version's items of the batch go through its head in one call."""
+
+from dataclasses import dataclass
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from aot.serving import protocol
 from aot.serving.answers import READS_TOKENS
+from aot.serving.columns import RequestInputs, TaskColumn, refuse_first
+from aot.serving.engine import EncoderOutput
 from aot.serving.errors import RequestError
-from aot.serving.heads import HeadInput, head_answers
-from aot.serving.items import Item
-from aot.serving.steps import RequestContext, Step
-from aot.serving.words import split_words
+from aot.serving.heads import head_outputs
+from aot.serving.outputs import BatchAnswers
+from aot.serving.steps import Step
+from aot.serving.words import Words, split_words
+
+
+@dataclass
+class HeadPart:
+    """A request at the head: its items' task versions, pooled states [N, P, d] and, when it holds a token task's
+    items, every token's state [N, S, d], each token's word [N, S] and each item's words (None for other kinds)."""
+
+    tasks: TaskColumn
+    pooled: np.ndarray
+    states: np.ndarray | None = None
+    first: np.ndarray | None = None
+    words: list[Words | None] | None = None
+    compact: bool = False  # ANSWER only where the other outputs do not carry it (protocol.ANSWERS_PARAMETER)
+
+    @property
+    def count(self) -> int:
+        return len(self.pooled)
 
 
 class TritonPythonModel:
     def initialize(self, args):
         self.step = Step(args, pb_utils, "head", parts="head")
 
-    def _prepare(self, item: Item, ctx: RequestContext):
-        task = self.step.task_version(item, ctx)
-        pooled = item.array(protocol.POOLED_HIDDEN)
-        expected = (len(protocol.POOLINGS), task.hidden_size)
+    def _read(self, inputs: RequestInputs, column: TaskColumn) -> HeadPart:
+        column.tasks, column.index = self.step.pinned(inputs)
+        pooled = inputs.rows(protocol.POOLED_HIDDEN)
+        hidden = {t.hidden_size for t in column.tasks}
+        rows = column.of("pooling")
+        if pooled.ndim != 3 or pooled.shape[1] != len(protocol.POOLINGS) or {pooled.shape[2]} != hidden:
+            raise RequestError(f"{protocol.POOLED_HIDDEN} must be {len(protocol.POOLINGS)} x {min(hidden)} values "
+                               f"per item, got {list(pooled.shape[1:])}", item=0)
+        chosen = pooled[np.arange(len(pooled)), [protocol.pooling_row(p) for p in rows]]
         # Only the row this task reads must be finite: another pooling's overflow is not this item's failure.
-        if pooled.shape != expected or not np.isfinite(pooled[protocol.pooling_row(task.pooling)]).all():
-            raise RequestError(f"{protocol.POOLED_HIDDEN} must be {expected[0]} x {expected[1]} values per item with "
-                               f"a finite {task.pooling!r} row (the one this task reads), got {list(pooled.shape)}")
-        if task.kind not in READS_TOKENS:
-            return task, HeadInput(pooled)
-        return task, self._token_input(item, task, pooled)
+        refuse_first([(~np.isfinite(chosen).all(1), lambda k: f"{protocol.POOLED_HIDDEN} must have a finite "
+                                                                 f"{rows[k]!r} row (the one this task reads)")])
+        tokens = np.isin(column.of("kind"), READS_TOKENS)
+        if not tokens.any():
+            return HeadPart(column, pooled, compact=inputs.compact_answers)
+        return self._token_inputs(inputs, column, pooled, tokens)
 
-    def _token_input(self, item: Item, task, pooled) -> HeadInput:
+    def _token_inputs(self, inputs: RequestInputs, column: TaskColumn, pooled, tokens) -> HeadPart:
         """A token task's states, its text's words and each token's word, checked against each other (the
         request's longest item sets both lengths: a shorter item's padded tokens have word -1)."""
-        states = item.array(protocol.TOKEN_HIDDEN)
-        first = item.sequence(protocol.WORD_INDEX)
-        words = split_words(self.step.text(item, protocol.WORD_TEXT))
-        if states.ndim != 2 or states.shape[1] != task.hidden_size:
-            raise RequestError(f"{protocol.TOKEN_HIDDEN} must be [N, S, {task.hidden_size}], got "
-                               f"{[item.count, *states.shape]}")
-        if len(first) != states.shape[0] or first.max(initial=-1) >= len(words.spans) or first.min(initial=0) < -1:
-            raise RequestError(f"{protocol.WORD_INDEX} must give each of the {states.shape[0]} tokens a word of "
-                               f"{protocol.WORD_TEXT} ({len(words.spans)} words) or -1")
-        return HeadInput(pooled, states, words, first)
+        states = inputs.rows(protocol.TOKEN_HIDDEN)
+        first = inputs.rows(protocol.WORD_INDEX)
+        texts = inputs.texts(protocol.WORD_TEXT, self.step.options.max_text_bytes)
+        hidden = column.tasks[0].hidden_size
+        if states.ndim != 3 or states.shape[2] != hidden:
+            raise RequestError(f"{protocol.TOKEN_HIDDEN} must be [N, S, {hidden}], got {list(states.shape)}", item=0)
+        if first.ndim != 2 or first.shape[1] != states.shape[1]:
+            raise RequestError(f"{protocol.WORD_INDEX} must give each of the {states.shape[1]} tokens a word of "
+                               f"{protocol.WORD_TEXT} or -1", item=0)
+        words = [split_words(t) if tokens[k] else None for k, t in enumerate(texts)]
+        counts = np.array([len(w.spans) if w is not None else 0 for w in words])
+        refuse_first([(tokens & ((first.max(1) >= counts) | (first.min(1) < -1)),
+                       lambda k: f"{protocol.WORD_INDEX} must give each of the {states.shape[1]} tokens a word of "
+                                 f"{protocol.WORD_TEXT} ({counts[k]} words) or -1")])
+        return HeadPart(column, pooled, states, first, words, inputs.compact_answers)
 
     @staticmethod
-    def _run(batch):
-        return head_answers([task for task, _ in batch], [inputs for _, inputs in batch])
+    def _run(parts: list[HeadPart]) -> tuple[BatchAnswers, list[HeadPart]]:
+        tasks = TaskColumn.joined([p.tasks for p in parts])
+        pooled = np.concatenate([p.pooled for p in parts])
+        width = max((p.states.shape[1] for p in parts if p.states is not None), default=0)
+        states, first, lengths = None, None, np.zeros(len(pooled), np.int64)
+        words: list[Words | None] = []
+        if width:
+            states = np.zeros((len(pooled), width, pooled.shape[-1]), protocol.HIDDEN_DTYPE)
+            first = np.full((len(pooled), width), -1, protocol.INDEX_DTYPE)
+        at = 0
+        for p in parts:
+            if p.states is not None:
+                states[at:at + p.count, :p.states.shape[1]] = p.states
+                first[at:at + p.count, :p.first.shape[1]] = p.first
+                lengths[at:at + p.count] = p.states.shape[1]
+            words += p.words or [None] * p.count
+            at += p.count
+        heads = head_outputs(tasks.groups(), EncoderOutput(pooled, states), lengths, words, first)
+        return BatchAnswers(tasks, heads), parts
 
-    def _outputs(self, result, ks):
-        mine = [result[k] for k in ks]
-        return [self.step.stacked(protocol.LOGITS, [a.values for a in mine], fill=np.nan),
-                self.step.bytes_output(protocol.LABEL, [a.label for a in mine]),
-                self.step.bytes_output(protocol.ANSWER, [a.json for a in mine])]
+    def _outputs(self, result, k: int, rows: range, request):
+        answers, parts = result
+        return answers.tensors(self.step, rows, self.step.requested(request), version=False, compact=parts[k].compact)
 
     def execute(self, requests):
         self.step.refresh()
-        return self.step.respond_batch(requests, self._prepare, self._run, self._outputs)
+        return self.step.respond_batch(requests, self._read, self._run, self._outputs)
 
     def finalize(self):
         self.step.close()

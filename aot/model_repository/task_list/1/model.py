@@ -14,7 +14,7 @@ import triton_python_backend_utils as pb_utils
 
 from aot.serving import protocol
 from aot.serving.errors import RequestError
-from aot.serving.steps import RequestContext, Step
+from aot.serving.steps import Step
 
 AUDIT_SECONDS = 5.0
 
@@ -37,7 +37,7 @@ class TritonPythonModel:
                     pb_utils.Logger.log_error(f"task_list: {damage}")
                     reported.add(damage)
 
-    def _one(self, request, ctx: RequestContext):
+    def _one(self, request):
         limit, match = _narrowing(request.parameters())
         tasks = self.step.tasks
         visible = set(tasks.visible(tasks.caller(self.step.tenant_key(request))))

@@ -11,10 +11,11 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from aot.serving import protocol
+from aot.serving.columns import RequestInputs, TaskColumn
 from aot.serving.errors import RequestError
-from aot.serving.items import Item
-from aot.serving.stages import TextInputs, TextRequest
-from aot.serving.steps import RequestContext, Step
+from aot.serving.stages import TextBatch, TextInputs, TextPart
+from aot.serving.steps import Step
+from aot.serving.tokenization import bucket_length
 
 
 class TritonPythonModel:
@@ -26,30 +27,31 @@ class TritonPythonModel:
         # a native backbone taking ragged rows adds one row offset per request: one item each (configs parameter)
         self.one_per_request = self.step.parameters.get("one_text_per_request") == "true"
 
-    def _prepare(self, item: Item, ctx: RequestContext) -> TextRequest:
-        if self.one_per_request and item.count > 1:
+    def _read(self, inputs: RequestInputs, column: TaskColumn) -> TextPart:
+        if self.one_per_request and inputs.count > 1:
             raise RequestError(f"this repository's GPU ensemble takes one text per request (its backbone's bias "
-                               f"interface, rows, adds one row offset per request), got {item.count}: send them "
+                               f"interface, rows, adds one row offset per request), got {inputs.count}: send them "
                                "one per request, or re-export the backbone with --bias-interface dense or --format "
                                "torch for many texts per request")
-        return self.text.prepare(item, ctx)
+        return self.text.read(inputs, column)
 
-    def _run(self, batch: list[TextRequest]):
-        return [(r.task.version, text) for r, text in zip(batch, self.text.encode(batch))]
-
-    def _outputs(self, encoded, ks):
-        """The request's items' token tensors padded to its longest (a padded token is masked out; its word index
-        is -1), their task versions, and a token task's words."""
-        mine = [encoded[k] for k in ks]
-        none = np.full(1, -1, dtype=protocol.INDEX_DTYPE)
-        return [self.step.stacked(n, [text.tokens[n] for _, text in mine]) for n in self.outputs] + [
-            self.step.bytes_output(protocol.TASK_VERSION, [version for version, _ in mine]),
-            self.step.stacked(protocol.WORD_INDEX, [none if t.first is None else t.first for _, t in mine], fill=-1),
-            self.step.bytes_output(protocol.WORD_TEXT, ["" if t.words is None else t.words.text for _, t in mine])]
+    def _outputs(self, batch: TextBatch, k: int, rows: range, request):
+        """The request's items' token tensors padded to its longest (then its bucket; a padded token is masked out,
+        its word index -1), their task versions, and a token task's words."""
+        cut = slice(rows.start, rows.stop)
+        width = bucket_length(int(batch.encoder.lengths[cut].max()), self.text.tokens.buckets)
+        versions = np.array([t.version.encode() for t in batch.tasks.tasks], dtype=np.object_)[batch.tasks.index]
+        words = [b"" if w is None else w.text.encode() for w in batch.words[cut]]
+        first = (np.full((len(rows), 1), -1, protocol.INDEX_DTYPE) if batch.first is None
+                 else batch.first[cut, :width])
+        return [self.step.output(n, batch.encoder.tokens[n][cut, :width]) for n in self.outputs] + [
+            self.step.output(protocol.TASK_VERSION, versions[cut, None]),
+            self.step.output(protocol.WORD_INDEX, np.ascontiguousarray(first)),
+            self.step.output(protocol.WORD_TEXT, np.array(words, dtype=np.object_)[:, None])]
 
     def execute(self, requests):
         self.step.refresh()
-        return self.step.respond_batch(requests, self._prepare, self._run, self._outputs)
+        return self.step.respond_batch(requests, self._read, self.text.encode, self._outputs)
 
     def finalize(self):
         self.step.close()
