@@ -393,7 +393,8 @@ CONFIG_CASES = [ConfigCase(engine, interface, uses_tt) for engine in ("onnx", "t
 TARGETS = ("cpu", "gpu")
 MODELS = {"tokenizer", "aot_lookup", "backbone", "backbone_vanilla", "head", "task_list", "aot", "vanilla"}
 # What aot and vanilla answer, on either target
-ANSWER = [(protocol.ANSWER, [1]), (protocol.LOGITS, [-1]), (protocol.LABEL, [1]), (protocol.TASK_VERSION, [1])]
+ANSWER = [(protocol.ANSWER, [1]), (protocol.LOGITS, [-1]), (protocol.LOGITS_WIDTH, [1]), (protocol.LABEL, [1]),
+          (protocol.TASK_VERSION, [1])]
 # Tokenizer and head run one thread per instance, so a GPU host runs several; one lookup (its own device pool)
 LIGHT_STEP_INSTANCES = {"cpu": 1, "gpu": GPU_STEP_INSTANCES}
 # The bias the GPU lookup step sends and the native backbone takes, per interface (dims after the batch axis):

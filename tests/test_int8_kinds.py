@@ -111,6 +111,7 @@ def test_predict_through_an_int8_repo_answers_every_kind_as_served(int8_server, 
     with Client(int8_server.grpc_url) as client:
         served = client.infer_many([{"task": item["task"], "text": item["text"]} for _, item in lines])
     for (k, item), answer in zip(lines, served, strict=True):
+        assert "error" not in answer, answer
         assert answer["version"].startswith(item["task"] + "@")
         _same(answer, through[k], atol=1e-4)
 

@@ -95,9 +95,10 @@ def test_tags_align_to_first_pieces_as_served(tmp_path):
     assert [pieces[k] for k, label in enumerate(encoded.labels[0]) if label == IGNORED] == [
         "[CLS]", "##bel", "##ie", "##va", "##bly", "##oj", "##is", "!", "[SEP]"]
     assert [spec.labels[label] for label in encoded.labels[0] if label != IGNORED] == tags
-    served, words_found, first = Tokenization(tmp_path, True).encode_words([text], 64)[0]
-    assert served["input_ids"].tolist() == encoded.input_ids[0] and first.tolist() == encoded.first[0].tolist()
-    assert [text[s:e] for s, e in words_found.spans] == words
+    served, words_found, first = Tokenization(tmp_path, True).encode_words([text], 64)
+    assert served["input_ids"].tolist() == np.asarray(encoded.input_ids).tolist()
+    assert first.tolist() == np.asarray(encoded.first).tolist()
+    assert [text[s:e] for s, e in words_found[0].spans] == words
     ids, _, _, first = align(tokenizer, text, 8)  # truncated: the words past the max length have no piece
     assert len(ids) == 8 and set(first.tolist()) == {-1, 0, 1}
 

@@ -422,6 +422,7 @@ def test_served_head_computes_the_training_head(tmp_path, activation):
     from safetensors.numpy import save_file
 
     from aot.serving.store.reader import StoreError
+    from aot.serving.heads import pooled_logits
     from aot.serving.tasks import load_task_version
     from aot.training.model import ClassificationHead
 
@@ -440,5 +441,5 @@ def test_served_head_computes_the_training_head(tmp_path, activation):
             load_task_version(folder, folder.name, tmp_path, parts="head")
         return
     pooled = torch.randn(5, 2, 4) * 3
-    served = load_task_version(folder, folder.name, tmp_path, parts="head").logits(pooled.numpy())
+    served = pooled_logits(load_task_version(folder, folder.name, tmp_path, parts="head"), pooled.numpy())
     np.testing.assert_allclose(served, head(pooled[:, 1]).detach().numpy(), atol=1e-6)

@@ -83,6 +83,9 @@ class FakeSupervisor:
         self.asked += 1
         return self.ready, list(self.reasons)
 
+    def instances(self) -> dict[str, dict]:
+        return {}
+
     def warnings(self) -> list[str]:
         return list(self.warned)
 
@@ -115,10 +118,10 @@ def test_ready_is_the_supervisors_health_with_its_reasons(health_server):
     server, current = health_server
     supervisor = FakeSupervisor(server_pid=_gone_pid())
     current[0] = supervisor
-    assert server.answer("/ready") == (200, {"ready": True, "reasons": [], "warnings": []})
+    assert server.answer("/ready") == (200, {"ready": True, "reasons": [], "warnings": [], "instances": {}})
     supervisor.ready, supervisor.reasons = False, ["model aot is not ready", "the task store cannot be read"]
     assert server.answer("/ready?verbose=1") == (503, {"ready": False, "reasons": supervisor.reasons,
-                                                       "warnings": []})
+                                                       "warnings": [], "instances": {}})
     assert supervisor.asked == 2
 
 
@@ -127,7 +130,8 @@ def test_ready_carries_the_steps_warnings_and_stays_200(health_server):
     server, current = health_server
     current[0] = FakeSupervisor(server_pid=_gone_pid(), warned=["aot: CUDA graphs failed for (8, 64): eager"])
     assert server.answer("/ready") == (200, {"ready": True, "reasons": [],
-                                             "warnings": ["aot: CUDA graphs failed for (8, 64): eager"]})
+                                             "warnings": ["aot: CUDA graphs failed for (8, 64): eager"],
+                                             "instances": {}})
 
 
 def test_step_notes_reach_the_supervisor_once_each_and_go_with_the_server(monkeypatch, tmp_path):
@@ -144,8 +148,11 @@ def test_step_notes_reach_the_supervisor_once_each_and_go_with_the_server(monkey
     assert watch.notes(4243) == []
     watch.remove_watch(4242, "aot_0")
     assert watch.notes(4242) == ["aot: capture failed for (2, 64)"]
+    watch.add_facts("aot_1", {"pool_bytes": 64 << 20})
+    watch.add_facts("aot_1", {"graph_bytes": 3 << 20})  # merged with what the instance said before
+    assert watch.facts(4242) == {"aot_1": {"graph_bytes": 3 << 20, "pool_bytes": 64 << 20}}
     watch.remove_watches(4242)
-    assert watch.notes(4242) == [] and not list(tmp_path.iterdir())
+    assert watch.notes(4242) == [] and watch.facts(4242) == {} and not list(tmp_path.iterdir())
 
 
 def test_ready_lists_what_the_server_serves_without(health_server):
@@ -154,7 +161,8 @@ def test_ready_lists_what_the_server_serves_without(health_server):
     server, current = health_server
     current[0] = FakeSupervisor(server_pid=_gone_pid(), warned=["the task store has not answered since 12:00:00"])
     assert server.answer("/ready") == (200, {"ready": True, "reasons": [],
-                                             "warnings": ["the task store has not answered since 12:00:00"]})
+                                             "warnings": ["the task store has not answered since 12:00:00"],
+                                             "instances": {}})
 
 
 def test_live_follows_the_server_process(health_server):
@@ -224,11 +232,12 @@ def test_health_server_answers_over_http():
             urllib.request.urlopen(f"http://127.0.0.1:{server.port}/ready", timeout=5)
         assert caught.value.code == 503
         assert caught.value.headers["Content-Type"] == "application/json"
-        assert json.loads(caught.value.read()) == {"ready": False, "reasons": ["repairing backbone"], "warnings": []}
+        assert json.loads(caught.value.read()) == {"ready": False, "reasons": ["repairing backbone"], "warnings": [],
+                                                   "instances": {}}
         supervisor.ready, supervisor.reasons = True, []
         with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/ready", timeout=5) as response:
             assert response.status == 200 and json.loads(response.read()) == {"ready": True, "reasons": [],
-                                                                               "warnings": []}
+                                                                               "warnings": [], "instances": {}}
     finally:
         server.stop()
     assert supervisor.asked == 2

@@ -203,6 +203,12 @@ def test_served_torch_engine_equals_predict_with_and_without_a_pool(request, rep
             stats = client._client.get_inference_statistics(
                 "aot", headers={GRPC_ADMIN_HEADER: server.admin_key}).model_stats[0]
             assert stats.execution_count < stats.inference_count, "requests of mixed tasks must batch together"
+            held = {name: f for name, f in server.readiness()[1]["instances"].items() if f.get("step") == "aot"}
+            assert len(held) == 2, held  # /ready says what each instance holds (issue 52.5)
+            for instance in held.values():
+                assert (instance["pool_bytes"] > 0) == (pool_bytes != 0)
+                assert instance["device"] == "cpu" and instance["cuda_graphs"] == instance["graph_bytes"] == 0
+                assert instance["device_head_slots"] == 0 and instance["tokenizer_threads"] == 1
 
 
 def test_serve_device_is_checked_before_a_server_starts(tmp_path, repo, tiny_models):

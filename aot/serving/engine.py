@@ -194,10 +194,10 @@ class BackboneRunner:
             part_pooled, part_states = self._run(batch.take(group))
             if pooled is None:
                 pooled = np.empty((batch.size, *part_pooled.shape[1:]), part_pooled.dtype)
-                if part_states is not None:
-                    states = np.zeros((batch.size, batch.width, part_states.shape[-1]), part_states.dtype)
             pooled[group] = part_pooled
-            if part_states is not None:
+            if part_states is not None:  # a group of only pooled sequences has none: the first that has sets the shape
+                if states is None:
+                    states = np.zeros((batch.size, batch.width, part_states.shape[-1]), part_states.dtype)
                 states[group, :part_states.shape[1]] = part_states
         return EncoderOutput(pooled, states)
 

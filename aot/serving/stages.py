@@ -84,6 +84,7 @@ class TextInputs:
         threads = tokenizer_threads(step.parameters.get("device") == "cuda", step.instances)
         use_tokenizer_threads(threads)
         step.pb.Logger.log_info(f"{step.name}: the tokenizer encodes a batch on {threads} thread(s)")
+        step.facts(tokenizer_threads=threads)
 
     def read(self, inputs: RequestInputs, column: TaskColumn) -> TextPart:
         """The request's items checked: their task versions (into `column`, for the step's metrics), and their texts

@@ -42,7 +42,7 @@ from aot.serving.store.reader import task_of
 from aot.serving.store.tenants import key_of_parameters, require_tenant_keys
 from aot.serving.task_registry import TaskRegistry
 from aot.serving.tasks import ServedTask
-from aot.serving.watch import ExecuteWatch, add_note
+from aot.serving.watch import ExecuteWatch, add_facts, add_note
 
 __all__ = ["RequestError", "Step", "StepMetrics"]
 
@@ -90,6 +90,7 @@ class Step:
                                 self.repo.hidden_size, self.repo.vocab_size, storage=pool_storage)
             self.pb.Logger.log_info(f"{name}: task pool of {self.pool.budget_bytes} bytes ({self.pool.slots} rows; "
                                     f"{self.pool.slots // self.repo.vocab_size} tasks fully resident)")
+        self.facts(step=name, pool_bytes=self.pool.budget_bytes if self.pool is not None else 0)
         self.metrics = StepMetrics(pb_utils, name, self.pool, self.instance).start()
         # per-caller rates, checked where a request's task is resolved (aot.serving.rate_limits)
         self.gate = RequestGate(RateLimits.from_environment(), self.instances, self.metrics.refused_key,
@@ -106,6 +107,10 @@ class Step:
                                       require_tenant_keys=require_tenant_keys(), on_store_error=self._store_error)
             self.pb.Logger.log_info(f"{name}: task versions loaded on first use, at most "
                                     f"{self.options.task_cache_bytes} bytes of them kept")
+
+    def facts(self, **facts) -> None:
+        """What this instance holds, for the supervisor's /ready (aot.serving.watch: written at start)."""
+        add_facts(self.instance, facts)
 
     def warn(self, message: str) -> None:
         """A warning of this step's start: the server log, and the supervisor's /ready (aot.serving.watch notes)."""

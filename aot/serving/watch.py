@@ -15,6 +15,7 @@ from then on (aot.serving.rate_limits), on either protocol, while it finishes th
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 import time
@@ -24,6 +25,7 @@ from aot.serving.shm import SHM
 
 PREFIX = "aot-busy-"
 NOTES = "aot-notes-"
+FACTS = "aot-facts-"
 STOPPING = "aot-stopping-"
 _VALUE = struct.Struct("d")
 
@@ -82,15 +84,41 @@ def notes(server_pid: int) -> list[str]:
     return [line for line in lines if line]
 
 
+def add_facts(instance: str, facts: dict) -> None:
+    """The stub's side: what this instance holds, for the supervisor's /ready (merged into what it said before)."""
+    path = SHM / f"{FACTS}{os.getppid()}-{instance}"
+    try:
+        known = json.loads(path.read_text("utf-8"))
+    except (OSError, ValueError):
+        known = {}
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, json.dumps(known | facts, sort_keys=True).encode("utf-8"))
+    finally:
+        os.close(fd)
+
+
+def facts(server_pid: int) -> dict[str, dict]:
+    """The supervisor's side: each step instance's facts (add_facts), by instance."""
+    out = {}
+    for path in sorted(SHM.glob(f"{FACTS}{server_pid}-*")):
+        try:
+            out[path.name[len(f"{FACTS}{server_pid}-"):]] = json.loads(path.read_text("utf-8"))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def remove_watch(server_pid: int, instance: str) -> None:
-    """An instance that left the server: its watch file and notes."""
+    """An instance that left the server: its watch file, notes and facts."""
     watch_path(server_pid, instance).unlink(missing_ok=True)
     (SHM / f"{NOTES}{server_pid}-{instance}").unlink(missing_ok=True)
+    (SHM / f"{FACTS}{server_pid}-{instance}").unlink(missing_ok=True)
 
 
 def remove_watches(server_pid: int) -> None:
     """After the server exited: its instances' watch files and notes, and its stop mark."""
-    for prefix in (PREFIX, NOTES):
+    for prefix in (PREFIX, NOTES, FACTS):
         for path in SHM.glob(f"{prefix}{server_pid}-*"):
             path.unlink(missing_ok=True)
     stopping_path(server_pid).unlink(missing_ok=True)

@@ -298,6 +298,9 @@ def _torch_backbone(step, aot: bool, threads: int, log: Callable[[str], None] | 
         if backbone.heads is not None:
             log(f"{step.name}: device heads for {backbone.heads.capacity} task versions ({backbone.heads.bytes} "
                 "bytes)")
+    step.facts(device=str(backbone.device), cuda_graphs=len(backbone.captured()), graph_bytes=backbone.graph_bytes,
+               device_head_slots=0 if backbone.heads is None else backbone.heads.capacity,
+               device_head_bytes=0 if backbone.heads is None else backbone.heads.bytes)
     if eager:  # never a silent fallback: the server log's warning, and a line of the supervisor's /ready
         why = next(iter(backbone.capture_errors.values()), "")
         step.warn(f"CUDA graph capture failed for {len(eager)} of {len(backbone.graph_shapes())} (batch, sequence) "

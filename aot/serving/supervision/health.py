@@ -16,7 +16,8 @@ from aot.serving.supervision.supervisor import Supervisor
 
 class HealthServer:
     """GET /ready: 200 {"ready": true} when Supervisor.health() says so (and "warnings": what it serves without,
-    an empty list when nothing: Supervisor.warnings), else 503 with the reasons; GET /live: 200
+    an empty list when nothing: Supervisor.warnings; "instances": what each step instance holds, its task pool's
+    bytes, its CUDA graphs' and device heads' memory: Supervisor.instances), else 503 with the reasons; GET /live: 200
     while the supervisor's server process runs (a stopped or crashed one is repaired or restarted by its owner,
     so liveness fails only when that owner is gone). Plain HTTP, no secrets: it says nothing a client could use.
     A server that drains (a graceful stop: drain()) is not ready from then on, whatever its steps say, so that load
@@ -61,7 +62,8 @@ class HealthServer:
             if supervisor is None:
                 return 503, {"ready": False, "reasons": ["tritonserver is starting"]}
             ready, reasons = supervisor.health()
-            return (200 if ready else 503), {"ready": ready, "reasons": reasons, "warnings": supervisor.warnings()}
+            return (200 if ready else 503), {"ready": ready, "reasons": reasons, "warnings": supervisor.warnings(),
+                                             "instances": supervisor.instances()}
         return 404, {"error": "GET /ready or /live"}
 
     def drain(self, reason: str) -> None:

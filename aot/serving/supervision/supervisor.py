@@ -41,7 +41,7 @@ from aot.serving.supervision.probes import BUSY_CPU_SECONDS, BUSY_HUNG_SECONDS, 
 from aot.serving.supervision.procfs import Stub, alive, proc_stat, stub_processes, stubs_of
 from aot.serving.supervision.reloads import Reloads
 from aot.serving.supervision.triton_api import FRONT_END_TIMEOUT, UNREACHABLE, TritonApi
-from aot.serving.watch import busy_since, notes, remove_watch
+from aot.serving.watch import busy_since, facts, notes, remove_watch
 
 MAX_ATTEMPTS = 3  # failed repairs in a row before a model is given up (and its owner told: Supervisor.failed)
 STALE_SECONDS = 5.0  # a stub of an instance that left the server is reaped this long after, once idle
@@ -374,6 +374,11 @@ class Supervisor:
         (its batches run eagerly), a task store that does not answer, a damaged shard."""
         warning = None if self.store is None else self.store.warning
         return ([warning] if warning else []) + notes(self.server_pid)
+
+    def instances(self) -> dict[str, dict]:
+        """What each python step instance holds (aot.serving.watch facts: its task pool's bytes, its CUDA graphs'
+        and device heads' device memory, its tokenizer's threads), for /ready to say."""
+        return facts(self.server_pid)
 
     def health(self) -> tuple[bool, list[str]]:
         """(ready, reasons it is not): ready when the server runs and its front end answers, every model it needs

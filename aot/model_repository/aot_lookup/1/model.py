@@ -66,7 +66,8 @@ class TritonPythonModel:
         """The batch's rows in one pool call (its misses filled together), gathered on the pool's device, with each
         token's row among them; rows the pool does not hold come from storage."""
         batch = EncoderBatch.joined([p.tokens for p in parts])
-        find_rows(self.step, batch, TaskColumn.joined([p.tasks for p in parts]), slots=False)
+        find_rows(batch, TaskColumn.joined([p.tasks for p in parts]), self.step.repo.vocab_size, self.step.pool,
+                  self.step.tasks)
         rows = batch.rows
         if all(isinstance(r, np.ndarray) for r in rows):
             return np.concatenate(rows), batch, parts
