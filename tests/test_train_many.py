@@ -190,10 +190,11 @@ def test_a_job_s_tasks_export_and_serve_as_solo_artifacts(served, every_kind):
                         np.testing.assert_allclose(value, wanted, atol=2e-3, err_msg=f"{name} {key}")
 
 
-def test_a_bad_task_is_refused_alone_and_a_diverging_one_stops_alone(tmp_path, tiny_models, data, sentiment_dir):
+def test_a_bad_task_is_refused_alone_and_a_diverging_one_stops_alone(tmp_path, dropout_model, data, sentiment_dir):
     """Refused before training with their reasons: data that is not there, a typo, a bad value, a name taken, a
     method that changes the encoder, another encoder, a line that is not JSON. A regression whose scores overflow
-    the loss stops alone (diverged); the good task trains as alone, its batches beside the diverging one's."""
+    the loss stops alone (diverged); the good task trains as alone (the encoder's dropout masks its own), its
+    batches in passes beside the diverging one's."""
     huge = _write(tmp_path / "huge", {"train": _scores(64, 1, 1e30), "dev": _scores(16, 2, 1e30)},
                   {"problem": "regression"})
     good = _spec("good", "classification", data)
@@ -208,7 +209,7 @@ def test_a_bad_task_is_refused_alone_and_a_diverging_one_stops_alone(tmp_path, t
     manifest = tmp_path / "tasks.jsonl"
     manifest.write_text("".join(json.dumps(line) + "\n" for line in lines) + "{not json\n")
     out, err = run_cli("train", "--tasks", str(manifest), "--out", str(tmp_path / "job"), "--model",
-                       str(tiny_models["bert"]), "--epochs", "2", "--max-length", "32", "--lr", "3e-3",
+                       str(dropout_model), "--epochs", "2", "--max-length", "32", "--lr", "3e-3",
                        "--no-progress")
     assert [r["where"] for r in out] == [f"{manifest}:{k}" for k in range(1, 11)]
     status = [r["status"] for r in out]
@@ -225,10 +226,10 @@ def test_a_bad_task_is_refused_alone_and_a_diverging_one_stops_alone(tmp_path, t
     assert reasons[9].startswith("invalid JSON")
     assert not (tmp_path / "job" / "boom").exists()
     assert "trained 1 of 10 task(s)" in err and "boom (failed)" in err
-    solo = _solo(tiny_models["bert"], good, tmp_path / "solo", epochs=2, **QUICK)
+    solo = _solo(dropout_model, good, tmp_path / "solo", epochs=2, **QUICK)
     _same_training(tmp_path / "job" / "good", solo, exact=False)
     assert run_cli("train", "--tasks", str(manifest), "--out", str(tmp_path / "job2"), "--model",
-                   str(tiny_models["bert"]), "--epochs", "1", "--strict", "--no-progress", exit_code=2)[0]
+                   str(dropout_model), "--epochs", "1", "--strict", "--no-progress", exit_code=2)[0]
 
 
 def test_a_job_killed_after_its_first_task_resumes_and_finishes(tmp_path, dropout_model, data, monkeypatch):
@@ -285,3 +286,49 @@ def test_two_gloo_ranks_share_a_manifest(tmp_path, tiny_models, data):
     for r, alone in zip(sorted(reported, key=lambda r: r["name"]), one, strict=True):
         assert r["name"] == alone["name"]
         _same_training(tmp_path / "ranks" / r["name"], tmp_path / "one" / r["name"], exact=False)
+
+
+def test_the_bench_compares_a_job_with_solo_runs(tmp_path, tiny_models):
+    """`aot bench train-many` on two tiny tasks of the packaged data: solo runs and the job as fresh processes,
+    their dev scores side by side (equal here: the job trains each task as alone), times, memory, load."""
+    summary, _ = run_cli("bench", "train-many", "--model", str(tiny_models["bert"]), "--tasks", "2",
+                         "--train-examples", "24", "--dev-examples", "12", "--max-length", "16", "--ranks", "0",
+                         "--out", str(tmp_path), "--no-progress")
+    [summary] = summary
+    assert summary["tasks"] == summary["trained_in_job"] == 2 and summary["job_seconds"] > 0
+    assert summary["speedup"] == pytest.approx(summary["solo_seconds"] / summary["job_seconds"], rel=0.01)
+    report = json.loads((tmp_path / "train_many.json").read_text())
+    assert [(r["task"], r["source"], r["status"]) for r in report["tasks"]] == [
+        ("t00-classification", "rotten_tomatoes", "trained"), ("t01-regression", "bbc_multilabel", "trained")]
+    for row in report["tasks"]:
+        assert row["job_dev"] == pytest.approx(row["solo_dev"], abs=0.1)
+    assert summary["memory_budget_mb"] > summary["solo_peak_mb"] > 0 and len(summary["load_average_after"]) == 3
+    assert "| t01-regression | bbc_multilabel |" in (tmp_path / "train_many.md").read_text()
+
+
+def test_the_kubernetes_job_shards_the_manifest_by_completion_index():
+    """deploy/kubernetes/train: an indexed Job, each pod `aot train --tasks ... --shard INDEX/COUNT --resume` on the
+    fleet's claim (read-write), a pod that dies started again with its index, COUNT the Job's completions."""
+    import shutil
+
+    import kubernetes_validate
+    import yaml
+
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "kubectl renders deploy/kubernetes (kubectl kustomize)"
+    done = subprocess.run([kubectl, "kustomize", str(ROOT / "deploy" / "kubernetes" / "train")], capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    objects = {doc["kind"]: doc for doc in yaml.safe_load_all(done.stdout)}
+    assert set(objects) == {"ConfigMap", "Job"}
+    for doc in objects.values():
+        kubernetes_validate.validate(doc, "1.32.0", strict=True)
+    spec = objects["Job"]["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["backoffLimitPerIndex"] > 0
+    assert int(objects["ConfigMap"]["data"]["TRAIN_SHARDS"]) == spec["completions"]
+    [container] = spec["template"]["spec"]["containers"]
+    assert container["command"] == ["aot", "train"]
+    assert {"--shard=$(JOB_COMPLETION_INDEX)/$(TRAIN_SHARDS)", "--resume", "--tasks=/mnt/aot/$(TRAIN_MANIFEST)",
+            "--out=/mnt/aot/$(TRAIN_OUT)"} <= set(container["args"])
+    [volume] = spec["template"]["spec"]["volumes"][:1]
+    assert volume["persistentVolumeClaim"] == {"claimName": "aot-repository"}

@@ -45,7 +45,9 @@ def _train_arguments(p) -> None:
                    help="default fc; " + "; ".join(f"{n}: {s.description}" for n, s in METHODS.items()))
     p.add_argument("--out", required=True,
                    help="artifact folder to write (atomically); with --tasks, the folder of every task's (--out/NAME)")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it already holds something")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out if it already holds something; with --tasks, start the job again, replacing "
+                        "its tasks' artifacts")
     p.add_argument("--rank", type=_positive_int, default=None,
                    help="fc/kron/lora rank, adapter bottleneck, or prefix/prompt length p (default: the method's)")
     p.add_argument("--option", action="append", default=None, metavar="NAME=VALUE",

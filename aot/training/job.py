@@ -29,10 +29,11 @@ from aot.training.api import build_model, save_trained
 from aot.training.artifact import read_task
 from aot.training.backbone import load_backbone
 from aot.training.job_prepare import Preparation, Prepared, entries, job_model, planned_steps
+from aot.training.job_spec import TASK_OPTIONS
 from aot.training.job_state import JobFolder
 from aot.training.kinds.base import autocast
 from aot.training.mixed_step import Member, step_losses
-from aot.training.sharding import assign, current_shard, gather
+from aot.training.sharding import assign, barrier, current_shard, gather
 from aot.training.task_random import SitePlan, TaskStream
 from aot.training.trainer import TaskRun, check_device, resolve_device
 
@@ -69,6 +70,9 @@ def train_tasks(tasks: list, out: str | Path, model: str | None = None, *, resum
     all). Under torchrun, rank 0 returns every rank's results, the other ranks none."""
     if tasks_per_step < 1:
         raise JobError(f"tasks_per_step {tasks_per_step}: expected a positive integer")
+    unknown = sorted(set(defaults) - set(TASK_OPTIONS))
+    if unknown:
+        raise JobError(f"unknown default {unknown[0]!r}: expected some of {', '.join(TASK_OPTIONS)}")
     check_device(device)
     folder = JobFolder(out)
     if folder.exists() and not (resume or overwrite):
@@ -76,8 +80,12 @@ def train_tasks(tasks: list, out: str | Path, model: str | None = None, *, resum
                        "start it again")
     model = job_model(model, entries(tasks))
     where = current_shard(shard)
-    if overwrite and where.index == 0:
+    if overwrite and where.count == 1:
         folder.reset()
+    elif overwrite and where.group:  # rank 0 forgets the job, the others wait for it
+        if where.index == 0:
+            folder.reset()
+        barrier()
     prep = Preparation(tasks, defaults, model, folder, resume and not overwrite, overwrite, device)
     backbone = load_backbone(model)
     prep.check_backbone(backbone)
@@ -88,7 +96,8 @@ def train_tasks(tasks: list, out: str | Path, model: str | None = None, *, resum
                 for t in mine if t.kept is not None]
     job = _Job(folder, backbone, resolve_device(device), tasks_per_step, progress, checkpoint_seconds,
                f"{where.index}/{where.count}" if where.count > 1 else None)
-    results += job.run([t for t in mine if t.kept is None], prep.refused if where.index == 0 else [])
+    results += job.run([t for t in mine if t.kept is None], prep.refused if where.index == 0 else [],
+                       resume and not overwrite)
     if mine or where.index == 0:
         folder.write_export()
     results = gather(results, where)
@@ -108,11 +117,11 @@ class _Job:
         self.progress = progress
         self.results: list[dict] = []
 
-    def run(self, tasks: list[Prepared], refused: list[dict]) -> list[dict]:
+    def run(self, tasks: list[Prepared], refused: list[dict], resume: bool) -> list[dict]:
         for r in refused:
             self._say(f"{r['name'] or r['where']}: refused: {r['reason']}")
-        # tasks that have a checkpoint go first: they resume at once
-        checkpoints = {t.name: c for t in tasks if (c := self.folder.checkpoint(t.name)) is not None
+        # a resumed job's tasks that have a checkpoint of their spec go first: they continue at once
+        checkpoints = {t.name: c for t in tasks if resume and (c := self.folder.checkpoint(t.name)) is not None
                        and c.get("fingerprint") == t.fingerprint}
         pending = sorted(tasks, key=lambda t: t.name not in checkpoints)
         active: list[_Active] = []

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from aot.serving_torch.encoder import BiasedEncoder
 from aot.training.kinds.base import autocast
-from aot.training.task_random import PassDropout, PassPart, SitePlan, TaskStream
+from aot.training.task_random import Noise, PassDropout, PassPart, SitePlan, TaskStream
 from aot.training.trainer import TaskRun
 
 
@@ -45,7 +45,7 @@ class _Segment:
     batch: dict[str, torch.Tensor]
     table: torch.Tensor  # the task's rows of P for the segment's distinct tokens [U, L, d]
     inverse: torch.Tensor  # each token's row in `table` [B, S]
-    noise: list[torch.Tensor | None]  # the segment's dropout noise per site of the encoder (SitePlan.draw)
+    noise: list[Noise | None]  # the segment's dropout noise per site of the encoder (SitePlan.draw)
     lengths: list[int]
 
 

@@ -65,6 +65,10 @@ def assign(costs: list[float], count: int) -> list[int]:
     return shards
 
 
+def barrier() -> None:
+    dist.barrier()
+
+
 def gather(items: list, shard: Shard) -> list:
     """Every rank's `items` on rank 0 (in rank order), a rank's own elsewhere; then the group is left."""
     if not shard.group:

@@ -169,11 +169,25 @@ class SitePlan:
             dims = None  # not one tensor per row (shared by a pass)
         return Site(p, tuple(dims) if dims is not None else None, dtype)
 
-    def draw(self, rows: int, tokens: int, device: torch.device) -> list[torch.Tensor | None]:
+    def draw(self, rows: int, tokens: int, device: torch.device) -> list[Noise | None]:
         """The noise of each per-row dropout as a batch of `rows` x `tokens` draws it alone from torch's default
-        generator (F.dropout's own draw: 0 or 1 / (1 - p)), in order; None where it draws nothing of its own."""
-        return [F.dropout(torch.ones(site.shape(rows, tokens), dtype=site.dtype, device=device), site.p, True)
-                if site.per_row else None for site in self.sites]
+        generator (F.dropout's own draw), in order; None where it draws nothing of its own."""
+        return [_noise(F.dropout(torch.ones(site.shape(rows, tokens), dtype=site.dtype, device=device), site.p,
+                                 True)) if site.per_row else None for site in self.sites]
+
+
+@dataclass
+class Noise:
+    """A dropout's noise, each value 0 or `scale` (1 / (1 - p) in its dtype), kept as where it is not 0: a quarter
+    of the fp32 tensor's memory, and `scale * kept` is the tensor itself, bit for bit."""
+
+    kept: torch.Tensor
+    scale: float
+
+
+def _noise(drawn: torch.Tensor) -> Noise:
+    kept = drawn != 0
+    return Noise(kept, float(drawn[kept][0]) if kept.any() else 0.0)
 
 
 @dataclass
@@ -181,7 +195,7 @@ class PassPart:
     """The rows of one batch in a pass: their noise (SitePlan.draw of the whole batch), which of its rows they are,
     and where they sit in the pass."""
 
-    noise: list[torch.Tensor | None]
+    noise: list[Noise | None]
     rows: torch.Tensor
     at: torch.Tensor
 
@@ -207,7 +221,8 @@ class PassDropout(TorchFunctionMode):
             return func(*args, **kwargs)
         noise = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
         for part in self.parts:
-            drawn = part.noise[self.calls - 1].index_select(0, part.rows)
+            noise_of_part = part.noise[self.calls - 1]
+            drawn = noise_of_part.kept.index_select(0, part.rows).to(x.dtype) * noise_of_part.scale
             fits = tuple(slice(0, min(a, b)) if d == TOKENS else slice(None)
                          for d, a, b in zip(site.dims[1:], drawn.shape[1:], x.shape[1:]))
             noise[(part.at, *fits)] = drawn[(slice(None), *fits)]
