@@ -20,6 +20,7 @@
     infinity            `aot serve` against Infinity
     s3_store            the task store in object storage against the file system
     hardening           issue 46's figures: a hung store, unknown tasks, a damaged shard, a large change
+    train_many          one job of many tasks (`aot train --tasks`) against one `aot train` per task
     fleet               the local fleet's figures
     python_api          figures of the Python API
     report              JSON records, Markdown tables and plots
