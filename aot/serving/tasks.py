@@ -30,8 +30,8 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from aot.serving import protocol
-from aot.serving.answers import DEFAULT_THRESHOLD, kind_of
 from aot.serving.formats import FormatError, check_keys, read_json
+from aot.serving.kinds import DEFAULT_THRESHOLD, NONE, KindSpec, kind_of, kind_spec
 from aot.serving.store.digests import DigestError, check_regular, file_stamp, verify_file, verify_file_once
 from aot.serving.store.layout import EMBEDDINGS, FACTORS, HEAD, ROWS_DIR, TABLE, TASK_JSON
 from aot.serving.store.reader import STORAGES, StoreError, rows_graph_name, task_of
@@ -169,9 +169,19 @@ class ServedTask:
 
     @functools.cached_property
     def kind(self) -> str:
-        """aot.serving.answers.TASK_KINDS; a version exported before kinds is a classifier (a regressor without labels). Read
+        """aot.serving.kinds.KINDS; a version exported before kinds is a classifier (a regressor without labels). Read
         on every request by several stages: derived once (meta does not change)."""
         return kind_of(self.meta)
+
+    @property
+    def spec(self) -> KindSpec:
+        """Its kind's spec (aot.serving.kinds): its head, its answer and LABEL."""
+        return kind_spec(self.kind)
+
+    @property
+    def reads_tokens(self) -> bool:
+        """Whether its head reads every token's final state (a pooled state otherwise)."""
+        return self.spec.reads_tokens
 
     @property
     def has_pair(self) -> bool | None:
@@ -235,7 +245,7 @@ def load_task_version(folder: Path, version: str, store_root: Path, parts: str =
         kind = kind_of(meta)
     except ValueError as exc:
         raise StoreError(f"{version}: {exc}") from None
-    head = load_file(verified(HEAD)) if parts in ("head", "all") and kind != "embedding" else {}
+    head = load_file(verified(HEAD)) if parts in ("head", "all") and kind_spec(kind).head != NONE else {}
     task = ServedTask(task_of(version), version, meta["labels"], meta["max_length"], meta["storage"],
                       meta["num_layers"], meta["hidden_size"], meta["vocab_size"], head, meta, digests=digests)
     if parts not in ("rows", "all"):

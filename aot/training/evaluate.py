@@ -6,6 +6,7 @@ from pathlib import Path
 
 from aot.training.backbone import Backbone
 from aot.training.data.files import read_examples, read_kind_file
+from aot.training.data.kind_rows import READERS
 from aot.training.data.task import DataError, Example, Problems, TaskSpec
 from aot.training.predict import Predictor
 from aot.training.trainer import encode, evaluate
@@ -17,17 +18,17 @@ def read_labelled_file(path: str | Path, spec: TaskSpec) -> list[Example]:
     CoNLL or JSONL tags (tokens). Every label must be one of the task's, and an embedding's pairs scored as its
     metric needs (DataError naming the row)."""
     problems = Problems()
-    if spec.kind in ("classification", "regression"):
-        rows = read_examples(Path(path), spec.is_regression, problems)
-    else:
+    if spec.kind in READERS:
         rows = read_kind_file(Path(path), spec.kind, problems)
+    else:
+        rows = read_examples(Path(path), spec.is_regression, problems)
     if spec.labels is not None:
         for example, where in rows:
             for name in example.label if isinstance(example.label, tuple) else [example.label]:
                 if name not in spec.labels:
                     problems.add(f"{where}: label {name!r} is not one of the task's labels {list(spec.labels)}")
     problems.check(str(path))
-    if spec.kind == "embedding" and (rows[0][0].label is not None) != (spec.metric == "spearman"):
+    if spec.kind_spec.pair_examples and (rows[0][0].label is not None) != (spec.metric == "spearman"):
         raise DataError(f"{path}: task {spec.name!r} is scored by {spec.metric}: give "
                         + ("scored pairs" if spec.metric == "spearman" else "pairs without scores"))
     return [example for example, _ in rows]
