@@ -421,8 +421,8 @@ def test_served_head_computes_the_training_head(tmp_path, activation):
     DeBERTa-v2's pooler may be; an unknown activation fails that version alone, naming it."""
     from safetensors.numpy import save_file
 
-    from aot.serving.store.reader import StoreError
     from aot.serving.heads import pooled_logits
+    from aot.serving.store.reader import StoreError
     from aot.serving.tasks import load_task_version
     from aot.training.model import ClassificationHead
 

@@ -65,7 +65,7 @@ class LocalS3:
 
     def start(self) -> "LocalS3":
         (self.folder / "data").mkdir(parents=True, exist_ok=True)
-        self.ports = dict(zip(("master", "volume", "filer", "s3"), _free_port_pairs(4)))
+        self.ports = dict(zip(("master", "volume", "filer", "s3"), _free_port_pairs(4), strict=True))
         command = [weed_binary(), "server", f"-dir={self.folder / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                    "-s3", f"-s3.port={self.ports['s3']}", f"-master.port={self.ports['master']}",
                    f"-volume.port={self.ports['volume']}", f"-filer.port={self.ports['filer']}",

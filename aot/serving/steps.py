@@ -231,7 +231,7 @@ class Step:
             probes = [self.is_probe(r) for r in requests]
             if not any(probes):
                 return respond(requests)
-            answers = iter(respond([r for r, probe in zip(requests, probes) if not probe]))
+            answers = iter(respond([r for r, probe in zip(requests, probes, strict=True) if not probe]))
             return [self.pb.InferenceResponse([]) if probe else next(answers) for probe in probes]
 
     def respond_each(self, requests, handle: Callable) -> list:

@@ -108,7 +108,7 @@ def device_bias_feeds(case: Case, table: torch.Tensor, interface: str) -> dict[s
     its distinct tokens and index on the host (aot.serving.tasks.token_index, what the lookup step computes), its rows
     gathered from the table resident on the device, then the requests' tensors concatenated as Triton's batcher
     concatenates them into the backbone's inputs: every request's rows + index + the accumulated row offsets, or
-    every request's dense bias (aot.serving.protocol.dense_bias)."""
+    every request's dense bias (its rows[index])."""
     from aot.serving.tasks import token_index
 
     rows, index = [], []
@@ -117,7 +117,8 @@ def device_bias_feeds(case: Case, table: torch.Tensor, interface: str) -> dict[s
         rows.append(table[torch.from_numpy(unique).to(table.device)])
         index.append(local)
     if interface == "dense":
-        return {protocol.AOT_BIAS: torch.stack([protocol.dense_bias(r, i) for r, i in zip(rows, index)])}
+        return {protocol.AOT_BIAS: torch.stack([r[torch.as_tensor(i, device=r.device).long()]
+                                                for r, i in zip(rows, index, strict=True)])}
     offsets = np.concatenate([[0], np.cumsum([r.numel() for r in rows])]).astype(protocol.INDEX_DTYPE)
     return {protocol.AOT_ROWS: torch.cat([r.reshape(-1) for r in rows]),
             protocol.AOT_INDEX: torch.from_numpy(np.stack(index)).to(table.device),
