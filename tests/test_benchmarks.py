@@ -106,8 +106,8 @@ def test_bound_session_equals_a_plain_run(tmp_path, tiny_models):
     each request's own rows laid out as Triton's batcher concatenates them (a padded request included)."""
     import torch
 
-    from aot.benchmarks.overhead_cases import make_case
-    from aot.benchmarks.overhead_onnxruntime import BoundSession, device_bias_feeds
+    from aot.benchmarks.overhead.cases import make_case
+    from aot.benchmarks.overhead.onnxruntime_engine import BoundSession, device_bias_feeds
     from aot.exporter.onnx_export import export_backbone_graph
     from aot.serving import protocol
     from aot.serving.engine import BackboneRunner, EncoderBatch
@@ -160,8 +160,8 @@ def test_overhead_int8_tiny(tmp_path, tiny_models, capsys):
 def test_overhead_threads_default_to_one_served_instance(monkeypatch):
     """Without --threads the graphs run with the threads one instance of the CPU server's fused step gets by
     default: the cores divided among the default --cpu-instances."""
-    from aot.benchmarks.overhead_cases import OverheadConfig
-    from aot.benchmarks.overhead_onnxruntime import cpu_threads
+    from aot.benchmarks.overhead.cases import OverheadConfig
+    from aot.benchmarks.overhead.onnxruntime_engine import cpu_threads
     from aot.serving.repository import ServingOptions
 
     config = OverheadConfig(models=["minilm"], batches=[1], seqs=[8], methods=["vanilla"], engine="onnxruntime")
@@ -283,7 +283,7 @@ def test_scale_bench_tiny(tmp_path, tiny_models, sentiment_dir):
 def test_policy_replay_evicts_and_counts_every_lookup(tmp_path, tiny_models):
     """The replay of `aot bench tasks` through a pool of 8 rows for 20 tasks: it evicts, and hits + misses are every
     distinct token of the trace's second half."""
-    from aot.benchmarks.tasks import replay_policies
+    from aot.benchmarks.tasks.modes import replay_policies
     from aot.serving.repository import read_repository
     from tests.helpers import make_repository
 
@@ -296,7 +296,7 @@ def test_policy_replay_evicts_and_counts_every_lookup(tmp_path, tiny_models):
 
 
 def test_memory_fallbacks_are_counted_from_the_server_log(tmp_path):
-    from aot.benchmarks.serve import _memory_fallbacks
+    from aot.benchmarks.served.serve import _memory_fallbacks
 
     log = tmp_path / "tritonserver.log"
     log.write_text('W1123 pinned_memory_manager.cc:170] "failed to allocate pinned system memory: no pinned memory '
@@ -412,7 +412,7 @@ def test_tax_bench_int8_tiny(tmp_path, tiny_models, sentiment_dir):
 def test_s3_bench_refuses_too_few_tasks_and_writes_its_reports(tmp_path, capsys):
     """`aot bench s3` (the full run needs minutes: docs/benchmarks.md, "The task store on S3"): too few tasks for the cold
     requests is one clear error; the reports hold every figure of a record."""
-    from aot.benchmarks.s3_store import S3BenchConfig, write_s3_reports
+    from aot.benchmarks.tasks.s3_store import S3BenchConfig, write_s3_reports
 
     assert main(["bench", "s3", "--task", str(tmp_path), "--tasks", "50", "--out", str(tmp_path / "out")]) == 2
     assert "--tasks 50: expected at least 100" in capsys.readouterr().err
@@ -451,8 +451,8 @@ def test_infinity_bench_sender_loop_and_report(tmp_path):
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from aot.benchmarks.infinity import http_sender, write_infinity_reports
-    from aot.benchmarks.serve import closed_loop
+    from aot.benchmarks.served.infinity import http_sender, write_infinity_reports
+    from aot.benchmarks.served.serve import closed_loop
 
     seen, lock = [], threading.Lock()
 
@@ -514,7 +514,7 @@ def test_an_unknown_storage_is_refused_before_any_work(tmp_path, capsys):
 def test_int8_data_writes_the_regression_and_pair_sets_aot_train_reads(tmp_path):
     """The int8 accuracy benchmark's two derived sets, read back by `aot train`'s loader: Rotten Tomatoes as 0/1
     scores in its own split, and BBC article pairs labelled by whether their topics match, half of each."""
-    from aot.benchmarks.int8_data import main as write_data
+    from aot.benchmarks.accuracy.int8_data import main as write_data
     from aot.training.data import load_task_data
     from aot.training.data.builtin import bbc_news, rotten_tomatoes
 
@@ -546,7 +546,7 @@ PERF_ANALYZER_CSV = (  # perf_analyzer 2.60's -f file for one concurrency, serve
 
 
 def test_perf_analyzer_csv_gives_texts_requests_and_latencies_in_ms():
-    from aot.benchmarks.gpu_perf_load import parse_perf_analyzer_csv
+    from aot.benchmarks.gpu.load import parse_perf_analyzer_csv
 
     figures = parse_perf_analyzer_csv(PERF_ANALYZER_CSV, texts_per_request=64)
     assert figures["texts_per_s"] == 12800.5 and figures["requests_per_s"] == 200.0  # Inferences/Second counts texts
@@ -559,7 +559,7 @@ def test_perf_analyzer_csv_gives_texts_requests_and_latencies_in_ms():
     ("Concurrency,Inferences/Second\n1,10\n", "lacks the columns ['p50 latency', 'p99 latency']"),
 ])
 def test_perf_analyzer_csv_without_figures_is_refused(text, said):
-    from aot.benchmarks.gpu_perf_load import LoadError, parse_perf_analyzer_csv
+    from aot.benchmarks.gpu.load import LoadError, parse_perf_analyzer_csv
 
     with pytest.raises(LoadError, match=re.escape(said)):
         parse_perf_analyzer_csv(text, texts_per_request=1)
@@ -568,7 +568,7 @@ def test_perf_analyzer_csv_without_figures_is_refused(text, said):
 def test_perf_analyzer_command_carries_the_admin_key_and_the_request_size(tmp_path):
     """perf_analyzer reads the restricted model config and statistics: the key goes as gRPC metadata (-H), and -b is
     the texts a request carries; the log shows the command without the key."""
-    from aot.benchmarks.gpu_perf_load import Window, perf_analyzer_command, shown
+    from aot.benchmarks.gpu.load import Window, perf_analyzer_command, shown
     from aot.serving.supervision.admin_key import GRPC_ADMIN_HEADER
 
     key = "k" * 32
@@ -598,7 +598,7 @@ def test_the_documented_perf_analyzer_command_carries_the_admin_key():
 
 
 def test_input_data_has_the_documented_shape_and_mixes_tasks():
-    from aot.benchmarks.gpu_perf_load import input_data
+    from aot.benchmarks.gpu.load import input_data
 
     documented = json.loads((ROOT / "docs" / "perf_analyzer_input.json").read_text())["data"][0]
     data = input_data(["a", "b", "c"], ["t0", "t1"])["data"]
@@ -608,7 +608,7 @@ def test_input_data_has_the_documented_shape_and_mixes_tasks():
 
 
 def test_windows_run_what_the_targets_read_first():
-    from aot.benchmarks.gpu_perf import windows_in_order
+    from aot.benchmarks.gpu.perf import windows_in_order
 
     order = [(w.model, w.texts, w.concurrency) for w in windows_in_order("base", (1, 32, 256), (1, 64))]
     assert len(order) == len(set(order)) == 18
@@ -622,8 +622,8 @@ def test_windows_run_what_the_targets_read_first():
 def test_budget_skips_what_would_pass_the_deadline():
     import time
 
-    from aot.benchmarks.gpu_perf import RESERVE_S, Budget
-    from aot.benchmarks.gpu_perf_load import Window
+    from aot.benchmarks.gpu.load import Window
+    from aot.benchmarks.gpu.perf import RESERVE_S, Budget
 
     unbounded = Budget(None, 10.0, 1500)
     assert unbounded.fits(1e9) and unbounded.estimate(Window("vanilla", 1, 1)) == 10.0
@@ -643,7 +643,7 @@ def test_budget_skips_what_would_pass_the_deadline():
 def test_a_window_of_long_requests_is_measured_over_a_longer_interval():
     """Two requests' latency in a closed loop (texts x concurrency / texts per second), at least the given window, at
     most MAX_INTERVAL_MS."""
-    from aot.benchmarks.gpu_perf_load import MAX_INTERVAL_MS, Window, interval_ms
+    from aot.benchmarks.gpu.load import MAX_INTERVAL_MS, Window, interval_ms
 
     assert interval_ms(Window("vanilla", 1, 256), 3000.0, 1500) == 1500  # 85 ms a request
     assert interval_ms(Window("vanilla", 64, 256), 7000.0, 1500) == 4681  # 2.3 s a request, as on the H100
@@ -652,7 +652,7 @@ def test_a_window_of_long_requests_is_measured_over_a_longer_interval():
 
 
 def test_an_earlier_shape_keeps_time_for_the_later_shapes_target_windows():
-    from aot.benchmarks.gpu_perf import RESERVE_S, Budget, kept_for_later
+    from aot.benchmarks.gpu.perf import RESERVE_S, Budget, kept_for_later
 
     budget = Budget(None, 10.0, 1500)
 
@@ -669,7 +669,7 @@ def test_an_earlier_shape_keeps_time_for_the_later_shapes_target_windows():
 
 
 def test_metric_sum_adds_every_series_and_tells_none_from_zero():
-    from aot.benchmarks.gpu_perf_server import metric_sum
+    from aot.benchmarks.gpu.server import metric_sum
 
     text = ('# TYPE aot_engine_eager_batches_total counter\n'
             'aot_engine_eager_batches_total{step="aot",instance="0"} 0\n'
@@ -681,7 +681,7 @@ def test_metric_sum_adds_every_series_and_tells_none_from_zero():
 
 
 def test_utilisation_samples_are_read_and_summarised_per_window():
-    from aot.benchmarks.gpu_perf_load import parse_utilisation, summarise_utilisation
+    from aot.benchmarks.gpu.load import parse_utilisation, summarise_utilisation
 
     assert [parse_utilisation(line) for line in ("87\n", " 5 ", "[N/A]", "")] == [87.0, 5.0, None, None]
     samples = [(0.5, 10.0), (1.0, 60.0), (1.5, 80.0), (3.0, 100.0)]
@@ -704,7 +704,7 @@ def _perf_shape(name: str, **changes) -> dict:
 
 
 def test_targets_are_evaluated_on_the_windows():
-    from aot.benchmarks.gpu_perf_report import evaluate_targets
+    from aot.benchmarks.gpu.report import evaluate_targets
 
     checks = {(c["shape"], c["target"]): c for c in evaluate_targets([_perf_shape("minilm"), _perf_shape("base")])}
     assert checks and all(c["met"] is True for c in checks.values()), [c for c in checks.values() if c["met"] is not True]
@@ -744,14 +744,14 @@ def test_targets_are_evaluated_on_the_windows():
     ({"error": "RuntimeError: aot serve exited with 1"}, "cuda", "aot serve exited with 1"),
 ])
 def test_what_fails_the_check(changes, device, said):
-    from aot.benchmarks.gpu_perf_report import failures
+    from aot.benchmarks.gpu.report import failures
 
     found = failures([_perf_shape("minilm", **changes)], device)
     assert (found == []) if said is None else (len(found) == 1 and said in found[0]), found
 
 
 def test_perf_reports_are_written_with_targets_and_failures(tmp_path):
-    from aot.benchmarks.gpu_perf_report import write_reports
+    from aot.benchmarks.gpu.report import write_reports
 
     shape = _perf_shape("minilm", description="bert config, 6 layers", eager_batches={"measured": 1, "since_start": 1},
                         elapsed_s={"windows": 12.0}, skipped=["aot-1-t64-c1 (~9 s would pass the deadline)"],
@@ -772,8 +772,8 @@ def test_perf_reports_are_written_with_targets_and_failures(tmp_path):
 def test_py_spy_raw_stacks_are_summarised_and_reported(tmp_path):
     """py-spy's raw output (root first, a count a line) as the busy share and the frames with the most samples, own
     and inclusive; perf.md shows it with the shape, and a profile that failed says why."""
-    from aot.benchmarks.gpu_perf_profile import summarise
-    from aot.benchmarks.gpu_perf_report import profile_markdown
+    from aot.benchmarks.gpu.report import profile_markdown
+    from aot.benchmarks.gpu.step_profile import summarise
 
     raw = ("execute (model.py:54);encode (tokenization.py:78) 60\n"
            "execute (model.py:54);logits (tasks.py:188) 25\n"

@@ -30,7 +30,7 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from aot.benchmarks.tax import cpu_seconds, own_cpu_seconds, server_processes
+from aot.benchmarks.tax.onnx_engine import cpu_seconds, own_cpu_seconds, server_processes
 
 PUBLISH_WAIT = 1.3  # seconds: longer than a step's metrics interval (StepMetrics.FLUSH_SECONDS) and a bit
 IDLE_SECONDS = 3.0  # the idle window before each pass (with PUBLISH_WAIT): probes and the metrics thread
@@ -145,7 +145,7 @@ def one_pass(server, items: list[dict], pack: int, concurrency: int, clients: st
 
 def build_repository(config: TorchTaxConfig, task: Path, scratch: Path) -> tuple[Path, list[str]]:
     """The torch-engine repository (its GPU configs' batches) with the task published `mixed_tasks` times."""
-    from aot.benchmarks.serve import ServeBenchConfig, Store, _build
+    from aot.benchmarks.served.serve import ServeBenchConfig, Store, _build
     from aot.exporter.backbone_export import export_backbone
     from aot.serving.repository import ServingOptions
     from aot.training.artifact import read_task
@@ -171,8 +171,8 @@ def check(config: TorchTaxConfig) -> None:
 def run_torch_tax(config: TorchTaxConfig, progress: bool = True) -> dict:
     from tqdm.auto import tqdm
 
-    from aot.benchmarks.serve import _texts
-    from aot.benchmarks.tax_torch_report import write_reports
+    from aot.benchmarks.served.serve import _texts
+    from aot.benchmarks.tax.torch_report import write_reports
     from aot.local.server import LocalServer
     from aot.serving.repository import read_repository
 

@@ -40,8 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
-from aot.benchmarks.accuracy_plan import RECORD_FIELDS, GridPoint, Run, SweepConfig, grid_points, run_id, task_data
-from aot.benchmarks.accuracy_report import cell, markdown, plot, plot_curves
+from aot.benchmarks.accuracy.plan import RECORD_FIELDS, GridPoint, Run, SweepConfig, grid_points, run_id, task_data
+from aot.benchmarks.accuracy.report import cell, markdown, plot, plot_curves
 from aot.benchmarks.report import write_json, write_text
 from aot.training.methods import MethodError, method_spec
 

@@ -5,7 +5,8 @@ Infinity runs from a Python environment of its own (`--infinity`: its `infinity_
 with its ONNX Runtime engine (`--engine optimum`, mean pooling) on the same MiniLM: per precision a model folder of
 its own, the encoder exported to `model.onnx` by optimum and, for int8, `model_quantized.onnx` quantized by
 optimum's ORTQuantizer as sentence-transformers recommends for CPUs (dynamic, per channel, AVX-512 VNNI), which
-Infinity prefers on a CPU. Each is served alone and driven by the same closed loop (aot.benchmarks.serve.closed_loop) as
+Infinity prefers on a CPU. Each is served alone and driven by the same closed loop
+(aot.benchmarks.served.serve.closed_loop) as
 `aot serve`, over its own protocol (HTTP `/embeddings` for Infinity, gRPC for `aot serve`), one text per request, at
 each concurrency. `aot serve` is measured by `aot bench serve` in the same run (the AoT task, 8 tasks mixed, and the
 vanilla ensemble; fp32 and int8 repositories).
@@ -27,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from aot.benchmarks.report import markdown_table, write_json, write_text
-from aot.benchmarks.serve import ServeBenchConfig, _texts, closed_loop, run_serve_bench
+from aot.benchmarks.served.serve import ServeBenchConfig, _texts, closed_loop, run_serve_bench
 from aot.local.processes import stop_process_group
 from aot.local.server import free_port
 

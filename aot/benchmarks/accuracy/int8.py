@@ -5,7 +5,7 @@ dev examples through the int8 engine against its fp32 score; here with the thres
 measures, it does not refuse); a task more than `allowed_drop` points below is re-fitted to the int8 backbone
 (aot.training.refit) and published again, and its served score is held against the fp32 task's.
 
-    python -m aot.benchmarks.int8_accuracy --repo REPO --tasks rt=runs/rt,bbc=runs/bbc --out DIR [--refit-steps N]
+    python -m aot.benchmarks.accuracy.int8 --repo REPO --tasks rt=runs/rt,bbc=runs/bbc --out DIR [--refit-steps N]
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ def write_reports(rows: list[TaskAccuracy], out: Path, repo: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m aot.benchmarks.int8_accuracy", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m aot.benchmarks.accuracy.int8",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--repo", required=True, help="an int8 repository (aot export backbone --precision int8)")
     parser.add_argument("--tasks", required=True, help="LABEL=TASK_DIR,... the trained tasks to publish")
     parser.add_argument("--out", required=True, help="folder for int8_accuracy.json and .md")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from aot.benchmarks.accuracy_plan import SweepConfig, task_data
+from aot.benchmarks.accuracy.plan import SweepConfig, task_data
 from aot.benchmarks.report import markdown_table, new_figure, save_figure
 from aot.training.data import BUILTIN
 from aot.training.trainer import TrainConfig

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from aot.benchmarks.report import markdown_table, new_figure, save_figure, write_json, write_text
-from aot.benchmarks.serve import _closed_loop, _published_counters, _server_rss_mb, _texts
+from aot.benchmarks.served.serve import _closed_loop, _published_counters, _server_rss_mb, _texts
 from aot.serving import protocol
 from aot.serving.pool import POLICIES, RowPool
 from aot.serving.repository import RepositoryInfo, read_repository

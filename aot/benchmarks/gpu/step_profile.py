@@ -25,7 +25,7 @@ def step_pid(serve_pid: int, model: str = "aot") -> int | None:
     """The process of the first instance of `model`'s python step under `aot serve` (its tritonserver's child stub)."""
     import psutil
 
-    from aot.benchmarks.tax import server_processes
+    from aot.benchmarks.tax.onnx_engine import server_processes
 
     for child in psutil.Process(serve_pid).children(recursive=True):
         try:

@@ -6,16 +6,16 @@ For each model shape (an AoT task trained on a random encoder of that shape), in
     served        the repository `aot export backbone --format torch --max-batch-size N` writes, 8 copies of the
                   task published (aot-0 ... aot-7), `aot serve --device D --vanilla` on it; then windows of
                   vanilla, AoT with 1 task and AoT with the 8 mixed, at each concurrency, with 1-text and N-text
-                  requests (gpu_perf_load: perf_analyzer, or the rehearsal's stand-in; a window of long requests
+                  requests (load: perf_analyzer, or the rehearsal's stand-in; a window of long requests
                   measured over a longer interval), the GPU's utilisation sampled through each; on the first shape,
-                  py-spy of one instance of the step through one window (gpu_perf_profile)
+                  py-spy of one instance of the step through one window (step_profile)
     afterwards    aot_engine_eager_batches_total from /metrics (before and after the windows), /ready's warnings,
                   served answers against `aot predict` on a few texts
 
 Served texts are Rotten Tomatoes reviews that pad to the same bucket as the engine alone's sequence (--seq), so
 that served texts/s and the engine's seq/s count the same work. Windows run most important first (what issue 52's
 targets read), and an earlier shape's less important ones only while they leave the later shapes' target windows
-their time; with a --deadline, a window or a shape that would not end before it is skipped and named in the report. Results: gpu_perf_report (perf.json, perf.md under --out, rewritten after every window).
+their time; with a --deadline, a window or a shape that would not end before it is skipped and named in the report. Results: gpu.report (perf.json, perf.md under --out, rewritten after every window).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aot.benchmarks.gpu_perf_load import (
+from aot.benchmarks.gpu.load import (
     MAX_TRIALS,
     PERF_ANALYZER,
     RATE_GUESS,
@@ -43,10 +43,10 @@ from aot.benchmarks.gpu_perf_load import (
     run_stand_in,
     write_input_data,
 )
-from aot.benchmarks.gpu_perf_profile import PROFILE_WINDOW, StepProfile
-from aot.benchmarks.gpu_perf_report import P50_SHAPES, RATIO_CONCURRENCIES, write_reports
-from aot.benchmarks.gpu_perf_server import Served, metric_sum
-from aot.benchmarks.gpu_perf_shape import TASKS, bucket_texts, build_repository, describe, pool_bytes
+from aot.benchmarks.gpu.report import P50_SHAPES, RATIO_CONCURRENCIES, write_reports
+from aot.benchmarks.gpu.server import Served, metric_sum
+from aot.benchmarks.gpu.shape import TASKS, bucket_texts, build_repository, describe, pool_bytes
+from aot.benchmarks.gpu.step_profile import PROFILE_WINDOW, StepProfile
 
 MODELS = ("vanilla", "aot-1", "aot-8")
 PARITY_TEXTS = 8
@@ -137,8 +137,8 @@ def _log(message: str) -> None:
 def engine_alone(model_dir: Path, config: GpuPerfConfig, out: Path) -> dict:
     """`aot bench overhead` in this process at the served max batch: vanilla's and AoT's (fused table resident)
     median time per batch and the sequences/s it makes."""
-    from aot.benchmarks.overhead import run_overhead
-    from aot.benchmarks.overhead_cases import OverheadConfig
+    from aot.benchmarks.overhead.cases import OverheadConfig
+    from aot.benchmarks.overhead.comparison import run_overhead
 
     batch, graphs = config.engine_batch or config.max_batch_size, config.device == "cuda"
     run_overhead(OverheadConfig(models=[str(model_dir)], batches=[batch], seqs=[config.seq],
@@ -334,7 +334,7 @@ def device_name(device: str) -> str:
 
 
 def run_gpu_perf(config: GpuPerfConfig) -> dict:
-    """Every shape in turn under the deadline; the result gpu_perf_report wrote, with its failures."""
+    """Every shape in turn under the deadline; the result gpu.report wrote, with its failures."""
     if config.device != "cpu" and config.perf_analyzer is None:
         raise ValueError(f"--device {config.device} measures with perf_analyzer: give --perf-analyzer (the stand-in "
                          "load is for the CPU rehearsal)")

@@ -1,6 +1,6 @@
 """The local fleet's figures (docs/deploy-fleet.md): a fleet of 2 tritonservers behind HAProxy (aot/local/fleet.py).
 
-    python -m aot.benchmarks.fleet --repo REPO --task ARTIFACT --name TASK --out docs/results/cpu-fleet-minilm
+    python -m aot.benchmarks.served.fleet --repo REPO --task ARTIFACT --name TASK --out docs/results/cpu-fleet-minilm
 
 REPO is a model repository where ARTIFACT is published as TASK. Measured, on this machine (clients, HAProxy and
 both replicas share its cores, so throughput cannot scale with replicas here: these are correctness and overhead
@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from aot.benchmarks.report import markdown_table, write_json, write_text
-from aot.benchmarks.serve import _closed_loop, _texts
+from aot.benchmarks.served.serve import _closed_loop, _texts
 from aot.client.client import Client, InferenceError
 from aot.exporter.task_export import export_task
 from aot.local.fleet import Fleet

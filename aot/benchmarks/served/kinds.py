@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from aot.benchmarks.report import markdown_table, write_json, write_text
-from aot.benchmarks.serve import _closed_loop, _texts
+from aot.benchmarks.served.serve import _closed_loop, _texts
 
 SETS = {"classification": ["classification"] * 8,
         "mixed": ["classification"] * 3 + ["tokens"] * 2 + ["embedding"] * 2 + ["multilabel"]}

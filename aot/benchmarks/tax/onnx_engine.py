@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from aot.benchmarks.report import markdown_table, new_figure, save_figure, write_json, write_text
-from aot.benchmarks.serve import ServeBenchConfig, Store, _build, _closed_loop, _texts
+from aot.benchmarks.served.serve import ServeBenchConfig, Store, _build, _closed_loop, _texts
 from aot.exporter import configs
 from aot.exporter.configs import CPU_CONFIG, parse_pbtxt, to_pbtxt
 from aot.serving.repository import read_repository

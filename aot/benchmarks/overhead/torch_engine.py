@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from aot.benchmarks.overhead_cases import (
+from aot.benchmarks.overhead.cases import (
     Case,
     Method,
     OverheadConfig,

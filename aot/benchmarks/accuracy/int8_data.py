@@ -2,7 +2,7 @@
 BBC News (docs/benchmarks.md, "int8 on CPU"): written as `aot train --data` folders, so that the benchmark's four
 tasks can be trained again from the packaged data alone.
 
-    python -m aot.benchmarks.int8_data --out runs/int8/data      # then rt_score/ and bbc_pairs/ under it
+    python -m aot.benchmarks.accuracy.int8_data --out runs/int8/data      # then rt_score/ and bbc_pairs/ under it
 
 - `rt_score`: Rotten Tomatoes as a regression (`label` 1.0 for a positive review, 0.0 for a negative one; its
   `task.json` declares the problem, so the numbers are never read as two class names), in the built-in split.
@@ -68,7 +68,8 @@ def _at_least_two(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m aot.benchmarks.int8_data", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m aot.benchmarks.accuracy.int8_data",
+                                     description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--out", required=True, type=Path, help="folder to write rt_score/ and bbc_pairs/ into")
     parser.add_argument("--pairs", type=_at_least_two, default=2000, help="training pairs of BBC articles")

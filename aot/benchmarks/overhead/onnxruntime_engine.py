@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from aot.benchmarks.overhead_cases import (
+from aot.benchmarks.overhead.cases import (
     Case,
     Method,
     OverheadConfig,

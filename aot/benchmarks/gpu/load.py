@@ -134,7 +134,7 @@ def run_perf_analyzer(command: list[str], csv_file: Path, log: Path, texts_per_r
 def run_stand_in(url: str, window: Window, items: list[dict], requests: int) -> dict:
     """The rehearsal's load: `requests` requests of `window.texts` items each through aot.Client.infer_many (one
     request per call), at most `window.concurrency` in flight; figures in perf_analyzer's terms."""
-    from aot.benchmarks.serve import closed_loop
+    from aot.benchmarks.served.serve import closed_loop
     from aot.client.client import Client
 
     packs = [[items[(r * window.texts + k) % len(items)] for k in range(window.texts)] for r in range(requests)]

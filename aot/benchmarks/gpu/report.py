@@ -20,7 +20,7 @@ from aot.benchmarks.report import markdown_table, write_json, write_text
 SINGLE_SHARE = {"minilm": 0.15, "base": 1 / 3}  # 1-text requests
 PACKED_SHARE = {"minilm": 0.5, "base": 0.8}  # 64-text requests
 MIXED_OVER_VANILLA = 0.95  # AoT, 8 tasks mixed, against vanilla at the same request size and concurrency: every one
-RATIO_CONCURRENCIES = (32, 256)  # the windows measured first (gpu_perf.priority)
+RATIO_CONCURRENCIES = (32, 256)  # the windows measured first (perf.priority)
 P50_MS = 3.0  # c=1, 1-text requests, the MiniLM shape
 P50_SHAPES = ("minilm",)
 GPU_UTIL = 60.0  # percent, 64-text requests at c=256
@@ -172,7 +172,7 @@ def markdown(result: dict) -> str:
 
 
 def profile_markdown(profile: dict | None) -> str:
-    """py-spy's summary of one step instance (gpu_perf_profile), as lines of the shape's list."""
+    """py-spy's summary of one step instance (step_profile), as lines of the shape's list."""
     if not profile:
         return ""
     if profile.get("error"):

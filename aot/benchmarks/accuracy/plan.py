@@ -1,6 +1,6 @@
 """What a sweep of `aot bench accuracy` runs: its configuration, the grids (the paper's Table 2 values), the runs and
 their ids, the fields of a run's record, and the task data each process loads once. The protocol, the grids and the
-outputs are described in benchmarks/accuracy.py."""
+outputs are described in accuracy/sweep.py."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ RECORD_FIELDS = ("run_id", "dataset", "task", "method", "lr", "batch_size", "ran
 
 @dataclass
 class SweepConfig:
-    """What `aot bench accuracy` sweeps; aot/benchmarks/accuracy.py describes the protocol."""
+    """What `aot bench accuracy` sweeps; aot/benchmarks/accuracy/sweep.py describes the protocol."""
 
     model: str
     datasets: list[str]

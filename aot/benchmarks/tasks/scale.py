@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from aot.benchmarks.report import markdown_table, new_figure, percentile, save_figure, write_json, write_text
-from aot.benchmarks.serve import _closed_loop, _texts
+from aot.benchmarks.served.serve import _closed_loop, _texts
 from aot.serving.repository import read_repository
 from aot.serving.shm import STUB
 from aot.serving.store.layout import FACTORS, HEAD, TASK_JSON

@@ -1,5 +1,6 @@
 """`aot bench s3`: the task store in S3-compatible object storage (a SeaweedFS started here, aot.local.s3_server)
-against the store on the file system, on tasks derived from one trained task (aot.benchmarks.scale.DerivedStore), as
+against the store on the file system, on tasks derived from one trained task
+(aot.benchmarks.tasks.scale.DerivedStore), as
 `aot serve` runs them by default. Measured in one run:
 
     cached_rps_file, cached_rps_s3, cached_ratio   closed loops over `hot` tasks, every one cached, on a server of
@@ -31,8 +32,8 @@ import numpy as np
 
 from aot import settings
 from aot.benchmarks.report import markdown_table, percentile, write_json, write_text
-from aot.benchmarks.scale import DerivedStore, _name
-from aot.benchmarks.serve import _closed_loop, _texts
+from aot.benchmarks.served.serve import _closed_loop, _texts
+from aot.benchmarks.tasks.scale import DerivedStore, _name
 from aot.serving.repository import read_repository
 from aot.serving.store.writer import TaskStore
 

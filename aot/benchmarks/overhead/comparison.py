@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from aot.benchmarks.overhead_cases import METHODS, OverheadConfig
-from aot.benchmarks.overhead_onnxruntime import cpu_threads, run_onnxruntime
-from aot.benchmarks.overhead_torch import run_torch
+from aot.benchmarks.overhead.cases import METHODS, OverheadConfig
+from aot.benchmarks.overhead.onnxruntime_engine import cpu_threads, run_onnxruntime
+from aot.benchmarks.overhead.torch_engine import run_torch
 from aot.benchmarks.report import markdown_table, new_figure, save_figure, write_json, write_text
 
 

@@ -1,5 +1,5 @@
-"""The results of `aot bench tax --engine torch` (aot.benchmarks.tax_torch): tax-torch.json (one record a pass) and
-tax-torch.md: the passes, the server's CPU by process per text and per request, and issue 52's targets for this
+"""The results of `aot bench tax --engine torch` (aot.benchmarks.tax.torch_engine): tax-torch.json (one record a pass)
+and tax-torch.md: the passes, the server's CPU by process per text and per request, and issue 52's targets for this
 machine evaluated on them (met / no / not measured)."""
 
 from __future__ import annotations
