@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import pytest
 from aot.local.server import free_ports
 from aot.training.predict import Predictor
 from tests.helpers import make_repository, train_tiny_task
+from tests.tiny import write_sentiment_folder
 
 pytestmark = pytest.mark.server
 
@@ -33,9 +35,13 @@ LINES = 2000  # one line a request: a few seconds of work, so that a stop trigge
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory, tiny_models, sentiment_dir):
+    """A repository serving `sent` and a task trained on text pairs, `pairs` (the first by name: `aot serve`'s hint
+    names it); `sent`'s PyTorch logits of TEXTS."""
     root = tmp_path_factory.mktemp("batch")
     artifact = train_tiny_task(tiny_models["bert"], sentiment_dir, root / "task")
-    make_repository(tiny_models["bert"], root / "repo", {"sent": (artifact, "factored")})
+    pairs = train_tiny_task(tiny_models["bert"], write_sentiment_folder(root / "pair-data", pair=True), root / "pairs",
+                            epochs=1)
+    make_repository(tiny_models["bert"], root / "repo", {"sent": (artifact, "factored"), "pairs": (pairs, "factored")})
     return root / "repo", Predictor.load(artifact).logits(TEXTS).numpy()
 
 
@@ -47,13 +53,17 @@ def _requests(folder: Path, count: int) -> Path:
 
 
 def _serve(repo: Path, ports: list[int], *extra: str) -> subprocess.Popen:
-    """`aot serve` on fixed ports (a restart takes the same), ready when it printed its JSON line."""
+    """`aot serve` on fixed ports (a restart takes the same), ready when it printed its JSON line; its "next:" hint
+    in `hint` (it writes a few lines more on stderr: the pipe holds them)."""
     process = subprocess.Popen([sys.executable, "-m", "aot", "serve", "--repo", str(repo), "--drain-seconds", "0",
                                 *(f"--{name}-port={port}" for name, port in zip(("http", "grpc", "metrics", "health"),
                                                                                  ports, strict=True)), *extra],
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                                start_new_session=True)
-    assert process.stdout.readline(), "aot serve did not start"
+    assert process.stdout.readline(), process.stderr.read()
+    while not (line := process.stderr.readline()).startswith("aot: next: "):
+        assert line, "aot serve gave no hint"
+    process.hint = line.removeprefix("aot: next: ").strip()
     return process
 
 
@@ -179,13 +189,19 @@ def test_a_rate_limited_server_answers_every_line_paced(repo, tmp_path):
 
 def test_a_client_killed_halfway_goes_on_with_resume(repo, tmp_path):
     """SIGKILL of `aot infer` halfway: the file holds whole lines, in order; `--resume` sends only the lines it does
-    not answer, and every line is then answered exactly once."""
+    not answer, and every line is then answered exactly once. (And `aot serve`'s hint, for a task trained on text
+    pairs, is a call that works: issue 54.7.)"""
     repo, logits = repo
     ports = free_ports(4)
     out = tmp_path / "answers.jsonl"
     requests = _requests(tmp_path, LINES)
     server = _serve(repo, ports)
     try:
+        assert server.hint == (f'aot infer --url 127.0.0.1:{ports[1]} --task pairs --pair "a second text" '
+                               '"some text"')
+        hinted = subprocess.run([sys.executable, "-m", *shlex.split(server.hint)], capture_output=True, text=True,
+                                cwd=ROOT, timeout=120)
+        assert hinted.returncode == 0 and json.loads(hinted.stdout)["version"].startswith("pairs@"), hinted.stderr
         client = _infer(ports, requests, out, "--concurrency", "1", "--pack", "1")
         _wait_for_lines(out, LINES // 4, client)
         client.kill()
