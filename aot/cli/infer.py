@@ -17,6 +17,7 @@ from aot.cli.serve import add_connection_arguments, connect
 from aot.serving.formats import json_lines
 
 WAITING_NOTICE = 1.0  # seconds without the server before `aot infer` says it is waiting for it
+BATCH_RETRY_SECONDS = 60.0  # --input's retry window: 10 s did not cover a server replacing an instance under load
 
 DESCRIPTION = (
     'Prints the answer of the task\'s kind per TEXT, like `aot predict` plus the task version that answered: '
@@ -70,7 +71,8 @@ def add_infer(sub) -> None:
                    help="the retry window: how long the run goes on sending again what a retry may cure while the "
                         "server answers nothing (one window for the whole run; then every line left fails, named as "
                         "given up), and how long one line may keep failing so while others are answered (default: "
-                        "aot.Client's, 10; 0: never send again)")
+                        f"{BATCH_RETRY_SECONDS:g} with --input, so that a nightly job rides through a restart or an "
+                        "instance replaced under load; else aot.Client's, 10; 0: never send again)")
     p.add_argument("--ensemble", default="aot", help="ensemble to call (aot, or vanilla for comparisons)")
     p.add_argument("--model", dest="ensemble", default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # its old name
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar of --input")
@@ -129,8 +131,9 @@ def _check_unique(lines: list[InputLine]) -> None:
 
 
 def _connected(args):
+    window = args.retry_seconds if args.retry_seconds is not None else BATCH_RETRY_SECONDS if args.input else None
     return connect(args, model=args.ensemble, timeout=args.timeout,
-                   **({} if args.retry_seconds is None else {"retry_seconds": args.retry_seconds}))
+                   **({} if window is None else {"retry_seconds": window}))
 
 
 def _wait_for_server(client, say) -> None:
