@@ -5,7 +5,9 @@ side by side in one run: docs/benchmarks.md, "Batch scoring".
     .venv/bin/python scripts/bench_batch.py --repo REPO --task NAME --old /tmp/old --out docs/results/batch-scoring
 
 Cases (each `aot infer` a process of its own, the server the same `aot serve` of this checkout):
-  throughput   the same --throughput-lines, old and new alternating, --runs each: lines/s from the wall time
+  throughput   the same --throughput-lines, old and new alternating, --runs each: lines/s from the wall time, the
+               ratio of each pair of runs (the machine's load drifts: a pair shares it), and the client's CPU time
+               per 1,000 lines (its own cost, whatever the load)
   restart      --lines lines, SIGTERM of the server --stop-after seconds in (it drains first, `aot serve`'s default),
                started again once it exited: lines lost, duplicated, wrong (against a clean run), exit status
   gone         the same, never started again
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import statistics
 import subprocess
@@ -73,8 +76,13 @@ def infer(tree: Path | None, requests: Path, out: Path, *extra: str) -> subproce
 
 
 def finish(client: subprocess.Popen, started: float) -> dict:
+    """The client's exit status, wall time, CPU time (user + system: its own cost, whatever the machine's load) and
+    the last lines it said."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     _, err = client.communicate(timeout=3600)
-    return {"rc": client.returncode, "seconds": round(time.monotonic() - started, 2),
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return {"rc": client.returncode, "seconds": round(time.monotonic() - started, 2), "cpu_seconds": round(cpu, 2),
             "stderr": [line for line in err.splitlines() if line.startswith("aot:")][-3:]}
 
 
@@ -127,7 +135,7 @@ def main() -> None:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--lines", type=int, default=9000)
     parser.add_argument("--throughput-lines", type=int, default=3000)
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=6)
     parser.add_argument("--stop-after", type=float, default=10.0)
     parser.add_argument("--cases", default="throughput,restart,gone,rate,resume")
     args = parser.parse_args()
@@ -147,17 +155,24 @@ def main() -> None:
         if "throughput" in cases:
             small = write_requests(work / "throughput.jsonl", args.task, args.throughput_lines)
             runs: dict[str, list[float]] = {"old": [], "new": []}
-            for _ in range(args.runs):
-                for name, tree in trees.items():
+            cpu: dict[str, list[float]] = {"old": [], "new": []}  # client CPU ms per 1,000 lines
+            failed = {"old": 0, "new": 0}
+            for k in range(args.runs):  # alternating, the first of each pair swapped every run
+                for name in (("old", "new") if k % 2 == 0 else ("new", "old")):
+                    out = work / f"throughput-{name}.jsonl"
                     started = time.monotonic()
-                    done = finish(infer(tree, small, work / f"throughput-{name}.jsonl"), started)
+                    done = finish(infer(trees[name], small, out), started)
                     assert done["rc"] == 0, done
+                    failed[name] += check(out, reference, args.throughput_lines)["failed"]
                     runs[name].append(args.throughput_lines / done["seconds"])
+                    cpu[name].append(1e6 * done["cpu_seconds"] / args.throughput_lines)
+            ratios = [n / o for n, o in zip(runs["new"], runs["old"], strict=True)]
             results["throughput"] = {name: {"lines_per_s": [round(r, 1) for r in values],
-                                            "median": round(statistics.median(values), 1)}
+                                            "median": round(statistics.median(values), 1), "failed": failed[name],
+                                            "client_cpu_ms_per_1000_lines": round(statistics.median(cpu[name]), 1)}
                                      for name, values in runs.items()}
-            results["throughput"]["new_over_old"] = round(results["throughput"]["new"]["median"]
-                                                          / results["throughput"]["old"]["median"], 3)
+            results["throughput"]["new_over_old"] = {"paired": [round(r, 3) for r in ratios],
+                                                     "median": round(statistics.median(ratios), 3)}
     finally:
         stop(server)
     for case, restart in (("restart", True), ("gone", False)):
