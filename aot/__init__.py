@@ -5,12 +5,14 @@ only those below it: pyproject.toml [tool.importlinter], tests/test_imports.py):
     cli               the `aot` command
     local             servers started on this machine: tritonserver, a fleet behind HAProxy, SeaweedFS
     client            the gRPC client (`from aot import Client`): no torch
-    exporter          a trained task into a served repository: the backbone, the configs, the task store
+    exporter          a trained task into a served repository: the backbone, the configs, each task's version
+                      folder, validated and published through the store's writer (serving.store)
     training          tasks trained on a frozen encoder: AoT P-Tuning (FC, Kronecker) and the baselines
+    model_repository  the Triton python models (templates an export copies, never imports; thin adapters over
+                      serving and, for the torch engine and the GPU pool, serving_torch)
     serving_torch     the torch engine of the served steps
-    serving           the ground floor the Triton steps run, torch-free: the request path, the task store
-                      (serving.store) and the supervision of a running server (serving.supervision)
-    model_repository  the Triton python models (templates an export copies; thin adapters over serving)
+    serving           the ground floor the Triton steps run, torch-free: the request path, the task store read and
+                      written in one room (serving.store) and the supervision of a running server (serving.supervision)
     settings          every AOT_* environment variable, its type, default and meaning (under everything)
 
 The Python API below is imported on first use (PEFT-shaped: AotConfig, get_aot_model, AotModel, MultiTaskModel,

@@ -10,6 +10,7 @@ it imports nothing of the project.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,13 @@ def _non_negative(raw: str) -> float:
     if not 0.0 <= value < float("inf"):
         raise ValueError(raw)
     return value
+
+
+def _header_name(raw: str) -> str:
+    """A request header's name, lower-cased (gRPC metadata keys are)."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9-]*", raw.strip()):
+        raise ValueError(raw)
+    return raw.strip().lower()
 
 
 def _flag(raw: str) -> bool:
@@ -89,9 +97,10 @@ HEALTH_PORT = Setting("AOT_HEALTH_PORT", "the supervisor's health port (/ready, 
 HEALTH_ADDRESS = Setting("AOT_HEALTH_ADDRESS", "the address the supervisor's health port listens on", "0.0.0.0",
                          expected="an IP address", read_by="supervisor (the container)")
 DRAIN_SECONDS = Setting("AOT_DRAIN_SECONDS", "a graceful stop (SIGTERM) first drains this long: /ready answers 503 "
-                        "so that load balancers send nothing new, requests that still arrive are answered, then the "
-                        "server stops and finishes what it accepted (`aot serve --drain-seconds` sets it; a second "
-                        "signal stops at once)", 10.0, _non_negative, "a number of seconds, 0 or more",
+                        "so that load balancers send nothing new, requests that still arrive are answered; then new "
+                        "requests are refused (retryable) on both protocols, those begun are finished, and the "
+                        "server stops (`aot serve --drain-seconds` sets it; a second signal stops at once)", 10.0,
+                        _non_negative, "a number of seconds, 0 or more",
                         read_by="supervisor (the container), aot serve")
 LOAD_VANILLA = Setting("AOT_LOAD_VANILLA", "the container's server also loads the plain encoder (`vanilla`, for "
                        "comparisons: one more engine)", False, _flag, "1 or 0", read_by="supervisor (the container)")
@@ -129,6 +138,13 @@ ANONYMOUS_RATE_LIMIT = Setting("AOT_ANONYMOUS_RATE_LIMIT", "texts per second tha
 RATE_BURST_SECONDS = Setting("AOT_RATE_BURST_SECONDS", "seconds of its rate a caller may send at once after a quiet "
                              "spell (a token bucket's depth)", 1.0, _non_negative, "a number of seconds",
                              read_by="python steps")
+CLIENT_ADDRESS_HEADER = Setting("AOT_CLIENT_ADDRESS_HEADER", "the request header that carries a keyless client's "
+                                "address, set by a proxy in front that overwrites what clients send (the fleet's "
+                                "HAProxy sets aot-client-address): keyless callers then share the anonymous rate "
+                                "equally by address (unset: they are one caller; tritonserver forwards the header to "
+                                "the steps, `aot serve --client-address-header` sets it)", None,
+                                _header_name, "a header name (letters, digits and '-')",
+                                read_by="python steps, supervisor (the container), aot serve")
 TASK_CACHE_DIR = Setting("AOT_TASK_CACHE_DIR", "where a server keeps the task versions it fetched from an object "
                          "store (default: ~/.cache/aot/task-versions/<store>)", expected="a folder path",
                          read_by="python steps")
@@ -177,8 +193,8 @@ GPU_REQUESTS = Setting("AOT_GPU_REQUESTS", "requests per serve and pool measurem
 GPU_ROUNDS = Setting("AOT_GPU_ROUNDS", "rounds of the GPU check's serve bench", 1, _integer(1), "a number of rounds",
                      read_by="scripts/gpu-check.sh")
 GPU_INSTANCES = Setting("AOT_GPU_INSTANCES", "the GPU check's perf stage serves its step in this many instances "
-                        "on the GPU (default: `aot export backbone`'s)", None, _integer(1),
-                        "a number of instances, 1 or more", read_by="scripts/gpu-check.sh")
+                        "on the GPU", 4, _integer(1), "a number of instances, 1 or more",
+                        read_by="scripts/gpu-check.sh")
 
 SETTINGS: tuple[Setting, ...] = tuple(v for v in globals().values() if isinstance(v, Setting))
 SCRIPTS_FROM = REPO  # the first setting only the scripts and deployment files read (the table's second part)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU serving check (issues 12 and 45), on a machine with a CUDA GPU, Python with PyTorch (CUDA), transformers,
+# The GPU serving check (issues 12, 45 and 52), on a machine with a CUDA GPU, Python with PyTorch (CUDA), transformers,
 # tokenizers, safetensors, peft, scikit-learn, psutil, matplotlib and grpcio, and no network: .gpu-kit/
 # (scripts/gpu-kit.sh, run where the package index is reachable) brings the rest. Served on the local tritonserver
 # with the torch engine, random-weight encoders of MiniLM's shape (and for perf a base-size one: speed and parity need
@@ -7,14 +7,17 @@
 #
 #   bash scripts/gpu-check.sh [STAGE...]   default: perf, one call of the device tool (8 minutes); the others two
 #                                          to a call (10 minutes at most)
-#     perf      issue 45's check, for MiniLM's shape and a base-size encoder (RoBERTa-base's compute shape with
+#     perf      issue 52's check, for MiniLM's shape and a base-size encoder (RoBERTa-base's compute shape with
 #               MiniLM's tokenizer): the engine alone at the served max batch (128 x 64 tokens, CUDA graphs); served
-#               (aot serve --device cuda --vanilla) under perf_analyzer: vanilla, AoT 1 task, AoT 8 mixed tasks at
-#               concurrency 1, 32, 256 with 1-text and 64-text requests; the GPU's utilisation through each window;
-#               batches run eagerly (any fails the check), /ready's warnings, parity with `aot predict`; the targets
-#               evaluated (aot bench gpu-perf: perf.json, perf.md). It is planned to end within AOT_GPU_SECONDS
-#               (450) of the start: windows that would not fit are skipped, the base-size shape's least important
-#               first, and named (a window slower than the ones before it can overrun by its excess)
+#               (aot serve --device cuda --vanilla, the step in AOT_GPU_INSTANCES instances) under perf_analyzer:
+#               vanilla, AoT 1 task, AoT 8 mixed tasks at concurrency 1, 32, 256 with 1-text and 64-text requests
+#               (a window of long requests, 64 texts at c=256, measured over a longer interval); the GPU's
+#               utilisation through each window; py-spy of one step instance through AoT 8 mixed, 64-text requests,
+#               c=256 on MiniLM's shape; batches run eagerly (any fails the check), /ready's warnings, parity with
+#               `aot predict`; the targets evaluated (aot bench gpu-perf: perf.json, perf.md, minilm/py-spy.txt). It
+#               is planned to end within AOT_GPU_SECONDS (450) of the start: windows that would not fit are skipped,
+#               the base-size shape's least important first, and named (a window slower than the ones before it can
+#               overrun by its excess)
 #     smoke     served answers vs `aot predict`; vanilla vs AoT (1 and 8 mixed tasks) at concurrency 1 and 8, 200
 #               requests each (the path works at all)
 #     serve     throughput and p50/p99 at concurrency 1, 8, 32: vanilla vs AoT with 1 and 8 mixed tasks, fused and
@@ -27,8 +30,8 @@
 # python3), AOT_GPU_DEVICE (cuda; cpu rehearses the stages on a machine without one: perf with a stand-in load
 # generator, labelled, where perf_analyzer cannot run), AOT_GPU_KIT (.gpu-kit), AOT_GPU_WORK (/tmp/aot-gpu),
 # AOT_GPU_SECONDS (450: the perf stage's budget), AOT_GPU_REQUESTS (2000 per serve and pool measurement),
-# AOT_GPU_ROUNDS (1: aot bench serve --rounds), AOT_GPU_INSTANCES (the perf stage's served step instances on the GPU;
-# default: the export's).
+# AOT_GPU_ROUNDS (1: aot bench serve --rounds), AOT_GPU_INSTANCES (4: the perf stage's served step instances on the
+# GPU).
 set -euo pipefail
 deadline=$(( $(date +%s) + ${AOT_GPU_SECONDS:-450} ))  # the perf stage ends by then, set-up included
 cd "$(dirname "$0")/.."
@@ -47,11 +50,12 @@ for stage in "$@"; do
   esac
 done
 [ -d "$kit" ] || { echo "gpu-check: no $kit: run bash scripts/gpu-kit.sh where the package index is reachable" >&2; exit 2; }
-if [[ " $* " == *" perf "* ]] && [ "$device" != cpu ] && ! compgen -G "$kit/perf-analyzer/*.whl" >/dev/null; then
-  echo "gpu-check: $kit has no perf-analyzer/ wheel (the perf stage's load generator): rebuild it with bash" \
-    "scripts/gpu-kit.sh" >&2
-  exit 2
-fi
+for tool in perf-analyzer py-spy; do  # the perf stage's load generator and profiler (a rehearsal does without)
+  if [[ " $* " == *" perf "* ]] && [ "$device" != cpu ] && ! compgen -G "$kit/$tool/*.whl" >/dev/null; then
+    echo "gpu-check: $kit has no $tool/ wheel (the perf stage needs it): rebuild it with bash scripts/gpu-kit.sh" >&2
+    exit 2
+  fi
+done
 mkdir -p "$out" "$work"
 exec > >(tee -a "$out/gpu-check.log") 2>&1
 tee_pid=$!
@@ -105,31 +109,15 @@ LD_LIBRARY_PATH=$libdir ldd "$stub" | grep -E 'libpython|libcudart|not found' ||
 
 echo "== set-up: $SECONDS s"
 
-# --- what the stages serve: random encoders (MiniLM's config and tokenizer; DIMS: a JSON object of config changes)
-random_encoder() {  # DEST DIMS
-  [ -f "$1/model.safetensors" ] && return
-  "$py" - "$kit/minilm" "$1" "$2" <<'PY'
-import json, shutil, sys
-from pathlib import Path
-import torch
-from transformers import AutoConfig, AutoModel
-from transformers.utils import logging
-logging.disable_progress_bar()
-src, dst, dims = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
-shutil.copytree(src, dst, dirs_exist_ok=True)
-config = AutoConfig.from_pretrained(src, **dims)
-pooling = dst / "1_Pooling" / "config.json"  # the sentence-transformers pooling states the width
-if pooling.is_file():
-    pooling.write_text(json.dumps({**json.loads(pooling.read_text()), "word_embedding_dimension": config.hidden_size}))
-torch.manual_seed(0)
-AutoModel.from_config(config).save_pretrained(dst)
-PY
+# --- what the stages serve: random encoders (MiniLM's config and tokenizer, random weights)
+random_encoder() {  # DEST SHAPE: source (MiniLM's own), or base (aot.benchmarks.encoders)
+  "$py" -m aot.benchmarks.encoders "$kit/minilm" "$1" "$2"
 }
 model=$work/minilm-random
 task=$work/task
 for stage in "$@"; do
   [ "$stage" = perf ] && continue  # the other stages serve a task of MiniLM's shape, trained once
-  random_encoder "$model" '{}'
+  random_encoder "$model" source
   if [ ! -f "$task/config.json" ]; then
     echo "== train: FC on the random encoder, Rotten Tomatoes, 2,000 reviews, 1 epoch, 128 tokens"
     aot train --model "$model" --data rotten_tomatoes --method fc --out "$task" --epochs 1 --max-length 128 \
@@ -138,24 +126,27 @@ for stage in "$@"; do
   table_bytes=$("$py" -c 'import json, sys; c = json.load(open(sys.argv[1])); print(c["vocab_size"] * c["num_hidden_layers"] * c["hidden_size"] * 2)' "$model/config.json")
   break
 done
-perf_stage() {  # issue 45's check (the comment above); its exit status is the check's
-  local start=$SECONDS load=() shape
-  if [ "$device" = cpu ]; then  # the rehearsal: perf_analyzer does not run on an older glibc; tiny loads
-    load=(--stand-in-requests 4 --engine-batch 4 --engine-repeats 2)
-  else
-    local pa=$work/perf-analyzer pa_stamp
-    pa_stamp=$(ls -l --time-style=full-iso "$kit"/perf-analyzer | cksum)
-    if [ "$(cat "$pa/.done" 2>/dev/null)" != "$pa_stamp" ]; then
-      rm -rf "$pa"
-      "$py" -m pip install -q --no-index --no-deps --no-compile --target "$pa" "$kit"/perf-analyzer/*.whl
-      chmod +x "$pa/perf_analyzer/bin/perf_analyzer"
-      echo "$pa_stamp" > "$pa/.done"
+perf_stage() {  # issue 52's check (the comment above); its exit status is the check's
+  local start=$SECONDS load=() shape tool dir tool_stamp
+  for tool in perf-analyzer py-spy; do  # each wheel into a folder of its own, again when the kit changed
+    compgen -G "$kit/$tool/*.whl" >/dev/null || continue
+    dir=$work/$tool
+    tool_stamp=$(ls -l --time-style=full-iso "$kit/$tool" | cksum)
+    if [ "$(cat "$dir/.done" 2>/dev/null)" != "$tool_stamp" ]; then
+      rm -rf "$dir"
+      "$py" -m pip install -q --no-index --no-deps --no-compile --target "$dir" "$kit/$tool"/*.whl
+      echo "$tool_stamp" > "$dir/.done"
     fi
-    load=(--perf-analyzer "$pa/perf_analyzer/bin/perf_analyzer")
+  done
+  [ ! -f "$work/py-spy/bin/py-spy" ] || { chmod +x "$work/py-spy/bin/py-spy"; load+=(--py-spy "$work/py-spy/bin/py-spy"); }
+  if [ "$device" = cpu ]; then  # the rehearsal: perf_analyzer does not run on an older glibc; tiny loads
+    load+=(--stand-in-requests 4 --engine-batch 4 --engine-repeats 2)
+  else
+    chmod +x "$work/perf-analyzer/perf_analyzer/bin/perf_analyzer"
+    load+=(--perf-analyzer "$work/perf-analyzer/perf_analyzer/bin/perf_analyzer")
   fi
-  random_encoder "$work/perf-minilm" '{}'
-  random_encoder "$work/perf-base" '{"num_hidden_layers": 12, "hidden_size": 768, "num_attention_heads": 12,
-    "intermediate_size": 3072}'
+  random_encoder "$work/perf-minilm" source
+  random_encoder "$work/perf-base" base
   echo "== perf: random encoders: $((SECONDS - start)) s"
   for shape in minilm base; do  # accuracy does not matter: a task to serve (4 optimizer steps)
     [ -f "$work/perf-task-$shape/config.json" ] || aot train --model "$work/perf-$shape" --data rotten_tomatoes \
@@ -166,7 +157,7 @@ perf_stage() {  # issue 45's check (the comment above); its exit status is the c
   local status=0
   aot bench gpu-perf --shape "minilm=$work/perf-task-minilm" --shape "base=$work/perf-task-base" \
     --device "$device" --deadline "$deadline" --out "$out/perf" --work "$work/perf" "${load[@]}" \
-    ${AOT_GPU_INSTANCES:+--gpu-instances "$AOT_GPU_INSTANCES"} \
+    --gpu-instances "${AOT_GPU_INSTANCES:-4}" \
     --note "base: a BERT config of RoBERTa-base's compute shape (12 layers, hidden 768, 12 heads, FFN 3072) with \
 MiniLM's tokenizer and vocabulary (30,522, not RoBERTa's 50,265): the kit carries no RoBERTa tokenizer" \
     --note "every encoder has random weights; each task is FC trained 1 epoch on 64 reviews (accuracy not measured)" \

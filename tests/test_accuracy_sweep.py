@@ -136,7 +136,7 @@ def test_steps_budget_trains_every_method_the_same_steps_and_plots_curves(tiny_m
     lines = curves(report["summary"], report["records"])
     assert set(lines) == {(str(with_test_dir), "fc"), (str(with_test_dir), "bitfit")}
     for steps, dev in lines.values():
-        assert steps == [1, 2, 3, 4, 5, 6, 7] and all(0 <= v <= 1 for v in dev)
+        assert steps == [1, 2, 3, 4, 5, 6, 7] and len(dev) == 7 and all(0 <= v <= 1 for v in dev)
     assert (tmp_path / "out" / "accuracy-curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "exactly 7 optimizer steps for every method" in (tmp_path / "out" / "accuracy.md").read_text()
 

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from aot.exporter.batch_export import export_batch
-from aot.exporter.task_store import STAGING, TaskStore
 from aot.serving.repository import read_repository
+from aot.serving.store.layout import STAGING
 from aot.serving.store.reader import StoreError
+from aot.serving.store.writer import TaskStore
 from aot.serving.task_registry import TaskRegistry
 from tests.helpers import make_repository, train_tiny_task
 

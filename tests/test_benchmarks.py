@@ -339,26 +339,53 @@ def test_tax_bench_tiny(tmp_path, tiny_models, sentiment_dir):
 
 
 @pytest.mark.server
-def test_tax_bench_torch_tiny(tmp_path, tiny_models, sentiment_dir):
-    """--engine torch: the GPU configs' path (the torch engine's fused step) on this CPU, single-text and 8-text
-    requests: the server's CPU per text splits into its engines' own (aot_engine_cpu_us_total) and the rest."""
-    task = train_tiny_task(tiny_models["bert"], sentiment_dir, tmp_path / "task", "fc", epochs=1)
+def test_tax_bench_torch_tiny(tmp_path):
+    """--engine torch: the GPU configs' request path (the torch engine's fused step) on this CPU, serving the
+    negligible encoder it builds (MiniLM's tokenizer, 1 layer, hidden 64) and a task it trains on it: for text,
+    token-id and mixed clients, single-text and 8-text requests, the server's CPU by process per text and per
+    request, the engines' own and outside the engine (structure and signs: no speed is asserted)."""
     out = tmp_path / "bench"
-    assert main(["bench", "tax", "--engine", "torch", "--task", str(task), "--out", str(out), "--concurrency", "2",
-                 "--requests", "48", "--texts-per-request", "1,8", "--token-ids", "--no-progress"]) == 0
+    assert main(["bench", "tax", "--engine", "torch", "--out", str(out), "--concurrency", "2", "--texts", "24",
+                 "--min-requests", "4", "--texts-per-request", "1,8", "--clients", "text,mixed",
+                 "--no-progress"]) == 0
     records = json.loads((out / "tax-torch.json").read_text())
-    assert [(r["token_ids"], r["texts_per_request"], r["concurrency"], r["texts"], r["requests"]) for r in records] == [
-        (ids, n, 2, 48, 48 // n) for ids in (False, True) for n in (1, 8)]
+    assert [(r["clients"], r["texts_per_request"], r["concurrency"], r["texts"], r["requests"]) for r in records] == [
+        ("text", 1, 2, 24, 24), ("text", 8, 2, 32, 4), ("mixed", 1, 2, 24, 24), ("mixed", 8, 2, 32, 4)]
     for r in records:
-        assert r["engine_cpu_us_per_text"] > 0 and r["server_cpu_us_per_text"] > r["engine_cpu_us_per_text"]
-        assert r["outside_engine_us_per_text"] == pytest.approx(  # less the server's idle CPU over the pass
+        for unit in ("text", "request"):
+            by_process = r[f"by_process_us_per_{unit}"]
+            assert set(by_process) == {"tritonserver", "aot", "aot#2", "rest"}  # the step's 2 instances
+            assert all(isinstance(v, float) and v > 0 for p, v in by_process.items() if p != "rest")
+            assert by_process["rest"] >= 0
+            assert r[f"server_cpu_us_per_{unit}"] == pytest.approx(  # the path: tritonserver and the instances
+                sum(v for p, v in by_process.items() if p != "rest"), abs=1)
+        assert r["by_process_us_per_request"]["tritonserver"] == pytest.approx(
+            r["by_process_us_per_text"]["tritonserver"] * r["texts"] / r["requests"], rel=0.01, abs=1)
+        assert r["engine_cpu_us_per_text"] > 0 and r["client_cpu_us_per_text"] > 0 and r["texts_per_s"] > 0
+        assert r["outside_engine_us_per_text"] == pytest.approx(  # less the engines' and the path's idle CPU
             r["server_cpu_us_per_text"] - r["engine_cpu_us_per_text"]
             - r["idle_cpu_us_per_s"] * r["seconds"] / r["texts"], rel=0.01, abs=5)  # of rounded figures
-        assert r["idle_cpu_us_per_s"] >= 0 and r["seconds"] > 0
         assert r["outside_engine_us_per_request"] == pytest.approx(
-            r["outside_engine_us_per_text"] * r["texts"] / r["requests"], rel=0.01)
-        assert "tritonserver" in r["by_process_us_per_text"] and r["texts_per_s"] > 0
-    assert "texts / request" in (out / "tax-torch.md").read_text()
+            r["outside_engine_us_per_text"] * r["texts"] / r["requests"], rel=0.01, abs=1)
+        assert r["idle_cpu_us_per_s"] >= 0 and r["seconds"] > 0 and len(r["loadavg"]) == 2
+    text = (out / "tax-torch.md").read_text()
+    assert "1 layer, hidden 64" in text and "liveness probes on" in text
+    for section in ("per text by process", "per request by process", "Issue 52's targets"):
+        assert section in text
+    assert "| tritonserver | aot | aot#2 | rest |" in text
+    assert "| outside the engine, us a request, 1-text requests | - | 32 | - | ≤ 300 | not measured |" in text
+
+
+def test_tax_bench_torch_refuses_bad_settings(tmp_path, capsys):
+    """Checked before anything is built: request sizes above the served max batch; --engine onnx needs --task."""
+    assert main(["bench", "tax", "--engine", "torch", "--out", str(tmp_path), "--texts-per-request", "1,200"]) == 2
+    assert "--texts-per-request [200] exceeds the served max batch size 128" in capsys.readouterr().err
+    assert main(["bench", "tax", "--out", str(tmp_path)]) == 2
+    assert "--task is required with --engine onnx" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "tax", "--engine", "torch", "--out", str(tmp_path), "--clients", "text,robots"])
+    assert exc.value.code == 2
+    assert "unknown clients robots: expected some of text, ids, mixed" in capsys.readouterr().err
 
 
 def test_tax_bench_int8_tiny(tmp_path, tiny_models, sentiment_dir):
@@ -596,24 +623,47 @@ def test_budget_skips_what_would_pass_the_deadline():
     from aot.benchmarks.gpu_perf import RESERVE_S, Budget
     from aot.benchmarks.gpu_perf_load import Window
 
-    unbounded = Budget(None, 10.0)
+    unbounded = Budget(None, 10.0, 1500)
     assert unbounded.fits(1e9) and unbounded.estimate(Window("vanilla", 1, 1)) == 10.0
-    budget = Budget(time.time() + RESERVE_S + 100, 10.0)
+    assert unbounded.estimate(Window("vanilla", 1, 1), 3000) == 20.0  # a window twice as long: twice the guess
+    budget = Budget(time.time() + RESERVE_S + 100, 10.0, 1500)
     budget.record(Window("vanilla", 64, 256), 30.0)
     budget.record(Window("vanilla", 64, 32), 20.0)
     assert budget.estimate(Window("aot-1", 64, 1)) == 30.0  # the longest of the same request size
     assert budget.estimate(Window("aot-1", 1, 1)) == 30.0  # none of its size yet: the longest of any
     assert budget.fits(50.0) and not budget.fits(150.0)
+    budget.record(Window("aot-8", 64, 256), 120.0, 6000)  # 20 s a second of window: as long as the 1.5 s ones
+    assert budget.estimate(Window("aot-1", 64, 256), 6000) == pytest.approx(120.0)
+    budget.record(Window("aot-8", 64, 256), 160.0, 6000)  # longer than the rest for its window
+    assert budget.estimate(Window("vanilla", 64, 32)) == pytest.approx(40.0)
+
+
+def test_a_window_of_long_requests_is_measured_over_a_longer_interval():
+    """Two requests' latency in a closed loop (texts x concurrency / texts per second), at least the given window, at
+    most MAX_INTERVAL_MS."""
+    from aot.benchmarks.gpu_perf_load import MAX_INTERVAL_MS, Window, interval_ms
+
+    assert interval_ms(Window("vanilla", 1, 256), 3000.0, 1500) == 1500  # 85 ms a request
+    assert interval_ms(Window("vanilla", 64, 256), 7000.0, 1500) == 4681  # 2.3 s a request, as on the H100
+    assert interval_ms(Window("vanilla", 64, 256), 1000.0, 1500) == MAX_INTERVAL_MS
+    assert interval_ms(Window("vanilla", 64, 32), 7000.0, 1500) == 1500
 
 
 def test_an_earlier_shape_keeps_time_for_the_later_shapes_target_windows():
     from aot.benchmarks.gpu_perf import RESERVE_S, Budget, kept_for_later
 
-    budget = Budget(None, 10.0)
-    assert kept_for_later([], 30.0, budget, (1, 32, 256), (1, 64)) == 0.0
+    budget = Budget(None, 10.0, 1500)
+
+    def base_window(window):
+        return 1500
+
+    assert kept_for_later([], 30.0, budget, (1, 32, 256), (1, 64), base_window) == 0.0
     # base: set-up guessed at twice this shape's, then its 8 target windows (c=1 is a target of minilm's alone)
-    assert kept_for_later(["base"], 30.0, budget, (1, 32, 256), (1, 64)) == 2 * 30.0 + RESERVE_S + 8 * 10.0
-    assert kept_for_later(["minilm"], 30.0, budget, (1, 32, 256), (1, 64)) == 2 * 30.0 + RESERVE_S + 10 * 10.0
+    assert kept_for_later(["base"], 30.0, budget, (1, 32, 256), (1, 64), base_window) == 2 * 30.0 + RESERVE_S + 80.0
+    assert kept_for_later(["minilm"], 30.0, budget, (1, 32, 256), (1, 64), base_window) == 60.0 + RESERVE_S + 100.0
+    # the later shape's 64-text windows at c=256 are foreseen longer (their own interval)
+    assert kept_for_later(["base"], 30.0, budget, (1, 32, 256), (1, 64),
+                          lambda w: 6000 if (w.texts, w.concurrency) == (64, 256) else 1500) == 60.0 + RESERVE_S + 140.0
 
 
 def test_metric_sum_adds_every_series_and_tells_none_from_zero():
@@ -655,23 +705,28 @@ def test_targets_are_evaluated_on_the_windows():
     from aot.benchmarks.gpu_perf_report import evaluate_targets
 
     checks = {(c["shape"], c["target"]): c for c in evaluate_targets([_perf_shape("minilm"), _perf_shape("base")])}
-    assert all(c["met"] is True for c in checks.values()), [c for c in checks.values() if c["met"] is not True]
+    assert checks and all(c["met"] is True for c in checks.values()), [c for c in checks.values() if c["met"] is not True]
     single = checks[("minilm", "vanilla, 1-text requests, c=256: served / engine alone")]
-    assert single["value"] == 0.4 and single["threshold"] == "≥ 0.333"
+    assert single["value"] == 0.4 and single["threshold"] == "≥ 0.15"  # issue 52's, by shape
+    assert checks[("base", "vanilla, 1-text requests, c=256: served / engine alone")]["threshold"] == "≥ 0.333"
+    assert checks[("minilm", "vanilla, 64-text requests, c=256: served / engine alone")]["threshold"] == "≥ 0.5"
+    assert checks[("base", "vanilla, 64-text requests, c=256: served / engine alone")]["threshold"] == "≥ 0.8"
     assert checks[("base", "AoT 8 mixed / vanilla, 64-text requests, c=32")]["value"] == 0.98
+    assert checks[("base", "AoT 8 mixed / vanilla, 1-text requests, c=1")]["threshold"] == "≥ 0.95"  # every point
     assert ("minilm", "vanilla, 1-text requests, c=1: p50 ms") in checks  # the p50 target is MiniLM's alone
     assert not any(target.endswith("c=1: p50 ms") for shape, target in checks if shape == "base")
 
     slow = _perf_shape("minilm")
     for w in slow["windows"]:
-        if w["model"] == "aot-8" and w["concurrency"] == 256 and w["texts"] == 1:
-            w["texts_per_s"], w["gpu_util_mean"] = 300.0, None
+        if w["model"] == "aot-8" and w["concurrency"] == 256:
+            w["texts_per_s"] = 300.0 if w["texts"] == 1 else w["texts_per_s"]
+            w["gpu_util_mean"] = None if w["texts"] == 64 else w["gpu_util_mean"]
         if w["model"] == "vanilla" and w["texts"] == 64 and w["concurrency"] == 256:
             w.pop("texts_per_s")
             w["skipped"] = "~9 s would pass the deadline"
     checks = {c["target"]: c for c in evaluate_targets([slow])}
     assert checks["AoT 8 mixed / vanilla, 1-text requests, c=256"]["met"] is False
-    assert checks["aot-8, 1-text requests, c=256: GPU utilisation %"]["met"] is None  # not measured
+    assert checks["aot-8, 64-text requests, c=256: GPU utilisation %"]["met"] is None  # not measured
     assert checks["vanilla, 64-text requests, c=256: served / engine alone"]["met"] is None  # skipped
     assert checks["AoT 8 mixed / vanilla, 64-text requests, c=256"]["met"] is None  # its vanilla was skipped
 
@@ -710,3 +765,27 @@ def test_perf_reports_are_written_with_targets_and_failures(tmp_path):
     assert "**The check FAILED:**" in text and "a note" in text and "**Skipped**: aot-1-t64-c1" in text
     assert "vanilla 2.400 ms = **1,000 seq/s**" in text  # the figures of the record
     assert "The served step in 4 instance(s) on the GPU; server ready in 9.5 s" in text
+
+
+def test_py_spy_raw_stacks_are_summarised_and_reported(tmp_path):
+    """py-spy's raw output (root first, a count a line) as the busy share and the frames with the most samples, own
+    and inclusive; perf.md shows it with the shape, and a profile that failed says why."""
+    from aot.benchmarks.gpu_perf_profile import summarise
+    from aot.benchmarks.gpu_perf_report import profile_markdown
+
+    raw = ("execute (model.py:54);encode (tokenization.py:78) 60\n"
+           "execute (model.py:54);logits (tasks.py:188) 25\n"
+           "_publish (step_metrics.py:263) 15\n"
+           "not a stack line\n")
+    summary = summarise(raw, seconds=1.0, rate=200)
+    assert (summary["samples"], summary["expected_samples"], summary["busy_share"]) == (100, 200, 0.5)
+    assert summary["leaf"][0] == {"frame": "encode (tokenization.py:78)", "share_of_samples": 0.6}
+    assert summary["inclusive"][0] == {"frame": "execute (model.py:54)", "share_of_samples": 0.85}
+    assert summarise("", 1.0, 200) == {"samples": 0, "expected_samples": 200, "busy_share": 0.0, "leaf": [],
+                                       "inclusive": []}
+    text = profile_markdown({"window": "aot-8-t64-c256", "pid": 42, "rate": 200, "seconds": 1.0, "raw": "py-spy.txt",
+                             **summary})
+    assert "pid 42) through aot-8-t64-c256: 100 samples of 200 (50% of the time busy" in text
+    assert "| encode (tokenization.py:78) | 60.0 | execute (model.py:54) | 85.0 |" in text
+    assert "failed (py-spy exited with 1" in profile_markdown({"window": "w", "error": "py-spy exited with 1: no"})
+    assert profile_markdown(None) == ""

@@ -15,17 +15,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import aot.exporter.entry_history
+import aot.serving.store.entry_history
 from aot.exporter.backbone_export import export_backbone
 from aot.exporter.configs import instance_count, model_configs, parse_pbtxt, to_pbtxt
 from aot.exporter.onnx_export import export_backbone_graph
 from aot.exporter.task_export import export_task
-from aot.exporter.task_store import STAGING, StoreError, TaskStore
 from aot.exporter.tensorrt import Profile, build_plan, build_script, trtexec_command
+from aot.exporter.version_check import loads_as_served
 from aot.serving import protocol
 from aot.serving.errors import RequestError
 from aot.serving.repository import GPU_STEP_INSTANCES, BackboneRecord, RepositoryError, ServingOptions, read_repository
+from aot.serving.store.layout import STAGING
 from aot.serving.store.reader import STORE_VERSION
+from aot.serving.store.writer import StoreError, TaskStore
 from aot.serving.task_registry import TaskRegistry
 from aot.training.artifact import FingerprintMismatch
 from tests.helpers import make_repository, train_tiny_task
@@ -203,7 +205,7 @@ def test_reexport_swaps_and_remove(tmp_path, tiny_models, tasks, monkeypatch):
     assert second.folder != first and second.storage == "factored"
     # the superseded version stays a while for requests already pinned to it, then goes
     assert (store.root / first).is_dir() and first in store.index().retired
-    monkeypatch.setattr(aot.exporter.entry_history, "RETIRED_GRACE", 0.0)
+    monkeypatch.setattr(aot.serving.store.entry_history, "RETIRED_GRACE", 0.0)
     store.remove("t")
     assert store.entries() == {} and not (store.root / first).exists() and not (store.root / second.folder).exists()
     assert store.index().retired == {}
@@ -295,7 +297,7 @@ def test_previous_release_repository_is_upgraded_with_its_tasks(tmp_path, tiny_m
     assert entries["u"].meta["method"] == "kron" and len(store.index().retired) == 1
     registry = TaskRegistry(store.root)
     assert registry.errors() == {} and registry.resolve("t").storage == "factored"
-    assert store.verify() == {"t": None, "u": None}
+    assert store.verify(loads_as_served) == {"t": None, "u": None}
 
 
 def test_existing_repository_needs_overwrite(tmp_path, tiny_models, tasks):

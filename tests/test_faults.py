@@ -27,11 +27,12 @@ import pytest
 
 from aot.client.client import Client, InferenceError
 from aot.exporter.task_export import export_task
-from aot.exporter.task_store import TaskStore
 from aot.serving.repository import read_repository
 from aot.serving.shm import SHM, STUB
 from aot.serving.store.atomic import write_atomic
-from aot.serving.store.log import GENERATION, STORE_FILE, Change, log_key
+from aot.serving.store.layout import GENERATION, STORE_FILE
+from aot.serving.store.log import Change, log_key
+from aot.serving.store.writer import TaskStore
 from aot.serving.supervision.admin_key import GRPC_ADMIN_HEADER
 from aot.serving.supervision.procfs import stubs_of
 from aot.serving.task_registry import TaskRegistry
@@ -451,6 +452,37 @@ def test_killing_serve_command_stops_tritonserver(repo):
             _kill_quietly(pid)
 
 
+def test_no_stub_outlives_its_server_a_replaced_instances_neither(repo):
+    """Issue 57.8: a stub killed, its instance replaced by the supervisor (aot_1 -> aot_1_r1), then `aot serve` and
+    its tritonserver killed at once, so that nothing of aot's is left to reap: every stub of that server ends by
+    itself within seconds (aot.serving.watch.end_with_server), its shared memory removed. Before, each `aot` stub,
+    the replacement's too, stayed forever: its exit deadlocked on its metrics thread's call to the dead server."""
+    proc, info, triton = _start_serve(repo)
+    try:
+        victim = stubs_of(triton)["aot_1_0"]
+        os.kill(victim.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while "aot_1_r1_0" not in (stubs := stubs_of(triton)):
+            assert time.monotonic() < deadline and proc.poll() is None, f"aot_1_0 not replaced: {stubs}"
+            time.sleep(0.1)
+        regions = [SHM / s.shm_region.lstrip("/") for s in stubs.values()]
+        assert len(stubs) == 3 and all(r.exists() for r in regions), stubs  # aot_0, aot_1_r1 and task_list
+        os.kill(proc.pid, signal.SIGKILL)  # first: a living `aot serve` would reap the stubs itself
+        os.kill(triton, signal.SIGKILL)
+        proc.wait(10)
+        killed = time.monotonic()
+        while _stub_processes(triton) and time.monotonic() - killed < 20:
+            time.sleep(0.1)
+        left = {s.instance for s in stubs.values() if s.pid in _stub_processes(triton)}
+        assert left == set(), f"stubs of {sorted(left)} outlived their server by 20 s"
+        assert [r for r in regions if r.exists()] == [], "shared-memory regions of the killed server remain"
+        print(f"\nevery stub (a replaced instance's too) gone {time.monotonic() - killed:.2f} s after its server")
+    finally:
+        _kill_quietly(triton)
+        for pid in _stub_processes(triton):
+            _kill_quietly(pid)
+
+
 # --- 3. bad direct requests fail alone --------------------------------------------------------------------------
 
 def test_bad_direct_requests_fail_alone_under_load(server, repo, expected):
@@ -529,7 +561,7 @@ def test_huge_text_is_refused_at_once(server, client, expected):
 _PUBLISHER = r"""
 import shutil, sys, time
 from pathlib import Path
-from aot.exporter.task_store import TaskStore
+from aot.serving.store.writer import TaskStore
 store, start = TaskStore(Path(sys.argv[1])), float(sys.argv[2])
 folders = []
 for job in sys.argv[3:]:
@@ -782,7 +814,7 @@ def test_metrics_per_task_and_step(server, repo):
         before = _published_metrics(server, c)
         answers = c.infer_many([{"task": name, "text": TEXTS[i % len(TEXTS)]}
                                 for name, n in sent.items() for i in range(n)], concurrency=8)
-        assert all("error" not in a for a in answers), answers
+        assert len(answers) == sum(sent.values()) and all("error" not in a for a in answers), answers
         after = _published_metrics(server, c)
     for name, n in sent.items():
         for step in ("aot",):  # clients' requests go through the fused step alone

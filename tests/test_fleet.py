@@ -13,10 +13,10 @@ import pytest
 
 from aot.client.client import Client, InferenceError
 from aot.exporter.task_export import export_task
-from aot.exporter.task_store import TaskStore
 from aot.local.fleet import Fleet
 from aot.local.server import port_is_free
 from aot.serving.repository import read_repository
+from aot.serving.store.writer import TaskStore
 from aot.training.predict import Predictor
 from tests.helpers import make_repository, train_tiny_tasks
 
@@ -370,3 +370,79 @@ def test_serve_command_with_replicas(repo, tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_the_balancer_replaces_the_client_address_a_client_sent(tmp_path, repo):
+    """Issue 57.2: the replicas tell keyless clients apart by the header aot-client-address (aot.serving.rate_limits),
+    which is an identity only because the fleet's HAProxy sets it from the connection's source address over
+    whatever a client sent under that name, in either spelling: a fake replica behind the generated configuration
+    sees the source address (127.0.0.2, the client's), never the client's own values; both frontends carry the rule,
+    and the replicas are told to trust the header."""
+    import http.client
+    import subprocess
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from types import SimpleNamespace
+
+    from aot.local.fleet import CLIENT_ADDRESS_HEADER, haproxy_binary, haproxy_config
+    from aot.local.server import free_ports
+
+    seen = []
+
+    class Replica(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):  # http.server's name: /ready, HAProxy's health check
+            self._answer()
+
+        def do_POST(self):  # http.server's name
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            seen.append(self.headers.get_all(CLIENT_ADDRESS_HEADER))
+            self._answer()
+
+        def _answer(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    backend = ThreadingHTTPServer(("127.0.0.1", 0), Replica)
+    threading.Thread(target=backend.serve_forever, daemon=True).start()
+    port = backend.server_address[1]
+    grpc, http_port = free_ports(2)
+    config = haproxy_config("127.0.0.1", grpc, http_port, [SimpleNamespace(host="127.0.0.1", grpc_port=port,
+                                                                            http_port=port, health_port=port)],
+                            tmp_path / "haproxy.sock", 1 << 20, 256)
+    assert config.count(f"http-request set-header {CLIENT_ADDRESS_HEADER} %[src]") == 2  # gRPC and HTTP
+    (tmp_path / "haproxy.cfg").write_text(config)
+    balancer = subprocess.Popen([haproxy_binary(), "-db", "-f", str(tmp_path / "haproxy.cfg")],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # until HAProxy's checks see the replica up
+            connection = http.client.HTTPConnection("127.0.0.1", http_port, timeout=10,
+                                                    source_address=("127.0.0.2", 0))
+            try:
+                connection.request("POST", "/v2/models/aot/infer", b"{}", {CLIENT_ADDRESS_HEADER: "10.6.6.6",
+                                                                          "AOT-Client-Address": "10.7.7.7"})
+                if connection.getresponse().status == 200:
+                    break
+            except OSError:
+                pass
+            finally:
+                connection.close()
+            assert time.monotonic() < deadline, "haproxy did not pass a request on"
+            time.sleep(0.2)
+    finally:
+        os.killpg(balancer.pid, signal.SIGKILL)
+        balancer.wait()
+        backend.shutdown()
+        backend.server_close()
+    assert seen and seen[-1] == ["127.0.0.2"], seen
+    fleet = Fleet(repo, replicas=2)
+    try:
+        assert all(s.step_environment["AOT_CLIENT_ADDRESS_HEADER"] == CLIENT_ADDRESS_HEADER for s in fleet.servers)
+    finally:
+        fleet.stop()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -166,3 +167,107 @@ def test_a_graceful_stop_drains_and_refuses_as_unavailable(served):
     print(f"\ngraceful stop under load: {outcomes['answered']} answered, "
           f"{sum(errors.values())} refused as Unavailable (retryable) once stopping: "
           + "; ".join(f"{n} x {message}" for (_, _, message), n in errors.items()))
+
+
+# --- the stop's end, after the drain (issue 57.3) ------------------------------------------------------------------
+
+def _http_infer(http_url: str, text: str = TEXT) -> tuple[int, str]:
+    """One inference over HTTP/JSON: its status and body."""
+    body = json.dumps({"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES", "data": [text]},
+                                  {"name": "TASK", "shape": [1, 1], "datatype": "BYTES", "data": ["sent"]}]})
+    request = urllib.request.Request(f"http://{http_url}/v2/models/aot/infer", body.encode(), method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_a_stopping_server_refuses_new_requests_on_both_protocols(repo):
+    """Once a server stops (its supervisor marks it: aot.serving.watch.mark_stopping), its first step refuses every
+    new request, over gRPC and over HTTP alike, with a retryable refusal and a retry hint (aot.Client: Unavailable,
+    retry_after); the mark gone, it answers again. Before, gRPC went on answering through Triton's HTTP wait."""
+    from aot.local.server import LocalServer
+    from aot.serving.watch import mark_stopping, stopping_path
+
+    with LocalServer(repo) as server:
+        pid = server.process.pid
+        with Client(server.grpc_url, retry_seconds=0) as client:
+            assert client.infer("sent", TEXT)["version"].startswith("sent@")
+            assert _http_infer(server.http_url)[0] == 200
+            mark_stopping(pid)
+            try:
+                with pytest.raises(InferenceError) as refused:
+                    client.infer("sent", TEXT)
+                status, body = _http_infer(server.http_url)
+            finally:
+                stopping_path(pid).unlink()
+            assert type(refused.value).__name__ == "Unavailable" and refused.value.retryable, refused.value
+            assert "this server is stopping" in str(refused.value) and refused.value.retry_after == 1.0
+            assert status == 503 and "this server is stopping" in body, (status, body)
+            assert client.infer("sent", TEXT)["version"].startswith("sent@")
+
+
+def test_a_stray_http_connection_does_not_make_the_stop_abrupt(repo, tmp_path):
+    """A socket that sent POST headers and 10 bytes of body, then nothing, and an idle keep-alive one, open while
+    clients send over gRPC: SIGTERM to `aot serve` stops tritonserver gracefully all the same (its log: every
+    model unloaded, no "Exit timeout expired. Exiting immediately", which cut off what it had accepted), both
+    sockets are closed by the server, every request is answered or refused as retryable (never cut off), and
+    `aot serve` exits 0. Before, Triton's HTTP front end waited for the stray socket through the whole exit timeout."""
+    log = tmp_path / "tritonserver.log"
+    ports = dict(zip(("http", "grpc", "metrics", "health"), free_ports(4), strict=True))
+    process = subprocess.Popen([sys.executable, "-m", "aot", "serve", "--repo", str(repo), "--log", str(log),
+                                "--drain-seconds", "0", *(f"--{name}-port={port}" for name, port in ports.items())],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                               start_new_session=True)
+    outcomes: Counter = Counter()
+    stop = threading.Event()
+
+    def send() -> None:
+        with Client(f"127.0.0.1:{ports['grpc']}", retry_seconds=0) as client:
+            while not stop.is_set():
+                try:
+                    client.infer("sent", TEXT)
+                    outcomes["answered"] += 1
+                except InferenceError as exc:
+                    outcomes[(type(exc).__name__, exc.retryable)] += 1
+
+    threads = [threading.Thread(target=send) for _ in range(3)]
+    stray = idle = None
+    try:
+        assert process.stdout.readline(), process.stderr.read()
+        stray = socket.create_connection(("127.0.0.1", ports["http"]))
+        stray.sendall(b"POST /v2/models/aot/infer HTTP/1.1\r\nHost: aot\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n" + b'{"inputs":')
+        idle = socket.create_connection(("127.0.0.1", ports["http"]))
+        idle.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: aot\r\n\r\n")
+        assert idle.recv(4096).startswith(b"HTTP/1.1 200")  # answered; the connection stays open (keep-alive)
+        for t in threads:
+            t.start()
+        while outcomes["answered"] < 20:
+            assert process.poll() is None
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(120) == 0, process.stderr.read()
+    finally:
+        stop.set()
+        for t in threads:
+            if t.is_alive():
+                t.join(60)
+        if process.poll() is None:
+            process.kill()
+    for connection in (stray, idle):
+        connection.settimeout(30)
+        try:
+            assert connection.recv(4096) == b""  # closed by the server (a reset is a close too)
+        except ConnectionResetError:
+            pass
+        connection.close()
+    text = log.read_text()
+    assert "Exit timeout expired" not in text and "failed to stop server" not in text, text[-3000:]
+    assert "All models are stopped, unloading models" in text and "successfully unloaded 'aot'" in text
+    errors = {k: n for k, n in outcomes.items() if k != "answered"}
+    assert outcomes["answered"] >= 20 and all(kind == "Unavailable" and retryable for kind, retryable in errors), \
+        outcomes
+    print(f"\nstop with a stray and an idle HTTP connection open: {outcomes['answered']} answered, "
+          f"{sum(errors.values())} refused as retryable")

@@ -19,11 +19,11 @@ from aot.exporter.backbone_export import export_backbone
 from aot.exporter.cpu_engine import CpuEngine, predict_lines_through
 from aot.exporter.onnx_export import ExportableBackbone, example_inputs
 from aot.exporter.task_export import export_task
-from aot.exporter.task_store import STAGING, TaskStore
 from aot.serving import protocol
 from aot.serving.engine import CPU_DISABLED_FUSIONS, BackboneRunner, cpu_session, cpu_session_options
 from aot.serving.repository import INT8_GRAPH, read_repository
 from aot.serving.store.digests import file_digest
+from aot.serving.store.writer import STAGING, TaskStore
 from aot.serving.tasks import load_task_version
 from aot.training.backbone import load_backbone
 from aot.training.quantized import emulate_int8

@@ -38,8 +38,8 @@ def repo(tmp_path_factory, tiny_models, sentiment_dir):
     repo = make_repository(tiny_models["bert"], root / "repo",
                            {"alpha": (first, "fused"), "beta": (second, "fused"), "gamma": (second, "factored"),
                             "delta": (first, "fused"), "broken": (first, "fused")})
-    from aot.exporter.task_store import TaskStore
     from aot.serving.repository import read_repository
+    from aot.serving.store.writer import TaskStore
 
     store = TaskStore(read_repository(repo).store_root)
     table = store.version_folder(store.entries()["broken"].folder) / "table.npy"

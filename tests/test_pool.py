@@ -37,7 +37,7 @@ def test_every_task_resident_while_all_fit():
         asked[version] |= set(ids.tolist())
         np.testing.assert_array_equal(pool.rows_many([(version, ids)])[0], tables[version][ids])
     elapsed = time.perf_counter() - started
-    assert pool.resident
+    assert pool.resident and set(pool.stats) == set(tables)
     for version, stats in pool.stats.items():  # each row filled the first time a request read it, never again
         assert stats.evictions == 0 and stats.resident_rows == stats.misses == len(asked[version]) < V
     assert all(0 < s.fill_seconds <= elapsed for s in pool.stats.values())  # the fill's own time, in seconds

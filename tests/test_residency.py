@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from aot.exporter.task_export import TaskExporter, export_task
-from aot.exporter.task_store import TaskStore
 from aot.serving.engine import BackboneRunner, Prepared
 from aot.serving.errors import RequestError
 from aot.serving.pool import RowPool
 from aot.serving.repository import read_repository
+from aot.serving.store.writer import TaskStore
 from aot.serving.task_registry import TaskRegistry
 from aot.serving.tokenization import Tokenization
 from aot.training.predict import Predictor

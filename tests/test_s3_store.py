@@ -20,9 +20,9 @@ import pytest
 from aot.client.client import Client, InferenceError, TaskNotFound, Unavailable
 from aot.exporter.backbone_export import export_backbone
 from aot.exporter.task_export import export_task
-from aot.exporter.task_store import TaskStore
 from aot.local.s3_server import LocalS3
 from aot.serving.repository import read_repository
+from aot.serving.store.writer import TaskStore
 from aot.serving.supervision.admin_key import GRPC_ADMIN_HEADER
 from aot.serving.supervision.procfs import stubs_of
 from aot.serving.task_registry import REMOTE_POLL_SECONDS
@@ -311,8 +311,8 @@ def test_a_publish_interrupted_halfway_leaves_the_old_version(repo, server, arti
     """Objects uploaded, then the publisher dies before its change: readers never see the new version (the old one
     serves); the next publish lands, and the sweep that runs at compactions removes the orphaned objects once they
     are old enough (both thresholds lowered here)."""
-    import aot.exporter.task_store as task_store
     import aot.serving.store.log as store_log
+    import aot.serving.store.writer as task_store
     from aot.exporter.task_export import TaskExporter
     from aot.serving.store.s3 import S3Backend
 

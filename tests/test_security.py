@@ -31,10 +31,10 @@ import yaml
 
 from aot.client.client import Client, InferenceError
 from aot.exporter.task_export import export_task
-from aot.exporter.task_store import TaskStore
 from aot.local.server import LocalServer, free_port
 from aot.local.triton_setup import backends_folder, step_python
 from aot.serving.repository import read_repository
+from aot.serving.store.writer import TaskStore
 from aot.serving.supervision.admin_key import ADMIN_HEADER, GRPC_ADMIN_HEADER, RESTRICTED_APIS
 from aot.serving.supervision.procfs import stub_processes, stubs_of
 from aot.training.predict import Predictor
@@ -621,6 +621,7 @@ def test_damaged_table_is_refused_for_that_task_only(request, tmp_path, repo, ex
             answers = client.infer_many([{"task": name, "text": text} for name in ("alpha", "beta")
                                          for text in TEXTS * 3], concurrency=8)
             alpha, beta = answers[:len(TEXTS) * 3], answers[len(TEXTS) * 3:]
+            assert len(alpha) == len(beta) == len(TEXTS) * 3, len(answers)
             assert all("table.npy" in a.get("error", "") for a in alpha), alpha[:2]
             assert all("error" not in a for a in beta), beta[:2]
             listing = _wait(lambda: client.tasks() if "alpha" in client.tasks()["errors"] else None, 15, 0.5)
@@ -742,7 +743,8 @@ def test_oversized_requests_leave_memory_at_its_baseline(request, tmp_path, repo
         bounds = server.supervisor.region_bytes
 
         def settled() -> bool:  # every region under its bound again, no repair running, and memory back
-            regions = all(allocated_bytes(s.shm_region) <= bounds.region_of(s.model) for s in stub_processes(pid))
+            stubs = list(stub_processes(pid))
+            regions = bool(stubs) and all(allocated_bytes(s.shm_region) <= bounds.region_of(s.model) for s in stubs)
             return regions and not server.supervisor.repairing and _held_memory(pid) <= baseline + MEMORY_BOUND
 
         back = _wait(settled, 60, 0.5)

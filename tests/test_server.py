@@ -15,8 +15,8 @@ import pytest
 
 from aot.client.client import Client, InferenceError
 from aot.exporter.task_export import export_task
-from aot.exporter.task_store import TaskStore
 from aot.serving.repository import read_repository
+from aot.serving.store.writer import TaskStore
 from aot.serving.supervision.admin_key import GRPC_ADMIN_HEADER
 from aot.training.predict import Predictor
 from tests.helpers import make_repository, serve_for_tests, train_tiny_task
@@ -109,7 +109,7 @@ def test_mixed_tasks_batch_into_one_execution(server, client):
     start = time.monotonic()
     items = [{"task": ("alpha", "beta", "gamma")[i % 3], "text": TEXTS[i % len(TEXTS)]} for i in range(60)]
     answers = client.infer_many(items, concurrency=60)
-    assert all("error" not in a for a in answers)
+    assert len(answers) == 60 and all("error" not in a for a in answers)
     deadline = time.monotonic() + 10
     while (after := _stats(client, "aot", server))[0] - before[0] < 60 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -216,6 +216,7 @@ def test_bad_token_ids_are_refused_alone(server, client, expected, case, inputs,
     answers = client.infer_many([{"task": "alpha", "text": t} for t in TEXTS] * 4, concurrency=24)
     threads[0].join()
     assert len(errors) == 1 and message in errors[0].message() and errors[0].status() == "StatusCode.INVALID_ARGUMENT"
+    assert len(answers) == len(TEXTS) * 4
     for i, answer in enumerate(answers):
         np.testing.assert_allclose(answer["logits"], expected["alpha"][i % len(TEXTS)], atol=1e-3)
 
@@ -329,6 +330,7 @@ def test_infer_many_splits_a_pack_larger_than_the_max_batch(server, client, expe
     with Client(server.grpc_url) as fresh:
         answers = fresh.infer_many(items, pack=100)
         assert fresh._pack_limit == 64
+    assert len(answers) == len(items)
     for i, answer in enumerate(answers):
         np.testing.assert_allclose(answer["logits"], expected["alpha"][i % len(TEXTS)], atol=1e-3)
 

@@ -12,8 +12,9 @@ import pytest
 from aot.serving.formats import FormatError
 from aot.serving.store import log as store_log
 from aot.serving.store.backend import BackendError, FileBackend
+from aot.serving.store.layout import SHARDS
 from aot.serving.store.log import Change, ChangeLog, index_key, log_key
-from aot.serving.store.shards import SHARDS, DamagedShard, shard_key, shard_of
+from aot.serving.store.shards import DamagedShard, shard_key, shard_of
 
 
 def _entry(i: int) -> dict:

@@ -8,10 +8,10 @@ import pytest
 
 import aot.serving.store.log as store_log
 from aot.serving.store.backend import BackendError, FileBackend
-from aot.serving.store.log import INDEX, LOG, ChangeLog
+from aot.serving.store.layout import INDEX, LOG, SHARDS
+from aot.serving.store.log import ChangeLog
 from aot.serving.store.mirror import MirroredBackend
 from aot.serving.store.reader import StoreReader
-from aot.serving.store.shards import SHARDS
 from aot.serving.store.view import StoreView
 from tests.test_store_view import make_store, publish
 
@@ -67,7 +67,8 @@ def test_the_copy_reads_back_as_the_store_and_holds_one_index(tmp_path, monkeypa
     reader.state()
     local = reader.mirror.local
     assert [k.rsplit("/", 1)[1] for k in local.list(INDEX)] == [f"{8:016d}.json"]
-    assert all(store_log.generation_of(k) > 8 for k in local.list(LOG))
+    logs = list(local.list(LOG))
+    assert logs and all(store_log.generation_of(k) > 8 for k in logs), logs
     named = ChangeLog(local).shard_files(8)
     assert sorted(local.list(SHARDS)) == sorted(f"{SHARDS}/{g:016d}-{s}.json" for s, g in named.items())
     assert dict(reader.last_read_state().tasks) == dict(reader.state().tasks)

@@ -1,4 +1,4 @@
-"""A damaged task store against the real server, and `aot export repair` (aot.exporter.repair): a truncated shard fails
+"""A damaged task store against the real server, and `aot export repair` (aot.serving.store.repair): a truncated shard fails
 only the tasks it holds (503, not "unknown") while the server is ready and says why; a log that does not parse makes a
 fresh server unready with the reason; listing, verifying and publishing elsewhere still work; the repair rebuilds the
 index from what still reads and the version folders, and every server reads it. And a very large change (thousands
@@ -16,9 +16,9 @@ import pytest
 import aot.serving.store.log as store_log
 from aot.client.client import Client, InferenceError, TaskNotFound, TaskUnavailable, Unavailable
 from aot.exporter.task_export import export_task
-from aot.exporter.task_store import TaskStore
 from aot.serving.store.log import ChangeLog, log_key
 from aot.serving.store.shards import shard_key, shard_of
+from aot.serving.store.writer import TaskStore
 from aot.training.predict import Predictor
 from tests.helpers import make_repository, run_cli, serve_for_tests, train_tiny_task, wait_until
 
@@ -142,8 +142,10 @@ def test_a_log_that_does_not_parse_makes_a_fresh_server_unready_until_repaired(r
                 assert "not in the index this server holds" in str(refused)
             [dry], _ = run_cli("export", "repair", "--repo", str(copy), "--dry-run", exit_code=1)  # damage: 1
             assert dry["damaged_logs"] == [generation] and dry["recovered"][0].startswith("delta@")
-            [summary], _ = run_cli("export", "repair", "--repo", str(copy))
+            [summary], said = run_cli("export", "repair", "--repo", str(copy))
             assert summary["damaged_logs"] == [generation] and summary["recovered"][0].startswith("delta@")
+            assert f"aot: discarded: log {generation} (its time unreadable) does not parse" in said, said
+            assert f"aot: discarded: delta: given an entry for its newest folder, {summary['recovered'][0]}" in said
             wait_until(lambda: server.readiness()[0] == 200, 60, "the server was not ready after the repair")
             wait_until(lambda: _serves(client, "delta", expected), 30, "the recovered task did not serve")
             assert isinstance(_error(client, "nosuch"), TaskNotFound)

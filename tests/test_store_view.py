@@ -1,6 +1,7 @@
-"""A reader's view of the task store (aot.serving.store.view.StoreView) and the supervisor's check that the store can
-be read at all (aot.serving.store.check.StoreCheck), on stores the real writer (aot.exporter.task_store.TaskStore)
-builds from tiny hand-made version folders: no training, no server.
+"""A reader's view of the task store (aot.serving.store.view.StoreView), the supervisor's check that the store can
+be read at all (aot.serving.store.check.StoreCheck) and what a repair says it discarded (aot.serving.store.repair), on
+stores the real writer (aot.serving.store.writer.TaskStore) builds from tiny hand-made version folders: no training,
+no server.
 
 Time is a fake clock put in place of the module's `time` (the change log's own clock stays real), so a retry window is
 decided by the numbers the test sets, never by how fast the machine is."""
@@ -15,13 +16,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from aot.exporter.task_store import TaskStore
 from aot.serving.repository import MODELS_DIR, RECORD, BackboneRecord, ServingOptions
 from aot.serving.store import check, view
 from aot.serving.store.check import StoreCheck, store_check_of
-from aot.serving.store.log import STORE_FILE, log_key
+from aot.serving.store.layout import STORE_FILE
+from aot.serving.store.log import log_key
 from aot.serving.store.reader import StoreReader
 from aot.serving.store.view import StoreView
+from aot.serving.store.writer import TaskStore
 
 
 class Clock:
@@ -235,8 +237,8 @@ def test_a_store_without_store_json_is_a_problem_without_a_server_path(tmp_path,
 
 
 def test_a_store_that_appears_is_served_after_the_retry_interval(tmp_path, monkeypatch):
-    """Read again only after STORE_CHECK_RETRY_SECONDS; once read whole, never again: the steps keep the last good
-    index whatever happens to the files later."""
+    """Read again only after STORE_CHECK_RETRY_SECONDS; once read whole, never again (only its logs are watched): the
+    steps keep the last good index whatever happens to the files later."""
     clock = fake_clock(monkeypatch, check)
     root = tmp_path / "repo" / "tasks"
     checker, logs = _check(root)
@@ -286,6 +288,61 @@ def test_a_store_with_a_damaged_shard_is_a_warning(tmp_path, monkeypatch):
     assert checker.problem is None and checker.warning is not None
     assert f"shard {shard_of('a')} of the index cannot be parsed" in checker.warning
     assert str(tmp_path) not in checker.warning and checker.warning.endswith("run `aot export repair`")
+
+
+def test_a_log_damaged_under_a_running_server_is_a_warning_until_repaired(tmp_path, monkeypatch):
+    """Issue 57.6: a log cut short after the server read the index: /ready stays 200 (the steps serve what they
+    applied) and warns from the next check on, naming the generation and the repair, no server path; a repair clears
+    the warning."""
+    from aot.serving.store.repair import repair_store
+
+    clock = fake_clock(monkeypatch, check)
+    store = make_store(tmp_path / "repo" / "tasks")
+    publish(store, "a")
+    publish(store, "a")
+    checker, logs = _check(store.root)
+    checker.refresh()
+    assert checker.problem is None and checker.warning is None
+    damaged = store.root / log_key(2)
+    damaged.write_bytes(damaged.read_bytes()[:-20])
+    clock.now += check.STORE_CHECK_RETRY_SECONDS
+    checker.refresh()
+    assert checker.problem is None and checker.warning is not None
+    assert checker.warning.startswith("the change log cannot be parsed at generation 2") and str(tmp_path) not in \
+        checker.warning and checker.warning.endswith("run `aot export repair`")
+    assert logs[-1] == f"supervisor: warning: {checker.warning}"
+    repair_store(store, lambda *version: None)
+    clock.now += check.STORE_CHECK_RETRY_SECONDS
+    checker.refresh()
+    assert checker.problem is None and checker.warning is None
+
+
+def test_a_repair_says_in_words_what_a_damaged_log_lost(tmp_path):
+    """Issue 57.6: `aot export repair` named a damaged log by its generation alone. It now says what the log
+    changed, as far as its bytes read: a route cut after its entry, a publish cut inside its entry, a log
+    overwritten whole; each with when it was written."""
+    from aot.serving.store.repair import repair_store
+    from aot.serving.store.version_admin import route
+
+    store = make_store(tmp_path / "tasks")
+    first, second = publish(store, "t0"), publish(store, "t0")
+    route(store, "t0", {first: 90, second: 10})  # generation 3
+    third = publish(store, "t1")  # generation 4
+    for generation, cut in ((3, len(',"retired":{}}')), (4, 120)):
+        path = store.root / log_key(generation)
+        path.write_bytes(path.read_bytes()[:-cut])
+    (store.root / log_key(5)).write_bytes(b"\x00" * 40)  # a log overwritten whole (no writer appended it)
+    store.log.backend.write("generation", b"5\n")
+    found = repair_store(store, lambda *version: None, dry_run=True)
+    lost = {int(words.split()[1]): words for words in found.discarded if words.startswith("log ")}
+    assert sorted(lost) == [3, 4, 5], found.discarded
+    assert f"lost the route of t0 ({first} 90 %, {second} 10 %)" in lost[3] and "written 20" in lost[3], lost[3]
+    assert "lost a change of task t1" in lost[4] and "cut short" in lost[4], lost[4]
+    assert lost[5] == "log 5 (its time unreadable) does not parse (truncated or not JSON) and was discarded: what it " \
+        "changed cannot be read, and is lost"
+    assert any(words.startswith(f"t1: given an entry for its newest folder, {third}") for words in found.discarded)
+    assert found.damaged_logs == [3, 4, 5] and found.generation == 0  # a dry run: nothing written, nothing deleted
+    assert all((store.root / log_key(g)).exists() for g in (3, 4, 5))
 
 
 def _repository(path: Path, store_url: str | None = None) -> Path:

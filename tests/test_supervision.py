@@ -179,28 +179,32 @@ def test_a_draining_server_is_not_ready_but_live(health_server):
 
 def test_the_first_sigterm_drains_then_reaches_the_server(health_server):
     """The container's stop handler (aot.serving.supervision.main.graceful_stop): the first SIGTERM makes /ready say
-    503 and schedules the signal drain_seconds later; a second one, or SIGINT, reaches the server at once; with no
-    drain, SIGTERM does too."""
+    503 and schedules the graceful stop (new requests refused, the accepted finished, then the signal) drain_seconds
+    later, with no drain at once but on a thread of its own too; a second SIGTERM, or SIGINT, reaches the server at
+    once."""
     from aot.serving.supervision.main import graceful_stop
 
     server, current = health_server
     current[0] = FakeSupervisor(server_pid=os.getpid())
-    forwarded, scheduled = [], []
-    lifecycle_ = SimpleNamespace(forward=forwarded.append)
+    forwarded, graceful, scheduled = [], [], []
+    lifecycle_ = SimpleNamespace(forward=forwarded.append, stop_gracefully=graceful.append)
     stop = graceful_stop(lifecycle_, server, 600, later=lambda seconds, call: scheduled.append((seconds, call)))
     stop(signal.SIGTERM)
-    assert forwarded == [] and [s for s, _ in scheduled] == [600] and server.answer("/ready")[0] == 503
+    assert forwarded == graceful == [] and [s for s, _ in scheduled] == [600] and server.answer("/ready")[0] == 503
     stop(signal.SIGTERM)
-    assert forwarded == [signal.SIGTERM]
+    assert forwarded == [signal.SIGTERM] and graceful == []
     scheduled[0][1]()  # the drain's end
-    assert forwarded == [signal.SIGTERM, signal.SIGTERM] and len(scheduled) == 1
+    assert forwarded == [signal.SIGTERM] and graceful == [signal.SIGTERM] and len(scheduled) == 1
     fresh = HealthServer(lambda: None, "127.0.0.1", 0)
     try:
         graceful_stop(lifecycle_, fresh, 600, later=lambda *a: scheduled.append(a))(signal.SIGINT)
+        assert forwarded[1:] == [signal.SIGINT] and len(scheduled) == 1 and fresh.draining is None
         graceful_stop(lifecycle_, fresh, 0, later=lambda *a: scheduled.append(a))(signal.SIGTERM)
     finally:
         fresh.server.server_close()
-    assert forwarded[2:] == [signal.SIGINT, signal.SIGTERM] and len(scheduled) == 1 and fresh.draining is None
+    assert forwarded[1:] == [signal.SIGINT] and scheduled[1][0] == 0 and fresh.draining is not None
+    scheduled[1][1]()
+    assert graceful == [signal.SIGTERM, signal.SIGTERM]
 
 
 @pytest.mark.parametrize("path", ["/", "/readyz", "/v2/health/ready", "/ready/extra"])
@@ -669,3 +673,82 @@ def test_front_end_args_add_only_the_flags_the_command_lacks():
     assert len(added) == len(FRONT_END_FLAGS) - 1
     assert "--grpc-max-connection-age=600000" not in added and "--grpc-keepalive-time=30000" in added
     assert front_end_args([f"{flag}=1" for flag in FRONT_END_FLAGS]) == []
+
+
+# --- the end of a graceful stop (quiesce, connections, the steps' stop mark) -----------------------------------------
+
+def test_quiesce_reads_the_servers_flags_or_tritons_defaults():
+    from aot.serving.supervision import quiesce
+
+    command = ["tritonserver", "--exit-timeout-secs=7", "--metrics-address=0.0.0.0", "--metrics-port=9102"]
+    assert quiesce.flag(command, "--metrics-port") == "9102" and quiesce.flag(command, "--http-port") is None
+    assert quiesce.exit_timeout(command) == 7 and quiesce.exit_timeout([]) == quiesce.TRITON_EXIT_TIMEOUT
+    assert quiesce.metrics_url(command) == "http://127.0.0.1:9102/metrics"
+    assert quiesce.metrics_url([]) == f"http://127.0.0.1:{quiesce.TRITON_METRICS_PORT}/metrics"
+    assert quiesce.metrics_url(["--allow-metrics=false"]) is None
+
+
+def test_pending_requests_sum_tritons_gauges_and_none_without_metrics():
+    from aot.serving.supervision.quiesce import pending_requests
+
+    text = ("# HELP nv_inference_pending_request_count Instantaneous number of pending requests\n"
+            'nv_inference_pending_request_count{model="aot",version="1"} 3\n'
+            'nv_inference_pending_request_count{model="task_list",version="1"} 0\n'
+            'nv_inference_queue_duration_us{model="aot",version="1"} 12\n').encode()
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self):  # http.server's name
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(text)))
+            self.end_headers()
+            self.wfile.write(text)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        assert pending_requests(f"http://127.0.0.1:{server.server_address[1]}/metrics") == 3
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert pending_requests(None) is None and pending_requests(f"http://127.0.0.1:{free_port()}/metrics") is None
+
+
+def test_a_servers_connections_on_its_port_are_found_and_shut_down():
+    """This process as the server: the connection it accepted on its listening port is found among its descriptors
+    (not the listening socket, nor a connection on another port) and shut down through a copy of its descriptor
+    (pidfd_getfd): the client reads the end of the stream, as a stray client of a stopping tritonserver does."""
+    from aot.serving.supervision.connections import close_connections, connections
+
+    with socket.create_server(("127.0.0.1", 0)) as listener, socket.create_server(("127.0.0.1", 0)) as other:
+        port = listener.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        bystander = socket.create_connection(("127.0.0.1", other.getsockname()[1]))
+        accepted, _ = listener.accept()
+        kept, _ = other.accept()
+        with client, bystander, accepted, kept:
+            assert connections(os.getpid(), port) == [accepted.fileno()]
+            assert close_connections(os.getpid(), port) == 1
+            client.settimeout(10)
+            assert client.recv(10) == b""  # the server's side was shut down
+            bystander.sendall(b"x")
+            assert kept.recv(1) == b"x"  # a connection on another port is left alone
+            assert close_connections(os.getpid(), free_port()) == 0
+
+
+def test_the_stop_mark_is_the_servers_and_goes_with_its_watches():
+    """mark_stopping (the supervisor) is what server_stopping (a step, whose parent is the server) sees; the server's
+    watches removed, it is gone."""
+    from aot.serving.watch import mark_stopping, remove_watches, server_stopping, stopping_path
+
+    parent = os.getppid()  # this test process plays the step; its parent the server
+    assert not stopping_path(parent).exists() and not server_stopping()
+    mark_stopping(parent)
+    try:
+        assert server_stopping() and stopping_path(parent).stat().st_mode & 0o777 == 0o600
+    finally:
+        remove_watches(parent)
+    assert not server_stopping()

@@ -1,4 +1,4 @@
-"""What a publish costs the publisher (aot.exporter.task_store): it reads the index and the one shard of its task, not
+"""What a publish costs the publisher (aot.serving.store.writer): it reads the index and the one shard of its task, not
 the store, and lists only the staging folder (the store's own folder, one entry per version, at compactions only)."""
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ from pathlib import Path
 
 import numpy as np
 
-from aot.exporter.task_store import HOST, Publication, TaskStore
 from aot.serving.store import log as store_log
-from aot.serving.store.log import STORE_FILE, index_key
-from aot.serving.store.shards import SHARDS, shard_key, shard_of
+from aot.serving.store.layout import SHARDS, STORE_FILE
+from aot.serving.store.log import index_key
+from aot.serving.store.shards import shard_key, shard_of
+from aot.serving.store.writer import HOST, Publication, TaskStore
 
 
 def _store(root: Path) -> TaskStore:

@@ -15,10 +15,10 @@ import pytest
 
 from aot.client.client import Client, InferenceError, TaskNotFound
 from aot.exporter.task_export import export_task
-from aot.exporter.task_store import TaskStore
 from aot.serving.repository import read_repository
 from aot.serving.store.reader import STORE_VERSION, StoreError, folder_name
 from aot.serving.store.tenants import TENANT_KEY_PARAMETER, key_digest
+from aot.serving.store.writer import TaskStore
 from aot.serving.task_registry import TaskRegistry
 from tests.helpers import make_repository, run_cli, serve_for_tests, train_tiny_task
 

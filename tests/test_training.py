@@ -224,7 +224,7 @@ def test_same_seed_same_model_whatever_ran_before(tmp_path, sentiment_dir, tiny_
     from aot.training.artifact import read_task
 
     a, b = read_task(tmp_path / "a").weights(), read_task(tmp_path / "b").weights()
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert a and set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.parametrize("labels,logits,expected", [

@@ -12,11 +12,11 @@ from collections import Counter
 import pytest
 
 from aot.client.client import Client, TaskNotFound
-from aot.exporter.task_export import export_task
-from aot.exporter.task_store import TaskStore
+from aot.exporter.task_export import TaskExporter, export_task
 from aot.serving.repository import read_repository
 from aot.serving.store.log import Change
-from aot.serving.store.reader import RETIRED_GRACE, STORE_VERSION
+from aot.serving.store.reader import RETIRED_GRACE, STORE_VERSION, StoreError
+from aot.serving.store.writer import TaskStore
 from tests.helpers import make_repository, run_cli, serve_for_tests, train_tiny_task
 
 pytestmark = pytest.mark.server
@@ -165,7 +165,7 @@ def test_a_stored_route_of_huge_weights_still_serves(repo, versions, client):
     assert entry.route == {current: 0.5, canary: 0.5}
     assert [entry.routed(d) for d in (0.0, 0.4999, 0.5, 0.9999999999999999)] == [current, current, canary, canary]
     answers = client.infer_many([{"task": "sent", "text": TEXT}] * 200, concurrency=16)
-    assert all("error" not in a for a in answers), next(a for a in answers if "error" in a)
+    assert len(answers) == 200 and all("error" not in a for a in answers), next(a for a in answers if "error" in a)
     assert {a["version"] for a in answers} == {current, canary}  # 200 draws of 1/2: both, but for 2**-199
     [cleared] = _cli("export", "route", "sent", f"{current}=1", "--repo", str(repo))
     assert cleared["route"] is None
@@ -180,3 +180,76 @@ def test_a_store_of_format_v2_is_read_and_upgraded(tmp_path_factory, tiny_models
     export_task(artifact, repo, "old", "factored", progress=False)
     assert json.loads(identity.read_text())["format_version"] == STORE_VERSION
     assert len(_store(repo).entries()["old"].kept) == 1
+
+
+def test_route_names_the_current_version_current(repo, versions):
+    """`aot export route NAME CURRENT=1`, as --help, docs/serving.md and the README write it, clears a route; CURRENT
+    beside a kept version canaries it; the current version named twice is refused."""
+    current = _store(repo).entries()["sent"].folder
+    canary = next(v for v in versions if v != current)
+    [routed] = _cli("export", "route", "sent", "CURRENT=90", f"{canary}=10", "--repo", str(repo))
+    assert routed["route"] == {current: 0.9, canary: 0.1}
+    [cleared] = _cli("export", "route", "sent", "CURRENT=1", "--repo", str(repo))
+    assert cleared["route"] is None and _store(repo).entries()["sent"].route is None
+    assert "give it once" in _cli_error("export", "route", "sent", "CURRENT=1", f"{current}=1", "--repo", str(repo))
+
+
+@pytest.fixture(scope="module")
+def relabelled(tmp_path_factory, tiny_models, sentiment_dir):
+    """The same task, its labels in the other order: every logit index means the other class."""
+    return train_tiny_task(tiny_models["bert"], sentiment_dir, tmp_path_factory.mktemp("relabelled") / "fc",
+                           labels=["positive", "negative"])
+
+
+def test_a_label_change_is_refused_unless_allowed(repo, artifact, relabelled):
+    """Publishing a version whose labels differ (here their order) over the current one is refused with both lists
+    named, nothing written; --allow-label-change publishes it; rolling back or routing to the old labels is refused
+    the same way unless allowed."""
+    export_task(artifact, repo, "tickets", "factored", progress=False)
+    old = _store(repo).entries()["tickets"].folder
+    error = _cli_error("export", "task", "--task", str(relabelled), "--repo", str(repo), "--name", "tickets",
+                       "--storage", "factored", "--no-progress")
+    assert "2 label(s) [negative, positive] to 2 label(s) [positive, negative]" in error, error
+    assert old in error and "--allow-label-change" in error
+    assert _store(repo).entries()["tickets"].folder == old and not list((repo / "tasks" / ".staging").glob("*"))
+    exporter = TaskExporter(repo, progress=False, allow_label_change=True)  # past the export's own check ...
+    written = exporter.write(relabelled, "tickets", "factored")
+    exporter.allow_label_change = False  # ... the publish checks again, in the change: nothing is published
+    with pytest.raises(StoreError, match=r"would change its labels from 2 label\(s\) \[negative, positive\]"):
+        exporter.publish([written])
+    assert _store(repo).entries()["tickets"].folder == old and not written.folder.exists()
+    [published], said = run_cli("export", "task", "--task", str(relabelled), "--repo", str(repo), "--name", "tickets",
+                                "--storage", "factored", "--no-progress", "--allow-label-change")
+    new = published["folder"]
+    assert _store(repo).entries()["tickets"].meta["labels"] == ["positive", "negative"]
+    for argv in (("rollback", "tickets", old), ("route", "tickets", "CURRENT=50", f"{old}=50")):
+        error = _cli_error("export", *argv, "--repo", str(repo))
+        assert "[positive, negative] to 2 label(s) [negative, positive]" in error and new in error, error
+        assert _store(repo).entries()["tickets"].folder == new and _store(repo).entries()["tickets"].route is None
+    [routed], _ = run_cli("export", "route", "tickets", "CURRENT=50", f"{old}=50", "--repo", str(repo),
+                          "--allow-label-change")
+    assert routed["route"] == {new: 0.5, old: 0.5}
+    [rolled], _ = run_cli("export", "rollback", "tickets", old, "--repo", str(repo), "--allow-label-change")
+    assert rolled["current"] == old and _store(repo).entries()["tickets"].meta["labels"] == ["negative", "positive"]
+
+
+def test_a_lower_dev_score_is_said(repo, artifact):
+    """A publish, a rollback and a route to a version that scores lower on the dev set than the current one are
+    done, and said: the scores and both versions named."""
+    export_task(artifact, repo, "scored", "factored", progress=False)
+    first = _store(repo).entries()["scored"].folder
+
+    def better(state):  # the current version as if it had scored 2.0 (above any real score)
+        entry = state.tasks["scored"]
+        return Change(tasks={"scored": {**entry, "meta": {**entry["meta"], "dev": 2.0}}})
+
+    _store(repo).commit(better)
+    [published], said = run_cli("export", "task", "--task", str(artifact), "--repo", str(repo), "--name", "scored",
+                                "--storage", "factored", "--no-progress")
+    assert f"warning: scored: {published['folder']} scores dev" in said and f"below the 2 of {first}" in said, said
+    _store(repo).commit(lambda state: Change(tasks={"scored": {**state.tasks["scored"], "meta": {
+        **state.tasks["scored"]["meta"], "dev": 3.0}}}))
+    _, said = run_cli("export", "route", "scored", "CURRENT=1", f"{first}=1", "--repo", str(repo))
+    assert f"warning: scored: {first} scores dev" in said and "below the 3 of" in said, said
+    _, said = run_cli("export", "rollback", "scored", first, "--repo", str(repo))
+    assert f"warning: scored: {first} scores dev" in said and "below the 3 of" in said, said

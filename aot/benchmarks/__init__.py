@@ -4,11 +4,14 @@
     overhead            the paper's inference-overhead comparison; overhead_cases (shared), overhead_torch and
                         overhead_onnxruntime (its two engines)
     serve               end to end through the real local tritonserver
-    tax                 the serving tax: CPU per request beyond the engine's; tax_torch: the GPU configs' path
-                        (the torch engine's fused step) on this CPU
+    tax                 the serving tax: CPU per request beyond the engine's; tax_torch: the GPU configs' request
+                        path (the torch engine's fused step) on this CPU with a negligible encoder, by process;
+                        tax_torch_report (its reports)
+    encoders            random-weight encoders of a chosen shape with a real tokenizer (the negligible one, base)
     gpu_perf            the GPU check's perf stage (scripts/gpu-check.sh perf): per model shape, the engine alone and
-                        served under perf_analyzer against issue 45's targets; gpu_perf_load (perf_analyzer, its
-                        stand-in, GPU utilisation), gpu_perf_report (targets, failures, perf.json / perf.md),
+                        served under perf_analyzer against issue 52's targets; gpu_perf_shape (what a shape serves),
+                        gpu_perf_load (perf_analyzer, its stand-in, its windows, GPU utilisation), gpu_perf_profile
+                        (py-spy of a step instance), gpu_perf_report (targets, failures, perf.json / perf.md),
                         gpu_perf_server (`aot serve` as a user starts it, its metrics and /ready)
     tasks               serving against the number of tasks; scale: ever more tasks, as `aot serve` runs them
     kinds               tasks of mixed kinds against classifiers

@@ -137,9 +137,15 @@ def add_bench(sub) -> None:
                                      "the same texts at each batch size, and each process's ceiling on a --cores "
                                      "host; each --cpu-instances layout on a server of its own. Clients are Python "
                                      "threads in this process; their CPU is reported. Writes tax.json, tax.md and "
-                                     "tax.png.")
-    _add_served_task(x, "tax")
-    x.add_argument("--concurrency", type=_ints, default=[1, 8, 32], help="concurrent clients, one pass each")
+                                     "tax.png. --engine torch measures the GPU configs' request path instead (see "
+                                     "--engine).")
+    x.add_argument("--task", default=None, help=TASK_HELP + " (required but with --engine torch, where it replaces "
+                                                            "the negligible encoder by this task's)")
+    _add_out(x, "tax")
+    x.add_argument("--repo", default=None, help="scratch repository to use (its tasks are replaced); default: a "
+                                                "temporary one")
+    x.add_argument("--concurrency", type=_ints, default=None,
+                   help="concurrent clients, one pass each (default: 1,8,32; --engine torch: 8,32)")
     x.add_argument("--requests", type=_positive_int, default=600, help="requests per pass (and sequences the "
                                                                        "engine alone runs at each batch size)")
     x.add_argument("--batch", type=_ints, default=[1, 8, 32], help="batch sizes of the engine alone")
@@ -151,14 +157,25 @@ def add_bench(sub) -> None:
                    help="the CPU graphs: fp32, or int8 (a repository exported with --precision int8, or --repo one; "
                         "the engine alone then runs the int8 twins one request at a time, as the CPU configs do)")
     x.add_argument("--engine", choices=["onnx", "torch"], default="onnx",
-                   help="torch: the GPU configs' path on this CPU instead (the torch engine's one fused step): the "
-                        "server's CPU per request and per text outside the engine (every process less the engines' "
-                        "own, aot_engine_cpu_us_total) for each --texts-per-request; writes tax-torch.json and .md")
+                   help="torch: the GPU configs' request path on this CPU (the torch engine's fused step, max batch "
+                        "128, 8 tasks mixed) serving, unless --task, an encoder whose compute is negligible (1 "
+                        "layer, hidden 64, random weights, MiniLM's tokenizer: built in code), so that the path's "
+                        "own CPU is measured: per text and per request, tritonserver's, each step instance's, the "
+                        "rest's, the engines' own (aot_engine_cpu_us_total) and outside the engine, for each "
+                        "--clients, --texts-per-request and --concurrency; writes tax-torch.json and .md with issue "
+                        "52's targets evaluated")
     x.add_argument("--texts-per-request", type=_ints, default=[1, 64],
                    help="--engine torch: texts each request carries (aot.Client.infer_many's pack), one pass each")
-    x.add_argument("--token-ids", action="store_true",
-                   help="--engine torch: each pass again with clients that tokenize and send token ids "
-                        "(aot.Client(tokenizer=...)): the server's CPU without its tokenizer's")
+    x.add_argument("--texts", type=_positive_int, default=2048, help="--engine torch: texts a pass")
+    x.add_argument("--min-requests", type=_positive_int, default=128,
+                   help="--engine torch: requests a pass makes at least (a pass of large requests gets more texts)")
+    x.add_argument("--clients", type=_some_of(("text", "ids", "mixed"), "clients"), default=["text", "ids"],
+                   help="--engine torch: who sends: text (TEXT + TASK), ids (aot.Client(tokenizer=...) sends token "
+                        "ids: the server's CPU without its tokenizer's), mixed (both at once, half the requests in "
+                        "flight each); one pass each")
+    x.add_argument("--no-probes", action="store_true",
+                   help="--engine torch: serve without the supervisor, so without its liveness probes (what they "
+                        "cost the server)")
     _finish(x, run_tax)
 
     t = kinds.add_parser("tasks",
@@ -259,13 +276,14 @@ def add_bench(sub) -> None:
 
     g = kinds.add_parser("gpu-perf",
                          help="the GPU check's perf stage: per model shape, the engine alone and served through aot "
-                              "serve under perf_analyzer, against issue 45's targets",
+                              "serve under perf_analyzer, against issue 52's targets",
                          description="For each --shape (an AoT task trained on a random encoder of that shape): the "
                                      "engine alone at the served max batch (aot bench overhead), then a repository "
                                      "exported with --format torch serving 8 copies of the task (aot serve --vanilla) "
                                      "measured by perf_analyzer: vanilla, AoT 1 task and AoT 8 mixed tasks at each "
                                      "--concurrency with each --texts-per-request, the GPU's utilisation (nvidia-smi) "
-                                     "through each window; then the batches run eagerly (/metrics), /ready's "
+                                     "through each window, py-spy of one step instance through --profile-window "
+                                     "(with --py-spy); then the batches run eagerly (/metrics), /ready's "
                                      "warnings and parity with aot predict. Writes perf.json and perf.md; exits 1 "
                                      "when a measured batch ran eagerly, served answers are off or a shape could "
                                      "not be served (scripts/gpu-check.sh perf runs it).")
@@ -284,7 +302,14 @@ def add_bench(sub) -> None:
                    help="the engine alone's sequence length, a served bucket: served texts pad to it")
     g.add_argument("--gpu-instances", type=_positive_int, default=None,
                    help="aot export backbone --gpu-instances of the served repository (default: the export's)")
-    g.add_argument("--measurement-interval", type=_positive_int, default=1500, help="perf_analyzer's window (ms)")
+    g.add_argument("--measurement-interval", type=_positive_int, default=1500,
+                   help="perf_analyzer's window (ms); a window whose requests take long gets a longer one (two "
+                        "requests' latency, estimated from the rate measured at its request size, at most 8 s)")
+    g.add_argument("--py-spy", default=None, metavar="PATH",
+                   help="py-spy's binary: profile one instance of the step through --profile-window of the first "
+                        "shape (py-spy.txt beside perf.md, summarised in it)")
+    g.add_argument("--profile-window", default="aot-8-t64-c256", metavar="WINDOW",
+                   help="the window py-spy samples: MODEL-tTEXTS-cCONCURRENCY, MODEL vanilla, aot-1 or aot-8")
     g.add_argument("--stand-in-requests", type=_positive_int, default=8,
                    help="without --perf-analyzer: requests of each window")
     g.add_argument("--engine-batch", type=_positive_int, default=None,

@@ -35,9 +35,9 @@ from aot.benchmarks.report import markdown_table, write_json, write_text
 from aot.benchmarks.serve import _closed_loop, _texts
 from aot.client.client import Client, InferenceError
 from aot.exporter.task_export import export_task
-from aot.exporter.task_store import TaskStore
 from aot.local.fleet import Fleet
 from aot.serving.repository import read_repository
+from aot.serving.store.writer import TaskStore
 
 
 def _version(repo: Path, name: str) -> str | None:
@@ -168,10 +168,10 @@ def measure_store(repo: Path, name: str, tasks: int = 10000) -> dict:
     at start, and the bytes a step reads for one more publish."""
     import tempfile
 
-    from aot.exporter.task_store import TaskStore
     from aot.serving.store.log import Change
     from aot.serving.store.shards import SHARDS
     from aot.serving.store.view import StoreView
+    from aot.serving.store.writer import TaskStore
 
     store = TaskStore(read_repository(repo).store_root)
     entry = store.state().tasks[name]

@@ -6,13 +6,14 @@ For each model shape (an AoT task trained on a random encoder of that shape), in
     served        the repository `aot export backbone --format torch --max-batch-size N` writes, 8 copies of the
                   task published (aot-0 ... aot-7), `aot serve --device D --vanilla` on it; then windows of
                   vanilla, AoT with 1 task and AoT with the 8 mixed, at each concurrency, with 1-text and N-text
-                  requests (gpu_perf_load: perf_analyzer, or the rehearsal's stand-in), the GPU's utilisation
-                  sampled through each
+                  requests (gpu_perf_load: perf_analyzer, or the rehearsal's stand-in; a window of long requests
+                  measured over a longer interval), the GPU's utilisation sampled through each; on the first shape,
+                  py-spy of one instance of the step through one window (gpu_perf_profile)
     afterwards    aot_engine_eager_batches_total from /metrics (before and after the windows), /ready's warnings,
                   served answers against `aot predict` on a few texts
 
 Served texts are Rotten Tomatoes reviews that pad to the same bucket as the engine alone's sequence (--seq), so
-that served texts/s and the engine's seq/s count the same work. Windows run most important first (what issue 45's
+that served texts/s and the engine's seq/s count the same work. Windows run most important first (what issue 52's
 targets read), and an earlier shape's less important ones only while they leave the later shapes' target windows
 their time; with a --deadline, a window or a shape that would not end before it is skipped and named in the report. Results: gpu_perf_report (perf.json, perf.md under --out, rewritten after every window).
 """
@@ -29,22 +30,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aot.benchmarks.gpu_perf_load import (
+    MAX_TRIALS,
     PERF_ANALYZER,
+    RATE_GUESS,
     STAND_IN,
     LoadError,
     UtilisationSampler,
     Window,
+    interval_ms,
     perf_analyzer_command,
     run_perf_analyzer,
     run_stand_in,
     write_input_data,
 )
+from aot.benchmarks.gpu_perf_profile import PROFILE_WINDOW, StepProfile
 from aot.benchmarks.gpu_perf_report import P50_SHAPES, RATIO_CONCURRENCIES, write_reports
 from aot.benchmarks.gpu_perf_server import Served, metric_sum
+from aot.benchmarks.gpu_perf_shape import TASKS, bucket_texts, build_repository, describe, pool_bytes
 
 MODELS = ("vanilla", "aot-1", "aot-8")
-TASKS = tuple(f"aot-{i}" for i in range(8))
-TEXTS = 64  # distinct served texts of the bucket
 PARITY_TEXTS = 8
 WARM_UP, WARM_UP_CONCURRENCY = 16, 8  # requests of 8 texts (one per task) before the windows
 SET_UP_PARTS = ("engine alone", "export", "serve start", "warm-up")  # a shape's time before its windows
@@ -71,6 +75,8 @@ class GpuPerfConfig:
     notes: list[str] = field(default_factory=list)
     work: str | None = None  # the repositories (GBs: never among the results); None: a temporary folder
     gpu_instances: int | None = None  # the served step's instances on the GPU; None: the export's default
+    py_spy: str | None = None  # py-spy's binary: one instance of the step profiled through profile_window
+    profile_window: str = PROFILE_WINDOW  # on the first shape
 
 
 def priority(window: Window, shape: str) -> int:
@@ -90,43 +96,42 @@ def windows_in_order(shape: str, concurrency: tuple[int, ...], texts: tuple[int,
 
 
 class Budget:
-    """The deadline and what windows have taken so far (per request size: a 64-text window drains longer)."""
+    """The deadline and what windows have taken so far, in seconds per second of perf_analyzer's window (per
+    request size: a 64-text window drains longer), so that a longer window is foreseen as longer."""
 
-    def __init__(self, deadline: float | None, first_guess: float):
-        self.deadline, self.first_guess = deadline, first_guess
-        self.taken: dict[int, float] = {}
+    def __init__(self, deadline: float | None, first_guess: float, interval_ms: int):
+        self.deadline, self.first_guess, self.interval_ms = deadline, first_guess, interval_ms
+        self.taken: dict[int, float] = {}  # texts a request -> seconds taken per second of window
 
     def left(self) -> float:
         return float("inf") if self.deadline is None else self.deadline - time.time()
 
-    def estimate(self, window: Window) -> float:
-        return self.taken.get(window.texts, max(self.taken.values(), default=self.first_guess))
+    def estimate(self, window: Window, interval: int | None = None) -> float:
+        guess = self.first_guess * 1000 / self.interval_ms
+        return self.taken.get(window.texts, max(self.taken.values(), default=guess)) * (
+            interval or self.interval_ms) / 1000
 
-    def record(self, window: Window, seconds: float) -> None:
-        self.taken[window.texts] = max(seconds, self.taken.get(window.texts, 0.0))
+    def record(self, window: Window, seconds: float, interval: int | None = None) -> None:
+        per = seconds * 1000 / (interval or self.interval_ms)
+        self.taken[window.texts] = max(per, self.taken.get(window.texts, 0.0))
 
     def fits(self, seconds: float) -> bool:
         return seconds + RESERVE_S <= self.left()
 
 
 def kept_for_later(later: list[str], set_up_s: float, budget: Budget, concurrency: tuple[int, ...],
-                   texts: tuple[int, ...]) -> float:
+                   texts: tuple[int, ...], interval_of) -> float:
     """What the `later` shapes' target windows need, their set-up included (guessed at twice `set_up_s`, the
-    current shape's: the later ones are the larger): the current shape's less important windows leave it to them."""
-    return sum(2 * set_up_s + RESERVE_S + sum(budget.estimate(w) for w in windows_in_order(name, concurrency, texts)
+    current shape's: the later ones are the larger): the current shape's less important windows leave it to them.
+    `interval_of(window)`: the window's length in ms before anything of its shape was measured."""
+    return sum(2 * set_up_s + RESERVE_S + sum(budget.estimate(w, interval_of(w))
+                                              for w in windows_in_order(name, concurrency, texts)
                                               if priority(w, name) == 0)
                for name in later)
 
 
 def _log(message: str) -> None:
     print(f"== gpu-perf: {message}", file=sys.stderr, flush=True)
-
-
-def describe(model_dir: Path) -> str:
-    c = json.loads((model_dir / "config.json").read_text())
-    return (f"{c.get('model_type', '?')} config, {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, "
-            f"{c['num_attention_heads']} heads, FFN {c['intermediate_size']}, vocabulary {c['vocab_size']}, random "
-            "weights")
 
 
 def engine_alone(model_dir: Path, config: GpuPerfConfig, out: Path) -> dict:
@@ -153,76 +158,22 @@ def engine_alone(model_dir: Path, config: GpuPerfConfig, out: Path) -> dict:
     return result
 
 
-def build_repository(task: Path, repo: Path, max_batch_size: int, gpu_instances: int | None = None) -> None:
-    """What `aot export backbone --format torch --max-batch-size N` and `aot export task` write: the encoder, and
-    the task published as aot-0 ... aot-7 (fused; the copies hard-linked to the first's files)."""
-    from aot.exporter.backbone_export import export_backbone
-    from aot.exporter.task_export import export_task
-    from aot.exporter.task_store import Publication, TaskStore
-    from aot.serving.repository import ServingOptions, read_repository
-    from aot.training.artifact import read_task
-
-    instances = {} if gpu_instances is None else {"gpu_instances": gpu_instances}
-    export_backbone(read_task(task).backbone["model"], repo,
-                    ServingOptions(engine="torch", max_batch_size=max_batch_size, **instances))
-    first = export_task(task, repo, TASKS[0], "fused", progress=False)
-    store = TaskStore(read_repository(repo).store_root)
-    copies = []
-    for name in TASKS[1:]:
-        folder = store.new_version_folder(name)
-        folder.rmdir()
-        shutil.copytree(store.root / first.folder, folder, copy_function=os.link)
-        copies.append(Publication(name, folder, "fused"))
-    store.publish_many(copies)
-
-
-def pool_bytes(repo: Path, device: str) -> int | None:
-    """On a GPU, a pool that holds the 8 tasks' fused tables in every instance of the served step (each holds an
-    equal share), and a little more. On CPU (the rehearsal) the repository's own: 8 base-size tables in each
-    instance's host memory (2 x 4.5 GB) got the steps killed on the 2-core development machine."""
-    from aot.serving.repository import read_repository
-
-    if device == "cpu":
-        return None
-    info = read_repository(repo)
-    table = info.vocab_size * info.num_layers * info.hidden_size * 2
-    return info.options.gpu_instances * len(TASKS) * table + (64 << 20)
-
-
-def bucket_texts(model_dir: Path, seq: int, buckets: tuple[int, ...]) -> list[str]:
-    """TEXTS distinct Rotten Tomatoes reviews whose tokens pad to the `seq` bucket, as the engine alone runs."""
-    from transformers import AutoTokenizer
-
-    from aot.serving.tokenization import bucket_length
-    from aot.training.data import load_task_data
-
-    if seq not in buckets:
-        raise ValueError(f"--seq {seq} is not one of the served buckets {buckets}: served texts could not pad to it")
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    data = load_task_data("rotten_tomatoes")
-    chosen: list[str] = []
-    for example in [*data.dev, *data.train]:
-        if example.text not in chosen and bucket_length(len(tokenizer(example.text)["input_ids"]), buckets) == seq:
-            chosen.append(example.text)
-            if len(chosen) == TEXTS:
-                return chosen
-    raise ValueError(f"only {len(chosen)} reviews pad to the {seq}-token bucket; expected {TEXTS}")
-
-
 class ShapeRun:
     """One shape: its engine alone, its server, its windows, what the server says after them."""
 
     def __init__(self, name: str, task: Path, config: GpuPerfConfig, budget: Budget, result: dict, work: Path,
-                 later: list[str]):
+                 later: list[str], profile: bool = False):
         from aot.training.artifact import read_task
 
         self.name, self.task, self.config, self.budget, self.result = name, task, config, budget, result
-        self.later = later  # the shapes measured after this one
+        self.later, self.profile = later, profile  # the shapes measured after this one; py-spy on this one
+        self.rates: dict[tuple[str, int], float] = {}  # (model, texts a request) -> the best texts/s measured
         self.model_dir = Path(read_task(task).backbone["model"])
         self.folder, self.repo = Path(config.out) / name, work / f"repo-{name}"
         self.record = {"name": name, "task": str(task), "model": str(self.model_dir),
                        "description": describe(self.model_dir), "engine_alone": None, "windows": [],
-                       "eager_batches": None, "ready_warnings": None, "parity": None, "elapsed_s": {}, "skipped": []}
+                       "eager_batches": None, "ready_warnings": None, "parity": None, "elapsed_s": {}, "skipped": [],
+                       "profile": None}
         result["shapes"].append(self.record)
 
     def part(self, name: str, job):
@@ -290,15 +241,27 @@ class ShapeRun:
     def set_up_seconds(self) -> float:
         return sum(self.record["elapsed_s"].get(p, 0.0) for p in SET_UP_PARTS)
 
+    def interval(self, window: Window, rates: dict | None = None) -> int:
+        """perf_analyzer's window for `window`, from the best rate measured at its request size on this shape (its
+        own model's first), else RATE_GUESS; the stand-in's load ignores it."""
+        rates = self.rates if rates is None else rates
+        if self.config.perf_analyzer is None:
+            return self.config.interval_ms
+        same = [r for (model, texts), r in rates.items() if texts == window.texts]
+        rate = rates.get((window.model, window.texts)) or max(same, default=RATE_GUESS)
+        return interval_ms(window, rate, self.config.interval_ms)
+
     def windows(self, server: Served, sampler: UtilisationSampler, data: dict[str, Path], texts: list[str]) -> None:
         config = self.config
         for window in windows_in_order(self.name, config.concurrency, config.texts_per_request):
             row = {"model": window.model, "texts": window.texts, "concurrency": window.concurrency,
                    "generator": PERF_ANALYZER if config.perf_analyzer else STAND_IN}
             self.record["windows"].append(row)
-            estimate = self.budget.estimate(window)
+            interval = self.interval(window)
+            estimate = self.budget.estimate(window, interval)
             kept = 0.0 if priority(window, self.name) == 0 else kept_for_later(
-                self.later, self.set_up_seconds(), self.budget, config.concurrency, config.texts_per_request)
+                self.later, self.set_up_seconds(), self.budget, config.concurrency, config.texts_per_request,
+                lambda w: self.interval(w, {}))
             if not self.budget.fits(estimate + kept):
                 row["skipped"] = (f"~{estimate:.0f} s would pass the deadline ({self.budget.left():.0f} s left)"
                                   if not self.budget.fits(estimate) else
@@ -306,14 +269,23 @@ class ShapeRun:
                                   f"target windows of {', '.join(self.later)}")
                 self.record["skipped"].append(f"{window.name} ({row['skipped']})")
                 continue
+            if config.perf_analyzer:
+                row["interval_ms"] = interval
+            profile = None
+            if self.profile and config.py_spy and window.name == config.profile_window:
+                profile = StepProfile(config.py_spy, server.process.pid, self.folder / "py-spy.txt").start()
             start = time.monotonic()
             try:
-                row.update(self.measure(server, window, data[window.model], texts))
+                row.update(self.measure(server, window, data[window.model], texts, interval))
+                key = (window.model, window.texts)
+                self.rates[key] = max(row["texts_per_s"], self.rates.get(key, 0.0))
             except LoadError as exc:
                 row["error"] = str(exc)[:300]
             end = time.monotonic()
+            if profile is not None:
+                self.record["profile"] = {"window": window.name, **profile.result()}
             row["seconds"] = round(end - start, 1)
-            self.budget.record(window, end - start)
+            self.budget.record(window, end - start, interval)
             row.update(sampler.between(start + min(1.0, (end - start) / 4), end))
             util = "-" if row["gpu_util_mean"] is None else f"{row['gpu_util_mean']:.0f} %"
             _log(f"{self.name} {window.name}: " + (f"{row['texts_per_s']:,.0f} texts/s, p50 {row['p50_ms']} ms"
@@ -321,7 +293,7 @@ class ShapeRun:
                  + f", GPU {util} ({row['seconds']:.0f} s)")
             self.save()
 
-    def measure(self, server: Served, window: Window, data: Path, texts: list[str]) -> dict:
+    def measure(self, server: Served, window: Window, data: Path, texts: list[str], interval: int) -> dict:
         config = self.config
         if config.perf_analyzer is None:
             tasks = TASKS[:window.tasks]
@@ -330,7 +302,7 @@ class ShapeRun:
         runs = self.folder / "windows"
         runs.mkdir(parents=True, exist_ok=True)
         command = perf_analyzer_command(config.perf_analyzer, window, server.grpc_url, server.admin_key, data,
-                                        runs / f"{window.name}.csv", config.interval_ms)
+                                        runs / f"{window.name}.csv", interval)
         return run_perf_analyzer(command, runs / f"{window.name}.csv", runs / f"{window.name}.log", window.texts,
                                  WINDOW_TIMEOUT_S)
 
@@ -368,6 +340,11 @@ def run_gpu_perf(config: GpuPerfConfig) -> dict:
                          "load is for the CPU rehearsal)")
     if config.perf_analyzer is not None and not os.access(config.perf_analyzer, os.X_OK):
         raise ValueError(f"--perf-analyzer {config.perf_analyzer}: not an executable file")
+    if config.py_spy is not None and not os.access(config.py_spy, os.X_OK):
+        raise ValueError(f"--py-spy {config.py_spy}: not an executable file")
+    names = [w.name for w in windows_in_order("", config.concurrency, config.texts_per_request)]
+    if config.py_spy is not None and config.profile_window not in names:
+        raise ValueError(f"--profile-window {config.profile_window}: not one of the windows ({', '.join(names)})")
     too_large = [t for t in config.texts_per_request if t > config.max_batch_size]
     if too_large:
         raise ValueError(f"--texts-per-request {too_large} exceeds --max-batch-size {config.max_batch_size}")
@@ -376,19 +353,21 @@ def run_gpu_perf(config: GpuPerfConfig) -> dict:
     if config.perf_analyzer is None:
         notes.append(f"{STAND_IN}: {config.stand_in_requests} requests a window, at most that many in flight")
     else:
-        notes.append(f"perf_analyzer windows of {config.interval_ms} ms, synchronous, -b texts a request (each a copy "
-                     "of one entry of the input file: one text and one task repeated)")
+        notes.append(f"perf_analyzer windows of {config.interval_ms} ms, longer where a request's latency is long "
+                     "(each window's interval_ms), synchronous, -b texts a request (each a copy of one entry of the "
+                     "input file: one text and one task repeated)")
     result = {"device": config.device, "device_name": device_name(config.device), "generator": generator,
               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "started_unix": time.time(),
               "elapsed_s": 0.0, "notes": notes, "config": {k: v for k, v in vars(config).items() if k != "notes"},
               "shapes": [], "targets": [], "failures": []}
-    first_guess = 3 * config.interval_ms / 1000 + 4 if config.perf_analyzer else 10.0
-    budget = Budget(config.deadline, first_guess)
+    first_guess = MAX_TRIALS * config.interval_ms / 1000 + 4 if config.perf_analyzer else 10.0
+    budget = Budget(config.deadline, first_guess, config.interval_ms)
     setup_taken: float | None = None
     work = Path(config.work) if config.work else Path(tempfile.mkdtemp(prefix="aot-gpu-perf-"))
     with UtilisationSampler() as sampler:
         for k, (name, task) in enumerate(config.shapes):
-            run = ShapeRun(name, Path(task), config, budget, result, work, [n for n, _ in config.shapes[k + 1:]])
+            run = ShapeRun(name, Path(task), config, budget, result, work, [n for n, _ in config.shapes[k + 1:]],
+                           profile=k == 0)
             needed = 2 * setup_taken + budget.first_guess if setup_taken is not None else 0.0
             if not budget.fits(needed):
                 run.record["skipped"].append(f"the whole shape: {budget.left():.0f} s left, ~{needed:.0f} s needed "

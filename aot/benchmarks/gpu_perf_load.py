@@ -25,7 +25,10 @@ from aot.serving.supervision.admin_key import GRPC_ADMIN_HEADER
 PERF_ANALYZER = "perf_analyzer"
 STAND_IN = "stand-in (aot.Client.infer_many), not perf_analyzer"
 STABILITY_PERCENT = 50  # perf_analyzer's default of 10 asks for more windows than a call of the device tool holds
-MAX_TRIALS = 3
+MAX_TRIALS = 4  # windows of one measurement: three stable ones, after the first that fills the server's queue
+RATE_GUESS = 3000.0  # texts/s assumed of a request size not measured yet (the H100 served 4,000-7,000 at 64 texts)
+LATENCIES_PER_INTERVAL = 2  # a window lasts at least this many requests' latency
+MAX_INTERVAL_MS = 8000
 REQUIRED_COLUMNS = ("Concurrency", "Inferences/Second", "p50 latency", "p99 latency")
 
 
@@ -64,10 +67,20 @@ def input_data(texts: list[str], tasks: list[str]) -> dict:
                      for i, text in enumerate(texts)]}
 
 
+def interval_ms(window: Window, rate: float, base_ms: int) -> int:
+    """perf_analyzer's window for `window`: `base_ms`, or longer where its requests take long. In a closed loop at
+    `rate` texts/s, a request of window.texts texts waits for the window.concurrency - 1 before it: a latency of
+    texts x concurrency / rate (64-text requests at c=256 and 7,000 texts/s: 2.3 s, longer than the 1.5 s windows that
+    found no stable figure on the H100); a window holds LATENCIES_PER_INTERVAL of them, at most MAX_INTERVAL_MS."""
+    latency_ms = window.texts * window.concurrency / rate * 1000
+    return int(min(MAX_INTERVAL_MS, max(base_ms, LATENCIES_PER_INTERVAL * latency_ms)))
+
+
 def perf_analyzer_command(binary: str, window: Window, url: str, admin_key: str, data: Path, csv_file: Path,
                           interval_ms: int) -> list[str]:
     """One window of perf_analyzer over gRPC: synchronous (one thread per request in flight), `window.texts` texts
-    a request (-b), short windows that still need three within STABILITY_PERCENT of each other."""
+    a request (-b), windows of `interval_ms` (interval_ms()) of which three in a row must agree within
+    STABILITY_PERCENT, at most MAX_TRIALS of them."""
     return [binary, "-m", window.served, "-u", url, "-i", "grpc", "-H", f"{GRPC_ADMIN_HEADER}:{admin_key}",
             "--input-data", str(data), "-b", str(window.texts), "--concurrency-range", str(window.concurrency),
             "--measurement-interval", str(interval_ms), "--stability-percentage", str(STABILITY_PERCENT),

@@ -29,8 +29,8 @@ import numpy as np
 from aot import settings
 from aot.benchmarks.report import markdown_table, percentile, write_json, write_text
 from aot.benchmarks.serve import _texts
-from aot.exporter.task_store import TaskStore
 from aot.serving.repository import read_repository
+from aot.serving.store.writer import TaskStore
 
 BUCKET = "aot-bench-hardening"
 

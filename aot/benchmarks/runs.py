@@ -42,14 +42,20 @@ def run_tax(args) -> int:
     if args.engine == "torch":
         from aot.benchmarks.tax_torch import TorchTaxConfig, run_torch_tax
 
-        config = TorchTaxConfig(task=args.task, out=args.out, repo=args.repo,
-                                texts_per_request=tuple(args.texts_per_request), concurrency=tuple(args.concurrency),
-                                texts=args.requests, token_ids=(False, True) if args.token_ids else (False,))
+        config = TorchTaxConfig(out=args.out, task=args.task, repo=args.repo,
+                                texts_per_request=tuple(args.texts_per_request),
+                                concurrency=tuple(args.concurrency or (8, 32)), texts=args.texts,
+                                min_requests=args.min_requests,
+                                clients=tuple(args.clients),
+                                probes=not args.no_probes)
         print(json.dumps(run_torch_tax(config, progress=not args.no_progress)))
         return 0
     from aot.benchmarks.tax import TaxBenchConfig, run_tax_bench
 
-    config = TaxBenchConfig(task=args.task, out=args.out, repo=args.repo, concurrency=tuple(args.concurrency),
+    if args.task is None:
+        raise ValueError("--task is required with --engine onnx: the AoT task whose encoder the repository serves")
+    config = TaxBenchConfig(task=args.task, out=args.out, repo=args.repo,
+                            concurrency=tuple(args.concurrency or (1, 8, 32)),
                             requests=args.requests, batches=tuple(args.batch), cores=args.cores,
                             cpu_instances=tuple(args.cpu_instances), precision=args.precision)
     print(json.dumps(run_tax_bench(config, progress=not args.no_progress)))
@@ -71,7 +77,8 @@ def run_gpu_perf(args) -> int:
                            max_batch_size=args.max_batch_size, seq=args.seq, interval_ms=args.measurement_interval,
                            stand_in_requests=args.stand_in_requests, engine_batch=args.engine_batch,
                            engine_repeats=args.engine_repeats, deadline=args.deadline, notes=args.note,
-                           work=args.work, gpu_instances=args.gpu_instances)
+                           work=args.work, gpu_instances=args.gpu_instances, py_spy=args.py_spy,
+                           profile_window=args.profile_window)
     result = run(config)
     print(json.dumps({"out": args.out, "failures": result["failures"],
                       "targets_met": sum(t["met"] is True for t in result["targets"]),

@@ -33,8 +33,8 @@ from aot import settings
 from aot.benchmarks.report import markdown_table, percentile, write_json, write_text
 from aot.benchmarks.scale import DerivedStore, _name
 from aot.benchmarks.serve import _closed_loop, _texts
-from aot.exporter.task_store import TaskStore
 from aot.serving.repository import read_repository
+from aot.serving.store.writer import TaskStore
 
 BUCKET = "aot-bench"
 

@@ -38,12 +38,13 @@ import numpy as np
 
 from aot.benchmarks.report import markdown_table, new_figure, percentile, save_figure, write_json, write_text
 from aot.benchmarks.serve import _closed_loop, _texts
-from aot.exporter.task_store import Publication, TaskStore
 from aot.serving.repository import read_repository
 from aot.serving.shm import STUB
+from aot.serving.store.layout import FACTORS, HEAD, TASK_JSON
 from aot.serving.store.reader import StoreReader
 from aot.serving.store.shards import SHARDS
 from aot.serving.store.view import StoreView
+from aot.serving.store.writer import Publication, TaskStore
 
 ATOL = 1e-3
 PUBLISHES = 3  # single publishes timed at each count
@@ -78,16 +79,16 @@ class DerivedStore:
         from safetensors.numpy import load_file
 
         self.store, self.master = store, master
-        self.factors = load_file(master / "factors.safetensors")
+        self.factors = load_file(master / FACTORS)
         self.count = 0
 
     def folder(self, i: int) -> Path:
         from safetensors.numpy import save_file
 
         folder = self.store.new_version_folder(_name(i))
-        for file in ("task.json", "head.safetensors"):
+        for file in (TASK_JSON, HEAD):
             shutil.copy2(self.master / file, folder / file)
-        save_file(_perturbed(self.factors, seed=i), folder / "factors.safetensors")
+        save_file(_perturbed(self.factors, seed=i), folder / FACTORS)
         return folder
 
     def grow(self, n: int, batch: int, progress) -> None:

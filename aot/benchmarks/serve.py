@@ -32,9 +32,9 @@ from typing import NamedTuple
 import numpy as np
 
 from aot.benchmarks.report import markdown_table, new_figure, save_figure, write_json, write_text
-from aot.exporter.task_store import TaskStore
 from aot.serving import protocol
 from aot.serving.repository import ServingOptions, read_repository
+from aot.serving.store.writer import TaskStore
 
 
 @dataclass

@@ -32,10 +32,11 @@ import numpy as np
 
 from aot.benchmarks.report import markdown_table, new_figure, save_figure, write_json, write_text
 from aot.benchmarks.serve import _closed_loop, _published_counters, _server_rss_mb, _texts
-from aot.exporter.task_store import TaskStore
 from aot.serving import protocol
 from aot.serving.pool import POLICIES, RowPool
 from aot.serving.repository import RepositoryInfo, read_repository
+from aot.serving.store.layout import FACTORS, HEAD, TABLE, TASK_JSON
+from aot.serving.store.writer import TaskStore
 from aot.serving.tasks import load_task_version, token_index
 from aot.serving.tokenization import Tokenization
 
@@ -71,7 +72,7 @@ class DerivedTasks:
 
         self.store = TaskStore(read_repository(repo).store_root)
         self.master = master
-        self.factors = load_file(master / "factors.safetensors")
+        self.factors = load_file(master / FACTORS)
 
     def publish(self, storage: str, n: int) -> list[str]:
         import json
@@ -83,22 +84,22 @@ class DerivedTasks:
         names = [f"t{i:04d}" for i in range(n)]
         for i, name in enumerate(names):
             folder = self.store.new_version_folder(name)
-            for file in ("task.json", "head.safetensors"):
+            for file in (TASK_JSON, HEAD):
                 shutil.copy2(self.master / file, folder / file)
             factors = _perturbed(self.factors, seed=i)
-            save_file(factors, folder / "factors.safetensors")
+            save_file(factors, folder / FACTORS)
             if storage == "fused":
                 task = load_task_version(folder, TaskStore.version_name(folder), self.store.root)
-                table = np.lib.format.open_memmap(folder / "table.npy", mode="w+", dtype=protocol.ROWS_DTYPE,
+                table = np.lib.format.open_memmap(folder / TABLE, mode="w+", dtype=protocol.ROWS_DTYPE,
                                                   shape=(task.vocab_size, task.num_layers, task.hidden_size))
                 for start in range(0, task.vocab_size, 4096):
                     ids = np.arange(start, min(start + 4096, task.vocab_size))
                     table[ids] = task.rows(ids)
                 table.flush()
                 del table
-                (folder / "factors.safetensors").unlink()
-                meta = json.loads((folder / "task.json").read_text())
-                (folder / "task.json").write_text(json.dumps({**meta, "storage": "fused"}))
+                (folder / FACTORS).unlink()
+                meta = json.loads((folder / TASK_JSON).read_text())
+                (folder / TASK_JSON).write_text(json.dumps({**meta, "storage": "fused"}))
             self.store.publish(name, folder, storage)
         return names
 

@@ -1,16 +1,21 @@
-"""`aot bench tax --engine torch`: what the GPU configs' path costs the server beside the encoder, measured on a CPU.
+"""`aot bench tax --engine torch`: the CPU the GPU configs' request path costs the server, measured on a CPU.
 
 The torch engine's GPU configs serve `aot` from one fused python step (tokenize, look up, encode, answer a whole
-batch; aot/model_repository/fused) in `gpu_instances` instances, the same code its CPU configs run with `device: cpu`.
-So the server's CPU outside the encoder (tritonserver's gRPC and scheduling, the python backend's messages, the
-tokenizer, the pool lookup, the heads, the outputs and the metrics) is measured here, before any GPU is lent: the
-CPU time of the processes a request crosses (tritonserver and the step's instances; /proc, every thread) over a pass, less the CPU the steps' engines spent encoding
-(`aot_engine_cpu_us_total`, each step's own clock around its engine call) and less what the server spends idle over
-as long (liveness probes, the metrics thread: measured just before the pass), per request and per text, for single-text requests and for requests of many texts (aot.serving.items), AoT with 8 tasks mixed text
-by text. On this CPU the engine is slow (eager fp32), so a pass lasts long and the idle CPU matters.
+batch; aot/model_repository/fused) in several instances, the same code its CPU configs run with `device: cpu`. Served
+here through the local tritonserver, with by default an encoder whose compute is negligible (aot.benchmarks.encoders
+NEGLIGIBLE: 1 layer, hidden 64, random weights, MiniLM's vocabulary and tokenizer; an FC task trained on it for a
+few steps and published 8 times), so that what a request costs is the path itself, not a difference of large
+figures: tritonserver's gRPC and batching, the python backend's messages, the tokenizer, the task lookup, the heads,
+the answers and the metrics. `--task` serves that task's encoder instead (the encoder's CPU is then most of it).
 
-The load generator is aot.Client's infer_many (one pack of texts per request) in this process, on the same cores;
-its CPU is reported beside the server's.
+For each kind of client (text: TEXT + TASK; ids: the client tokenizes and sends token ids; mixed: both at once, half
+the requests in flight each), each request size and each concurrency, a pass of `texts` texts, or of `min_requests`
+requests where that is more (AoT, 8 tasks mixed text by text) through aot.Client.infer_many in this process, on the same cores. Per pass, from /proc (every thread's
+run time): the CPU of tritonserver, of each instance of the fused step, and of the rest of the server (the task list
+and its store audit), per text and per request; the engines' own CPU (`aot_engine_cpu_us_total`, each step's clock
+around its engine call); "outside the engine": the request path's CPU (tritonserver and the step's instances) less
+the engines' and less what that path spends idle over as long (liveness probes, the metrics threads: measured just
+before the pass). The load generator's CPU and the load average are recorded beside them (the cores are shared).
 """
 
 from __future__ import annotations
@@ -19,33 +24,38 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from aot.benchmarks.report import markdown_table, write_json, write_text
-from aot.benchmarks.serve import ServeBenchConfig, Store, _build, _texts
 from aot.benchmarks.tax import cpu_seconds, own_cpu_seconds, server_processes
 
 PUBLISH_WAIT = 1.3  # seconds: longer than a step's metrics interval (StepMetrics.FLUSH_SECONDS) and a bit
 IDLE_SECONDS = 3.0  # the idle window before each pass (with PUBLISH_WAIT): probes and the metrics thread
 # the processes a request crosses: tritonserver and the fused step's instances (the task list, with the store's
-# background audit, is not on the path: reported, not counted)
+# background audit, is not on the path: reported as "rest", not counted)
 REQUEST_PATH = ("tritonserver", "aot")
+CLIENTS = ("text", "ids", "mixed")
+TASK_TRAINING = dict(epochs=1, max_length=128, max_train_samples=64)  # a task to serve: accuracy does not matter
 
 
 @dataclass
 class TorchTaxConfig:
-    task: str
     out: str
+    task: str | None = None  # None: the negligible encoder (aot.benchmarks.encoders.NEGLIGIBLE) and a task on it
     repo: str | None = None
     texts_per_request: tuple[int, ...] = (1, 64)
     concurrency: tuple[int, ...] = (8, 32)
-    texts: int = 1024  # per pass
-    token_ids: tuple[bool, ...] = (False, True)  # clients sending text, and clients that tokenize (Client(tokenizer))
+    texts: int = 2048  # per pass
+    min_requests: int = 128  # per pass: a pass of large requests grows to this many, so that it lasts a while
+    clients: tuple[str, ...] = ("text", "ids")
+    probes: bool = True  # the supervisor and its liveness probes run (as under `aot serve`)
     mixed_tasks: int = 8
     max_batch_size: int = 128  # the GPU configs' batches: two 64-text requests batch together
+    tokenizer_from: str = "minilm"  # the negligible encoder's vocabulary and tokenizer
+    data: str = "rotten_tomatoes"  # what its task trains on for a few steps
 
 
 def engine_cpu_us(metrics_url: str) -> float:
@@ -55,12 +65,46 @@ def engine_cpu_us(metrics_url: str) -> float:
     return sum(float(v) for v in re.findall(r"^aot_engine_cpu_us_total\{[^}]*\} (\S+)", text, re.M))
 
 
-def one_pass(server, items: list[dict], pack: int, concurrency: int, pids: dict[str, int],
-             tokenizer: Path | None = None) -> dict:
-    """`items` through the server `pack` texts to a request, `concurrency` requests in flight (`tokenizer`: the
-    clients tokenize and send token ids); the server's CPU time and its engines' over the pass."""
+def negligible_task(scratch: Path, config: TorchTaxConfig) -> Path:
+    """The negligible encoder (MiniLM's tokenizer, 1 layer, hidden 64, random weights) and an FC task trained on it
+    in seconds: what the default pass serves."""
+    from aot.benchmarks.encoders import NEGLIGIBLE, random_encoder
+    from aot.training.api import train_task
+
+    encoder = random_encoder(config.tokenizer_from, scratch / "negligible-encoder", NEGLIGIBLE)
+    task = scratch / "negligible-task"
+    train_task(model=str(encoder), data=config.data, method="fc", out=str(task), progress=False, **TASK_TRAINING)
+    return task
+
+
+def send(server, items: list[dict], pack: int, concurrency: int, clients: str, tokenizer: Path) -> list[dict]:
+    """`items` through the server `pack` texts to a request, `concurrency` requests in flight, from `clients`: text
+    clients, token-id clients, or both at once (each half the items and half the requests in flight)."""
     from aot.client.client import Client
 
+    def run(part: list[dict], ids: bool, inflight: int, answers: list) -> None:
+        with Client(server.grpc_url, tokenizer=tokenizer if ids else None) as client:
+            answers.extend(client.infer_many(part, concurrency=inflight, pack=pack))
+
+    if clients != "mixed":
+        answers: list[dict] = []
+        run(items, clients == "ids", concurrency, answers)
+        return answers
+    half = len(items) // 2 // pack * pack  # whole requests each
+    parts = [(items[:half], False), (items[half:], True)]
+    results: list[list[dict]] = [[], []]
+    threads = [threading.Thread(target=run, args=(part, ids, max(1, concurrency // 2), results[k]))
+               for k, (part, ids) in enumerate(parts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results[0] + results[1]
+
+
+def one_pass(server, items: list[dict], pack: int, concurrency: int, clients: str, pids: dict[str, int],
+             tokenizer: Path) -> dict:
+    """One pass: the server's CPU by process, its engines' and the load generator's over it."""
     metrics = f"http://127.0.0.1:{server.metrics_port}/metrics"
     path = {name: pid for name, pid in pids.items() if name.split("#")[0] in REQUEST_PATH}
     idle0, idle_start = cpu_seconds(path), time.perf_counter()
@@ -69,99 +113,107 @@ def one_pass(server, items: list[dict], pack: int, concurrency: int, pids: dict[
     before, own0, load0 = cpu_seconds(pids), own_cpu_seconds(), os.getloadavg()[0]
     idle_us_per_s = sum(before[p] - idle0[p] for p in idle0 if p in before) * 1e6 / (time.perf_counter() - idle_start)
     start = time.perf_counter()
-    with Client(server.grpc_url, tokenizer=tokenizer) as client:
-        answers = client.infer_many(items, concurrency=concurrency, pack=pack)
+    answers = send(server, items, pack, concurrency, clients, tokenizer)
     wall = time.perf_counter() - start
     after, own = cpu_seconds(pids), own_cpu_seconds() - own0
     engine = engine_cpu_us(metrics) - engine0
-    failed = sum("error" in a for a in answers)
-    if failed:
-        raise RuntimeError(f"{failed} of {len(items)} texts failed; the first: "
-                           f"{next(a['error'] for a in answers if 'error' in a)}")
-    server_us = sum((after[p] - before[p]) * 1e6 for p in path if p in before and p in after)
+    failed = [a["error"] for a in answers if "error" in a]
+    if failed or len(answers) != len(items):
+        raise RuntimeError(f"{len(failed)} of {len(items)} texts failed ({len(answers)} answered); the first: "
+                           f"{failed[0] if failed else 'none'}")
     texts, requests = len(items), -(-len(items) // pack)
+    used = {p: (after[p] - before[p]) * 1e6 for p in after if p in before}
+    by_process = {p: us for p, us in used.items() if p.split("#")[0] in REQUEST_PATH}
+    by_process["rest"] = sum(us for p, us in used.items() if p not in by_process)
+    server_us = sum(us for p, us in by_process.items() if p != "rest")
     outside = server_us - engine - idle_us_per_s * wall
-    return {"texts_per_request": pack, "concurrency": concurrency, "token_ids": tokenizer is not None,
-            "texts": texts, "requests": requests,
-            "texts_per_s": round(texts / wall, 1), "server_cpu_us_per_text": round(server_us / texts, 1),
-            "engine_cpu_us_per_text": round(engine / texts, 1),
-            "outside_engine_us_per_text": round(outside / texts, 1),
-            "outside_engine_us_per_request": round(outside / requests, 1),
-            "idle_cpu_us_per_s": round(idle_us_per_s, 1), "seconds": round(wall, 2),
-            "by_process_us_per_text": {p: round((after[p] - before[p]) * 1e6 / texts, 1) for p in after if p in before},
-            "client_cpu_us_per_text": round(own * 1e6 / texts, 1),
+
+    def per(total: float, n: int) -> float:
+        return round(total / n, 1)
+
+    return {"clients": clients, "texts_per_request": pack, "concurrency": concurrency, "texts": texts,
+            "requests": requests, "seconds": round(wall, 2), "texts_per_s": round(texts / wall, 1),
+            "server_cpu_us_per_text": per(server_us, texts), "server_cpu_us_per_request": per(server_us, requests),
+            "engine_cpu_us_per_text": per(engine, texts),
+            "outside_engine_us_per_text": per(outside, texts), "outside_engine_us_per_request": per(outside, requests),
+            "idle_cpu_us_per_s": round(idle_us_per_s, 1),
+            "by_process_us_per_text": {p: per(us, texts) for p, us in by_process.items()},
+            "by_process_us_per_request": {p: per(us, requests) for p, us in by_process.items()},
+            "client_cpu_us_per_text": per(own * 1e6, texts),
             "loadavg": [round(load0, 2), round(os.getloadavg()[0], 2)]}
+
+
+def build_repository(config: TorchTaxConfig, task: Path, scratch: Path) -> tuple[Path, list[str]]:
+    """The torch-engine repository (its GPU configs' batches) with the task published `mixed_tasks` times."""
+    from aot.benchmarks.serve import ServeBenchConfig, Store, _build
+    from aot.exporter.backbone_export import export_backbone
+    from aot.serving.repository import ServingOptions
+    from aot.training.artifact import read_task
+
+    repo = Path(config.repo) if config.repo else scratch / "repo-torch"
+    if not (repo / "aot_repository.json").is_file():
+        export_backbone(read_task(str(task)).backbone["model"], repo,
+                        ServingOptions(engine="torch", max_batch_size=config.max_batch_size))
+    serve = ServeBenchConfig(str(task), config.out, str(repo), storages=("fused",), engine="torch")
+    repo, masters, _ = _build(serve, scratch, "fp32")
+    return repo, Store(repo, masters).set("fused", config.mixed_tasks)
+
+
+def check(config: TorchTaxConfig) -> None:
+    bad = [c for c in config.clients if c not in CLIENTS]
+    if bad or not config.clients:
+        raise ValueError(f"clients {', '.join(bad) or 'none'}: expected some of {', '.join(CLIENTS)}")
+    large = [n for n in config.texts_per_request if n > config.max_batch_size]
+    if large:
+        raise ValueError(f"--texts-per-request {large} exceeds the served max batch size {config.max_batch_size}")
 
 
 def run_torch_tax(config: TorchTaxConfig, progress: bool = True) -> dict:
     from tqdm.auto import tqdm
 
-    from aot.exporter.backbone_export import export_backbone
+    from aot.benchmarks.serve import _texts
+    from aot.benchmarks.tax_torch_report import write_reports
     from aot.local.server import LocalServer
-    from aot.serving.repository import ServingOptions
-    from aot.training.artifact import read_task
-
-    out = Path(config.out)
-    scratch = Path(tempfile.mkdtemp(prefix="aot-bench-tax-torch-"))
-    repo = Path(config.repo) if config.repo else scratch / "repo-torch"
-    if not (repo / "aot_repository.json").is_file():
-        export_backbone(read_task(config.task).backbone["model"], repo,
-                        ServingOptions(engine="torch", max_batch_size=config.max_batch_size))
-    serve = ServeBenchConfig(config.task, config.out, str(repo), storages=("fused",), engine="torch")
-    repo, masters, _ = _build(serve, scratch, "fp32")
-    names = Store(repo, masters).set("fused", config.mixed_tasks)
-    texts = _texts(config.texts)
-    items = [{"task": names[i % len(names)], "text": t} for i, t in enumerate(texts)]
-    records: list[dict] = []
-    bar = tqdm(total=len(config.texts_per_request) * len(config.concurrency) * len(config.token_ids),
-               desc="tax bench (torch)", disable=not progress)
     from aot.serving.repository import read_repository
 
-    tokenizer = read_repository(repo).tokenizer_dir
-    with LocalServer(repo) as server:
-        pids = server_processes(server.process.pid)
-        from aot.client.client import Client
+    check(config)
+    scratch = Path(tempfile.mkdtemp(prefix="aot-bench-tax-torch-"))
+    try:
+        task = Path(config.task) if config.task else negligible_task(scratch, config)
+        repo, names = build_repository(config, task, scratch)
+        most = max(config.texts, config.min_requests * max(config.texts_per_request))
+        items = [{"task": names[i % len(names)], "text": t} for i, t in enumerate(_texts(most))]
+        tokenizer = read_repository(repo).tokenizer_dir
+        records: list[dict] = []
+        bar = tqdm(total=len(config.clients) * len(config.texts_per_request) * len(config.concurrency),
+                   desc="tax bench (torch)", disable=not progress)
+        with LocalServer(repo, supervise=config.probes) as server:
+            pids = server_processes(server.process.pid)
+            for clients in ("text", "ids"):  # warm every task and instance, both input sets
+                send(server, items[: 8 * len(names)], 1, 8, clients, tokenizer)
+            for clients in config.clients:
+                for pack in config.texts_per_request:
+                    for concurrency in config.concurrency:
+                        texts = max(config.texts, config.min_requests * pack)
+                        records.append(one_pass(server, items[:texts], pack, concurrency, clients, pids, tokenizer))
+                        bar.update(1)
+        bar.close()
+        write_reports(records, Path(config.out), config, describe_encoder(task, config))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return {"out": config.out, "records": len(records), "config": asdict(config)}
 
-        with Client(server.grpc_url) as client:  # warm every task and instance
-            client.infer_many(items[: 8 * len(names)], concurrency=8, pack=1)
-        for ids in config.token_ids:
-            for pack in config.texts_per_request:
-                for concurrency in config.concurrency:
-                    records.append(one_pass(server, items, pack, concurrency, pids, tokenizer if ids else None))
-                    bar.update(1)
-    bar.close()
-    write_reports(records, out, config)
-    shutil.rmtree(scratch, ignore_errors=True)
-    return {"out": str(out), "records": len(records), "config": asdict(config)}
 
+def describe_encoder(task: Path, config: TorchTaxConfig) -> str:
+    """The served encoder in a line: the negligible one's shape, or the --task's folder."""
+    import json
 
-def write_reports(records: list[dict], out: Path, config: TorchTaxConfig) -> None:
-    write_json(out / "tax-torch.json", records)
-    loads = [r["loadavg"] for r in records]
-    text = (f"# The GPU configs' path on this CPU: the torch engine's fused step ({os.cpu_count()} cores; load "
-            f"average {loads[0][0]:.2f} at the start, {loads[-1][1]:.2f} at the end)\n\n"
-            f"AoT with {config.mixed_tasks} tasks mixed text by text, {config.texts} texts a pass, max batch "
-            f"{config.max_batch_size}. Outside the engine: every server process's CPU less the engines' own "
-            "(aot_engine_cpu_us_total) and less its idle CPU over the pass's time (measured just before it); the "
-            "processes a request crosses: tritonserver and the fused step's instances (the task list and its "
-            "background audit of the store's files are shown below, not counted).\n\n")
-    text += markdown_table(records, ["token_ids", "texts_per_request", "concurrency", "texts_per_s",
-                                     "server_cpu_us_per_text",
-                                     "engine_cpu_us_per_text", "idle_cpu_us_per_s", "seconds",
-                                     "outside_engine_us_per_text", "outside_engine_us_per_request",
-                                     "client_cpu_us_per_text", "loadavg"],
-                           ["token ids", "texts / request", "conc.", "texts/s", "server CPU us/text",
-                            "engine CPU us/text",
-                            "idle server CPU us/s", "pass s", "outside the engine us/text",
-                            "outside the engine us/request", "load generator us/text", "load average (before, after)"])
-    processes = sorted({p for r in records for p in r["by_process_us_per_text"]})
-    for r in records:
-        for p in processes:
-            r[f"us:{p}"] = r["by_process_us_per_text"].get(p)
-    text += "\n## Server CPU microseconds per text by process\n\n"
-    text += markdown_table(records, ["token_ids", "texts_per_request", "concurrency", *(f"us:{p}" for p in processes)],
-                           ["token ids", "texts / request", "conc.", *processes])
-    for r in records:
-        for p in processes:
-            r.pop(f"us:{p}")
-    write_text(out / "tax-torch.md", text)
+    from aot.training.artifact import read_task
+
+    folder = Path(read_task(str(task)).backbone["model"])
+    if config.task:
+        return f"the encoder of --task {config.task} ({folder})"
+    c = json.loads((folder / "config.json").read_text())
+    return (f"a random-weight BERT of {c['num_hidden_layers']} layer, hidden {c['hidden_size']}, "
+            f"{c['num_attention_heads']} heads, FFN {c['intermediate_size']} with {config.tokenizer_from}'s "
+            f"vocabulary ({c['vocab_size']}) and tokenizer: its compute is negligible")

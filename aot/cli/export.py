@@ -85,6 +85,10 @@ def add_export(sub) -> None:
                    help="int8 repositories: publish even when fewer than 50 dev examples score the task (one flipped "
                         "example then moves its score 2 points or more; recorded as served_dev.small_sample_accepted); "
                         "under 300 the export warns how far one example moves it")
+    t.add_argument("--allow-label-change", action="store_true",
+                   help="publish even when the task's current version has other labels (names, order or count), "
+                        "another kind or pair-ness: refused without it, both label lists shown, since consumers that "
+                        "read answers by label position would break without an error")
     t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     t.set_defaults(run=run_export_task)
 
@@ -136,25 +140,32 @@ def add_tenant_and_version_commands(kinds) -> None:
                    "One JSON line per version, newest first: the current one, the kept ones (servable as NAME@ID and "
                    "rollback targets) and retired ones still in their grace; with a route, each routed version's "
                    "share.", ("name", {"metavar": "NAME", "help": "task name"}))
+    allow = ("--allow-label-change", {"action": "store_true",
+                                      "help": "allow a version whose labels (names, order or count), kind or "
+                                              "pair-ness differ from the current version's (refused without it)"})
     _store_command(kinds, "rollback", run_export_rollback, "make a kept version of a task its current version again",
                    "NAME answers VERSION (NAME@ID, as answers and `aot export versions` name it) from the servers' "
-                   "next batch; the version it replaces is kept. Clears a route.",
+                   "next batch; the version it replaces is kept. Clears a route. A version of other labels, kind or "
+                   "pair-ness than the current one is refused unless --allow-label-change; a lower dev score is "
+                   "said.",
                    ("name", {"metavar": "NAME", "help": "task name"}),
-                   ("version", {"metavar": "VERSION", "help": "a kept version, NAME@ID"}))
+                   ("version", {"metavar": "VERSION", "help": "a kept version, NAME@ID"}), allow)
     _store_command(kinds, "route", run_export_route, "split a task's requests between its kept versions (canaries)",
                    "Each request for the bare NAME is answered by one version drawn by weight (one draw per request); "
-                   "every answer names its version. `route NAME CURRENT=1` (the current version alone) clears the "
-                   "route; so do a new export and a rollback.",
+                   "every answer names its version. CURRENT names the current version: `route NAME CURRENT=90 "
+                   "NAME@ID=10` sends a tenth to a canary, `route NAME CURRENT=1` (the current version alone) clears "
+                   "the route; so do a new export and a rollback. A routed version of other labels, kind or pair-ness "
+                   "than the current one is refused unless --allow-label-change; a lower dev score is said.",
                    ("name", {"metavar": "NAME", "help": "task name"}),
                    ("weights", {"nargs": "+", "metavar": "VERSION=WEIGHT",
-                                "help": "a kept version (NAME@ID) and its weight, a positive number (shares are "
-                                        "weight / sum)"}))
+                                "help": "a kept version (NAME@ID, or CURRENT) and its weight, a positive number "
+                                        "(shares are weight / sum)"}), allow)
 
 
-def _store_command(kinds, command: str, run, help: str, description: str, *positionals: tuple[str, dict]) -> None:
-    """A subcommand that changes or reads a repository's task store: its positionals, then --repo."""
+def _store_command(kinds, command: str, run, help: str, description: str, *arguments: tuple[str, dict]) -> None:
+    """A subcommand that changes or reads a repository's task store: its arguments, then --repo."""
     p = kinds.add_parser(command, help=help, description=description)
-    for name, options in positionals:
+    for name, options in arguments:
         p.add_argument(name, **options)
     p.add_argument("--repo", required=True, help="model repository (from `aot export backbone`)")
     p.set_defaults(run=run)
@@ -187,14 +198,14 @@ def run_export_task(args) -> int:
 
     result = export_task(args.task, args.repo, args.name, args.storage, progress=not args.no_progress, keep=args.keep,
                          allowed_drop=args.allow_accuracy_drop, dev_data=args.dev_data,
-                         accept_small_dev=args.allow_small_dev_sample)
+                         accept_small_dev=args.allow_small_dev_sample, allow_label_change=args.allow_label_change)
     served = result.served_dev
     accuracy = "" if served is None else (f"; dev {served['metric']} {served['precision']} {served['score'] * 100:.2f} "
                                           f"against fp32 {served['fp32'] * 100:.2f}")
     picked = [auto_storage_note(args.name, result.storage, result.storage_advice)] if args.storage == "auto" else []
     report(asdict(result), f"published task {args.name} ({result.storage}, {result.bytes_on_disk / 2**20:.1f} MiB, "
                            f"version {result.folder}) in {args.repo}{accuracy}: a running server answers it from its "
-                           "next batch", *picked,
+                           "next batch", *picked, *(f"warning: {note}" for note in result.notes),
            f'next: aot serve --repo {args.repo} (if none runs), then aot infer --task {args.name} "some text"')
     return 0
 
@@ -210,7 +221,8 @@ def auto_storage_note(name: str, storage: str, advice: dict) -> str:
 def _run_export_batch(args) -> int:
     from aot.exporter.batch_export import export_batch
 
-    result = export_batch(args.repo, args.batch, args.storage, progress=not args.no_progress, keep=args.keep)
+    result = export_batch(args.repo, args.batch, args.storage, progress=not args.no_progress, keep=args.keep,
+                          allow_label_change=args.allow_label_change)
     stored = Counter(r.storage for r in result.tasks)
     picked = "" if args.storage != "auto" else "; --storage auto stored " + ", ".join(
         f"{n} {storage} ({next(r.storage_advice['auto_reason'] for r in result.tasks if r.storage == storage)})"
@@ -218,14 +230,15 @@ def _run_export_batch(args) -> int:
     report([asdict(r) for r in result.tasks],
            f"published {len(result.tasks)} task(s) in one change of {args.repo} in {result.seconds:.1f} s "
            f"({result.tasks_per_second:.1f} tasks/s): a running server answers them from its next batch{picked}",
+           *(f"warning: {note}" for r in result.tasks for note in r.notes),
            f"next: aot tasks --match NAME (on a running server), or aot serve --repo {args.repo}")
     return 0
 
 
 def run_export_remove(args) -> int:
-    from aot.exporter.task_store import TaskStore
     from aot.serving.repository import read_repository
     from aot.serving.store.reader import RETIRED_GRACE
+    from aot.serving.store.writer import TaskStore
 
     store = TaskStore.of(read_repository(args.repo))
     entry = store.remove(args.name)
@@ -249,8 +262,8 @@ def _clean(store, sweep: bool = False) -> None:
 
 
 def run_export_list(args) -> int:
-    from aot.exporter.task_store import TaskStore
     from aot.serving.repository import read_repository
+    from aot.serving.store.writer import TaskStore
 
     store = TaskStore.of(read_repository(args.repo))
     _clean(store)
@@ -274,12 +287,13 @@ def gate_summary(served_dev: dict) -> dict:
 
 
 def run_export_verify(args) -> int:
-    from aot.exporter.task_store import TaskStore
+    from aot.exporter.version_check import loads_as_served
     from aot.serving.repository import read_repository
+    from aot.serving.store.writer import TaskStore
 
     store = TaskStore.of(read_repository(args.repo))
     _clean(store, sweep=True)
-    found = store.verify()
+    found = store.verify(loads_as_served)
     damaged = [name for name, problem in found.items() if problem]
     report([{"name": name, "ok": problem is None, **({"error": problem} if problem else {})}
             for name, problem in found.items()],
@@ -290,9 +304,10 @@ def run_export_verify(args) -> int:
 
 
 def run_export_repair(args) -> int:
-    from aot.exporter.repair import repair_store
+    from aot.exporter.version_check import loads_as_served
+    from aot.serving.store.repair import repair_store
 
-    found = repair_store(_store(args.repo), dry_run=args.dry_run)
+    found = repair_store(_store(args.repo), loads_as_served, dry_run=args.dry_run)
     if not found.damaged:
         report(found.summary(), f"the index of {args.repo} reads whole ({found.tasks} task(s)): nothing to repair")
         return 0
@@ -301,22 +316,24 @@ def run_export_repair(args) -> int:
             f"folders" + (f", {len(found.unrecoverable)} folder(s) that cannot serve: "
                           f"{', '.join(sorted(found.unrecoverable))}" if found.unrecoverable else ""))
     if args.dry_run:
-        report(found.summary(), f"would repair {args.repo}: {what} (run it without --dry-run)")
+        report(found.summary(), f"would repair {args.repo}: {what} (run it without --dry-run)",
+               *(f"would discard: {words}" for words in found.discarded))
         return 1  # the store does not read whole: as `aot export verify` says of it
     report(found.summary(), f"repaired {args.repo}: {what}; index {found.generation} holds {found.tasks} task(s); "
-                            "servers read it from their next refresh")
+                            "servers read it from their next refresh",
+           *(f"discarded: {words}" for words in found.discarded))
     return 0
 
 
 def _store(repo: str):
-    from aot.exporter.task_store import TaskStore
     from aot.serving.repository import read_repository
+    from aot.serving.store.writer import TaskStore
 
     return TaskStore.of(read_repository(repo))
 
 
 def run_export_tenant(args) -> int:
-    from aot.exporter.tenant_admin import create_tenants, delete_tenant, list_tenants, rotate_tenant
+    from aot.serving.store.tenant_admin import create_tenants, delete_tenant, list_tenants, rotate_tenant
 
     store = _store(args.repo)
     if args.action == "list":
@@ -351,7 +368,7 @@ def run_export_tenant(args) -> int:
 
 
 def run_export_versions(args) -> int:
-    from aot.exporter.versions import list_versions
+    from aot.serving.store.version_admin import list_versions
 
     versions = list_versions(_store(args.repo), args.name)
     report(versions, f"{len(versions)} version(s) of {args.name} in {args.repo}")
@@ -359,22 +376,24 @@ def run_export_versions(args) -> int:
 
 
 def run_export_rollback(args) -> int:
-    from aot.exporter.versions import rollback
+    from aot.serving.store.version_admin import rollback
 
-    replaced = rollback(_store(args.repo), args.name, args.version)
+    notes: list[str] = []
+    replaced = rollback(_store(args.repo), args.name, args.version, args.allow_label_change, notes)
     report({"name": args.name, "current": args.version, "replaced": replaced},
            f"{args.name} answers {args.version} from the servers' next batch; {replaced} is kept (aot export "
-           f"rollback {args.name} {replaced} --repo {args.repo} undoes this)")
+           f"rollback {args.name} {replaced} --repo {args.repo} undoes this)", *(f"warning: {n}" for n in notes))
     return 0
 
 
 def run_export_route(args) -> int:
-    from aot.exporter.versions import parse_weights, route
+    from aot.serving.store.version_admin import parse_weights, route
 
-    chosen = route(_store(args.repo), args.name, parse_weights(args.weights))
+    notes: list[str] = []
+    chosen = route(_store(args.repo), args.name, parse_weights(args.weights), args.allow_label_change, notes)
     total = sum((chosen or {}).values())
     report({"name": args.name, "route": None if chosen is None else {v: w / total for v, w in chosen.items()}},
            f"{args.name}: " + ("route cleared, the current version answers every request" if chosen is None else
                                "requests split " + ", ".join(f"{v} {100 * w / total:.4g}%" for v, w in chosen.items()))
-           + " from the servers' next batch")
+           + " from the servers' next batch", *(f"warning: {n}" for n in notes))
     return 0

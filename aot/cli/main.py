@@ -109,7 +109,7 @@ def _missing_plugin(name: str, error: ImportError | None = None) -> int:
 
 
 ENVIRONMENT = ("Environment variables: AOT_URL, the server's gRPC address for aot infer, aot tasks and aot.Client "
-               "(else 127.0.0.1:8001); AOT_DEBUG=1, the full traceback of an error instead of its one line; "
+               f"(else {settings.URL.default}); AOT_DEBUG=1, the full traceback of an error instead of its one line; "
                "AOT_STEP_PYTHON, the Python that runs the served steps of aot serve (docs/deploy-local.md).")
 
 

@@ -50,6 +50,14 @@ def _share(text: str) -> float:
     return value
 
 
+def _header(text: str) -> str:
+    """A request header's name (aot.settings: lower-cased)."""
+    try:
+        return settings.CLIENT_ADDRESS_HEADER.parse(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a header name (letters, digits and '-'), got {text!r}") from None
+
+
 def add_serve(sub) -> None:
     p = sub.add_parser("serve",
                        help="serve a model repository with a local tritonserver on CPU or CUDA (no Docker)",
@@ -69,12 +77,13 @@ def add_serve(sub) -> None:
     p.add_argument("--metrics-host", default="127.0.0.1",
                    help="address of the metrics and health ports (they name every task: loopback unless a scraper "
                         "elsewhere needs them)")
-    p.add_argument("--grpc-port", type=positive_int, default=8001, help="gRPC port (aot infer, aot.Client)")
-    p.add_argument("--http-port", type=positive_int, default=8000,
+    p.add_argument("--grpc-port", type=positive_int, default=settings.GRPC_PORT.default,
+                   help="gRPC port (aot infer, aot.Client)")
+    p.add_argument("--http-port", type=positive_int, default=settings.HTTP_PORT.default,
                    help="HTTP port (health, inference; the control API needs the admin key)")
-    p.add_argument("--metrics-port", type=positive_int, default=8002,
+    p.add_argument("--metrics-port", type=positive_int, default=settings.METRICS_PORT.default,
                    help="Prometheus metrics port (per-task series name every task: keep it off public interfaces)")
-    p.add_argument("--health-port", type=positive_int, default=8003,
+    p.add_argument("--health-port", type=positive_int, default=settings.HEALTH_PORT.default,
                    help="GET /ready (200 only when every model is loaded and answering) and /live")
     p.add_argument("--tls-cert", default=None, help="PEM certificate: serve gRPC over TLS (with --tls-key)")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
@@ -94,8 +103,9 @@ def add_serve(sub) -> None:
                         "load balancer")
     p.add_argument("--drain-seconds", type=non_negative_float, default=None, metavar="SECONDS",
                    help="one server: on SIGTERM, /ready answers 503 for this long while requests are still answered "
-                        "(a load balancer in front takes the server out), then the server stops, finishing what it "
-                        "accepted; a second SIGTERM or Ctrl-C stops at once (default: AOT_DRAIN_SECONDS, else "
+                        "(a load balancer in front takes the server out), then the server stops: new requests are "
+                        "refused (retryable) on gRPC and HTTP, those begun are finished, open HTTP connections are "
+                        "closed; a second SIGTERM or Ctrl-C stops at once (default: AOT_DRAIN_SECONDS, else "
                         f"{settings.DRAIN_SECONDS.default:g})")
     p.add_argument("--pool-bytes", type=non_negative_int, default=None,
                    help="memory of the task pool (rows of P kept in RAM; 0: none) instead of the repository's "
@@ -120,8 +130,15 @@ def add_serve(sub) -> None:
                         "retry hint, client error Unavailable with retry_after); 0: none (default: AOT_RATE_LIMIT, "
                         "else none)")
     p.add_argument("--anonymous-rate-limit", type=non_negative_float, default=None, metavar="R",
-                   help="texts per second all requests without a valid tenant key may send together (default: "
-                        "--rate-limit)")
+                   help="texts per second all requests without a valid tenant key may send together, an equal share "
+                        "for each client address when the address is known (--client-address-header, --replicas), "
+                        "more while the others leave some unused (default: --rate-limit)")
+    p.add_argument("--client-address-header", type=_header, default=None, metavar="NAME",
+                   help="the request header that a proxy in front of this server sets to each client's address, "
+                        "overwriting what the client sent: requests without a tenant key then share "
+                        "--anonymous-rate-limit equally by address. Trust it only when clients cannot reach the "
+                        "server but through that proxy (default: AOT_CLIENT_ADDRESS_HEADER, else none: they share "
+                        "it as one caller; --replicas: its HAProxy sets aot-client-address)")
     p.add_argument("--request-log-text", action="store_true",
                    help="write each logged request's text and text pair too (they are the callers' data)")
     p.set_defaults(run=run_serve)
@@ -145,23 +162,24 @@ def run_serve(args) -> int:
         print(f"aot: warning: {repo.path} has no task yet: the server answers no task until one is published "
               f"(aot export task --repo {repo.path} ...; a running server picks it up)", file=sys.stderr)
     pool_bytes = repo.options.pool_bytes if args.pool_bytes is None else args.pool_bytes
-    os.environ.update(_step_environment(args))  # the steps of every server started below read it
+    steps = _step_environment(args)  # what the steps of every server started below read, over this environment
     if args.replicas > 1:
         single = [flag for flag, value in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
-                                           ("--tls-ca", args.tls_ca), ("--log", args.log)) if value]
+                                           ("--tls-ca", args.tls_ca), ("--log", args.log),
+                                           ("--client-address-header", args.client_address_header)) if value]
         if single:
             raise ValueError(f"--replicas {args.replicas}: {single[0]} is for one server (each replica keeps its own "
-                             "log; terminate TLS in front of the fleet)")
+                             "log; terminate TLS in front of the fleet; its HAProxy sets the client's address)")
         from aot.local.fleet import Fleet
 
         server = Fleet(repo.path, args.replicas, args.host, args.http_port, args.grpc_port, args.metrics_port,
                        args.health_port, server_options={"pool_bytes": pool_bytes, "device": args.device,
-                                                         "vanilla": args.vanilla})
+                                                         "vanilla": args.vanilla, "step_environment": steps})
     else:
         server = LocalServer(repo.path, args.host, args.http_port, args.grpc_port, args.metrics_port,
                              health_port=args.health_port, metrics_host=args.metrics_host, log_path=args.log,
                              pool_bytes=pool_bytes, device=args.device, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                             tls_ca=args.tls_ca, vanilla=args.vanilla)
+                             tls_ca=args.tls_ca, vanilla=args.vanilla, step_environment=steps)
     stop, drain, restart = threading.Event(), threading.Event(), threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     # one server drains on SIGTERM (a second one stops it); a fleet stops, its replicas restart one by one on SIGHUP
@@ -195,7 +213,8 @@ def run_serve(args) -> int:
             if drain.is_set():
                 server.drain()
                 print(f"aot: draining: /ready answers 503, requests are answered for {drain_seconds:g} s more, then "
-                      "the server stops and finishes what it accepted (SIGTERM again or Ctrl-C: stop now)",
+                      "new ones are refused (retryable) and the server stops once those begun are finished (SIGTERM "
+                      "again or Ctrl-C: stop now)",
                       file=sys.stderr, flush=True)
                 stop.wait(drain_seconds)
                 break
@@ -213,19 +232,21 @@ def run_serve(args) -> int:
 
 
 def _step_environment(args) -> dict[str, str]:
-    """What the served steps read from their environment: K of the metrics (aot.serving.metric_labels) and the request
-    log (aot.serving.request_log), whose file is created here so that a bad path fails before the server starts."""
+    """What the served steps read from their environment, over aot serve's own (LocalServer's step_environment; an
+    empty value reads as unset): K of the metrics (aot.serving.metric_labels), the tenant keys and rates, and the
+    request log (aot.serving.request_log), whose file is created here so that a bad path fails before the server
+    starts."""
     from aot.serving.request_log import RequestLog, RequestLogSettings
 
     env = {} if args.metrics_tasks is None else {settings.METRICS_TASKS.name: str(args.metrics_tasks)}
     env[settings.REQUIRE_TENANT_KEYS.name] = "1" if args.require_tenant_keys else ""
     for setting, value in ((settings.RATE_LIMIT, args.rate_limit),
-                           (settings.ANONYMOUS_RATE_LIMIT, args.anonymous_rate_limit)):
+                           (settings.ANONYMOUS_RATE_LIMIT, args.anonymous_rate_limit),
+                           (settings.CLIENT_ADDRESS_HEADER, args.client_address_header)):
         if value is not None:
             env[setting.name] = str(value)
     if args.request_log is None:
-        os.environ.pop(settings.REQUEST_LOG.name, None)
-        return env
+        return env | {settings.REQUEST_LOG.name: ""}  # --request-log alone turns it on
     log = RequestLogSettings(os.path.abspath(args.request_log), args.request_log_sample, args.request_log_text)
     RequestLog(log, "aot serve").close()  # --request-log FILE: cannot be opened for appending (...)
     return env | log.as_environment()
@@ -254,7 +275,8 @@ def add_connection_arguments(p: argparse.ArgumentParser) -> None:
     """How `aot tasks` and `aot infer` reach the server: its gRPC address (aot.client.client.server_url) and, for a TLS
     server, the CA and a client certificate (aot.Client's tls, ca, cert, key)."""
     p.add_argument("--url", default=None,
-                   help="gRPC address of the server (default: the environment variable AOT_URL, else 127.0.0.1:8001)")
+                   help="gRPC address of the server (default: the environment variable AOT_URL, else "
+                        f"{settings.URL.default})")
     p.add_argument("--tls", action="store_true", help="gRPC over TLS, trusting the system's CAs (or --ca)")
     p.add_argument("--ca", default=None, help="PEM CA that signed the server's certificate (implies --tls)")
     p.add_argument("--cert", default=None, help="PEM client certificate, for a server that asks for one")

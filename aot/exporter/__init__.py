@@ -1,5 +1,7 @@
 """Export: a trained task into a served repository. Fuses P (or keeps its factors), writes the shared backbone (ONNX,
-int8 twins, TensorRT profiles, or the torch engine), the Triton configs, and publishes tasks into the task store.
+int8 twins, TensorRT profiles, or the torch engine), the Triton configs, and writes each task into a version folder,
+validates it and publishes it through the task store's writer (aot.serving.store.writer: the store's format is
+written there alone).
 
     backbone_export `aot export backbone`: the shared encoder into a new repository
     onnx_export     the encoder as ONNX, with AoT bias inputs ("aot") or without ("vanilla"), and its validation
@@ -14,11 +16,7 @@ int8 twins, TensorRT profiles, or the torch engine), the Triton configs, and pub
     batch_export    many tasks published together (`--batch`)
     task_record     a trained task in the served format: task.json and the head's arrays
     rows_export     the rows graphs of a store: factored rows computed by ONNX Runtime
-    task_store      writing the task store (publish, remove, compaction)
-    repair          `aot export repair`: the store's index rebuilt from what still reads
-    entry_history   the versions an entry keeps, retires and expires
-    versions        `aot export versions | rollback | route`
-    tenant_admin    `aot export tenant create | rotate | delete | list`
+    version_check   a published version loaded as a server loads it (`aot export verify | repair`)
     cpu_engine      a repository's CPU engine in process: what the served CPU step computes, without a server
     accuracy_gate   a task is scored through the int8 engine before it is published onto int8 graphs
 """

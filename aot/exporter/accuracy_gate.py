@@ -23,11 +23,12 @@ import numpy as np
 import torch
 
 from aot.exporter.cpu_engine import CpuEngine
-from aot.exporter.task_store import TaskStore
 from aot.serving.answers import READS_TOKENS
 from aot.serving.heads import Answer
 from aot.serving.repository import RepositoryInfo
+from aot.serving.store.layout import TASK_JSON
 from aot.serving.store.reader import StoreError
+from aot.serving.store.writer import TaskStore
 from aot.serving.tasks import ServedTask, load_task_version
 from aot.training.data import recorded_task_data
 from aot.training.data.task import DataError, Example
@@ -183,7 +184,7 @@ def check_served_accuracy(repo: RepositoryInfo, folder: Path, predictor: Predict
             f"({origin}, {len(examples)} dev examples; allowed: {allowed:g}); nothing was published. Re-fit it to this "
             f"backbone (aot train --fit-to {repo.path} --task {artifact.path} --out DIR, then export DIR), or accept "
             f"the drop: --allow-accuracy-drop {math.ceil(round(result.drop, 6) * 100) / 100:g}")
-    meta_path = folder / "task.json"
+    meta_path = folder / TASK_JSON
     meta = json.loads(meta_path.read_text(encoding="utf-8"))
     meta["served_dev"] = result.to_json()
     meta_path.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")

@@ -15,7 +15,6 @@ from aot.exporter.configs import CPU_CONFIG, FP16_FILE, PYTHON_MODELS, TEMPLATES
 from aot.exporter.onnx_export import FP16_TOLERANCE, example_inputs, export_backbone_graph, export_fp16_graph
 from aot.exporter.quantize import check_int8, int8_difference, quantize_graph
 from aot.exporter.rows_export import write_rows_graphs
-from aot.exporter.task_store import STAGING, TaskStore
 from aot.exporter.tensorrt import Profile, build_plan, build_script, write_parity_data
 from aot.exporter.torch_export import export_torch_encoder
 from aot.serving import protocol
@@ -32,8 +31,9 @@ from aot.serving.repository import (
 )
 from aot.serving.store.atomic import atomic_directory, write_json
 from aot.serving.store.digests import file_digest
-from aot.serving.store.reader import ROWS_DIR
+from aot.serving.store.layout import LEGACY_STAGING_PREFIX, LOCK, ROWS_DIR, STAGING
 from aot.serving.store.s3 import is_s3_url, parse_s3_url
+from aot.serving.store.writer import TaskStore
 from aot.training.artifact import backbone_identity
 from aot.training.backbone import Backbone, load_backbone
 from aot.training.quantized import QUANTIZATION
@@ -274,7 +274,7 @@ def _write_repository(plan: ExportPlan, tmp: Path, record: BackboneRecord) -> No
         # Hard links: no data is copied, and the old store stays whole until the swap succeeds.
         # Its objects are never changed in place, only replaced or created, so the links stay the old store's.
         shutil.copytree(plan.keep_tasks.store_root, tmp / record.store, copy_function=os.link,
-                        ignore=shutil.ignore_patterns(".tmp-*", STAGING, ".lock", ROWS_DIR))
+                        ignore=shutil.ignore_patterns(f"{LEGACY_STAGING_PREFIX}*", STAGING, LOCK, ROWS_DIR))
     # a new store, or the kept one (upgraded from format v1 if it is one)
     TaskStore(tmp / record.store, plan.store_url).create(record.backbone,
                                                          backbone.embeddings.detach().float().numpy())

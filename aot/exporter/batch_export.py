@@ -71,11 +71,12 @@ def read_batch(path: str | Path) -> list[BatchLine]:
 
 
 def export_batch(repo_dir: str | Path, batch_file: str | Path, storage: str = "auto",
-                 progress: bool = True, keep: int | None = None) -> BatchExportReport:
-    """Export every task of the batch file and publish them in one change (module docstring)."""
+                 progress: bool = True, keep: int | None = None, allow_label_change: bool = False) -> BatchExportReport:
+    """Export every task of the batch file and publish them in one change (module docstring); a line that would
+    change its task's labels, kind or pair-ness is refused (the batch with it) unless `allow_label_change`."""
     start = time.perf_counter()
     lines = read_batch(batch_file)
-    exporter = TaskExporter(repo_dir, progress=False)
+    exporter = TaskExporter(repo_dir, progress=False, allow_label_change=allow_label_change)
     problems = []
     for line in lines:
         try:

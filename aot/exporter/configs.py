@@ -9,8 +9,9 @@
     REPO/models/backbone_vanilla/ the same encoder without bias inputs (comparisons, plain models)
     REPO/models/head/           python: TASK_VERSION, pooled_hidden, token_hidden, word_index, word_text -> ANSWER,
                                 LOGITS, LABEL (each request its own task's head by its kind)
-    REPO/models/aot/, vanilla/  what clients call: GPU, the ensembles of the steps above; CPU, one fused python step
-                                each (tokenizer, lookup, encoder, head in one process: aot/model_repository/fused)
+    REPO/models/aot/, vanilla/  what clients call: the native GPU configs, the ensembles of the steps above; the CPU
+                                configs and the torch engine's (CPU or GPU), one fused python step each (tokenizer,
+                                lookup, encoder, head in one process: aot/model_repository/fused)
 
 Each model folder has `config.pbtxt` (GPU, NGC image) and `configs/cpu.pbtxt` (local CPU server, selected with
 --model-config-name=cpu). Both come from `model_configs()`, so they cannot drift apart.
@@ -26,8 +27,8 @@ from aot.serving import protocol
 from aot.serving.repository import BackboneRecord, ServingOptions
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "model_repository"
-# model -> template; `aot` and `vanilla` are ensembles in the GPU configs (their model.py unused there) and the
-# fused step in the CPU configs
+# model -> template; `aot` and `vanilla` are ensembles in the native GPU configs (their model.py unused there) and the
+# fused step in the CPU configs and in the torch engine's GPU configs (_ensemble)
 PYTHON_MODELS = {"tokenizer": "tokenizer", "aot_lookup": "aot_lookup", "backbone": "backbone",
                  "backbone_vanilla": "backbone", "head": "head", "task_list": "task_list", "aot": "fused",
                  "vanilla": "fused"}
@@ -64,6 +65,19 @@ def _python_model(name: str, options: ServingOptions, params: dict[str, str], qu
     for key, value in params.items():
         config.parameters[key].string_value = value
     return config
+
+
+def batch_when_free(config) -> None:
+    """A step that takes the clients' optional inputs forms its next batch when one of its instances is free, not
+    before. Triton (2.51, and its main branch) batches only requests of one input set when inputs are optional
+    (scheduler_utils.cc, RequiredEqualInputs::HasEqualInputs), and clients send several (TEXT + TASK, with TEXT_PAIR,
+    token ids); with prefetching, its default, the batcher readies a batch while every instance is busy, and a
+    queued request of another input set behind it made BatcherThread loop without waiting until an instance took
+    that batch (dynamic_batch_scheduler.cc, GetDynamicBatch: nothing pending, payload_saturated_ unset): a core of
+    tritonserver spinning (docs/benchmarks.md, "The batcher's spin"). A queue policy that allows a request's timeout
+    override turns prefetching off (PriorityQueue's support_prefetching_); a request without a timeout is queued as
+    before."""
+    config.dynamic_batching.default_queue_policy.allow_timeout_override = True
 
 
 def set_cpu_instances(config, instances: int) -> None:
@@ -204,6 +218,7 @@ def _fused(name: str, backbone: str, record: BackboneRecord, target: str):
         config = _python_model(name, options, params, options.backbone_queue_delay_us)
         set_gpu_instances(config, options.gpu_instances)
     config.input.extend(_request_inputs(record, ragged=True))
+    batch_when_free(config)
     _answer_outputs(config)
     return config
 
@@ -256,7 +271,7 @@ def _ensemble(name: str, backbone: str, record: BackboneRecord, target: str):
 def _request_inputs(record: BackboneRecord, ragged: bool) -> list:
     """What a client sends the ensemble (and the ensemble the tokenizer step): TASK and TEXT (+ TEXT_PAIR), or TASK
     and the token ids it tokenized itself (`ragged`: in the tokenizer step, sequences of any length batch together).
-    All optional: the first stage (the tokenizer step, or the fused step on CPU) refuses a request that lacks TASK,
+    All optional: the first stage (the tokenizer step, or the fused step) refuses a request that lacks TASK,
     or both TEXT and ids, with a 400 naming it
     (Triton checks only the count of an ensemble's required inputs, and a required one missing would stall the
     ensemble: "unexpected deadlock")."""
@@ -287,6 +302,7 @@ def model_configs(record: BackboneRecord, target: str) -> dict:
     tok = _python_model("tokenizer", options, {"buckets": buckets, **({"one_text_per_request": "true"} if one else {})},
                         instances=instances)
     tok.input.extend(_request_inputs(record, ragged=True))
+    batch_when_free(tok)
     tok.output.extend([_tensor(pb.ModelOutput, n, [-1]) for n in tokens]
                       + [_tensor(pb.ModelOutput, protocol.TASK_VERSION, [1]),
                          _tensor(pb.ModelOutput, protocol.WORD_INDEX, [-1]),

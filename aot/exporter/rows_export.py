@@ -21,7 +21,8 @@ from torch import nn
 from aot.exporter.onnx_export import OPSET, ExportError
 from aot.serving import protocol
 from aot.serving.store.atomic import write_atomic
-from aot.serving.store.reader import ROWS_DIR, rows_graph_name
+from aot.serving.store.layout import ROWS_DIR
+from aot.serving.store.reader import rows_graph_name
 from aot.training.methods.aot_ptuning.config import ACTIVATIONS
 from aot.training.methods.aot_ptuning.layer import ACTIVATION_MODULES, fc_rows, kron_rows
 

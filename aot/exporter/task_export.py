@@ -19,13 +19,15 @@ from tqdm.auto import tqdm
 from aot.exporter.accuracy_gate import check_served_accuracy
 from aot.exporter.compose_env import keep_admin_key_private
 from aot.exporter.cpu_engine import CpuEngine
-from aot.exporter.task_record import head_arrays, task_record
-from aot.exporter.task_store import Publication, TaskStore
+from aot.exporter.task_record import answer_meta, head_arrays, task_record
 from aot.exporter.task_validation import LOGITS_TOLERANCE, ValidationError, validate_tasks, validation_engine
 from aot.serving import protocol
 from aot.serving.repository import RepositoryInfo, read_repository
+from aot.serving.store.compatibility import check_same_labels, current_version
+from aot.serving.store.layout import FACTORS, HEAD, TABLE, TASK_JSON
 from aot.serving.store.reader import STORAGES, StoreError, check_task_name
 from aot.serving.store.tenants import tenant_of
+from aot.serving.store.writer import Publication, StoreState, TaskStore
 from aot.serving.tokenization import Tokenization
 from aot.training.artifact import TaskArtifact, check_fingerprint, read_task
 from aot.training.backbone import load_backbone
@@ -48,6 +50,7 @@ class TaskExportReport:
     seconds: float
     storage_advice: dict
     served_dev: dict | None = None  # int8 repositories: the dev score through the served engine (accuracy_gate)
+    notes: list[str] = field(default_factory=list)  # what is said of the version (a dev score below the replaced one's)
 
 
 @contextlib.contextmanager
@@ -116,13 +119,15 @@ def _size(n: int) -> str:
 
 def export_task(task_dir: str | Path, repo_dir: str | Path, name: str, storage: str = "auto",
                 progress: bool = True, keep: int | None = None, allowed_drop: float | None = None,
-                dev_data: str | Path | None = None, accept_small_dev: bool = False) -> TaskExportReport:
+                dev_data: str | Path | None = None, accept_small_dev: bool = False,
+                allow_label_change: bool = False) -> TaskExportReport:
     """Export one task and publish it. `storage`: fused, factored, or auto (see storage_advice). `keep`: versions
     of the task to keep, this one included (None: the task's policy, else aot.serving.store.reader.DEFAULT_KEEP). On an
     int8 repository the task must keep its dev score within `allowed_drop` points (0.5 by default) of its fp32 score,
     scored on `dev_data` (default: its training data's dev split), of at least the gate's minimum size unless
-    `accept_small_dev`: aot.exporter.accuracy_gate."""
-    exporter = TaskExporter(repo_dir, progress)
+    `accept_small_dev`: aot.exporter.accuracy_gate. A task whose current version has other labels, another kind or
+    pair-ness is refused unless `allow_label_change` (aot.serving.store.compatibility)."""
+    exporter = TaskExporter(repo_dir, progress, allow_label_change)
     written = exporter.write(task_dir, name, storage, allowed_drop=allowed_drop, dev_data=dev_data,
                              accept_small_dev=accept_small_dev)
     return exporter.publish([written], keep)[0]
@@ -147,12 +152,13 @@ class WrittenTask:
 class TaskExporter:
     """Exports tasks into one repository: the backbone, tokenizer and validation engine loaded once for all."""
 
-    def __init__(self, repo_dir: str | Path, progress: bool = True):
+    def __init__(self, repo_dir: str | Path, progress: bool = True, allow_label_change: bool = False):
         self.repo = read_repository(repo_dir)
         self.store = TaskStore.of(self.repo)
         self.store.identity()
         self.progress = progress
-        self._tenants: set[str] | None = None  # the store's tenants, read once by check()
+        self.allow_label_change = allow_label_change
+        self._state: StoreState | None = None  # the store's index, read once by check() (the publish checks again)
         self._backbone = None
         self._engine = None
         self._tokens = None
@@ -163,10 +169,10 @@ class TaskExporter:
         """Every refusal that needs no backbone: the name, the storage, the artifact against the repository."""
         repo = self.repo
         check_task_name(name)
+        if self._state is None:
+            self._state = self.store.state()
         if tenant_of(name) is not None:
-            if self._tenants is None:
-                self._tenants = set(self.store.state().tenants)
-            if tenant_of(name) not in self._tenants:
+            if tenant_of(name) not in self._state.tenants:
                 raise StoreError(f"no tenant {tenant_of(name)!r} in the task store of {repo.path}: create it first "
                                  f"(aot export tenant create {tenant_of(name)} --repo {repo.path})")
         if storage not in STORAGES + ("auto",):
@@ -177,6 +183,8 @@ class TaskExporter:
             raise StoreError(f"task {task_dir} was trained with method {method!r}; only AoT tasks (fc, kron) run on "
                              "the shared backbone")
         check_fingerprint(artifact, repo.fingerprint, f"{repo.model} (repository {repo.path})")
+        check_same_labels(name, self._current(name), (f"task {task_dir} as {name!r}", answer_meta(artifact)),
+                          self.allow_label_change, "publishing")
         if artifact.max_length > repo.max_positions:
             raise StoreError(f"task {task_dir} has max length {artifact.max_length}; backbone {repo.model!r} accepts "
                              f"at most {repo.max_positions} tokens: retrain it with --max-length {repo.max_positions} "
@@ -187,6 +195,15 @@ class TaskExporter:
                              f"{repo.path} (longest bucket {longest}): re-export the backbone with --buckets up to "
                              f"{artifact.max_length}, or retrain with --max-length {longest}")
         return artifact
+
+    def _current(self, name: str) -> tuple[str, dict] | None:
+        """The current version of `name` and its meta as the index read by check() holds them (None: a new task);
+        read again once if a compaction replaced that index's shards since. The publish checks again."""
+        try:
+            return current_version(self._state.tasks.get(name))
+        except LookupError:  # aot.serving.store.shards.StaleIndex
+            self._state = self.store.state()
+            return current_version(self._state.tasks.get(name))
 
     def write(self, task_dir: str | Path, name: str, storage: str = "auto",
               tasks_in_store: int | None = None, allowed_drop: float | None = None,
@@ -258,18 +275,18 @@ class TaskExporter:
         folder = self.store.new_version_folder(name)
         try:
             meta = task_record(artifact, name, storage, (L, d, V), self.repo.fingerprint)
-            with _writing(name, folder / "task.json"):
-                (folder / "task.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-            with _writing(name, folder / "head.safetensors"):
+            with _writing(name, folder / TASK_JSON):
+                (folder / TASK_JSON).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+            with _writing(name, folder / HEAD):
                 if artifact.kind != "embedding":  # an embedding task's vector is its pooled state: no head
-                    save_file(head_arrays(model), folder / "head.safetensors")
+                    save_file(head_arrays(model), folder / HEAD)
             body: AotBody = model.body
             if storage == "fused":
-                with _writing(name, folder / "table.npy"):
-                    _write_fused(body, folder / "table.npy", V, progress=self.progress)
+                with _writing(name, folder / TABLE):
+                    _write_fused(body, folder / TABLE, V, progress=self.progress)
             else:
-                with _writing(name, folder / "factors.safetensors"):
-                    save_file(factors, folder / "factors.safetensors")
+                with _writing(name, folder / FACTORS):
+                    save_file(factors, folder / FACTORS)
             if self._cpu_engine is None and self.repo.record.cpu_precision != "fp32":
                 self._cpu_engine = CpuEngine(self.repo)  # the int8 graph's session, once for every task
             served_dev = check_served_accuracy(self.repo, folder, predictor, allowed_drop, dev_data,
@@ -290,8 +307,10 @@ class TaskExporter:
         """Publish written versions in one change of the store's index (servers see all of them, or none); `keep`:
         see export_task."""
         start = time.perf_counter()
+        notes: dict[str, str] = {}
         try:
-            entries = self.store.publish_many([Publication(w.name, w.folder, w.storage, keep) for w in written])
+            entries = self.store.publish_many([Publication(w.name, w.folder, w.storage, keep, self.allow_label_change)
+                                               for w in written], notes)
         except BaseException:
             for w in written:
                 self.discard(w)
@@ -302,5 +321,5 @@ class TaskExporter:
         for w, entry in zip(written, entries, strict=True):
             reports.append(TaskExportReport(w.name, w.storage, entry.folder, w.bytes_on_disk, w.fused_bytes,
                                             w.max_abs_logit_diff, round(w.seconds + share, 2), w.advice,
-                                            w.served_dev))
+                                            w.served_dev, [notes[w.name]] if w.name in notes else []))
         return reports

@@ -16,15 +16,21 @@ def head_arrays(model: TaskModel) -> dict[str, np.ndarray]:
     return {k: v.detach().float().numpy().copy() for k, v in model.head.state_dict().items()}
 
 
+def answer_meta(artifact: TaskArtifact) -> dict:
+    """What a task's consumers depend on (its kind, labels, pair-ness) and its dev score, as task.json holds them:
+    what a publish compares with the current version (aot.serving.store.compatibility)."""
+    spec = artifact.spec
+    return {"kind": spec.kind, "labels": None if spec.labels is None else list(spec.labels), "metric": spec.metric,
+            "has_pair": spec.has_pair, "dev": artifact.metrics().get("dev")}
+
+
 def task_record(artifact: TaskArtifact, name: str, storage: str, shape: tuple[int, int, int],
                 fingerprint: str) -> dict:
     """task.json of a version (docs/formats.md): what every served step reads of the task, by its kind; `shape`
     is (L, d, V)."""
     spec = artifact.spec
     L, d, V = shape
-    meta = {"name": name, "kind": spec.kind, "labels": None if spec.labels is None else list(spec.labels),
-            "metric": spec.metric, "max_length": artifact.max_length, "pooling": artifact.pooling,
-            "has_pair": spec.has_pair}
+    meta = {"name": name, **answer_meta(artifact), "max_length": artifact.max_length, "pooling": artifact.pooling}
     if "activation" in artifact.head:  # a classification head's (tokens and embedding have no activation)
         meta["head_activation"] = artifact.head["activation"]
     if spec.kind == "multilabel":
@@ -32,5 +38,4 @@ def task_record(artifact: TaskArtifact, name: str, storage: str, shape: tuple[in
     if spec.kind == "embedding":
         meta["normalize"] = spec.normalize
     return meta | {"storage": storage, "method": artifact.config["method"], "num_layers": L, "hidden_size": d,
-                   "vocab_size": V, "backbone_fingerprint": fingerprint,
-                   "dev": artifact.metrics().get("dev")}
+                   "vocab_size": V, "backbone_fingerprint": fingerprint}

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import numpy as np
 
-from aot.exporter.task_store import TaskStore
 from aot.serving.answers import READS_TOKENS
 from aot.serving.engine import BackboneRunner, Prepared
 from aot.serving.repository import RepositoryInfo
 from aot.serving.store.reader import StoreError
+from aot.serving.store.writer import TaskStore
 from aot.serving.tasks import load_task_version
 from aot.serving.tokenization import Tokenization
 from aot.training.multitask import MultiTaskModel

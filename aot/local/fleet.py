@@ -13,6 +13,8 @@ The load balancer is HAProxy (Debian's package, installed by scripts/setup.sh), 
   a connection error marks a replica down at once (observe layer4), before its next check;
 - L7 retries on another replica (`retry-on` + `option redispatch`): inference is idempotent, so a request that a
   killed replica never answered is sent again, and the client sees no failure;
+- each request carries the client's address (aot-client-address, set by HAProxy over whatever the client sent), so
+  that keyless clients share the replicas' anonymous rate fairly (aot.serving.rate_limits);
 - bounded requests and connections: a body larger than any client needs (aot.serving.limits) is refused before a
   replica reads it, idle and slow connections are closed within seconds, maxconn follows the open-file limit.
 Each replica restarts its own dead tritonserver (LocalServer), and the fleet restarts a dead HAProxy within a fraction
@@ -34,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aot import settings
 from aot.local.processes import stop_process_group
 from aot.local.server import Endpoints, LocalServer, ServerError, free_ports, port_is_free, write_key_file
 from aot.serving.limits import request_bounds
@@ -53,6 +56,7 @@ MAXREWRITE = 1024  # HAProxy's reserve in each buffer for rewriting headers
 CLIENT_IDLE_SECONDS, REQUEST_SECONDS, SERVER_SECONDS = 30, 10, 120
 FD_RESERVE = 256  # descriptors HAProxy keeps for itself (listeners, health checks, its log)
 MAX_BALANCER_RESTARTS = 3  # HAProxy deaths in RESTART_WINDOW seconds before the fleet gives up
+CLIENT_ADDRESS_HEADER = "aot-client-address"  # set by HAProxy to the client's address; the replicas trust it
 RESTART_WINDOW = 60.0
 
 
@@ -116,6 +120,9 @@ defaults
 
 frontend grpc
     bind {host}:{grpc_port} proto h2
+    # the client's address, for the replicas' fair shares of the keyless rate (aot.serving.rate_limits): whatever
+    # a client sent under that name is replaced
+    http-request set-header {CLIENT_ADDRESS_HEADER} %[src]
     acl large_headers req.hdrs,length gt {HEADER_BYTES}
     acl large_body req.body_len gt {body_bytes}
     # a gRPC client reports these as "Received http2 header with status: 413" (a status carried in a trailer
@@ -125,6 +132,7 @@ frontend grpc
 
 frontend http
     bind {host}:{http_port}
+    http-request set-header {CLIENT_ADDRESS_HEADER} %[src]
     acl large_headers req.hdrs,length gt {HEADER_BYTES}
     acl large_body req.body_len gt {body_bytes}
     http-request return status 431 content-type application/json string '{{"error":"{headers}"}}' if large_headers
@@ -178,6 +186,9 @@ class Fleet(Endpoints):
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
         self._balancer_failed: str | None = None
+        steps = self.server_options.get("step_environment", {})  # the replicas trust HAProxy's address header
+        self.server_options = self.server_options | {
+            "step_environment": steps | {settings.CLIENT_ADDRESS_HEADER.name: CLIENT_ADDRESS_HEADER}}
         self.servers = [LocalServer(self.repo, "127.0.0.1", next(spare), next(spare),
                                     self._port(self.metrics_port, i, spare), self._port(self.health_port, i, spare),
                                     admin_key=self.admin_key, **self.server_options) for i in range(self.replicas)]

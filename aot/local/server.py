@@ -11,11 +11,13 @@ truth is the supervisor's `/ready` on the health port (`health_url`), not Triton
 
 Lifetime (aot.serving.supervision.lifecycle, which the container's entry point runs too): the server runs in its own
 process group and dies with the process that started it (parent-death signal), so `kill -9` of `aot serve` leaves no
-server behind. A supervisor (aot.serving.supervision.supervisor) repairs a step whose stub died; when tritonserver
-itself dies (Triton 2.51's python backend can abort when a stub is killed under load), its stubs and shared memory are
-removed and it is started again, at most 3 times a minute. Stopping sends SIGTERM to the group, then SIGKILL to the
-server alone (its stubs then remove their shared memory), then SIGKILL to the group and removes what stubs left in
-/dev/shm: also when the server had already exited (crashed) by itself.
+server behind, and a sweeper process then reaps its stubs (aot.serving.supervision.sweeper). A supervisor
+(aot.serving.supervision.supervisor) repairs a step whose stub died; when tritonserver itself dies (Triton 2.51's
+python backend can abort when a stub is killed under load), its stubs and shared memory are removed and it is started
+again, at most 3 times a minute. Stopping is graceful (aot.serving.supervision.quiesce: new requests refused, the
+accepted finished, open HTTP connections closed, then SIGTERM to the group), then SIGKILL to the server alone (its
+stubs then remove their shared memory), then SIGKILL to the group and removes what stubs left in /dev/shm: also when
+the server had already exited (crashed) by itself.
 """
 
 from __future__ import annotations
@@ -136,6 +138,9 @@ class LocalServer(Endpoints):
     # steps have CPU configs too, so that a test can load them on this machine
     load: tuple[str, ...] | None = None
     vanilla: bool = False  # also load `vanilla`, the plain encoder (comparisons only: more processes and memory)
+    # what the server and its steps read (AOT_* settings of the steps: aot serve's flags), over this process's
+    # environment, which is left as it is
+    step_environment: dict[str, str] = field(default_factory=dict)
     failed: str | None = None  # why the server is down for good (restarts exhausted)
     restarts: list[float] = field(default_factory=list)
 
@@ -238,7 +243,7 @@ class LocalServer(Endpoints):
         return models_to_load(read_repository(self.repo), "cpu" if self.device == "cpu" else "gpu", self.vanilla)
 
     def environment(self) -> dict[str, str]:
-        env = dict(os.environ)
+        env = dict(os.environ) | self.step_environment
         env["PATH"] = f"{self.python.bin_dir}{os.pathsep}{env.get('PATH', '')}"
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (self.python.libdir, env.get("LD_LIBRARY_PATH", "")) if p)
         env.setdefault("GLIBC_TUNABLES", SERVER_MALLOC)
@@ -331,16 +336,18 @@ class LocalServer(Endpoints):
 
     def drain(self) -> None:
         """The first step of a graceful stop: /ready answers 503 ("draining") from now on, so that a load balancer
-        sends this server nothing new, while it answers every request that still reaches it. stop() then lets
-        tritonserver finish the requests it accepted (it refuses new ones as unavailable meanwhile)."""
+        sends this server nothing new, while it answers every request that still reaches it. stop() then ends it
+        (aot.serving.supervision.quiesce)."""
         if self._health is not None:
             self._health.drain("draining: this server is stopping (a graceful stop); send requests elsewhere")
 
     def stop(self, timeout: float = 15) -> int | None:
         """Stop the server and everything it started, and remove its temporary folder (kept when the server failed:
-        it holds the log that the failure names); safe to call again, and after the server crashed. tritonserver
-        finishes the requests it accepted first (up to its --exit-timeout-secs), answering new ones "Server is
-        stopping", then "no available versions" while it unloads (aot.client: Unavailable, retried)."""
+        it holds the log that the failure names); safe to call again, and after the server crashed. The stop is
+        graceful (aot.serving.supervision.quiesce): new requests are refused on both protocols ("this server is
+        stopping ... retry in 1.00 s"; aot.client: Unavailable, retried), those the steps began are finished, the
+        HTTP connections that would hold tritonserver are closed, and tritonserver unloads its models ("Server is
+        stopping" to what still arrives)."""
         self._stopping.set()
         if self.supervisor is not None:  # first: a server the watcher restarted dies with the watcher's thread
             self.supervisor.stop()       # (parent-death signal), and its supervisor must not try to repair that

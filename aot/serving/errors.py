@@ -6,7 +6,9 @@ import re
 TRITON_CODES = {"invalid": "INVALID_ARG",  # 400 / INVALID_ARGUMENT: the request itself is wrong
          "not_found": "NOT_FOUND",  # 404 / NOT_FOUND: an unknown task or task version
          "unavailable": "UNAVAILABLE",  # 503 / UNAVAILABLE: the task exists but cannot be served (damaged)
-         "rate_limited": "UNAVAILABLE"}  # 503 / UNAVAILABLE: the caller sent more than its rate (aot.serving.rate_limits)
+         "rate_limited": "UNAVAILABLE",  # 503 / UNAVAILABLE: the caller sent more than its rate (serving.rate_limits)
+         "stopping": "UNAVAILABLE"}  # 503 / UNAVAILABLE: the server stops and takes no new request (the same module)
+WHOLE_REQUEST = ("rate_limited", "stopping")  # refusals of a whole request: they name no item of it
 # An "unavailable" message names its task, quoted as Python's repr quotes it ('sentiment'): that tells a client
 # (aot.client.errors) a task that cannot be served, which a retry does not cure, from a server it cannot reach now,
 # which a retry may. A refusal that a retry cures (a task store that does not answer now, a rate limit) ends with a
@@ -17,7 +19,7 @@ TRITON_CODES = {"invalid": "INVALID_ARG",  # 400 / INVALID_ARGUMENT: the request
 # A request's outcome in a step ("ok", a RequestError reason, or "internal": a fault of the server) -> the gRPC status
 # name its client sees (the request log writes it)
 STATUS = {"ok": "OK", "invalid": "INVALID_ARGUMENT", "not_found": "NOT_FOUND", "unavailable": "UNAVAILABLE",
-          "rate_limited": "UNAVAILABLE", "internal": "INTERNAL"}
+          "rate_limited": "UNAVAILABLE", "stopping": "UNAVAILABLE", "internal": "INTERNAL"}
 
 _RETRY_HINT = re.compile(r"retry in ([0-9]+(?:\.[0-9]+)?) s\b")
 

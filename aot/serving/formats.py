@@ -69,12 +69,6 @@ def read_versioned_json(path: str | Path, fmt: str, version: int, required: dict
     return check_versioned(read_json(path), path, fmt, version, required)
 
 
-def parse_versioned_json(data: bytes, where: str | Path, fmt: str, version: int,
-                         required: dict | None = None) -> dict:
-    """parse_json, then the format, version and required keys checked as read_versioned_json checks them."""
-    return check_versioned(parse_json(data, where), where, fmt, version, required)
-
-
 def check_versioned(data: dict, where: str | Path, fmt: str, version: int, required: dict | None = None) -> dict:
     if data.get("format") != fmt or data.get("format_version") != version:
         raise FormatError(f"{where}: not an {fmt} v{version} file (format {data.get('format')!r}, "

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from aot.serving import items, protocol
-from aot.serving.errors import STATUS, TRITON_CODES, RequestError
+from aot.serving.errors import STATUS, TRITON_CODES, WHOLE_REQUEST, RequestError
 from aot.serving.items import Item, RequestInputs
 from aot.serving.pool import RowPool
 from aot.serving.rate_limits import RateLimits, RequestGate
@@ -158,7 +158,9 @@ class Step:
         (aot.serving.task_registry), once its caller's rate admits the request (aot.serving.rate_limits: each text
         counts, all of a request's at once on its first item)."""
         name, key = items.task_name(item, self.options.max_text_bytes), item.inputs.tenant_key
-        self.gate.admit(name, key, self.tasks.view.index.tenants, item.count if item.row == 0 else 0)
+        first = item.row == 0  # the request's texts, and its keyless client's address, once per request
+        self.gate.admit(name, key, self.tasks.view.index.tenants, item.count if first else 0,
+                        self.gate.address_of(item.inputs.request.parameters()) if first else None)
         return self.tasks.resolve(name, key)
 
     def task_version(self, item: Item, ctx: RequestContext):
@@ -298,7 +300,7 @@ class Step:
             try:
                 prepared.append(prepare(Item(inputs, row, count), ctx))
             except RequestError as exc:
-                if count == 1 or exc.reason == "rate_limited":  # a refusal of the whole request names no item
+                if count == 1 or exc.reason in WHOLE_REQUEST:  # a refusal of the whole request names no item
                     raise
                 raise RequestError(f"item {row + 1} of {count}: {exc}", exc.reason) from None
         return prepared

@@ -18,7 +18,7 @@ not "unknown". What a client reads names the task, never the store's address: th
 
 Names are resolved for a caller (aot.serving.store.tenants): a task the request's tenant key does not open is answered
 exactly as a task the store does not hold, and an unknown task's answer suggests only tasks the caller may call, at a
-bounded cost (aot.serving.store.names). A task with a route (aot.exporter.versions) answers each request from a version
+bounded cost (aot.serving.store.names). A task with a route (aot.serving.store.version_admin) answers each request from a version
 drawn by weight, one draw per request.
 """
 

@@ -35,7 +35,8 @@ from aot.serving.answer_labels import label_for
 from aot.serving.answers import DEFAULT_THRESHOLD, kind_of
 from aot.serving.formats import FormatError, check_keys, read_json
 from aot.serving.store.digests import DigestError, check_regular, file_stamp, verify_file, verify_file_once
-from aot.serving.store.reader import EMBEDDINGS, ROWS_DIR, STORAGES, StoreError, rows_graph_name, task_of
+from aot.serving.store.layout import EMBEDDINGS, FACTORS, HEAD, ROWS_DIR, TABLE, TASK_JSON
+from aot.serving.store.reader import STORAGES, StoreError, rows_graph_name, task_of
 
 _TASK_KEYS = {"labels": (list, type(None)), "max_length": int, "storage": str, "method": dict, "num_layers": int,
               "hidden_size": int, "vocab_size": int}
@@ -84,7 +85,7 @@ class FactoredRows:
         names = [i.name for i in self.session.get_inputs()]
         missing = [n for n in names if n not in factors and n not in ("e", "token_ids")]
         if missing:
-            raise StoreError(f"factors.safetensors lacks {', '.join(missing)} (formula {rows_graph_name(method)})")
+            raise StoreError(f"{FACTORS} lacks {', '.join(missing)} (formula {rows_graph_name(method)})")
         self.feeds = {n: np.ascontiguousarray(factors[n], dtype=np.float32) for n in names if n in factors}
         self.embeddings = None
         if "e" in names:
@@ -139,7 +140,7 @@ class ServedTask:
         """Rows of P for sorted distinct token ids, [U, L, d] fp16, from the task's own storage (no pool).
         Fused: only these rows are read from disk; factored: computed in one matmul per layer stack."""
         if self.table is not None:
-            guard_mapped(self.table_path, self.table_bytes, f"{self.version}/table.npy")
+            guard_mapped(self.table_path, self.table_bytes, f"{self.version}/{TABLE}")
             return np.ascontiguousarray(self.table[token_ids], dtype=protocol.ROWS_DTYPE)
         return self.compute_rows(token_ids)
 
@@ -151,11 +152,11 @@ class ServedTask:
         try:
             stamp = file_stamp(self.table_path)
         except OSError:
-            raise StoreError(f"{self.version}: table.npy is missing") from None
+            raise StoreError(f"{self.version}: {TABLE} is missing") from None
         if stamp == self.table_stamp:
             return
         if stamp[1] != self.table_bytes:
-            raise StoreError(f"{self.version}: table.npy is {stamp[1]} bytes, expected {self.table_bytes} "
+            raise StoreError(f"{self.version}: {TABLE} is {stamp[1]} bytes, expected {self.table_bytes} "
                              "(truncated or replaced)")
         try:
             verify_file(self.table_path, self.digests, self.version)
@@ -234,7 +235,7 @@ def load_task_version(folder: Path, version: str, store_root: Path, parts: str =
         return folder / name
 
     try:
-        meta = check_keys(read_json(verified("task.json")), _TASK_KEYS, f"{version}/task.json")
+        meta = check_keys(read_json(verified(TASK_JSON)), _TASK_KEYS, f"{version}/{TASK_JSON}")
     except FormatError as exc:
         raise StoreError(str(exc).replace(str(folder), version)) from None
     if meta["storage"] not in STORAGES:
@@ -250,14 +251,14 @@ def load_task_version(folder: Path, version: str, store_root: Path, parts: str =
         kind = kind_of(meta)
     except ValueError as exc:
         raise StoreError(f"{version}: {exc}") from None
-    head = load_file(verified("head.safetensors")) if parts in ("head", "all") and kind != "embedding" else {}
+    head = load_file(verified(HEAD)) if parts in ("head", "all") and kind != "embedding" else {}
     task = ServedTask(task_of(version), version, meta["labels"], meta["max_length"], meta["storage"],
                       meta["num_layers"], meta["hidden_size"], meta["vocab_size"], head, meta, digests=digests)
     if parts not in ("rows", "all"):
         return task
     shape = (task.vocab_size, task.num_layers, task.hidden_size)
     if task.storage == "fused":
-        task.table_path = folder / "table.npy"
+        task.table_path = folder / TABLE
         try:
             check_regular(task.table_path)
         except DigestError as exc:
@@ -265,15 +266,15 @@ def load_task_version(folder: Path, version: str, store_root: Path, parts: str =
         try:
             task.table = mapped_array(task.table_path)  # np.load refuses a file shorter than its header says
         except (ValueError, OSError) as exc:
-            raise StoreError(f"{version}: table.npy cannot be mapped ({exc}): truncated or not a table") from None
+            raise StoreError(f"{version}: {TABLE} cannot be mapped ({exc}): truncated or not a table") from None
         if task.table.shape != shape or task.table.dtype != protocol.ROWS_DTYPE:
-            raise StoreError(f"{version}: table.npy is {task.table.dtype} {task.table.shape}, expected fp16 {shape}")
+            raise StoreError(f"{version}: {TABLE} is {task.table.dtype} {task.table.shape}, expected fp16 {shape}")
         task.table_bytes = file_stamp(task.table_path)[1]
     else:
         method = meta["method"]
         if method.get("method") not in ("fc", "kron"):
             raise StoreError(f"{version}: method {method.get('method')!r} cannot be served from factors")
-        task.compute_rows = FactoredRows(store_root, method, load_file(verified("factors.safetensors")))
+        task.compute_rows = FactoredRows(store_root, method, load_file(verified(FACTORS)))
         probe = task.compute_rows(np.array([0], dtype=np.int64))
         if probe.shape != (1,) + shape[1:]:
             raise StoreError(f"{version}: factors give rows of shape {probe.shape[1:]}, expected {shape[1:]}")

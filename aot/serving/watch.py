@@ -7,7 +7,11 @@ on a GPU, a deadlocked instance would otherwise hold its batch forever, unseen).
 memory, /dev/shm/aot-busy-<tritonserver pid>-<instance>, holds one float: the CLOCK_MONOTONIC time (system-wide on
 Linux) the running `execute` began, 0 between batches. Writing it is one pwrite per batch (a few microseconds).
 
-Warnings: /dev/shm/aot-notes-<tritonserver pid>-<instance>, one line each, written at start (never per request)."""
+Warnings: /dev/shm/aot-notes-<tritonserver pid>-<instance>, one line each, written at start (never per request).
+
+And the other way, what the supervisor tells the steps: /dev/shm/aot-stopping-<tritonserver pid> exists once the
+server stops (a graceful stop's end: aot.serving.supervision.lifecycle), and the first step refuses new requests
+from then on (aot.serving.rate_limits), on either protocol, while it finishes those it accepted."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from aot.serving.shm import SHM
 
 PREFIX = "aot-busy-"
 NOTES = "aot-notes-"
+STOPPING = "aot-stopping-"
 _VALUE = struct.Struct("d")
 
 
@@ -84,7 +89,26 @@ def remove_watch(server_pid: int, instance: str) -> None:
 
 
 def remove_watches(server_pid: int) -> None:
-    """After the server exited: its instances' watch files and notes."""
+    """After the server exited: its instances' watch files and notes, and its stop mark."""
     for prefix in (PREFIX, NOTES):
         for path in SHM.glob(f"{prefix}{server_pid}-*"):
             path.unlink(missing_ok=True)
+    stopping_path(server_pid).unlink(missing_ok=True)
+
+
+def stopping_path(server_pid: int) -> Path:
+    return SHM / f"{STOPPING}{server_pid}"
+
+
+def mark_stopping(server_pid: int) -> None:
+    """The supervisor's side: the server stops; its steps take no new request from now on."""
+    os.close(os.open(stopping_path(server_pid), os.O_WRONLY | os.O_CREAT, 0o600))
+
+
+def server_stopping() -> bool:
+    """The stub's side: whether its server stops (mark_stopping; a mark another user made does not count); one
+    stat."""
+    try:
+        return os.stat(f"{SHM}/{STOPPING}{os.getppid()}").st_uid == os.getuid()
+    except OSError:
+        return False

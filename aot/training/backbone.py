@@ -291,9 +291,3 @@ def load_backbone(model: str, local_only: bool = False) -> Backbone:
     local = os.path.isdir(model) or model == MINILM_ALIAS
     pooling = declared_pooling(resolve_model_path(model)) if local else "cls"
     return Backbone(name, encoder, tokenizer, backbone_fingerprint(encoder, tokenizer), pooling)
-
-
-def save_backbone(backbone: Backbone, folder: str | Path) -> None:
-    """Write a loadable model folder (used by tests to make tiny local models)."""
-    backbone.encoder.save_pretrained(folder)
-    backbone.tokenizer.save_pretrained(folder)

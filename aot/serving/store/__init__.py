@@ -1,8 +1,16 @@
-"""The task store: the tasks a repository serves, as their publisher writes them (aot.exporter.task_store) and every
-served step and tool reads them (format `aot-task-store` v5, docs/formats.md). It imports nothing of the request
-path's steps nor of the supervision room.
+"""The task store: the tasks a repository serves, read and written in this room alone (format `aot-task-store` v5,
+docs/formats.md): the exporter publishes through its writer, every served step and tool reads through its reader. It
+imports nothing of the request path's steps nor of the supervision room (pyproject.toml [tool.importlinter]).
 
+    layout        the names of the store's files and folders, and of a version folder's files (task.json, ...)
     reader        the store as readers see it: StoreReader, its index (StoreIndex), names, versions, storages
+    writer        the store as its publisher writes it: TaskStore (create, publish, remove, clean, verify)
+    entry_history the versions an entry keeps, retires and expires (the writer's rules)
+    compatibility what a new current version may change: labels, kind and pair-ness only when allowed
+    version_admin `aot export versions | rollback | route`
+    tenant_admin  `aot export tenant create | rotate | delete | list`
+    repair        `aot export repair`: the index rebuilt from what still reads
+    lost_changes  what a repair discards, in words (a damaged log's change, as far as it reads)
     backend       where a store's objects live: a folder (local, or a volume a fleet shares) or a bucket
     s3            the S3-compatible backend (`s3://BUCKET/PREFIX`)
     version_cache task versions fetched from a remote store into a bounded local folder, kept across restarts

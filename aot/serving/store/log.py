@@ -31,7 +31,7 @@ that to parse; a step applies such a change off its request path (aot.serving.ta
 whole or not at all: the log that names the parts is written last, and a reader applies them together.
 
 A log that cannot be parsed stops a reader at the generation before it (`StoreState.damaged_log`): it keeps serving
-what it holds, and a writer refuses to append until `aot export repair` (aot.exporter.repair) rebuilds the index.
+what it holds, and a writer refuses to append until `aot export repair` (aot.serving.store.repair) rebuilds the index.
 
 Entries are opaque to this module (aot.serving.store.reader parses and checks them); it only applies change sets in
 order.
@@ -46,13 +46,10 @@ from dataclasses import dataclass, field
 
 from aot.serving.formats import FormatError
 from aot.serving.store.backend import BackendError
-from aot.serving.store.parts import MAX_CHANGE_BYTES, PARTS, part_generation, part_keys, split, write_parts
-from aot.serving.store.shards import SHARDS, StaleIndex, TaskEntries, parse_shard_key, shard_key, shard_of
+from aot.serving.store.layout import GENERATION, INDEX, LOG, PARTS, SHARDS
+from aot.serving.store.parts import MAX_CHANGE_BYTES, part_generation, part_keys, split, write_parts
+from aot.serving.store.shards import StaleIndex, TaskEntries, parse_shard_key, shard_key, shard_of
 
-LOG = "log"
-INDEX = "index"
-GENERATION = "generation"
-STORE_FILE = "store.json"
 COMPACT_EVERY = 128
 COMPACT_LOG_BYTES = 256 << 10  # logs since the newest index past which the writer compacts (a batch's log is large)
 READ_ATTEMPTS = 5  # a reader that finds a shard compacted away under it reads the newest index again
@@ -279,6 +276,16 @@ class ChangeLog:
             state.generation = generation
             state.log_bytes += len(data) + size
             changed |= set(change.tasks)
+
+    def check_log(self, generation: int) -> None:
+        """Parse log `generation` (and its parts) as a reader would; FormatError when it does not (a missing log, or
+        a repair's marker, is no error)."""
+        data = self.backend.read(log_key(generation))
+        where = f"{self.backend!r} {log_key(generation)}"
+        if data is not None:
+            value = _parse(data, where)
+            if value.get(REREAD) is not True:
+                self.read_change(value, generation, where)
 
     def read_change(self, value: dict, generation: int, where: str) -> tuple[Change, int]:
         """A log's change set, its parts read and joined (each parsed on its own); and the bytes of its parts."""

@@ -19,9 +19,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from aot.serving.store.backend import FileBackend
-from aot.serving.store.log import INDEX, LOG, STORE_FILE, ChangeLog, StoreState, generation_of, index_key
-from aot.serving.store.parts import PARTS, part_generation
-from aot.serving.store.shards import SHARDS, parse_shard_key
+from aot.serving.store.layout import INDEX, LOG, PARTS, SHARDS, STORE_FILE
+from aot.serving.store.log import ChangeLog, StoreState, generation_of, index_key
+from aot.serving.store.parts import part_generation
+from aot.serving.store.shards import parse_shard_key
 
 MIRROR_DIR = ".index"  # under the version cache's folder (its names starting with '.' are not versions)
 _WRITTEN_ONCE = (f"{LOG}/", f"{SHARDS}/", f"{PARTS}/")

@@ -16,11 +16,11 @@ import re
 import uuid
 
 from aot.serving.formats import FormatError
+from aot.serving.store.layout import PARTS
 
-PARTS = "parts"
 MAX_CHANGE_BYTES = 1 << 20  # a change set larger than this as JSON is written in parts of about this size each
 SECTIONS = ("tasks", "retired", "tenants")
-_PART = re.compile(r"parts/(?P<generation>[0-9]{16})-[0-9a-f]{12}-(?P<part>[0-9]{4})\.json")
+_PART = re.compile(rf"{PARTS}/(?P<generation>[0-9]{{16}})-[0-9a-f]{{12}}-(?P<part>[0-9]{{4}})\.json")
 
 
 def part_key(generation: int, token: str, part: int) -> str:

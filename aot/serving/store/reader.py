@@ -23,8 +23,9 @@ tasks. Each entry is checked on its own: a bad entry fails only its task; a shar
 names that fall in it (`StoreIndex.damaged_shards`); a log that cannot be parsed stops the reader before it
 (`damaged_log`), and an object that cannot be read is reported while the last good state stays in use. A reader of a
 store in object storage keeps a copy of what it read on its host (aot.serving.store.mirror): a step that starts while
-the store cannot be reached serves the index its host last read. The writer is aot.exporter.task_store. A store of format v1 (one
-manifest.json rewritten at every publish) is upgraded by `aot export backbone --overwrite`, which keeps its tasks.
+the store cannot be reached serves the index its host last read. The writer is aot.serving.store.writer. A store of
+format v1 (one manifest.json rewritten at every publish) is upgraded by `aot export backbone --overwrite`, which keeps
+its tasks.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from aot.serving.formats import FormatError, check_keys, check_versioned, parse_
 from aot.serving.store.backend import BackendError, FileBackend
 from aot.serving.store.digests import DigestError, check_digests
 from aot.serving.store.entries import EntryView, ParsedEntries
-from aot.serving.store.log import STORE_FILE, ChangeLog, StoreState
+from aot.serving.store.layout import EMBEDDINGS, STORE_FILE, V1_MANIFEST
+from aot.serving.store.log import ChangeLog, StoreState
 from aot.serving.store.mirror import MIRROR_DIR, MirroredBackend
 from aot.serving.store.names import TaskNames
 
@@ -49,9 +51,6 @@ STORE_VERSION = 5
 READABLE_VERSIONS = (2, 3, 4, 5)  # an older store is read as it is; its first write upgrades it
 DEFAULT_KEEP = 5  # versions of a task kept (the current one included) unless `aot export task --keep N` says
 FOLDER_SEPARATOR = "~"  # `TENANT/TASK@<id>` lives in the folder `TENANT~TASK@<id>`: a plain child of the store
-V1_MANIFEST = "manifest.json"  # format v1's index, read only to upgrade it
-EMBEDDINGS = "embeddings.npy"
-ROWS_DIR = "rows"
 STORAGES = ("fused", "factored")
 MAX_NAME_LENGTH = 128
 RETIRED_GRACE = 300.0  # seconds a replaced or removed version is still served to requests pinned to it
@@ -161,17 +160,21 @@ class TaskEntry:
         return versions[-1]
 
     def kind(self) -> str | None:
-        """The task's kind (aot.serving.answers.TASK_KINDS); a version exported before kinds is a classifier, or a regressor
-        without labels; None for an entry without meta."""
-        if "kind" in self.meta or "labels" not in self.meta:
-            return self.meta.get("kind")
-        return "regression" if self.meta["labels"] is None else "classification"
+        return meta_kind(self.meta)
 
     def listing(self) -> dict:
         """What `aot tasks` shows of the task, from the index alone (no server path)."""
         return {"name": self.name, "version": self.folder, "kind": self.kind(), "storage": self.storage,
                 **{k: self.meta.get(k) for k in ("labels", "max_length", "method", "metric", "dev", "served_dev")},
                 "verified": self.digests is not None}
+
+
+def meta_kind(meta: dict) -> str | None:
+    """A version's kind from the meta the index keeps (aot.serving.answers.TASK_KINDS); a version exported before
+    kinds is a classifier, or a regressor without labels; None for an entry without meta."""
+    if "kind" in meta or "labels" not in meta:
+        return meta.get("kind")
+    return "regression" if meta["labels"] is None else "classification"
 
 
 def _parsed(name: str, raw: dict) -> TaskEntry | str:

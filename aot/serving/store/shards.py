@@ -10,7 +10,7 @@ publishes one task reads the one shard that task's name falls in. A reader that 
 
 A shard file that cannot be parsed (truncated, overwritten) is damaged: the names it holds are unknown, so a lookup of
 any name that falls in it raises DamagedShard (a KeyError: `get` answers None) unless a change since the index named
-it; the other shards serve. `aot export repair` rebuilds it (aot.exporter.repair).
+it; the other shards serve. `aot export repair` rebuilds it (aot.serving.store.repair).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterator, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 
 from aot.serving.formats import FormatError
+from aot.serving.store.layout import SHARDS
 
-SHARDS = "shards"
 READS_AT_ONCE = 8  # shards read in parallel when every one is needed (object storage is latency-bound)
 
 

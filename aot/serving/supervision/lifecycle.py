@@ -1,18 +1,22 @@
 """One tritonserver under a supervisor, from start to reaped: what both the container's entry point
 (`python3 -m aot.serving`) and `aot serve` (aot.local.server.LocalServer) run.
 
-- start: tritonserver with the control API restricted to the admin key (aot.serving.supervision.admin_key), and the
-  open-file limit raised to its hard limit (each client connection takes a descriptor: at a common soft limit of 1,024,
+- start: tritonserver with the control API restricted to the admin key (aot.serving.supervision.admin_key), the
+  client-address header forwarded to the steps when one is trusted (aot.serving.rate_limits), and the open-file limit
+  raised to its hard limit (each client connection takes a descriptor: at a common soft limit of 1,024,
   2,000 idle connections left tritonserver unable to accept any more);
 - wait_ready: until Triton's own readiness says 200 (enough while it starts), then the Supervisor
   (aot.serving.supervision.supervisor) watches its stubs and models;
 - forward: a stop signal reaches the server after the supervisor has stopped repairing (the models a stopping
-  server unloads are not dead steps to reload);
+  server unloads are not dead steps to reload); stop_gracefully first refuses new requests, finishes the accepted
+  ones and closes the HTTP connections that would hold Triton's stop (aot.serving.supervision.quiesce);
 - watch: until the server exits; a server whose supervisor gave a model up (`failed`) is stopped, and its owner
   starts a new one (the container's restart policy, or LocalServer);
-- stop: SIGTERM, then SIGKILL to the server alone (its stubs then remove their shared memory), then `reap`: the
-  stubs may outlive the server (they ignore SIGTERM by design and check their parent only every 300 ms, and a
-  zombie parent still looks alive), so they are killed and their shared-memory regions and watch files removed.
+- stop: gracefully (stop_gracefully's SIGTERM), then SIGKILL to the server alone (its stubs then remove their
+  shared memory), then `reap`: the stubs may outlive the server (they ignore SIGTERM by design and check their
+  parent only every 300 ms, a zombie parent still looks alive, and an `aot` stub's own exit can deadlock), so they
+  are killed and their shared-memory regions and watch files removed (aot.serving.supervision.sweeper, whose
+  sweeper process does it when the owner of a server in a group of its own was killed before it could).
 """
 
 from __future__ import annotations
@@ -26,16 +30,16 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aot import settings
 from aot.serving.limits import RequestBounds
-from aot.serving.shm import remove_regions
 from aot.serving.supervision.admin_key import restriction_args
-from aot.serving.supervision.procfs import alive, stub_processes
+from aot.serving.supervision.quiesce import CLOSE_SECONDS, close_http, finish_accepted
 from aot.serving.supervision.supervisor import Supervisor
-from aot.serving.watch import remove_watches
+from aot.serving.supervision.sweeper import reap, start_sweeper, stop_sweeper
 
 _PR_SET_PDEATHSIG = 1
 WATCH_SECONDS = 0.05  # how often a watched server's exit is checked (a restart begins that much after a crash)
@@ -69,10 +73,15 @@ def compile_steps(models: Path, python: str | Path = "python3") -> None:
         pass
 
 
-def front_end_args(command: list[str]) -> list[str]:
-    """FRONT_END_FLAGS that `command` does not set itself."""
+def front_end_args(command: list[str], environ: Mapping[str, str] | None = None) -> list[str]:
+    """FRONT_END_FLAGS that `command` does not set itself, and the forwarding of the client-address header to the
+    steps when `environ` (the server's) names one (AOT_CLIENT_ADDRESS_HEADER: aot.serving.rate_limits)."""
+    flags = dict(FRONT_END_FLAGS)
+    header = settings.CLIENT_ADDRESS_HEADER.read(environ)
+    if header is not None:  # gRPC metadata keys are lower-case; HTTP header names keep the case a client sent
+        flags |= {"--grpc-header-forward-pattern": f"^{header}$", "--http-header-forward-pattern": f"(?i)^{header}$"}
     given = {a.split("=", 1)[0] for a in command}
-    return [f"{flag}={value}" for flag, value in FRONT_END_FLAGS.items() if flag not in given]
+    return [f"{flag}={value}" for flag, value in flags.items() if flag not in given]
 
 
 def die_with_parent() -> None:
@@ -119,21 +128,6 @@ def log_tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text[-lines:])
 
 
-def reap(server_pid: int, regions: Iterable[str] = ()) -> None:
-    """After the server exited: SIGKILL its stubs and remove their (and `regions`') shared memory."""
-    stubs = {s.pid: s for s in stub_processes(server_pid)}
-    for stub in stubs.values():
-        try:
-            os.kill(stub.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + 5
-    while any(alive(s.pid) for s in stubs.values()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    remove_regions({s.shm_region for s in stubs.values()} | set(regions))
-    remove_watches(server_pid)
-
-
 def _to_stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -148,33 +142,37 @@ class ServerLifecycle:
     supervise: bool = True
     log: Callable[[str], None] = _to_stderr
     log_path: Path | None = None  # the server's output (None: this process's own, as in the container)
-    own_group: bool = False  # a process group of its own that dies with the thread that started it (LocalServer)
+    own_group: bool = False  # a process group of its own that dies with the thread that started it, and a sweeper
+    # that reaps its stubs if this process is killed (LocalServer)
     stop_timeout: float | None = 15.0  # SIGTERM to SIGKILL when a failed server is stopped (None: wait)
     region_bytes: RequestBounds | None = None  # a stub's shared memory past its bound is replaced (aot.serving.limits)
     store_check: Callable | None = None  # what /ready checks beside the steps (Supervisor.store_check)
     process: subprocess.Popen | None = None
     supervisor: Supervisor | None = None
     ready_seconds: float | None = None
+    sweeper: subprocess.Popen | None = None  # aot.serving.supervision.sweeper, with own_group
 
     def __post_init__(self):
         self._stopping = threading.Event()  # a stop signal was forwarded: no supervisor starts, none repairs
         self._started = 0.0
+        self._command: list[str] = []
 
     def start(self, command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         """tritonserver `command` (its binary and flags), the API restrictions and the front end's flags added. Its
         output goes to log_path, overwritten by the first process and appended to by the next ones."""
         raise_open_file_limit()
-        command = command + front_end_args(command)
+        command = command + front_end_args(command, env)
         self._started = time.monotonic()
         options = {}
         if self.own_group:
             options = {"stdin": subprocess.DEVNULL, "start_new_session": True, "preexec_fn": die_with_parent}
-        if self.log_path is None:
-            self.process = subprocess.Popen(command + restriction_args(self.admin_key), env=env, **options)
-            return self.process
-        with open(self.log_path, "w" if self.process is None else "a") as log:
-            self.process = subprocess.Popen(command + restriction_args(self.admin_key), env=env, stdout=log,
-                                            stderr=subprocess.STDOUT, **options)
+        command = command + restriction_args(self.admin_key)
+        self._command = command
+        with open(self.log_path or os.devnull, "w" if self.process is None else "a") as log:
+            output = {} if self.log_path is None else {"stdout": log, "stderr": subprocess.STDOUT}
+            self.process = subprocess.Popen(command, env=env, **output, **options)
+            if self.own_group:
+                self.sweeper = start_sweeper(self.process, log)
         return self.process
 
     def triton_ready(self) -> bool:
@@ -215,11 +213,35 @@ class ServerLifecycle:
         return [] if self.supervisor is None else self.supervisor.failed
 
     def forward(self, sig: int, _frame=None) -> None:
-        """A stop signal (a signal handler): the supervisor stops first, then the server gets the signal."""
+        """A stop signal (a signal handler): the supervisor stops first, then the server gets the signal at once."""
         self._stopping.set()
         if self.supervisor is not None:
             self.supervisor.stop_watching()
-        self.process.send_signal(sig)
+        self._signal(sig)
+
+    def stop_gracefully(self, sig: int = signal.SIGTERM) -> None:
+        """The end of a graceful stop (not from a signal handler: it waits): the supervisor stops repairing, the
+        steps refuse new requests and finish the accepted ones, the server's HTTP connections are closed, and the
+        server gets `sig` (aot.serving.supervision.quiesce). Returns once it was signalled."""
+        self._stopping.set()
+        if self.supervisor is not None:
+            self.supervisor.stop_watching()
+        if self.process is None or self.process.poll() is not None:
+            return
+        pid, port = self.process.pid, int(self.http_url.rsplit(":", 1)[1])
+        if not finish_accepted(pid, self._command, self.log):
+            self.log("supervisor: requests were still in flight at the exit timeout; stopping tritonserver anyway")
+        close_http(pid, port, self.log)
+        self._signal(sig)
+        close_http(pid, port, self.log, CLOSE_SECONDS)  # any that opened before it stopped accepting
+
+    def _signal(self, sig: int) -> None:
+        if self.process.poll() is not None:
+            return
+        if self.own_group:  # start_new_session: the server leads its own group
+            os.killpg(self.process.pid, sig)
+        else:
+            self.process.send_signal(sig)
 
     def watch(self, until: threading.Event | None = None) -> int | None:
         """Until the server exits (its exit code) or `until` is set (None). A server with a model its supervisor
@@ -234,17 +256,15 @@ class ServerLifecycle:
         return None
 
     def stop(self, timeout: float | None = 15) -> int | None:
-        """Stop the supervisor and the server (SIGTERM; after `timeout` seconds SIGKILL to the server alone, so that
-        its stubs still remove their shared memory), then reap; safe to call again, and after the server exited."""
+        """Stop the supervisor and the server (stop_gracefully; `timeout` seconds after its SIGTERM, SIGKILL to the
+        server alone, so that its stubs still remove their shared memory), then reap; safe to call again, and after
+        the server exited."""
         if self.supervisor is not None:
             self.supervisor.stop()
         if self.process is None:
             return None
         if self.process.poll() is None:
-            if self.own_group:  # start_new_session: the server leads its own group
-                os.killpg(self.process.pid, signal.SIGTERM)
-            else:
-                self.process.terminate()
+            self.stop_gracefully()
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -257,4 +277,5 @@ class ServerLifecycle:
                 os.killpg(self.process.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+            stop_sweeper(self.sweeper)
         return self.process.returncode

@@ -23,13 +23,21 @@ PROBE_SECONDS = 1.0  # between two liveness probes of one step
 HUNG_SECONDS = 6.0  # a step that answered no probe for this long, and used no CPU meanwhile, is hung
 BUSY_HUNG_SECONDS = 60.0  # one still using CPU is hung only after this long without an answer
 BUSY_CPU_SECONDS = 0.01  # CPU a step uses between two checks (0.5 s) to count as working, not stuck
+CLIENT_INPUTS = (protocol.TEXT, protocol.TASK)  # what aot.Client sends for a text without a pair
 
 
 def probe_body(metadata: dict) -> bytes:
     """A request the step's config accepts (its inputs from the public metadata, one element each), marked as a
-    probe: the step answers it before reading any input."""
+    probe: the step answers it before reading any input. A step that takes the clients' request (TEXT and TASK among
+    its inputs: the fused `aot` / `vanilla`, the GPU ensemble's tokenizer) gets the inputs a text client sends,
+    CLIENT_INPUTS, not every optional one: Triton's dynamic batcher batches only requests of one input set, and a
+    probe of another set queued behind a batch that waited for a busy instance made its thread spin until that
+    instance was free (docs/benchmarks.md, "The batcher's spin")."""
+    specs = metadata.get("inputs", [])
+    if set(CLIENT_INPUTS) <= {spec["name"] for spec in specs}:
+        specs = [spec for spec in specs if spec["name"] in CLIENT_INPUTS]
     inputs = []
-    for spec in metadata.get("inputs", []):
+    for spec in specs:
         shape = [1 if d < 0 else d for d in spec["shape"]]
         count = 1
         for d in shape:

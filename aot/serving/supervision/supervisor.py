@@ -94,7 +94,7 @@ class Supervisor:
     # composes the rooms: this one imports no store), built with this supervisor's log; None: nothing
     store_check: Callable[[Callable[[str], None]], ReadinessCheck] | None = None
     repairs: list[Repair] = field(default_factory=list)
-    regions: set[str] = field(default_factory=set)  # every shm region seen (aot.serving.supervision.lifecycle.reap removes them)
+    regions: set[str] = field(default_factory=set)  # every shm region seen (sweeper.reap removes them)
 
     def __post_init__(self):
         self.api = TritonApi(self.http_url, self.admin_key)
@@ -118,7 +118,7 @@ class Supervisor:
         self._lock = threading.Lock()
 
     def _see_regions(self, stubs: dict[str, Stub]) -> None:
-        """Remember every stub's region (aot.serving.supervision.lifecycle.reap removes them) and make each new one
+        """Remember every stub's region (aot.serving.supervision.sweeper.reap removes them) and make each new one
         private (aot.serving.shm)."""
         new = {s.shm_region for s in stubs.values()} - self.regions
         make_private(new)

@@ -22,14 +22,13 @@ import json
 import tempfile
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
-from aot.exporter.task_store import TaskStore, index_meta
 from aot.serving.formats import FormatError
 from aot.serving.store.digests import folder_digests
+from aot.serving.store.layout import GENERATION, LOG, TASK_JSON
 from aot.serving.store.log import (
-    GENERATION,
-    LOG,
     REREAD,
     Change,
     ChangeLog,
@@ -38,13 +37,14 @@ from aot.serving.store.log import (
     index_key,
     log_key,
 )
+from aot.serving.store.lost_changes import lost_log
 from aot.serving.store.reader import StoreError, check_version, folder_name, task_of, version_of_folder
 from aot.serving.store.shards import DamagedShard, shard_key
-from aot.serving.tasks import load_task_version
+from aot.serving.store.writer import TaskStore, VersionCheck, index_meta
 
 
 @dataclass
-class Repair:
+class RepairReport:
     """What a repair found and did (or, with dry_run, would do)."""
 
     generation: int = 0  # the index it wrote (0: nothing written)
@@ -54,6 +54,7 @@ class Repair:
     damaged_indexes: list[int] = field(default_factory=list)
     recovered: list[str] = field(default_factory=list)  # versions given an entry from their folders
     unrecoverable: dict[str, str] = field(default_factory=dict)  # version -> why its folder cannot serve
+    discarded: list[str] = field(default_factory=list)  # what it loses, in words (aot.serving.store.lost_changes)
 
     @property
     def damaged(self) -> bool:
@@ -62,21 +63,25 @@ class Repair:
     def summary(self) -> dict:
         return {"generation": self.generation, "tasks": self.tasks, "damaged_shards": self.damaged_shards,
                 "damaged_logs": self.damaged_logs, "damaged_indexes": self.damaged_indexes,
-                "recovered": self.recovered, "unrecoverable": self.unrecoverable}
+                "recovered": self.recovered, "unrecoverable": self.unrecoverable, "discarded": self.discarded}
 
 
-def repair_store(store: TaskStore, dry_run: bool = False) -> Repair:
-    """Rebuild `store`'s index from what still reads (module docstring); `dry_run`: only say what it would do. A
-    store that reads whole is left as it is."""
+def repair_store(store: TaskStore, check: VersionCheck, dry_run: bool = False) -> RepairReport:
+    """Rebuild `store`'s index from what still reads (module docstring); `check` loads a version folder as a server
+    does before it gets an entry (aot.exporter.version_check.loads_as_served); `dry_run`: only say what it would do.
+    A store that reads whole is left as it is."""
     with store.locked():
         log = ChangeLog(store.backend)
-        found = Repair()
+        found = RepairReport()
         state, last = _tolerant_state(log, found)
         found.damaged_shards = sorted(state.tasks.damaged)
+        found.discarded += [f"shard {shard} of the index does not parse ({why}): the tasks in it that no later change "
+                            "names lose their kept versions, route and retention" for shard, why in
+                            sorted(state.tasks.damaged.items())]
         if not found.damaged:
             found.tasks = len(state.tasks)
             return found
-        entries = _recover(store, state, found)
+        entries = _recover(store, state, found, check)
         found.tasks = len(state.tasks) + len([n for n in entries if n not in state.tasks])
         if dry_run:
             return found
@@ -84,15 +89,17 @@ def repair_store(store: TaskStore, dry_run: bool = False) -> Repair:
     return found
 
 
-def _tolerant_state(log: ChangeLog, found: Repair) -> tuple[StoreState, int]:
+def _tolerant_state(log: ChangeLog, found: RepairReport) -> tuple[StoreState, int]:
     """The newest index that parses, its shards (the damaged ones recorded), every log after it that parses; and
     the newest generation any log or index holds."""
     state = None
     for generation in reversed(log.indexes()):
         try:
             state = log.index_state(generation)
-        except FormatError:
+        except FormatError as exc:
             found.damaged_indexes.append(generation)
+            found.discarded.append(f"index {generation} does not parse ({exc}): read from an older index and the logs "
+                                   "after it instead")
             continue
         if state is not None:
             break
@@ -107,14 +114,15 @@ def _tolerant_state(log: ChangeLog, found: Repair) -> tuple[StoreState, int]:
             if not isinstance(value, dict) or value.get(REREAD) is True:
                 raise FormatError(f"{log_key(generation)}: not a change set")
             change, _ = log.read_change(value, generation, log_key(generation))
-        except (FormatError, ValueError):
+        except (FormatError, ValueError) as exc:
             found.damaged_logs.append(generation)
+            found.discarded.append(lost_log(generation, data, _why(exc), partial(_entry_before, state)))
             continue
         state.apply(change)
     return state, last
 
 
-def _recover(store: TaskStore, state: StoreState, found: Repair) -> dict[str, dict]:
+def _recover(store: TaskStore, state: StoreState, found: RepairReport, check: VersionCheck) -> dict[str, dict]:
     """Entries for the tasks the state cannot tell, from their newest version folders (module docstring)."""
     newest: dict[str, tuple[float, str]] = {}
     for folder, modified in _folders(store).items():
@@ -138,11 +146,27 @@ def _recover(store: TaskStore, state: StoreState, found: Repair) -> dict[str, di
     entries = {}
     for name, (_, version) in sorted(newest.items()):
         try:
-            entries[name] = _entry_of(store, version)
+            entries[name] = _entry_of(store, version, check)
             found.recovered.append(version)
+            found.discarded.append(f"{name}: given an entry for its newest folder, {version}: what its entry held "
+                                   "besides (kept versions, a route, its retention) is gone")
         except (OSError, ValueError) as exc:
             found.unrecoverable[version] = str(exc).replace(str(store.root) + "/", "")
     return entries
+
+
+def _why(exc: Exception) -> str:
+    """A parse error, short: JSON's own message without the document's position noise."""
+    text = str(exc)
+    return "truncated or not JSON" if isinstance(exc, json.JSONDecodeError) else text[:200]
+
+
+def _entry_before(state: StoreState, name: str):
+    """A task's entry in `state` (None: none), or ... when it is in a damaged shard (unknown)."""
+    try:
+        return state.tasks.get(name)
+    except DamagedShard:
+        return ...
 
 
 def _folders(store: TaskStore) -> dict[str, float]:
@@ -153,7 +177,7 @@ def _folders(store: TaskStore) -> dict[str, float]:
             if "@" in p.name and not p.name.startswith(".") and p.is_dir()}
 
 
-def _entry_of(store: TaskStore, version: str) -> dict:
+def _entry_of(store: TaskStore, version: str, check: VersionCheck) -> dict:
     """An index entry for a version folder: its files hashed now, the version loaded as a server loads it."""
     with tempfile.TemporaryDirectory(prefix="aot-repair-") as scratch:
         folder = store.root / folder_name(version)
@@ -163,12 +187,12 @@ def _entry_of(store: TaskStore, version: str) -> dict:
             for key in store.backend.list(folder_name(version)):
                 store.backend.download(key, folder / key.rsplit("/", 1)[1])
         digests = folder_digests(folder)
-        storage = json.loads((folder / "task.json").read_text()).get("storage")
-        load_task_version(folder, version, store.root, "all", digests).check_table()
+        storage = json.loads((folder / TASK_JSON).read_text()).get("storage")
+        check(folder, version, store.root, digests)
         return {"folder": version, "storage": storage, "digests": digests, "meta": index_meta(folder)}
 
 
-def _write(log: ChangeLog, state: StoreState, entries: dict[str, dict], last: int, found: Repair) -> int:
+def _write(log: ChangeLog, state: StoreState, entries: dict[str, dict], last: int, found: RepairReport) -> int:
     """The rebuilt state as index G, then the marker log G, then the damaged objects deleted; G."""
     generation = last + 1
     damaged_files = {shard: state.tasks.files[shard] for shard in state.tasks.damaged if shard in state.tasks.files}

@@ -26,24 +26,32 @@ import shutil
 import socket
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from aot.exporter.entry_history import expired, held_versions, retire_all, with_history
 from aot.serving.formats import FormatError, read_json
 from aot.serving.store.atomic import fsync_dir, fsync_trees, pid_alive, plain_permissions, write_atomic
-from aot.serving.store.digests import folder_digests
-from aot.serving.store.log import STORE_FILE, Change, ChangeRefused, StoreState
-from aot.serving.store.reader import (
+from aot.serving.store.compatibility import check_same_labels, current_version, dev_note
+from aot.serving.store.digests import DigestError, folder_digests, verify_file
+from aot.serving.store.entry_history import expired, held_versions, retire_all, with_history
+from aot.serving.store.layout import (
     EMBEDDINGS,
+    LEGACY_STAGING_PREFIX,
+    LOCK,
+    STAGING,
+    STORE_FILE,
+    TASK_JSON,
+    V1_MANIFEST,
+)
+from aot.serving.store.log import Change, ChangeRefused, StoreState
+from aot.serving.store.reader import (
     STORAGES,
     STORE_FORMAT,
     STORE_VERSION,
-    V1_MANIFEST,
     StoreError,
     StoreReader,
     TaskEntry,
@@ -57,10 +65,12 @@ from aot.serving.store.shards import StaleIndex
 from aot.serving.store.tenants import tenant_of
 
 UPLOADS_AT_ONCE = 8  # objects a publisher uploads in parallel to a remote store
-STAGING = ".staging"  # where versions are written before they are published: hidden from readers, listed per publish
 FOREIGN_DEBRIS_AGE = 3600.0  # seconds before another host's unfinished export folder counts as debris
 # this host, in the names of export folders (pids are per host: a fleet's exports share one volume)
 HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+# Loads a version's folder (folder, version, store root, digests) as a server does; raises OSError or ValueError when
+# it cannot serve. The served loader (aot.serving.tasks) imports the store, so its callers hand it in.
+VersionCheck = Callable[[Path, str, Path, "dict[str, str] | None"], None]
 META_KEYS = ("labels", "metric", "dev", "served_dev", "max_length", "pooling", "has_pair", "kind")  # of task.json
 
 
@@ -71,12 +81,14 @@ class Publication:
     name: str
     folder: Path
     storage: str
-    keep: int | None = None  # versions of the task to keep, this one included (None: the task's policy, or 5)
+    keep: int | None = None  # versions of the task to keep, this one included (None: the task's policy, else
+    # aot.serving.store.reader.DEFAULT_KEEP)
+    allow_label_change: bool = False  # replace a current version of other labels, kind or pair-ness (compatibility)
 
 
 def index_meta(folder: Path) -> dict:
     """What the index keeps of a version's task.json: what `aot tasks` lists, so no reader opens the version for it."""
-    meta = read_json(folder / "task.json")
+    meta = read_json(folder / TASK_JSON)
     out = {k: meta[k] for k in META_KEYS if k in meta}
     out["method"] = meta.get("method", {}).get("method")
     return out
@@ -91,7 +103,7 @@ class TaskStore(StoreReader):
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
         self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.root / ".lock", "w") as lock:
+        with open(self.root / LOCK, "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 yield
@@ -203,8 +215,11 @@ class TaskStore(StoreReader):
         """Rename a finished version folder into place and point the index at it, atomically."""
         return self.publish_many([Publication(name, folder, storage)])[0]
 
-    def publish_many(self, publications: list[Publication]) -> list[TaskEntry]:
-        """Publish finished version folders in one change of the index: readers see all of them, or none."""
+    def publish_many(self, publications: list[Publication], notes: dict[str, str] | None = None) -> list[TaskEntry]:
+        """Publish finished version folders in one change of the index: readers see all of them, or none. A version
+        that changes its task's labels, kind or pair-ness is refused unless its publication allows it, and the whole
+        change with it (aot.serving.store.compatibility); `notes` gets what is said of the others, by task (a lower
+        dev score)."""
         names = [p.name for p in publications]
         if len(set(names)) != len(names):
             repeated = sorted({n for n in names if names.count(n) > 1})
@@ -213,6 +228,7 @@ class TaskStore(StoreReader):
             if p.keep is not None and p.keep < 1:
                 raise StoreError(f"keep {p.keep} for task {p.name!r}: expected a positive number of versions")
         entries, keeps = {}, {p.name: p.keep for p in publications}
+        allowed = {p.name: p.allow_label_change for p in publications}
         for p in publications:
             if p.storage not in STORAGES:
                 raise StoreError(f"unknown storage {p.storage!r}: expected one of {', '.join(STORAGES)}")
@@ -241,10 +257,17 @@ class TaskStore(StoreReader):
                 # TaskExporter.check refused a missing tenant before anything was written; a tenant deleted since
                 # refuses the change here, and the folders renamed or uploaded for it are removed
                 self.check_tenants(entries, state)
-                tasks, retired = {}, {}
+                tasks, retired, said = {}, {}, {}
                 for name, entry in entries.items():
-                    tasks[name], gone = with_history(entry, state.tasks.get(name), keeps[name])
+                    old = state.tasks.get(name)
+                    current, new = current_version(old), (entry["folder"], entry["meta"])
+                    check_same_labels(name, current, new, allowed[name], "publishing")
+                    said[name] = dev_note(name, current, new)
+                    tasks[name], gone = with_history(entry, old, keeps[name])
                     retired.update(gone)
+                if notes is not None:
+                    notes.clear()
+                    notes.update({name: note for name, note in said.items() if note})
                 return Change(tasks=tasks, retired={**retired, **expired(state)})
 
             try:
@@ -294,7 +317,7 @@ class TaskStore(StoreReader):
         folder (writers from before `.staging/`), which lists the store."""
         candidates = list(self.staging.iterdir()) if self.staging.is_dir() else []
         if everywhere:
-            candidates += [p for p in self.root.iterdir() if p.name.startswith(".tmp-")]
+            candidates += [p for p in self.root.iterdir() if p.name.startswith(LEGACY_STAGING_PREFIX)]
         removed = []
         for path in candidates:
             if path.is_dir() and not _writer_alive(path):
@@ -302,14 +325,12 @@ class TaskStore(StoreReader):
                 removed.append(path.name)
         return removed
 
-    def verify(self) -> dict[str, str | None]:
-        """Check every current task version offline: each file against the digest the index publishes, and the
-        whole version loadable as the server loads it. Task name -> what is wrong (None: sound); what of the index
-        itself cannot be read (damaged shards, a damaged log: aot export repair) under the names `<index>`,
-        `<index> 2`, ..."""
-        from aot.serving.store.digests import DigestError, verify_file
-        from aot.serving.tasks import load_task_version
-
+    def verify(self, check: VersionCheck | None = None) -> dict[str, str | None]:
+        """Check every current task version offline: each file against the digest the index publishes, and with
+        `check`, the whole version loadable as the server loads it (aot.exporter.version_check.loads_as_served: the
+        served loader imports the store, so the store is handed it). Task name -> what is wrong (None: sound); what
+        of the index itself cannot be read (damaged shards, a damaged log: aot export repair) under the names
+        `<index>`, `<index> 2`, ..."""
         index = self.index()
         found: dict[str, str | None] = {f"<index>{f' {i + 1}' if i else ''}": f"{damage}; run `aot export repair`"
                                         for i, damage in enumerate(index.damage())}
@@ -326,7 +347,8 @@ class TaskStore(StoreReader):
                                       f"{sorted(entry.digests)}")
                 for file in sorted(entry.digests):
                     verify_file(folder / file, entry.digests, entry.folder)
-                load_task_version(folder, entry.folder, self.root, "all", entry.digests).check_table()
+                if check is not None:
+                    check(folder, entry.folder, self.root, entry.digests)
                 found[name] = None
             except (OSError, ValueError) as exc:
                 found[name] = str(exc).replace(str(self.root) + "/", "")
@@ -390,7 +412,8 @@ def _writer_alive(debris: Path) -> bool:
     seconds old. (`.tmp-<pid>.<host>-<version>` and `.tmp-<pid>-<version>` in the store's folder: writers from before
     `.staging/`, and from before hosts were recorded.)"""
     try:
-        writer = debris.name.split("-", 2)[1] if debris.name.startswith(".tmp-") else debris.name.split("-", 1)[0]
+        legacy = debris.name.startswith(LEGACY_STAGING_PREFIX)
+        writer = debris.name.split("-", 2)[1] if legacy else debris.name.split("-", 1)[0]
         pid, _, host = writer.partition(".")
         if host and host != HOST:
             return time.time() - debris.stat().st_mtime < FOREIGN_DEBRIS_AGE
@@ -405,4 +428,5 @@ def _npy_bytes(array: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-__all__ = ["EMBEDDINGS", "STORAGES", "Publication", "StoreError", "TaskEntry", "TaskStore", "check_task_name"]
+__all__ = ["STAGING", "STORAGES", "Publication", "StoreError", "StoreState", "TaskEntry", "TaskStore", "VersionCheck",
+           "check_task_name"]

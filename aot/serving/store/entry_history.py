@@ -1,7 +1,8 @@
 """How a task's entry in the store's index keeps its history (format 3 and on): the versions it keeps besides the
 current one, the versions it retires (servable RETIRED_GRACE seconds for requests pinned to them), and the retired
-versions past their grace. Pure functions of raw entries (aot.serving.store.log): the writer (aot.exporter.task_store),
-rollbacks and routes (aot.exporter.versions) and tenants (aot.exporter.tenant_admin) compute their changes with them."""
+versions past their grace. Pure functions of raw entries (aot.serving.store.log): the writer
+(aot.serving.store.writer), rollbacks and routes (aot.serving.store.version_admin) and tenants
+(aot.serving.store.tenant_admin) compute their changes with them."""
 
 from __future__ import annotations
 

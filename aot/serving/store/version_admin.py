@@ -4,17 +4,20 @@ A task keeps its last `keep` versions (`aot export task --keep N`, default aot.s
 current one included): each stays servable by pin (`TASK@<id>`) for as long as it is kept, whatever its age, and a
 version pushed out is retired (servable RETIRED_GRACE seconds more, then deleted). A rollback makes a kept version
 current again (the current one becomes kept); a route splits the bare name's requests between kept versions by weight,
-one draw per request (aot.serving.task_registry), each answer naming its version. Publishing a new version, or a
-rollback, clears the route. Every command is one change of the store's index: servers follow it from their next batch.
+one draw per request (aot.serving.task_registry), each answer naming its version; `CURRENT` names the current version
+(`route NAME CURRENT=90 NAME@ID=10`, and `route NAME CURRENT=1` clears the route). Publishing a new version, or a
+rollback, clears the route. A rollback or route to a version of other labels, kind or pair-ness than the current one is
+refused unless allowed, as a publish is (aot.serving.store.compatibility). Every command is one change of the store's
+index: servers follow it from their next batch.
 """
 
 from __future__ import annotations
 
 import time
 
-from aot.exporter.entry_history import as_kept, held_versions
-from aot.exporter.task_store import TaskStore
 from aot.serving.formats import iso_time
+from aot.serving.store.compatibility import check_same_labels, current_version, dev_note
+from aot.serving.store.entry_history import as_kept, held_versions
 from aot.serving.store.log import Change, StoreState
 from aot.serving.store.reader import (
     RETIRED_GRACE,
@@ -25,6 +28,7 @@ from aot.serving.store.reader import (
     parse_entry,
     task_of,
 )
+from aot.serving.store.writer import TaskStore
 
 
 def _entry(store: TaskStore, state: StoreState, name: str) -> dict:
@@ -57,8 +61,13 @@ def list_versions(store: TaskStore, name: str) -> list[dict]:
     return out
 
 
-def rollback(store: TaskStore, name: str, version: str) -> str:
-    """Make kept `version` the current version of `name`; returns the version it replaced."""
+CURRENT = "CURRENT"  # in a route, the task's current version (whatever its id)
+
+
+def rollback(store: TaskStore, name: str, version: str, allow_label_change: bool = False,
+             notes: list[str] | None = None) -> str:
+    """Make kept `version` the current version of `name`; returns the version it replaced. A version of other labels,
+    kind or pair-ness is refused unless `allow_label_change`; `notes` gets what is said of it (a lower dev score)."""
     _check_of(name, version)
     replaced: list[str] = []
 
@@ -71,6 +80,10 @@ def rollback(store: TaskStore, name: str, version: str) -> str:
             raise StoreError(f"{version} is not a version {name!r} keeps (aot export versions {name} --repo REPO "
                              "lists them)")
         target = kept[version]
+        current, new = current_version(entry), (version, target.get("meta") or {})
+        check_same_labels(name, current, new, allow_label_change, "rolling back to")
+        if notes is not None:
+            notes[:] = [note for note in [dev_note(name, current, new)] if note]
         rest = [as_kept(entry)] + [k for k in entry.get("kept", []) if k["folder"] != version]
         new = {k: v for k, v in entry.items() if k not in ("folder", "storage", "digests", "meta", "kept", "route")}
         new.update({k: target[k] for k in ("folder", "storage", "digests", "meta") if k in target}, kept=rest,
@@ -82,28 +95,40 @@ def rollback(store: TaskStore, name: str, version: str) -> str:
     return replaced[0]
 
 
-def route(store: TaskStore, name: str, weights: dict[str, float]) -> dict[str, float] | None:
+def route(store: TaskStore, name: str, weights: dict[str, float], allow_label_change: bool = False,
+          notes: list[str] | None = None) -> dict[str, float] | None:
     """Split the bare name's requests between kept versions by weight (finite positive numbers whose total is at
-    most MAX_ROUTE_TOTAL); one version that is the current one clears the route. Returns the route set (None:
-    cleared)."""
+    most MAX_ROUTE_TOTAL; CURRENT: the current version); one version that is the current one clears the route.
+    A routed version of other labels, kind or pair-ness than the current one is refused unless `allow_label_change`;
+    `notes` gets what is said of them (a lower dev score). Returns the route set (None: cleared)."""
     if not weights:
         raise StoreError("give at least one VERSION=WEIGHT")
-    for version, weight in weights.items():
-        _check_of(name, version)
+    for version in weights:
+        if version != CURRENT:
+            _check_of(name, version)
     check_route_weights(weights)
     chosen: list[dict | None] = []
 
     def change(state: StoreState) -> Change:
         entry = _entry(store, state, name)
+        routed = _resolved(weights, entry["folder"])
         held = set(held_versions(entry))
-        missing = sorted(set(weights) - held)
+        missing = sorted(set(routed) - held)
         if missing:
             raise StoreError(f"{', '.join(missing)}: not a version {name!r} keeps (aot export versions {name} "
                              "--repo REPO lists them)")
+        current, metas = current_version(entry), {k["folder"]: k.get("meta") or {} for k in entry.get("kept", [])}
+        said = []
+        for version in routed:
+            if version != entry["folder"]:
+                check_same_labels(name, current, (version, metas[version]), allow_label_change, "routing to")
+                said.append(dev_note(name, current, (version, metas[version]), "the current version it answers beside"))
+        if notes is not None:
+            notes[:] = [note for note in said if note]
         new = dict(entry)
         new.pop("route", None)
-        if set(weights) != {entry["folder"]}:
-            new["route"] = dict(weights)
+        if set(routed) != {entry["folder"]}:
+            new["route"] = routed
         chosen[:] = [new.get("route")]
         return Change(tasks={name: new})
 
@@ -121,12 +146,21 @@ def parse_weights(pairs: list[str]) -> dict[str, float]:
         except ValueError:
             value = None
         if not sep or value is None:
-            raise StoreError(f"{pair!r}: expected VERSION=WEIGHT (a version as answers name it, NAME@ID, and a "
+            raise StoreError(f"{pair!r}: expected VERSION=WEIGHT (a version as answers name it, NAME@ID, or CURRENT, and a "
                              "positive number)")
         if version in weights:
             raise StoreError(f"{version} is given twice")
         weights[version] = value
     return weights
+
+
+def _resolved(weights: dict[str, float], current: str) -> dict[str, float]:
+    """The weights with CURRENT replaced by the current version (refused when that version is named twice)."""
+    if CURRENT not in weights:
+        return dict(weights)
+    if current in weights:
+        raise StoreError(f"{current} is the current version: give it once (as {CURRENT} or by name)")
+    return {current if version == CURRENT else version: weight for version, weight in weights.items()}
 
 
 def _check_of(name: str, version: str) -> None:

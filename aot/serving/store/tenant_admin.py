@@ -13,12 +13,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from aot.exporter.entry_history import expired, held_versions
-from aot.exporter.task_store import TaskStore
 from aot.serving.formats import iso_time
+from aot.serving.store.entry_history import expired, held_versions
 from aot.serving.store.log import Change, StoreState
 from aot.serving.store.reader import check_tenant_name
 from aot.serving.store.tenants import key_digest, new_key, tenant_of
+from aot.serving.store.writer import TaskStore
 
 
 @dataclass
