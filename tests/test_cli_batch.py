@@ -74,6 +74,11 @@ def test_the_summary_counts_by_reason_and_the_exit_code_says_any_failed():
     assert none_failed.exit_code(partial_ok=False) == 0
     assert re.fullmatch(r"aot: 1 of 2 lines answered, 0 failed, 0 retried, [0-9.]+ s, [0-9]+ lines/s",
                         none_failed.summary(0, 0, None))
+    long = Tally(lines=1, skipped=0)
+    message = "failed to connect to all addresses; " + "x" * 300 + " (given up: no answer within the retry window of 60 s)"
+    long.count(1, {"line": 1, "error": message, "error_type": "Unavailable"})
+    assert re.search(r"first line 1: failed to connect to all addresses; x+ \.\.\. \(given up: no answer within the "
+                     r"retry window of 60 s\)\), 0 retried", long.summary(0, 2, None))  # cut in the middle: why stays
     every_failed = Tally(lines=1, skipped=0)
     every_failed.count(1, {"line": 1, "error": "x", "error_type": "InvalidInput"})
     assert every_failed.exit_code(partial_ok=True) == 2

@@ -67,7 +67,11 @@ class Tally:
 
 
 def _shortened(message: str) -> str:
-    return message if len(message) <= SHOWN_ERROR else message[:SHOWN_ERROR - 3] + "..."
+    """A long message cut in its middle: its start says what failed, its end why it was given up."""
+    if len(message) <= SHOWN_ERROR:
+        return message
+    tail = message[message.rfind("(given up: "):] if "(given up: " in message else message[-SHOWN_ERROR // 3:]
+    return message[:max(SHOWN_ERROR - len(tail) - 5, 40)] + " ... " + tail
 
 
 class TopK:
