@@ -7,6 +7,8 @@ the library below it.
     task        train (and re-fit), predict, evaluate, inspect: over aot.training, imported when a command runs
     export      export backbone | task | remove | list | verify | tenant | versions | rollback | route
     serve       serve (a local tritonserver, or a fleet) and tasks; the connection arguments
-    infer       infer (the gRPC client: packed requests, one answer line per input)
+    infer       infer (the gRPC client: packed requests, one answer line per input; --input: a batch job)
+    answer_file where infer --input writes its answers as they come (whole lines), and what --resume reads back
+    batch_report infer's one-line summary of a run and its exit code; --top-k on streamed answers
     ranking     --top-k of predict and infer: a classification answer's K most probable labels
 """
