@@ -12,6 +12,7 @@ In rooms by what they measure, top to bottom (each imports only those below it: 
                 mixed kinds, `aot serve` against Infinity, the local fleet
     overhead    the paper's inference-overhead comparison: the methods' engines alone, no server
     accuracy    the paper's accuracy protocol, and what an int8 backbone costs each task
+    train       one job of many tasks (`aot train --tasks`) against one `aot train` per task
     report      JSON records, Markdown tables and plots (every room writes its reports through it)
     encoders    random-weight encoders of a chosen shape with a real tokenizer (the negligible one, base)
 

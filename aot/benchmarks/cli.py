@@ -1,7 +1,6 @@
-"""`aot bench overhead | serve | tax | tasks | kinds | accuracy | infinity | s3 | gpu-perf | hardening`: a command this
-package brings to
-`aot` as a plugin (entry point `bench` of the group `aot.commands` in pyproject.toml; aot.cli.main loads it), so that
-imports flow one way: benchmarks -> aot, never back."""
+"""`aot bench overhead | serve | tax | tasks | kinds | accuracy | infinity | s3 | gpu-perf | hardening | train-many`:
+a command this package brings to `aot` as a plugin (entry point `bench` of the group `aot.commands` in
+pyproject.toml; aot.cli.main loads it), so that imports flow one way: benchmarks -> aot, never back."""
 
 from __future__ import annotations
 
@@ -19,6 +18,7 @@ from aot.benchmarks.runs import (
     run_tasks,
     run_tax,
 )
+from aot.benchmarks.train.many import add_train_many
 from aot.cli.arguments import add_command_group
 from aot.cli.arguments import ints as _ints
 from aot.cli.arguments import names as _names
@@ -353,3 +353,4 @@ def add_bench(sub) -> None:
     h.add_argument("--counts", type=_ints, default=[1000, 10000, 100000], help="tasks in the store")
     h.add_argument("--pause-s", type=float, default=12.0, help="seconds the object store is stopped under load")
     _finish(h, run_hardening)
+    add_train_many(kinds)

@@ -12,6 +12,7 @@ from aot.cli.arguments import fraction as _fraction
 from aot.cli.arguments import positive_float as _positive_float
 from aot.cli.arguments import positive_int as _positive_int
 from aot.cli.output import example_texts, report
+from aot.cli.train_many import add_job_arguments, check_job_arguments, run_train_many
 from aot.serving.protocol import POOLINGS
 
 # --- train --------------------------------------------------------------------------------------------------------
@@ -22,7 +23,9 @@ def add_train(sub) -> None:
     pays for it. A client-only install is told what to install (main's ImportError)."""
     sub.add_parser("train", help="train a task on a frozen encoder and write a task artifact",
                    description="Train one task with AoT P-Tuning (fc, kron) or a baseline and write the task "
-                               "artifact (config.json, weights.safetensors, metrics.json) atomically to --out.",
+                               "artifact (config.json, weights.safetensors, metrics.json) atomically to --out; or, "
+                               "with --tasks MANIFEST, many AoT tasks in one job on one frozen encoder, their batches "
+                               "sharing passes of it, each task's artifact in --out/NAME.",
                    populate=_train_arguments)
 
 
@@ -40,8 +43,11 @@ def _train_arguments(p) -> None:
                         "folder")
     p.add_argument("--method", default=None, choices=list(METHODS),
                    help="default fc; " + "; ".join(f"{n}: {s.description}" for n, s in METHODS.items()))
-    p.add_argument("--out", required=True, help="artifact folder to write (atomically)")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it already holds something")
+    p.add_argument("--out", required=True,
+                   help="artifact folder to write (atomically); with --tasks, the folder of every task's (--out/NAME)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out if it already holds something; with --tasks, start the job again, replacing "
+                        "its tasks' artifacts")
     p.add_argument("--rank", type=_positive_int, default=None,
                    help="fc/kron/lora rank, adapter bottleneck, or prefix/prompt length p (default: the method's)")
     p.add_argument("--option", action="append", default=None, metavar="NAME=VALUE",
@@ -92,6 +98,7 @@ def _train_arguments(p) -> None:
                         "given) with the encoder computing as the int8 graph does, then export it as usual; "
                         f"default {FIT_STEPS} steps (--max-steps), evaluated every {FIT_EVAL_EVERY} (--eval-every)")
     p.add_argument("--task", default=None, metavar="DIR", help="with --fit-to: the trained task artifact to re-fit")
+    add_job_arguments(p)
     p.set_defaults(run=run_train)
 
 
@@ -103,6 +110,9 @@ def run_train(args) -> int:
     from aot.training.artifact import read_task
     from aot.training.method_registry import method_spec, parse_options
 
+    check_job_arguments(args)
+    if args.tasks is not None:
+        return run_train_many(args)
     out = Path(args.out)
     if not args.overwrite and (out.is_file() or (out.is_dir() and any(out.iterdir()))):
         raise ValueError(f"--out {out} already exists; pass --overwrite to replace it")

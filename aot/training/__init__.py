@@ -11,7 +11,14 @@ itself as it is imported, so a task artifact naming a method can always be read.
     backbone         the frozen encoder: resolving a name or folder, loading it and its tokenizer
     model            the task model: encoder, method body, head and loss
     factory          a method's task model built by name, and a saved one loaded
-    trainer          the training loop
+    trainer          the training loop, a step at a time (TaskRun)
+    job              many tasks trained in one job on one encoder (`aot train --tasks`, train_tasks)
+    job_spec         a job's task specs checked, over the job's defaults
+    job_prepare      a job's tasks checked before anything trains: refused alone, or kept from an earlier run
+    job_state        a job's records and checkpoints beside its artifacts (resuming)
+    mixed_step       one step of several tasks in shared passes of the encoder
+    task_random      each task's random numbers its own in a shared pass
+    sharding         a job's tasks shared out among torchrun ranks or indexed shards
     metrics          the scores of each metric
     artifact         the task artifact: a trained task's folder, written atomically
     predict          `aot predict`: a task artifact answering texts in PyTorch

@@ -101,7 +101,11 @@ class TaskModel(nn.Module):
     def logits(self, input_ids, attention_mask, token_type_ids=None) -> torch.Tensor:
         """The head's output: [B, n] (classification, regression, multilabel), [B, S, n] (tokens) or [B, d]
         (embedding). What the trainer, `aot predict` and export validation call (AotModel's forward returns more)."""
-        states = self.body(input_ids, attention_mask, token_type_ids)
+        return self.head_logits(self.body(input_ids, attention_mask, token_type_ids), attention_mask)
+
+    def head_logits(self, states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The head's output on the body's final states [B, S, d]: what `logits` computes after the body, and what a
+        job of many tasks computes on the states of a pass its batch shared with others (aot.training.mixed_step)."""
         if self.kind in READS_TOKENS:
             return self.head(states)
         return self.head(pool_states(states, attention_mask)[:, self.row])

@@ -133,81 +133,149 @@ def score(predictions, encoded: Encoded, spec: TaskSpec) -> float:
     return kind_for(spec).score(predictions, encoded, spec)
 
 
+def train_examples(data: TaskData, config: TrainConfig) -> list[Example]:
+    """The examples a task trains on: its train split, or a seeded random subset of `max_train_samples`."""
+    if config.max_train_samples is not None and config.max_train_samples < len(data.train):
+        return random.Random(config.seed).sample(data.train, config.max_train_samples)
+    return data.train
+
+
+class TaskRun:
+    """One task's training, a step at a time: the batches of each epoch in a seeded order, Adam under the learning
+    rate schedule, the dev evaluations, early stopping and the best weights. `train` runs one; a job of many tasks
+    (aot.training.job) runs one per task, their batches sharing passes of the encoder, so that a task learns there
+    as it does alone. A step: `next_rows`, the loss of those rows (`loss`, or computed with other tasks'), the
+    gradients zeroed and computed, then `after_step`. `state_dict` is everything a resumed run needs."""
+
+    def __init__(self, model: TaskModel, data: TaskData, tokenizer, config: TrainConfig):
+        self.model, self.config, self.spec = model, config, data.spec
+        self.device = resolve_device(config.device)
+        model.to(self.device)
+        self.kind = kind_for(self.spec)
+        self.train_enc = self.kind.encode(tokenizer, train_examples(data, config), self.spec, config.max_length)
+        self.dev_enc = self.kind.encode(tokenizer, data.dev, self.spec, config.max_length)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.optimizer = make_optimizer(model, config)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.steps_per_epoch = -(-len(self.train_enc) // config.batch_size)
+        self.eval_every = config.eval_every or self.steps_per_epoch
+        planned = self.steps_per_epoch * config.epochs
+        self.total = planned if config.max_steps is None else min(config.max_steps, planned)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda k: schedule(k, self.total, config.warmup, config.decay))
+        self.best = (-float("inf"), model.trainable_state(), 0)
+        self.history: list[dict] = []
+        self.bad_evals = self.step = self.epoch = self.position = 0  # position: batches of this epoch done
+        self.order: list[int] = []
+        self.stopped: str | None = None  # why it stopped; None while it trains
+        self.last_loss = float("nan")
+        self._clock = time.perf_counter()
+        self._seconds = 0.0  # trained before the clock started (a resumed run's)
+
+    @property
+    def done(self) -> bool:
+        return self.stopped is not None
+
+    @property
+    def seconds(self) -> float:
+        return self._seconds + time.perf_counter() - self._clock
+
+    def next_rows(self) -> list[int]:
+        """The rows of the next batch; an epoch begins in train mode with a new order."""
+        if self.position == 0:
+            self.model.train()
+            self.order = torch.randperm(len(self.train_enc), generator=self.generator).tolist()
+        size = self.config.batch_size
+        return self.order[self.position * size:(self.position + 1) * size]
+
+    def loss(self, rows: list[int]) -> torch.Tensor:
+        """The loss of the batch `rows` computed by the model alone."""
+        with autocast(self.device):
+            return self.kind.loss(self.model, self.train_enc, rows, self.pad_id, self.device, self.spec)
+
+    def after_step(self, loss: float) -> bool:
+        """The optimizer's and the schedule's step after the gradients of a batch of loss `loss`, then the dev
+        evaluation when one is due and the stopping rules; True when it evaluated."""
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        self.position += 1
+        self.last_loss = loss
+        evaluated = self.step % self.eval_every == 0 or self.step == self.total  # the last: its weights may be best
+        if evaluated:
+            self._evaluate()
+        if self.stopped is None and self.position == self.steps_per_epoch:
+            self.epoch, self.position = self.epoch + 1, 0
+            if self.epoch == self.config.epochs:
+                self.stopped = "epochs"
+        return evaluated
+
+    def _evaluate(self) -> None:
+        dev = evaluate(self.model, self.dev_enc, self.spec, self.pad_id, self.device)
+        self.model.train()
+        elapsed = self.seconds
+        self.history.append({"step": self.step, "epoch": self.epoch + self.position / self.steps_per_epoch,
+                             "loss": round(self.last_loss, 6), "dev": dev, "seconds": round(elapsed, 2)})
+        if dev > self.best[0]:
+            self.best, self.bad_evals = (dev, self.model.trainable_state(), self.step), 0
+        else:
+            self.bad_evals += 1
+        if self.bad_evals >= self.config.patience:
+            self.stopped = "patience"
+        elif self.config.time_budget is not None and elapsed > self.config.time_budget:
+            self.stopped = "time_budget"
+        elif self.step == self.config.max_steps:
+            self.stopped = "max_steps"
+
+    def finish(self) -> TrainResult:
+        """The best dev weights restored, in eval mode, and what was tuned on dev with them."""
+        seconds = self.seconds
+        if not self.history:  # fewer steps than one evaluation period: evaluate what we have
+            dev = evaluate(self.model, self.dev_enc, self.spec, self.pad_id, self.device)
+            self.best = (dev, self.model.trainable_state(), self.step)
+            self.history.append({"step": self.step, "epoch": self.config.epochs, "dev": dev,
+                                 "seconds": round(seconds, 2)})
+        self.model.load_trainable_state(self.best[1])
+        self.model.eval()
+        spec = self.spec
+        if self.kind.tunes:
+            spec = self.kind.calibrate(self.kind.predict(self.model, self.dev_enc, self.pad_id, self.device),
+                                       self.dev_enc, spec)
+        return TrainResult(self.best[0], self.best[2], self.step, seconds, self.history, self.stopped or "epochs",
+                           spec)
+
+    def state_dict(self) -> dict:
+        """Everything a resumed run continues from (torch.save-able)."""
+        return {"weights": self.model.trainable_state(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "generator": self.generator.get_state(),
+                "order": self.order, "best": self.best, "history": self.history, "bad_evals": self.bad_evals,
+                "step": self.step, "epoch": self.epoch, "position": self.position, "stopped": self.stopped,
+                "last_loss": self.last_loss, "seconds": self.seconds}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_trainable_state(state["weights"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.generator.set_state(state["generator"])
+        for name in ("order", "best", "history", "bad_evals", "step", "epoch", "position", "stopped", "last_loss"):
+            setattr(self, name, state[name])
+        self._seconds, self._clock = state["seconds"], time.perf_counter()
+
+
 def train(model: TaskModel, data: TaskData, tokenizer, config: TrainConfig, progress: bool = True) -> TrainResult:
     """Train `model` in place; on return it holds the best dev weights and is in eval mode."""
     seed_everything(config.seed)
-    device = resolve_device(config.device)
-    model.to(device)
-    spec = data.spec
-    train_examples = data.train
-    if config.max_train_samples is not None and config.max_train_samples < len(train_examples):
-        picker = random.Random(config.seed)
-        train_examples = picker.sample(train_examples, config.max_train_samples)
-    kind = kind_for(spec)
-    train_enc = kind.encode(tokenizer, train_examples, spec, config.max_length)
-    dev_enc = kind.encode(tokenizer, data.dev, spec, config.max_length)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    optimizer = make_optimizer(model, config)
-    generator = torch.Generator().manual_seed(config.seed)
-    n = len(train_enc)
-    steps_per_epoch = -(-n // config.batch_size)
-    eval_every = config.eval_every or steps_per_epoch
-    total = steps_per_epoch * config.epochs if config.max_steps is None else min(config.max_steps,
-                                                                                 steps_per_epoch * config.epochs)
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda k: schedule(k, total, config.warmup, config.decay))
-    best = (-float("inf"), model.trainable_state(), 0)
-    history: list[dict] = []
-    bad_evals, step, stopped = 0, 0, "epochs"
-    start = time.perf_counter()
-    bar = tqdm(total=total, disable=not progress, desc=f"train {spec.name}", unit="step",
+    run = TaskRun(model, data, tokenizer, config)
+    bar = tqdm(total=run.total, disable=not progress, desc=f"train {run.spec.name}", unit="step",
                dynamic_ncols=True)
     try:
-        for epoch in range(config.epochs):
-            model.train()
-            order = torch.randperm(n, generator=generator).tolist()
-            for b in range(steps_per_epoch):
-                rows = order[b * config.batch_size:(b + 1) * config.batch_size]
-                with autocast(device):
-                    loss = kind.loss(model, train_enc, rows, pad_id, device, spec)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                scheduler.step()
-                step += 1
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss.item():.4f}", dev=f"{best[0]:.4f}" if history else "-", refresh=False)
-                if step % eval_every == 0 or step == total:  # the last step too: its weights may be the best
-                    dev = evaluate(model, dev_enc, spec, pad_id, device)
-                    model.train()
-                    elapsed = time.perf_counter() - start
-                    history.append({"step": step, "epoch": epoch + (b + 1) / steps_per_epoch,
-                                    "loss": round(loss.item(), 6), "dev": dev, "seconds": round(elapsed, 2)})
-                    if dev > best[0]:
-                        best, bad_evals = (dev, model.trainable_state(), step), 0
-                    else:
-                        bad_evals += 1
-                    bar.set_postfix(loss=f"{loss.item():.4f}", dev=f"{best[0]:.4f}")
-                    if bad_evals >= config.patience:
-                        stopped = "patience"
-                        raise StopIteration
-                    if config.time_budget is not None and elapsed > config.time_budget:
-                        stopped = "time_budget"
-                        raise StopIteration
-                    if step == config.max_steps:
-                        stopped = "max_steps"
-                        raise StopIteration
-    except StopIteration:
-        pass
+        while not run.done:
+            loss = run.loss(run.next_rows())
+            run.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            run.after_step(loss.item())
+            bar.update(1)
+            bar.set_postfix(loss=f"{run.last_loss:.4f}", dev=f"{run.best[0]:.4f}" if run.history else "-")
     finally:
         bar.close()
-    seconds = time.perf_counter() - start
-    if not history:  # fewer steps than one evaluation period: evaluate what we have
-        dev = evaluate(model, dev_enc, spec, pad_id, device)
-        best = (dev, model.trainable_state(), step)
-        history.append({"step": step, "epoch": config.epochs, "dev": dev, "seconds": round(seconds, 2)})
-    model.load_trainable_state(best[1])
-    model.eval()
-    tuned = kind.calibrate(kind.predict(model, dev_enc, pad_id, device), dev_enc, spec) if kind.tunes else spec
-    return TrainResult(best[0], best[2], step, seconds, history, stopped, tuned)
+    return run.finish()

@@ -82,6 +82,19 @@ class Kind:
 
     def loss(self, model, encoded: Encoded, rows: list[int], pad_id: int, device: torch.device,
              spec: TaskSpec) -> torch.Tensor:
+        """The loss of the batch `rows`: the model's output on each of its inputs, then loss_from."""
+        inputs = self.inputs(encoded, rows, pad_id, device)
+        return self.loss_from([model.logits(**batch) for batch in inputs], inputs, encoded, rows, spec)
+
+    def inputs(self, encoded: Encoded, rows: list[int], pad_id: int, device: torch.device) -> list[dict]:
+        """The token tensors (collate) that a step on `rows` runs through the model, in order: the texts; an
+        embedding task's anchors, then their positives. A job of many tasks runs them in passes shared with other
+        tasks' (aot.training.mixed_step), then calls loss_from as `loss` does."""
+        return [collate(encoded, rows, pad_id, device)]
+
+    def loss_from(self, outputs: list[torch.Tensor], inputs: list[dict], encoded: Encoded, rows: list[int],
+                  spec: TaskSpec) -> torch.Tensor:
+        """The loss of the batch `rows` from the model's `outputs` on its `inputs` (one output per input)."""
         raise NotImplementedError
 
     def predict(self, model, encoded: Encoded, pad_id: int, device: torch.device):

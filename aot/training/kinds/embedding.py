@@ -39,10 +39,13 @@ class EmbeddingKind(Kind):
             anchors.labels = None if any(s is None for s in scores) else _scaled(scores)
         return anchors
 
-    def loss(self, model, encoded: Encoded, rows, pad_id, device, spec: TaskSpec) -> torch.Tensor:
-        anchors = model.logits(**collate(encoded, rows, pad_id, device))
-        positives = model.logits(**collate(encoded.pair, rows, pad_id, device))
-        scores = None if encoded.labels is None else encoded.labels[rows].to(device)
+    def inputs(self, encoded: Encoded, rows, pad_id, device) -> list[dict]:
+        """The anchors, then their positives."""
+        return [collate(encoded, rows, pad_id, device), collate(encoded.pair, rows, pad_id, device)]
+
+    def loss_from(self, outputs, inputs, encoded: Encoded, rows, spec: TaskSpec) -> torch.Tensor:
+        anchors, positives = outputs
+        scores = None if encoded.labels is None else encoded.labels[rows].to(anchors.device)
         return embedding_loss(anchors, positives, scores)
 
     def predict(self, model, encoded: Encoded, pad_id, device) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -10,7 +10,7 @@ import torch
 
 from aot.serving.answers import DEFAULT_THRESHOLD, pooled_answer, sigmoid
 from aot.training.data.task import Example, TaskSpec
-from aot.training.kinds.base import Encoded, Kind, collate, run_model
+from aot.training.kinds.base import Encoded, Kind, run_model
 from aot.training.metrics import compute_metric
 from aot.training.model import loss_fn
 
@@ -44,9 +44,9 @@ class PooledKind(Kind):
         enc = tokenizer(texts, pairs, truncation=True, max_length=max_length)
         return Encoded(enc["input_ids"], enc.get("token_type_ids"), _labels(examples, spec))
 
-    def loss(self, model, encoded: Encoded, rows, pad_id, device, spec: TaskSpec) -> torch.Tensor:
-        logits = model.logits(**collate(encoded, rows, pad_id, device))
-        return loss_fn(logits, encoded.labels[rows].to(device), spec)
+    def loss_from(self, outputs, inputs, encoded: Encoded, rows, spec: TaskSpec) -> torch.Tensor:
+        logits = outputs[0]
+        return loss_fn(logits, encoded.labels[rows].to(logits.device), spec)
 
     def predict(self, model, encoded: Encoded, pad_id, device) -> torch.Tensor:
         """[N, n]: logits (the score, for regression)."""

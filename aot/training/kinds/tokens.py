@@ -11,7 +11,7 @@ import torch
 from aot.serving.answers import tokens_answer
 from aot.serving.words import OUTSIDE, first_pieces, split_words
 from aot.training.data.task import DataError, Example, TaskSpec
-from aot.training.kinds.base import Encoded, Kind, collate, run_model
+from aot.training.kinds.base import Encoded, Kind, run_model
 from aot.training.metrics import compute_metric
 from aot.training.model import loss_fn
 
@@ -49,12 +49,12 @@ class TokensKind(Kind):
             labels = [[IGNORED if w < 0 else index[tags[w]] for w in first] for first, tags in zip(firsts, gold)]
         return Encoded(ids, None if types[0] is None else types, labels, words=all_words, first=firsts, gold=gold)
 
-    def loss(self, model, encoded: Encoded, rows, pad_id, device, spec: TaskSpec) -> torch.Tensor:
-        batch = collate(encoded, rows, pad_id, device)
-        targets = torch.full(batch["input_ids"].shape, IGNORED, dtype=torch.long)
+    def loss_from(self, outputs, inputs, encoded: Encoded, rows, spec: TaskSpec) -> torch.Tensor:
+        logits = outputs[0]
+        targets = torch.full(inputs[0]["input_ids"].shape, IGNORED, dtype=torch.long)
         for k, i in enumerate(rows):
             targets[k, : len(encoded.labels[i])] = torch.tensor(encoded.labels[i])
-        return loss_fn(model.logits(**batch), targets.to(device), spec)
+        return loss_fn(logits, targets.to(logits.device), spec)
 
     def predict(self, model, encoded: Encoded, pad_id, device) -> list[torch.Tensor]:
         """[S, n] logits per text."""
