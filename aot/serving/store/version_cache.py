@@ -84,6 +84,11 @@ class VersionCache:
         self._evict(keep=version)
         return local
 
+    def discard(self, version: str) -> None:
+        """Remove `version`'s copy (a refused version checked again is fetched anew: aot.serving.store.rechecks)."""
+        with self._fetch_lock(version):
+            shutil.rmtree(self.root / version, ignore_errors=True)
+
     def holds(self, version: str, digests: dict[str, str]) -> bool:
         """Whether `version` is here complete, as published (a local read: no request to the store)."""
         return self._complete(self.root / version, digests)
