@@ -31,7 +31,7 @@ from aot.serving.store.digests import DigestError
 TABLE_FILE = "table.npy"
 BLOCKS_FILE = "table.blocks"
 BLOCKS_FORMAT = "aot-table-blocks"
-BLOCK_BYTES = 16 << 10  # ~ a request's 20 rows of MiniLM read and hashed: 20 blocks of 3 rows, 0.3 MB
+BLOCK_BYTES = 4 << 10  # a block is one MiniLM row (4.5 KiB): a request reads and hashes only its rows
 _HEADER_BYTES = 1 << 16  # an .npy header is at most this long (format 1.0; 2.0 allows more, numpy writes 1.0)
 _CHUNK_BLOCKS = 64  # blocks read at once when a whole table is hashed
 
@@ -129,6 +129,7 @@ class VerifiedTable:
                 or shape[0] != blocks.rows or int(np.prod(shape[1:])) * self.dtype.itemsize != blocks.row_bytes):
             raise DigestError(f"{version}: {TABLE_FILE} is damaged (its header differs from the one published)")
         self.shape = tuple(shape)
+        self._digests = bytes(blocks.digests)
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """The rows of token ids, read by their blocks, each block hashed after it was read."""
@@ -138,17 +139,18 @@ class VerifiedTable:
             raise IndexError(f"token ids outside the table's {b.rows} rows")
         numbers, inverse = np.unique(ids // b.rows_per_block, return_inverse=True)
         block = b.rows_per_block * b.row_bytes
-        buffer = np.empty((len(numbers), block), dtype=np.uint8)
-        fd = self._file.fileno()
+        buffer = bytearray(len(numbers) * block)
+        view, fd, digests, sha256 = memoryview(buffer), self._file.fileno(), self._digests, hashlib.sha256
         for i, number in enumerate(numbers.tolist()):
-            size = (min(b.rows, (number + 1) * b.rows_per_block) - number * b.rows_per_block) * b.row_bytes
-            read = memoryview(buffer[i])[:size]
-            if (os.preadv(fd, [read], b.data_offset + number * block) != size
-                    or hashlib.sha256(read).digest() != b.digests[32 * number:32 * number + 32]):
+            size = block if (number + 1) * b.rows_per_block <= b.rows else (
+                b.rows - number * b.rows_per_block) * b.row_bytes
+            part = view[i * block:i * block + size]
+            if (os.preadv(fd, [part], b.data_offset + number * block) != size
+                    or sha256(part).digest() != digests[32 * number:32 * number + 32]):
                 first = number * b.rows_per_block
-                raise DigestError(f"{self.version}: {TABLE_FILE} is damaged (rows {first}-{first + size // b.row_bytes - 1}"
-                                  " differ from the ones published)")
-        flat = buffer.view(self.dtype).reshape(len(numbers) * b.rows_per_block, *self.shape[1:])
+                raise DigestError(f"{self.version}: {TABLE_FILE} is damaged (rows {first}-"
+                                  f"{first + size // b.row_bytes - 1} differ from the ones published)")
+        flat = np.frombuffer(buffer, self.dtype).reshape(len(numbers) * b.rows_per_block, *self.shape[1:])
         return flat[inverse * b.rows_per_block + ids % b.rows_per_block]
 
     def check(self, digest: str | None) -> None:
