@@ -266,7 +266,7 @@ def test_scale_bench_tiny(tmp_path, tiny_models, sentiment_dir):
     assert [r["tasks"] for r in records] == [1, 30]
     for r in records:
         assert r["errors"] == 0 and r["wrong"] == 0 and r["ready_s"] > 0 and r["rss_after_total_mb"] > 50
-        assert 50 < r["pss_after_total_mb"] <= r["rss_after_total_mb"] and r["host_cache_mb"] > 0
+        assert 50 < r["pss_after_total_mb"] <= r["rss_after_total_mb"] and r["host_cache_bytes"] > 0
         assert r["cold_p99_ms"] >= r["cold_p50_ms"] > 0 and r["zipf_rps"] > 0 and r["hot_rps"] > 0
         assert r["steady_rps"] > 0 and r["steady_vs_hot"] == round(r["steady_rps"] / r["hot_rps"], 3)
         if r["busy_cold_requests"]:  # half the untouched tail of the store (none of 1 task)

@@ -12,8 +12,8 @@ is the median of the runs; `<figure>_runs` lists each run's, their spread):
     ready_s                             start to ready
     rss_*_mb, pss_after_total_mb        every server process's RSS at ready and after the traffic, and the sum of
                                         their proportional set sizes after it (memory shared by several processes,
-                                        the host's cache of task versions among it, counted once); host_cache_mb:
-                                        the versions the host's cache holds then
+                                        the host's cache of task versions among it, counted once);
+                                        host_cache_bytes: the versions the host's cache holds then
     cold_*, busy_cold_*, fused_*        first requests of untouched tasks, idle and under load (aot.benchmarks.
                                         scale_cold), factored and fused
     steady_rps, steady_vs_hot           steady state, what a busy service lives in: after `warmup` requests of tasks
@@ -149,10 +149,9 @@ def _memory(process) -> dict[str, dict[str, float]]:
     return {kind: {k: round(v, 1) for k, v in sorted(values.items())} for kind, values in out.items()}
 
 
-def _host_cache_mb() -> float:
+def _host_cache_bytes() -> int:
     """The bytes the host's version cache lists now (the servers' processes share it)."""
-    host = HostCache.for_host(0)
-    return round(sum(e["size"] for e in host.entries()) / 2**20, 1)
+    return sum(e["size"] for e in HostCache.for_host(0).entries())
 
 
 def _publish_cost(store: TaskStore, derived: DerivedStore, publishes: int) -> dict:
@@ -215,7 +214,7 @@ def _served_run(repo: Path, config: ScaleBenchConfig, texts: list[str], plan: di
         _closed_loop(server.grpc_url, "aot", hot[: config.warmup], config.concurrency)
         hot_run = _closed_loop(server.grpc_url, "aot", hot[config.warmup:], config.concurrency)
         memory = _memory(server.process)
-        host_mb = _host_cache_mb()
+        host_bytes = _host_cache_bytes()
         with Client(server.grpc_url) as client:
             wrong += _wrong(client, reference, plan["sample"], texts[:2])  # again, after the traffic's evictions
             publish_to_served = plan["publish_served"](client)
@@ -223,7 +222,7 @@ def _served_run(repo: Path, config: ScaleBenchConfig, texts: list[str], plan: di
     return {"ready_s": round(ready, 2), "rss_ready_mb": rss_ready, "rss_after_mb": memory["rss"],
             "pss_after_mb": memory["pss"], "rss_ready_total_mb": round(sum(rss_ready.values()), 1),
             "rss_after_total_mb": round(sum(memory["rss"].values()), 1),
-            "pss_after_total_mb": round(sum(memory["pss"].values()), 1), "host_cache_mb": host_mb,
+            "pss_after_total_mb": round(sum(memory["pss"].values()), 1), "host_cache_bytes": host_bytes,
             "cold_p50_ms": percentile(cold, 0.5), "cold_p99_ms": percentile(cold, 0.99),
             "fused_cold_p50_ms": percentile(fused, 0.5), "fused_cold_p99_ms": percentile(fused, 0.99), **busy,
             "steady_rps": steady_run["throughput_rps"],

@@ -71,12 +71,11 @@ def cold_idle(url: str, tasks: list[str], text: str) -> list[float]:
 
 def cold_under_load(url: str, hot_task: str, texts: list[str], cold: dict[str, list[str]], concurrency: int) -> dict:
     """First requests of each list of `cold` (prefix -> tasks), one at a time, while `concurrency` - 1 clients keep
-    `hot_task` busy from before the first to after the last; the hot requests' p50 meanwhile (over each list's span),
-    and `busy_errors`."""
+    `hot_task` busy from before the first to after the last; the hot requests' p50 meanwhile, and `busy_errors`."""
     from aot.client.client import Client
 
     stop, started, lock = threading.Event(), threading.Event(), threading.Lock()
-    warm: list[tuple[float, float]] = []  # (when it ended, ms)
+    warm: list[float] = []
     errors = [0]
 
     def load() -> None:
@@ -91,29 +90,25 @@ def cold_under_load(url: str, hot_task: str, texts: list[str], cold: dict[str, l
                         errors[0] += 1
                 else:
                     with lock:
-                        warm.append((time.perf_counter(), (time.perf_counter() - start) * 1e3))
+                        warm.append((time.perf_counter() - start) * 1e3)
                 started.set()
                 k += 1
 
     loaders = [threading.Thread(target=load, daemon=True) for _ in range(max(concurrency - 1, 1))]
     for thread in loaders:
         thread.start()
-    out: dict = {}
     try:
         if not started.wait(timeout=60):
             raise RuntimeError(f"the load on {hot_task} answered nothing within 60 s ({errors[0]} errors)")
-        for prefix, tasks in cold.items():
-            begin = time.perf_counter()
-            latencies = cold_idle(url, tasks, texts[0])
-            with lock:
-                during = [ms for end, ms in warm if end >= begin]
-            p99, warm_p50 = percentile(latencies, 0.99), percentile(during, 0.5)
-            out.update({f"{prefix}busy_cold_requests": len(latencies),
-                        f"{prefix}busy_cold_p50_ms": percentile(latencies, 0.5), f"{prefix}busy_cold_p99_ms": p99,
-                        f"{prefix}busy_warm_p50_ms": warm_p50,
-                        f"{prefix}busy_cold_vs_warm": round(p99 / warm_p50, 2) if p99 and warm_p50 else None})
+        latencies = {prefix: cold_idle(url, tasks, texts[0]) for prefix, tasks in cold.items()}
     finally:
         stop.set()
         for thread in loaders:
             thread.join()
-    return {**out, "busy_errors": errors[0]}
+    warm_p50, out = percentile(warm, 0.5), {"busy_errors": errors[0]}
+    for prefix, values in latencies.items():
+        p99 = percentile(values, 0.99)
+        out.update({f"{prefix}busy_cold_requests": len(values), f"{prefix}busy_cold_p50_ms": percentile(values, 0.5),
+                    f"{prefix}busy_cold_p99_ms": p99, f"{prefix}busy_warm_p50_ms": warm_p50,
+                    f"{prefix}busy_cold_vs_warm": round(p99 / warm_p50, 2) if p99 and warm_p50 else None})
+    return out

@@ -44,6 +44,7 @@ def write_scale_reports(records: list[dict], out: Path, config, policies: list[d
     rows = []
     for r in records:
         row = {key: _shown(r, key) for key, _ in COLUMNS if key in r}
+        row["host_cache_mb"] = round(r["host_cache_bytes"] / 2**20, 2)
         row.update({"ready_vs_first": round(r["ready_s"] / first["ready_s"], 2),
                     "pss_vs_first_mb": round(r["pss_after_total_mb"] - first["pss_after_total_mb"], 1),
                     "publish_vs_first": round(r["publish_one_s"] / first["publish_one_s"], 2)})
