@@ -50,7 +50,7 @@ from aot.serving.tasks import PARTS, ServedTask
 
 KNOWN_IN_MESSAGE = 10  # task names an unknown task's 404 suggests
 KNOWN_SCAN = 256  # names it looks at, at most, to find them (skipping tasks that cannot serve): a bounded cost
-DEFAULT_CACHE_BYTES = 256 << 20
+DEFAULT_CACHE_BYTES = 512 << 20  # the host's (aot.serving.repository.ServingOptions.task_cache_bytes)
 REMOTE_POLL_SECONDS = 1.0  # how often a step looks at an object store's generation hint (one conditional GET)
 _draw = random.SystemRandom()  # a route's draw: one per request, from the OS, never shared state seeded per batch
 
