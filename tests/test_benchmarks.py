@@ -413,13 +413,15 @@ def test_s3_bench_refuses_too_few_tasks_and_writes_its_reports(tmp_path, capsys)
     assert "--tasks 50: expected at least 100" in capsys.readouterr().err
     record = {"tasks": 100, "cached_rps_file": 40.0, "cached_rps_s3": 39.0, "cached_ratio": 0.975, "ready_one_s": 2.0,
               "ready_many_s": 2.5, "ready_ratio": 1.25, "fetched_at_start": 0, "cold_p50_ms": 30.0,
-              "cold_p99_ms": 60.0, "paused_answers_cached": 500, "paused_failures_cached": 0,
+              "cold_p99_ms": 60.0, "busy_cold_p50_ms": 35.0, "busy_cold_p99_ms": 70.0, "busy_warm_p50_ms": 30.0,
+              "busy_cold_vs_warm": 2.33, "busy_errors": 0, "paused_answers_cached": 500, "paused_failures_cached": 0,
               "paused_cold_error": "TaskUnavailable: ... s3://b/p ...", "paused_cold_recovered_s": 0.1,
               "publish_to_every_replica_p50_s": 1.5, "publish_to_every_replica_max_s": 1.8}
     write_s3_reports(record, tmp_path / "out", S3BenchConfig("task", str(tmp_path / "out"), tasks=100))
     assert json.loads((tmp_path / "out" / "s3.json").read_text())["record"] == record
     table = (tmp_path / "out" / "s3.md").read_text()
     assert "| S3 × file | 0.975 |" in table and "| ready, 100 tasks in the bucket (s) | 2.5 |" in table
+    assert "| cold first request under load p99 (ms) | 70.0 |" in table
 
 
 def test_kinds_bench_tiny(tmp_path, tiny_models):
