@@ -18,7 +18,6 @@ from aot.serving.errors import RequestError
 from aot.serving.pool import RowPool
 from aot.serving.repository import read_repository
 from aot.serving.store.host_cache import HostCache
-from aot.serving.store.reader import StoreError
 from aot.serving.task_registry import TaskRegistry
 from aot.serving.tokenization import Tokenization
 from aot.training.predict import Predictor
@@ -220,7 +219,7 @@ def test_a_restored_modification_time_does_not_hide_a_change(tmp_path, tiny_mode
     registry.audit.run(1 << 30)
     assert "table.npy is damaged" in registry.audit.damaged()["t"]
     last = np.array([task.vocab_size - 1], dtype=np.int64)  # the rows written: read by their block, hashed
-    with pytest.raises(StoreError, match="table.npy is damaged"):
+    with pytest.raises(RequestError, match="table.npy is damaged"):
         task.rows(last)
     registry.refresh()  # the next batch: the version is refused
     with pytest.raises(RequestError, match="table.npy is damaged"):

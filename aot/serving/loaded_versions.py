@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
+from aot.serving.errors import RequestError
 from aot.serving.remote_fetches import FetchError, fetch_error
 from aot.serving.store.backend import BackendError
 from aot.serving.store.digests import DigestError
@@ -25,6 +26,22 @@ from aot.serving.store.host_cache import HostCache
 from aot.serving.store.reader import StoreError, StoreReader, folder_name, task_of
 from aot.serving.store.rechecks import Rechecks
 from aot.serving.tasks import ServedTask, load_task_version
+
+
+class DamagedTable(RequestError):
+    """A request read a damaged block of `version`'s table while its batch ran (aot.serving.steps answers it): it
+    fails with its task's refusal, naming the item at fault in a request of several (a client then sends the others
+    again)."""
+
+    def __init__(self, message: str, version: str):
+        super().__init__(message, "unavailable")
+        self.version = version
+
+    def naming_item(self, versions: list[str]) -> RequestError:
+        """This error for a request whose items are served by `versions`, in order."""
+        if len(versions) > 1 and self.version in versions:
+            return RequestError(f"item {versions.index(self.version) + 1} of {len(versions)}: {self}", self.reason)
+        return self
 
 
 class LoadedVersions:
@@ -111,7 +128,7 @@ class LoadedVersions:
         self.versions[version] = task
         size = 0
         if isinstance(task, ServedTask):
-            task.on_damage = lambda exc: self._damage.setdefault(version, exc)
+            task.on_damage = lambda exc: self._found_damaged(version, exc)
             size = task.resident_bytes()
             self.attach(version, task)
         self._bytes[version] = size
@@ -132,11 +149,21 @@ class LoadedVersions:
         self.last_used.pop(version, None)
         self.let_go(version)
 
-    def damaged(self, version: str, exc: BaseException) -> StoreError:
+    def _found_damaged(self, version: str, exc: Exception) -> DamagedTable:
+        """A request read a damaged block of `version`'s table: the version is refused from the next batch on, and
+        the request fails with what its task answers from then on."""
+        self._damage.setdefault(version, exc)
+        return DamagedTable(str(self._corrupt(version, exc)), version)
+
+    def _corrupt(self, version: str, exc: BaseException) -> StoreError:
+        """What a refused version's requests read (no path, no store address)."""
         detail = str(exc).replace(str(self.store.root) + "/", "")
         if self.store.url:
             detail = detail.replace(self.store.url, "the task store")
-        error = StoreError(f"task {task_of(version)!r} ({version}) is corrupt: {type(exc).__name__}: {detail}")
+        return StoreError(f"task {task_of(version)!r} ({version}) is corrupt: {type(exc).__name__}: {detail}")
+
+    def damaged(self, version: str, exc: BaseException) -> StoreError:
+        error = self._corrupt(version, exc)
         if self.on_task_error is not None:
             self.on_task_error(version, str(error))
         self.rechecks.refused(version)

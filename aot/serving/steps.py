@@ -30,6 +30,7 @@ import numpy as np
 from aot.serving import items, protocol
 from aot.serving.errors import STATUS, TRITON_CODES, RequestError
 from aot.serving.items import Item, RequestInputs
+from aot.serving.loaded_versions import DamagedTable
 from aot.serving.pool import RowPool
 from aot.serving.rate_limits import RateLimits, RequestGate
 from aot.serving.repository import RepositoryInfo, repository_of_model
@@ -270,6 +271,9 @@ class Step:
             except Exception as exc:  # noqa: BLE001
                 if len(group) > 1:
                     groups.extend([entry] for entry in group)  # isolate the request that fails
+                elif isinstance(exc, DamagedTable):  # its task refused as the batch read it: the item named
+                    at, items = group[0][0], [ctx.version for ctx in contexts[group[0][0]]]
+                    responses[at], statuses[at] = self.request_error(exc.naming_item(items)), exc.reason
                 else:
                     responses[group[0][0]] = self.internal_error(exc)
                 continue

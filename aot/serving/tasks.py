@@ -141,20 +141,19 @@ class ServedTask:
     compute_rows: Callable[[np.ndarray], np.ndarray] | None = None  # factored
     digests: dict[str, str] | None = None  # published digests (None: exported before digests, unverified)
     copy: SealedVersion | None = None  # the sealed copy of its files the head and factors are arrays over
-    on_damage: Callable[[Exception], None] | None = None  # told when a read finds the table damaged (the registry)
+    # told when a read finds the table damaged; returns the error the read raises (the registry's: the refusal)
+    on_damage: Callable[[Exception], Exception] | None = None
 
     def rows(self, token_ids: np.ndarray) -> np.ndarray:
         """Rows of P for sorted distinct token ids, [U, L, d] fp16, from the task's own storage (no pool).
-        Fused: only the blocks of the table that hold them are read, and hashed (StoreError: damaged, and
-        `on_damage` told); factored: computed in one matmul per layer stack."""
+        Fused: only the blocks of the table that hold them are read, and hashed (damaged: StoreError, or what
+        `on_damage` returns); factored: computed in one matmul per layer stack."""
         if self.table is None:
             return self.compute_rows(token_ids)
         try:
             return self.table.rows(token_ids)
         except (DigestError, OSError) as exc:
-            if self.on_damage is not None:
-                self.on_damage(exc)
-            raise StoreError(str(exc)) from None
+            raise (self.on_damage(exc) if self.on_damage is not None else StoreError(str(exc))) from None
 
     def check_table(self) -> None:
         """The whole fused table against its published digest and its block list (`aot export verify`, repair, a
