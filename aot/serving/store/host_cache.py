@@ -158,6 +158,7 @@ class HostCache:
                     os.ftruncate(fd, 0)
                     os.ftruncate(fd, _SIZE)
                     os.pwrite(fd, np.array([(MAGIC, SLOTS, SKETCH_WIDTH, 0, 0)], dtype=HEADER).tobytes(), 0)
+                os.posix_fallocate(fd, 0, _SIZE)  # its memory now: a full /dev/shm is an error here, not a SIGBUS later
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
             self._memory = mmap.mmap(fd, _SIZE, flags=mmap.MAP_SHARED)
