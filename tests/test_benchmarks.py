@@ -267,7 +267,7 @@ def test_scale_bench_tiny(tmp_path, tiny_models, sentiment_dir):
     for r in records:
         assert r["errors"] == 0 and r["wrong"] == 0 and r["ready_s"] > 0 and r["rss_after_total_mb"] > 50
         assert 50 < r["pss_after_total_mb"] <= r["rss_after_total_mb"] and r["host_cache_bytes"] > 0
-        assert r["cold_p99_ms"] >= r["cold_p50_ms"] > 0 and r["zipf_rps"] > 0 and r["hot_rps"] > 0
+        assert r["zipf_rps"] > 0 and r["hot_rps"] > 0
         assert r["steady_rps"] > 0 and r["steady_vs_hot"] == round(r["steady_rps"] / r["hot_rps"], 3)
         if r["busy_cold_requests"]:  # half the untouched tail of the store (none of 1 task)
             assert r["busy_cold_p99_ms"] >= r["busy_cold_p50_ms"] > 0 and r["busy_warm_p50_ms"] > 0
@@ -275,6 +275,8 @@ def test_scale_bench_tiny(tmp_path, tiny_models, sentiment_dir):
         assert 1 <= r["steady_tasks"] <= r["tasks"]  # the steady pass replays warm-up draws: tasks seen already
         assert r["publish_bytes_read"] > 0 and r["publish_writer_bytes"] > 0 and r["publish_to_served_s"] > 0
     assert records[0]["busy_cold_requests"] == 0 and records[1]["busy_cold_requests"] > 0  # 1 task: none untouched
+    assert records[0]["cold_p50_ms"] is None  # one task: none untouched
+    assert records[1]["cold_p99_ms"] >= records[1]["cold_p50_ms"] > 0
     fused = records[1]  # fused tasks join the store after the 1-task baseline: their cold first requests too
     assert records[0]["fused_tasks"] == 0 and fused["fused_tasks"] == 14 and fused["fused_busy_cold_requests"] == 7
     assert fused["fused_cold_p99_ms"] >= fused["fused_cold_p50_ms"] > 0 and fused["fused_busy_cold_p99_ms"] > 0

@@ -73,7 +73,7 @@ class ScaleBenchConfig:
     batch: int = 1000  # tasks per change while the store grows
     sample: int = 8  # tasks checked against PyTorch at each count
     repeats: int = 1  # fresh servers at each count (medians reported, and each run's figures)
-    instances: tuple[int, ...] = (4,)  # the fused step's instances of the memory check at the largest count
+    instances: tuple[int, ...] = (2, 4)  # the fused step's instances of the memory check at the largest count
 
 
 def _perturbed(factors: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
@@ -190,8 +190,9 @@ def _wrong(client, reference: Reference, picks: list[int], texts: list[str]) -> 
 
 def _served_run(repo: Path, config: ScaleBenchConfig, texts: list[str], plan: dict,
                 reference: Reference) -> dict:
-    """One fresh server: cold first requests idle and under load, the Zipf passes and the hot one, memory, answers
-    against PyTorch."""
+    """One fresh server: the Zipf passes and the hot one, then cold first requests idle and under load (after the
+    steady pass: their first loads must not hold the host's cache while it is measured), memory, answers against
+    PyTorch."""
     from aot.client.client import Client
     from aot.local.server import LocalServer
 
@@ -200,12 +201,6 @@ def _served_run(repo: Path, config: ScaleBenchConfig, texts: list[str], plan: di
         rss_ready = _memory(server.process)["rss"]
         with Client(server.grpc_url) as client:
             client.infer(_name(0), texts[0])  # the engine's first run is a warm-up, not a task's first request
-        cold = cold_idle(server.grpc_url, plan["cold"], texts[0])
-        fused = cold_idle(server.grpc_url, plan["fused"], texts[0])
-        with Client(server.grpc_url) as client:
-            wrong = _wrong(client, reference, plan["sample"], texts[:2])
-        busy = cold_under_load(server.grpc_url, _name(0), texts, {"": plan["busy"], "fused_": plan["busy_fused"]},
-                               config.concurrency)
         _closed_loop(server.grpc_url, "aot", items[: config.warmup], config.concurrency)
         steady_run = _closed_loop(server.grpc_url, "aot", items[: min(config.warmup, config.requests)],
                                   config.concurrency)  # the warm-up's draws again: every task seen once
@@ -213,6 +208,12 @@ def _served_run(repo: Path, config: ScaleBenchConfig, texts: list[str], plan: di
         hot = [(_name(0), texts[j % len(texts)]) for j in range(config.warmup + config.requests)]
         _closed_loop(server.grpc_url, "aot", hot[: config.warmup], config.concurrency)
         hot_run = _closed_loop(server.grpc_url, "aot", hot[config.warmup:], config.concurrency)
+        cold = cold_idle(server.grpc_url, plan["cold"], texts[0])
+        fused = cold_idle(server.grpc_url, plan["fused"], texts[0])
+        with Client(server.grpc_url) as client:
+            wrong = _wrong(client, reference, plan["sample"], texts[:2])
+        busy = cold_under_load(server.grpc_url, _name(0), texts, {"": plan["busy"], "fused_": plan["busy_fused"]},
+                               config.concurrency)
         memory = _memory(server.process)
         host_bytes = _host_cache_bytes()
         with Client(server.grpc_url) as client:
@@ -275,9 +276,9 @@ def _measure(repo: Path, store: TaskStore, derived: DerivedStore, reference: Ref
     total = derived.count
     weights = 1.0 / np.arange(1, total + 1)
     zipf = rng.choice(total, size=config.warmup + config.requests, p=weights / weights.sum())
-    # untouched tasks from the store's tail: the first half asked one at a time on an idle server, the second under
-    # load (both before any Zipf pass touches them; the same in every run: each starts with no version loaded)
-    tail = rng.permutation(np.arange(total // 2, total))
+    # untouched tasks from the store's tail (none the Zipf passes draw): the first half asked one at a time on an idle
+    # server, the second under load (the same in every run: each starts with no version loaded)
+    tail = rng.permutation(np.setdiff1d(np.arange(total // 2, total), zipf))
     picks = min(config.cold, max(len(tail) // 2, 1))
     half = fused // 2
     plan = {"cold": [_name(int(i)) for i in tail[:picks]], "busy": [_name(int(i)) for i in tail[picks: 2 * picks]],
@@ -304,8 +305,7 @@ def _measure(repo: Path, store: TaskStore, derived: DerivedStore, reference: Ref
               "index_bytes": sum(p.stat().st_size for d in ("index", "log", SHARDS)
                                  for p in (store.root / d).glob("*.json"))}
     if n == max(config.counts) and config.instances:
-        record["instances_pss_mb"] = {2: record["pss_after_total_mb"], **_instances_memory(repo, config,
-                                                                                            plan["items"])}
+        record["instances_pss_mb"] = _instances_memory(repo, config, plan["items"])
     return record
 
 

@@ -2,8 +2,8 @@
 server, its host cache empty of them), asked one at a time on an idle server, and while clients keep one hot task
 busy; and the fused tasks derived for them (a fused task's first request reads its table's blocks and hashes them).
 
-    cold_p50_ms, cold_p99_ms                    factored tasks, one at a time, after one request of task 0 (the
-                                                engine's own first run)
+    cold_p50_ms, cold_p99_ms                    factored tasks, one at a time, once the server's traffic ended
+                                                (the scale bench's Zipf and hot passes: its caches full)
     busy_cold_p50_ms, busy_cold_p99_ms          as many others while `concurrency` - 1 clients keep task 0 busy:
     busy_warm_p50_ms, busy_cold_vs_warm         the hot requests' p50 meanwhile, and the cold p99 over it
     fused_cold_*, fused_busy_cold_*             the same for fused tasks (derived like the factored ones, their
