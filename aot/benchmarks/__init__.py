@@ -11,6 +11,8 @@
                         stand-in, GPU utilisation), gpu_perf_report (targets, failures, perf.json / perf.md),
                         gpu_perf_server (`aot serve` as a user starts it, its metrics and /ready)
     tasks               serving against the number of tasks; scale: ever more tasks, as `aot serve` runs them
+                        (scale_cold: its cold first requests; scale_report: its reports; version_policies: the
+                        host's version cache policy against LRU, replayed)
     kinds               tasks of mixed kinds against classifiers
     accuracy            the paper's accuracy protocol; accuracy_plan (its grids and runs), accuracy_report
     int8_accuracy       what int8 costs each task; int8_data (its data sets)
