@@ -263,11 +263,13 @@ def test_scale_bench_tiny(tmp_path, tiny_models, sentiment_dir):
     out = tmp_path / "bench"
     assert main(["bench", "tasks", "--scale", "--task", str(task), "--counts", "1,30", "--concurrency", "2",
                  "--requests", "16", "--out", str(out), "--no-progress"]) == 0
-    records = json.loads((out / "scale.json").read_text())["records"]
+    report = json.loads((out / "scale.json").read_text())
+    records = report["records"]
     assert [r["tasks"] for r in records] == [1, 30]
     for r in records:
         assert r["errors"] == 0 and r["wrong"] == 0 and r["ready_s"] > 0 and r["rss_after_total_mb"] > 50
-        assert r["cold_p99_ms"] >= r["cold_p50_ms"] > 0 and r["zipf_rps"] > 0 and r["hot_rps"] > 0
+        assert 50 < r["pss_after_total_mb"] <= r["rss_after_total_mb"] and r["host_cache_bytes"] > 0
+        assert r["zipf_rps"] > 0 and r["hot_rps"] > 0
         assert r["steady_rps"] > 0 and r["steady_vs_hot"] == round(r["steady_rps"] / r["hot_rps"], 3)
         if r["busy_cold_requests"]:  # half the untouched tail of the store (none of 1 task)
             assert r["busy_cold_p99_ms"] >= r["busy_cold_p50_ms"] > 0 and r["busy_warm_p50_ms"] > 0
@@ -275,9 +277,33 @@ def test_scale_bench_tiny(tmp_path, tiny_models, sentiment_dir):
         assert 1 <= r["steady_tasks"] <= r["tasks"]  # the steady pass replays warm-up draws: tasks seen already
         assert r["publish_bytes_read"] > 0 and r["publish_writer_bytes"] > 0 and r["publish_to_served_s"] > 0
     assert records[0]["busy_cold_requests"] == 0 and records[1]["busy_cold_requests"] > 0  # 1 task: none untouched
+    assert records[0]["cold_p50_ms"] is None  # one task: none untouched
+    assert records[1]["cold_p99_ms"] >= records[1]["cold_p50_ms"] > 0
+    fused = records[1]  # fused tasks join the store after the 1-task baseline: their cold first requests too
+    assert records[0]["fused_tasks"] == 0 and fused["fused_tasks"] == 14 and fused["fused_busy_cold_requests"] == 7
+    assert fused["fused_cold_p99_ms"] >= fused["fused_cold_p50_ms"] > 0 and fused["fused_busy_cold_p99_ms"] > 0
+    assert set(fused["instances_pss_mb"]) == {"2", "4"} and all(v > 50 for v in fused["instances_pss_mb"].values())
+    cyclic = {p["policy"]: p["hit_rate"] for p in report["policies"] if p["trace"].startswith("cyclic")}
+    assert cyclic["lru"] == 0.0 and cyclic["tinylfu"] > 0.5
     one, many = records  # a publish costs a reader what changed, not the store's size
     assert many["publish_bytes_read"] <= 1.5 * one["publish_bytes_read"], records
     assert (out / "scale.md").read_text().startswith("# One server, many tasks") and (out / "scale.png").is_file()
+
+
+def test_version_policies_replay_shows_lru_failing_a_cycle_and_tinylfu_not():
+    """The version cache's replay (aot.benchmarks.tasks.version_policies): a cyclic working set 10 % larger than the cache
+    gets no hit from LRU and most from the host's W-TinyLFU; under Zipf W-TinyLFU hits at least as often."""
+    import numpy as np
+
+    from aot.benchmarks.tasks.version_policies import replay_version_policies
+
+    draws = np.random.default_rng(1).zipf(1.2, 400) % 2000
+    records = replay_version_policies(2 << 20, 100 << 20, 2000, draws, stream=3000)
+    rate = {(r["trace"].split()[0] + " " + r["trace"].split()[1], r["policy"]): r["hit_rate"] for r in records}
+    assert len(records) == 6 and {r["capacity"] for r in records} == {50}
+    assert rate[("cyclic (1.1x", "lru")] == 0.0 and rate[("cyclic (1.1x", "tinylfu")] > 0.6
+    assert rate[("zipf stream", "tinylfu")] >= rate[("zipf stream", "lru")] > 0
+    assert rate[("zipf steady", "tinylfu")] >= rate[("zipf steady", "lru")]
 
 
 def test_policy_replay_evicts_and_counts_every_lookup(tmp_path, tiny_models):
@@ -418,13 +444,15 @@ def test_s3_bench_refuses_too_few_tasks_and_writes_its_reports(tmp_path, capsys)
     assert "--tasks 50: expected at least 100" in capsys.readouterr().err
     record = {"tasks": 100, "cached_rps_file": 40.0, "cached_rps_s3": 39.0, "cached_ratio": 0.975, "ready_one_s": 2.0,
               "ready_many_s": 2.5, "ready_ratio": 1.25, "fetched_at_start": 0, "cold_p50_ms": 30.0,
-              "cold_p99_ms": 60.0, "paused_answers_cached": 500, "paused_failures_cached": 0,
+              "cold_p99_ms": 60.0, "busy_cold_p50_ms": 35.0, "busy_cold_p99_ms": 70.0, "busy_warm_p50_ms": 30.0,
+              "busy_cold_vs_warm": 2.33, "busy_errors": 0, "paused_answers_cached": 500, "paused_failures_cached": 0,
               "paused_cold_error": "TaskUnavailable: ... s3://b/p ...", "paused_cold_recovered_s": 0.1,
               "publish_to_every_replica_p50_s": 1.5, "publish_to_every_replica_max_s": 1.8}
     write_s3_reports(record, tmp_path / "out", S3BenchConfig("task", str(tmp_path / "out"), tasks=100))
     assert json.loads((tmp_path / "out" / "s3.json").read_text())["record"] == record
     table = (tmp_path / "out" / "s3.md").read_text()
     assert "| S3 × file | 0.975 |" in table and "| ready, 100 tasks in the bucket (s) | 2.5 |" in table
+    assert "| cold first request under load p99 (ms) | 70.0 |" in table
 
 
 def test_kinds_bench_tiny(tmp_path, tiny_models):

@@ -13,7 +13,7 @@ def run_tasks(args) -> int:
         from aot.benchmarks.tasks.scale import ScaleBenchConfig, run_scale_bench
 
         config = ScaleBenchConfig(args.task, args.out, tuple(args.counts), args.requests,
-                                  args.warmup or args.requests, args.concurrency)
+                                  args.warmup or args.requests, args.concurrency, repeats=args.repeats)
         print(json.dumps(run_scale_bench(config, progress=not args.no_progress)))
         return 0
     from aot.benchmarks.tasks.modes import MODES, POPULARITIES, TasksBenchConfig, run_tasks_bench

@@ -341,8 +341,9 @@ class RowPool:
 
     def _fill(self, version: str, ids: np.ndarray) -> None:
         start = time.perf_counter()
+        rows = self._sources[version](ids)  # first: a source that fails (a damaged table's block) takes no slot
         slots = self._take(len(ids))
-        self.storage.write(self.buffer, slots, self._sources[version](ids))
+        self.storage.write(self.buffer, slots, rows)
         slot_of = self._slot_of[version]
         if isinstance(slot_of, dict):
             slot_of.update(zip(ids.tolist(), slots.tolist()))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import tempfile
 from collections.abc import Callable
@@ -158,7 +157,9 @@ def run_onnxruntime(config: OverheadConfig, progress: bool = True,
     from aot.serving.columns import TaskColumn
     from aot.serving.engine import BackboneRunner, EncoderBatch
     from aot.serving.stages import find_rows
+    from aot.serving.store.layout import TABLE_BLOCKS
     from aot.serving.store.reader import EMBEDDINGS
+    from aot.serving.store.table_blocks import TableBlocks, VerifiedTable, block_list
     from aot.serving.tasks import FactoredRows, ServedTask
     from aot.training.backbone import Backbone
 
@@ -186,10 +187,10 @@ def run_onnxruntime(config: OverheadConfig, progress: bool = True,
             store = scratch / model_name / "store"
             write_rows_graphs(store, L, d)
             np.save(store / EMBEDDINGS, encoder.get_input_embeddings().weight.detach().numpy())
-            # the served table's guard (a stat before each read of the map) is timed as the server runs it
+            # the served table's reads by verified blocks are timed as the server runs them
+            blocks = TableBlocks.parse(memoryview(block_list(Path(table.filename))), TABLE_BLOCKS)
             served = {"fused": ServedTask("fused", "fused@000000000000", None, 512, "fused", L, d, V, {},
-                                          table=table, table_path=Path(table.filename),
-                                          table_bytes=os.path.getsize(table.filename)),
+                                          table=VerifiedTable(Path(table.filename), blocks, "fused@000000000000")),
                       "factored": ServedTask("factored", "factored@000000000000", None, 512, "factored", L, d, V,
                                              {}, compute_rows=FactoredRows(store, {"method": "fc", "activation": "tanh"},
                                                                            factors))}

@@ -10,6 +10,8 @@ against the store on the file system, on tasks derived from one trained task
     fetched_at_start                               task versions in the replica's cache once it is ready (0: it
                                                    read the index and no task)
     cold_p50_ms, cold_p99_ms                       first requests of tasks not yet cached, one at a time
+    busy_cold_*, busy_warm_p50_ms                  as many others while `concurrency` - 1 clients keep a cached
+                                                   task busy, and the cached requests' p50 meanwhile
     paused_*                                       the store stopped (SIGSTOP) `pause_s` seconds under load on cached
                                                    tasks: answers and failures; a cold task's answer meanwhile; the
                                                    seconds until it serves once the store is back
@@ -34,6 +36,7 @@ from aot import settings
 from aot.benchmarks.report import markdown_table, percentile, write_json, write_text
 from aot.benchmarks.served.serve import _closed_loop, _texts
 from aot.benchmarks.tasks.scale import DerivedStore, _name
+from aot.benchmarks.tasks.scale_cold import cold_under_load
 from aot.serving.repository import read_repository
 from aot.serving.store.writer import TaskStore
 
@@ -140,22 +143,25 @@ def _under_pause(server, s3, config: S3BenchConfig, texts: list[str], cold_task:
 
 
 def _cold_and_pause(repo: Path, s3, total: int, config: S3BenchConfig, texts: list[str]) -> dict:
-    """On one replica of the store of `total` tasks: first requests of untouched tasks, then the store paused."""
+    """On one replica of the store of `total` tasks: first requests of untouched tasks, idle and while clients keep a
+    cached task busy (aot.benchmarks.tasks.scale_cold), then the store paused."""
     from aot.client.client import Client
     from aot.local.server import LocalServer
 
     rng = np.random.default_rng(0)
-    picks = rng.choice(np.arange(config.hot, total), size=min(config.cold + 1, total - config.hot), replace=False)
+    picks = rng.choice(np.arange(config.hot, total), size=min(2 * config.cold + 1, total - config.hot), replace=False)
+    busy = [_name(int(i)) for i in picks[config.cold:-1]]
     with LocalServer(repo) as server:
         latencies = []
         with Client(server.grpc_url) as client:
             _closed_loop(server.grpc_url, "aot", [(_name(j % config.hot), texts[0]) for j in range(64)], 4)  # cached
-            for i in picks[:-1]:
+            for i in picks[:min(config.cold, len(picks) - 1)]:
                 start = time.perf_counter()
                 client.infer(_name(int(i)), texts[0])
                 latencies.append((time.perf_counter() - start) * 1e3)
+        loaded = cold_under_load(server.grpc_url, _name(0), texts, {"": busy}, config.concurrency)
         paused = _under_pause(server, s3, config, texts, _name(int(picks[-1])))
-    return {"cold_p50_ms": percentile(latencies, 0.5), "cold_p99_ms": percentile(latencies, 0.99), **paused}
+    return {"cold_p50_ms": percentile(latencies, 0.5), "cold_p99_ms": percentile(latencies, 0.99), **loaded, **paused}
 
 
 def _publish_to_fleet(repo: Path, derived: DerivedStore, config: S3BenchConfig, texts: list[str]) -> dict:
@@ -248,12 +254,16 @@ def run_s3_bench(config: S3BenchConfig, progress: bool = True) -> dict:
 
 def write_s3_reports(record: dict, out: Path, config: S3BenchConfig) -> None:
     write_json(out / "s3.json", {"record": record, "config": asdict(config)})
-    rows = [{"what": what, "value": record[key]} for what, key in (
+    rows = [{"what": what, "value": record.get(key)} for what, key in (
         ("cached req/s, file store", "cached_rps_file"), ("cached req/s, S3 store", "cached_rps_s3"),
         ("S3 × file", "cached_ratio"), ("ready, 1 task in the bucket (s)", "ready_one_s"),
         (f"ready, {record['tasks']} tasks in the bucket (s)", "ready_many_s"), ("ready × 1 task", "ready_ratio"),
         ("versions fetched at start", "fetched_at_start"), ("cold first request p50 (ms)", "cold_p50_ms"),
         ("cold first request p99 (ms)", "cold_p99_ms"),
+        ("cold first request under load p50 (ms)", "busy_cold_p50_ms"),
+        ("cold first request under load p99 (ms)", "busy_cold_p99_ms"),
+        ("warm p50 of that load (ms)", "busy_warm_p50_ms"), ("cold p99 under load × warm p50", "busy_cold_vs_warm"),
+        ("errors of that load", "busy_errors"),
         (f"answers, cached tasks, store stopped {config.pause_s:.0f} s", "paused_answers_cached"),
         ("failures, cached tasks, store stopped", "paused_failures_cached"),
         ("a cold task while stopped", "paused_cold_error"),

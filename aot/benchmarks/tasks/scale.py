@@ -1,17 +1,21 @@
 """`aot bench tasks --scale`: one server and ever more tasks, as `aot serve` runs them by default.
 
 From one trained AoT task it derives N tasks with perturbed factors (factored storage, each factor times
-1 + 0.05 * N(0, 1), seeded per task) and publishes them into one store in batches of one change each; at each count
-of --counts (the store grows from one to the next), on a fresh server with the repository's default options:
+1 + 0.05 * N(0, 1), seeded per task) and publishes them into one store in batches of one change each, and from 100
+tasks on 2 x `cold` fused tasks derived alike (aot.benchmarks.tasks.scale_cold); at each count of --counts (the store grows
+from one to the next), `repeats` times on a fresh server with the repository's default options (each figure below
+is the median of the runs; `<figure>_runs` lists each run's, their spread):
 
     publish_one_s, publish_bytes_read   one more task published by itself into the store of N (the median of
     publish_writer_bytes                PUBLISHES), what a serving process (the StoreView the steps run) reads to
                                         apply it, and what the publisher read of the store's index
-    ready_s, rss_ready_mb, rss_after_mb start to ready; every server process's RSS at ready and after the traffic
-    cold_p50_ms, cold_p99_ms            first requests of tasks no request touched yet, one at a time, after one
-                                        request of task 0 (the engine's own first run)
-    busy_cold_p50_ms, busy_cold_p99_ms  the same for as many other untouched tasks while `concurrency` - 1 clients
-    busy_warm_p50_ms, busy_cold_vs_warm keep task 0 busy: the hot requests' p50 meanwhile, and the cold p99 over it
+    ready_s                             start to ready
+    rss_*_mb, pss_after_total_mb        every server process's RSS at ready and after the traffic, and the sum of
+                                        their proportional set sizes after it (memory shared by several processes,
+                                        the host's cache of task versions among it, counted once);
+                                        host_cache_bytes: the versions the host's cache holds then
+    cold_*, busy_cold_*, fused_*        first requests of untouched tasks, idle and under load (aot.benchmarks.
+                                        scale_cold), factored and fused
     steady_rps, steady_vs_hot           steady state, what a busy service lives in: after `warmup` requests of tasks
                                         drawn by Zipf, the same draws again (the first `requests` of them)
     zipf_rps, hot_rps, zipf_vs_hot      the cold protocol: `requests` new Zipf draws after the warm-up (a share of them
@@ -19,9 +23,13 @@ of --counts (the store grows from one to the next), on a fresh server with the r
                                         all at `concurrency`, on the same server
     publish_to_served_s                 a task published while serving, until its first answer
     index_bytes                         the index's files in the store (compactions, shards and change logs it keeps)
-    wrong                               sampled tasks (hot, cold, and again after the traffic evicted them) against
-                                        PyTorch (the master task's model with the derived task's factors, as
+    wrong                               sampled tasks (hot, cold factored and fused, and again after the traffic)
+                                        against PyTorch (the master task's model with the derived task's factors, as
                                         `aot predict` computes it), tolerance 1e-3
+
+At the largest count, the warm-up and steady pass run again on servers whose fused step has each of `instances`
+instances: `instances_pss_mb`, the memory of the same working set by instance count. `policies`: the host cache's
+policy against LRU, replayed in process on this bench's traffic (aot.benchmarks.tasks.version_policies).
 """
 
 from __future__ import annotations
@@ -29,17 +37,20 @@ from __future__ import annotations
 import shutil
 import statistics
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from aot.benchmarks.report import markdown_table, new_figure, percentile, save_figure, write_json, write_text
+from aot.benchmarks.report import percentile
 from aot.benchmarks.served.serve import _closed_loop, _texts
+from aot.benchmarks.tasks.scale_cold import cold_idle, cold_under_load, fused_folder, fused_name
+from aot.benchmarks.tasks.scale_report import SPREAD, write_scale_reports
+from aot.benchmarks.tasks.version_policies import replay_version_policies
 from aot.serving.repository import read_repository
 from aot.serving.shm import STUB
+from aot.serving.store.host_cache import HostCache
 from aot.serving.store.layout import FACTORS, HEAD, TASK_JSON
 from aot.serving.store.reader import StoreReader
 from aot.serving.store.shards import SHARDS
@@ -48,6 +59,7 @@ from aot.serving.store.writer import Publication, TaskStore
 
 ATOL = 1e-3
 PUBLISHES = 3  # single publishes timed at each count
+FUSED_SEED = 10_000_000  # fused task i is derived with seed FUSED_SEED + i (factored task i: seed i)
 
 
 @dataclass
@@ -58,9 +70,11 @@ class ScaleBenchConfig:
     requests: int = 800
     warmup: int = 800
     concurrency: int = 8
-    cold: int = 30  # first requests of untouched tasks measured at each count
+    cold: int = 30  # first requests of untouched tasks measured at each count, idle and again under load
     batch: int = 1000  # tasks per change while the store grows
     sample: int = 8  # tasks checked against PyTorch at each count
+    repeats: int = 1  # fresh servers at each count (medians reported, and each run's figures)
+    instances: tuple[int, ...] = (2, 4)  # the fused step's instances of the memory check at the largest count
 
 
 def _perturbed(factors: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
@@ -117,20 +131,28 @@ class Reference:
         return self.predictor.logits(texts).numpy()
 
 
-def _rss_by_process(process) -> dict[str, float]:
+def _memory(process) -> dict[str, dict[str, float]]:
+    """RSS and PSS (MB) of every server process, by instance (stubs) or name."""
     import psutil
 
     root = psutil.Process(process.pid)
-    out = {}
+    out: dict[str, dict[str, float]] = {"rss": {}, "pss": {}}
     for p in [root, *root.children(recursive=True)]:
         try:
             cmd = p.cmdline()
             stub = len(cmd) > 8 and cmd[0].endswith(STUB)  # argv[8]: the instance (aot.serving.supervision.procfs)
             name = cmd[8] if stub else p.name()
-            out[name] = out.get(name, 0.0) + p.memory_info().rss / 2**20
+            info = p.memory_full_info()
         except psutil.Error:
             continue
-    return {k: round(v, 1) for k, v in sorted(out.items())}
+        for kind, value in (("rss", info.rss), ("pss", info.pss)):
+            out[kind][name] = out[kind].get(name, 0.0) + value / 2**20
+    return {kind: {k: round(v, 1) for k, v in sorted(values.items())} for kind, values in out.items()}
+
+
+def _host_cache_bytes() -> int:
+    """The bytes the host's version cache lists now (the servers' processes share it)."""
+    return sum(e["size"] for e in HostCache.for_host(0).entries())
 
 
 def _publish_cost(store: TaskStore, derived: DerivedStore, publishes: int) -> dict:
@@ -156,92 +178,30 @@ def _publish_cost(store: TaskStore, derived: DerivedStore, publishes: int) -> di
 
 
 def _wrong(client, reference: Reference, picks: list[int], texts: list[str]) -> int:
+    """Answers of derived tasks (their seeds: `picks`) that differ from PyTorch's."""
     wrong = 0
-    for i in picks:
-        expected = reference.logits(i, texts)
+    for seed in picks:
+        name = _name(seed) if seed < FUSED_SEED else fused_name(seed - FUSED_SEED)
+        expected = reference.logits(seed, texts)
         for text, want in zip(texts, expected, strict=True):
-            got = np.asarray(client.infer(_name(i), text)["logits"])
+            got = np.asarray(client.infer(name, text)["logits"])
             wrong += int(not np.allclose(got, want, atol=ATOL))
     return wrong
 
 
-def _cold_under_load(url: str, hot_task: str, texts: list[str], cold_tasks: list[str], concurrency: int) -> dict:
-    """First requests of `cold_tasks`, one at a time, while `concurrency` - 1 clients keep `hot_task` busy from
-    before the first to after the last; the hot requests' p50 meanwhile."""
-    from aot.client.client import Client
-
-    stop, started, lock = threading.Event(), threading.Event(), threading.Lock()
-    warm: list[float] = []
-    errors = [0]
-
-    def load() -> None:
-        with Client(url) as client:
-            k = 0
-            while not stop.is_set():
-                start = time.perf_counter()
-                try:
-                    client.infer(hot_task, texts[k % len(texts)])
-                except Exception:  # noqa: BLE001 - counted: the record's errors
-                    with lock:
-                        errors[0] += 1
-                else:
-                    with lock:
-                        warm.append((time.perf_counter() - start) * 1e3)
-                started.set()
-                k += 1
-
-    loaders = [threading.Thread(target=load, daemon=True) for _ in range(max(concurrency - 1, 1))]
-    for thread in loaders:
-        thread.start()
-    cold = []
-    try:
-        if cold_tasks and not started.wait(timeout=60):
-            raise RuntimeError(f"the load on {hot_task} answered nothing within 60 s ({errors[0]} errors)")
-        with Client(url) as client:
-            for task in cold_tasks:
-                start = time.perf_counter()
-                client.infer(task, texts[0])
-                cold.append((time.perf_counter() - start) * 1e3)
-    finally:
-        stop.set()
-        for thread in loaders:
-            thread.join()
-    p99, warm_p50 = percentile(cold, 0.99), percentile(warm, 0.5)
-    return {"busy_cold_requests": len(cold), "busy_cold_p50_ms": percentile(cold, 0.5), "busy_cold_p99_ms": p99,
-            "busy_warm_p50_ms": warm_p50, "busy_errors": errors[0],
-            "busy_cold_vs_warm": round(p99 / warm_p50, 2) if p99 is not None and warm_p50 else None}
-
-
-def _measure(repo: Path, store: TaskStore, derived: DerivedStore, reference: Reference, n: int,
-             config: ScaleBenchConfig, texts: list[str]) -> dict:
+def _served_run(repo: Path, config: ScaleBenchConfig, texts: list[str], plan: dict,
+                reference: Reference) -> dict:
+    """One fresh server: the Zipf passes and the hot one, then cold first requests idle and under load (after the
+    steady pass: their first loads must not hold the host's cache while it is measured), memory, answers against
+    PyTorch."""
     from aot.client.client import Client
     from aot.local.server import LocalServer
 
-    rng = np.random.default_rng(n)
-    publish = _publish_cost(store, derived, min(PUBLISHES, n))
-    total = derived.count
-    weights = 1.0 / np.arange(1, total + 1)
-    zipf = rng.choice(total, size=config.warmup + config.requests, p=weights / weights.sum())
+    items = plan["items"]
     with LocalServer(repo) as server:
-        rss_ready = _rss_by_process(server.process)
-        # untouched tasks from the store's tail: the first half asked one at a time on an idle server, the second
-        # under load (both before any Zipf pass touches them)
-        tail = rng.permutation(np.arange(total // 2, total))
-        picks = min(config.cold, max(len(tail) // 2, 1))
-        cold_picks, busy_picks = tail[:picks], tail[picks: 2 * picks]
-        cold = []
+        rss_ready = _memory(server.process)["rss"]
         with Client(server.grpc_url) as client:
             client.infer(_name(0), texts[0])  # the engine's first run is a warm-up, not a task's first request
-            for i in cold_picks:
-                start = time.perf_counter()
-                client.infer(_name(int(i)), texts[0])
-                cold.append((time.perf_counter() - start) * 1e3)
-            sample = [0, *[int(i) for i in cold_picks[: config.sample - 1]]]
-            wrong = _wrong(client, reference, sample, texts[:2])
-        busy = _cold_under_load(server.grpc_url, _name(0), texts, [_name(int(i)) for i in busy_picks],
-                                config.concurrency)
-        busy_errors = busy.pop("busy_errors")
-        items = [(_name(int(k)), texts[j % len(texts)]) for j, k in enumerate(zipf)]
         _closed_loop(server.grpc_url, "aot", items[: config.warmup], config.concurrency)
         steady_run = _closed_loop(server.grpc_url, "aot", items[: min(config.warmup, config.requests)],
                                   config.concurrency)  # the warm-up's draws again: every task seen once
@@ -249,37 +209,105 @@ def _measure(repo: Path, store: TaskStore, derived: DerivedStore, reference: Ref
         hot = [(_name(0), texts[j % len(texts)]) for j in range(config.warmup + config.requests)]
         _closed_loop(server.grpc_url, "aot", hot[: config.warmup], config.concurrency)
         hot_run = _closed_loop(server.grpc_url, "aot", hot[config.warmup:], config.concurrency)
-        rss_after = _rss_by_process(server.process)
+        cold = cold_idle(server.grpc_url, plan["cold"], texts[0])
+        fused = cold_idle(server.grpc_url, plan["fused"], texts[0])
         with Client(server.grpc_url) as client:
-            wrong += _wrong(client, reference, sample, texts[:2])  # again, after the traffic's evictions
-            folder = derived.folder(derived.count)
-            start = time.perf_counter()
-            store.publish(_name(derived.count), folder, "factored")
-            while True:
-                try:
-                    client.infer(_name(derived.count), texts[0])
-                    break
-                except Exception:  # noqa: BLE001 - not served yet
-                    time.sleep(0.01)
-            publish_to_served = time.perf_counter() - start
-            derived.count += 1
+            wrong = _wrong(client, reference, plan["sample"], texts[:2])
+        busy = cold_under_load(server.grpc_url, _name(0), texts, {"": plan["busy"], "fused_": plan["busy_fused"]},
+                               config.concurrency)
+        memory = _memory(server.process)
+        host_bytes = _host_cache_bytes()
+        with Client(server.grpc_url) as client:
+            wrong += _wrong(client, reference, plan["sample"], texts[:2])  # again, after the traffic's evictions
+            publish_to_served = plan["publish_served"](client)
         ready = server.ready_seconds
-    return {"tasks": total, **publish,
-            "ready_s": round(ready, 2), "rss_ready_mb": rss_ready, "rss_after_mb": rss_after,
-            "rss_ready_total_mb": round(sum(rss_ready.values()), 1),
-            "rss_after_total_mb": round(sum(rss_after.values()), 1),
-            "cold_p50_ms": round(statistics.median(cold), 1),
-            "cold_p99_ms": percentile(cold, 0.99), **busy,
+    return {"ready_s": round(ready, 2), "rss_ready_mb": rss_ready, "rss_after_mb": memory["rss"],
+            "pss_after_mb": memory["pss"], "rss_ready_total_mb": round(sum(rss_ready.values()), 1),
+            "rss_after_total_mb": round(sum(memory["rss"].values()), 1),
+            "pss_after_total_mb": round(sum(memory["pss"].values()), 1), "host_cache_bytes": host_bytes,
+            "cold_p50_ms": percentile(cold, 0.5), "cold_p99_ms": percentile(cold, 0.99),
+            "fused_cold_p50_ms": percentile(fused, 0.5), "fused_cold_p99_ms": percentile(fused, 0.99), **busy,
             "steady_rps": steady_run["throughput_rps"],
             "steady_vs_hot": round(steady_run["throughput_rps"] / hot_run["throughput_rps"], 3),
             "steady_tasks": len({k for k, _ in items[: min(config.warmup, config.requests)]}),
             "zipf_rps": zipf_run["throughput_rps"], "hot_rps": hot_run["throughput_rps"],
             "zipf_vs_hot": round(zipf_run["throughput_rps"] / hot_run["throughput_rps"], 3),
-            "errors": zipf_run["errors"] + hot_run["errors"] + steady_run["errors"] + busy_errors,
-            "publish_to_served_s": round(publish_to_served, 3),
-            "wrong": wrong,
-            "index_bytes": sum(p.stat().st_size for d in ("index", "log", SHARDS)
-                               for p in (store.root / d).glob("*.json"))}
+            "errors": zipf_run["errors"] + hot_run["errors"] + steady_run["errors"] + busy.pop("busy_errors"),
+            "publish_to_served_s": round(publish_to_served, 3), "wrong": wrong}
+
+
+def _instances_memory(repo: Path, config: ScaleBenchConfig, items: list) -> dict[int, float]:
+    """PSS after the warm-up and steady pass on servers whose fused step has each of `config.instances` instances."""
+    from aot.exporter.configs import parse_pbtxt, set_cpu_instances, to_pbtxt
+    from aot.local.server import LocalServer
+
+    path = repo / "models" / "aot" / "config.pbtxt"
+    original = path.read_text()
+    out = {}
+    try:
+        for count in config.instances:
+            model = parse_pbtxt(original)
+            set_cpu_instances(model, count)
+            path.write_text(to_pbtxt(model))
+            with LocalServer(repo) as server:
+                _closed_loop(server.grpc_url, "aot", items[: config.warmup], config.concurrency)
+                _closed_loop(server.grpc_url, "aot", items[: min(config.warmup, config.requests)], config.concurrency)
+                out[count] = round(sum(_memory(server.process)["pss"].values()), 1)
+    finally:
+        path.write_text(original)
+    return out
+
+
+def _combined(runs: list[dict]) -> dict:
+    """The runs' medians (numbers), the first run's other fields, and each SPREAD figure's runs."""
+    out = dict(runs[0])
+    for key, value in runs[0].items():
+        values = [r[key] for r in runs if isinstance(r.get(key), (int, float))]
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and len(values) == len(runs):
+            out[key] = statistics.median(values)
+    out.update({f"{key}_runs": [r.get(key) for r in runs] for key in SPREAD})
+    out["errors"], out["wrong"] = sum(r["errors"] for r in runs), sum(r["wrong"] for r in runs)
+    return out
+
+
+def _measure(repo: Path, store: TaskStore, derived: DerivedStore, reference: Reference, n: int,
+             config: ScaleBenchConfig, texts: list[str], fused: int) -> dict:
+    rng = np.random.default_rng(n)
+    publish = _publish_cost(store, derived, min(PUBLISHES, n))
+    total = derived.count
+    weights = 1.0 / np.arange(1, total + 1)
+    zipf = rng.choice(total, size=config.warmup + config.requests, p=weights / weights.sum())
+    # untouched tasks from the store's tail (none the Zipf passes draw): the first half asked one at a time on an idle
+    # server, the second under load (the same in every run: each starts with no version loaded)
+    tail = rng.permutation(np.setdiff1d(np.arange(total // 2, total), zipf))
+    picks = min(config.cold, max(len(tail) // 2, 1))
+    half = fused // 2
+    plan = {"cold": [_name(int(i)) for i in tail[:picks]], "busy": [_name(int(i)) for i in tail[picks: 2 * picks]],
+            "fused": [fused_name(i) for i in range(half)], "busy_fused": [fused_name(i) for i in range(half, fused)],
+            "sample": [0, *[int(i) for i in tail[: config.sample - 1]], *[FUSED_SEED + i for i in range(min(half, 2))]],
+            "items": [(_name(int(k)), texts[j % len(texts)]) for j, k in enumerate(zipf)]}
+
+    def publish_served(client) -> float:
+        folder = derived.folder(derived.count)
+        start = time.perf_counter()
+        store.publish(_name(derived.count), folder, "factored")
+        while True:
+            try:
+                client.infer(_name(derived.count), texts[0])
+                break
+            except Exception:  # noqa: BLE001 - not served yet
+                time.sleep(0.01)
+        derived.count += 1
+        return time.perf_counter() - start
+
+    plan["publish_served"] = publish_served
+    runs = [_served_run(repo, config, texts, plan, reference) for _ in range(config.repeats)]
+    record = {"tasks": total, "fused_tasks": fused, **publish, **_combined(runs), "repeats": config.repeats,
+              "index_bytes": sum(p.stat().st_size for d in ("index", "log", SHARDS)
+                                 for p in (store.root / d).glob("*.json"))}
+    if n == max(config.counts) and config.instances:
+        record["instances_pss_mb"] = _instances_memory(repo, config, plan["items"])
+    return record
 
 
 def run_scale_bench(config: ScaleBenchConfig, progress: bool = True) -> dict:
@@ -302,52 +330,27 @@ def run_scale_bench(config: ScaleBenchConfig, progress: bool = True) -> dict:
         derived = DerivedStore(store, master)
         reference = Reference(Path(config.task), derived.factors)
         texts = _texts(64)
-        records = []
+        records, fused = [], 0
         bar = tqdm(total=max(config.counts) + len(config.counts) + 1, desc="scale bench", unit="task",
                    disable=not progress)
         for n in sorted(config.counts):
             derived.grow(max(n - min(PUBLISHES, n), derived.count), config.batch, bar.update)  # _measure: the rest
-            records.append(_measure(repo, store, derived, reference, n, config, texts))
+            if not fused and n > 1:  # the fused tasks join the store after the 1-task baseline
+                fused = 2 * min(config.cold, max(n // 4, 1))
+                store.publish_many([Publication(fused_name(i), fused_folder(store, master, _perturbed(
+                    derived.factors, seed=FUSED_SEED + i), fused_name(i)), "fused") for i in range(fused)])
+            records.append(_measure(repo, store, derived, reference, n, config, texts, fused))
             bar.update(min(PUBLISHES, n) + 1)
             write_scale_reports(records, out, config)
         bar.close()
+        files = [master / name for name in ("factors.safetensors", "head.safetensors", "task.json")]
+        tasks = records[-1]["tasks"]  # the last count's Zipf draws, as _measure drew them
+        weights = 1.0 / np.arange(1, tasks + 1)
+        draws = np.random.default_rng(max(config.counts)).choice(tasks, size=config.warmup + config.requests,
+                                                                 p=weights / weights.sum())[: config.warmup]
+        policies = replay_version_policies(sum(p.stat().st_size for p in files) + 4096,
+                                           read_repository(repo).options.task_cache_bytes, tasks, draws)
+        write_scale_reports(records, out, config, policies)
         return {"out": str(out), "records": len(records), "config": asdict(config)}
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-
-
-def write_scale_reports(records: list[dict], out: Path, config: ScaleBenchConfig) -> None:
-    write_json(out / "scale.json", {"records": records, "config": asdict(config)})
-    first = records[0]
-    rows = [{**r, "ready_vs_first": round(r["ready_s"] / first["ready_s"], 2),
-             "rss_after_vs_first_mb": round(r["rss_after_total_mb"] - first["rss_after_total_mb"], 1),
-             "publish_vs_first": round(r["publish_one_s"] / first["publish_one_s"], 2)} for r in records]
-    text = "# One server, many tasks (CPU, `aot serve` defaults)\n\n" + markdown_table(
-        rows, ["tasks", "ready_s", "ready_vs_first", "rss_ready_total_mb", "rss_after_total_mb",
-               "rss_after_vs_first_mb", "cold_p50_ms", "cold_p99_ms", "busy_cold_requests", "busy_cold_p50_ms",
-               "busy_cold_p99_ms", "busy_warm_p50_ms", "busy_cold_vs_warm", "steady_tasks", "steady_rps", "steady_vs_hot",
-               "zipf_rps", "hot_rps", "zipf_vs_hot",
-               "publish_one_s", "publish_vs_first", "publish_writer_bytes", "publish_bytes_read", "publish_to_served_s",
-               "errors", "wrong"],
-        ["tasks", "ready (s)", "× first", "RSS at ready (MB)", "RSS after traffic (MB)", "+MB vs first",
-         "cold p50 ms", "cold p99 ms", "cold under load (requests)", "cold under load p50 ms",
-         "cold under load p99 ms", "warm p50 ms of that load", "cold p99 under load × warm p50", "tasks in the steady pass", "steady Zipf req/s", "steady × hot",
-         "cold-protocol Zipf req/s", "hot req/s", "cold-protocol Zipf × hot", "publish one (s)", "× first",
-         "bytes the publisher reads", "bytes a reader reads per publish", "publish → served (s)", "errors",
-         "wrong answers"])
-    text += "\n## RSS of each server process after the traffic (MB)\n\n"
-    for r in records:
-        text += f"- {r['tasks']} tasks: " + ", ".join(f"{k} {v}" for k, v in r["rss_after_mb"].items()) + "\n"
-    write_text(out / "scale.md", text)
-    fig, (left, right) = new_figure(11, 4.5, ncols=2)
-    xs = [r["tasks"] for r in records]
-    left.plot(xs, [r["ready_s"] for r in records], marker="o", label="ready (s)")
-    left.plot(xs, [r["rss_after_total_mb"] / 1024 for r in records], marker="o", label="RSS after traffic (GB)")
-    right.plot(xs, [r["steady_vs_hot"] for r in records], marker="o", label="steady Zipf req/s × one hot task")
-    right.plot(xs, [r["zipf_vs_hot"] for r in records], marker="o", label="cold-protocol Zipf req/s × one hot task")
-    for ax in (left, right):
-        ax.set_xscale("log")
-        ax.set_xlabel("tasks in the store")
-        ax.legend(fontsize=7)
-    fig.suptitle("One server, many tasks (CPU)")
-    save_figure(fig, out / "scale.png")
