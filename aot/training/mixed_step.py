@@ -64,7 +64,7 @@ def step_losses(mixer: BiasedEncoder, members: list[Member], plan: SitePlan,
     device = members[0].run.device
     segments = []
     with autocast(device):
-        for k, (member, batches) in enumerate(zip(members, inputs)):
+        for k, (member, batches) in enumerate(zip(members, inputs, strict=True)):
             with member.stream.active():
                 for batch in batches:
                     ids = batch["input_ids"]
@@ -75,12 +75,12 @@ def step_losses(mixer: BiasedEncoder, members: list[Member], plan: SitePlan,
                                              batch["attention_mask"].sum(1).tolist()))
         states = _segment_states(mixer, segments, plan, pass_tokens, members[0].run.pad_id)
     losses: list[torch.Tensor | Exception] = []
-    for k, (member, batches) in enumerate(zip(members, inputs)):
-        own = [s for s, segment in zip(states, segments) if segment.member == k]
+    for k, (member, batches) in enumerate(zip(members, inputs, strict=True)):
+        own = [s for s, segment in zip(states, segments, strict=True) if segment.member == k]
         run = member.run
         try:
             with member.stream.active(), autocast(device):
-                outputs = [run.model.head_logits(s, b["attention_mask"]) for s, b in zip(own, batches)]
+                outputs = [run.model.head_logits(s, b["attention_mask"]) for s, b in zip(own, batches, strict=True)]
                 losses.append(run.kind.loss_from(outputs, batches, run.train_enc, member.rows, run.spec))
         except Exception as exc:  # noqa: BLE001 - the task's own failure, reported with it
             losses.append(exc)
@@ -124,7 +124,7 @@ def _segment_states(mixer: BiasedEncoder, segments: list[_Segment], plan: SitePl
             parts.append(PassPart(segment.noise, rows, at))
         with PassDropout(plan, parts) if plan.draws else contextlib.nullcontext():
             states = mixer.states(ids, mask, types, torch.cat(tables), index)
-        for part, s in zip(parts, dict.fromkeys(item[1] for item in chunk)):
+        for part, s in zip(parts, dict.fromkeys(item[1] for item in chunk), strict=True):
             full = segments[s].batch["input_ids"].shape[1]
             own = states[part.at, :min(length, full)]
             gathered[s].append((part.rows, F.pad(own, (0, 0, 0, full - own.shape[1]))))

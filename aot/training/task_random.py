@@ -85,8 +85,8 @@ def forked(device: torch.device):
 def _dropout_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, float, bool, bool]:
     """F.dropout's arguments (input, p=0.5, training=True, inplace=False), however they were passed."""
     names = ("input", "p", "training", "inplace")
-    values = dict(zip(names, (None, 0.5, True, False)))
-    values.update(zip(names, args))
+    values = dict(zip(names, (None, 0.5, True, False), strict=True))
+    values.update(zip(names, args, strict=False))  # the arguments given by position: the first of them
     values.update(kwargs)
     return values["input"], float(values["p"]), bool(values["training"]), bool(values["inplace"])
 
@@ -145,7 +145,7 @@ class SitePlan:
             runs.append(recorder.calls)
         if len({len(calls) for calls in runs}) != 1:
             raise RuntimeError("the encoder runs a different number of dropouts on inputs of other shapes")
-        return cls([cls._site(*calls) for calls in zip(*runs)])
+        return cls([cls._site(*calls) for calls in zip(*runs, strict=False)])  # the dropouts every run called
 
     @classmethod
     def _site(cls, base, more_rows, longer) -> Site:
@@ -155,7 +155,7 @@ class SitePlan:
         if not (len(shape) == len(more_rows[1]) == len(longer[1])):
             dims = None
         else:
-            for size, grown, long in zip(shape, more_rows[1], longer[1]):
+            for size, grown, long in zip(shape, more_rows[1], longer[1], strict=True):
                 if (size, grown) == (rows, rows_2) and long == size:
                     dims.append(ROWS)
                 elif (size, long) == (tokens, tokens_2) and grown == size:
@@ -224,6 +224,6 @@ class PassDropout(TorchFunctionMode):
             noise_of_part = part.noise[self.calls - 1]
             drawn = noise_of_part.kept.index_select(0, part.rows).to(x.dtype) * noise_of_part.scale
             fits = tuple(slice(0, min(a, b)) if d == TOKENS else slice(None)
-                         for d, a, b in zip(site.dims[1:], drawn.shape[1:], x.shape[1:]))
+                         for d, a, b in zip(site.dims[1:], drawn.shape[1:], x.shape[1:], strict=True))
             noise[(part.at, *fits)] = drawn[(slice(None), *fits)]
         return x.mul_(noise) if inplace else x * noise

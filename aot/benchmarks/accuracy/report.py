@@ -34,11 +34,11 @@ def markdown(config: SweepConfig, datasets: list[str], methods: list[str], summa
     rows, hparam_rows = [], []
     for m in methods:
         entries = [by_key[(d, m)] for d in datasets]
-        row = {"method": m, **{columns[d]: cell(e) for d, e in zip(datasets, entries)}}
+        row = {"method": m, **{columns[d]: cell(e) for d, e in zip(datasets, entries, strict=True)}}
         ok = [e for e in entries if e["status"] == "ok"]
         row["Macro"] = f"{100 * np.mean([e['median'] for e in ok]):.1f}" if len(ok) == len(entries) else "-"
         rows.append(row)
-        hparam_rows.append({"method": m, **{columns[d]: _hparams(e) for d, e in zip(datasets, entries)}})
+        hparam_rows.append({"method": m, **{columns[d]: _hparams(e) for d, e in zip(datasets, entries, strict=True)}})
     titles = [columns[d] for d in datasets]
     subset = (f"a seeded random subset of {config.max_train_samples} training examples per run (drawn with the "
               "run's seed)" if config.max_train_samples else "the full train split")
@@ -140,7 +140,7 @@ def plot_curves(datasets: list[str], methods: list[str], summary: list[dict], re
     lines = curves(summary, records)
     fig, axes = new_figure(width=5 * len(datasets), height=4, ncols=len(datasets))
     axes = np.atleast_1d(axes)
-    for ax, dataset in zip(axes, datasets):
+    for ax, dataset in zip(axes, datasets, strict=False):  # the grid may hold more axes than data sets
         for i, method in enumerate(methods):
             if (dataset, method) in lines:
                 steps, dev = lines[(dataset, method)]

@@ -134,7 +134,7 @@ def _run_all(config: SweepConfig, runs: list[Run], runs_dir: Path, desc: str,
 def _best(points: list[GridPoint], records: list[dict]) -> GridPoint | None:
     """The grid point with the highest dev score (the first on ties); None when every point was skipped."""
     best, best_dev = None, -float("inf")
-    for point, record in zip(points, records):
+    for point, record in zip(points, records, strict=True):
         if record["status"] == "ok" and record["dev"] > best_dev:
             best, best_dev = point, record["dev"]
     return best

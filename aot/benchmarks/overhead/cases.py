@@ -172,7 +172,7 @@ def size_records(methods: list[str], times: dict[str, list[float]], skipped: dic
                             "skipped": skipped.get(name, "not run")})
             continue
         t = times[name]
-        ratios = [a / b for a, b in zip(t, base)] if base else []
+        ratios = [a / b for a, b in zip(t, base, strict=True)] if base else []
         records.append({**record, "median_ms": round(statistics.median(t), 4),
                         "p10_ms": round(float(np.percentile(t, 10)), 4),
                         "p90_ms": round(float(np.percentile(t, 90)), 4),

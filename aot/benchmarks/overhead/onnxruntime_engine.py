@@ -111,7 +111,7 @@ def device_bias_feeds(case: Case, table: torch.Tensor, interface: str) -> dict[s
     from aot.serving.tasks import token_index
 
     rows, index = [], []
-    for ids, mask in zip(case.ids_host, case.mask.cpu().numpy()):
+    for ids, mask in zip(case.ids_host, case.mask.cpu().numpy(), strict=True):
         unique, local = token_index(ids, mask)
         rows.append(table[torch.from_numpy(unique).to(table.device)])
         index.append(local)
