@@ -240,7 +240,10 @@ def test_a_cold_task_beside_cached_ones_in_one_batch_fails_alone(repo, batching_
                 before = c.get_inference_statistics("aot", headers={GRPC_ADMIN_HEADER: server.admin_key})
             items = [{"task": "alpha", "text": TEXTS[i % len(TEXTS)]} for i in range(7)]
             items.insert(3, {"task": "omega", "text": TEXTS[0]})
-            answers = client.infer_many(items, concurrency=len(items), pack=1)  # 8 requests, one batch
+            # 8 requests, one batch; from a client that gives up at once: this one would send the cold task's
+            # retryable refusal again (aot.client.batch), and the resend would be an execution of its own
+            with Client(server.grpc_url, timeout=60, retry_seconds=0) as once:
+                answers = once.infer_many(items, concurrency=len(items), pack=1)
             with grpcclient.InferenceServerClient(server.grpc_url) as c:
                 after = c.get_inference_statistics("aot", headers={GRPC_ADMIN_HEADER: server.admin_key})
         finally:

@@ -127,6 +127,9 @@ class VerifiedTable:
         if (hashlib.sha256(header).hexdigest() != blocks.header_sha256 or offset != blocks.data_offset
                 or shape[0] != blocks.rows or int(np.prod(shape[1:])) * self.dtype.itemsize != blocks.row_bytes):
             raise DigestError(f"{version}: {TABLE} is damaged (its header differs from the one published)")
+        size, expected = os.fstat(self._file.fileno()).st_size, offset + blocks.rows * blocks.row_bytes
+        if size != expected:  # its rows past the cut would fail their reads: the whole version is refused at once
+            raise DigestError(f"{version}: {TABLE} is {size} bytes, expected {expected} (truncated or replaced)")
         self.shape = tuple(shape)
         self._digests = bytes(blocks.digests)
 
