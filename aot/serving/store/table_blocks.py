@@ -129,7 +129,7 @@ class VerifiedTable:
             raise DigestError(f"{version}: {TABLE} is damaged (its header differs from the one published)")
         size, expected = os.fstat(self._file.fileno()).st_size, offset + blocks.rows * blocks.row_bytes
         if size != expected:  # its rows past the cut would fail their reads: the whole version is refused at once
-            raise DigestError(f"{version}: {TABLE} is {size} bytes, expected {expected} (truncated or replaced)")
+            raise DigestError(f"{version}: {TABLE} is damaged ({size} bytes, expected {expected}: truncated or replaced)")
         self.shape = tuple(shape)
         self._digests = bytes(blocks.digests)
 
