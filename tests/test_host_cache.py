@@ -238,6 +238,31 @@ def test_a_cyclic_working_set_larger_than_the_cache_keeps_hits(tmp_path):
     host.close()
 
 
+@pytest.mark.parametrize("policy", ["lru", "tinylfu"])
+def test_versions_of_mixed_sizes_stay_within_the_bound_each_evicted_once(policy):
+    """Versions of 1-4 units under Zipf then a cycle: each eviction frees a slot once (a window spilling two
+    candidates must not count one victim's bytes twice), and what the policy holds never passes its bound."""
+    rng = np.random.default_rng(1)
+    sizes = {f"v{i}": int(rng.integers(1, 5)) * 100 for i in range(1200)}
+    trace = [f"v{int(k) % 1200}" for k in rng.zipf(1.3, size=6000)] + [f"v{i}" for _ in range(5) for i in range(441)]
+    bound = 400 * 250
+    chosen = make_policy(policy, 4 * 1200 + 16, bound)
+    held_most, place = 0, chosen.place
+
+    def checked_place(slot: int) -> list[int]:
+        nonlocal held_most
+        evicted = place(slot)
+        assert len(evicted) == len(set(evicted)), evicted
+        kept = (chosen.segment != 0) & ~np.isin(np.arange(len(chosen.segment)), evicted)
+        held_most = max(held_most, int(chosen.size[kept].sum()))
+        return evicted
+
+    chosen.place = checked_place
+    result = replay(chosen, trace, sizes)
+    assert result["hits"] + result["misses"] == len(trace) and result["hits"] > 0
+    assert bound - 400 < held_most <= bound, held_most  # full, never over
+
+
 def _flip(table: mmap.mmap, at: int, length: int) -> None:
     table[at:at + length] = bytes(b ^ 0xFF for b in table[at:at + length])
 

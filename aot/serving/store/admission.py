@@ -45,9 +45,10 @@ class Sketch:
 
     def add(self, keys: np.ndarray) -> None:
         columns = self._columns(keys)
-        rows = np.broadcast_to(np.arange(SKETCH_ROWS), columns.shape)
-        np.add.at(self.counters, (rows.ravel(), columns.ravel()), 1)  # saturated below, repeats counted
-        np.minimum(self.counters, COUNTER_MAX, out=self.counters)
+        width = self.counters.shape[1]
+        cells, repeats = np.unique((np.arange(SKETCH_ROWS) * width + columns).ravel(), return_counts=True)
+        rows, cols = np.divmod(cells, width)  # only the counters asked for are read and written: the sketch is wide
+        self.counters[rows, cols] = np.minimum(self.counters[rows, cols] + repeats, COUNTER_MAX)  # saturated
         self.additions[0] += len(columns)
         if self.additions[0] >= self.sample:
             self.counters >>= 1
@@ -74,9 +75,28 @@ class Policy:
         """A new entry (its key, size and use set, segment FREE) joins; the slots to evict (it may be one of them)."""
         raise NotImplementedError
 
-    def _oldest(self, segment: int) -> np.ndarray:
+    def _oldest(self, segment: int, need: int) -> list[int]:
+        """The segment's least recently used entries (ties in slot order) whose sizes first reach `need` bytes, or
+        all of them. Eviction takes a few of the oldest: they are found by a partition, not a sort of them all."""
         held = np.flatnonzero(self.segment == segment)
-        return held[np.argsort(self.used[held], kind="stable")]
+        used = self.used[held]
+        count = 4
+        while True:
+            if count < len(held):  # the order's first `count` (and any tied with the last) are those used at or
+                # before its count-th smallest time
+                first = held[used <= np.partition(used, count - 1)[count - 1]]
+            else:
+                first = held
+            order = first[np.argsort(self.used[first], kind="stable")].tolist()
+            total, out = 0, []
+            for slot in order:
+                if total >= need:
+                    return out
+                out.append(slot)
+                total += int(self.size[slot])
+            if total >= need or len(first) == len(held):
+                return out
+            count *= 4
 
     def _bytes(self, segment: int) -> int:
         return int(self.size[self.segment == segment].sum())
@@ -87,13 +107,7 @@ class Lru(Policy):
 
     def place(self, slot: int) -> list[int]:
         self.segment[slot] = MAIN
-        total, evicted = self._bytes(MAIN), []
-        for old in self._oldest(MAIN).tolist():
-            if total <= self.max_bytes:
-                break
-            evicted.append(old)
-            total -= int(self.size[old])
-        return evicted
+        return self._oldest(MAIN, self._bytes(MAIN) - self.max_bytes)
 
 
 class TinyLfu(Policy):
@@ -117,30 +131,22 @@ class TinyLfu(Policy):
         window_bytes = max(int(self.max_bytes * WINDOW_SHARE), int(self.size[slot]))
         main_bytes = self.max_bytes - window_bytes
         evicted: list[int] = []
-        in_window = self._bytes(WINDOW)
-        for candidate in self._oldest(WINDOW).tolist():
-            if in_window <= window_bytes:
-                break
-            in_window -= int(self.size[candidate])
+        for candidate in self._oldest(WINDOW, self._bytes(WINDOW) - window_bytes):
             evicted += self._admit(candidate, main_bytes)
         return evicted
 
     def _admit(self, candidate: int, main_bytes: int) -> list[int]:
         """The window's candidate into the main part, or out; the slots that leave."""
         need = self._bytes(MAIN) + int(self.size[candidate]) - main_bytes
-        victims: list[int] = []
-        for old in self._oldest(MAIN).tolist():
-            if need <= 0:
-                break
-            victims.append(old)
-            need -= int(self.size[old])
-        if need > 0:  # larger than the whole main part
+        victims = self._oldest(MAIN, need)
+        if int(self.size[victims].sum()) < need:  # larger than the whole main part
             return [candidate]
         if victims:
             wanted = self.sketch.estimate(self.key[[candidate, *victims]])
             if wanted[0] <= wanted[1:].max():  # a tie keeps what is held: what resists a cycle
                 return [candidate]
         self.segment[candidate] = MAIN
+        self.segment[victims] = FREE  # gone: the window's next candidate must not count their bytes again
         return victims
 
 
