@@ -201,12 +201,12 @@ def test_unreachable_server_is_retryable_and_restricted_api_is_permission(server
 
     from aot.local.server import free_port
 
-    with Client(f"127.0.0.1:{free_port()}", timeout=5) as nobody:
+    with Client(f"127.0.0.1:{free_port()}", timeout=5, retry_seconds=0) as nobody:  # the retries: test_server.py
         with pytest.raises(Unavailable) as caught:
             nobody.infer("alpha", "w1")
     assert caught.value.retryable and caught.value.status == "UNAVAILABLE" and caught.value.task == "alpha"
     with pytest.raises(Unavailable, match="cannot reach the server"):
-        Client(f"127.0.0.1:{free_port()}", timeout=5).check_ready()
+        Client(f"127.0.0.1:{free_port()}", timeout=5, retry_seconds=0).check_ready()
     raw = InferenceServerClient(server.grpc_url)
     with pytest.raises(InferenceServerException) as restricted:
         raw.get_inference_statistics("aot")  # an API only the admin key opens

@@ -273,7 +273,7 @@ def test_a_corrupted_object_is_refused_then_retried(repo, server, artifacts, exp
     key = f"{version}/factors.safetensors"
     good = bucket.read(key)
     bucket.write(key, good[:-8] + b"\x00" * 8)
-    with Client(server.grpc_url) as client:
+    with Client(server.grpc_url, retry_seconds=0) as client:  # the refusal once, not waited out
         _wait_known(client, "eps")
         with pytest.raises(Unavailable, match=r"task 'eps' \(eps@[0-9a-f]{12}\): a file fetched from the task store "
                                                r"is damaged") as refused:
