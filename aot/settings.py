@@ -153,6 +153,10 @@ CLIENT_ADDRESS_HEADER = Setting("AOT_CLIENT_ADDRESS_HEADER", "the request header
 TASK_CACHE_DIR = Setting("AOT_TASK_CACHE_DIR", "where a server keeps the task versions it fetched from an object "
                          "store (default: ~/.cache/aot/task-versions/<store>)", expected="a folder path",
                          read_by="python steps")
+HOST_CACHE_DIR = Setting("AOT_HOST_CACHE_DIR", "the folder of the index through which a host's step processes share "
+                         "the sealed copies of the task versions they loaded (default: /dev/shm/aot-task-cache-<uid>; "
+                         "it must be this user's and no one else's, or each process keeps its own copies)",
+                         expected="a folder path", read_by="python steps")
 TASK_CACHE_BYTES = Setting("AOT_TASK_CACHE_BYTES", "the bound of that folder; the least recently used versions go "
                            "first", 20 << 30, _integer(0), BYTES, read_by="python steps")
 

@@ -1,4 +1,5 @@
 import os
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -6,6 +7,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # A graceful stop drains AOT_DRAIN_SECONDS first: the tests' servers stop at once, except where the drain is tested
 # (tests/test_graceful_stop.py, which names its own).
 os.environ.setdefault("AOT_DRAIN_SECONDS", "0")
+# The tests' step processes share a host cache of their own (aot.serving.store.host_cache), not the machine's.
+os.environ.setdefault("AOT_HOST_CACHE_DIR", tempfile.mkdtemp(prefix="aot-host-cache-"))
 
 import pytest
 import torch

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from aot.benchmarks.accuracy import run_sweep
-from aot.benchmarks.accuracy_plan import RECORD_FIELDS, SweepConfig, grid_points
-from aot.benchmarks.accuracy_report import curves
+from aot.benchmarks.accuracy.plan import RECORD_FIELDS, SweepConfig, grid_points
+from aot.benchmarks.accuracy.report import curves
+from aot.benchmarks.accuracy.sweep import run_sweep
 from aot.training.data import DataError
 from aot.training.methods import MethodError
 
@@ -152,7 +152,7 @@ def test_defaults_grid_is_what_aot_train_runs_without_flags():
 
 
 def test_run_ids_change_with_pooling(tiny_models, with_test_dir, tmp_path):
-    from aot.benchmarks.accuracy_plan import Run, run_id
+    from aot.benchmarks.accuracy.plan import Run, run_id
 
     base = SweepConfig(model=str(tiny_models["bert"]), datasets=[str(with_test_dir)], methods=["fc"],
                        out=str(tmp_path / "out"), **TINY)

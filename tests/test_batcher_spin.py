@@ -87,7 +87,7 @@ def test_the_probe_sends_what_a_text_client_sends(server):
 def test_text_and_token_id_clients_beside_the_probes_do_not_make_tritonserver_spin(server):
     """Requests of TEXTS texts from a text client and a token-id client at once, CONCURRENCY in flight: every answer
     comes back (a batch never mixes the two input sets), and tritonserver's CPU stays far from a spinning core's."""
-    from aot.benchmarks.tax import cpu_seconds
+    from aot.benchmarks.tax.onnx_engine import cpu_seconds
     from aot.client.client import Client
     from aot.serving.repository import read_repository
 

@@ -106,8 +106,8 @@ def test_bound_session_equals_a_plain_run(tmp_path, tiny_models):
     each request's own rows laid out as Triton's batcher concatenates them (a padded request included)."""
     import torch
 
-    from aot.benchmarks.overhead_cases import make_case
-    from aot.benchmarks.overhead_onnxruntime import BoundSession, device_bias_feeds
+    from aot.benchmarks.overhead.cases import make_case
+    from aot.benchmarks.overhead.onnxruntime_engine import BoundSession, device_bias_feeds
     from aot.exporter.onnx_export import export_backbone_graph
     from aot.serving import protocol
     from aot.serving.engine import BackboneRunner, EncoderBatch
@@ -160,8 +160,8 @@ def test_overhead_int8_tiny(tmp_path, tiny_models, capsys):
 def test_overhead_threads_default_to_one_served_instance(monkeypatch):
     """Without --threads the graphs run with the threads one instance of the CPU server's fused step gets by
     default: the cores divided among the default --cpu-instances."""
-    from aot.benchmarks.overhead_cases import OverheadConfig
-    from aot.benchmarks.overhead_onnxruntime import cpu_threads
+    from aot.benchmarks.overhead.cases import OverheadConfig
+    from aot.benchmarks.overhead.onnxruntime_engine import cpu_threads
     from aot.serving.repository import ServingOptions
 
     config = OverheadConfig(models=["minilm"], batches=[1], seqs=[8], methods=["vanilla"], engine="onnxruntime")
@@ -263,11 +263,13 @@ def test_scale_bench_tiny(tmp_path, tiny_models, sentiment_dir):
     out = tmp_path / "bench"
     assert main(["bench", "tasks", "--scale", "--task", str(task), "--counts", "1,30", "--concurrency", "2",
                  "--requests", "16", "--out", str(out), "--no-progress"]) == 0
-    records = json.loads((out / "scale.json").read_text())["records"]
+    report = json.loads((out / "scale.json").read_text())
+    records = report["records"]
     assert [r["tasks"] for r in records] == [1, 30]
     for r in records:
         assert r["errors"] == 0 and r["wrong"] == 0 and r["ready_s"] > 0 and r["rss_after_total_mb"] > 50
-        assert r["cold_p99_ms"] >= r["cold_p50_ms"] > 0 and r["zipf_rps"] > 0 and r["hot_rps"] > 0
+        assert 50 < r["pss_after_total_mb"] <= r["rss_after_total_mb"] and r["host_cache_bytes"] > 0
+        assert r["zipf_rps"] > 0 and r["hot_rps"] > 0
         assert r["steady_rps"] > 0 and r["steady_vs_hot"] == round(r["steady_rps"] / r["hot_rps"], 3)
         if r["busy_cold_requests"]:  # half the untouched tail of the store (none of 1 task)
             assert r["busy_cold_p99_ms"] >= r["busy_cold_p50_ms"] > 0 and r["busy_warm_p50_ms"] > 0
@@ -275,15 +277,39 @@ def test_scale_bench_tiny(tmp_path, tiny_models, sentiment_dir):
         assert 1 <= r["steady_tasks"] <= r["tasks"]  # the steady pass replays warm-up draws: tasks seen already
         assert r["publish_bytes_read"] > 0 and r["publish_writer_bytes"] > 0 and r["publish_to_served_s"] > 0
     assert records[0]["busy_cold_requests"] == 0 and records[1]["busy_cold_requests"] > 0  # 1 task: none untouched
+    assert records[0]["cold_p50_ms"] is None  # one task: none untouched
+    assert records[1]["cold_p99_ms"] >= records[1]["cold_p50_ms"] > 0
+    fused = records[1]  # fused tasks join the store after the 1-task baseline: their cold first requests too
+    assert records[0]["fused_tasks"] == 0 and fused["fused_tasks"] == 14 and fused["fused_busy_cold_requests"] == 7
+    assert fused["fused_cold_p99_ms"] >= fused["fused_cold_p50_ms"] > 0 and fused["fused_busy_cold_p99_ms"] > 0
+    assert set(fused["instances_pss_mb"]) == {"2", "4"} and all(v > 50 for v in fused["instances_pss_mb"].values())
+    cyclic = {p["policy"]: p["hit_rate"] for p in report["policies"] if p["trace"].startswith("cyclic")}
+    assert cyclic["lru"] == 0.0 and cyclic["tinylfu"] > 0.5
     one, many = records  # a publish costs a reader what changed, not the store's size
     assert many["publish_bytes_read"] <= 1.5 * one["publish_bytes_read"], records
     assert (out / "scale.md").read_text().startswith("# One server, many tasks") and (out / "scale.png").is_file()
 
 
+def test_version_policies_replay_shows_lru_failing_a_cycle_and_tinylfu_not():
+    """The version cache's replay (aot.benchmarks.tasks.version_policies): a cyclic working set 10 % larger than the cache
+    gets no hit from LRU and most from the host's W-TinyLFU; under Zipf W-TinyLFU hits at least as often."""
+    import numpy as np
+
+    from aot.benchmarks.tasks.version_policies import replay_version_policies
+
+    draws = np.random.default_rng(1).zipf(1.2, 400) % 2000
+    records = replay_version_policies(2 << 20, 100 << 20, 2000, draws, stream=3000)
+    rate = {(r["trace"].split()[0] + " " + r["trace"].split()[1], r["policy"]): r["hit_rate"] for r in records}
+    assert len(records) == 6 and {r["capacity"] for r in records} == {50}
+    assert rate[("cyclic (1.1x", "lru")] == 0.0 and rate[("cyclic (1.1x", "tinylfu")] > 0.6
+    assert rate[("zipf stream", "tinylfu")] >= rate[("zipf stream", "lru")] > 0
+    assert rate[("zipf steady", "tinylfu")] >= rate[("zipf steady", "lru")]
+
+
 def test_policy_replay_evicts_and_counts_every_lookup(tmp_path, tiny_models):
     """The replay of `aot bench tasks` through a pool of 8 rows for 20 tasks: it evicts, and hits + misses are every
     distinct token of the trace's second half."""
-    from aot.benchmarks.tasks import replay_policies
+    from aot.benchmarks.tasks.modes import replay_policies
     from aot.serving.repository import read_repository
     from tests.helpers import make_repository
 
@@ -296,7 +322,7 @@ def test_policy_replay_evicts_and_counts_every_lookup(tmp_path, tiny_models):
 
 
 def test_memory_fallbacks_are_counted_from_the_server_log(tmp_path):
-    from aot.benchmarks.serve import _memory_fallbacks
+    from aot.benchmarks.served.serve import _memory_fallbacks
 
     log = tmp_path / "tritonserver.log"
     log.write_text('W1123 pinned_memory_manager.cc:170] "failed to allocate pinned system memory: no pinned memory '
@@ -412,19 +438,21 @@ def test_tax_bench_int8_tiny(tmp_path, tiny_models, sentiment_dir):
 def test_s3_bench_refuses_too_few_tasks_and_writes_its_reports(tmp_path, capsys):
     """`aot bench s3` (the full run needs minutes: docs/benchmarks.md, "The task store on S3"): too few tasks for the cold
     requests is one clear error; the reports hold every figure of a record."""
-    from aot.benchmarks.s3_store import S3BenchConfig, write_s3_reports
+    from aot.benchmarks.tasks.s3_store import S3BenchConfig, write_s3_reports
 
     assert main(["bench", "s3", "--task", str(tmp_path), "--tasks", "50", "--out", str(tmp_path / "out")]) == 2
     assert "--tasks 50: expected at least 100" in capsys.readouterr().err
     record = {"tasks": 100, "cached_rps_file": 40.0, "cached_rps_s3": 39.0, "cached_ratio": 0.975, "ready_one_s": 2.0,
               "ready_many_s": 2.5, "ready_ratio": 1.25, "fetched_at_start": 0, "cold_p50_ms": 30.0,
-              "cold_p99_ms": 60.0, "paused_answers_cached": 500, "paused_failures_cached": 0,
+              "cold_p99_ms": 60.0, "busy_cold_p50_ms": 35.0, "busy_cold_p99_ms": 70.0, "busy_warm_p50_ms": 30.0,
+              "busy_cold_vs_warm": 2.33, "busy_errors": 0, "paused_answers_cached": 500, "paused_failures_cached": 0,
               "paused_cold_error": "TaskUnavailable: ... s3://b/p ...", "paused_cold_recovered_s": 0.1,
               "publish_to_every_replica_p50_s": 1.5, "publish_to_every_replica_max_s": 1.8}
     write_s3_reports(record, tmp_path / "out", S3BenchConfig("task", str(tmp_path / "out"), tasks=100))
     assert json.loads((tmp_path / "out" / "s3.json").read_text())["record"] == record
     table = (tmp_path / "out" / "s3.md").read_text()
     assert "| S3 × file | 0.975 |" in table and "| ready, 100 tasks in the bucket (s) | 2.5 |" in table
+    assert "| cold first request under load p99 (ms) | 70.0 |" in table
 
 
 def test_kinds_bench_tiny(tmp_path, tiny_models):
@@ -451,8 +479,8 @@ def test_infinity_bench_sender_loop_and_report(tmp_path):
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from aot.benchmarks.infinity import http_sender, write_infinity_reports
-    from aot.benchmarks.serve import closed_loop
+    from aot.benchmarks.served.infinity import http_sender, write_infinity_reports
+    from aot.benchmarks.served.serve import closed_loop
 
     seen, lock = [], threading.Lock()
 
@@ -514,7 +542,7 @@ def test_an_unknown_storage_is_refused_before_any_work(tmp_path, capsys):
 def test_int8_data_writes_the_regression_and_pair_sets_aot_train_reads(tmp_path):
     """The int8 accuracy benchmark's two derived sets, read back by `aot train`'s loader: Rotten Tomatoes as 0/1
     scores in its own split, and BBC article pairs labelled by whether their topics match, half of each."""
-    from aot.benchmarks.int8_data import main as write_data
+    from aot.benchmarks.accuracy.int8_data import main as write_data
     from aot.training.data import load_task_data
     from aot.training.data.builtin import bbc_news, rotten_tomatoes
 
@@ -546,7 +574,7 @@ PERF_ANALYZER_CSV = (  # perf_analyzer 2.60's -f file for one concurrency, serve
 
 
 def test_perf_analyzer_csv_gives_texts_requests_and_latencies_in_ms():
-    from aot.benchmarks.gpu_perf_load import parse_perf_analyzer_csv
+    from aot.benchmarks.gpu.load import parse_perf_analyzer_csv
 
     figures = parse_perf_analyzer_csv(PERF_ANALYZER_CSV, texts_per_request=64)
     assert figures["texts_per_s"] == 12800.5 and figures["requests_per_s"] == 200.0  # Inferences/Second counts texts
@@ -559,7 +587,7 @@ def test_perf_analyzer_csv_gives_texts_requests_and_latencies_in_ms():
     ("Concurrency,Inferences/Second\n1,10\n", "lacks the columns ['p50 latency', 'p99 latency']"),
 ])
 def test_perf_analyzer_csv_without_figures_is_refused(text, said):
-    from aot.benchmarks.gpu_perf_load import LoadError, parse_perf_analyzer_csv
+    from aot.benchmarks.gpu.load import LoadError, parse_perf_analyzer_csv
 
     with pytest.raises(LoadError, match=re.escape(said)):
         parse_perf_analyzer_csv(text, texts_per_request=1)
@@ -568,7 +596,7 @@ def test_perf_analyzer_csv_without_figures_is_refused(text, said):
 def test_perf_analyzer_command_carries_the_admin_key_and_the_request_size(tmp_path):
     """perf_analyzer reads the restricted model config and statistics: the key goes as gRPC metadata (-H), and -b is
     the texts a request carries; the log shows the command without the key."""
-    from aot.benchmarks.gpu_perf_load import Window, perf_analyzer_command, shown
+    from aot.benchmarks.gpu.load import Window, perf_analyzer_command, shown
     from aot.serving.supervision.admin_key import GRPC_ADMIN_HEADER
 
     key = "k" * 32
@@ -598,7 +626,7 @@ def test_the_documented_perf_analyzer_command_carries_the_admin_key():
 
 
 def test_input_data_has_the_documented_shape_and_mixes_tasks():
-    from aot.benchmarks.gpu_perf_load import input_data
+    from aot.benchmarks.gpu.load import input_data
 
     documented = json.loads((ROOT / "docs" / "perf_analyzer_input.json").read_text())["data"][0]
     data = input_data(["a", "b", "c"], ["t0", "t1"])["data"]
@@ -608,7 +636,7 @@ def test_input_data_has_the_documented_shape_and_mixes_tasks():
 
 
 def test_windows_run_what_the_targets_read_first():
-    from aot.benchmarks.gpu_perf import windows_in_order
+    from aot.benchmarks.gpu.perf import windows_in_order
 
     order = [(w.model, w.texts, w.concurrency) for w in windows_in_order("base", (1, 32, 256), (1, 64))]
     assert len(order) == len(set(order)) == 18
@@ -622,8 +650,8 @@ def test_windows_run_what_the_targets_read_first():
 def test_budget_skips_what_would_pass_the_deadline():
     import time
 
-    from aot.benchmarks.gpu_perf import RESERVE_S, Budget
-    from aot.benchmarks.gpu_perf_load import Window
+    from aot.benchmarks.gpu.load import Window
+    from aot.benchmarks.gpu.perf import RESERVE_S, Budget
 
     unbounded = Budget(None, 10.0, 1500)
     assert unbounded.fits(1e9) and unbounded.estimate(Window("vanilla", 1, 1)) == 10.0
@@ -643,7 +671,7 @@ def test_budget_skips_what_would_pass_the_deadline():
 def test_a_window_of_long_requests_is_measured_over_a_longer_interval():
     """Two requests' latency in a closed loop (texts x concurrency / texts per second), at least the given window, at
     most MAX_INTERVAL_MS."""
-    from aot.benchmarks.gpu_perf_load import MAX_INTERVAL_MS, Window, interval_ms
+    from aot.benchmarks.gpu.load import MAX_INTERVAL_MS, Window, interval_ms
 
     assert interval_ms(Window("vanilla", 1, 256), 3000.0, 1500) == 1500  # 85 ms a request
     assert interval_ms(Window("vanilla", 64, 256), 7000.0, 1500) == 4681  # 2.3 s a request, as on the H100
@@ -652,7 +680,7 @@ def test_a_window_of_long_requests_is_measured_over_a_longer_interval():
 
 
 def test_an_earlier_shape_keeps_time_for_the_later_shapes_target_windows():
-    from aot.benchmarks.gpu_perf import RESERVE_S, Budget, kept_for_later
+    from aot.benchmarks.gpu.perf import RESERVE_S, Budget, kept_for_later
 
     budget = Budget(None, 10.0, 1500)
 
@@ -669,7 +697,7 @@ def test_an_earlier_shape_keeps_time_for_the_later_shapes_target_windows():
 
 
 def test_metric_sum_adds_every_series_and_tells_none_from_zero():
-    from aot.benchmarks.gpu_perf_server import metric_sum
+    from aot.benchmarks.gpu.server import metric_sum
 
     text = ('# TYPE aot_engine_eager_batches_total counter\n'
             'aot_engine_eager_batches_total{step="aot",instance="0"} 0\n'
@@ -681,7 +709,7 @@ def test_metric_sum_adds_every_series_and_tells_none_from_zero():
 
 
 def test_utilisation_samples_are_read_and_summarised_per_window():
-    from aot.benchmarks.gpu_perf_load import parse_utilisation, summarise_utilisation
+    from aot.benchmarks.gpu.load import parse_utilisation, summarise_utilisation
 
     assert [parse_utilisation(line) for line in ("87\n", " 5 ", "[N/A]", "")] == [87.0, 5.0, None, None]
     samples = [(0.5, 10.0), (1.0, 60.0), (1.5, 80.0), (3.0, 100.0)]
@@ -704,7 +732,7 @@ def _perf_shape(name: str, **changes) -> dict:
 
 
 def test_targets_are_evaluated_on_the_windows():
-    from aot.benchmarks.gpu_perf_report import evaluate_targets
+    from aot.benchmarks.gpu.report import evaluate_targets
 
     checks = {(c["shape"], c["target"]): c for c in evaluate_targets([_perf_shape("minilm"), _perf_shape("base")])}
     assert checks and all(c["met"] is True for c in checks.values()), [c for c in checks.values() if c["met"] is not True]
@@ -744,14 +772,14 @@ def test_targets_are_evaluated_on_the_windows():
     ({"error": "RuntimeError: aot serve exited with 1"}, "cuda", "aot serve exited with 1"),
 ])
 def test_what_fails_the_check(changes, device, said):
-    from aot.benchmarks.gpu_perf_report import failures
+    from aot.benchmarks.gpu.report import failures
 
     found = failures([_perf_shape("minilm", **changes)], device)
     assert (found == []) if said is None else (len(found) == 1 and said in found[0]), found
 
 
 def test_perf_reports_are_written_with_targets_and_failures(tmp_path):
-    from aot.benchmarks.gpu_perf_report import write_reports
+    from aot.benchmarks.gpu.report import write_reports
 
     shape = _perf_shape("minilm", description="bert config, 6 layers", eager_batches={"measured": 1, "since_start": 1},
                         elapsed_s={"windows": 12.0}, skipped=["aot-1-t64-c1 (~9 s would pass the deadline)"],
@@ -772,8 +800,8 @@ def test_perf_reports_are_written_with_targets_and_failures(tmp_path):
 def test_py_spy_raw_stacks_are_summarised_and_reported(tmp_path):
     """py-spy's raw output (root first, a count a line) as the busy share and the frames with the most samples, own
     and inclusive; perf.md shows it with the shape, and a profile that failed says why."""
-    from aot.benchmarks.gpu_perf_profile import summarise
-    from aot.benchmarks.gpu_perf_report import profile_markdown
+    from aot.benchmarks.gpu.report import profile_markdown
+    from aot.benchmarks.gpu.step_profile import summarise
 
     raw = ("execute (model.py:54);encode (tokenization.py:78) 60\n"
            "execute (model.py:54);logits (tasks.py:188) 25\n"

@@ -4,6 +4,7 @@ model name, an --out that exists) is refused in one line that names it, with exi
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -237,5 +238,6 @@ def test_infer_input_needs_a_task(tmp_path, capsys):
     assert json.loads(captured.out) == {"id": 3, "error": 'line 1: expected {"task": "...", "text": "..."} (or --task '
                                         "for lines without one)", "error_type": "InvalidInput", "status": None,
                                         "retryable": False}
-    assert captured.err == ('aot: error: 1 of 1 requests failed (first: line 1: expected {"task": "...", "text": '
-                            '"..."} (or --task for lines without one))\n')
+    assert re.fullmatch(r'aot: error: 0 of 1 lines answered, 1 failed \(1 InvalidInput, first line 1: expected '
+                        r'\{"task": "\.\.\.", "text": "\.\.\."\} \(or --task for lines without one\)\), 0 retried, '
+                        r'[0-9.]+ s, 0 lines/s\n', captured.err), captured.err

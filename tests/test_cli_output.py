@@ -5,6 +5,9 @@ next step on stderr for people, and the files it leaves behind."""
 from __future__ import annotations
 
 import json
+import re
+import shlex
+from collections import Counter
 
 import pytest
 import torch
@@ -86,48 +89,93 @@ REQUESTS = [{"id": 7, "text": "good w1"}, {"id": "b", "task": "nope", "text": "w
 
 @pytest.mark.server
 def test_infer_input_answers_what_it_can(tmp_path, server, capsys, monkeypatch):
-    """A line without a task takes --task; each answer echoes the line's id and task; a failed line is counted on
-    stderr and fails the run only with --strict (or when every line failed)."""
+    """A line without a task takes --task; each answer echoes the line's id and task (a line without an id: its
+    number, "line"); a failed line is counted in the one-line summary and fails the run (exit 2), unless
+    --partial-ok, which fails it only when every line failed."""
     import io
 
     path = tmp_path / "requests.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in REQUESTS))
     argv = ["infer", "--url", server.grpc_url, "--task", "sentiment", "--no-progress", "--input"]
-    assert main([*argv, str(path)]) == 0
+    assert main([*argv, str(path)]) == 2
     captured = capsys.readouterr()
     answers = _json_lines(captured.out)
-    assert [(a.get("id"), a["task"]) for a in answers] == [(7, "sentiment"), ("b", "nope"), (None, "score")]
+    assert [(a.get("id"), a.get("line"), a["task"]) for a in answers] == [(7, None, "sentiment"), ("b", None, "nope"),
+                                                                          (None, 3, "score")]
     assert answers[0]["label"] == "positive" and "score" in answers[2] and "unknown task 'nope'" in answers[1]["error"]
-    warning = captured.err.strip()
-    assert len(warning.splitlines()) == 1
-    assert warning.startswith("aot: warning: 1 of 3 requests failed, answered {\"error\": ...} (first: line 2: ")
-    assert warning.endswith("); --strict makes that exit 2")
-    assert main([*argv, str(path), "--strict"]) == 2
-    assert one_line_error(capsys).startswith("aot: error: 1 of 3 requests failed (first: line 2: ")
+    summary = captured.err.strip()
+    assert len(summary.splitlines()) == 1
+    assert re.fullmatch(r"aot: error: 2 of 3 lines answered, 1 failed \(1 TaskNotFound, first line 2: unknown task "
+                        r"'nope'; .*\), 0 retried, [0-9.]+ s, [0-9]+ lines/s", summary), summary
+    assert main([*argv, str(path), "--partial-ok"]) == 0
+    assert one_line_error(capsys).startswith("aot: warning: 2 of 3 lines answered, 1 failed (1 TaskNotFound, ")
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b'{"task": "nope", "text": "w1"}\n\n{"task": '
                                                                  b'"nope", "text": "w2"}\n')))
-    assert main([*argv, "-"]) == 2
-    assert one_line_error(capsys) == ("aot: error: 2 of 2 requests failed (first: line 1: unknown task 'nope'; known "
-                                       "tasks: score, sentiment)")
+    assert main([*argv, "-", "--partial-ok"]) == 2
+    assert one_line_error(capsys).startswith("aot: error: 0 of 2 lines answered, 2 failed (2 TaskNotFound, first "
+                                             "line 1: unknown task 'nope'; known tasks: score, sentiment), ")
 
 
 def test_evaluate_scores_a_labelled_file(tasks, sentiment_dir, tmp_path, capsys):
-    """On the dev split, the score training reported for the weights it kept."""
+    """On the dev split, the score training reported for the weights it kept, and per class figures that add up to
+    it; a row whose label the task does not know is counted and left out (issue 54.7: the file used to be refused);
+    --predictions writes each scored row's prediction."""
     dev = sentiment_dir / "dev.jsonl"
     assert main(["evaluate", "--task", str(tasks["sentiment"]), str(dev)]) == 0
     captured = capsys.readouterr()
     report = json.loads(captured.out)
-    assert captured.err == f"aot: sentiment: accuracy {report['score']:.4f} on 100 examples of {dev}\n"
+    err = captured.err.splitlines()
+    assert err[0] == f"aot: sentiment: accuracy {report['score']:.4f} on 100 examples of {dev}"
+    assert re.fullmatch(r"aot: F1 per class, lowest first \(support\): (negative|positive) [0-9.]+ \([0-9]+\), "
+                        r"(negative|positive) [0-9.]+ \([0-9]+\)", err[1]), err
     metrics = json.loads((tasks["sentiment"] / "metrics.json").read_text())
+    per_class = report.pop("per_class")
     assert report == {"task": "sentiment", "metric": "accuracy", "score": metrics["dev"], "examples": 100,
-                      "data": str(dev)}
+                      "data": str(dev), "unknown_labels": {}}
+    assert set(per_class) == {"negative", "positive"} and sum(c["support"] for c in per_class.values()) == 100
+    correct = sum(c["recall"] * c["support"] for c in per_class.values())
+    assert correct == pytest.approx(report["score"] * 100)  # recall x support: the rows of each class it got right
     assert main(["evaluate", "--task", str(tasks["score"]), str(tasks["score"].parent / "scores" / "dev.jsonl")]) == 0
-    assert json.loads(capsys.readouterr().out)["metric"] == "pearson_spearman"
-    bad = tmp_path / "test.csv"
-    bad.write_text("text,label\ngood w1,positive\nw2,neutral\n")
-    assert main(["evaluate", "--task", str(tasks["sentiment"]), str(bad)]) == 2
-    assert one_line_error(capsys) == (f"aot: error: {bad}:3: label 'neutral' is not one of the task's labels "
-                                       "['negative', 'positive']")
+    scored = json.loads(capsys.readouterr().out)
+    assert scored["metric"] == "pearson_spearman" and scored["per_class"] is None
+    mixed = tmp_path / "test.csv"
+    mixed.write_text("text,label\ngood w1,positive\nw2,neutral\nw3 awful,negative\nw4,neutral\n")
+    predictions = tmp_path / "predictions.jsonl"
+    assert main(["evaluate", "--task", str(tasks["sentiment"]), str(mixed), "--predictions", str(predictions)]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["examples"] == 2 and report["unknown_labels"] == {"neutral": 2}
+    assert ("aot: warning: rows left out of the score for labels the task does not know (by label): 'neutral': 2"
+            in captured.err.splitlines())
+    rows = [json.loads(line) for line in predictions.read_text().splitlines()]
+    assert [(r["text"], r["expected"]) for r in rows] == [("good w1", "positive"), ("w3 awful", "negative")]
+    assert all(r["task"] == "sentiment" and r["label"] in ("negative", "positive") and len(r["logits"]) == 2
+               for r in rows)
+    assert report["score"] == sum(r["label"] == r["expected"] for r in rows) / 2
+    strangers = tmp_path / "strangers.csv"
+    strangers.write_text("text,label\nw2,neutral\n")
+    assert main(["evaluate", "--task", str(tasks["sentiment"]), str(strangers)]) == 2
+    assert one_line_error(capsys) == (f"aot: error: {strangers}: no row has a label of task 'sentiment' (['negative', "
+                                      "'positive']); labels found: {'neutral': 1}")
+
+
+def test_evaluate_reports_entity_types_and_labels_per_class(kind_artifacts, tmp_path, capsys):
+    """A tagger's per-class report is per entity type (seqeval's), a multi-label task's per label, each support the
+    gold entities or labels of that class."""
+    from aot.training.artifact import read_task
+
+    for name in ("ner", "tags"):
+        dev = tmp_path / f"{name}.jsonl"
+        dev.write_text(open(f"{read_task(kind_artifacts[name]).config['training']['data']}/dev.jsonl").read())
+        assert main(["evaluate", "--task", str(kind_artifacts[name]), str(dev)]) == 0
+        report = json.loads(capsys.readouterr().out)
+        rows = [json.loads(line) for line in dev.read_text().splitlines()]
+        if name == "tags":
+            gold = Counter(label for row in rows for label in row["labels"])
+        else:
+            gold = Counter(tag[2:] for row in rows for tag in row["tags"] if tag.startswith("B-"))
+        assert {k: c["support"] for k, c in report["per_class"].items() if c["support"]} == dict(gold), name
+        assert all(0 <= c[m] <= 1 for c in report["per_class"].values() for m in ("precision", "recall", "f1"))
 
 
 @pytest.mark.server
@@ -177,23 +225,31 @@ def test_reports_say_what_happened_and_what_is_next(tmp_path, tiny_models, tasks
     assert (repo / "tasks" / folder).is_dir()
 
 
-@pytest.mark.parametrize("method,hint", [
-    pytest.param("fc", "; aot export task --task {out} --repo REPO --name NAME", id="exportable"),
-    pytest.param("bitfit", " (a bitfit task runs in PyTorch only: aot export task takes fc and kron)",
+@pytest.mark.parametrize("method,pair,hint", [
+    pytest.param("fc", False, "; aot export task --task {out} --repo REPO --name NAME", id="exportable"),
+    pytest.param("bitfit", False, " (a bitfit task runs in PyTorch only: aot export task takes fc and kron)",
                  id="PyTorch only"),
+    pytest.param("fc", True, "; aot export task --task {out} --repo REPO --name NAME", id="pairs"),
 ])
-def test_train_says_where_to_go_next(tmp_path, tiny_models, sentiment_dir, capsys, method, hint):
+def test_train_says_where_to_go_next(tmp_path, tiny_models, sentiment_dir, capsys, method, pair, hint):
+    """The hint is a call that works: a task trained on text pairs is called with --pair (issue 54.7)."""
+    from tests.tiny import write_sentiment_folder
+
     out = tmp_path / "t"
-    assert main(["train", "--model", str(tiny_models["bert"]), "--data", str(sentiment_dir), "--method", method,
+    data = write_sentiment_folder(tmp_path / "pairs", pair=True) if pair else sentiment_dir
+    assert main(["train", "--model", str(tiny_models["bert"]), "--data", str(data), "--method", method,
                  "--out", str(out), "--epochs", "1", "--max-train-samples", "32", "--max-length", "16",
                  "--no-progress"]) == 0
     captured = capsys.readouterr()
     result = json.loads(captured.out)
     summary, after = captured.err.splitlines()[-2:]
-    assert summary == (f"aot: trained sentiment ({method}) into {out}: dev accuracy {result['dev']:.4f} after 2 steps, "
-                       f"{result['train_seconds']:.0f} s")
-    assert after == f'aot: next: aot predict --task {out} "some text"; aot evaluate --task {out} FILE' + \
+    assert summary == (f"aot: trained {result['task']} ({method}) into {out}: dev accuracy {result['dev']:.4f} after "
+                       f"2 steps, {result['train_seconds']:.0f} s")
+    texts = '--pair "a second text" "some text"' if pair else '"some text"'
+    assert after == f"aot: next: aot predict --task {out} {texts}; aot evaluate --task {out} FILE" + \
         hint.format(out=out)
+    call = after.removeprefix("aot: next: aot ").split(";")[0]
+    assert main(shlex.split(call)) == 0 and "label" in json.loads(capsys.readouterr().out)
 
 
 # --- files left behind ----------------------------------------------------------------------------------------------

@@ -323,7 +323,7 @@ def test_cli_refusals(tmp_path, capsys, model_dir, task, repo):
 def test_int8_accuracy_benchmark(tmp_path, repo, task, published):
     """The benchmark publishes the task as a user would, measures its drop, and re-fits it where the drop is past
     the threshold; its report holds both figures."""
-    from aot.benchmarks.int8_accuracy import main as bench
+    from aot.benchmarks.accuracy.int8 import main as bench
 
     assert bench(["--repo", str(repo), "--tasks", f"bench={task}", "--out", str(tmp_path), "--refit-steps", "100",
                   "--refit-lr", "3e-3"]) == 0

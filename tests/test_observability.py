@@ -201,12 +201,12 @@ def test_unreachable_server_is_retryable_and_restricted_api_is_permission(server
 
     from aot.local.server import free_port
 
-    with Client(f"127.0.0.1:{free_port()}", timeout=5) as nobody:
+    with Client(f"127.0.0.1:{free_port()}", timeout=5, retry_seconds=0) as nobody:  # the retries: test_server.py
         with pytest.raises(Unavailable) as caught:
             nobody.infer("alpha", "w1")
     assert caught.value.retryable and caught.value.status == "UNAVAILABLE" and caught.value.task == "alpha"
     with pytest.raises(Unavailable, match="cannot reach the server"):
-        Client(f"127.0.0.1:{free_port()}", timeout=5).check_ready()
+        Client(f"127.0.0.1:{free_port()}", timeout=5, retry_seconds=0).check_ready()
     raw = InferenceServerClient(server.grpc_url)
     with pytest.raises(InferenceServerException) as restricted:
         raw.get_inference_statistics("aot")  # an API only the admin key opens
@@ -231,7 +231,8 @@ def test_infer_input_answers_a_bad_line_in_place(server):
     stdin = '{"id": 1, "task": "alpha", "text": "good"}\nnot json\n{"id": 3, "text": "no task"}\n\n' \
             '{"id": 5, "task": "nosuch", "text": "x"}\n{"id": 6, "task": "beta", "text": "w1"}\n'
     run = subprocess.run([sys.executable, "-m", "aot", "infer", "--url", server.grpc_url, "--input", "-",
-                          "--no-progress"], input=stdin, capture_output=True, text=True, timeout=120, cwd=ROOT)
+                          "--no-progress", "--partial-ok"], input=stdin, capture_output=True, text=True, timeout=120,
+                         cwd=ROOT)
     assert run.returncode == 0, run.stderr
     answers = [json.loads(line) for line in run.stdout.splitlines()]
     assert [a.get("id") for a in answers] == [1, None, 3, 5, 6]
@@ -239,7 +240,7 @@ def test_infer_input_answers_a_bad_line_in_place(server):
     assert answers[1]["error"].startswith("line 2: invalid JSON (")
     assert answers[2]["error"] == 'line 3: expected {"task": "...", "text": "..."} (or --task for lines without one)'
     assert answers[3]["error_type"] == "TaskNotFound" and answers[3]["task"] == "nosuch"
-    assert run.stderr.startswith("aot: warning: 3 of 5 requests failed, answered {\"error\": ...} (first: line 2: "
+    assert run.stderr.startswith("aot: warning: 2 of 5 lines answered, 3 failed (2 InvalidInput, first line 2: "
                                  "invalid JSON (")
 
 

@@ -4,17 +4,21 @@ blocks whole).
 Against a tiny setup, so that it takes seconds: `minilm` stands for a tiny random BERT folder and `rotten_tomatoes`
 for a tiny sentiment folder (the real ones take minutes: tests/test_demo_end_to_end.py runs them), and `aot serve`
 is given free ports, which the commands after it learn from AOT_URL (so another server on 8001 does not matter). A
-block right after `<!-- readme-test: skip: REASON -->` is not run, and the reason says why.
+block right after `<!-- readme-test: skip: REASON -->` is not run, and the reason says why. A plain `aot` command (no
+pipe, redirect or shell syntax) runs through `aot.cli.main.main` in this process, as the `aot` script would run it:
+as a process of its own each would spend seconds importing torch and transformers; the others run through bash.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import shlex
 import subprocess
 import sys
+from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +45,22 @@ def blocks(document: str) -> list[Block]:
     return [Block(m["lang"], m["code"], m["skip"]) for m in BLOCK.finditer(text)]
 
 
+SHELL = re.compile(r"[|<>&;$`*?]")  # what needs a shell: pipes, redirects, lists, expansions
+
+
+def run_in_process(argv: list[str]) -> tuple[int, str]:
+    """`aot ARGV` through the console script's function: its exit status and what it wrote to standard error."""
+    from aot.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            status = main(argv)
+        except SystemExit as exc:  # argparse's own exits
+            status = exc.code if isinstance(exc.code, int) else 1
+    return status, err.getvalue()
+
+
 def commands(code: str) -> list[str]:
     """The commands of a shell block: one a line, `\\` continues a line, comment lines skipped."""
     joined = code.replace("\\\n", " ")
@@ -61,7 +81,7 @@ def test_every_block_runs_or_says_why(document):
 
 @pytest.mark.server
 @pytest.mark.parametrize("document", DOCUMENTS)
-def test_blocks_run(tmp_path, tiny_models, sentiment_dir, document):
+def test_blocks_run(tmp_path, tiny_models, sentiment_dir, document, monkeypatch):
     from aot.local.server import free_port
 
     ports = {flag: free_port() for flag in ("--grpc-port", "--http-port", "--metrics-port", "--health-port")}
@@ -88,6 +108,14 @@ def test_blocks_run(tmp_path, tiny_models, sentiment_dir, document):
                     server = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                                               stderr=subprocess.PIPE, text=True)
                     endpoints = json.loads(server.stdout.readline())  # printed once it is ready
+                    continue
+                if command.startswith("aot ") and not SHELL.search(command.split("#")[0]):
+                    with monkeypatch.context() as m:
+                        m.chdir(tmp_path)
+                        for key in ("AOT_URL", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+                            m.setenv(key, env[key])
+                        status, err = run_in_process(shlex.split(tiny(command), comments=True)[1:])
+                    assert status == 0, f"{document}: {command}\n{err}"
                     continue
                 run = subprocess.run(["bash", "-c", tiny(command)], cwd=tmp_path, env=env, capture_output=True,
                                      text=True, timeout=300)

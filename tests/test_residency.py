@@ -5,6 +5,7 @@ the served path: the tokenizer, the registry's rows, the ONNX AoT graph and the 
 
 from __future__ import annotations
 
+import mmap
 import threading
 
 import numpy as np
@@ -18,6 +19,7 @@ from aot.serving.heads import pooled_logits
 from aot.serving.pool import RowPool
 from aot.serving.repository import read_repository
 from aot.serving.stages import find_rows
+from aot.serving.store.host_cache import HostCache
 from aot.serving.store.writer import TaskStore
 from aot.serving.task_registry import TaskRegistry
 from aot.serving.tokenization import Tokenization
@@ -67,14 +69,32 @@ def test_start_reads_the_index_and_no_task(repo):
     assert registry.entries()["t1"].listing()["method"] == "kron"  # what `aot tasks` lists, from the index
 
 
-def test_eviction_under_a_budget_of_two_tasks(repo, expected):
-    """Five tasks served in turn, twice, on a budget that holds two: each request of a task not among the two most
-    recent loads it again, and every answer is exact."""
+def test_eviction_under_a_host_budget_of_two_tasks(repo, expected, tmp_path):
+    """Five tasks served in turn, twice, on a host cache that holds two: the host keeps at most its bytes, the
+    process holds what the host lists (it lets go of an evicted copy at its next batch) and nothing of its own, and
+    every answer is exact."""
     store_root = read_repository(repo).store_root
-    one = TaskRegistry(store_root)
+    size = TaskRegistry(store_root, host=HostCache(None, 0)).resolve("t0").copy.size
+    host = HostCache(tmp_path / "host", 2 * size + size // 2)
+    registry = TaskRegistry(store_root, host=host)
+    for _ in range(2):
+        for i, name in enumerate(NAMES):
+            registry.refresh()  # a batch
+            np.testing.assert_allclose(_served_logits(registry, repo, name), expected[i % 2], atol=1e-3)
+            assert sum(e["size"] for e in host.entries()) <= host.max_bytes and registry.resident_bytes == 0
+    registry.refresh()
+    assert len(host.entries()) == 2 and len(registry.loaded()) == 2
+    assert registry.loads > len(NAMES)  # evicted versions were loaded again
+
+
+def test_eviction_of_copies_a_process_holds_alone(repo, expected):
+    """Without a host cache it trusts, a process keeps its own copies under its budget, least recently used first:
+    each request of a task not among the two most recent loads it again."""
+    store_root = read_repository(repo).store_root
+    one = TaskRegistry(store_root, host=HostCache(None, 0))
     one.resolve("t0")
     budget = 2 * max(one.resident_bytes, 1) + one.resident_bytes // 2
-    registry = TaskRegistry(store_root, cache_bytes=budget)
+    registry = TaskRegistry(store_root, cache_bytes=budget, host=HostCache(None, 0))
     for round_ in range(2):
         for i, name in enumerate(NAMES):
             np.testing.assert_allclose(_served_logits(registry, repo, name), expected[i % 2], atol=1e-3)
@@ -90,11 +110,12 @@ def test_a_version_loaded_again_finds_its_rows_still_pooled(repo, expected):
     """Dropped from the loaded set, a version's pooled rows stay: loaded again, it computes none of them again (the
     pool's misses do not grow) and answers exactly."""
     store_root = read_repository(repo).store_root
-    one = TaskRegistry(store_root)
+    one = TaskRegistry(store_root, host=HostCache(None, 0))
     task = one.resolve("t0")
     pool = RowPool(4 * task.vocab_size * task.num_layers * task.hidden_size * 2, task.num_layers, task.hidden_size,
                    task.vocab_size)
-    registry = TaskRegistry(store_root, cache_bytes=one.resident_bytes + one.resident_bytes // 2, pool=pool)
+    registry = TaskRegistry(store_root, cache_bytes=one.resident_bytes + one.resident_bytes // 2, pool=pool,
+                            host=HostCache(None, 0))
     first = _served_logits(registry, repo, "t0")
     version = registry.resolve("t0").version
     misses = pool.stats[version].misses
@@ -180,8 +201,8 @@ def test_only_regular_files_are_read(tmp_path, tiny_models, artifacts, plant):
 
 
 def test_a_restored_modification_time_does_not_hide_a_change(tmp_path, tiny_models, artifacts):
-    """The audit and the fused table's check compare inode, size, mtime and ctime: bytes changed with the mtime set
-    back are still hashed again, and refused."""
+    """The audit compares inode, size, mtime and ctime: bytes changed with the mtime set back are still hashed again;
+    and a request that reads them finds its block's digest differs: refused."""
     import os
 
     repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"t": (artifacts[0], "fused")})
@@ -199,7 +220,10 @@ def test_a_restored_modification_time_does_not_hide_a_change(tmp_path, tiny_mode
     assert os.stat(table).st_mtime_ns == st.st_mtime_ns
     registry.audit.run(1 << 30)
     assert "table.npy is damaged" in registry.audit.damaged()["t"]
-    registry.refresh()  # the next batch: its requests check the table again
+    last = np.array([task.vocab_size - 1], dtype=np.int64)  # the rows written: read by their block, hashed
+    with pytest.raises(RequestError, match="table.npy is damaged"):
+        task.rows(last)
+    registry.refresh()  # the next batch: the version is refused
     with pytest.raises(RequestError, match="table.npy is damaged"):
         registry.resolve("t")
 
@@ -224,109 +248,10 @@ def test_batch_write_validates_each_task_with_one_backbone(tmp_path, tiny_models
     assert set(index.entries) == {"b0", "b1", "b2"} and index.generation == generation + 1  # one change
 
 
-def test_a_version_loaded_again_is_hashed_again_only_if_a_file_changed(tmp_path, tiny_models, artifacts,
-                                                                       monkeypatch):
-    """An evicted version loaded again costs its reads, not its hashes; any write to one of its files since (even
-    one that restores the bytes' size and the modification time) makes the next load hash it, and damage is found."""
-    import os
-
-    import aot.serving.store.digests as digests
-    from aot.serving.tasks import load_task_version
-
-    repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"t": (artifacts[0], "factored")})
-    store = TaskStore(read_repository(repo).store_root)
-    entry = store.entries()["t"]
-    folder = store.root / entry.folder
-    hashed = []
-    real = digests.file_digest
-    monkeypatch.setattr(digests, "file_digest", lambda path: hashed.append(path.name) or real(path))
-
-    def load():
-        hashed.clear()
-        return load_task_version(folder, entry.folder, store.root, "all", entry.digests)
-
-    load()
-    assert sorted(hashed) == ["factors.safetensors", "head.safetensors", "task.json"]
-    load()
-    assert hashed == []  # the same files, unchanged: nothing hashed again
-    factors = folder / "factors.safetensors"
-    data, stat = factors.read_bytes(), factors.stat()
-    damaged = data[:-8] + bytes(b ^ 0xFF for b in data[-8:])
-    factors.write_bytes(damaged)
-    os.utime(factors, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the size and the mtime as they were
-    with pytest.raises(Exception, match="factors.safetensors is damaged"):
-        load()
-    assert hashed == ["factors.safetensors"]  # the file written, alone
-
-
-_LOAD_AND_COUNT = """
-import json, sys
-import aot.serving.store.digests as digests
-from aot.serving.tasks import load_task_version
-hashed = []
-real = digests.file_digest
-digests.file_digest = lambda path: hashed.append(path.name) or real(path)
-folder, version, root = sys.argv[1:4]
-try:
-    load_task_version(__import__("pathlib").Path(folder), version, __import__("pathlib").Path(root), "all",
-                      json.loads(sys.argv[4]))
-    print(json.dumps({"hashed": sorted(hashed)}))
-except Exception as exc:
-    print(json.dumps({"hashed": sorted(hashed), "error": str(exc)}))
-"""
-
-
-def test_a_version_verified_by_one_process_is_not_hashed_again_by_another(tmp_path, tiny_models, artifacts):
-    """Once per host (aot.serving.store.digests.HostVerified): a second process of the same user loads the version
-    a first one verified without hashing it; after a write that restores the file's size and modification time the
-    next process hashes it again and refuses it."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    repo = make_repository(tiny_models["bert"], tmp_path / "repo", {"t": (artifacts[0], "factored")})
-    store = TaskStore(read_repository(repo).store_root)
-    entry = store.entries()["t"]
-    folder = store.root / entry.folder
-
-    def load_in_a_process() -> dict:
-        done = subprocess.run([sys.executable, "-c", _LOAD_AND_COUNT, str(folder), entry.folder, str(store.root),
-                               json.dumps(entry.digests)], capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout.strip().splitlines()[-1])
-
-    first = load_in_a_process()
-    assert first == {"hashed": ["factors.safetensors", "head.safetensors", "task.json"]}
-    assert load_in_a_process() == {"hashed": []}  # another process: the host's record of those stamps
-    factors = folder / "factors.safetensors"
-    data, stat = factors.read_bytes(), factors.stat()
-    factors.write_bytes(data[:-8] + bytes(b ^ 0xFF for b in data[-8:]))
-    os.utime(factors, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the size and the mtime as they were
-    changed = load_in_a_process()
-    assert changed["hashed"] == ["factors.safetensors"] and "factors.safetensors is damaged" in changed["error"]
-
-
-def test_a_host_record_in_a_folder_others_can_write_is_not_trusted(tmp_path):
-    """HostVerified trusts only a folder of this user that no one else can write: in a 0777 folder it neither
-    records nor trusts a stamp (anyone could have written one)."""
-    from aot.serving.store.digests import HostVerified
-
-    private, shared = HostVerified(tmp_path / "private"), HostVerified(tmp_path / "shared")
-    (tmp_path / "shared").mkdir(mode=0o777)
-    (tmp_path / "shared").chmod(0o777)
-    key, stamp = ("/x/factors.safetensors", "sha256:" + "0" * 64), (1, 2, 3, 4)
-    for record in (private, shared):
-        record.add(key, stamp)
-    assert private.holds(key, stamp) and not private.holds(key, (1, 2, 3, 5))
-    assert not shared.holds(key, stamp) and not list((tmp_path / "shared").iterdir())
-    assert oct((tmp_path / "private").stat().st_mode & 0o777) == "0o700"
-
-
-def test_mapped_arrays_are_plain_arrays_over_their_files(tmp_path, tiny_models, artifacts):
-    """A fused table and the store's shared E (a factored FC task's) are read through their files' memory maps (no
-    copy in the process), as plain arrays: np.memmap's indexing would run Python code on every request's lookup.
-    Their rows are the files'."""
+def test_arrays_are_read_only_views_of_one_copy(tmp_path, tiny_models, artifacts):
+    """A version's head and factors are arrays over its sealed copy (no second copy in the process, and nothing can
+    write them); the store's shared E (a factored FC task's) is a plain array over its file's memory map (np.memmap's
+    indexing would run Python code on every lookup); a fused table's rows are the file's."""
     from aot.serving.tasks import load_task_version
 
     repo = make_repository(tiny_models["bert"], tmp_path / "repo",
@@ -336,12 +261,18 @@ def test_mapped_arrays_are_plain_arrays_over_their_files(tmp_path, tiny_models, 
     fused, factored = (load_task_version(store.root / entries[n].folder, entries[n].folder, store.root, "all",
                                          entries[n].digests) for n in ("fused", "factored"))
     ids = np.array([0, 5, 17], dtype=np.int64)
+    arrays = [*factored.head.values(), *factored.compute_rows.feeds.values(), *fused.head.values()]
+    assert len(arrays) >= 6
+    for array in arrays:
+        assert not array.flags.owndata and not array.flags.writeable
+        base = array
+        while isinstance(base, np.ndarray):
+            base = base.base
+        assert isinstance(base, memoryview) and base.readonly and isinstance(base.obj, mmap.mmap)
     embeddings = factored.compute_rows.embeddings
-    for array, path in ((fused.table, fused.table_path), (embeddings, factored.compute_rows.embeddings_path)):
-        assert type(array) is np.ndarray and not array.flags.owndata and not array.flags.writeable
-        assert isinstance(array.base, np.memmap)
-        np.testing.assert_array_equal(array[ids], np.load(path)[ids])
-    np.testing.assert_array_equal(fused.rows(ids), np.load(fused.table_path)[ids])
+    assert type(embeddings) is np.ndarray and isinstance(embeddings.base, np.memmap)
+    np.testing.assert_array_equal(embeddings[ids], np.load(factored.compute_rows.embeddings_path)[ids])
+    np.testing.assert_array_equal(fused.rows(ids), np.load(store.root / fused.version / "table.npy")[ids])
 
 
 def test_an_unknown_task_costs_the_same_whatever_the_number_of_tasks(tmp_path):

@@ -120,12 +120,14 @@ def test_a_task_published_while_serving_answers_within_seconds(repo, server, art
         np.testing.assert_allclose(got["logits"], expected["alpha"][0], atol=ATOL)
 
 
-def _refused_now(client, name: str) -> InferenceError | None:
-    """The error of one request for `name`, or None when it was answered."""
-    try:
-        client.infer(name, TEXTS[0])
-    except InferenceError as exc:
-        return exc
+def _refused_now(url: str, name: str) -> InferenceError | None:
+    """The error of one request for `name`, sent once (a client's retries would wait out a refusal), or None when it
+    was answered."""
+    with Client(url, retry_seconds=0) as once:
+        try:
+            once.infer(name, TEXTS[0])
+        except InferenceError as exc:
+            return exc
     return None
 
 
@@ -151,11 +153,12 @@ def test_the_store_paused_under_load(repo, server, artifacts, expected, s3):
         try:
             with Load(server.grpc_url, TEXTS, 4, pick, timeout=60, retry_seconds=0) as load:
                 load.wait_for(50)
-                refused = wait_until(lambda: _refused_now(client, "delta"), 60, "the uncached task was not refused")
+                refused = wait_until(lambda: _refused_now(server.grpc_url, "delta"), 60,
+                                     "the uncached task was not refused")
                 status, ready = wait_until(lambda: (r := server.readiness())[1].get("warnings") and r, 60,
                                            "/ready did not report the store")
-                cold = [_refused_now(client, "delta") for _ in range(10)]  # beside the load: fail at once, alone
-                unknown = _refused_now(client, "nosuch")
+                cold = [_refused_now(server.grpc_url, "delta") for _ in range(10)]  # beside the load, alone
+                unknown = _refused_now(server.grpc_url, "nosuch")
                 listing = wait_until(lambda: (t := client.tasks()).get("index_error") and t, 60,
                                      "aot tasks did not say the index cannot be read")
                 load.wait_for(len(load.outcomes) + 200)
@@ -182,10 +185,11 @@ def test_the_store_paused_under_load(repo, server, artifacts, expected, s3):
             np.testing.assert_allclose(answer["logits"], expected[("alpha", "beta")[i % 2]][i % len(TEXTS)],
                                        atol=ATOL)
         # back: the cold task is fetched, /ready has nothing to say, an unknown name is unknown again
-        wait_until(lambda: _refused_now(client, "delta") is None, 60, "the cold task did not serve again")
+        wait_until(lambda: _refused_now(server.grpc_url, "delta") is None, 60, "the cold task did not serve again")
         np.testing.assert_allclose(client.infer("delta", TEXTS[0])["logits"], expected["beta"][0], atol=ATOL)
         wait_until(lambda: server.readiness()[1]["warnings"] == [], 60, "/ready still warned once the store was back")
-        wait_until(lambda: all(isinstance(_refused_now(client, "nosuch"), TaskNotFound) for _ in range(8)), 60,
+        wait_until(lambda: all(isinstance(_refused_now(server.grpc_url, "nosuch"), TaskNotFound) for _ in range(8)),
+                   60,
                    "an unknown name was not unknown again on every instance")
         with pytest.raises(TaskNotFound, match="unknown task 'nosuch'"):
             client.infer("nosuch", TEXTS[0])
@@ -235,12 +239,15 @@ def test_a_cold_task_beside_cached_ones_in_one_batch_fails_alone(repo, batching_
         client.infer_many([{"task": "alpha", "text": t} for t in TEXTS] * 4, concurrency=12)  # both instances
         s3.pause()
         try:
-            wait_until(lambda: _refused_now(client, "omega"), 60, "the uncached task was not refused")
+            wait_until(lambda: _refused_now(server.grpc_url, "omega"), 60, "the uncached task was not refused")
             with grpcclient.InferenceServerClient(server.grpc_url) as c:
                 before = c.get_inference_statistics("aot", headers={GRPC_ADMIN_HEADER: server.admin_key})
             items = [{"task": "alpha", "text": TEXTS[i % len(TEXTS)]} for i in range(7)]
             items.insert(3, {"task": "omega", "text": TEXTS[0]})
-            answers = client.infer_many(items, concurrency=len(items), pack=1)  # 8 requests, one batch
+            # 8 requests, one batch; from a client that gives up at once: this one would send the cold task's
+            # retryable refusal again (aot.client.batch), and the resend would be an execution of its own
+            with Client(server.grpc_url, timeout=60, retry_seconds=0) as once:
+                answers = once.infer_many(items, concurrency=len(items), pack=1)
             with grpcclient.InferenceServerClient(server.grpc_url) as c:
                 after = c.get_inference_statistics("aot", headers={GRPC_ADMIN_HEADER: server.admin_key})
         finally:
@@ -266,7 +273,7 @@ def test_a_corrupted_object_is_refused_then_retried(repo, server, artifacts, exp
     key = f"{version}/factors.safetensors"
     good = bucket.read(key)
     bucket.write(key, good[:-8] + b"\x00" * 8)
-    with Client(server.grpc_url) as client:
+    with Client(server.grpc_url, retry_seconds=0) as client:  # the refusal once, not waited out
         _wait_known(client, "eps")
         with pytest.raises(Unavailable, match=r"task 'eps' \(eps@[0-9a-f]{12}\): a file fetched from the task store "
                                                r"is damaged") as refused:

@@ -621,7 +621,13 @@ def test_damaged_table_is_refused_for_that_task_only(request, tmp_path, repo, ex
                                          for text in TEXTS * 3], concurrency=8)
             alpha, beta = answers[:len(TEXTS) * 3], answers[len(TEXTS) * 3:]
             assert len(alpha) == len(beta) == len(TEXTS) * 3, len(answers)
-            assert all("table.npy" in a.get("error", "") for a in alpha), alpha[:2]
+            # an answer read only intact rows (each hashed as it was read), or is refused naming the table
+            assert any("error" in a for a in alpha), alpha[:2]
+            for i, a in enumerate(alpha):
+                if "error" in a:
+                    assert "table.npy is damaged" in a["error"] and a["status"] == "UNAVAILABLE", a
+                else:
+                    np.testing.assert_allclose(a["logits"], expected["alpha"][i % len(TEXTS)], atol=ATOL)
             assert all("error" not in a for a in beta), beta[:2]
             listing = _wait(lambda: client.tasks() if "alpha" in client.tasks()["errors"] else None, 15, 0.5)
             assert listing and "table.npy" in listing["errors"]["alpha"]

@@ -250,9 +250,10 @@ def test_infer_input_without_a_server_is_one_error_line(tmp_path, capsys):
     one clear error, not a line each."""
     bad = tmp_path / "requests.jsonl"
     bad.write_text('{"task": "t", "text": "fine"}\n{"task": "t"}\n')
-    assert main(["infer", "--input", str(bad), "--url", "127.0.0.1:9"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("aot: error: cannot reach the server at 127.0.0.1:9") and err.count("\n") == 1
+    assert main(["infer", "--input", str(bad), "--url", "127.0.0.1:9", "--retry-seconds", "2"]) == 2
+    waiting, err = capsys.readouterr().err.splitlines()  # said after a second, then the one error
+    assert waiting == "aot: waiting for the server at 127.0.0.1:9 (trying for up to 2 s)"
+    assert err.startswith("aot: error: cannot reach the server at 127.0.0.1:9")
 
 
 # --- backbone length limit, damaged artifacts, offline loading -----------------------------------------------------

@@ -1,27 +1,20 @@
 """`aot bench`: the measurements behind docs/benchmarks.md, each side by side in one run (a plugin of `aot`).
 
-    cli                 the `aot bench` subcommands (their parsers); runs: what each runs
-    overhead            the paper's inference-overhead comparison; overhead_cases (shared), overhead_torch and
-                        overhead_onnxruntime (its two engines)
-    serve               end to end through the real local tritonserver
-    tax                 the serving tax: CPU per request beyond the engine's; tax_torch: the GPU configs' request
-                        path (the torch engine's fused step) on this CPU with a negligible encoder, by process;
-                        tax_torch_report (its reports)
-    encoders            random-weight encoders of a chosen shape with a real tokenizer (the negligible one, base)
-    gpu_perf            the GPU check's perf stage (scripts/gpu-check.sh perf): per model shape, the engine alone and
-                        served under perf_analyzer against issue 52's targets; gpu_perf_shape (what a shape serves),
-                        gpu_perf_load (perf_analyzer, its stand-in, its windows, GPU utilisation), gpu_perf_profile
-                        (py-spy of a step instance), gpu_perf_report (targets, failures, perf.json / perf.md),
-                        gpu_perf_server (`aot serve` as a user starts it, its metrics and /ready)
-    tasks               serving against the number of tasks; scale: ever more tasks, as `aot serve` runs them
-    kinds               tasks of mixed kinds against classifiers
-    accuracy            the paper's accuracy protocol; accuracy_plan (its grids and runs), accuracy_report
-    int8_accuracy       what int8 costs each task; int8_data (its data sets)
-    infinity            `aot serve` against Infinity
-    s3_store            the task store in object storage against the file system
-    hardening           issue 46's figures: a hung store, unknown tasks, a damaged shard, a large change
-    train_many          one job of many tasks (`aot train --tasks`) against one `aot train` per task
-    fleet               the local fleet's figures
-    python_api          figures of the Python API
-    report              JSON records, Markdown tables and plots
+In rooms by what they measure, top to bottom (each imports only those below it: pyproject.toml
+[tool.importlinter], tests/test_imports.py):
+
+    cli         the `aot bench` subcommands (their parsers); runs: what each runs (each bench imported when run)
+    gpu         the GPU check's perf stage (scripts/gpu-check.sh perf) against issue 52's targets
+    tax         the serving tax: CPU per request beyond the engine's, with the ONNX engine and with the torch one
+    tasks       serving against the number of tasks: three ways of serving them, ever more tasks as `aot serve`
+                runs them, the task store in object storage, a store's failures (issue 46's hardening)
+    served      end to end through the real local tritonserver (`aot bench serve` and its closed loop), tasks of
+                mixed kinds, `aot serve` against Infinity, the local fleet
+    overhead    the paper's inference-overhead comparison: the methods' engines alone, no server
+    accuracy    the paper's accuracy protocol, and what an int8 backbone costs each task
+    train       one job of many tasks (`aot train --tasks`) against one `aot train` per task
+    report      JSON records, Markdown tables and plots (every room writes its reports through it)
+    encoders    random-weight encoders of a chosen shape with a real tokenizer (the negligible one, base)
+
+    python_api  figures of the Python API, run by hand (`python -m aot.benchmarks.python_api`), beside the rest
 """

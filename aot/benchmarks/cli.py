@@ -18,7 +18,7 @@ from aot.benchmarks.runs import (
     run_tasks,
     run_tax,
 )
-from aot.benchmarks.train_many import add_train_many
+from aot.benchmarks.train.many import add_train_many
 from aot.cli.arguments import add_command_group
 from aot.cli.arguments import ints as _ints
 from aot.cli.arguments import names as _names
@@ -197,7 +197,8 @@ def add_bench(sub) -> None:
     t.add_argument("--modes", type=_names, default=["fused-mmap", "factored", "pool"], help="storages measured side by side")
     t.add_argument("--repeats", type=_positive_int, default=1,
                    help="runs of each configuration, each on a fresh server, interleaved; the median is reported "
-                        "(this machine's run-to-run noise is 3-15 %%)")
+                        "(this machine's run-to-run noise is 3-15 %%); --scale: fresh servers at each count, the "
+                        "median and each run's figures (their spread) reported")
     t.add_argument("--policy-requests", type=int, default=20000,
                    help="requests of the trace replayed through the pool per eviction policy (lru, lfu), in-process, "
                         "with the largest task count; 0 skips it")
@@ -206,10 +207,12 @@ def add_bench(sub) -> None:
                         "longer warm-up measures the steady state, a short one includes more first loads")
     t.add_argument("--scale", action="store_true",
                    help="instead: one server and a store growing through --counts (e.g. 1,100,1000,10000) of "
-                        "derived factored tasks, as `aot serve` runs them by default: start-up, RSS of every server "
-                        "process, cold first requests, Zipf against one hot task, publishing while serving and its "
-                        "cost as the store grows, sampled answers against PyTorch (scale.json, scale.md, scale.png; "
-                        "--requests measured after as many warm-up requests, --concurrency clients)")
+                        "derived factored tasks (and fused ones for their cold first requests), as `aot serve` runs "
+                        "them by default: start-up, memory of every server process (RSS, PSS) and by instance count, "
+                        "cold first requests idle and under load, Zipf against one hot task, publishing while serving "
+                        "and its cost as the store grows, sampled answers against PyTorch, the version cache's policy "
+                        "against LRU (scale.json, scale.md, scale.png; --requests measured after as many warm-up "
+                        "requests, --concurrency clients, --repeats fresh servers per count)")
     _add_out(t, "tasks")
     _finish(t, run_tasks)
 

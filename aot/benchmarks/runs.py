@@ -10,13 +10,13 @@ import sys
 
 def run_tasks(args) -> int:
     if args.scale:
-        from aot.benchmarks.scale import ScaleBenchConfig, run_scale_bench
+        from aot.benchmarks.tasks.scale import ScaleBenchConfig, run_scale_bench
 
         config = ScaleBenchConfig(args.task, args.out, tuple(args.counts), args.requests,
-                                  args.warmup or args.requests, args.concurrency)
+                                  args.warmup or args.requests, args.concurrency, repeats=args.repeats)
         print(json.dumps(run_scale_bench(config, progress=not args.no_progress)))
         return 0
-    from aot.benchmarks.tasks import MODES, POPULARITIES, TasksBenchConfig, run_tasks_bench
+    from aot.benchmarks.tasks.modes import MODES, POPULARITIES, TasksBenchConfig, run_tasks_bench
 
     for value, known, flag in ((args.popularity, POPULARITIES, "--popularity"), (args.modes, MODES, "--modes")):
         unknown = sorted(set(value) - set(known))
@@ -30,7 +30,7 @@ def run_tasks(args) -> int:
 
 
 def run_kinds(args) -> int:
-    from aot.benchmarks.kinds import KindsBenchConfig, run_kinds_bench
+    from aot.benchmarks.served.kinds import KindsBenchConfig, run_kinds_bench
 
     config = KindsBenchConfig(out=args.out, model=args.model, requests=args.requests, concurrency=args.concurrency,
                               repeats=args.repeats, max_length=args.max_length, check=args.check)
@@ -40,7 +40,7 @@ def run_kinds(args) -> int:
 
 def run_tax(args) -> int:
     if args.engine == "torch":
-        from aot.benchmarks.tax_torch import TorchTaxConfig, run_torch_tax
+        from aot.benchmarks.tax.torch_engine import TorchTaxConfig, run_torch_tax
 
         config = TorchTaxConfig(out=args.out, task=args.task, repo=args.repo,
                                 texts_per_request=tuple(args.texts_per_request),
@@ -50,7 +50,7 @@ def run_tax(args) -> int:
                                 probes=not args.no_probes)
         print(json.dumps(run_torch_tax(config, progress=not args.no_progress)))
         return 0
-    from aot.benchmarks.tax import TaxBenchConfig, run_tax_bench
+    from aot.benchmarks.tax.onnx_engine import TaxBenchConfig, run_tax_bench
 
     if args.task is None:
         raise ValueError("--task is required with --engine onnx: the AoT task whose encoder the repository serves")
@@ -63,8 +63,8 @@ def run_tax(args) -> int:
 
 
 def run_gpu_perf(args) -> int:
-    from aot.benchmarks.gpu_perf import GpuPerfConfig
-    from aot.benchmarks.gpu_perf import run_gpu_perf as run
+    from aot.benchmarks.gpu.perf import GpuPerfConfig
+    from aot.benchmarks.gpu.perf import run_gpu_perf as run
 
     shapes = []
     for shape in args.shape:
@@ -90,8 +90,8 @@ def run_gpu_perf(args) -> int:
 
 
 def run_overhead(args) -> int:
-    from aot.benchmarks.overhead import METHODS, OverheadConfig
-    from aot.benchmarks.overhead import run_overhead as run
+    from aot.benchmarks.overhead.comparison import METHODS, OverheadConfig
+    from aot.benchmarks.overhead.comparison import run_overhead as run
 
     config = OverheadConfig(models=args.models, batches=args.batch, seqs=args.seq,
                             methods=args.methods or list(METHODS), engine=args.engine, device=args.device,
@@ -104,7 +104,7 @@ def run_overhead(args) -> int:
 
 
 def run_serve(args) -> int:
-    from aot.benchmarks.serve import ServeBenchConfig, run_serve_bench
+    from aot.benchmarks.served.serve import ServeBenchConfig, run_serve_bench
 
     config = ServeBenchConfig(task=args.task, out=args.out, repo=args.repo, task_counts=tuple(args.tasks),
                               concurrency=tuple(args.concurrency), storages=tuple(args.storage),
@@ -116,7 +116,7 @@ def run_serve(args) -> int:
 
 
 def run_accuracy(args) -> int:
-    from aot.benchmarks.accuracy import SweepConfig, run_sweep
+    from aot.benchmarks.accuracy.sweep import SweepConfig, run_sweep
 
     config = SweepConfig(model=args.model, datasets=args.data, methods=args.methods, seeds=args.seeds,
                          grid=args.grid, out=args.out, max_train_samples=args.max_train_samples,
@@ -129,7 +129,7 @@ def run_accuracy(args) -> int:
 
 
 def run_infinity(args) -> int:
-    from aot.benchmarks.infinity import InfinityBenchConfig, run_infinity_bench
+    from aot.benchmarks.served.infinity import InfinityBenchConfig, run_infinity_bench
 
     config = InfinityBenchConfig(args.task, args.out, args.infinity, tuple(args.precision), tuple(args.concurrency),
                                  args.requests)
@@ -138,7 +138,7 @@ def run_infinity(args) -> int:
 
 
 def run_hardening(args) -> int:
-    from aot.benchmarks.hardening import HardeningBenchConfig, run_hardening_bench
+    from aot.benchmarks.tasks.hardening import HardeningBenchConfig, run_hardening_bench
 
     config = HardeningBenchConfig(task=args.task, out=args.out, counts=tuple(args.counts), pause_s=args.pause_s)
     print(json.dumps(run_hardening_bench(config, progress=not args.no_progress)))
@@ -146,7 +146,7 @@ def run_hardening(args) -> int:
 
 
 def run_s3(args) -> int:
-    from aot.benchmarks.s3_store import S3BenchConfig, run_s3_bench
+    from aot.benchmarks.tasks.s3_store import S3BenchConfig, run_s3_bench
 
     if args.tasks < 100:
         raise ValueError(f"--tasks {args.tasks}: expected at least 100 (the cold requests draw from the tasks beyond "

@@ -16,6 +16,12 @@ def report(result: dict | list[dict], *summary: str) -> None:
         print(f"aot: {line}", file=sys.stderr, flush=True)
 
 
+def example_texts(has_pair: bool | None) -> str:
+    """The texts a "next:" hint calls a task with (aot predict, aot infer): a task trained on text pairs takes its
+    second text with --pair, or the call it suggests would be refused."""
+    return '--pair "a second text" "some text"' if has_pair else '"some text"'
+
+
 # The extra that brings each top-level package a command may need (`pip install '.[EXTRA]'`).
 EXTRA_OF_MODULE = {"torch": "train", "peft": "train", "transformers": "train",
                    "sklearn": "train", "onnx": "export", "onnxscript": "export", "matplotlib": "bench",

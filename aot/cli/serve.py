@@ -11,7 +11,7 @@ import threading
 
 from aot import settings
 from aot.cli.arguments import non_negative_float, non_negative_int, positive_int
-from aot.cli.output import report
+from aot.cli.output import example_texts, report
 
 
 def pool_summary(repo, pool_bytes: int, device: str, storages: dict[str, str]) -> str:
@@ -206,8 +206,9 @@ def run_serve(args) -> int:
               + pool_summary(repo, pool_bytes, args.device, {n: t.storage for n, t in served.items()})
               + (f"; request log {args.request_log}" if args.request_log else "") + " (Ctrl-C stops)",
               file=sys.stderr, flush=True)
-        print(f'aot: next: aot infer --url {server.grpc_url} --task {tasks[0] if tasks else "NAME"} "some text"',
-              file=sys.stderr, flush=True)
+        first = served[tasks[0]].meta.get("has_pair") if tasks else None
+        print(f'aot: next: aot infer --url {server.grpc_url} --task {tasks[0] if tasks else "NAME"} '
+              f"{example_texts(first)}", file=sys.stderr, flush=True)
         while not stop.wait(0.5):
             if drain.is_set():
                 server.drain()

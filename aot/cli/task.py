@@ -11,7 +11,7 @@ from pathlib import Path
 from aot.cli.arguments import fraction as _fraction
 from aot.cli.arguments import positive_float as _positive_float
 from aot.cli.arguments import positive_int as _positive_int
-from aot.cli.output import report
+from aot.cli.output import example_texts, report
 from aot.cli.train_many import add_job_arguments, check_job_arguments, run_train_many
 from aot.serving.protocol import POOLINGS
 
@@ -107,6 +107,7 @@ FIT_STEPS, FIT_EVAL_EVERY = 300, 50  # re-fitting: a few hundred steps of P agai
 
 def run_train(args) -> int:
     from aot.training.api import train_task
+    from aot.training.artifact import read_task
     from aot.training.method_registry import method_spec, parse_options
 
     check_job_arguments(args)
@@ -133,9 +134,10 @@ def run_train(args) -> int:
                         device=args.device, progress=not args.no_progress, problem=args.problem,
                         normalize=args.normalize)
     served = method_spec(args.method).shared_backbone
+    texts = example_texts(read_task(out).spec.has_pair)
     report(result, f"trained {result['task']} ({args.method}) into {out}: dev {result['metric']} "
                    f"{result['dev']:.4f} after {result['steps']} steps, {result['train_seconds']:.0f} s",
-           f'next: aot predict --task {out} "some text"; aot evaluate --task {out} FILE'
+           f'next: aot predict --task {out} {texts}; aot evaluate --task {out} FILE'
            + (f"; aot export task --task {out} --repo REPO --name NAME" if served else
               f" (a {args.method} task runs in PyTorch only: aot export task takes fc and kron)"))
     return 0
@@ -262,20 +264,42 @@ def add_evaluate(sub) -> None:
                                    "task's kind (JSONL, CSV or TSV: text, optional text_pair, label; labels for "
                                    "multilabel; text_pair and an optional score for embedding; CoNLL or JSONL "
                                    "tokens and tags for tokens) in PyTorch, offline, and prints "
-                                   '{"task", "metric", "score", "examples", "data"}.')
+                                   '{"task", "metric", "score", "examples", "data", "unknown_labels", "per_class"}: '
+                                   "the task's metric on the rows whose labels it knows; the rows with a label it "
+                                   "does not know are left out and counted by label (unknown_labels); per_class: "
+                                   "precision, recall, F1 and support of each label (classification, multilabel) or "
+                                   "entity type (tokens), null for regression and embedding.")
     p.add_argument("--task", required=True, help="task artifact folder")
     p.add_argument("--model", default=None, help="backbone location, if it moved since training")
+    p.add_argument("--predictions", default=None, metavar="OUT",
+                   help='write each scored row\'s prediction to OUT, JSON lines in file order: {"task", "text", '
+                        '"text_pair"?, "expected", ...the answer aot predict gives}')
     p.add_argument("data", metavar="FILE", help="labelled .jsonl, .csv or .tsv file (tokens: also .conll, .txt)")
     p.set_defaults(run=run_evaluate)
+
+
+PER_CLASS_SHOWN = 8  # classes the summary line names (the lowest F1 first)
 
 
 def run_evaluate(args) -> int:
     from aot.training.backbone import load_backbone
     from aot.training.evaluate import evaluate_file
 
-    result = evaluate_file(args.task, args.data, load_backbone(args.model) if args.model else None)
-    report(result, f"{result['task']}: {result['metric']} {result['score']:.4f} on {result['examples']} examples "
-                   f"of {result['data']}")
+    result = evaluate_file(args.task, args.data, load_backbone(args.model) if args.model else None,
+                           args.predictions)
+    summary = [f"{result['task']}: {result['metric']} {result['score']:.4f} on {result['examples']} examples of "
+               f"{result['data']}"]
+    if result["per_class"]:
+        worst = sorted(result["per_class"].items(), key=lambda item: item[1]["f1"])
+        shown = ", ".join(f"{name} {row['f1']:.3f} ({row['support']})" for name, row in worst[:PER_CLASS_SHOWN])
+        more = len(worst) - PER_CLASS_SHOWN
+        summary.append(f"F1 per class, lowest first (support): {shown}" + (f", {more} more" if more > 0 else ""))
+    if result["unknown_labels"]:
+        rows = ", ".join(f"{name!r}: {n}" for name, n in result["unknown_labels"].items())
+        summary.append(f"warning: rows left out of the score for labels the task does not know (by label): {rows}")
+    if args.predictions:
+        summary.append(f"predictions: {args.predictions}")
+    report(result, *summary)
     return 0
 
 

@@ -14,8 +14,9 @@
 Each answer is its task's kind's (aot.serving.answers): classification {label, logits, probabilities}, regression
 {score}, multilabel {labels, scores}, tokens {entities}, embedding {embedding}, and the `version` that answered.
 infer sends one text a request; infer_many packs up to `pack` texts (32) into each request (a request carries many
-texts, each with its own task: aot.serving.items) and keeps `concurrency` requests in flight (Triton batches them,
-across tasks, on the server). With
+texts, each with its own task: aot.serving.columns) and keeps up to `concurrency` requests in flight (Triton batches
+them, across tasks, on the server), sending again what a retry may cure, paced to what the server says
+(aot.client.batch); infer_stream yields the same answers in order as they come. With
 `Client(tokenizer=REPO/models/tokenizer/1/tokenizer)` the client tokenizes (truncating to each task's max length,
 as the server does) and sends token ids: the server's first stage then only checks them, which saves its CPU.
 """
@@ -24,15 +25,13 @@ from __future__ import annotations
 
 import json
 import os
-import queue
-import re
-import threading
 import time
 from collections.abc import Callable, Iterable
 
 import numpy as np
 
 from aot import settings
+from aot.client.batch import BatchRun
 from aot.client.errors import (
     InferenceError,
     InvalidInput,
@@ -41,9 +40,8 @@ from aot.client.errors import (
     TaskUnavailable,
     Unavailable,
     from_triton,
-    one_line,
 )
-from aot.client.retry import UNAVAILABLE_RETRY_SECONDS, Backoff, Outage, channel_options, found_no_server
+from aot.client.retry import UNAVAILABLE_RETRY_SECONDS, Backoff, channel_options, classified, worth_sending_again
 from aot.serving import protocol
 from aot.serving.kinds import KINDS, kind_spec
 from aot.serving.store.reader import MAX_NAME_LENGTH
@@ -69,11 +67,6 @@ def _text(value) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
-def _echo(item: dict) -> dict:
-    """What infer_many's answer of an item repeats of it: its id (when given) and task."""
-    return {key: item[key] for key in ("id", "task") if key in item}
-
-
 class Client:
     def __init__(self, url: str | None = None, model: str = "aot", timeout: float = 60.0, *,
                  tls: bool = False, ca: str | None = None, cert: str | None = None, key: str | None = None,
@@ -85,8 +78,11 @@ class Client:
         and send token ids (each task's max length is read from tasks() once per task name). `tenant_key`: the key
         of a tenant (`aot export tenant create`), sent with every request as the parameter aot-tenant-key (default:
         the environment variable AOT_TENANT_KEY): its tasks TENANT/TASK answer, and tasks() lists them.
-        `retry_seconds`: how long a call that found no server (refused, dropped, a restarting server) is sent again,
-        with a short backoff (0 never)."""
+        `timeout`: seconds one request may take from when it is sent (infer: the call; infer_many: each of its
+        requests, sent again when it misses it: aot.client.batch). `retry_seconds`: the retry window: how long a
+        call refused for a reason a retry may cure (no server, a stopping server, a rate limit: aot.client.retry) is
+        sent again, after the server's retry hint or a short backoff (0: never); infer_many has one window for the
+        whole call."""
         import tritonclient.grpc as grpcclient
 
         self._grpc = grpcclient
@@ -114,33 +110,26 @@ class Client:
     def close(self) -> None:
         self._client.close()
 
-    def _call(self, method: Callable, *args, **kwargs):
-        """`method` of the gRPC client, sent again while it finds no server (found_no_server), for retry_seconds."""
+    def _call(self, method: Callable, *args, task: str | None = None, **kwargs):
+        """`method` of the gRPC client, sent again for retry_seconds while it fails for a reason a retry may cure
+        (aot.client.retry.worth_sending_again; a missed deadline is the caller's bound, not retried), after the
+        server's retry hint or a short backoff. `task`: the call's, which a refusal naming it is about."""
         backoff = Backoff(self.retry_seconds)
         while True:
             try:
                 return method(*args, **kwargs)
             except Exception as exc:  # tritonclient's errors, imported lazily; others re-raised
-                wait = backoff.next_wait() if found_no_server(exc) else None
+                again = worth_sending_again(exc, (task,), deadlines=False)
+                wait = backoff.next_wait(classified(exc)[0].retry_after) if again else None
                 if wait is None:
                     raise
                 time.sleep(wait)
 
-    def _send_async(self, inputs, callback: Callable, backoff: Backoff | Outage | None = None) -> None:
-        """async_infer whose answer goes to `callback(result, error)`; a call that found no server is sent again
-        after the backoff's wait (from a timer: a gRPC callback must not sleep): its own Backoff, or the Outage its
-        infer_many shares."""
-        backoff = backoff or Backoff(self.retry_seconds)
-
-        def done(result, error):
-            wait = backoff.next_wait() if error is not None and found_no_server(error) else None
-            if wait is None:
-                callback(result, error)
-            else:
-                threading.Timer(wait, self._send_async, args=(inputs, callback, backoff)).start()
-
-        self._client.async_infer(self.model, inputs, outputs=self._outputs(), client_timeout=self.timeout,
-                                 parameters=self._infer_parameters, callback=done)
+    def _send_async(self, inputs, callback: Callable, timeout: float) -> None:
+        """async_infer whose answer (or error) goes to `callback(result, error)`, in gRPC's thread (aot.client.batch
+        sends again what a retry may cure)."""
+        self._client.async_infer(self.model, inputs, outputs=self._outputs(), client_timeout=timeout,
+                                 parameters=self._infer_parameters, callback=callback)
 
     def __enter__(self) -> "Client":
         return self
@@ -289,7 +278,7 @@ class Client:
         try:
             inputs = self._inputs(task, text, text_pair if pair is None else pair)
             result = self._call(self._client.infer, self.model, inputs, outputs=self._outputs(),
-                                client_timeout=self.timeout, parameters=self._infer_parameters)
+                                client_timeout=self.timeout, parameters=self._infer_parameters, task=task)
         except InferenceServerException as exc:
             raise from_triton(exc, task=task) from None
         return self._decode(result)
@@ -313,104 +302,19 @@ class Client:
     def infer_many(self, items: Iterable[dict], concurrency: int = 16,
                    on_done: Callable[[int, dict], None] | None = None, pack: int = PACK) -> list[dict]:
         """Items `{"task", "text", "text_pair"?, "id"?}`; answers in input order, each echoing its item's `task`
-        (and `id`, if it has one). Items go `pack` to a request (a request carries many texts, each with its own
-        task: aot.serving.items), `concurrency` requests in flight. A failed item's answer is
-        InferenceError.answer(): `{"id"?, "task", "error": message, "error_type", "status", "retryable"}`; the
-        others still complete: a request refused for one of its items is sent again item by item, and one larger
-        than the server's max batch size is split to it."""
-        if pack < 1:
-            raise ValueError(f"pack {pack!r}: expected a positive number of texts per request")
-        items = list(items)
-        results: list[dict | None] = [None] * len(items)
-        events: queue.Queue = queue.Queue()  # ("send", [indexes]) or ("done", index), handled by this thread
-        outage = Outage(self.retry_seconds)  # one retry window for every request of this call
-        slots = threading.Semaphore(concurrency)
-        entries: dict[int, dict] = {}
+        (and `id`, if it has one). Items go up to `pack` to a request (a request carries many texts, each with its
+        own task: aot.serving.columns), up to `concurrency` requests in flight; `on_done(index, answer)` as each
+        arrives. A failed item's answer is InferenceError.answer(): `{"id"?, "task", "error": message, "error_type",
+        "status", "retryable"}`; the others still complete: a request refused for one of its items is sent again
+        item by item, one larger than the server's max batch size is split to it, and one refused for a reason a
+        retry may cure (no server, a stopping server, CANCELLED, a rate limit, a missed deadline) is sent again,
+        paced, within one retry window for the whole call (`retry_seconds`; aot.client.batch)."""
+        return list(self.infer_stream(items, concurrency, on_done, pack))
 
-        def finish(i: int, answer: dict) -> None:
-            results[i] = (_echo(items[i]) if isinstance(items[i], dict) else {}) | answer
-            events.put(("done", i))
-
-        def answered(indexes: list[int], result=None, error=None) -> None:
-            """A gRPC callback: whatever fails here must still answer its items, or the call would wait forever."""
-            slots.release()
-            try:
-                handle(indexes, result, error)
-            except Exception as exc:  # noqa: BLE001 - an answer that cannot be read fails its items, not the call
-                for i in indexes:
-                    if results[i] is None:
-                        finish(i, InferenceError(f"the answer could not be read: {type(exc).__name__}: {exc}").answer())
-
-        def handle(indexes: list[int], result, error) -> None:
-            if error is None:
-                outage.answered()
-                for i, answer in zip(indexes, self._decode_rows(result), strict=True):
-                    finish(i, answer)
-                return
-            limit = _batch_limit(error)
-            if len(indexes) > 1 and limit is not None and limit < len(indexes):
-                self._pack_limit = limit
-                for start in range(0, len(indexes), limit):
-                    events.put(("send", indexes[start:start + limit]))
-            elif len(indexes) > 1 and _an_items_fault(error):  # each alone, to find the item it was
-                for i in indexes:
-                    events.put(("send", [i]))
-            else:
-                for i in indexes:
-                    failure = error if isinstance(error, InferenceError) else \
-                        from_triton(error, task=items[i].get("task"), id=items[i].get("id"))
-                    finish(i, failure.answer())
-
-        for i, item in enumerate(items):
-            try:
-                entries[i] = self._entry(item["task"], item["text"], item.get("text_pair"))
-            except (KeyError, AttributeError, TypeError) as exc:
-                echo = item if isinstance(item, dict) else {}
-                finish(i, InvalidInput(f"item {i + 1}: expected {{\"task\": \"...\", \"text\": \"...\"}}, "
-                                       f"missing or wrong {exc}", task=echo.get("task"), id=echo.get("id")).answer())
-            except InferenceError as exc:
-                exc.task, exc.id = exc.task or item.get("task"), item.get("id")
-                finish(i, exc.answer())
-        size = pack if self._pack_limit is None else min(pack, self._pack_limit)
-        for group in _packs([(i, "ids" in e) for i, e in entries.items()], size):
-            events.put(("send", group))
-        left = len(items)
-        while left:
-            kind, value = events.get()
-            if kind == "done":
-                left -= 1
-                if on_done is not None:
-                    on_done(value, results[value])
-                continue
-            slots.acquire()
-            self._send_async(self._pack_inputs([entries[i] for i in value]),
-                             lambda result, error, group=value: answered(group, result, error), outage)
-        return results  # type: ignore[return-value]
-
-
-def _packs(entries: list[tuple[int, bool]], size: int) -> list[list[int]]:
-    """Items in input order, in groups of at most `size` that send the same inputs (texts, or token ids)."""
-    groups: list[list[int]] = []
-    last = None
-    for i, ids in entries:
-        if groups and ids == last and len(groups[-1]) < size:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-        last = ids
-    return groups
-
-
-def _an_items_fault(error) -> bool:
-    """Whether the server refused a pack for one of its items (its message begins "item K of N: ", aot.serving.steps):
-    sent again one by one, the other items are answered. A refusal of the whole request (a rate limit, a stopping or
-    overloaded server, a deadline) names no item, and is every item's answer: sent again text by text it would only
-    cost more."""
-    return re.search(r"\bitem \d+ of \d+: ", one_line(error)) is not None
-
-
-def _batch_limit(error) -> int | None:
-    """The server's max batch size when it refused a request for carrying more items (Triton: "inference request
-    batch-size must be <= N"), else None."""
-    match = re.search(r"batch-size must be <= (\d+)", str(error))
-    return int(match.group(1)) if match else None
+    def infer_stream(self, items: Iterable[dict], concurrency: int = 16,
+                     on_done: Callable[[int, dict], None] | None = None, pack: int = PACK,
+                     on_notice: Callable[[str], None] | None = None) -> BatchRun:
+        """infer_many as an iterable: each answer in input order as soon as it and those before it are answered
+        (a batch job writes them as they come), with `stats` (answered, failed by reason, retried, seconds);
+        `on_notice(text)`: what a person may want to know meanwhile (waiting for the server, paced by it)."""
+        return BatchRun(self, items, concurrency, pack, on_done, on_notice)

@@ -102,9 +102,9 @@ def _check_graph_specs(name: str, config) -> list[str]:
                     problems.append(f"{where}: ragged {tensor} needs one dimension (its concatenated length), got "
                                     f"{dims}")
             elif tensor in inputs and (len(dims) != len(inputs[tensor].dims) or any(
-                    c != -1 and c != d for c, d in zip(inputs[tensor].dims, dims))):
+                    c != -1 and c != d for c, d in zip(inputs[tensor].dims, dims, strict=True))):
                 problems.append(f"{where}: {tensor} {dims} does not fit its dims {list(inputs[tensor].dims)}")
-            if low is None or len(low) != len(dims) or any(lo > d for lo, d in zip(low, dims)):
+            if low is None or len(low) != len(dims) or any(lo > d for lo, d in zip(low, dims, strict=True)):
                 problems.append(f"{where}: {tensor} needs a lower bound of rank {len(dims)} at most {dims}, got {low}")
     return problems
 

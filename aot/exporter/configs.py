@@ -137,7 +137,7 @@ def _graph_specs(config, inputs: dict[str, list[int]], options: ServingOptions, 
     `inputs`: each input's dims after the batch, -1 standing for the bucket's length."""
     sizes = graph_batch_sizes(options.max_batch_size)
     for seq in (b for b in options.buckets if b <= max_seq):
-        for lower, size in zip([1] + [s + 1 for s in sizes], sizes):
+        for lower, size in zip([1] + [s + 1 for s in sizes[:-1]], sizes, strict=True):
             spec = config.optimization.cuda.graph_spec.add(batch_size=size)
             spec.graph_lower_bound.batch_size = lower
             for name, dims in inputs.items():

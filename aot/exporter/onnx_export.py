@@ -35,7 +35,7 @@ class ExportError(RuntimeError):
 
 class ExportableBackbone(nn.Module):
     """The graph a server runs: token inputs (+ the AoT bias in `interface`: rows, index and offsets, or the dense
-    bias) -> pooled states [B, P, d] and every token's final state [B, S, d] (what a token task's head reads; a
+    bias) -> pooled states [B, K, d] and every token's final state [B, S, d] (what a token task's head reads; a
     session that asks only for the pooled states pays nothing for it)."""
 
     def __init__(self, backbone: Backbone, aot: bool, interface: str = "rows"):
@@ -96,8 +96,9 @@ def example_inputs(backbone: Backbone, aot: bool, batch: int, seq: int, seed: in
             index.append(local)
             offsets.append(offsets[-1] + rows[-1].numel())
         if interface == "dense":
-            feeds[protocol.AOT_BIAS] = torch.stack([protocol.dense_bias(r.reshape(-1, L, d), i)
-                                                    for r, i in zip(rows, index)])
+            # the dense interface's bias: each token's row of its request's distinct tokens' rows
+            feeds[protocol.AOT_BIAS] = torch.stack([r.reshape(-1, L, d)[i.long()]
+                                                    for r, i in zip(rows, index, strict=True)])
         else:
             feeds[protocol.AOT_ROWS] = torch.cat(rows)
             feeds[protocol.AOT_INDEX] = torch.stack(index)

@@ -74,7 +74,7 @@ def write_parity_data(onnx: Path, feeds: dict[str, np.ndarray], folder: Path) ->
 
     session = ort.InferenceSession(str(onnx), providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
-    outputs = dict(zip(names, session.run(names, feeds)))
+    outputs = dict(zip(names, session.run(names, feeds), strict=True))
     save_json([feeds], folder / PARITY_INPUTS)
     results = RunResults()
     results.append(("onnxrt-runner", [IterationResult(outputs, runner_name="onnxrt-runner")]))

@@ -27,6 +27,7 @@ from aot.local.processes import stop_process_group
 from aot.local.server import port_is_free
 
 HOST = "127.0.0.1"
+STOP_GRACE_SECONDS = 2.0  # SIGTERM to SIGKILL
 
 
 def _free_port_pairs(count: int) -> list[int]:
@@ -65,7 +66,7 @@ class LocalS3:
 
     def start(self) -> "LocalS3":
         (self.folder / "data").mkdir(parents=True, exist_ok=True)
-        self.ports = dict(zip(("master", "volume", "filer", "s3"), _free_port_pairs(4)))
+        self.ports = dict(zip(("master", "volume", "filer", "s3"), _free_port_pairs(4), strict=True))
         command = [weed_binary(), "server", f"-dir={self.folder / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                    "-s3", f"-s3.port={self.ports['s3']}", f"-master.port={self.ports['master']}",
                    f"-volume.port={self.ports['volume']}", f"-filer.port={self.ports['filer']}",
@@ -118,7 +119,10 @@ class LocalS3:
 
     def stop(self) -> None:
         if self.process is not None:
-            stop_process_group(self.process, grace=20, resume=True)  # paused: it must run to act on SIGTERM
+            # resumed first (a paused group cannot act on SIGTERM); weed 4.48 does not exit on SIGTERM or SIGINT
+            # (its filer keeps dialling its own removed socket), so it is killed soon after: what it acknowledged
+            # is in its files already
+            stop_process_group(self.process, grace=STOP_GRACE_SECONDS, resume=True)
 
     def __enter__(self) -> "LocalS3":
         return self.start()

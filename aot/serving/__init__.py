@@ -17,6 +17,7 @@ The request path, a request's way through a step:
     engine         the backbone engines by name (serving_torch registers `torch` when imported), the batch they
                    take (EncoderBatch) and give back (EncoderOutput), and ONNX Runtime's runner (`onnx`)
     task_registry  the task versions a step serves: names resolved through the store, versions loaded and kept
+    loaded_versions the versions one step process holds: over the host's sealed copies, refusals checked again
     remote_fetches when a version is fetched from an object store, and how long its request waits for it
     rate_limits    per-caller request rates (a tenant, or every request without a key), and refused keys counted
     tasks          a served task version: its folder loaded and verified, its rows (fused or factored), its head

@@ -80,7 +80,7 @@ class EncoderBatch:
 
 @dataclass
 class EncoderOutput:
-    """What an engine gives back for a batch, on the host: the pooled states [B, P, d] fp32 (every pooling,
+    """What an engine gives back for a batch, on the host: the pooled states [B, K, d] fp32 (every pooling,
     protocol.POOLINGS), every token's final state [B, S, d] fp32 of the sequences that want them (None when none
     does; the others' rows hold whatever the engine computed), and, for an engine with device heads, each
     sequence's head outputs [B, n] fp32 (aot.serving.heads: padded past its task's width)."""
@@ -177,7 +177,7 @@ class BackboneRunner:
         self.per_request = per_request
 
     def run(self, batch: EncoderBatch) -> EncoderOutput:
-        """The batch's pooled states [B, P, d] in its order (and the token states [B, S, d], when a sequence wants
+        """The batch's pooled states [B, K, d] in its order (and the token states [B, S, d], when a sequence wants
         them). `batch.rows` holds its rows (a host engine gathers none from a pool)."""
         if isinstance(batch.rows, list):  # one block per task version: one array for the graph
             batch = replace(batch, rows=np.concatenate(batch.rows) if len(batch.rows) > 1 else batch.rows[0])

@@ -36,12 +36,12 @@ HEAD_ACTIVATIONS = {"tanh": np.tanh, "gelu": lambda x: 0.5 * x * (1.0 + _erf(x /
 
 
 def chosen_state(task: ServedTask, pooled: np.ndarray) -> np.ndarray:
-    """The pooled state a task's head reads, [B, d] fp32, from the pooled states [B, P, d] (protocol.POOLINGS)."""
+    """The pooled state a task's head reads, [B, d] fp32, from the pooled states [B, K, d] (protocol.POOLINGS)."""
     return pooled[:, protocol.pooling_row(task.pooling)].astype(np.float32)
 
 
 def pooled_logits(task: ServedTask, pooled: np.ndarray) -> np.ndarray:
-    """A pooled kind's head (aot.training.model.ClassificationHead in eval mode): pooled [B, P, d] -> [B, n]."""
+    """A pooled kind's head (aot.training.model.ClassificationHead in eval mode): pooled [B, K, d] -> [B, n]."""
     activation = HEAD_ACTIVATIONS[task.meta.get("head_activation", "tanh")]
     h = activation(chosen_state(task, pooled) @ task.head["dense.weight"].T + task.head["dense.bias"])
     return (h.astype(np.float32) @ task.head["out.weight"].T + task.head["out.bias"]).astype(protocol.LOGITS_DTYPE)

@@ -272,7 +272,7 @@ class RowPool:
         self._tick += 1
         slots = [self._slots(version, ids) for version, ids in requests]
         misses: dict[str, np.ndarray] = {}
-        for (version, ids), found in zip(requests, slots):
+        for (version, ids), found in zip(requests, slots, strict=True):
             self._last_use[found[found >= 0]] = self._tick  # protect this batch's hits from eviction
             if self.policy == "lfu":
                 self._token_uses[ids] += 1
@@ -282,7 +282,7 @@ class RowPool:
         for version, ids in misses.items():  # one fill (gather or matmul) per version
             self._fill(version, ids)
         out = []
-        for (version, ids), found in zip(requests, slots):
+        for (version, ids), found in zip(requests, slots, strict=True):
             stats = self.stats[version]
             missed = int((found < 0).sum())
             if missed:
@@ -341,11 +341,12 @@ class RowPool:
 
     def _fill(self, version: str, ids: np.ndarray) -> None:
         start = time.perf_counter()
+        rows = self._sources[version](ids)  # first: a source that fails (a damaged table's block) takes no slot
         slots = self._take(len(ids))
-        self.storage.write(self.buffer, slots, self._sources[version](ids))
+        self.storage.write(self.buffer, slots, rows)
         slot_of = self._slot_of[version]
         if isinstance(slot_of, dict):
-            slot_of.update(zip(ids.tolist(), slots.tolist()))
+            slot_of.update(zip(ids.tolist(), slots.tolist(), strict=True))
             if len(slot_of) >= self.vocab_size * DENSE_SHARE:  # many rows: one array over the vocabulary from now on
                 dense = np.full(self.vocab_size, -1, dtype=np.int32)
                 dense[np.fromiter(slot_of, dtype=np.int64)] = np.fromiter(slot_of.values(), dtype=np.int32)

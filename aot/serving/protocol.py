@@ -49,8 +49,9 @@ takes TASK_VERSION instead), in the repository's bias interface (serving option 
     aot_bias      FP16  [S, L, d]  each token's row (aot_rows[aot_index]; padding takes row 0), S the bucketed
                                    length: fixed shapes per bucket, so TensorRT replays a captured CUDA graph
 backbone -> head:
-    pooled_hidden FP32  [P, d]   the final hidden states pooled each way in POOLINGS: row 0 the first token's, row 1
-                                 the mean over the attention mask; the head of a pooled kind reads its task's row
+    pooled_hidden FP32  [K, d]   the final hidden states pooled each way in POOLINGS (K of them; P names the
+                                 prompt table): row 0 the first token's, row 1 the mean over the attention mask;
+                                 the head of a pooled kind reads its task's row
     token_hidden  FP32  [S, d]   every token's final state, what a token task's head reads: a native backend (ONNX
                                  Runtime, TensorRT) sends it for every request (S*d*4 bytes); the python backbone step
                                  (torch engine) only for token tasks, [1, d] zeros for the others
@@ -63,7 +64,7 @@ a multi-label task's scores by label); for the others, ANSWER is their kind's na
 own rule (aot.serving.kinds.KindSpec.carried): the server writes no JSON for most texts.
 
 Per request the rows interface moves U*L*d*2 + S*4 bytes; the dense one S*L*d*2 (U <= S distinct tokens). The
-backbone hands the head P*d*4 bytes (pooled_hidden) and token_hidden; the tokenizer hands it S*4 + the text's bytes
+backbone hands the head K*d*4 bytes (pooled_hidden) and token_hidden; the tokenizer hands it S*4 + the text's bytes
 (word_index, word_text) for a token task, 4 + 0 otherwise.
 """
 
@@ -131,17 +132,6 @@ def bias_inputs(interface: str) -> list[str]:
     if interface not in BIAS_INTERFACES:
         raise ValueError(f"unknown bias interface {interface!r}: expected one of {', '.join(BIAS_INTERFACES)}")
     return [AOT_ROWS, AOT_INDEX, AOT_ROW_OFFSETS] if interface == "rows" else [AOT_BIAS]
-
-
-def dense_bias(rows, index):
-    """The dense interface's aot_bias of one request: each token's row, rows[index], from its distinct tokens' rows
-    [U, L, d] and its index [S]. numpy arrays, or a torch tensor of rows with the index taken to its device (the GPU
-    lookup's gather stays in device memory; torch is imported only then)."""
-    if isinstance(rows, np.ndarray):
-        return rows[index]
-    import torch
-
-    return rows[torch.as_tensor(index, device=rows.device).long()]
 
 
 def lookup_bytes(unique_tokens: int, seq_len: int, num_layers: int, hidden: int) -> int:

@@ -111,11 +111,13 @@ class ServingOptions:
         "help": "dynamic-batching queue delay of the CPU configs' fused step (µs): 0 sends whatever is queued as soon "
                 "as an instance is free (requests queue while it is busy anyway, so a delay only adds latency: 0.5 ms "
                 "at concurrency 1 for 500 µs, with no throughput gained, `aot bench tax`)"})
-    task_cache_bytes: int = field(default=256 << 20, metadata={
+    task_cache_bytes: int = field(default=512 << 20, metadata={
         "flag": "--task-cache-bytes", "minimum": 0,
-        "help": "memory of the task versions each served step process keeps loaded (heads, factors; bytes): a "
-                "version is loaded on its first request and the least recently used ones are dropped past this "
-                "(the task pool, --pool-bytes, holds rows apart from it); `aot serve` states both"})
+        "help": "memory of the task versions a host keeps loaded (heads, factors, a fused table's block list; "
+                "bytes), shared by its step processes: a version is loaded on its first request, into a copy every "
+                "process serves, and past this the host's W-TinyLFU policy drops versions (a process that cannot "
+                "share keeps its own under this bound); the task pool, --pool-bytes, holds rows apart from it; "
+                "`aot serve` states both"})
     audit_bytes_per_second: int = field(default=32 << 20, metadata={
         "flag": "--audit-bytes-per-second", "minimum": 0,
         "help": "how fast the task_list step checks every task version's files against their published digests in "

@@ -157,7 +157,7 @@ def encode_parts(tokens: Tokenization, parts: list[TextPart]) -> TextBatch:
             pieces.append((np.arange(start, start + part.count), tokens.to_bucket(part.tokens)))
         else:
             pairs = part.pairs or [None] * part.count
-            texts.update(zip(range(start, start + part.count), zip(part.texts, pairs, strict=True)))
+            texts.update(zip(range(start, start + part.count), zip(part.texts, pairs, strict=True), strict=True))
     words: list[Words | None] = [None] * int(starts[-1])
     first_pieces = []
     if texts:

@@ -32,6 +32,7 @@ from aot.serving import protocol
 from aot.serving.bytes_tensors import use_array_bytes_tensors
 from aot.serving.columns import RequestInputs, TaskColumn
 from aot.serving.errors import STATUS, TRITON_CODES, RequestError
+from aot.serving.loaded_versions import DamagedTable
 from aot.serving.pool import RowPool
 from aot.serving.rate_limits import RateLimits, RequestGate
 from aot.serving.repository import RepositoryInfo, repository_of_model
@@ -231,7 +232,7 @@ class Step:
             probes = [self.is_probe(r) for r in requests]
             if not any(probes):
                 return respond(requests)
-            answers = iter(respond([r for r, probe in zip(requests, probes) if not probe]))
+            answers = iter(respond([r for r, probe in zip(requests, probes, strict=True) if not probe]))
             return [self.pb.InferenceResponse([]) if probe else next(answers) for probe in probes]
 
     def respond_each(self, requests, handle: Callable) -> list:
@@ -287,6 +288,10 @@ class Step:
             except Exception as exc:  # noqa: BLE001
                 if len(group) > 1:
                     groups.extend([entry] for entry in group)  # isolate the request that fails
+                elif isinstance(exc, DamagedTable):  # its task refused as the batch read it: the item named
+                    i = group[0][0]
+                    refused = exc.at_item(columns[i]).named(counts[i])
+                    responses[i], statuses[i] = self.request_error(refused), refused.reason
                 else:
                     responses[group[0][0]] = self.internal_error(exc)
                 continue

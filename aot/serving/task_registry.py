@@ -3,10 +3,12 @@ one change at a time), versions loaded on their first request and kept in a leas
 budget, damage found and reported, and a batch's rows through the step's task pool (aot.serving.pool) or from each
 version's storage (aot.serving.tasks).
 
-Residency is lazy and bounded: at start a step reads the index and nothing per task; a version is loaded (its files
-checked against their digests) when a request first needs it, and dropped when the loaded versions' bytes (heads,
-factors) pass `cache_bytes` and it is the least recently used. Concurrent first requests for one version load it
-once. A version that fails to load is kept as its error: its requests fail with that message, the others serve.
+Residency is lazy and bounded: at start a step reads the index and nothing per task; a version is loaded when a
+request first needs it, into a sealed copy checked against its digests that the host's step processes share, and the
+host keeps at most `cache_bytes` of such copies whatever the number of processes (aot.serving.loaded_versions: what a
+step holds; aot.serving.store.host_cache). Concurrent first requests for one version load it once. A version that
+fails to load, or whose table a request finds damaged, is kept as its error: its requests fail with that message,
+the others serve, and it is checked again in the background so that a restored version serves again.
 
 Nothing a request waits on waits on the store's network: the index of a store in object storage is followed by a
 thread of its own and applied under a short lock; a version not on this host is fetched by a thread of its own, and
@@ -27,7 +29,6 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -35,20 +36,20 @@ from pathlib import Path
 import numpy as np
 
 from aot.serving.errors import RequestError, retry_hint
+from aot.serving.loaded_versions import LoadedVersions
 from aot.serving.pool import RowPool
-from aot.serving.remote_fetches import RETRY_FETCH_SECONDS, FetchError, RemoteFetches, fetch_error
+from aot.serving.remote_fetches import RETRY_FETCH_SECONDS, FetchError, RemoteFetches
 from aot.serving.store.audit import TaskAudit
-from aot.serving.store.backend import BackendError
-from aot.serving.store.digests import DigestError
+from aot.serving.store.host_cache import HostCache
 from aot.serving.store.reader import RETIRED_GRACE, StoreError, StoreReader, TaskEntry, check_version, task_of
 from aot.serving.store.shards import shard_of
 from aot.serving.store.tenants import Caller, may_call
 from aot.serving.store.view import StoreView
-from aot.serving.tasks import PARTS, ServedTask, load_task_version
+from aot.serving.tasks import PARTS, ServedTask
 
 KNOWN_IN_MESSAGE = 10  # task names an unknown task's 404 suggests
 KNOWN_SCAN = 256  # names it looks at, at most, to find them (skipping tasks that cannot serve): a bounded cost
-DEFAULT_CACHE_BYTES = 256 << 20
+DEFAULT_CACHE_BYTES = 512 << 20  # the host's (aot.serving.repository.ServingOptions.task_cache_bytes)
 REMOTE_POLL_SECONDS = 1.0  # how often a step looks at an object store's generation hint (one conditional GET)
 _draw = random.SystemRandom()  # a route's draw: one per request, from the OS, never shared state seeded per batch
 
@@ -60,7 +61,7 @@ class TaskRegistry:
                  on_index_error: Callable[[str], None] | None = None, pool: RowPool | None = None,
                  on_task_error: Callable[[str, str], None] | None = None, pool_fused: bool = True,
                  cache_bytes: int = DEFAULT_CACHE_BYTES, url: str | None = None, require_tenant_keys: bool = False,
-                 on_store_error: Callable[[str], None] | None = None):
+                 on_store_error: Callable[[str], None] | None = None, host: HostCache | None = None):
         """`pool`: keep the rows of the current versions in this pool (aot.serving.pool); a version that leaves the
         index is detached from it (a request still pinned to one reads its storage directly); one dropped from the
         loaded set keeps its rows there until the pool evicts them, for when it is loaded again.
@@ -71,6 +72,8 @@ class TaskRegistry:
         `on_task_error(version, message)`: a version failed to load or was found damaged (log it, count it).
         `on_store_error(message)`: a version could not be fetched from the object store (log it, count it): the
         store's details, which its clients do not read.
+        `cache_bytes`: the bound of the host's cache of versions (`host`: by default this process's share of it,
+        aot.serving.store.host_cache.HostCache.for_host), and of the versions this process holds alone.
         `url`: the tasks live in object storage (aot.serving.store.s3): the index is followed by a thread of its own
         every REMOTE_POLL_SECONDS, and a version not cached on this host is fetched on its first request (module
         docstring). `require_tenant_keys`: tasks without a tenant answer only requests with a valid key of some
@@ -84,16 +87,13 @@ class TaskRegistry:
         self.require_tenant_keys = require_tenant_keys
         self.on_index_error, self.on_task_error, self.on_store_error = on_index_error, on_task_error, on_store_error
         self.audit = TaskAudit(self.store, self.view)
-        self.loads = 0  # versions loaded (a test or benchmark counts cold loads)
-        self.resident_bytes = 0
-        self._versions: OrderedDict[str, ServedTask | StoreError] = OrderedDict()  # least recently used first
-        self._bytes: dict[str, int] = {}
         self._loading: dict[str, Future] = {}
-        self._last_used: dict[str, float] = {}
-        self._batch = 0  # refresh() count: a fused table is checked against the disk once per batch
-        self._table_checked: dict[str, int] = {}  # version -> the batch its table was last checked in
         self._reported_error: str | None = None
         self._lock = threading.RLock()  # what requests share: the loaded versions, the pool
+        self.held = LoadedVersions(self.store, parts, cache_bytes, host or HostCache.for_host(cache_bytes), self._lock, lambda v: self.view.index.digests(v),
+                                   self._attach,
+                                   pool.let_go if pool else _nothing, pool.detach if pool else _nothing, on_task_error)
+        self._versions = self.held.versions
         self._refreshing = threading.Lock()  # one index read at a time; a batch never waits for it
         self._applier: threading.Thread | None = None
         self.fetches = RemoteFetches(lambda: self.view.error is not None) if self.store.remote else None
@@ -102,8 +102,21 @@ class TaskRegistry:
         if self.store.remote:
             threading.Thread(target=self._follow_remote, name="aot-store-watch", daemon=True).start()
 
+    @property
+    def loads(self) -> int:
+        return self.held.loads
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.held.resident_bytes
+
+    @property
+    def host(self) -> HostCache:
+        return self.held.host
+
     def close(self) -> None:
         self._stop.set()
+        self.held.close()
         if self.fetches is not None:
             self.fetches.close()
 
@@ -132,7 +145,7 @@ class TaskRegistry:
         """Before each batch (and in the audit's thread): apply what changed in the index (a stat when nothing
         did). Never waits: a store in object storage is followed by a thread of its own, a large change is applied
         by one, and while either runs the batch serves the index as it is."""
-        self._batch += 1
+        self.held.refresh()
         if self.store.remote or not self._refreshing.acquire(blocking=False):
             return
         try:
@@ -164,8 +177,8 @@ class TaskRegistry:
                         self.pool.detach(version)
             for version in [v for v in self._versions if not index.is_current(v)]:  # a version the index no longer
                 # holds (a deleted tenant's) goes at once: a loaded one must not outlive it for a pinned request
-                if not self.known(version) or time.monotonic() - self._last_used.get(version, 0.0) > self.grace:
-                    self._drop(version)
+                if not self.known(version) or time.monotonic() - self.held.last_used.get(version, 0.0) > self.grace:
+                    self.held.drop(version)
 
     def entries(self) -> dict[str, TaskEntry]:
         return self.view.index.entries
@@ -284,24 +297,12 @@ class TaskRegistry:
 
     def _version(self, version: str) -> ServedTask:
         """version() for a caller whose key was checked already (resolve: one check per request)."""
-        with self._lock:
-            task = self._versions.get(version)
-            if task is not None:
-                self._versions.move_to_end(version)
+        task = self.held.get(version)
         if task is None:
             if not self.known(version) or not self.store.remote and not self.store.version_folder(version).is_dir():
                 raise self._version_absent(version)
             task = self._load_once(version)
-        if isinstance(task, ServedTask) and task.table is not None and self._table_checked.get(version) != self._batch:
-            self._table_checked[version] = self._batch  # once per batch: its requests all read the table now
-            try:
-                task.check_table()
-            except StoreError as exc:  # damaged under the server: refused from now on, its pool rows dropped
-                with self._lock:
-                    task = self._versions[version] = self._damaged(version, exc)
-                    if self.pool is not None:
-                        self.pool.detach(version)
-        self._last_used[version] = time.monotonic()
+        task = self.held.used(version, task)
         if isinstance(task, StoreError):
             raise RequestError(str(task), "unavailable")
         return task
@@ -336,7 +337,7 @@ class TaskRegistry:
     def _settle(self, version: str, pending: Future, digests: dict[str, str] | None) -> None:
         """Load `version` and keep it (or its error), then answer whoever waits on `pending`."""
         try:
-            task = self._load(version, digests)
+            task = self.held.load(version, digests)
         except BaseException as exc:  # noqa: BLE001 - the store (tried again after a pause), or a fault: no hang
             if isinstance(exc, FetchError):
                 self.fetches.failed(version, exc)
@@ -347,59 +348,16 @@ class TaskRegistry:
             pending.set_exception(exc)
             return
         with self._lock:
-            self._keep(version, task)
+            self.held.keep(version, task)
             del self._loading[version]
         if self.fetches is not None:
             self.fetches.fetched(version)
         pending.set_result(task)
 
-    def _load(self, version: str, digests: dict[str, str] | None) -> ServedTask | StoreError:
-        self.loads += 1
-        try:
-            folder = self.store.version_folder(version, digests)
-        except (BackendError, DigestError, OSError) as exc:  # unreachable, or an object damaged on its way
-            raise fetch_error(version, self.store.location, exc) from None
-        except StoreError as exc:  # published without digests: refused, never fetched unverified
-            return self._damaged(version, exc)
-        try:
-            return load_task_version(folder, version, self.store.root, self.parts, digests)
-        except Exception as exc:  # noqa: BLE001 - a corrupt task must not take the others down
-            return self._damaged(version, exc)
-
-    def _keep(self, version: str, task: ServedTask | StoreError) -> None:
-        """Under the lock: add a loaded version (or its error), attach it to the pool, and drop the least recently
-        used versions while the loaded bytes pass the budget (never the one just loaded)."""
-        self._versions[version] = task
-        size = task.resident_bytes() if isinstance(task, ServedTask) else 0
-        self._bytes[version] = size
-        self.resident_bytes += size
-        if isinstance(task, ServedTask) and self.pool is not None and self.view.index.is_current(version) \
-                and (self.pool_fused or task.storage != "fused"):
+    def _attach(self, version: str, task: ServedTask) -> None:
+        """A loaded version's rows join the pool if it is current (and, with pool_fused False, factored)."""
+        if self.pool is not None and self.view.index.is_current(version) and (self.pool_fused or task.storage != "fused"):
             self.pool.attach(version, task.rows)
-        for old in list(self._versions):
-            if self.resident_bytes <= self.cache_bytes:
-                break
-            if old != version:
-                self._drop(old)
-
-    def _drop(self, version: str) -> None:
-        """Forget a loaded version. Its pooled rows stay (the pool evicts rows by its own budget): a version loaded
-        again finds them, and computes only the rows the pool no longer holds."""
-        self._versions.pop(version, None)
-        self.resident_bytes -= self._bytes.pop(version, 0)
-        self._last_used.pop(version, None)
-        self._table_checked.pop(version, None)
-        if self.pool is not None:
-            self.pool.let_go(version)
-
-    def _damaged(self, version: str, exc: BaseException) -> StoreError:
-        detail = str(exc).replace(str(self.store.root) + "/", "")
-        if self.store.url:
-            detail = detail.replace(self.store.url, "the task store")
-        error = StoreError(f"task {task_of(version)!r} ({version}) is corrupt: {type(exc).__name__}: {detail}")
-        if self.on_task_error is not None:
-            self.on_task_error(version, str(error))
-        return error
 
     # --- a batch's rows ---------------------------------------------------------------------------------------------
 
@@ -418,6 +376,10 @@ class TaskRegistry:
             except MemoryError:
                 pooled, slots = [], []
         out: list[np.ndarray | None] = [None] * len(requests)
-        for i, s in zip(pooled, slots):
+        for i, s in zip(pooled, slots, strict=True):
             out[i] = s
         return out
+
+
+def _nothing(version: str) -> None:
+    """What a registry without a pool does with a version's rows."""

@@ -9,9 +9,16 @@ A version folder `REPO/tasks/<name>@<id>/` is immutable:
                             the head's own width); logits = out(f(dense(h))), f task.json's head_activation (tanh if
                             absent). A token task's: out.weight [n, d], out.bias, on every token's state. An
                             embedding task has none: its vector is its pooled state
-    table.npy               fused: P for every token and layer, [V, L, d] fp16, token-major (memory-mapped)
+    table.npy               fused: P for every token and layer, [V, L, d] fp16, token-major (read by verified
+                            blocks: aot.serving.store.table_blocks)
+    table.blocks            fused: the sha256 of each block of the table's rows (written at publish; derived on a
+                            version's first load on the host if it was published without it)
     factors.safetensors     factored: FC w1 [L, d, r], b1 [L, r], w2 [L, r, d], b2 [L, d];
                             Kron w_left [L, a, r], w_mid [L, b, r], w_right [L, r*r, d]
+
+A version's files but the table are read once, into a sealed copy checked against their published digests
+(aot.serving.store.sealed) that the host's step processes share (aot.serving.store.host_cache): heads and factors are
+arrays over that copy, and nothing a request reads can be changed after it was hashed.
 
 Factored rows are computed by the store's rows graphs: training's own formulas (aot.training.methods.aot_ptuning.layer,
 eval mode: no dropout) exported to ONNX and run with ONNX Runtime; export checks served logits against PyTorch before
@@ -27,14 +34,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import load_file
 
 from aot.serving import protocol
-from aot.serving.formats import FormatError, check_keys, read_json
+from aot.serving.formats import FormatError, check_keys, parse_json
 from aot.serving.kinds import DEFAULT_THRESHOLD, NONE, KindSpec, kind_of, kind_spec
-from aot.serving.store.digests import DigestError, check_regular, file_stamp, verify_file, verify_file_once
-from aot.serving.store.layout import EMBEDDINGS, FACTORS, HEAD, ROWS_DIR, TABLE, TASK_JSON
+from aot.serving.store.digests import DigestError
+from aot.serving.store.host_cache import HostCache
+from aot.serving.store.layout import EMBEDDINGS, FACTORS, HEAD, ROWS_DIR, TABLE, TABLE_BLOCKS, TASK_JSON
 from aot.serving.store.reader import STORAGES, StoreError, rows_graph_name, task_of
+from aot.serving.store.sealed import SealedVersion
+from aot.serving.store.table_blocks import TableBlocks, VerifiedTable, block_list
 
 _TASK_KEYS = {"labels": (list, type(None)), "max_length": int, "storage": str, "method": dict, "num_layers": int,
               "hidden_size": int, "vocab_size": int}
@@ -127,40 +136,33 @@ class ServedTask:
     vocab_size: int
     head: dict[str, np.ndarray]
     meta: dict = field(default_factory=dict)  # task.json: source, metric, dev score, method, ...
-    table: np.ndarray | None = None  # fused: [V, L, d], a plain array over the file's memory map
+    table: VerifiedTable | None = None  # fused: [V, L, d], read by verified blocks
     compute_rows: Callable[[np.ndarray], np.ndarray] | None = None  # factored
     digests: dict[str, str] | None = None  # published digests (None: exported before digests, unverified)
-    table_path: Path | None = None
-    table_bytes: int = 0
-    table_stamp: tuple | None = None  # aot.serving.store.digests.file_stamp of table.npy when it last matched its digest
+    copy: SealedVersion | None = None  # the sealed copy of its files the head and factors are arrays over
+    # told when a read finds the table damaged; returns the error the read raises (the registry's: the refusal)
+    on_damage: Callable[[Exception], Exception] | None = None
 
     def rows(self, token_ids: np.ndarray) -> np.ndarray:
         """Rows of P for sorted distinct token ids, [U, L, d] fp16, from the task's own storage (no pool).
-        Fused: only these rows are read from disk; factored: computed in one matmul per layer stack."""
-        if self.table is not None:
-            guard_mapped(self.table_path, self.table_bytes, f"{self.version}/{TABLE}")
-            return np.ascontiguousarray(self.table[token_ids], dtype=protocol.ROWS_DTYPE)
-        return self.compute_rows(token_ids)
+        Fused: only the blocks of the table that hold them are read, and hashed (damaged: StoreError, or what
+        `on_damage` returns); factored: computed in one matmul per layer stack."""
+        if self.table is None:
+            return self.compute_rows(token_ids)
+        try:
+            return self.table.rows(token_ids)
+        except (DigestError, OSError) as exc:
+            raise (self.on_damage(exc) if self.on_damage is not None else StoreError(str(exc))) from None
 
     def check_table(self) -> None:
-        """Before a request reads the fused table: it is the file that was published. The digest is computed on
-        the first request and again only when the file changes on disk (a stat per request otherwise)."""
+        """The whole fused table against its published digest and its block list (`aot export verify`, repair, a
+        refused version's re-check): StoreError when it differs."""
         if self.table is None:
             return
         try:
-            stamp = file_stamp(self.table_path)
-        except OSError:
-            raise StoreError(f"{self.version}: {TABLE} is missing") from None
-        if stamp == self.table_stamp:
-            return
-        if stamp[1] != self.table_bytes:
-            raise StoreError(f"{self.version}: {TABLE} is {stamp[1]} bytes, expected {self.table_bytes} "
-                             "(truncated or replaced)")
-        try:
-            verify_file(self.table_path, self.digests, self.version)
-        except DigestError as exc:
-            raise StoreError(str(exc)) from None
-        self.table_stamp = stamp
+            self.table.check(self.digests.get(TABLE) if self.digests else None)
+        except (DigestError, OSError) as exc:
+            raise StoreError(f"{self.version}: {exc}" if not str(exc).startswith(self.version) else str(exc)) from None
 
     @property
     def pooling(self) -> str:
@@ -200,38 +202,50 @@ class ServedTask:
         return np.array([label.encode() for label in self.labels or ()], dtype=np.object_)
 
     def resident_bytes(self) -> int:
-        """The memory this version holds of its own (head, factors; a fused table is mapped, in the page cache)."""
-        arrays = list(self.head.values())
-        if isinstance(self.compute_rows, FactoredRows):
-            arrays += list(self.compute_rows.feeds.values())
-        return sum(a.nbytes for a in arrays)
+        """The memory this version holds of its own: its sealed copy unless the host's cache holds it (then the host
+        counts it, once for every process; a fused table's rows are read into the pool or per request)."""
+        return 0 if self.copy is None or self.copy.shared else self.copy.size
 
 
 PARTS = ("meta", "head", "rows", "all")
 
 
-def load_task_version(folder: Path, version: str, store_root: Path, parts: str = "all",
-                      digests: dict[str, str] | None = None) -> ServedTask:
-    """Load a version folder (`folder` may still be an export's temporary; `version` is the name it will have).
+def load_task_version(folder: Path | Callable[[], Path], version: str, store_root: Path, parts: str = "all",
+                      digests: dict[str, str] | None = None, cache: HostCache | None = None) -> ServedTask:
+    """Load a version (`folder`, or a function that returns it: called only when its files must be read, and may
+    fetch them; `folder` may still be an export's temporary, `version` is the name it will have).
     `parts`: what a step needs: "meta" (the tokenizer, task_list), "head" (the head step), "rows" (the lookup: the
-    table or factors, not the head), "all": with many tasks the heads alone are a large memory a step that does not
-    read them need not hold (docs/benchmarks.md, "Figures behind the serving code").
-    `digests` (the manifest's): every file read is checked against them (once per process while its stamp is
-    unchanged: aot.serving.store.digests.verify_file_once); the fused table on its first use (ServedTask.check_table),
-    so that loading many tasks does not hash every table at once."""
-    def verified(name: str) -> Path:
-        """A regular file of the version that holds its published bytes."""
-        try:
-            check_regular(folder / name)
-            verify_file_once(folder / name, digests, version)
-        except DigestError as exc:
-            raise StoreError(f"{version}: {exc}" if not str(exc).startswith(version) else str(exc)) from None
-        return folder / name
+    table or factors, not the head), "all".
+    `digests` (the manifest's): the version's files are read once into a sealed copy and checked there against them
+    (aot.serving.store.sealed); `cache`: the host's copies (aot.serving.store.host_cache), where another process may
+    have made it already (no read, no hash) and where this one is shared; None: a copy of this process's own. A fused
+    table's rows are read by verified blocks (aot.serving.store.table_blocks)."""
+    def where() -> Path:
+        return Path(folder() if callable(folder) else folder)
 
+    def sources() -> dict[str, Path | bytes]:
+        local = where()
+        if digests is not None:
+            found = {name: local / name for name in digests if name != TABLE}
+            if TABLE in digests and TABLE_BLOCKS not in digests:  # published before block lists
+                found[TABLE_BLOCKS] = _derived_blocks(local, digests[TABLE])
+            return found
+        found = {p.name: p for p in local.iterdir() if p.name != TABLE}
+        if (local / TABLE).exists():
+            found[TABLE_BLOCKS] = _derived_blocks(local, None)
+        return found
+
+    try:  # a fetch that fails (an OSError of the registry's) is not caught here: the store is retried
+        copy = (cache or HostCache(None, 0)).get(version, digests, sources)
+    except DigestError as exc:
+        raise StoreError(f"{version}: {exc}" if not str(exc).startswith(version) else str(exc)) from None
+    if TASK_JSON not in copy.files:
+        raise StoreError(f"{version}: task.json is missing")
     try:
-        meta = check_keys(read_json(verified(TASK_JSON)), _TASK_KEYS, f"{version}/{TASK_JSON}")
+        meta = check_keys(parse_json(bytes(copy.view(TASK_JSON)), f"{version}/{TASK_JSON}"), _TASK_KEYS,
+                          f"{version}/task.json")
     except FormatError as exc:
-        raise StoreError(str(exc).replace(str(folder), version)) from None
+        raise StoreError(str(exc)) from None
     if meta["storage"] not in STORAGES:
         raise StoreError(f"{version}: unknown storage {meta['storage']!r}")
     try:
@@ -245,34 +259,54 @@ def load_task_version(folder: Path, version: str, store_root: Path, parts: str =
         kind = kind_of(meta)
     except ValueError as exc:
         raise StoreError(f"{version}: {exc}") from None
-    head = load_file(verified(HEAD)) if parts in ("head", "all") and kind_spec(kind).head != NONE else {}
+    head = _tensors(copy, HEAD) if parts in ("head", "all") and kind_spec(kind).head != NONE else {}
     task = ServedTask(task_of(version), version, meta["labels"], meta["max_length"], meta["storage"],
-                      meta["num_layers"], meta["hidden_size"], meta["vocab_size"], head, meta, digests=digests)
+                      meta["num_layers"], meta["hidden_size"], meta["vocab_size"], head, meta, digests=digests,
+                      copy=copy)
     if parts not in ("rows", "all"):
         return task
     shape = (task.vocab_size, task.num_layers, task.hidden_size)
     if task.storage == "fused":
-        task.table_path = folder / TABLE
+        if TABLE_BLOCKS not in copy.files:
+            raise StoreError(f"{version}: {TABLE} is missing")
         try:
-            check_regular(task.table_path)
-        except DigestError as exc:
-            raise StoreError(f"{version}: {exc}") from None
-        try:
-            task.table = mapped_array(task.table_path)  # np.load refuses a file shorter than its header says
-        except (ValueError, OSError) as exc:
-            raise StoreError(f"{version}: {TABLE} cannot be mapped ({exc}): truncated or not a table") from None
+            task.table = VerifiedTable(where() / TABLE, TableBlocks.parse(copy.view(TABLE_BLOCKS), TABLE_BLOCKS),
+                                       version)
+        except FileNotFoundError:
+            raise StoreError(f"{version}: {TABLE} is missing") from None
+        except (DigestError, OSError) as exc:  # a link, device or FIFO in its place (BackendError), or damaged
+            detail = str(exc).replace(str(where() / TABLE), TABLE)
+            raise StoreError(detail if detail.startswith(version) else f"{version}: {detail}") from None
         if task.table.shape != shape or task.table.dtype != protocol.ROWS_DTYPE:
             raise StoreError(f"{version}: {TABLE} is {task.table.dtype} {task.table.shape}, expected fp16 {shape}")
-        task.table_bytes = file_stamp(task.table_path)[1]
     else:
         method = meta["method"]
         if method.get("method") not in ("fc", "kron"):
             raise StoreError(f"{version}: method {method.get('method')!r} cannot be served from factors")
-        task.compute_rows = FactoredRows(store_root, method, load_file(verified(FACTORS)))
+        task.compute_rows = FactoredRows(store_root, method, _tensors(copy, FACTORS))
         probe = task.compute_rows(np.array([0], dtype=np.int64))
         if probe.shape != (1,) + shape[1:]:
             raise StoreError(f"{version}: factors give rows of shape {probe.shape[1:]}, expected {shape[1:]}")
     return task
+
+
+def _derived_blocks(folder: Path, digest: str | None) -> bytes:
+    """The block list of a table published without one (read whole, checked against `digest`)."""
+    try:
+        return block_list(folder / TABLE, digest)
+    except FileNotFoundError:
+        raise DigestError(f"{TABLE} is missing") from None
+    except OSError as exc:  # a link, device or FIFO in its place (BackendError), or unreadable
+        raise DigestError(f"{TABLE}: {exc}".replace(str(folder / TABLE), TABLE)) from None
+
+
+def _tensors(copy: SealedVersion, name: str) -> dict[str, np.ndarray]:
+    if name not in copy.files:
+        raise StoreError(f"{copy.version}: {name} is missing")
+    try:
+        return copy.tensors(name)
+    except ValueError as exc:
+        raise StoreError(str(exc)) from None
 
 
 def token_index(input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -52,7 +52,7 @@ def first_pieces(offsets: Sequence[tuple[int, int]], special: Sequence[int], wor
     ends = words.joined_ends()
     out = np.full(len(offsets), -1, dtype=np.int32)
     seen = -1
-    for k, ((start, _), is_special) in enumerate(zip(offsets, special)):
+    for k, ((start, _), is_special) in enumerate(zip(offsets, special, strict=True)):
         if is_special:
             continue
         word = bisect.bisect_right(ends, start)

@@ -19,7 +19,7 @@ def encoder_layers(encoder: nn.Module) -> nn.ModuleList:
 
 
 def pool_states(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """The final states [B, S, d] pooled each way in aot.serving.protocol.POOLINGS, [B, P, d]: training, export and
+    """The final states [B, S, d] pooled each way in aot.serving.protocol.POOLINGS, [B, K, d]: training, export and
     both engines call this one function, so a task's head reads the same vector everywhere. No mask: no padding."""
     # Each state is weighted by 1 / (its input's token count) before the sum, so no partial sum exceeds the largest
     # state: a plain sum of a long input's large activations can overflow fp16 where the mean does not, and the fp16
@@ -81,7 +81,7 @@ class BiasedEncoder(nn.Module):
         return args, {**kwargs, "hidden_states": hidden + self._layer_bias(i).to(hidden.dtype)}
 
     def forward(self, input_ids, attention_mask, token_type_ids, rows, index) -> torch.Tensor:
-        """`rows` [N, L, d]; `index` [B, S] picks each token's row. Returns the pooled states [B, P, d]."""
+        """`rows` [N, L, d]; `index` [B, S] picks each token's row. Returns the pooled states [B, K, d]."""
         return pool_states(self.states(input_ids, attention_mask, token_type_ids, rows, index), attention_mask)
 
     def states(self, input_ids, attention_mask, token_type_ids, rows, index) -> torch.Tensor:

@@ -141,7 +141,7 @@ class TorchBackbone:
 
     @torch.inference_mode()
     def run(self, batch: EncoderBatch) -> EncoderOutput:
-        """The pooled states [B, P, d] (fp32; aot.serving_torch.encoder.pool_states) of a batch, the token states of
+        """The pooled states [B, K, d] (fp32; aot.serving_torch.encoder.pool_states) of a batch, the token states of
         the sequences that want them, and the device heads' outputs (batch.head_slots); copied to the host once
         each, only what the batch reads."""
         slots = self.aot and batch.rows is None  # batch.index holds pool slots: the pool's buffer is read in place
@@ -213,7 +213,7 @@ class TorchBackbone:
         return {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.int64)) for k, v in arrays.items()}
 
     def _forward(self, feeds: dict[str, torch.Tensor], rows: torch.Tensor | None):
-        """The pooled states [B, P, d], every token's final state [B, S, d] and the device heads' outputs (None
+        """The pooled states [B, K, d], every token's final state [B, S, d] and the device heads' outputs (None
         without): on the device alone, nothing read back to the host or copied from it (what a CUDA graph captures;
         tests/test_torch_engine.py checks it under a guard), the attention mask made here (additive_mask) rather
         than by transformers."""

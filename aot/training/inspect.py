@@ -30,5 +30,5 @@ def top_tokens(model: TaskModel, tokenizer, k: int) -> list[list[tuple[str, floa
     for layer in range(norms.shape[1]):
         values, ids = norms[:, layer].topk(k)
         tokens = tokenizer.convert_ids_to_tokens(ids.tolist())
-        result.append([(tok, float(v)) for tok, v in zip(tokens, values)])
+        result.append([(tok, float(v)) for tok, v in zip(tokens, values, strict=True)])
     return result

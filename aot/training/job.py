@@ -90,7 +90,7 @@ def train_tasks(tasks: list, out: str | Path, model: str | None = None, *, resum
     backbone = load_backbone(model)
     prep.check_backbone(backbone)
     shards = assign([task.cost for task in prep.prepared], where.count)
-    mine = [task for task, s in zip(prep.prepared, shards) if s == where.index]
+    mine = [task for task, s in zip(prep.prepared, shards, strict=True) if s == where.index]
     results = list(prep.refused) if where.index == 0 else []
     results += [{"index": t.index, "name": t.name, "status": "kept", "where": t.spec.where, **_summary(folder.out / t.name)}
                 for t in mine if t.kept is not None]
@@ -182,7 +182,7 @@ class _Job:
                 self.plan = SitePlan.learn(self.mixer.plain_states, self.device)
         losses = step_losses(self.mixer, members, self.plan, self.pass_tokens)
         stopped, kept = [], []
-        for a, loss in zip(active, losses):
+        for a, loss in zip(active, losses, strict=True):
             if isinstance(loss, Exception):
                 self._fail(a.task, a, f"{type(loss).__name__}: {loss}")
             elif not torch.isfinite(loss.detach()).all():

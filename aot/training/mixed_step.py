@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from aot.serving_torch.encoder import BiasedEncoder
 from aot.training.kinds.base import autocast
-from aot.training.task_random import Noise, PassDropout, PassPart, SitePlan, TaskStream
+from aot.training.task_random import PassDropout, PassPart, SitePlan, TaskStream
 from aot.training.trainer import TaskRun
 
 
@@ -45,7 +45,7 @@ class _Segment:
     batch: dict[str, torch.Tensor]
     table: torch.Tensor  # the task's rows of P for the segment's distinct tokens [U, L, d]
     inverse: torch.Tensor  # each token's row in `table` [B, S]
-    noise: list[Noise | None]  # the segment's dropout noise per site of the encoder (SitePlan.draw)
+    noise: list[torch.Tensor | None]  # the segment's dropout noise per site of the encoder (SitePlan.draw)
     lengths: list[int]
 
 
@@ -64,7 +64,7 @@ def step_losses(mixer: BiasedEncoder, members: list[Member], plan: SitePlan,
     device = members[0].run.device
     segments = []
     with autocast(device):
-        for k, (member, batches) in enumerate(zip(members, inputs)):
+        for k, (member, batches) in enumerate(zip(members, inputs, strict=True)):
             with member.stream.active():
                 for batch in batches:
                     ids = batch["input_ids"]
@@ -75,12 +75,12 @@ def step_losses(mixer: BiasedEncoder, members: list[Member], plan: SitePlan,
                                              batch["attention_mask"].sum(1).tolist()))
         states = _segment_states(mixer, segments, plan, pass_tokens, members[0].run.pad_id)
     losses: list[torch.Tensor | Exception] = []
-    for k, (member, batches) in enumerate(zip(members, inputs)):
-        own = [s for s, segment in zip(states, segments) if segment.member == k]
+    for k, (member, batches) in enumerate(zip(members, inputs, strict=True)):
+        own = [s for s, segment in zip(states, segments, strict=True) if segment.member == k]
         run = member.run
         try:
             with member.stream.active(), autocast(device):
-                outputs = [run.model.head_logits(s, b["attention_mask"]) for s, b in zip(own, batches)]
+                outputs = [run.model.head_logits(s, b["attention_mask"]) for s, b in zip(own, batches, strict=True)]
                 losses.append(run.kind.loss_from(outputs, batches, run.train_enc, member.rows, run.spec))
         except Exception as exc:  # noqa: BLE001 - the task's own failure, reported with it
             losses.append(exc)
@@ -105,29 +105,31 @@ def _segment_states(mixer: BiasedEncoder, segments: list[_Segment], plan: SitePl
     items = [(length, s, r) for s, segment in enumerate(segments) for r, length in enumerate(segment.lengths)]
     gathered: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in segments]
     for chunk in cut_passes(items, pass_tokens):
+        chunk.sort(key=lambda item: item[1:])  # each segment's rows together, in order (PassPart)
         length = max(item[0] for item in chunk)
         sample = segments[chunk[0][1]].batch["input_ids"]
         ids = torch.full((len(chunk), length), pad_id, dtype=sample.dtype, device=sample.device)
         mask, types, index = torch.zeros_like(ids), torch.zeros_like(ids), torch.zeros_like(ids)
-        tables, parts, offset = [], [], 0
+        tables, parts, places, offset, start = [], [], [], 0, 0
         for s in dict.fromkeys(item[1] for item in chunk):
             segment = segments[s]
-            at = torch.tensor([k for k, item in enumerate(chunk) if item[1] == s], device=ids.device)
             rows = torch.tensor([item[2] for item in chunk if item[1] == s], device=ids.device)
+            at = slice(start, start + len(rows))
             width = min(length, segment.batch["input_ids"].shape[1])
             for name, target in (("input_ids", ids), ("attention_mask", mask), ("token_type_ids", types)):
                 target[at, :width] = segment.batch[name][rows, :width]
             index[at] = offset
             index[at, :width] = segment.inverse[rows, :width] + offset
             tables.append(segment.table)
-            offset += segment.table.shape[0]
-            parts.append(PassPart(segment.noise, rows, at))
+            parts.append(PassPart(segment.noise, rows))
+            places.append((s, rows, at))
+            offset, start = offset + segment.table.shape[0], at.stop
         with PassDropout(plan, parts) if plan.draws else contextlib.nullcontext():
             states = mixer.states(ids, mask, types, torch.cat(tables), index)
-        for part, s in zip(parts, dict.fromkeys(item[1] for item in chunk)):
+        for s, rows, at in places:
             full = segments[s].batch["input_ids"].shape[1]
-            own = states[part.at, :min(length, full)]
-            gathered[s].append((part.rows, F.pad(own, (0, 0, 0, full - own.shape[1]))))
+            own = states[at, :min(length, full)]
+            gathered[s].append((rows, F.pad(own, (0, 0, 0, full - own.shape[1]))))
     out = []
     for pieces in gathered:
         rows = torch.cat([r for r, _ in pieces])

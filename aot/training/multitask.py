@@ -132,7 +132,7 @@ class MultiTaskModel(nn.Module):
             for name, members in groups.items():
                 task = self.tasks[name]
                 read = states[members] if task.spec.kind_spec.reads_tokens else pooled[members, task.row]
-                for i, row in zip(members, self.heads[name](read)):
+                for i, row in zip(members, self.heads[name](read), strict=True):
                     out[i] = row
         return out
 
@@ -162,7 +162,8 @@ class MultiTaskModel(nn.Module):
         similar length share a batch whatever their tasks and kinds, on the device the model is on. `on_batch(n)`:
         after each batch of n texts (progress)."""
         encoded, outputs = self._run(texts, task_names, pairs, batch_size, on_batch)
-        return [{"task": n, **self._answer(self.tasks[n], e, o)} for n, e, o in zip(task_names, encoded, outputs)]
+        return [{"task": n, **self._answer(self.tasks[n], e, o)}
+                for n, e, o in zip(task_names, encoded, outputs, strict=True)]
 
     def outputs(self, texts: Sequence[str], task_names: Sequence[str], pairs: Sequence[str | None] | None = None,
                 batch_size: int = 32) -> list[torch.Tensor]:
@@ -170,12 +171,12 @@ class MultiTaskModel(nn.Module):
         [n], an embedding's vector [d], a token task's logits of each of its tokens [S, n]."""
         encoded, outputs = self._run(texts, task_names, pairs, batch_size)
         return [o[: len(e.ids["input_ids"])] if self.tasks[n].spec.kind_spec.reads_tokens else o
-                for n, e, o in zip(task_names, encoded, outputs)]
+                for n, e, o in zip(task_names, encoded, outputs, strict=True)]
 
     def _run(self, texts, task_names, pairs, batch_size, on_batch=None) -> tuple[list[_Text], list[torch.Tensor]]:
         self._check_names(task_names, len(texts))
         pairs = list(pairs) if pairs is not None else [None] * len(texts)
-        encoded = [self._encode(t, p, self.tasks[n]) for t, p, n in zip(texts, pairs, task_names)]
+        encoded = [self._encode(t, p, self.tasks[n]) for t, p, n in zip(texts, pairs, task_names, strict=True)]
         pad = self.backbone.tokenizer.pad_token_id or 0
         device = next(self.biased.parameters()).device
         order = sorted(range(len(texts)), key=lambda i: len(encoded[i].ids["input_ids"]))
@@ -183,7 +184,7 @@ class MultiTaskModel(nn.Module):
         for start in range(0, len(order), batch_size):
             rows = order[start:start + batch_size]
             batch = {k: v.to(device) for k, v in _pad([encoded[i].ids for i in rows], pad).items()}
-            for i, output in zip(rows, self._outputs(**batch, task_names=[task_names[i] for i in rows])):
+            for i, output in zip(rows, self._outputs(**batch, task_names=[task_names[i] for i in rows]), strict=True):
                 outputs[i] = output
             if on_batch is not None:
                 on_batch(len(rows))

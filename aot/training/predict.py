@@ -33,7 +33,7 @@ class Predictor:
     def outputs(self, texts: list[str], pairs: list[str | None] | None = None) -> tuple[object, Encoded]:
         """The kind's predictions of the texts (aot.training.kinds), and the texts as it encoded them."""
         spec = self.artifact.spec
-        examples = [Example(t, None, p) for t, p in zip(texts, pairs or [None] * len(texts))]
+        examples = [Example(t, None, p) for t, p in zip(texts, pairs or [None] * len(texts), strict=True)]
         kind = kind_for(spec)
         encoded = kind.encode(self.backbone.tokenizer, examples, spec, self.artifact.max_length)
         return kind.predict(self.model, encoded, self.backbone.tokenizer.pad_token_id or 0, self.device), encoded
@@ -145,7 +145,7 @@ def predict_lines(tasks: dict[str, Path], lines: list[Line], model: str | None, 
         name = next(iter(tasks))
         predictor = Predictor.load(tasks[name], load_backbone(model) if model else None, device)
         rows = []
-        for t, p in zip(texts, pairs):
+        for t, p in zip(texts, pairs, strict=True):
             rows.append(predictor.predict([t], [p], name)[0])
             if on_batch is not None:
                 on_batch(1)
@@ -153,5 +153,5 @@ def predict_lines(tasks: dict[str, Path], lines: list[Line], model: str | None, 
         other = next(n for n, ok in shared.items() if not ok)
         raise ValueError(f"task {other!r} was trained with method {methods[other]!r}, which changes the encoder: "
                          f"several tasks run together only if all are AoT (fc, kron); give it alone")
-    return {n: ({"id": item["id"]} if "id" in item else {}) | row for (n, item), row in zip(lines, rows)}
+    return {n: ({"id": item["id"]} if "id" in item else {}) | row for (n, item), row in zip(lines, rows, strict=True)}
 

@@ -13,7 +13,8 @@ it shared the pass with, and the same manifest would train other tasks on one ma
   shape of each draw, learnt once per encoder from three small forwards; `draw` makes, from the task's stream, the
   masks its batch would draw alone, before the passes;
 - PassDropout: in a pass, each dropout multiplies each row by its own row of its task's mask (cut or padded to the
-  pass's length: the part beyond a row's tokens is padding, which attention never reads).
+  pass's length: the part beyond a row's tokens is padding, which attention never reads), torch.nn.functional.dropout
+  replaced for the pass (every dropout of the encoder calls it).
 
 A task of a job thus draws exactly the random numbers it draws alone, whatever it is mixed with and however the job
 is sharded. A dropout whose tensor is not per row (DeBERTa-v2's, on its relative position embeddings) is shared by a
@@ -28,7 +29,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 ROWS, TOKENS = "rows", "tokens"  # the dimensions of a drawn tensor that follow the batch's rows and its length
 
@@ -85,8 +85,8 @@ def forked(device: torch.device):
 def _dropout_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, float, bool, bool]:
     """F.dropout's arguments (input, p=0.5, training=True, inplace=False), however they were passed."""
     names = ("input", "p", "training", "inplace")
-    values = dict(zip(names, (None, 0.5, True, False)))
-    values.update(zip(names, args))
+    values = dict(zip(names, (None, 0.5, True, False), strict=True))
+    values.update(zip(names, args, strict=False))  # the arguments given by position: the first of them
     values.update(kwargs)
     return values["input"], float(values["p"]), bool(values["training"]), bool(values["inplace"])
 
@@ -108,17 +108,37 @@ class Site:
         return tuple(rows if d == ROWS else tokens if d == TOKENS else d for d in self.dims)
 
 
-class _Recorder(TorchFunctionMode):
+class _Dropout:
+    """Inside the block, torch.nn.functional.dropout is `call(original, input, p, training, inplace)`: every dropout
+    of the encoder goes through it (nn.Dropout's and the attention functions' look it up when they run). Nothing
+    else changes, so the pass runs at its own speed (a TorchFunctionMode would see every operation). The job trains
+    in one thread."""
+
+    def __init__(self, call: Callable):
+        self.call = call
+
+    def __enter__(self):
+        original = self.original = F.dropout
+
+        def dropout(*args, **kwargs):
+            return self.call(original, *_dropout_args(args, kwargs))
+
+        F.dropout = dropout
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        F.dropout = self.original
+        return False
+
+
+class _Recorder(_Dropout):
     def __init__(self):
-        super().__init__()
+        super().__init__(self._record)
         self.calls: list[tuple[float, tuple[int, ...], torch.dtype]] = []
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.dropout:
-            x, p, training, _ = _dropout_args(args, kwargs)
-            self.calls.append((p if training else 0.0, tuple(x.shape), x.dtype))
-        return func(*args, **kwargs)
+    def _record(self, original, x, p, training, inplace):
+        self.calls.append((p if training else 0.0, tuple(x.shape), x.dtype))
+        return original(x, p, training, inplace)
 
 
 class SitePlan:
@@ -145,7 +165,7 @@ class SitePlan:
             runs.append(recorder.calls)
         if len({len(calls) for calls in runs}) != 1:
             raise RuntimeError("the encoder runs a different number of dropouts on inputs of other shapes")
-        return cls([cls._site(*calls) for calls in zip(*runs)])
+        return cls([cls._site(*calls) for calls in zip(*runs, strict=False)])  # the dropouts every run called
 
     @classmethod
     def _site(cls, base, more_rows, longer) -> Site:
@@ -155,7 +175,7 @@ class SitePlan:
         if not (len(shape) == len(more_rows[1]) == len(longer[1])):
             dims = None
         else:
-            for size, grown, long in zip(shape, more_rows[1], longer[1]):
+            for size, grown, long in zip(shape, more_rows[1], longer[1], strict=True):
                 if (size, grown) == (rows, rows_2) and long == size:
                     dims.append(ROWS)
                 elif (size, long) == (tokens, tokens_2) and grown == size:
@@ -169,61 +189,49 @@ class SitePlan:
             dims = None  # not one tensor per row (shared by a pass)
         return Site(p, tuple(dims) if dims is not None else None, dtype)
 
-    def draw(self, rows: int, tokens: int, device: torch.device) -> list[Noise | None]:
+    def draw(self, rows: int, tokens: int, device: torch.device) -> list[torch.Tensor | None]:
         """The noise of each per-row dropout as a batch of `rows` x `tokens` draws it alone from torch's default
-        generator (F.dropout's own draw), in order; None where it draws nothing of its own."""
-        return [_noise(F.dropout(torch.ones(site.shape(rows, tokens), dtype=site.dtype, device=device), site.p,
-                                 True)) if site.per_row else None for site in self.sites]
-
-
-@dataclass
-class Noise:
-    """A dropout's noise, each value 0 or `scale` (1 / (1 - p) in its dtype), kept as where it is not 0: a quarter
-    of the fp32 tensor's memory, and `scale * kept` is the tensor itself, bit for bit."""
-
-    kept: torch.Tensor
-    scale: float
-
-
-def _noise(drawn: torch.Tensor) -> Noise:
-    kept = drawn != 0
-    return Noise(kept, float(drawn[kept][0]) if kept.any() else 0.0)
+        generator (F.dropout's own draw: each value 0 or 1 / (1 - p)), in order; None where it draws nothing."""
+        return [F.dropout(torch.ones(site.shape(rows, tokens), dtype=site.dtype, device=device), site.p, True)
+                if site.per_row else None for site in self.sites]
 
 
 @dataclass
 class PassPart:
-    """The rows of one batch in a pass: their noise (SitePlan.draw of the whole batch), which of its rows they are,
-    and where they sit in the pass."""
+    """The rows of one batch in a pass, which sit together in it, in order: their noise (SitePlan.draw of the whole
+    batch) and which of its rows they are."""
 
-    noise: list[Noise | None]
+    noise: list[torch.Tensor | None]
     rows: torch.Tensor
-    at: torch.Tensor
 
 
-class PassDropout(TorchFunctionMode):
+class PassDropout(_Dropout):
     """Inside the block, the encoder's k-th dropout multiplies each row of the pass by its own row of its batch's
     k-th noise, the dimensions of its length cut or padded (with zeros) to the pass's."""
 
     def __init__(self, plan: SitePlan, parts: list[PassPart]):
-        super().__init__()
+        super().__init__(self._apply)
         self.plan, self.parts, self.calls = plan, parts, 0
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is not F.dropout:
-            return func(*args, **kwargs)
+    def _apply(self, original, x, p, training, inplace):
         if self.calls >= len(self.plan.sites):
             raise RuntimeError(f"the encoder ran more dropouts than the {len(self.plan.sites)} it ran when learnt")
         site = self.plan.sites[self.calls]
         self.calls += 1
-        x, p, training, inplace = _dropout_args(args, kwargs)
         if not (training and site.per_row):
-            return func(*args, **kwargs)
-        noise = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
-        for part in self.parts:
-            noise_of_part = part.noise[self.calls - 1]
-            drawn = noise_of_part.kept.index_select(0, part.rows).to(x.dtype) * noise_of_part.scale
-            fits = tuple(slice(0, min(a, b)) if d == TOKENS else slice(None)
-                         for d, a, b in zip(site.dims[1:], drawn.shape[1:], x.shape[1:]))
-            noise[(part.at, *fits)] = drawn[(slice(None), *fits)]
+            return original(x, p, training, inplace)
+        noise = torch.cat([_fit(part.noise[self.calls - 1].index_select(0, part.rows), site, x.shape)
+                           for part in self.parts])
         return x.mul_(noise) if inplace else x * noise
+
+
+def _fit(noise: torch.Tensor, site: Site, shape: torch.Size) -> torch.Tensor:
+    """`noise` with the dimensions of its length cut or padded with zeros to those of `shape`."""
+    for dim, kind in enumerate(site.dims):
+        if kind == TOKENS and noise.shape[dim] != shape[dim]:
+            if noise.shape[dim] > shape[dim]:
+                noise = noise.narrow(dim, 0, shape[dim])
+            else:
+                pad = [0, 0] * (noise.dim() - 1 - dim) + [0, shape[dim] - noise.shape[dim]]
+                noise = F.pad(noise, pad)
+    return noise

@@ -21,6 +21,11 @@ imports nothing of the request path's steps nor of the supervision room (pyproje
     view          a reader's index that follows the change log: what steps and the audit read
     mirror        what this host last read of a remote store's index, served while the store cannot be reached
     digests       digests of a version's files: written at publish, checked when a version is loaded
+    sealed        a version's files copied into sealed memory and checked there: what requests read
+    table_blocks  a fused table's block digests: its rows read and hashed by blocks, never trusted by a stamp
+    host_cache    one cache of sealed versions per host, shared by its step processes, bounded for the host
+    admission     which versions a host keeps: W-TinyLFU (scan-resistant), and LRU to compare
+    rechecks      refused versions checked again, backed off, so that a restored version serves again
     audit         every current version's files checked against their digests in the background
     tenants       task namespaces TENANT/TASK that answer only requests carrying the tenant's key
     names         an index's task names by tenant, sorted: an unknown task's suggestions at a bounded cost

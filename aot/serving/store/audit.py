@@ -5,7 +5,9 @@ a request meets it, without start-up reading every task.
 The task_list step calls `run(budget)` every few seconds with the bytes it may hash (a serving option, bytes per
 second). Versions are visited in turn; a file is hashed when it was never checked or when its stat changed since
 (inode, size, modification and status-change times: `touch -d` restores a modification time, not the status-change
-time, which only the kernel sets). A version whose files all hold is not hashed again until one changes.
+time, which only the kernel sets). A version whose files all hold is not hashed again until one changes; a damaged
+file is hashed again at each pass, so that a restored one (even through a mapping, which may move no timestamp) is
+no longer named. What requests read does not rest on the audit (aot.serving.store.sealed).
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ class TaskAudit:
                 checked.damages[file] = f"task {name!r} ({version}) is corrupt: {file}: {exc.strerror}"
                 checked.stamps.pop(file, None)
                 continue
-            if checked.stamps.get(file) == stamp:
+            if checked.stamps.get(file) == stamp and file not in checked.damages:  # a damaged one: every pass
                 continue
             checked.stamps[file] = stamp
             hashed += stamp[1]

@@ -1,15 +1,15 @@
 """Digests of a task version's files: written into the store's manifest at publish, checked when a version is
-loaded, mapped or changed on disk, so a damaged file is refused instead of answering wrong.
+loaded and by the background audit, so a damaged file is refused instead of answering wrong.
 
 A digest is `sha256:<64 hex digits>` of a file's bytes (its cost per table: docs/benchmarks.md, "The serving tax"). Only
 regular files are read: a symbolic link, device or FIFO planted in a version's folder is refused, never followed.
-A file's stamp (inode, size, modification and status-change times) says when its bytes may have changed since it was
-checked: a restored modification time does not restore the status-change time, which only the kernel sets.
+A file's stamp (inode, size, modification and status-change times) changes with most writes: a restored
+modification time does not restore the status-change time, which only the kernel sets.
 
-A file is hashed once per host, not once per process: every step process of a server (2 instances of the fused step,
-several servers on one host) trusts a record of the stamp a process of the same user found the file's bytes at
-(HostVerified: a private folder in /dev/shm, one small file per verified file). Any write changes the stamp, so a
-file changed after its record was written is hashed again before it is served.
+A stamp is no proof that bytes did not change: a write through a shared writable mapping to a page that is already
+dirty changes no timestamp. So what a request reads is never trusted by a stamp: a version's files are copied, sealed
+and hashed in the copy (aot.serving.store.sealed), a fused table read by hashed blocks (aot.serving.store.table_blocks).
+Stamps only tell the background audit (aot.serving.store.audit) which files to hash again first.
 """
 
 from __future__ import annotations
@@ -17,19 +17,14 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import stat
 import threading
-from collections import OrderedDict
 from pathlib import Path
 
-from aot.serving.shm import SHM
 from aot.serving.store.backend import open_regular
 
 DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # a plain file of a version folder, never a path
 _CHUNK = 1 << 20
-VERIFIED_REMEMBERED = 65536  # files whose verified stamp a process remembers (verify_file_once), ~200 bytes each
-VERIFIED_ON_HOST = 131072  # records a host keeps (HostVerified); past it the oldest half go (~1 KiB of tmpfs each)
 
 
 class DigestError(ValueError):
@@ -58,17 +53,6 @@ def file_stamp(path: str | os.PathLike) -> tuple[int, int, int, int]:
     what it points to."""
     st = os.stat(path, follow_symlinks=False)
     return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-def check_regular(path: Path) -> Path:
-    """`path`, if it is a regular file (DigestError naming it otherwise: a link, device or FIFO, or missing)."""
-    try:
-        os.close(open_regular(path))
-    except FileNotFoundError:
-        raise DigestError(f"{path.name} is missing") from None
-    except OSError as exc:
-        raise DigestError(f"{path.name}: {exc}".replace(str(path), path.name)) from None
-    return path
 
 
 def folder_digests(folder: Path) -> dict[str, str]:
@@ -102,117 +86,3 @@ def verify_file(path: Path, digests: dict[str, str] | None, where: str) -> None:
         raise DigestError(f"{where}: {path.name}: {exc}".replace(str(path), path.name)) from None
     if actual != expected:
         raise DigestError(f"{where}: {path.name} is damaged (its sha256 differs from the one published)")
-
-
-class _Verified:
-    """The stamps of files this process hashed and found as published, by (path, digest), least recently used
-    first."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.stamps: OrderedDict[tuple[str, str], tuple[int, int, int, int]] = OrderedDict()
-        self.lock = threading.Lock()
-
-    def holds(self, key: tuple[str, str], stamp: tuple[int, int, int, int]) -> bool:
-        with self.lock:
-            if self.stamps.get(key) != stamp:
-                return False
-            self.stamps.move_to_end(key)
-            return True
-
-    def add(self, key: tuple[str, str], stamp: tuple[int, int, int, int]) -> None:
-        with self.lock:
-            self.stamps[key] = stamp
-            self.stamps.move_to_end(key)
-            while len(self.stamps) > self.capacity:
-                self.stamps.popitem(last=False)
-
-
-_verified = _Verified(VERIFIED_REMEMBERED)
-
-
-class HostVerified:
-    """Stamps of files a process of this user on this host hashed and found as published: one file each in a folder
-    only this user can write (`folder`, 0700; a folder of another owner or mode is not trusted, and nothing is
-    recorded there), named by the sha256 of (path, digest), holding the stamp. Written atomically (a temporary name,
-    then a rename), read with one open: a process that finds a record whose stamp is the file's stamp now skips the
-    hash."""
-
-    def __init__(self, folder: Path, capacity: int = VERIFIED_ON_HOST):
-        self.folder, self.capacity = Path(folder), capacity
-        self._added = 0
-        self._trusted: bool | None = None
-
-    def _usable(self) -> bool:
-        if self._trusted is None:
-            try:
-                self.folder.mkdir(mode=0o700, exist_ok=True)
-                st = os.stat(self.folder, follow_symlinks=False)
-                self._trusted = (stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
-                                 and stat.S_IMODE(st.st_mode) & 0o077 == 0)
-            except OSError:
-                self._trusted = False
-        return self._trusted
-
-    def _record(self, key: tuple[str, str]) -> Path:
-        return self.folder / hashlib.sha256("\0".join(key).encode("utf-8", "surrogatepass")).hexdigest()
-
-    def holds(self, key: tuple[str, str], stamp: tuple[int, int, int, int]) -> bool:
-        if not self._usable():
-            return False
-        try:
-            return self._record(key).read_text() == " ".join(map(str, stamp))
-        except (OSError, UnicodeDecodeError):
-            return False
-
-    def add(self, key: tuple[str, str], stamp: tuple[int, int, int, int]) -> None:
-        if not self._usable():
-            return
-        record = self._record(key)
-        temporary = record.with_name(f".{record.name}.{os.getpid()}.{threading.get_ident()}")
-        try:
-            temporary.write_text(" ".join(map(str, stamp)))
-            os.replace(temporary, record)
-        except OSError:
-            temporary.unlink(missing_ok=True)
-            return
-        self._added += 1
-        if self._added % 1024 == 0:
-            self._prune()
-
-    def _prune(self) -> None:
-        """Past `capacity` records, the oldest half go (a record is cheap to write again: one hash)."""
-        try:
-            records = [(p.stat().st_mtime_ns, p) for p in self.folder.iterdir() if not p.name.startswith(".")]
-        except OSError:
-            return
-        if len(records) <= self.capacity:
-            return
-        for _, path in sorted(records)[: len(records) // 2]:
-            path.unlink(missing_ok=True)
-
-
-host_verified = HostVerified(SHM / f"aot-verified-{os.getuid()}")
-
-
-def verify_file_once(path: Path, digests: dict[str, str] | None, where: str) -> None:
-    """verify_file, but a file this process, or another of this user on this host (host_verified), already hashed and
-    found as published is not hashed again while its stamp is unchanged (any write changes its status-change time,
-    which only the kernel sets): a version evicted and loaded again, or loaded by a second step instance, costs its
-    reads, not its hashes. The background audit (aot.serving.store.audit) and `aot export verify` hash every time,
-    which is what finds bytes that rotted without a write."""
-    if digests is None or path.name not in digests:
-        verify_file(path, digests, where)
-        return
-    try:
-        stamp = file_stamp(path)
-    except OSError:
-        stamp = None
-    key = (str(Path(path).absolute()), digests[path.name])
-    if stamp is not None and (_verified.holds(key, stamp) or host_verified.holds(key, stamp)):
-        _verified.add(key, stamp)
-        return
-    verify_file(path, digests, where)
-    if stamp is not None:  # taken before the hash: a write during it changes the stamp, and the next load hashes
-        _verified.add(key, stamp)
-        host_verified.add(key, stamp)

@@ -11,6 +11,7 @@ once: what the writer writes, the reader reads and the exporter fills a version 
             task.json                  TASK_JSON: kind, labels, metric, storage, method, shapes (aot.serving.tasks)
             head.safetensors           HEAD: a head's arrays (none for an embedding task)
             table.npy                  TABLE: a fused task's P, [V, L, d] fp16
+            table.blocks               TABLE_BLOCKS: the digests of its blocks (aot.serving.store.table_blocks)
             factors.safetensors        FACTORS: a factored task's P factors
         .staging/                      STAGING: versions being written, hidden from readers
         .lock                          LOCK: the writers' lock
@@ -23,6 +24,7 @@ from __future__ import annotations
 TASK_JSON = "task.json"
 HEAD = "head.safetensors"
 TABLE = "table.npy"
+TABLE_BLOCKS = "table.blocks"
 FACTORS = "factors.safetensors"
 
 # the store's folder

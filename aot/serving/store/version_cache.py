@@ -8,7 +8,10 @@ later starts find them here, and the request path never touches the bucket for a
     CACHE/.tmp-<pid>-<random>/    a download in progress (removed when its writer died)
     CACHE/.locks/<name>@<id>      one download of a version at a time, across the processes of a replica
 
-The bytes of complete versions stay under `max_bytes`: after a download, the least recently used versions are
+A version's files are fetched at once (one request each, in parallel) and written without fsync: nothing served
+rests on this folder's durability, since every load copies a version's files into a sealed copy and hashes them
+there (aot.serving.store.sealed), and a copy torn by a crash is refused, then fetched anew by its re-check
+(aot.serving.store.rechecks). The bytes of complete versions stay under `max_bytes`: after a download, the least recently used versions are
 removed (by the time `.complete` was last touched: a process touches a version when it loads it, and at most once a
 `TOUCH_EVERY` while it serves it). A version touched in the last `KEEP_RECENT` seconds is not removed, since a process
 may still read it (a fused table is memory-mapped); the cache then stays over its bound until they age.
@@ -26,17 +29,19 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
 from aot import settings
-from aot.serving.store.atomic import fsync_dir, pid_alive
+from aot.serving.store.atomic import pid_alive
 from aot.serving.store.digests import FILE_NAME, DigestError, file_digest
 
 COMPLETE = ".complete"
 LOCKS = ".locks"
 TOUCH_EVERY = 60.0
 KEEP_RECENT = 300.0
+FETCHES_AT_ONCE = 4  # a version's objects fetched in parallel (a handful of files: latency-bound)
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,7 @@ class VersionCache:
         self._estimate: int | None = None
         self._lock = threading.Lock()
         self.downloads = 0
+        self._fetchers = ThreadPoolExecutor(FETCHES_AT_ONCE, thread_name_prefix="aot-fetch-file")
         self._remove_debris()
 
     @classmethod
@@ -83,6 +89,11 @@ class VersionCache:
         self.touch(version, force=True)
         self._evict(keep=version)
         return local
+
+    def discard(self, version: str) -> None:
+        """Remove `version`'s copy (a refused version checked again is fetched anew: aot.serving.store.rechecks)."""
+        with self._fetch_lock(version):
+            shutil.rmtree(self.root / version, ignore_errors=True)
 
     def holds(self, version: str, digests: dict[str, str]) -> bool:
         """Whether `version` is here complete, as published (a local read: no request to the store)."""
@@ -134,22 +145,16 @@ class VersionCache:
         tmp = self.root / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
-            total = 0
-            for name, digest in sorted(digests.items()):
+            for name in digests:
                 if not FILE_NAME.fullmatch(name):
                     raise DigestError(f"{version}: {name!r} is not a file name")
-                total += self.backend.download(f"{version}/{name}", tmp / name)
-                if file_digest(tmp / name) != digest:
-                    raise DigestError(f"{version}: {name} as downloaded from {self.backend!r} is damaged (its sha256 "
-                                      "differs from the one published)")
+            fetches = [self._fetchers.submit(self._fetch, version, tmp, *item) for item in sorted(digests.items())]
+            wait(fetches)  # all of them ended before the folder is renamed or removed
+            total = sum(f.result() for f in fetches)
             (tmp / COMPLETE).write_text(json.dumps(digests))
-            for f in tmp.iterdir():
-                with open(f, "rb") as handle:
-                    os.fsync(handle.fileno())
             if local.exists():  # a stale or damaged copy: replaced whole
                 shutil.rmtree(local)
             os.rename(tmp, local)
-            fsync_dir(self.root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -157,6 +162,14 @@ class VersionCache:
         with self._lock:
             if self._estimate is not None:
                 self._estimate += total
+
+    def _fetch(self, version: str, tmp: Path, name: str, digest: str) -> int:
+        """One file of a version, checked against its published digest; its size."""
+        size = self.backend.download(f"{version}/{name}", tmp / name)
+        if file_digest(tmp / name) != digest:
+            raise DigestError(f"{version}: {name} as downloaded from {self.backend!r} is damaged (its sha256 "
+                              "differs from the one published)")
+        return size
 
     def _evict(self, keep: str) -> None:
         """Remove least recently used versions until the cache holds at most max_bytes (see the module docstring)."""

@@ -62,6 +62,7 @@ from aot.serving.store.reader import (
     version_of_folder,
 )
 from aot.serving.store.shards import StaleIndex
+from aot.serving.store.table_blocks import write_table_blocks
 from aot.serving.store.tenants import tenant_of
 
 UPLOADS_AT_ONCE = 8  # objects a publisher uploads in parallel to a remote store
@@ -232,6 +233,7 @@ class TaskStore(StoreReader):
         for p in publications:
             if p.storage not in STORAGES:
                 raise StoreError(f"unknown storage {p.storage!r}: expected one of {', '.join(STORAGES)}")
+            write_table_blocks(p.folder)  # a fused table's block digests: its rows read without hashing it whole
             plain_permissions(p.folder)  # safetensors writes 0600: a server running as another user could not read it
             entries[p.name] = {"folder": self.version_name(p.folder), "storage": p.storage,
                                "digests": folder_digests(p.folder), "meta": index_meta(p.folder),

@@ -46,7 +46,8 @@ class TokensKind(Kind):
         if labelled:
             index = {tag: k for k, tag in enumerate(spec.labels)}
             gold = [tuple(ex.label) for ex in examples]
-            labels = [[IGNORED if w < 0 else index[tags[w]] for w in first] for first, tags in zip(firsts, gold)]
+            labels = [[IGNORED if w < 0 else index[tags[w]] for w in first]
+                      for first, tags in zip(firsts, gold, strict=True)]
         return Encoded(ids, None if types[0] is None else types, labels, words=all_words, first=firsts, gold=gold)
 
     def loss_from(self, outputs, inputs, encoded: Encoded, rows, spec: TaskSpec) -> torch.Tensor:
@@ -68,10 +69,10 @@ class TokensKind(Kind):
     def word_tags(self, spec: TaskSpec, predictions: list[torch.Tensor], encoded: Encoded) -> list[list[str]]:
         """Each text's tag per word: the arg-max at its first token, O for a word with none."""
         out = []
-        for logits, first, words in zip(predictions, encoded.first, encoded.words):
+        for logits, first, words in zip(predictions, encoded.first, encoded.words, strict=True):
             tags = [OUTSIDE] * len(words.spans)
             starts = np.flatnonzero(first >= 0)
-            for word, k in zip(first[starts], logits[starts].argmax(-1).tolist()):
+            for word, k in zip(first[starts], logits[starts].argmax(-1).tolist(), strict=True):
                 tags[word] = spec.labels[k]
             out.append(tags)
         return out
@@ -82,4 +83,4 @@ class TokensKind(Kind):
 
     def answers(self, spec: TaskSpec, predictions, encoded: Encoded) -> list[dict]:
         return [tokens_answer(spec.labels, words, first, logits.numpy())
-                for logits, words, first in zip(predictions, encoded.words, encoded.first)]
+                for logits, words, first in zip(predictions, encoded.words, encoded.first, strict=True)]

@@ -20,7 +20,7 @@ from aot.serving.words import Words, split_words
 
 @dataclass
 class HeadPart:
-    """A request at the head: its items' task versions, pooled states [N, P, d] and, when it holds a token task's
+    """A request at the head: its items' task versions, pooled states [N, K, d] and, when it holds a token task's
     items, every token's state [N, S, d], each token's word [N, S] and each item's words (None for other kinds)."""
 
     tasks: TaskColumn
