@@ -299,6 +299,7 @@ def test_multitask_refuses_another_backbone(saved_tasks, tiny_models, tmp_path):
 def _predict(argv, capsys, stdin: str | None = None, monkeypatch=None):
     if stdin is not None:
         monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin.encode("utf-8"))))
+    capsys.readouterr()  # what the test wrote before (a library's progress bar, when no main() silenced it yet)
     code = main(["predict", *argv, "--no-progress"])  # its bar: tests/test_cli_answers.py
     captured = capsys.readouterr()
     return code, [json.loads(line) for line in captured.out.splitlines()], captured.err.strip().splitlines()
