@@ -50,7 +50,7 @@ class KindSpec:
     text_pairs: bool = False  # it reads a text pair as one input where its data has pairs
     pair_examples: bool = False  # its examples are pairs of texts, each answered alone (an anchor and its positive)
     record: tuple[str, ...] = ()  # the TaskSpec fields its task record (task.json) keeps beyond every kind's
-    since_format: int = 2  # the first task-artifact format that holds it (aot.training.artifact)
+    since_format: int = 1  # the first task-artifact format that holds it (aot.training.artifact)
 
     def __post_init__(self):
         if self.head not in HEADS:

@@ -55,7 +55,7 @@ def read_labelled_file(path: str | Path, spec: TaskSpec, unknown: Counter | None
 def per_class(spec: TaskSpec, examples: list[Example], predicted: list) -> dict[str, dict] | None:
     """Precision, recall, F1 and support per label (classification: `predicted` labels; multilabel: label lists)
     or entity type (tokens: `predicted` tags per word, by seqeval); None for kinds without classes."""
-    if spec.kind == "tokens":
+    if spec.kind_spec.reads_tokens:  # tags per word: scored by entity (seqeval)
         from seqeval.metrics import classification_report
 
         report = classification_report([list(e.label) for e in examples], [list(t) for t in predicted],
@@ -67,8 +67,8 @@ def per_class(spec: TaskSpec, examples: list[Example], predicted: list) -> dict[
         return None
     counts = {name: Counter() for name in spec.labels}
     for example, guess in zip(examples, predicted, strict=True):
-        gold = set(example.label) if spec.kind == "multilabel" else {example.label}
-        guess = set(guess) if spec.kind == "multilabel" else {guess}
+        gold = set(example.label) if isinstance(example.label, tuple) else {example.label}  # a label set, or one
+        guess = set(guess) if isinstance(guess, list) else {guess}
         for name in gold | guess:
             counts[name]["tp" if name in gold and name in guess else "fn" if name in gold else "fp"] += 1
     out = {}
@@ -98,8 +98,8 @@ def evaluate_file(task_dir: str | Path, path: str | Path, backbone: Backbone | N
 
         write_atomic(predictions, "".join(json.dumps(_prediction(spec.name, example, answer), ensure_ascii=False) + "\n"
                                           for example, answer in zip(examples, answers, strict=True)))
-    predicted = (kind.word_tags(spec, outputs, encoded) if spec.kind == "tokens" else
-                 [a.get("labels") if spec.kind == "multilabel" else a.get("label") for a in answers])
+    predicted = (kind.word_tags(spec, outputs, encoded) if spec.kind_spec.reads_tokens else
+                 [a.get(spec.kind_spec.answer_key) for a in answers])
     return {"task": spec.name, "metric": spec.metric, "score": kind.score(outputs, encoded, spec),
             "examples": len(examples), "data": str(path), "unknown_labels": dict(unknown.most_common()),
             "per_class": per_class(spec, examples, predicted)}
