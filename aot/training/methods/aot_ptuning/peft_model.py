@@ -233,9 +233,9 @@ def _spec(config: AotConfig) -> TaskSpec:
     kind, spec = config.problem, kind_spec(config.problem)
     metric = config.metric or spec.metrics[0]
     if config.text_pairs and not spec.text_pairs:
-        paired = ", ".join(name for name, other in KINDS.items() if other.text_pairs)
-        raise MethodError(f"AotConfig: text_pairs applies to {paired} tasks, not {kind} (an embedding task's pairs "
-                          f"are its training examples; it answers one text)")
+        *most, last = [name for name, other in KINDS.items() if other.text_pairs]
+        why = " (its pairs are its training examples; it answers one text)" if spec.pair_examples else ""
+        raise MethodError(f"AotConfig: text_pairs applies to {', '.join(most)} and {last} tasks, not {kind}{why}")
     if spec.head == NONE:
         return TaskSpec(config.task_name, None, metric, kind=kind, normalize=config.normalize)
     if config.num_labels < 1:
