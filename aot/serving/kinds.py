@@ -6,7 +6,7 @@ kinds register below. What a spec says is read by serving (the head stage, the c
 the torch engine's device heads, the exporter (the task record, the head it writes and checks), the client and the
 training package, which attaches its own part by name (aot.training.kinds: how examples become tensors, the loss,
 predictions and their score) beside a data reader (aot.training.data.kind_rows). A new kind is one spec, one
-training kind and one reader; tests/test_kinds_table.py runs every registered kind end to end.
+training kind and one reader; tests/test_kinds_served.py runs every registered kind end to end.
 
 Numpy only, like the rest of the ground floor: the Triton image imports it.
 """
