@@ -42,12 +42,13 @@ def sentiment_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def kind_artifacts(tmp_path_factory, tiny_models, sentiment_dir) -> dict:
-    """One FC task of every kind on the tiny BERT: name -> artifact folder (tests/test_kinds*.py)."""
+    """One FC task of every kind on the tiny BERT (tests.tiny.KIND_TASKS): name -> artifact folder
+    (tests/test_kinds*.py)."""
     from tests.helpers import train_tiny_task
-    from tests.tiny import write_kind_folder
+    from tests.tiny import KIND_TASKS, write_kind_folder
 
     root = tmp_path_factory.mktemp("kinds")
-    data = {kind: write_kind_folder(root / f"data-{kind}", kind) for kind in ("tokens", "multilabel", "embedding")}
     return {"cls": train_tiny_task(tiny_models["bert"], sentiment_dir, root / "cls", epochs=2),
-            **{name: train_tiny_task(tiny_models["bert"], data[kind], root / name, problem=kind, epochs=6)
-               for name, kind in (("ner", "tokens"), ("tags", "multilabel"), ("search", "embedding"))}}
+            **{name: train_tiny_task(tiny_models["bert"], write_kind_folder(root / f"data-{kind}", kind), root / name,
+                                     problem=kind, epochs=6)
+               for name, kind in KIND_TASKS.items() if name != "cls"}}

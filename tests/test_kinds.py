@@ -122,7 +122,7 @@ def test_each_kind_trains_saves_and_predicts(kind_artifacts, tmp_path, capsys):
     for name, path in kind_artifacts.items():
         artifact = read_task(path)
         metrics[name] = artifact.metrics()
-        assert artifact.config["format_version"] == (2 if name == "cls" else 3)
+        assert artifact.config["format_version"] == (2 if name in ("cls", "score") else 3)
         assert metrics[name]["kind"] == artifact.kind and metrics[name]["dev"] > 0
     assert read_task(kind_artifacts["ner"]).metrics()["dev"] > 0.9  # the entities are learnable
     tags = read_task(kind_artifacts["tags"])
@@ -191,7 +191,36 @@ def test_a_task_reads_its_recorded_data_as_its_own_kind(kind_artifacts):
     from aot.training.artifact import read_task
     from aot.training.data import recorded_task_data
 
-    for name in ("cls", "ner", "tags", "search"):
+    for name in kind_artifacts:
         artifact = read_task(kind_artifacts[name])
         data = recorded_task_data(artifact.config["training"]["data"], artifact.spec)
         assert data.spec.kind == artifact.spec.kind and data.dev, name
+
+
+def test_every_registered_kind_has_its_parts():
+    """The registry of kinds (aot.serving.kinds) and what attaches to it by name: each registered kind has its
+    training kind and a tiny task in the end-to-end table (tests.tiny.KIND_TASKS), metrics that exist, a head that
+    reads what its answer needs; a record without a kind is read as before kinds; an unknown kind, a bad head and a
+    training kind without a spec are refused, naming them."""
+    from aot.serving.kinds import KINDS, NONE, KindSpec, kind_of, kind_spec
+    from aot.training.kinds import KIND_OF, Kind, attach
+    from aot.training.metrics import METRICS
+    from tests.tiny import KIND_ROWS, KIND_TASKS
+
+    assert len(KINDS) == 5 and set(KIND_OF) == set(KINDS) == set(KIND_TASKS.values()) == set(KIND_ROWS)
+    for name, spec in KINDS.items():
+        assert KIND_OF[name].name == name and spec.metrics and set(spec.metrics) <= set(METRICS), name
+        assert (spec.answer is None) == spec.reads_tokens, name  # a token task answers from its words
+        assert spec.unlabelled_outputs == (0 if spec.head == NONE else 1), name
+    assert [kind_of({"labels": None}), kind_of({"labels": ["a", "b"]})] == ["regression", "classification"]
+    with pytest.raises(ValueError, match="unknown kind 'ranking': expected one of classification, regression"):
+        kind_spec("ranking")
+    with pytest.raises(ValueError, match="kind 'ranking': head 'mlp'"):
+        KindSpec("ranking", "{}", "rank", "mlp", labelled=False, metrics=("spearman",), answer=None,
+                 label=lambda task, values: values)
+
+    class Ranking(Kind):
+        name = "ranking"
+
+    with pytest.raises(ValueError, match="training kind 'ranking' has no spec"):
+        attach(Ranking())

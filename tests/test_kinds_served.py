@@ -1,5 +1,6 @@
-"""Tasks of every kind served on one engine through the real tritonserver: each kind's answers equal `aot
-predict`'s (entity offsets exact in accented and emoji text, embeddings within 1e-5), a batch mixing every kind
+"""Tasks of every kind served on one engine through the real tritonserver: the table of kinds (every kind the
+registry holds, aot.serving.kinds.KINDS, trained, exported, served and answered as `aot predict` answers; entity
+offsets exact in accented and emoji text, embeddings within 1e-5), a batch mixing every kind
 answers each request with its own kind in one execution, a bad request of one kind fails alone, the GPU ensemble's
 steps chained by hand answer as the fused step, and the client and CLI speak every kind."""
 
@@ -10,15 +11,18 @@ import pytest
 
 from aot.cli.main import main
 from aot.client.client import Client
+from aot.serving.kinds import KINDS
 from aot.serving.supervision.admin_key import GRPC_ADMIN_HEADER
 from aot.training.predict import predict_lines, task_folders
 from tests.helpers import make_repository, serve_for_tests
+from tests.tiny import KIND_TASKS
 
 pytestmark = pytest.mark.server
 
 TEXTS = ["good w1 bad movie", "😀 café  w3 superb! w4", "w5 Zoë-Ann awful plot 🎬 great", "w6", "lovely"]
-KEYS = {"cls": {"label", "logits", "probabilities"}, "ner": {"entities"}, "tags": {"labels", "scores"},
-        "search": {"embedding"}}
+KEYS = {"cls": {"label", "logits", "probabilities"}, "score": {"score"}, "ner": {"entities"},
+        "tags": {"labels", "scores"}, "search": {"embedding"}}
+TOLERANCE = {"search": 1e-5}  # of an answer's numbers; 1e-4 for the others'(a softmax's, a sigmoid's)
 
 
 # each kind once more, in the other storage: 8 tasks of every kind for the requests that mix them
@@ -28,7 +32,7 @@ TWINS = {"cls2": ("cls", "factored"), "ner2": ("ner", "factored"), "tags2": ("ta
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory, tiny_models, kind_artifacts):
-    storages = {"cls": "fused", "ner": "fused", "tags": "factored", "search": "fused"}
+    storages = {"cls": "fused", "score": "factored", "ner": "fused", "tags": "factored", "search": "fused"}
     return make_repository(tiny_models["bert"], tmp_path_factory.mktemp("kinds") / "repo",
                            {n: (kind_artifacts[n], storages[n]) for n in storages}
                            | {n: (kind_artifacts[kind], storage) for n, (kind, storage) in TWINS.items()},
@@ -62,22 +66,49 @@ def _executions(client, server) -> int:
 
 
 def _same(got: dict, want: dict, task: str) -> None:
-    """A served answer against `aot predict`'s (which adds P in fp16 as the store does); infer_many's echoes the
+    """A served answer against `aot predict`'s (which adds P in fp16 as the store does), whatever its kind: the same
+    keys, texts and integers (labels, entity offsets) equal, numbers within TOLERANCE; infer_many's echoes the
     task."""
     assert got.get("task", task) == task and got["version"].startswith(task + "@")
     assert set(got) - {"task"} == KEYS[task] | {"version"}
-    if task == "search":
-        np.testing.assert_allclose(got["embedding"], want["embedding"], atol=1e-5)
-    elif task == "ner":
-        assert [{**e, "score": 0} for e in got["entities"]] == [{**e, "score": 0} for e in want["entities"]]
-        np.testing.assert_allclose([e["score"] for e in got["entities"]], [e["score"] for e in want["entities"]],
-                                   atol=1e-4)
-    elif task == "tags":
-        assert got["labels"] == want["labels"]
-        np.testing.assert_allclose(list(got["scores"].values()), list(want["scores"].values()), atol=1e-4)
+    echoes = ("id", "task", "version")
+    _close({k: v for k, v in got.items() if k not in echoes}, {k: v for k, v in want.items() if k not in echoes},
+           TOLERANCE.get(task, 1e-4), task)
+
+
+def _close(got, want, atol: float, where: str) -> None:
+    assert type(got) is type(want), f"{where}: {got!r} != {want!r}"
+    if isinstance(got, dict):
+        assert list(got) == list(want), f"{where}: keys {list(got)} != {list(want)}"
+        for key in got:
+            _close(got[key], want[key], atol, f"{where}.{key}")
+    elif isinstance(got, list):
+        assert len(got) == len(want), f"{where}: {len(got)} items != {len(want)}"
+        for k, (a, b) in enumerate(zip(got, want, strict=True)):
+            _close(a, b, atol, f"{where}[{k}]")
+    elif isinstance(got, float):
+        assert abs(got - want) <= atol, f"{where}: {got} != {want} (atol {atol})"
     else:
-        assert got["label"] == want["label"]
-        np.testing.assert_allclose(got["logits"], want["logits"], atol=1e-4)
+        assert got == want, f"{where}: {got!r} != {want!r}"
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_every_registered_kind_end_to_end(kind, client, expected):
+    """The table of kinds: each kind the registry holds (aot.serving.kinds.KINDS; a new kind adds its tiny rows and
+    task, tests.tiny.KIND_TASKS) has a tiny task trained (conftest.kind_artifacts), exported and served through the
+    real server, whose answers equal `aot predict`'s: the client's (compact: the answer rebuilt from LOGITS and LABEL
+    where its kind's carry it, KindSpec.carried), the server's own ANSWER JSON, and the kind the store lists."""
+    names = [name for name, of in KIND_TASKS.items() if of == kind]
+    assert len(names) == 1, f"kind {kind!r} needs one tiny task in tests.tiny.KIND_TASKS, has {names}"
+    name = names[0]
+    answers = client.infer_many([{"task": name, "text": t} for t in TEXTS])
+    full = _raw(client, TEXTS, [name] * len(TEXTS), ("ANSWER", "TASK_VERSION"))
+    assert len(answers) == len(TEXTS) == full.as_numpy("ANSWER").shape[0]
+    for k, (text, answer) in enumerate(zip(TEXTS, answers, strict=True)):
+        _same(answer, expected[(name, text)], name)
+        own = json.loads(full.as_numpy("ANSWER")[k, 0]) | {"version": full.as_numpy("TASK_VERSION")[k, 0].decode()}
+        _same(own, expected[(name, text)], name)
+    assert {t["name"]: t["kind"] for t in client.tasks()["tasks"]}[name] == kind
 
 
 def test_every_kind_answers_as_predict_in_one_mixed_batch(server, client, expected):
@@ -90,7 +121,7 @@ def test_every_kind_answers_as_predict_in_one_mixed_batch(server, client, expect
     for item, answer in zip(items, answers, strict=True):
         _same(answer, expected[(item["task"], item["text"])], item["task"])
     executions = _executions(client, server) - before  # the supervisor's probes add one a second at most
-    assert executions < len(items) / 2, f"{executions} executions for {len(items)} requests of 4 kinds"
+    assert executions < len(items) / 2, f"{executions} executions for {len(items)} requests of 5 kinds"
     found = {e["text"]: (e["label"], e["start"], e["end"]) for a in answers if "entities" in a for e in a["entities"]}
     start = TEXTS[1].index("superb!")  # 11: 😀 is one character (two in UTF-16, four in UTF-8)
     assert found["superb!"] == ("pos", start, start + 7)
@@ -105,9 +136,8 @@ def test_embed_returns_a_matrix_and_tasks_show_kinds(client, expected):
     np.testing.assert_allclose(np.linalg.norm(matrix, axis=1), 1, atol=1e-5)
     with pytest.raises(Exception, match="not an embedding task"):
         client.embed("ner", TEXTS[:1])
-    kinds = {"cls": "classification", "ner": "tokens", "tags": "multilabel", "search": "embedding"}
-    assert {t["name"]: t["kind"] for t in client.tasks()["tasks"]} == kinds | {
-        twin: kinds[kind] for twin, (kind, _) in TWINS.items()}
+    assert {t["name"]: t["kind"] for t in client.tasks()["tasks"]} == KIND_TASKS | {
+        twin: KIND_TASKS[kind] for twin, (kind, _) in TWINS.items()}
 
 
 def test_a_bad_request_of_one_kind_fails_alone(server, client, expected, repo):
@@ -148,8 +178,8 @@ def _raw(client, texts: list[str], tasks: list[str], outputs: tuple[str, ...]):
     return client._client.infer("aot", inputs, outputs=[grpcclient.InferRequestedOutput(o) for o in outputs])
 
 
-def test_a_request_mixing_8_tasks_of_every_kind_answers_as_single_requests(client):
-    """Issue 52: a request of 64 texts over 8 tasks of the 5 kinds' heads (one batch, in columns) answers each item
+def test_a_request_mixing_9_tasks_of_every_kind_answers_as_single_requests(client):
+    """Issue 52: a request of 64 texts over 9 tasks of the 5 kinds (one batch, in columns) answers each item
     exactly as a request of that text alone does: LOGITS to fp tolerance (the row zero past the item's own width,
     LOGITS_WIDTH), LABEL and TASK_VERSION equal; ANSWER only when the request asks for it, equal then too."""
     names = [*KEYS, *TWINS]
@@ -211,10 +241,10 @@ def test_answers_echo_their_items_and_top_k_ranks_what_has_labels(server, client
     assert "scores" not in ranked["tags"] and ranked["tags"]["top"][0]["score"] >= ranked["tags"]["top"][1]["score"]
     assert len(ranked["cls"]["top"]) == 2 and "probabilities" not in ranked["cls"]
     assert "entities" in ranked["ner"] and "embedding" in ranked["search"]
-    assert captured.err.splitlines()[-1].startswith("aot: 4 of 4 lines answered")  # the run's summary, last
+    assert captured.err.splitlines()[-1].startswith(f"aot: {len(KEYS)} of {len(KEYS)} lines answered")  # the summary
     assert captured.err.splitlines()[-2] == ("aot: warning: --top-k 2 ranks classification and multi-label answers; "
-                                             "2 answer(s) have no labels to rank and are as usual (1 embedding, 1 "
-                                             "tokens)")
+                                             "3 answer(s) have no labels to rank and are as usual (1 embedding, 1 "
+                                             "regression, 1 tokens)")
 
 
 def test_gpu_steps_chained_by_hand_answer_as_the_fused_step(server, client):
@@ -257,5 +287,4 @@ def test_infer_and_predict_commands_stream_every_kind(server, kind_artifacts, tm
         assert got["id"] == want["id"] == line["id"] and got["task"] == want["task"] == line["task"]
         _same({k: v for k, v in got.items() if k not in ("id", "task")}, want, line["task"])
     assert main(["tasks", "--url", server.grpc_url]) == 0
-    assert {json.loads(x)["kind"] for x in capsys.readouterr().out.splitlines()} == {
-        "classification", "tokens", "multilabel", "embedding"}
+    assert {json.loads(x)["kind"] for x in capsys.readouterr().out.splitlines()} == set(KINDS)

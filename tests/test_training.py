@@ -236,14 +236,13 @@ def test_one_label_rule_for_predict_and_serving(labels, logits, expected):
     import numpy as np
 
     from aot.serving.answers import label_for
-    from aot.serving.heads import labels_of
     from aot.serving.tasks import ServedTask
 
     assert label_for(labels, logits) == expected
     names = None if labels is None else list(labels)
     served = ServedTask(name="t", version="t@1", labels=names, max_length=8, storage="fused", num_layers=1,
                         hidden_size=1, vocab_size=1, head={}, meta={"labels": names})
-    assert labels_of(served, np.array([logits], dtype=np.float32)).tolist() == [expected.encode()]
+    assert served.spec.label(served, np.array([logits], dtype=np.float32)).tolist() == [expected.encode()]
 
 
 def test_infer_input_without_a_server_is_one_error_line(tmp_path, capsys):

@@ -170,9 +170,29 @@ def pair_examples(n: int, seed: int, scored: bool = False) -> list[dict]:
     return rows
 
 
+def score_examples(n: int, seed: int) -> list[dict]:
+    """Regression rows: the score is the share of the text's sentiment words that are positive (0, 0.5 or 1)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        words, good = rng.sample(FILLER, rng.randint(3, 6)), rng.randint(0, 2)
+        for pool in [POSITIVE] * good + [NEGATIVE] * (2 - good):
+            words.insert(rng.randint(0, len(words)), rng.choice(pool))
+        rows.append({"text": " ".join(words), "label": good / 2})
+    return rows
+
+
+# Each kind's tiny rows (aot.serving.kinds.KINDS: a new kind adds its own), and the tiny task of each kind that
+# conftest.kind_artifacts trains (name -> kind): the table tests/test_kinds_served.py runs end to end.
+KIND_ROWS = {"classification": sentiment_examples, "regression": score_examples, "tokens": tagged_examples,
+             "multilabel": multilabel_examples, "embedding": pair_examples}
+KIND_TASKS = {"cls": "classification", "score": "regression", "ner": "tokens", "tags": "multilabel",
+              "search": "embedding"}
+
+
 def write_kind_folder(folder: Path, kind: str, n_train: int = 320, n_dev: int = 80) -> Path:
-    """A plain data folder (train.jsonl, dev.jsonl) of a `--problem` kind: tokens, multilabel or embedding."""
-    make = {"tokens": tagged_examples, "multilabel": multilabel_examples, "embedding": pair_examples}[kind]
+    """A plain data folder (train.jsonl, dev.jsonl) of a `--problem` kind (KIND_ROWS)."""
+    make = KIND_ROWS[kind]
     folder.mkdir(parents=True, exist_ok=True)
     for split, n, seed in (("train", n_train, 3), ("dev", n_dev, 4)):
         (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in make(n, seed)))

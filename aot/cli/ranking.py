@@ -14,6 +14,8 @@ import sys
 from collections import Counter
 from collections.abc import Sequence
 
+from aot.serving.kinds import KINDS
+
 
 def ranked(answer: dict) -> bool:
     """Whether --top-k ranks this kind of answer: a classification's (probabilities) or a multi-label one's (scores by
@@ -39,10 +41,7 @@ def unranked_note(answers, k: int) -> None:
 
 
 def _kind(answer: dict) -> str:
-    for key, kind in (("score", "regression"), ("embedding", "embedding"), ("entities", "tokens")):
-        if key in answer:
-            return kind
-    return "other"
+    return next((kind for kind, spec in KINDS.items() if spec.answer_key in answer), "other")
 
 
 def top_labels(answer: dict, labels: Sequence[str], k: int) -> dict:

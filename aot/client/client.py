@@ -43,7 +43,7 @@ from aot.client.errors import (
 )
 from aot.client.retry import UNAVAILABLE_RETRY_SECONDS, Backoff, channel_options, classified, worth_sending_again
 from aot.serving import protocol
-from aot.serving.answers import READS_TOKENS, carried_answer
+from aot.serving.kinds import KINDS, kind_spec
 from aot.serving.store.reader import MAX_NAME_LENGTH
 from aot.serving.store.tenants import TENANT_KEY_PARAMETER
 
@@ -183,7 +183,7 @@ class Client:
     def _reads_words(self, task: str) -> bool:
         """A token task takes TEXT even from a client that tokenizes: its entities are found in the text."""
         listed = self._listing(task)
-        return listed is not None and listed.get("kind") in READS_TOKENS
+        return listed is not None and listed.get("kind") in KINDS and KINDS[listed["kind"]].reads_tokens
 
     def _listing(self, task: str) -> dict | None:
         """The task's entry in tasks() (TASK@VERSION: its current version's), read again once for a task not seen
@@ -229,7 +229,7 @@ class Client:
     def _decode_rows(result) -> list[dict]:
         """Each item's answer of a request, in order (the outputs are [N, ...]): ANSWER's JSON, or, where the server
         wrote only the kind's name (compact answers: protocol.ANSWERS_PARAMETER), the answer its LOGITS and LABEL
-        carry, by the server's own rule (aot.serving.answers.carried_answer)."""
+        carry, by the server's own rule (aot.serving.kinds.KindSpec.carried)."""
         versions = result.as_numpy(protocol.TASK_VERSION).reshape(-1)
         answers, labels = result.as_numpy(protocol.ANSWER).reshape(-1), result.as_numpy(protocol.LABEL).reshape(-1)
         logits, widths = result.as_numpy(protocol.LOGITS), result.as_numpy(protocol.LOGITS_WIDTH).reshape(-1)
@@ -237,7 +237,7 @@ class Client:
         for k, (answer, version) in enumerate(zip(answers, versions, strict=True)):
             body = json.loads(_text(answer))
             if isinstance(body, str):
-                body = carried_answer(body, _text(labels[k]), logits[k, : widths[k]])
+                body = kind_spec(body).carried(_text(labels[k]), logits[k, : widths[k]])
             out.append(body | {"version": _text(version)})
         return out
 

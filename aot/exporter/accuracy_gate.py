@@ -23,7 +23,6 @@ import numpy as np
 import torch
 
 from aot.exporter.cpu_engine import CpuEngine
-from aot.serving.answers import READS_TOKENS
 from aot.serving.heads import Answer
 from aot.serving.repository import RepositoryInfo
 from aot.serving.store.layout import TASK_JSON
@@ -141,14 +140,14 @@ def served_predictions(engine: CpuEngine, task: ServedTask, examples: list[Examp
     """What the served step answers to the dev examples, in the form the task's kind scores (aot.training.kinds: its
     `predict`): a pooled kind's head outputs [N, n]; an embedding's vectors of the anchors and of their positives
     (each text alone, as a search embeds it; the positives None without pairs); a tagger's logits per text."""
-    if task.kind == "embedding":
+    if task.spec.pair_examples:
         def vectors(texts: list[str]) -> torch.Tensor:
             return torch.from_numpy(np.stack([a.values for a in engine.answers(task, [(t, None) for t in texts])]))
 
         return (vectors([e.text for e in examples]),
                 None if encoded.pair is None else vectors([e.text_pair for e in examples]))
     answers = engine.answers(task, [(e.text, e.text_pair) for e in examples])
-    if task.kind in READS_TOKENS:
+    if task.spec.reads_tokens:
         return [_word_logits(a, first, len(task.labels)) for a, first in zip(answers, encoded.first, strict=True)]
     return torch.from_numpy(np.stack([a.values for a in answers]))
 

@@ -22,6 +22,7 @@ from aot.exporter.cpu_engine import CpuEngine
 from aot.exporter.task_record import answer_meta, head_arrays, task_record
 from aot.exporter.task_validation import LOGITS_TOLERANCE, ValidationError, validate_tasks, validation_engine
 from aot.serving import protocol
+from aot.serving.kinds import NONE
 from aot.serving.repository import RepositoryInfo, read_repository
 from aot.serving.store.compatibility import check_same_labels, current_version
 from aot.serving.store.layout import FACTORS, HEAD, TABLE, TASK_JSON
@@ -278,7 +279,7 @@ class TaskExporter:
             with _writing(name, folder / TASK_JSON):
                 (folder / TASK_JSON).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
             with _writing(name, folder / HEAD):
-                if artifact.kind != "embedding":  # an embedding task's vector is its pooled state: no head
+                if artifact.spec.kind_spec.head != NONE:  # an embedding task's vector is its pooled state: no head
                     save_file(head_arrays(model), folder / HEAD)
             body: AotBody = model.body
             if storage == "fused":

@@ -33,9 +33,6 @@ def task_record(artifact: TaskArtifact, name: str, storage: str, shape: tuple[in
     meta = {"name": name, **answer_meta(artifact), "max_length": artifact.max_length, "pooling": artifact.pooling}
     if "activation" in artifact.head:  # a classification head's (tokens and embedding have no activation)
         meta["head_activation"] = artifact.head["activation"]
-    if spec.kind == "multilabel":
-        meta["threshold"] = spec.threshold
-    if spec.kind == "embedding":
-        meta["normalize"] = spec.normalize
+    meta |= {key: getattr(spec, key) for key in spec.kind_spec.record}  # a multi-label threshold, normalize
     return meta | {"storage": storage, "method": artifact.config["method"], "num_layers": L, "hidden_size": d,
                    "vocab_size": V, "backbone_fingerprint": fingerprint}

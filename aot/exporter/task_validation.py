@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
-from aot.serving.answers import READS_TOKENS
 from aot.serving.columns import TaskColumn
 from aot.serving.engine import BackboneRunner, EncoderBatch, EncoderOutput
 from aot.serving.heads import embeddings, pooled_logits, token_logits
+from aot.serving.kinds import NONE
 from aot.serving.repository import RepositoryInfo
 from aot.serving.stages import find_rows
 from aot.serving.store.reader import StoreError
@@ -40,10 +40,10 @@ class ValidationError(StoreError):
 def _served_outputs(task, out: EncoderOutput, rows: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
     """What the served head computes from the engine's states, by the task's kind: a pooled kind's logits (an
     embedding's vector) per text, or a token task's logits of each token."""
-    if task.kind in READS_TOKENS:
+    if task.spec.reads_tokens:
         return [token_logits(task, out.states[k, :lengths[k]]) for k in rows.tolist()]
     pooled = out.pooled[rows]
-    return list(embeddings(task, pooled) if task.kind == "embedding" else pooled_logits(task, pooled))
+    return list(embeddings(task, pooled) if task.spec.head == NONE else pooled_logits(task, pooled))
 
 
 def validate_tasks(repo: RepositoryInfo, versions: list[tuple[str, Path]], reference: MultiTaskModel,
@@ -59,14 +59,14 @@ def validate_tasks(repo: RepositoryInfo, versions: list[tuple[str, Path]], refer
     tasks, parts = [], []
     for name, folder in versions:
         task = load_task_version(folder, TaskStore.version_name(folder), repo.store_root)
-        if task.kind in READS_TOKENS:
+        if task.spec.reads_tokens:
             parts.append(tokens.encode_words(texts, task.max_length)[0])
         else:
             parts.append(tokens.encode_batch(texts, None, task.max_length))
         tasks.append(task)
     batch = EncoderBatch.joined(parts)
     column = TaskColumn(tasks, np.repeat(np.arange(len(tasks)), len(texts)))
-    batch.want_states = np.isin(column.of("kind"), READS_TOKENS)
+    batch.want_states = column.of("reads_tokens", bool)
     find_rows(batch, column, repo.vocab_size)
     out = (engine or validation_engine(repo)).run(batch)
     expected = reference.outputs(texts * len(versions), [name for name, _ in versions for _ in texts])

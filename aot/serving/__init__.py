@@ -24,7 +24,8 @@ The request path, a request's way through a step:
     pool           the task pool: rows of P in one preallocated buffer, resident or cached
     heads          the head stage: each item's task head by its kind, its LOGITS and LABEL for a whole batch
     outputs        a batch's answers as each request's output tensors (ANSWER only when asked for)
-    answers        a task's kind, and the answer of each kind (one rule for the server, `aot predict`, the client)
+    kinds          the kinds of task in one registry: each kind's spec (its head, labels, metrics, answer, LABEL)
+    answers        what the kinds' answers are made of (one rule for the server, `aot predict`, the client)
     errors         what a failed request answers: the error and its status
     repository     the repository record and its serving options
     formats        the one reader of versioned JSON files and JSON lines

@@ -1,11 +1,6 @@
-"""A task's kind, and the answer of each kind: one rule for the served head stage, `aot predict` and the client.
-
-    classification  {"label", "logits", "probabilities"}     the arg-max label, softmax
-    regression      {"score"}
-    multilabel      {"labels": [...], "scores": {label: p}}   every label whose sigmoid reaches the task's threshold
-                                                             (in label order; an empty list is a valid answer)
-    tokens          {"entities": [{"text", "label", "start", "end", "score"}]}   character offsets into the text
-    embedding       {"embedding": [...]}                      the task's pooled state, unit length if it normalizes
+"""What the answers of the kinds are made of (each kind's answer is its spec's: aot.serving.kinds), one rule for the
+served head stage, `aot predict` and the client: softmax and sigmoid, a classification's or regression's answer from
+its logits, a token task's entities from its words.
 
 A served answer ends with the `version` that produced it; `aot predict` puts the task's name first.
 """
@@ -17,23 +12,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from aot.serving.words import Words, entities
-
-TASK_KINDS = ("classification", "regression", "multilabel", "tokens", "embedding")
-# What each kind's head reads: the pooled state of its pooling, or every token's final state
-READS_TOKENS = ("tokens",)
-# The multi-label threshold of a task that records none
-DEFAULT_THRESHOLD = 0.5
-
-
-def kind_of(meta: dict) -> str:
-    """The kind a task record (task.json, an artifact's task) declares; one without `kind` was exported before
-    kinds existed: a classifier, or a regressor when it has no labels."""
-    kind = meta.get("kind")
-    if kind is None:
-        return "regression" if meta.get("labels") is None else "classification"
-    if kind not in TASK_KINDS:
-        raise ValueError(f"unknown kind {kind!r}: expected one of {', '.join(TASK_KINDS)}")
-    return kind
 
 
 def sigmoid(values: np.ndarray) -> np.ndarray:
@@ -65,30 +43,6 @@ def answer(label: str, logits, version: str | None = None) -> dict:
     if len(values) == 1:
         return {"score": values[0]} | version_key
     return {"label": label, "logits": values, "probabilities": softmax(values).tolist()} | version_key
-
-
-def carried_answer(kind: str, label: str, values) -> dict:
-    """The answer of a kind whose LOGITS and LABEL carry it all (aot.serving.heads.CARRIED_KINDS): what a client
-    builds from them where a request asked for compact answers (protocol.ANSWERS_PARAMETER), equal to the server's
-    own (pooled_answer)."""
-    if kind == "embedding":
-        return {"embedding": [float(v) for v in values]}
-    return answer(label, values)
-
-
-def pooled_answer(kind: str, names: Sequence[str] | None, values: np.ndarray,
-                  threshold: float = DEFAULT_THRESHOLD) -> dict:
-    """The answer of a pooled kind from its head's output: logits (classification, multilabel), the score
-    (regression) or the vector (embedding)."""
-    if kind in ("classification", "regression"):
-        return answer(label_for(names, values), values)
-    if kind == "multilabel":
-        scores = sigmoid(values)
-        return {"labels": [name for name, p in zip(names, scores, strict=True) if p >= threshold],
-                "scores": {name: float(p) for name, p in zip(names, scores, strict=True)}}
-    if kind == "embedding":
-        return {"embedding": [float(v) for v in values]}
-    raise ValueError(f"kind {kind!r} does not answer from a pooled state")
 
 
 def tokens_answer(names: Sequence[str], words: Words, first: np.ndarray, token_logits: np.ndarray) -> dict:

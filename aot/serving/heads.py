@@ -8,23 +8,24 @@ One source for the fused step (CPU and torch engines), the GPU head step and the
                 .logits; the arithmetic is this module's, in torch);
     embedding   the pooled state of its pooling, of unit length if it normalizes;
     tokens      out(s) on every token's final state s, each item at its own length.
-The LABEL of each item is found here for the whole batch (the arg-max label by a task's label array, a regressor's
-score as text, a multi-label task's labels as a JSON list); the ANSWER JSON only for the items whose request asks
-for it (HeadOutputs.bodies), by aot.serving.answers' rules.
+Which head a task has is its kind's spec's (aot.serving.kinds.KindSpec.head). The LABEL of each item is found here
+for the whole batch, by its kind's rule (KindSpec.label: the arg-max label, a regressor's score as text, a
+multi-label task's labels as a JSON list); the ANSWER JSON only for the items whose request asks for it
+(HeadOutputs.bodies), by its kind's answer (KindSpec.answer).
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from aot.serving import protocol
-from aot.serving.answers import READS_TOKENS, pooled_answer, sigmoid, tokens_answer
+from aot.serving.answers import tokens_answer
 from aot.serving.engine import EncoderOutput
+from aot.serving.kinds import NONE
 from aot.serving.tasks import ServedTask
 from aot.serving.words import Words
 
@@ -60,22 +61,6 @@ def embeddings(task: ServedTask, pooled: np.ndarray) -> np.ndarray:
     return chosen.astype(protocol.LOGITS_DTYPE)
 
 
-def labels_of(task: ServedTask, values: np.ndarray) -> np.ndarray:
-    """LABEL of each row of a pooled kind's outputs [n, w], UTF-8 bytes ([n] object): the arg-max label (the first
-    of equal ones), a regressor's score as text, a multi-label task's labels over its threshold as a JSON list, empty
-    for an embedding."""
-    kind = task.kind
-    if kind == "classification":
-        return task.label_bytes[np.argmax(values, axis=1)]
-    if kind == "regression":
-        return np.array([f"{float(v):.6g}".encode() for v in values[:, 0]], dtype=np.object_)
-    if kind == "multilabel":
-        on = sigmoid(values) >= task.threshold
-        return np.array([json.dumps([task.labels[j] for j in np.flatnonzero(row)]).encode() for row in on],
-                        dtype=np.object_)
-    return np.full(len(values), b"", dtype=np.object_)
-
-
 @dataclass
 class Answer:
     """One item's outputs: LOGITS (`values`), LABEL (`label`) and ANSWER (`body`: aot.serving.answers)."""
@@ -83,11 +68,6 @@ class Answer:
     values: np.ndarray
     label: str
     body: dict
-
-
-# the kinds whose answer a client builds from LOGITS, LOGITS_WIDTH and LABEL alone (aot.serving.answers: a
-# classification's label and logits, a regression's score, an embedding's vector)
-CARRIED_KINDS = ("classification", "regression", "embedding")
 
 
 class NotFinite(FloatingPointError):
@@ -119,16 +99,16 @@ class HeadOutputs:
 
     def bodies(self, rows: range, compact: bool = False) -> list[dict | str]:
         """The ANSWER of each item of `rows` (aot.serving.answers), without its version; with `compact`, the kind's
-        name for an item whose answer LOGITS and LABEL carry (CARRIED_KINDS: protocol.ANSWERS_PARAMETER)."""
+        name for an item whose answer LOGITS and LABEL carry (KindSpec.carried: protocol.ANSWERS_PARAMETER)."""
         out = []
         for k in rows:
             task = self.item_tasks[k]
-            if compact and task.kind in CARRIED_KINDS:
+            if compact and task.spec.carried is not None:
                 out.append(task.kind)
-            elif task.kind in READS_TOKENS:
+            elif task.spec.reads_tokens:
                 out.append(tokens_answer(task.labels, self.words[k], self.first[k], self.tokens[k]))
             else:
-                out.append(pooled_answer(task.kind, task.labels, self.values[k, :self.widths[k]], task.threshold))
+                out.append(task.spec.answer(task.labels, self.values[k, :self.widths[k]], task.threshold))
         return out
 
 
@@ -154,7 +134,7 @@ def head_outputs(groups: list[tuple[ServedTask, np.ndarray]], encoded: EncoderOu
     labels = np.empty(size, dtype=np.object_)
     tokens: dict[int, np.ndarray] = {}
     for task, rows in groups:
-        if task.kind in READS_TOKENS:
+        if task.spec.reads_tokens:
             for k in rows.tolist():
                 states = encoded.states[k, : lengths[k]]
                 _check_finite(states, "token")
@@ -167,10 +147,10 @@ def head_outputs(groups: list[tuple[ServedTask, np.ndarray]], encoded: EncoderOu
             _check_finite(out, "head")
         else:
             _check_finite(encoded.pooled[rows][:, protocol.pooling_row(task.pooling)], repr(task.pooling))
-            out = embeddings(task, encoded.pooled[rows]) if task.kind == "embedding" else \
+            out = embeddings(task, encoded.pooled[rows]) if task.spec.head == NONE else \
                 pooled_logits(task, encoded.pooled[rows])
         values.append((rows, out))
-        labels[rows] = labels_of(task, out)
+        labels[rows] = task.spec.label(task, out)
     width = max(v.shape[1] for _, v in values)
     matrix = np.zeros((size, width), dtype=protocol.LOGITS_DTYPE)
     widths = np.zeros(size, np.int64)

@@ -14,11 +14,11 @@ import json
 import numpy as np
 
 from aot.serving import protocol
-from aot.serving.answers import TASK_KINDS
 from aot.serving.columns import TaskColumn
 from aot.serving.heads import HeadOutputs
+from aot.serving.kinds import KINDS
 
-KIND_NAMES = {kind: json.dumps(kind).encode() for kind in TASK_KINDS}  # a compact ANSWER, written once
+KIND_NAMES = {kind: json.dumps(kind).encode() for kind in KINDS}  # a compact ANSWER, written once
 
 
 class BatchAnswers:

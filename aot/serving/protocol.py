@@ -11,7 +11,7 @@ Client -> ensemble `aot`:
     input_ids, attention_mask (and token_type_ids where the architecture has them), INT64 [S]
 ensemble -> client:
     TASK_VERSION  BYTES [1]   the task version `<name>@<id>` that produced the answer
-    ANSWER        BYTES [1]   JSON: the answer of the task's kind (aot.serving.answers), without the version; sent
+    ANSWER        BYTES [1]   JSON: the answer of the task's kind (aot.serving.kinds), without the version; sent
                               only to a request that asks for it (a client that names no outputs gets them all)
     LOGITS        FP32  [n]   the head's output: a classifier's or multi-label task's logits (n labels), a regressor's
                               score (1), an embedding (d), a token task's logits of each word's first token (W x n);
@@ -61,7 +61,7 @@ step answers it at once with no outputs and counts it nowhere. A request whose p
 "compact" gets ANSWER's JSON only for the items whose answer the other outputs do not carry (a token task's entities,
 a multi-label task's scores by label); for the others, ANSWER is their kind's name as a JSON string ("classification",
 "regression", "embedding"), and aot.Client builds the answer from LOGITS, LOGITS_WIDTH and LABEL by the server's
-own rule (aot.serving.answers.carried_answer): the server writes no JSON for most texts.
+own rule (aot.serving.kinds.KindSpec.carried): the server writes no JSON for most texts.
 
 Per request the rows interface moves U*L*d*2 + S*4 bytes; the dense one S*L*d*2 (U <= S distinct tokens). The
 backbone hands the head K*d*4 bytes (pooled_hidden) and token_hidden; the tokenizer hands it S*4 + the text's bytes

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from aot.serving import protocol
-from aot.serving.answers import READS_TOKENS
 from aot.serving.columns import RequestInputs, TaskColumn, refuse_first
 from aot.serving.engine import EncoderBatch, EncoderOutput, Engine, find_engine, instance_threads
 from aot.serving.errors import RequestError
@@ -119,7 +118,7 @@ class TextInputs:
             return np.array(bad)[column.index] if any(bad) else np.zeros(inputs.count, bool)
 
         tasks = column.tasks
-        refuse_first([(of_tasks([t.kind in READS_TOKENS for t in tasks]),
+        refuse_first([(of_tasks([t.spec.reads_tokens for t in tasks]),
                        lambda k: f"task {column.task(k).name!r} tags tokens: send {protocol.TEXT} (its entities are "
                                  "found in the text), not token ids"),
                       (np.array([p is not None for p in pairs]) if pairs is not None else np.zeros(inputs.count, bool),
@@ -150,7 +149,7 @@ def encode_parts(tokens: Tokenization, parts: list[TextPart]) -> TextBatch:
     its own: the repository's CPU engine in process (aot.exporter.cpu_engine) encodes as served."""
     tasks = TaskColumn.joined([p.tasks for p in parts])
     starts = np.cumsum([0] + [p.count for p in parts])
-    longest, reads_tokens = tasks.of("max_length"), np.isin(tasks.of("kind"), READS_TOKENS)
+    longest, reads_tokens = tasks.of("max_length"), tasks.of("reads_tokens", bool)
     pieces: list[tuple[np.ndarray, dict[str, np.ndarray]]] = []  # (rows, their tensors [n, S])
     texts: dict[int, tuple[str, str | None]] = {}
     for part, start in zip(parts, starts[:-1].tolist(), strict=True):

@@ -36,8 +36,8 @@ from pathlib import Path
 import numpy as np
 
 from aot.serving import protocol
-from aot.serving.answers import DEFAULT_THRESHOLD, kind_of
 from aot.serving.formats import FormatError, check_keys, parse_json
+from aot.serving.kinds import DEFAULT_THRESHOLD, NONE, KindSpec, kind_of, kind_spec
 from aot.serving.store.digests import DigestError
 from aot.serving.store.host_cache import HostCache
 from aot.serving.store.layout import EMBEDDINGS, FACTORS, HEAD, ROWS_DIR, TABLE, TABLE_BLOCKS, TASK_JSON
@@ -171,9 +171,19 @@ class ServedTask:
 
     @functools.cached_property
     def kind(self) -> str:
-        """aot.serving.answers.TASK_KINDS; a version exported before kinds is a classifier (a regressor without labels). Read
+        """aot.serving.kinds.KINDS; a version exported before kinds is a classifier (a regressor without labels). Read
         on every request by several stages: derived once (meta does not change)."""
         return kind_of(self.meta)
+
+    @property
+    def spec(self) -> KindSpec:
+        """Its kind's spec (aot.serving.kinds): its head, its answer and LABEL."""
+        return kind_spec(self.kind)
+
+    @property
+    def reads_tokens(self) -> bool:
+        """Whether its head reads every token's final state (a pooled state otherwise)."""
+        return self.spec.reads_tokens
 
     @property
     def has_pair(self) -> bool | None:
@@ -249,7 +259,7 @@ def load_task_version(folder: Path | Callable[[], Path], version: str, store_roo
         kind = kind_of(meta)
     except ValueError as exc:
         raise StoreError(f"{version}: {exc}") from None
-    head = _tensors(copy, HEAD) if parts in ("head", "all") and kind != "embedding" else {}
+    head = _tensors(copy, HEAD) if parts in ("head", "all") and kind_spec(kind).head != NONE else {}
     task = ServedTask(task_of(version), version, meta["labels"], meta["max_length"], meta["storage"],
                       meta["num_layers"], meta["hidden_size"], meta["vocab_size"], head, meta, digests=digests,
                       copy=copy)

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from aot.serving import protocol
+from aot.serving.kinds import DENSE
 from aot.serving.tasks import ServedTask
 
-DEVICE_KINDS = ("classification", "regression", "multilabel")  # the kinds whose head is out(f(dense(pooled)))
 MAX_LABELS = 64  # the outputs a slot holds: a task of more labels answers through the host's heads
 
 
@@ -47,7 +47,7 @@ class DeviceHeads:
     @staticmethod
     def fits(task: ServedTask, hidden: int) -> bool:
         """Whether a version's head can live in a slot."""
-        if task.kind not in DEVICE_KINDS or "dense.weight" not in task.head:
+        if task.spec.head != DENSE or "dense.weight" not in task.head:  # out(f(dense(pooled)))
             return False
         width, inner = task.head["out.weight"].shape
         return width <= MAX_LABELS and inner <= hidden and task.head["dense.weight"].shape[1] == hidden

@@ -57,7 +57,7 @@ def plan_task(data: str, method: str, rank: int | None = None, options: dict | N
                                max_train_samples=max_train_samples, time_budget=time_budget, max_steps=max_steps,
                                device=device)
     task_data = task_data or load_task_data(data, labels=labels, metric=metric, problem=problem)
-    if task_data.spec.kind == "embedding":
+    if "normalize" in task_data.spec.kind_spec.record:
         task_data = dataclasses.replace(task_data, spec=dataclasses.replace(task_data.spec, normalize=normalize))
     return TaskPlan(method, config, train_config, task_data, data, pooling)
 
@@ -78,7 +78,7 @@ def save_trained(plan: TaskPlan, task_model: TaskModel, result: TrainResult, bac
     spec, max_length = result.spec, plan.train_config.max_length
     metrics = {"task": spec.name, "kind": spec.kind, "method": plan.method, "pooling": task_model.pooling,
                "metric": spec.metric, "dev": result.dev_score,
-               **({"threshold": spec.threshold} if spec.kind == "multilabel" else {}),
+               **({"threshold": spec.threshold} if "threshold" in spec.kind_spec.record else {}),
                "best_step": result.best_step, "steps": result.steps, "stopped": result.stopped,
                "train_seconds": round(result.train_seconds, 2),
                "trainable_parameters": trainable_parameter_count(task_model), "history": result.history}

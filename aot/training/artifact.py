@@ -22,8 +22,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from aot.serving.answers import kind_of
 from aot.serving.formats import check_keys
+from aot.serving.kinds import DENSE, kind_of, kind_spec
 from aot.serving.protocol import POOLING_BEFORE_V3, pooling_row
 from aot.serving.store.atomic import atomic_directory
 from aot.training.backbone import Backbone, BackboneError, load_backbone
@@ -33,10 +33,8 @@ from aot.training.model import HEAD_ACTIVATIONS, TaskModel, head_record
 
 FORMAT = "aot-task"
 FORMAT_VERSION = 2
-# v3: a task of a kind a v2 reader knows nothing of (it would read a token task as a classifier): only those are
-# written as v3, so that a classifier's artifact stays readable by a v2 reader
-KINDS_FORMAT_VERSION = 3
-OLD_KINDS = ("classification", "regression")
+# v3: a task of a kind a v2 reader knows nothing of (it would read a token task as a classifier: KindSpec
+# .since_format); only those are written as v3, so that a classifier's artifact stays readable by a v2 reader
 READ_VERSIONS = (1, 2, 3)  # v1 has no `head` record: its heads are tanh, d x d (what v2 defaults to)
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "weights.safetensors"
@@ -117,7 +115,7 @@ def backbone_identity(backbone: Backbone) -> dict:
 def save_task(out: str | Path, model: TaskModel, backbone: dict, method: MethodConfig, spec: TaskSpec,
               max_length: int, training: dict, metrics: dict) -> Path:
     """`backbone`: its identity (backbone_identity)."""
-    version = FORMAT_VERSION if spec.kind in OLD_KINDS else KINDS_FORMAT_VERSION
+    version = max(FORMAT_VERSION, spec.kind_spec.since_format)
     config = {"format": FORMAT, "format_version": version, "method": method.to_json(),
               "task": spec.to_json(), "max_length": max_length, "pooling": model.pooling,
               "head": head_record(model.head), "backbone": backbone, "training": training}
@@ -157,10 +155,10 @@ def read_task(path: str | Path) -> TaskArtifact:
         TaskSpec.from_json(config["task"])
     except (ValueError, KeyError, TypeError) as exc:
         raise ArtifactError(f"{config_path}: task {config['task']!r}: {exc}") from None
-    if kind not in OLD_KINDS and config["format_version"] < KINDS_FORMAT_VERSION:
-        raise ArtifactError(f"{config_path}: a {kind} task needs format_version {KINDS_FORMAT_VERSION}")
+    if config["format_version"] < kind_spec(kind).since_format:
+        raise ArtifactError(f"{config_path}: a {kind} task needs format_version {kind_spec(kind).since_format}")
     head = config.get("head", {"activation": "tanh"})
-    if kind in ("tokens", "embedding"):  # a token head is one linear layer, an embedding task has none
+    if kind_spec(kind).head != DENSE:  # a token head is one linear layer, an embedding task has none
         if head != {}:
             raise ArtifactError(f"{config_path}: head {head!r}: a {kind} task's head record is {{}}")
     elif (not isinstance(head, dict) or head.get("activation") not in HEAD_ACTIVATIONS

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from aot.training.backbone import Backbone
 from aot.training.data.files import read_examples, read_kind_file
+from aot.training.data.kind_rows import READERS
 from aot.training.data.task import DataError, Example, Problems, TaskSpec
 from aot.training.kinds import kind_for
 from aot.training.predict import Predictor
@@ -28,10 +29,10 @@ def read_labelled_file(path: str | Path, spec: TaskSpec, unknown: Counter | None
     `unknown` is given: such a row is then left out and its unknown labels counted there. An embedding's pairs must
     be scored as its metric needs."""
     problems = Problems()
-    if spec.kind in ("classification", "regression"):
-        rows = read_examples(Path(path), spec.is_regression, problems)
-    else:
+    if spec.kind in READERS:
         rows = read_kind_file(Path(path), spec.kind, problems)
+    else:
+        rows = read_examples(Path(path), spec.is_regression, problems)
     kept = []
     for example, where in rows:
         strangers = _unknown_labels(example, spec) if spec.labels is not None else []
@@ -45,7 +46,7 @@ def read_labelled_file(path: str | Path, spec: TaskSpec, unknown: Counter | None
     if not kept and unknown:
         raise DataError(f"{path}: no row has a label of task {spec.name!r} ({list(spec.labels or [])}); labels "
                         f"found: {dict(unknown or {})}")
-    if spec.kind == "embedding" and (kept[0].label is not None) != (spec.metric == "spearman"):
+    if spec.kind_spec.pair_examples and (kept[0].label is not None) != (spec.metric == "spearman"):
         raise DataError(f"{path}: task {spec.name!r} is scored by {spec.metric}: give "
                         + ("scored pairs" if spec.metric == "spearman" else "pairs without scores"))
     return kept
@@ -54,7 +55,7 @@ def read_labelled_file(path: str | Path, spec: TaskSpec, unknown: Counter | None
 def per_class(spec: TaskSpec, examples: list[Example], predicted: list) -> dict[str, dict] | None:
     """Precision, recall, F1 and support per label (classification: `predicted` labels; multilabel: label lists)
     or entity type (tokens: `predicted` tags per word, by seqeval); None for kinds without classes."""
-    if spec.kind == "tokens":
+    if spec.kind_spec.reads_tokens:  # tags per word: scored by entity (seqeval)
         from seqeval.metrics import classification_report
 
         report = classification_report([list(e.label) for e in examples], [list(t) for t in predicted],
@@ -62,12 +63,12 @@ def per_class(spec: TaskSpec, examples: list[Example], predicted: list) -> dict[
         return {name: {"precision": float(row["precision"]), "recall": float(row["recall"]),
                        "f1": float(row["f1-score"]), "support": int(row["support"])}
                 for name, row in report.items() if not name.endswith(" avg")}
-    if spec.kind not in ("classification", "multilabel"):
+    if not spec.kind_spec.labelled:
         return None
     counts = {name: Counter() for name in spec.labels}
     for example, guess in zip(examples, predicted, strict=True):
-        gold = set(example.label) if spec.kind == "multilabel" else {example.label}
-        guess = set(guess) if spec.kind == "multilabel" else {guess}
+        gold = set(example.label) if isinstance(example.label, tuple) else {example.label}  # a label set, or one
+        guess = set(guess) if isinstance(guess, list) else {guess}
         for name in gold | guess:
             counts[name]["tp" if name in gold and name in guess else "fn" if name in gold else "fp"] += 1
     out = {}
@@ -97,8 +98,8 @@ def evaluate_file(task_dir: str | Path, path: str | Path, backbone: Backbone | N
 
         write_atomic(predictions, "".join(json.dumps(_prediction(spec.name, example, answer), ensure_ascii=False) + "\n"
                                           for example, answer in zip(examples, answers, strict=True)))
-    predicted = (kind.word_tags(spec, outputs, encoded) if spec.kind == "tokens" else
-                 [a.get("labels") if spec.kind == "multilabel" else a.get("label") for a in answers])
+    predicted = (kind.word_tags(spec, outputs, encoded) if spec.kind_spec.reads_tokens else
+                 [a.get(spec.kind_spec.answer_key) for a in answers])
     return {"task": spec.name, "metric": spec.metric, "score": kind.score(outputs, encoded, spec),
             "examples": len(examples), "data": str(path), "unknown_labels": dict(unknown.most_common()),
             "per_class": per_class(spec, examples, predicted)}

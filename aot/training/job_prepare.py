@@ -117,7 +117,7 @@ class Preparation:
             try:
                 if task.plan is not None:
                     check_max_length(backbone, task.plan.train_config.max_length)
-                    if task.plan.data.spec.kind == "tokens" and not getattr(backbone.tokenizer, "is_fast", False):
+                    if task.plan.data.spec.kind_spec.reads_tokens and not getattr(backbone.tokenizer, "is_fast", False):
                         raise DataError("token tasks need a fast tokenizer (character offsets): this model's is not")
                 kept.append(task)
             except REFUSED as exc:
@@ -143,5 +143,5 @@ def planned_steps(plan: TaskPlan) -> int:
 def _cost(plan: TaskPlan) -> float:
     """The task's planned work: its steps times the tokens of each (both texts of a pair task's)."""
     config = plan.train_config
-    pairs = 2 if plan.data.spec.kind == "embedding" else 1
+    pairs = 2 if plan.data.spec.kind_spec.pair_examples else 1
     return float(planned_steps(plan) * config.batch_size * config.max_length * pairs)

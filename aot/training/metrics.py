@@ -59,10 +59,8 @@ METRICS: dict[str, Callable[[np.ndarray, np.ndarray, int], float]] = {
     "spearman": lambda p, g, n: _correlation(spearmanr, p, g),
     **{f"recall@{k}": _recall_at(k) for k in (1, 5, 10)},
 }
-# The metrics that score each kind but the paper's two (classification and regression take any of the paper's),
-# the first the default; an embedding task's default is spearman for scored pairs, recall@1 for retrieval pairs.
-KIND_METRICS = {"multilabel": ("micro_f1", "macro_f1"), "tokens": ("entity_f1",),
-                "embedding": ("recall@1", "recall@5", "recall@10", "spearman")}
+# The metrics that score each kind are its spec's (aot.serving.kinds.KindSpec.metrics), the first its default; an
+# embedding task's default is spearman for scored pairs, recall@1 for retrieval pairs.
 RAGGED = ("entity_f1",)  # metrics whose inputs are sequences of different lengths
 
 

@@ -3,7 +3,7 @@
 Below the methods (aot.training.methods.aot_ptuning's AotModel is a TaskModel); aot.training.factory builds one by
 method. The heads: a ClassificationHead on a pooled state (classification, regression, multilabel), a TokenHead on every
 token's state (tokens), and an EmbeddingHead that only pools (and normalizes): an embedding task's vector is its
-pooled state. Each kind's loss is aot.training.kinds'.
+pooled state. Which head a kind has is its spec's (aot.serving.kinds); each kind's loss is aot.training.kinds'.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aot.serving.answers import READS_TOKENS
+from aot.serving.kinds import LINEAR, NONE, kind_spec
 from aot.serving.protocol import pooling_row
 from aot.serving_torch.encoder import pool_states
 from aot.training.data.task import TaskSpec
@@ -72,9 +72,10 @@ class EmbeddingHead(nn.Module):
 def make_head(spec: TaskSpec, hidden_size: int, activation: str = "tanh", inner_size: int | None = None,
               dropout: float = 0.1) -> nn.Module:
     """A new head of the task's kind (a classification head: `activation` and `inner_size` as recorded)."""
-    if spec.kind == "tokens":
+    head = spec.kind_spec.head
+    if head == LINEAR:
         return TokenHead(hidden_size, spec.num_outputs, dropout)
-    if spec.kind == "embedding":
+    if head == NONE:
         return EmbeddingHead(spec.normalize)
     return ClassificationHead(hidden_size, spec.num_outputs, dropout, activation, inner_size=inner_size)
 
@@ -106,7 +107,7 @@ class TaskModel(nn.Module):
     def head_logits(self, states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The head's output on the body's final states [B, S, d]: what `logits` computes after the body, and what a
         job of many tasks computes on the states of a pass its batch shared with others (aot.training.mixed_step)."""
-        if self.kind in READS_TOKENS:
+        if kind_spec(self.kind).reads_tokens:
             return self.head(states)
         return self.head(pool_states(states, attention_mask)[:, self.row])
 
@@ -137,18 +138,6 @@ def init_head_from_pooler(head: nn.Module, encoder: nn.Module) -> None:
         with torch.no_grad():
             head.dense.weight.copy_(dense.weight)
             head.dense.bias.copy_(dense.bias)
-
-
-def loss_fn(logits: torch.Tensor, labels: torch.Tensor, spec: TaskSpec) -> torch.Tensor:
-    """The loss of a task with one output per input or per token: cross-entropy (classification; tokens, whose
-    label -100 marks a token without one), mean squared error (regression), binary cross-entropy (multilabel)."""
-    if spec.kind == "regression":
-        return F.mse_loss(logits.squeeze(-1).float(), labels)
-    if spec.kind == "multilabel":
-        return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
-    if spec.kind == "tokens":
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
-    return F.cross_entropy(logits.float(), labels)
 
 
 EMBEDDING_SCALE = 20.0  # the in-batch softmax's inverse temperature (sentence-transformers' default)

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from aot.serving.answers import DEFAULT_THRESHOLD, READS_TOKENS, pooled_answer, tokens_answer
+from aot.serving.answers import tokens_answer
+from aot.serving.kinds import DEFAULT_THRESHOLD, pooled_answer
 from aot.serving.protocol import pooling_row
 from aot.serving_torch.encoder import BiasedEncoder, pool_states
 from aot.training.artifact import ArtifactError, load_recorded_backbone, read_task
@@ -130,7 +131,7 @@ class MultiTaskModel(nn.Module):
             pooled = pool_states(states, attention_mask)
             for name, members in groups.items():
                 task = self.tasks[name]
-                read = states[members] if task.spec.kind in READS_TOKENS else pooled[members, task.row]
+                read = states[members] if task.spec.kind_spec.reads_tokens else pooled[members, task.row]
                 for i, row in zip(members, self.heads[name](read), strict=True):
                     out[i] = row
         return out
@@ -143,7 +144,7 @@ class MultiTaskModel(nn.Module):
         from transformers.modeling_outputs import SequenceClassifierOutput  # on first use: seconds to import
 
         self._check_names(task_names, input_ids.shape[0])
-        tokens = [n for n in task_names if self.tasks[n].spec.kind in READS_TOKENS]
+        tokens = [n for n in task_names if self.tasks[n].spec.kind_spec.reads_tokens]
         if tokens:
             raise ValueError(f"task {tokens[0]!r} tags tokens: its answers come from predict()")
         if attention_mask is None:
@@ -169,7 +170,7 @@ class MultiTaskModel(nn.Module):
         """What each text's task head computes, in order (batched as in predict): a pooled kind's logits or score
         [n], an embedding's vector [d], a token task's logits of each of its tokens [S, n]."""
         encoded, outputs = self._run(texts, task_names, pairs, batch_size)
-        return [o[: len(e.ids["input_ids"])] if self.tasks[n].spec.kind in READS_TOKENS else o
+        return [o[: len(e.ids["input_ids"])] if self.tasks[n].spec.kind_spec.reads_tokens else o
                 for n, e, o in zip(task_names, encoded, outputs, strict=True)]
 
     def _run(self, texts, task_names, pairs, batch_size, on_batch=None) -> tuple[list[_Text], list[torch.Tensor]]:
@@ -191,7 +192,7 @@ class MultiTaskModel(nn.Module):
 
     def _encode(self, text: str, pair: str | None, task: _Task) -> _Text:
         tokenizer = self.backbone.tokenizer
-        if task.spec.kind in READS_TOKENS:
+        if task.spec.kind_spec.reads_tokens:
             ids, types, words, first = align(tokenizer, text, task.max_length)
             return _Text({"input_ids": ids, **({"token_type_ids": types} if types else {})}, words, first)
         return _Text(tokenizer(text, pair, truncation=True, max_length=task.max_length))
@@ -200,7 +201,7 @@ class MultiTaskModel(nn.Module):
     def _answer(task: _Task, text: _Text, output: torch.Tensor) -> dict:
         spec = task.spec
         values = output.float().cpu().numpy()
-        if spec.kind in READS_TOKENS:
+        if spec.kind_spec.reads_tokens:
             return tokens_answer(spec.labels, text.words, text.first, values[: len(text.ids["input_ids"])])
         threshold = DEFAULT_THRESHOLD if spec.threshold is None else spec.threshold
         return pooled_answer(spec.kind, spec.labels, values, threshold)

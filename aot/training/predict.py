@@ -42,10 +42,10 @@ class Predictor:
         """What the head computes for each text: [N, n] logits (the score, for regression), [N, d] vectors
         (embedding), or per text its tokens' logits [S, n] (tokens)."""
         predictions, _ = self.outputs(texts, pairs)
-        return predictions[0] if self.artifact.kind == "embedding" else predictions
+        return predictions[0] if self.artifact.spec.kind_spec.pair_examples else predictions
 
     def predict(self, texts: list[str], pairs: list[str | None] | None = None, name: str | None = None) -> list[dict]:
-        """The answer of the task's kind for each text (aot.serving.answers), its task's name first (`name`; default:
+        """The answer of the task's kind for each text (aot.serving.kinds), its task's name first (`name`; default:
         the one it was trained as)."""
         spec = self.artifact.spec
         predictions, encoded = self.outputs(texts, pairs)

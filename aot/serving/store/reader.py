@@ -38,6 +38,7 @@ from pathlib import Path
 
 from aot import settings
 from aot.serving.formats import FormatError, check_keys, check_versioned, parse_json
+from aot.serving.kinds import kind_of
 from aot.serving.store.backend import BackendError, FileBackend
 from aot.serving.store.digests import DigestError, check_digests
 from aot.serving.store.entries import EntryView, ParsedEntries
@@ -170,11 +171,11 @@ class TaskEntry:
 
 
 def meta_kind(meta: dict) -> str | None:
-    """A version's kind from the meta the index keeps (aot.serving.answers.TASK_KINDS); a version exported before
-    kinds is a classifier, or a regressor without labels; None for an entry without meta."""
+    """A version's kind from the meta the index keeps (aot.serving.kinds.kind_of: a version exported before kinds is
+    a classifier, or a regressor without labels); None for an entry without meta."""
     if "kind" in meta or "labels" not in meta:
         return meta.get("kind")
-    return "regression" if meta["labels"] is None else "classification"
+    return kind_of(meta)
 
 
 def _parsed(name: str, raw: dict) -> TaskEntry | str:

@@ -16,11 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from aot.training.data.conll import CONLL_SUFFIXES, read_tagged
-from aot.training.data.kind_rows import LABEL_SEPARATOR, REQUIRED, kind_examples, label_set
+from aot.serving.kinds import KINDS
+from aot.training.data.kind_rows import LABEL_SEPARATOR, READERS, label_set
 from aot.training.data.records import FORMATS, Record, read_records
 from aot.training.data.task import PROBLEMS, DataError, DataWarning, Example, Problems, TaskData, TaskSpec
-from aot.training.metrics import KIND_METRICS, METRICS
+from aot.training.metrics import METRICS
 
 SPLITS = ("train", "dev", "test")
 # A label seen at most RARE_LABEL_ROWS times in a train split of at least RARE_LABEL_SPLIT rows is named in a warning.
@@ -131,9 +131,9 @@ def load_folder(folder: Path, labels: list[str] | None = None, metric: str | Non
     meta = read_task_json(folder / "task.json")
     labels = labels if labels is not None else meta.get("labels")
     declared = problem or meta.get("problem")
-    if declared in KIND_METRICS:
+    if declared in READERS:
         return load_kind_folder(folder, declared, meta, labels, metric)
-    regression = declared == "regression"
+    regression = declared is not None and not KINDS[declared].labelled
     if regression and labels is not None:
         raise DataError(f"{folder}: a regression task has no label set (labels {labels} declared)")
     metric = metric or meta.get("metric") or ("pearson_spearman" if regression else "accuracy")
@@ -154,8 +154,8 @@ def load_folder(folder: Path, labels: list[str] | None = None, metric: str | Non
 
 def load_kind_folder(folder: Path, kind: str, meta: dict, labels: list[str] | None,
                      metric: str | None) -> TaskData:
-    """A plain folder of a multilabel, tokens or embedding task."""
-    suffixes = ("jsonl", *CONLL_SUFFIXES) if kind == "tokens" else FORMATS
+    """A plain folder of a kind with a reader of its own (multilabel, tokens, embedding: READERS)."""
+    suffixes = READERS[kind].suffixes
     rows: dict[str, list[tuple[Example, str]]] = {}
     problems = Problems()
     for split in SPLITS:
@@ -170,17 +170,10 @@ def load_kind_folder(folder: Path, kind: str, meta: dict, labels: list[str] | No
 
 def read_kind_file(path: Path, kind: str, problems: Problems,
                    separator: str = LABEL_SEPARATOR) -> list[tuple[Example, str]]:
-    """A split file of a multilabel, tokens or embedding task, each example with where it was read; its bad rows go
-    to `problems` (a CoNLL file stops at its first)."""
+    """A split file of a kind with a reader of its own (READERS), each example with where it was read; its bad rows
+    go to `problems` (a CoNLL file stops at its first)."""
     before = problems.total
-    if kind == "tokens":
-        try:
-            rows = read_tagged(path)
-        except DataError as exc:
-            problems.add(exc)
-            rows = []
-    else:
-        rows = kind_examples(read_records(path, problems, required=REQUIRED[kind]), kind, problems, separator)
+    rows = READERS[kind].read(path, problems, separator)
     if not rows and problems.total == before:
         raise DataError(f"{path} has no data rows")
     return rows
@@ -196,22 +189,23 @@ def finalize_kind(name: str, kind: str, rows: dict[str, list[tuple[Example, str]
     for split in ("train", "dev"):
         if not rows.get(split):
             raise DataError(f"{source}: split {split!r} is empty or missing")
-    if kind == "embedding" and declared_labels is not None:
-        raise DataError(f"{source}: an embedding task has no label set (labels {declared_labels} declared)")
-    scored = kind == "embedding" and rows["train"][0][0].label is not None
-    if kind == "embedding":
+    spec = KINDS[kind]
+    if not spec.labelled and declared_labels is not None:
+        raise DataError(f"{source}: a task of kind {kind} has no label set (labels {declared_labels} declared)")
+    scored = spec.pair_examples and rows["train"][0][0].label is not None
+    if spec.pair_examples:
         for split, pairs in rows.items():
             if (pairs[0][0].label is not None) != scored:
                 raise DataError(f"{pairs[0][1]}: {split} pairs are {'not ' if scored else ''}scored, train pairs "
                                 f"are{'' if scored else ' not'}: score every split's pairs or none")
-    metric = metric or ("spearman" if scored else KIND_METRICS[kind][0])
-    if kind == "embedding" and (metric == "spearman") != scored:
+    metric = metric or ("spearman" if scored else spec.metrics[0])
+    if spec.pair_examples and (metric == "spearman") != scored:
         raise DataError(f"{source}: metric {metric} needs " + ("scored pairs" if metric == "spearman" else
                                                                "retrieval pairs (spearman scores scored ones)"))
     if labels is not None and not labels:
-        raise DataError(f"{source}: no {'tags' if kind == 'tokens' else 'labels'} in train")
+        raise DataError(f"{source}: no {READERS[kind].item}s in train")
     splits = {s: [ex for ex, _ in r] for s, r in rows.items()}
-    has_pair = kind == "multilabel" and any(ex.text_pair is not None for ex in splits["train"])
+    has_pair = spec.text_pairs and any(ex.text_pair is not None for ex in splits["train"])
     return TaskData(TaskSpec(name, labels, metric, has_pair, kind), splits, source)
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from aot.serving.answers import TASK_KINDS, kind_of
-from aot.training.metrics import KIND_METRICS, METRICS
+from aot.serving.kinds import DENSE, KINDS, KindSpec, kind_of
+from aot.training.metrics import METRICS
 
 
 class DataError(ValueError):
@@ -52,7 +52,7 @@ class Problems:
             raise DataErrors(source, self.listed, self.total)
 
 
-PROBLEMS = TASK_KINDS  # `--problem`: the task's kind (aot.serving.answers)
+PROBLEMS = tuple(KINDS)  # `--problem`: the task's kind (aot.serving.kinds)
 
 
 @dataclass(frozen=True)
@@ -84,36 +84,39 @@ class TaskSpec:
     def __post_init__(self):
         kind = self.kind or kind_of({"labels": self.labels})
         object.__setattr__(self, "kind", kind)
-        if kind not in TASK_KINDS:
-            raise DataError(f"unknown problem {kind!r}: expected one of {', '.join(TASK_KINDS)}")
+        if kind not in KINDS:
+            raise DataError(f"unknown problem {kind!r}: expected one of {', '.join(KINDS)}")
         if self.metric not in METRICS:
             raise DataError(f"unknown metric {self.metric!r}: expected one of {', '.join(METRICS)}")
-        if kind in KIND_METRICS and self.metric not in KIND_METRICS[kind]:
+        spec = KINDS[kind]
+        if self.metric not in spec.metrics:
             raise DataError(f"metric {self.metric!r} does not score a {kind} task: expected one of "
-                            f"{', '.join(KIND_METRICS[kind])}")
-        if (self.labels is None) != (kind in ("regression", "embedding")):
+                            f"{', '.join(spec.metrics)}")
+        if (self.labels is not None) != spec.labelled:
             raise DataError(f"a {kind} task " + ("has no label set" if self.labels is not None else "needs labels"))
-        least = 1 if kind in ("multilabel", "tokens") else 2
+        least = spec.least_labels
         if self.labels is not None and len(self.labels) < least:
             raise DataError(f"task {self.name!r} needs at least {least} labels, got {list(self.labels)}")
 
     @property
     def is_regression(self) -> bool:
-        return self.kind == "regression"
+        """A score per text, read from a label column as a number (aot.training.data.files.read_examples)."""
+        return self.kind_spec.head == DENSE and not self.kind_spec.labelled
+
+    @property
+    def kind_spec(self) -> KindSpec:
+        """Its kind's spec (aot.serving.kinds)."""
+        return KINDS[self.kind]
 
     @property
     def num_outputs(self) -> int:
         """The head's outputs: one per label (or tag), 1 for regression, 0 for an embedding (no head)."""
-        return len(self.labels) if self.labels is not None else int(self.kind == "regression")
+        return len(self.labels) if self.labels is not None else self.kind_spec.unlabelled_outputs
 
     def to_json(self) -> dict:
         data = {"name": self.name, "labels": None if self.labels is None else list(self.labels),
                 "metric": self.metric, "has_pair": self.has_pair, "kind": self.kind}
-        if self.kind == "multilabel":
-            data["threshold"] = self.threshold
-        if self.kind == "embedding":
-            data["normalize"] = self.normalize
-        return data
+        return data | {key: getattr(self, key) for key in self.kind_spec.record}  # a threshold, normalize
 
     @classmethod
     def from_json(cls, data: dict) -> "TaskSpec":

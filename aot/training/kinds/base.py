@@ -74,7 +74,7 @@ def run_model(model, encoded: Encoded, pad_id: int, device: torch.device, batch_
 class Kind:
     """How a task of one kind trains, predicts and is scored. `predictions` are what `predict` returns."""
 
-    name: str
+    name: str  # its spec's in the registry of kinds (aot.serving.kinds.KINDS)
     tunes = False  # whether calibrate tunes something on dev after training
 
     def encode(self, tokenizer, examples: list[Example], spec: TaskSpec, max_length: int) -> Encoded:
@@ -95,6 +95,11 @@ class Kind:
     def loss_from(self, outputs: list[torch.Tensor], inputs: list[dict], encoded: Encoded, rows: list[int],
                   spec: TaskSpec) -> torch.Tensor:
         """The loss of the batch `rows` from the model's `outputs` on its `inputs` (one output per input)."""
+        raise NotImplementedError
+
+    def criterion(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss of a head's outputs against its targets (what a transformers-style forward with `labels`
+        computes, aot.training.methods.aot_ptuning.peft_model); an embedding's pairs have their own (loss_from)."""
         raise NotImplementedError
 
     def predict(self, model, encoded: Encoded, pad_id: int, device: torch.device):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from aot.serving.answers import pooled_answer
+from aot.serving.kinds import pooled_answer
 from aot.training.data.task import Example, TaskSpec
 from aot.training.kinds.base import Encoded, Kind, collate, run_model
 from aot.training.metrics import compute_metric
@@ -61,4 +61,4 @@ class EmbeddingKind(Kind):
         return compute_metric(spec.metric, (anchors @ positives.T).numpy(), None, 0)
 
     def answers(self, spec: TaskSpec, predictions, encoded: Encoded) -> list[dict]:
-        return [pooled_answer("embedding", None, row.numpy()) for row in predictions[0]]
+        return [pooled_answer(spec.kind, None, row.numpy()) for row in predictions[0]]

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from aot.serving.answers import tokens_answer
 from aot.serving.words import OUTSIDE, first_pieces, split_words
 from aot.training.data.task import DataError, Example, TaskSpec
 from aot.training.kinds.base import Encoded, Kind, run_model
 from aot.training.metrics import compute_metric
-from aot.training.model import loss_fn
 
 IGNORED = -100  # the label of a token that carries no tag (cross_entropy's ignore_index)
 
@@ -55,7 +55,12 @@ class TokensKind(Kind):
         targets = torch.full(inputs[0]["input_ids"].shape, IGNORED, dtype=torch.long)
         for k, i in enumerate(rows):
             targets[k, : len(encoded.labels[i])] = torch.tensor(encoded.labels[i])
-        return loss_fn(logits, targets.to(logits.device), spec)
+        return self.criterion(logits, targets.to(logits.device))
+
+    def criterion(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy per token; a token without a tag (IGNORED) counts nothing."""
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                               ignore_index=IGNORED)
 
     def predict(self, model, encoded: Encoded, pad_id, device) -> list[torch.Tensor]:
         """[S, n] logits per text."""

@@ -19,7 +19,6 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from aot.serving import protocol
-from aot.serving.answers import READS_TOKENS
 from aot.serving.columns import RequestInputs, TaskColumn
 from aot.serving.engine import EncoderBatch, EncoderOutput
 from aot.serving.stages import Encoder, pool_storage
@@ -63,7 +62,7 @@ class TritonPythonModel:
     def _run(self, parts: list[Sequences]) -> tuple[EncoderOutput, list[Sequences]]:
         batch = EncoderBatch.joined([p.tokens for p in parts])
         tasks = TaskColumn.joined([p.tasks for p in parts]) if self.encoder.aot else None
-        batch.want_states = np.isin(tasks.of("kind"), READS_TOKENS) if tasks is not None else \
+        batch.want_states = tasks.of("reads_tokens", bool) if tasks is not None else \
             np.ones(batch.size, bool)
         return self.encoder.run(batch, tasks), parts
 
@@ -72,7 +71,7 @@ class TritonPythonModel:
         when no item of the request wants them)."""
         encoded, parts = result
         cut = slice(rows.start, rows.stop)
-        wants = parts[k].tasks.tasks == [] or any(t.kind in READS_TOKENS for t in parts[k].tasks.tasks)
+        wants = parts[k].tasks.tasks == [] or any(t.spec.reads_tokens for t in parts[k].tasks.tasks)
         if encoded.states is None or not wants:
             states = np.zeros((len(rows), 1, encoded.pooled.shape[-1]), dtype=protocol.HIDDEN_DTYPE)
         else:

@@ -9,7 +9,6 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from aot.serving import protocol
-from aot.serving.answers import READS_TOKENS
 from aot.serving.columns import RequestInputs, TaskColumn, refuse_first
 from aot.serving.engine import EncoderOutput
 from aot.serving.errors import RequestError
@@ -52,7 +51,7 @@ class TritonPythonModel:
         # Only the row this task reads must be finite: another pooling's overflow is not this item's failure.
         refuse_first([(~np.isfinite(chosen).all(1), lambda k: f"{protocol.POOLED_HIDDEN} must have a finite "
                                                                  f"{rows[k]!r} row (the one this task reads)")])
-        tokens = np.isin(column.of("kind"), READS_TOKENS)
+        tokens = column.of("reads_tokens", bool)
         if not tokens.any():
             return HeadPart(column, pooled, compact=inputs.compact_answers)
         return self._token_inputs(inputs, column, pooled, tokens)

@@ -20,14 +20,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from aot.serving.kinds import KINDS, NONE, kind_spec
 from aot.serving.protocol import pooling_row
 from aot.training.artifact import ArtifactError, backbone_identity, read_task, restore, save_task, task_backbone
 from aot.training.backbone import Backbone, BackboneError, architecture_for, declared_pooling, load_backbone
 from aot.training.data.task import TaskSpec
+from aot.training.kinds import kind_for
 from aot.training.method_registry import MethodConfig, MethodError, method_spec
 from aot.training.methods.aot_ptuning.config import AotConfig
 from aot.training.methods.aot_ptuning.model import AotBody
-from aot.training.metrics import KIND_METRICS
 from aot.training.model import (
     HEAD_ACTIVATIONS,
     ClassificationHead,
@@ -35,7 +36,6 @@ from aot.training.model import (
     TokenHead,
     embedding_loss,
     init_head_from_pooler,
-    loss_fn,
     make_head,
 )
 
@@ -46,7 +46,7 @@ class AotModel(TaskModel):
     """A frozen encoder with AoT's per-token biases (the body) and the trainable head of its task's kind.
 
     forward takes what a transformers classifier of sequences (or tokens) takes and returns its output, the loss
-    computed when `labels` are given (aot.training.model.loss_fn: cross-entropy, mean squared error for one output,
+    computed when `labels` are given (its kind's criterion, aot.training.kinds: cross-entropy, mean squared error for one output,
     binary cross-entropy for multilabel, token labels -100 ignored). An embedding task returns `embeddings` and,
     given the positives (`pair_input_ids`, ...), the loss of the pairs (aot.training.model.embedding_loss; `labels`:
     their scores in [0, 1], or none for in-batch negatives). Only the AoT factors and the head train. Untrained, it
@@ -73,15 +73,16 @@ class AotModel(TaskModel):
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         logits = self.logits(input_ids, attention_mask, token_type_ids)
-        if self.kind == "embedding":
+        if kind_spec(self.kind).pair_examples:
             pair = loss = None
             if pair_input_ids is not None:
                 mask = torch.ones_like(pair_input_ids) if pair_attention_mask is None else pair_attention_mask
                 pair = self.logits(pair_input_ids, mask, pair_token_type_ids)
                 loss = embedding_loss(logits, pair, None if labels is None else labels.to(logits.device))
             return _embedding_output()(loss=loss, embeddings=logits, pair_embeddings=pair)
-        loss = None if labels is None else loss_fn(logits, labels.to(logits.device), self.spec)
-        return (TokenClassifierOutput if self.kind == "tokens" else SequenceClassifierOutput)(loss=loss, logits=logits)
+        loss = None if labels is None else kind_for(self.spec).criterion(logits, labels.to(logits.device))
+        output = TokenClassifierOutput if kind_spec(self.kind).reads_tokens else SequenceClassifierOutput
+        return output(loss=loss, logits=logits)
 
     def get_nb_trainable_parameters(self) -> tuple[int, int]:
         """(trainable, all) parameter counts, as PEFT's method of the same name."""
@@ -192,7 +193,7 @@ def get_aot_model(model: nn.Module, config: AotConfig) -> AotModel:
     num_labels = config.num_labels or (len(config.labels) if config.labels and not own_head else 0) \
         or model.config.num_labels
     labels = config.labels
-    if labels is None and problem not in ("regression", "embedding"):
+    if labels is None and kind_spec(problem).labelled:
         id2label = getattr(model.config, "id2label", None) or {}
         labels = [str(id2label.get(i, f"LABEL_{i}")) for i in range(num_labels)]
     config = dataclasses.replace(config, problem=problem, pooling=pooling, num_labels=num_labels,
@@ -216,7 +217,7 @@ def _check_own_head(model: nn.Module, config: AotConfig, problem: str) -> None:
     """A classifier's own head serves its own kind: a token classifier's tokens, a sequence classifier's a pooled
     classification (single- or multi-label, or a score) on the first token."""
     tokens = type(model).__name__.endswith("ForTokenClassification")
-    if (problem == "tokens") != tokens or problem == "embedding":
+    if kind_spec(problem).reads_tokens != tokens or kind_spec(problem).head == NONE:
         raise MethodError(f"AotConfig: problem={problem!r}, but {type(model).__name__}'s own head "
                           + ("tags tokens: use problem='tokens'" if tokens else
                              "reads one pooled state: an embedding or token task starts from an AutoModel"))
@@ -229,17 +230,17 @@ def _check_own_head(model: nn.Module, config: AotConfig, problem: str) -> None:
 
 
 def _spec(config: AotConfig) -> TaskSpec:
-    kind = config.problem
-    metric = config.metric or {"classification": "accuracy", "regression": "pearson_spearman"}.get(kind) \
-        or KIND_METRICS[kind][0]
-    if config.text_pairs and kind not in ("classification", "regression", "multilabel"):
-        raise MethodError(f"AotConfig: text_pairs applies to classification, regression and multilabel tasks, not "
-                          f"{kind} (an embedding task's pairs are its training examples; it answers one text)")
-    if kind == "embedding":
+    kind, spec = config.problem, kind_spec(config.problem)
+    metric = config.metric or spec.metrics[0]
+    if config.text_pairs and not spec.text_pairs:
+        *most, last = [name for name, other in KINDS.items() if other.text_pairs]
+        why = " (its pairs are its training examples; it answers one text)" if spec.pair_examples else ""
+        raise MethodError(f"AotConfig: text_pairs applies to {', '.join(most)} and {last} tasks, not {kind}{why}")
+    if spec.head == NONE:
         return TaskSpec(config.task_name, None, metric, kind=kind, normalize=config.normalize)
     if config.num_labels < 1:
         raise MethodError(f"AotConfig: num_labels must be at least 1 (1: regression), got {config.num_labels}")
-    if kind == "regression":
+    if not spec.labelled:
         if config.labels or config.num_labels != 1:
             raise MethodError(f"AotConfig: a regression head has one output and no labels (num_labels "
                               f"{config.num_labels}, labels {config.labels!r})")
@@ -248,7 +249,7 @@ def _spec(config: AotConfig) -> TaskSpec:
         raise MethodError(f"AotConfig: {len(config.labels)} labels {config.labels!r} for a head with "
                           f"{config.num_labels} outputs")
     return TaskSpec(config.task_name, tuple(config.labels), metric, config.text_pairs, kind=kind,
-                    threshold=config.threshold if kind == "multilabel" else None)
+                    threshold=config.threshold if "threshold" in spec.record else None)
 
 
 def _wrap(backbone: Backbone, config: AotConfig, spec: TaskSpec, new_head: Callable[[], nn.Module],
