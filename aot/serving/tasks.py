@@ -175,9 +175,10 @@ class ServedTask:
         on every request by several stages: derived once (meta does not change)."""
         return kind_of(self.meta)
 
-    @property
+    @functools.cached_property
     def spec(self) -> KindSpec:
-        """Its kind's spec (aot.serving.kinds): its head, its answer and LABEL."""
+        """Its kind's spec (aot.serving.kinds): its head, its answer and LABEL; read per item of a batch's answers,
+        derived once as `kind` is."""
         return kind_spec(self.kind)
 
     @property
